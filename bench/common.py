@@ -1,0 +1,76 @@
+"""Benchmark plumbing: machine facts, commit and command recorded with every result."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import torch
+
+
+def machine() -> dict:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    m = {"host": platform.node(), "cpu": cpu, "logical_cpus": os.cpu_count(),
+         "python": platform.python_version(), "torch": torch.__version__}
+    try:
+        with open("/proc/meminfo") as f:
+            m["mem_gb"] = round(int(f.readline().split()[1]) / 1e6, 1)
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        m.update(gpu=p.name, gpu_mem_gb=round(p.total_memory / 1e9, 1), cuda=torch.version.cuda)
+    return m
+
+
+def commit() -> str:
+    try:
+        rev = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                      stderr=subprocess.DEVNULL).strip()
+        dirty = subprocess.call(["git", "diff", "--quiet", "HEAD"], stderr=subprocess.DEVNULL) != 0
+        return rev + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("FT_COMMIT", "unknown")
+
+
+def write_result(name: str, results: dict, out_dir: str | None = None) -> str:
+    doc = {"benchmark": name, "machine": machine(), "commit": commit(),
+           "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "results": results}
+    out_dir = out_dir or os.environ.get("OUT") or "benchmarks/results"
+    os.makedirs(out_dir, exist_ok=True)
+    tag = "gpu" if torch.cuda.is_available() else "cpu"
+    path = os.path.join(out_dir, f"{name}-{tag}.json")
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(json.dumps(doc["results"], indent=1))
+    print("wrote", path)
+    return path
+
+
+def timeit(fn, warmup: int = 3, iters: int = 20, sync=None) -> float:
+    """Median seconds per call."""
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(iters):
+        if sync:
+            sync()
+        t0 = time.perf_counter()
+        fn()
+        if sync:
+            sync()
+        ts.append(time.perf_counter() - t0)
+    ts.sort()
+    return ts[len(ts) // 2]

@@ -1,0 +1,151 @@
+"""`ft`: the command line. Engine options are generated from EngineConfig's fields.
+
+User errors (FreeTokenError) print one line and exit 2; anything else is a bug and keeps its
+traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+
+from .errors import FreeTokenError
+
+
+def add_config_args(parser: argparse.ArgumentParser, cls) -> None:
+    """One --flag per dataclass field, typed and documented from the field's metadata."""
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        help_ = f.metadata.get("help", "") + f" (default: {f.default})"
+        if f.type in (bool, "bool"):
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                                default=f.default, help=help_)
+        else:
+            typ = {"int": int, "float": float, "str": str}.get(str(f.type), str)
+            parser.add_argument(flag, dest=f.name, type=typ, default=f.default,
+                                choices=f.metadata.get("choices"), help=help_)
+
+
+def config_from_args(cls, args):
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def resolve_model(path: str | None) -> str:
+    if path is None:
+        from .demo import demo_path
+        return demo_path()
+    if os.path.isdir(path):
+        ftws = sorted(f for f in os.listdir(path) if f.endswith(".ftw"))
+        if len(ftws) == 1:
+            return os.path.join(path, ftws[0])
+        if os.path.exists(os.path.join(path, "config.json")):
+            raise FreeTokenError(f"{path}: is a transformers checkpoint; convert it first: "
+                                 f"ft convert {path} model.ftw")
+        raise FreeTokenError(f"{path}: no .ftw file in this directory")
+    if not os.path.exists(path):
+        raise FreeTokenError(f"{path}: no such model file")
+    return path
+
+
+def parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise FreeTokenError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise FreeTokenError("--prompt-ids is empty")
+    return ids
+
+
+def cmd_generate(args) -> int:
+    from .runtime.engine import Engine, EngineConfig
+    from .runtime.sampler import SamplingParams
+    try:
+        params = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+    except ValueError as e:
+        raise FreeTokenError(str(e)) from None
+    if args.max_tokens < 1:
+        raise FreeTokenError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    path = resolve_model(args.model)
+    eng = Engine(path, config_from_args(EngineConfig, args), progress=not args.json and sys.stderr.isatty())
+    if args.prompt_ids is not None:
+        ids = parse_ids(args.prompt_ids)
+        bad = [i for i in ids if not 0 <= i < eng.cfg.vocab_size]
+        if bad:
+            raise FreeTokenError(f"--prompt-ids: token id {bad[0]} is outside the vocabulary [0, {eng.cfg.vocab_size})")
+    else:
+        ids = eng.tokenizer.encode(args.prompt)
+    g = eng.generate(ids, args.max_tokens, params, stop_at_eos=not args.ignore_eos)
+    n = len(g.token_ids)
+    stats = {"load_s": round(eng.load_s, 3), "prefill_s": round(g.prefill_s, 4), "decode_s": round(g.decode_s, 4),
+             "prefill_tok_s": round(g.prompt_tokens / g.prefill_s, 1) if g.prefill_s else None,
+             "decode_tok_s": round((n - 1) / g.decode_s, 2) if n > 1 and g.decode_s else None}
+    if args.json:
+        print(json.dumps({"model": path, "prompt_tokens": g.prompt_tokens, "token_ids": g.token_ids,
+                          "text": g.text, "logprobs": g.logprobs, "finish_reason": g.finish_reason,
+                          "device": str(eng.device), "dtype": str(eng.dtype).replace("torch.", ""),
+                          "experts": eng.experts_on, **stats}))
+    else:
+        print(g.text)
+        print(f"[{g.prompt_tokens} prompt tokens, {n} generated ({g.finish_reason}); "
+              f"prefill {stats['prefill_tok_s']} tok/s, decode {stats['decode_tok_s']} tok/s]", file=sys.stderr)
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from .weights.convert import convert
+    t0 = time.perf_counter()
+    out = convert(args.src, args.out, progress=not args.quiet)
+    print(f"wrote {out} ({os.path.getsize(out) / 1e9:.2f} GB) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .runtime.engine import EngineConfig
+    p = argparse.ArgumentParser(prog="ft", description="FreeToken: big MoE models on one GPU plus host RAM")
+    p.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="generate text from a prompt")
+    g.add_argument("model", nargs="?", help="FTW file (default: the embedded demo model)")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    add_config_args(g, EngineConfig)
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("convert", help="convert a transformers checkpoint directory to FTW")
+    c.add_argument("src", help="directory with config.json, *.safetensors, tokenizer files")
+    c.add_argument("out", help="output .ftw file")
+    c.add_argument("--quiet", action="store_true")
+    c.set_defaults(func=cmd_convert)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except FreeTokenError as e:
+        print(f"ft: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("ft: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""CPU expert executor: the C++ thread pool (moe_cpu.cpp) behind the ExpertExecutor interface.
+
+The extension is JIT-built once per machine with torch.utils.cpp_extension (a C++ compiler
+is all it needs) into FreeToken's cache; if it cannot be built, the pure-torch reference runs
+instead and a warning says why. Large batches (prefill chunks) go to the torch grouped path,
+which uses the BLAS GEMM kernels; decode-sized batches go to the bandwidth-bound C++ kernels.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from ..executor import ExpertExecutor, reference_experts
+from ...paths import cache_dir
+
+log = logging.getLogger("freetoken.experts")
+_ext = None
+_ext_error: str | None = None
+ISA_NAMES = ["scalar", "avx2", "avx512", "avx512-bf16"]
+
+
+def extension():
+    """Build (first time) and import the C++ extension; None if unavailable."""
+    global _ext, _ext_error
+    if _ext is not None or _ext_error is not None:
+        return _ext
+    try:
+        from torch.utils.cpp_extension import load
+        src = os.path.join(os.path.dirname(__file__), "moe_cpu.cpp")
+        build = os.path.join(cache_dir(), "build", f"moe_cpu-torch{torch.__version__.replace('+', '_')}")
+        os.makedirs(build, exist_ok=True)
+        _ext = load(name="freetoken_moe_cpu", sources=[src], build_directory=build,
+                    extra_cflags=["-O3", "-std=c++17", "-fno-math-errno"], verbose=False)
+    except Exception as e:  # no compiler, no ninja, ...: degrade to torch, loudly
+        _ext_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        log.warning("C++ expert executor unavailable (%s); using the torch fallback", _ext_error)
+    return _ext
+
+
+def physical_cores() -> list[int]:
+    """One logical CPU per physical core among those this process may run on."""
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    seen, cpus = set(), []
+    for c in allowed:
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{c}/topology/core_id") as f:
+                core = f.read().strip()
+            with open(f"/sys/devices/system/cpu/cpu{c}/topology/physical_package_id") as f:
+                core = f.read().strip() + ":" + core
+        except OSError:
+            core = str(c)
+        if core not in seen:
+            seen.add(core)
+            cpus.append(c)
+    return cpus
+
+
+class CpuExpertExecutor(ExpertExecutor):
+    """Runs routed experts from host banks. Returns results on x's device and dtype."""
+
+    name = "cpu"
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, threads: int = 0,
+                 torch_batch_threshold: int = 32, isa_cap: int = 3):
+        self.gate_up, self.down = gate_up.contiguous(), down.contiguous()
+        self.torch_batch_threshold = torch_batch_threshold  # tokens; above: torch GEMM path
+        ext = extension()
+        cpus = physical_cores()
+        if threads:
+            cpus = (cpus * threads)[:threads]
+        self.threads = len(cpus)
+        self.handle = ext.create(cpus, isa_cap) if ext is not None else None
+        self.isa = ISA_NAMES[ext.isa(self.handle)] if ext is not None else "torch"
+
+    def __call__(self, x, ids, weights):
+        src_dev, src_dtype = x.device, x.dtype
+        x, ids, weights = x.cpu(), ids.cpu(), weights.cpu()
+        if self.handle is None or x.shape[0] > self.torch_batch_threshold:
+            out = reference_experts(x, ids, weights, self.gate_up, self.down)
+        else:
+            out = self.kernel(x, ids, weights).to(src_dtype)
+        return out.to(src_dev)
+
+    def kernel(self, x, ids, weights) -> torch.Tensor:
+        """The C++ path whatever the batch size; fp32 result."""
+        return extension().forward(self.handle, x.float(), ids.long(), weights.float(),
+                                   self.gate_up, self.down, x.dtype == torch.bfloat16)

@@ -1,0 +1,96 @@
+"""The decoder stack shared by every supported architecture.
+
+An architecture file supplies the per-layer token mixer (attention or gated DeltaNet), the
+norm style and the list of tensors it expects; this file runs embedding -> layers -> norm ->
+lm_head for a prefill chunk of one sequence or a decode step over all batch slots.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+from .attention import Attention
+from .deltanet import GatedDeltaNet
+from .layers import Rope, rms_norm
+from .moe import MoE, DenseMLP
+from .state import DecodeState
+
+
+class DecoderModel:
+    one_centered_norm = False  # Qwen3.5 norms scale by (1 + w)
+    gated_attention = False  # Qwen3.5 attention has a sigmoid output gate
+
+    def __init__(self, cfg: ModelConfig, w: dict, executor, device, dtype, max_pos: int):
+        self.cfg, self.device, self.dtype = cfg, device, dtype
+        self.embed = w["model.embed_tokens.weight"]
+        self.lm_head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
+        self.norm = w["model.norm.weight"]
+        self.rope = Rope(cfg.rotary_dim, cfg.rope_theta, max_pos, device, dtype)
+        ordinal = {l: i for i, l in enumerate(cfg.moe_layers)}
+        self.layers = []
+        for i, kind in enumerate(cfg.layer_types):
+            if kind == "linear_attention":
+                mixer = GatedDeltaNet(cfg, w, i)
+            else:
+                mixer = Attention(cfg, w, i, self.rope, self.gated_attention, self.one_centered_norm)
+            mlp = MoE(cfg, w, i, ordinal[i], executor) if i in ordinal else DenseMLP(w, i)
+            p = f"model.layers.{i}."
+            self.layers.append((mixer, mlp, w[p + "input_layernorm.weight"],
+                                w[p + "post_attention_layernorm.weight"]))
+
+    @classmethod
+    def expected_tensors(cls, cfg: ModelConfig) -> list[str]:
+        """Non-expert tensor names the checkpoint must provide."""
+        names = ["model.embed_tokens.weight", "model.norm.weight"]
+        if not cfg.tie_word_embeddings:
+            names.append("lm_head.weight")
+        for i, kind in enumerate(cfg.layer_types):
+            p = f"model.layers.{i}."
+            names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+            if kind == "linear_attention":
+                a = p + "linear_attn."
+                names += [a + n for n in ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight",
+                                          "in_proj_a.weight", "out_proj.weight", "conv1d.weight",
+                                          "dt_bias", "A_log", "norm.weight")]
+            else:
+                a = p + "self_attn."
+                names += [a + n + ".weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")]
+                if cfg.attention_bias:
+                    names += [a + n + ".bias" for n in ("q_proj", "k_proj", "v_proj")]
+            m = p + "mlp."
+            if i in cfg.moe_layers:
+                names.append(m + "gate.weight")
+                if cfg.shared_expert_intermediate_size:
+                    names += [m + "shared_expert." + n + ".weight" for n in ("gate_proj", "up_proj", "down_proj")]
+                    names.append(m + "shared_expert_gate.weight")
+            else:
+                names += [m + n + ".weight" for n in ("gate_proj", "up_proj", "down_proj")]
+        return names
+
+    def _layer(self, i, x, mix):
+        mixer, mlp, ln1, ln2 = self.layers[i]
+        x = x + mix(mixer, rms_norm(x, ln1, self.cfg.rms_norm_eps, self.one_centered_norm))
+        return x + mlp(rms_norm(x, ln2, self.cfg.rms_norm_eps, self.one_centered_norm))
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        h = rms_norm(h, self.norm, self.cfg.rms_norm_eps, self.one_centered_norm)
+        return F.linear(h, self.lm_head).float()
+
+    @torch.inference_mode()
+    def prefill(self, tokens: torch.Tensor, st: DecodeState, slot: int, start: int,
+                all_logits: bool = False) -> torch.Tensor:
+        """tokens: [T] of one sequence at positions start.. -> logits [T, V] or [1, V] (last)."""
+        x = self.embed[tokens].to(self.dtype)  # [T, H]
+        for i in range(len(self.layers)):
+            x = self._layer(i, x, lambda m, h: m.prefill(h, st, slot, start))
+        return self.logits(x if all_logits else x[-1:])
+
+    @torch.inference_mode()
+    def decode(self, tokens: torch.Tensor, st: DecodeState, pos: torch.Tensor, attend_len: int) -> torch.Tensor:
+        """tokens, pos: [B] (one per slot) -> logits [B, V]. Static shapes for a given B and
+        attend_len: no data-dependent Python branching."""
+        x = self.embed[tokens].to(self.dtype)  # [B, H]
+        for i in range(len(self.layers)):
+            x = self._layer(i, x, lambda m, h: m.decode(h, st, pos, attend_len))
+        return self.logits(x)

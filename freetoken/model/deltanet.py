@@ -1,0 +1,136 @@
+"""Gated DeltaNet (linear attention) layer: causal conv1d + gated delta rule.
+
+Prefill uses the chunked (UT-transform) form of the delta rule; decode the one-step
+recurrence. Both carry state across calls: the last K-1 conv inputs and the [Hv, dk, dv]
+fp32 recurrent matrix, so a prompt may be prefilled in chunks of any size.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .layers import gated_rms_norm
+from .state import DecodeState
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64):
+    """q, k: [T, Hv, dk]; v: [T, Hv, dv]; g, beta: [T, Hv]; state: [Hv, dk, dv] fp32.
+
+    Returns (out [T, Hv, dv] fp32, new state). q/k must already be l2-normalised and q scaled.
+    Within a chunk the updates are solved as one triangular system; across chunks the state
+    is carried sequentially.
+    """
+    t = q.shape[0]
+    pad = (-t) % chunk
+    q, k, v = (F.pad(x.transpose(0, 1), (0, 0, 0, pad)) for x in (q, k, v))  # [Hv, Tp, d]
+    g, beta = (F.pad(x.transpose(0, 1), (0, pad)) for x in (g, beta))  # [Hv, Tp]
+    h = q.shape[0]
+    n = q.shape[1] // chunk
+    q, k, v = (x.reshape(h, n, chunk, -1) for x in (q, k, v))  # [Hv, n, C, d]
+    g, beta = g.reshape(h, n, chunk), beta.reshape(h, n, chunk)
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    cum = g.cumsum(-1)  # [Hv, n, C] log-decay from chunk start
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    system = (k_beta @ k.transpose(-1, -2)) * decay  # [Hv, n, C, C], unit lower triangular
+    intra = (q @ k.transpose(-1, -2)) * decay
+    new_v = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    k_cum = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False,
+                                          unitriangular=True)
+    q = q * cum.exp()[..., None]
+    k = k * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()[..., None, None]  # [Hv, n, 1, 1]
+    out = torch.empty_like(new_v)
+    for i in range(n):
+        vi = new_v[:, i] - k_cum[:, i] @ state  # the part the old state did not predict
+        out[:, i] = q[:, i] @ state + intra[:, i] @ vi
+        state = state * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ vi
+    out = out.reshape(h, n * chunk, -1)[:, :t].transpose(0, 1)  # [T, Hv, dv]
+    return out, state
+
+
+def recurrent_gated_delta_step(q, k, v, g, beta, state):
+    """One token per batch row. q, k: [B, Hv, dk]; v: [B, Hv, dv]; g, beta: [B, Hv];
+    state: [B, Hv, dk, dv] fp32 -> (out [B, Hv, dv], new state)."""
+    state = state * g.exp()[..., None, None]
+    kv_mem = (state * k[..., None]).sum(-2)  # [B, Hv, dv]
+    delta = (v - kv_mem) * beta[..., None]
+    state = state + k[..., None] * delta[..., None, :]
+    return (state * q[..., None]).sum(-2), state
+
+
+class GatedDeltaNet:
+    def __init__(self, cfg, w: dict, layer: int):
+        p = f"model.layers.{layer}.linear_attn."
+        self.layer = layer
+        self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.kernel = cfg.linear_conv_kernel_dim
+        self.eps = cfg.rms_norm_eps
+        self.w_qkv, self.w_z = w[p + "in_proj_qkv.weight"], w[p + "in_proj_z.weight"]
+        self.w_b, self.w_a = w[p + "in_proj_b.weight"], w[p + "in_proj_a.weight"]
+        self.w_out, self.norm_w = w[p + "out_proj.weight"], w[p + "norm.weight"]
+        self.conv_w = w[p + "conv1d.weight"].reshape(-1, self.kernel)  # [C, K]
+        self.conv_b = w.get(p + "conv1d.bias")
+        self.neg_a = -w[p + "A_log"].float().exp()  # [Hv]
+        self.dt_bias = w[p + "dt_bias"]
+
+    def _gates_and_heads(self, mixed, a, b):
+        """Split conv output into normalised q, k and v heads; compute decay g and beta."""
+        n = mixed.shape[0]
+        kd = self.hk * self.dk
+        q, k, v = torch.split(mixed, [kd, kd, self.hv * self.dv], dim=-1)
+        q = q.reshape(n, self.hk, self.dk).float()
+        k = k.reshape(n, self.hk, self.dk).float()
+        v = v.reshape(n, self.hv, self.dv).float()
+        if self.hv != self.hk:  # each q/k head serves hv/hk consecutive value heads
+            q = q.repeat_interleave(self.hv // self.hk, dim=1)
+            k = k.repeat_interleave(self.hv // self.hk, dim=1)
+        q = l2norm(q) * self.dk ** -0.5
+        k = l2norm(k)
+        beta = b.sigmoid().float()
+        g = self.neg_a * F.softplus(a.float() + self.dt_bias)  # [n, Hv] log-decay, <= 0
+        return q, k, v, g, beta
+
+    def _finish(self, core: torch.Tensor, z: torch.Tensor, dtype) -> torch.Tensor:
+        """core: [N, Hv, dv] fp32, z: [N, Hv*dv] -> [N, H]"""
+        n = core.shape[0]
+        core = core.to(dtype)
+        o = gated_rms_norm(core, z.view(n, self.hv, self.dv), self.norm_w, self.eps)
+        return F.linear(o.reshape(n, self.hv * self.dv), self.w_out)
+
+    def prefill(self, x: torch.Tensor, st: DecodeState, slot: int, start: int) -> torch.Tensor:
+        """x: [T, H] for one sequence, continuing from the state in `slot`."""
+        t = x.shape[0]
+        mixed = F.linear(x, self.w_qkv)  # [T, C]
+        z, b, a = F.linear(x, self.w_z), F.linear(x, self.w_b), F.linear(x, self.w_a)
+        conv_state = st.conv[self.layer][slot]  # [C, K-1]
+        seq = torch.cat([conv_state, mixed.t().to(conv_state.dtype)], dim=-1)  # [C, K-1+T]
+        conv = F.conv1d(seq[None], self.conv_w[:, None, :], self.conv_b, groups=seq.shape[0])
+        mixed = F.silu(conv[0]).t().to(x.dtype)  # [T, C]
+        conv_state.copy_(seq[:, seq.shape[1] - conv_state.shape[1]:])
+        q, k, v, g, beta = self._gates_and_heads(mixed, a, b)
+        core, new = chunk_gated_delta_rule(q, k, v, g, beta, st.rec[self.layer][slot])
+        st.rec[self.layer][slot].copy_(new)
+        return self._finish(core, z, x.dtype)
+
+    def decode(self, x: torch.Tensor, st: DecodeState, pos: torch.Tensor, attend_len: int) -> torch.Tensor:
+        """x: [B, H], one token per slot."""
+        bsz = x.shape[0]
+        mixed = F.linear(x, self.w_qkv)  # [B, C]
+        z, b, a = F.linear(x, self.w_z), F.linear(x, self.w_b), F.linear(x, self.w_a)
+        conv_state = st.conv[self.layer][:bsz]  # [B, C, K-1]
+        window = torch.cat([conv_state, mixed[..., None].to(conv_state.dtype)], dim=-1)  # [B, C, K]
+        conv = (window * self.conv_w).sum(-1)
+        if self.conv_b is not None:
+            conv = conv + self.conv_b
+        mixed = F.silu(conv).to(x.dtype)
+        conv_state.copy_(window[..., 1:])
+        q, k, v, g, beta = self._gates_and_heads(mixed, a, b)
+        core, new = recurrent_gated_delta_step(q, k, v, g, beta, st.rec[self.layer][:bsz])
+        st.rec[self.layer][:bsz].copy_(new)
+        return self._finish(core, z, x.dtype)

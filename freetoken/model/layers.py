@@ -1,0 +1,57 @@
+"""Shared building blocks: norms, rotary embedding, the dense SwiGLU MLP.
+
+Functions over plain tensors; parameters are looked up by their checkpoint names.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, one_centered: bool) -> torch.Tensor:
+    """RMSNorm over the last dim.
+
+    one_centered (Qwen3.5/3.6): scale by (1 + w) in fp32, then cast, as the reference does.
+    Otherwise (Qwen3): cast the normalised value first, then scale by w in the input dtype.
+    """
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if one_centered:
+        return (normed * (1.0 + weight.float())).to(x.dtype)
+    return weight * normed.to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """DeltaNet output norm: w * norm(x) * silu(gate), norm before gate."""
+    dtype = x.dtype
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * normed.to(dtype)
+    return (out * F.silu(gate.float())).to(dtype)
+
+
+class Rope:
+    """cos/sin tables for partial rotary embedding, indexed by position (static shapes)."""
+
+    def __init__(self, rotary_dim: int, theta: float, max_pos: int, device, dtype):
+        inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+        pos = torch.arange(max_pos, dtype=torch.float)
+        freqs = pos[:, None] * inv_freq[None, :]  # [P, rd/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [P, rd]
+        self.cos = emb.cos().to(device=device, dtype=dtype)
+        self.sin = emb.sin().to(device=device, dtype=dtype)
+        self.rotary_dim = rotary_dim
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [..., T, heads, hd]; positions: [..., T] -> same shape, first rotary_dim rotated."""
+        cos = self.cos[positions].unsqueeze(-2)  # [..., T, 1, rd]
+        sin = self.sin[positions].unsqueeze(-2)
+        rd = self.rotary_dim
+        xr, xp = x[..., :rd], x[..., rd:]
+        half = rd // 2
+        rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
+        return torch.cat([xr * cos + rotated * sin, xp], dim=-1)
+
+
+def swiglu_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)

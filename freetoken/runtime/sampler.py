@@ -1,0 +1,45 @@
+"""Batched sampling: greedy at temperature 0, else temperature / top-k / top-p.
+
+Log-probabilities are those of the model's own distribution (log_softmax of raw logits),
+as OpenAI-style `logprobs` report them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0  # nucleus mass kept, (0, 1]
+    top_k: int = 0  # 0: no top-k cut
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None):
+    """logits: [V] float -> (token id, its log-probability under the model)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    if params.temperature == 0:
+        tok = int(torch.argmax(logits))
+        return tok, float(logprobs[tok])
+    scaled = logits.float() / params.temperature
+    if params.top_k and params.top_k < scaled.numel():
+        kth = torch.topk(scaled, params.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if params.top_p < 1.0:
+        sp, si = torch.sort(probs, descending=True)
+        keep = sp.cumsum(0) - sp < params.top_p  # always keeps the most likely token
+        probs = torch.zeros_like(probs).scatter_(0, si[keep], sp[keep])
+    tok = int(torch.multinomial(probs.cpu(), 1, generator=gen))
+    return tok, float(logprobs[tok])

@@ -1,0 +1,49 @@
+"""Tokenizer from a checkpoint's tokenizer.json (HF `tokenizers`), plus its special tokens."""
+from __future__ import annotations
+
+import json
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from .errors import FreeTokenError
+
+
+class Tokenizer:
+    def __init__(self, tokenizer_json: bytes, tokenizer_config: dict | None = None,
+                 source: str = "tokenizer.json"):
+        try:
+            self.tk = HFTokenizer.from_str(tokenizer_json.decode())
+        except Exception as e:
+            raise FreeTokenError(f"{source}: cannot parse tokenizer.json ({e})") from None
+        self.config = tokenizer_config or {}
+        self.special = {t.content: i for i, t in self.tk.get_added_tokens_decoder().items() if t.special}
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tk.get_vocab_size(with_added_tokens=True)
+
+    def token_id(self, text: str) -> int | None:
+        return self.tk.token_to_id(text)
+
+    def encode(self, text: str) -> list[int]:
+        # Qwen adds no BOS; special tokens written in the text are recognised as such
+        return self.tk.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self.tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def named_token(self, key: str) -> int | None:
+        """Id of tokenizer_config's eos_token / pad_token / ... if it names a token."""
+        v = self.config.get(key)
+        if isinstance(v, dict):
+            v = v.get("content")
+        return self.tk.token_to_id(v) if isinstance(v, str) else None
+
+
+def load_json(blob: bytes | None, source: str) -> dict:
+    if blob is None:
+        return {}
+    try:
+        return json.loads(blob)
+    except ValueError as e:
+        raise FreeTokenError(f"{source}: invalid JSON ({e})") from None

@@ -1,0 +1,130 @@
+"""FTW loader: parallel direct I/O straight into exact-size host tensors, then pin.
+
+Each entry gets one host allocation of its exact size (plus alignment slack at the ends that
+O_DIRECT needs); worker threads read BLOCK-sized pieces into it and check each piece's CRC
+right after the read, while it is still in cache. No tensor is copied or repacked.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from ..errors import CorruptModelError
+from .ftw import ALIGN, BLOCK, DTYPES, align_up, block_spans, crc32, read_header
+
+log = logging.getLogger("freetoken.weights")
+
+
+def _aligned_buffer(nbytes: int) -> torch.Tensor:
+    """A uint8 tensor of align_up(nbytes) bytes whose first byte sits on an ALIGN boundary."""
+    padded = align_up(max(nbytes, 1))
+    raw = torch.empty(padded + ALIGN, dtype=torch.uint8)
+    skip = (-raw.data_ptr()) % ALIGN
+    return raw[skip:skip + padded]
+
+
+class _File:
+    """One descriptor per reader: O_DIRECT when the filesystem allows it, else buffered."""
+
+    def __init__(self, path: str, direct: bool):
+        self.path = path
+        self.direct = False
+        flags = os.O_RDONLY
+        if direct and hasattr(os, "O_DIRECT"):
+            try:
+                self.fd = os.open(path, flags | os.O_DIRECT)
+                self.direct = True
+            except OSError:
+                self.fd = os.open(path, flags)
+        else:
+            self.fd = os.open(path, flags)
+        self.mode = "direct I/O (O_DIRECT)" if self.direct else "buffered I/O"
+
+    def read_into(self, mv: memoryview, offset: int) -> int:
+        got = 0
+        while got < len(mv):
+            try:
+                n = os.preadv(self.fd, [mv[got:]], offset + got)
+            except OSError as e:
+                if e.errno != errno.EINVAL or not self.direct:
+                    raise
+                # the filesystem refused O_DIRECT at read time: fall back for good
+                os.close(self.fd)
+                self.fd = os.open(self.path, os.O_RDONLY)
+                self.direct = False
+                self.mode = "buffered I/O (O_DIRECT refused)"
+                continue
+            if n == 0:
+                break
+            got += n
+        return got
+
+    def close(self):
+        os.close(self.fd)
+
+
+def load_ftw(path: str, names=None, *, verify: bool = True, threads: int | None = None,
+             direct: bool = True, pin: bool = False, progress: bool = False):
+    """Read entries of an FTW file. Returns (meta, {name: tensor}); files come as uint8."""
+    meta, entries = read_header(path)
+    wanted = [entries[n] for n in (names if names is not None else entries)]
+    out = {e.name: _aligned_buffer(e.nbytes) for e in wanted}
+    jobs = [(e, s, n) for e in wanted for s, n in block_spans(e.nbytes)]
+    total = sum(e.nbytes for e in wanted)
+    f = _File(path, direct)
+    log.info("loading %s with %s", os.path.basename(path), f.mode)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc="load", leave=False)
+
+    def read(job):
+        e, start, n = job
+        buf = out[e.name][start:start + align_up(n)]
+        mv = memoryview(buf.numpy())
+        got = f.read_into(mv, e.offset + start)
+        if got < n:
+            raise CorruptModelError(
+                f"{path}: truncated inside {e.name!r}; re-run `ft convert`")
+        if verify and crc32(mv[:n]) != e.crc[start // BLOCK]:
+            raise CorruptModelError(
+                f"{path}: checksum mismatch in {e.name!r} at byte {e.offset + start}: "
+                "the file is corrupt; copy it again or re-run `ft convert`")
+        if bar is not None:
+            bar.update(n)
+
+    try:
+        with ThreadPoolExecutor(threads or min(16, os.cpu_count() or 4)) as pool:
+            list(pool.map(read, jobs))
+    finally:
+        f.close()
+        if bar is not None:
+            bar.close()
+    tensors = {}
+    for e in wanted:
+        t = out[e.name][:e.nbytes].view(DTYPES[e.dtype]).view(e.shape)
+        tensors[e.name] = t
+    if pin:
+        pin_in_place(tensors.values())
+    return meta, tensors
+
+
+def pin_in_place(tensors) -> bool:
+    """Register host tensors for DMA without copying them (cudaHostRegister)."""
+    if not torch.cuda.is_available():
+        return False
+    cudart = torch.cuda.cudart()
+    ok = True
+    for t in tensors:
+        if t.numel() == 0 or t.is_pinned():
+            continue
+        base = t.untyped_storage()
+        err = cudart.cudaHostRegister(base.data_ptr(), base.nbytes(), 0)
+        ok &= int(err) == 0
+    if not ok:
+        log.warning("could not pin every host bank; transfers from them will be slower")
+    return ok

@@ -1,0 +1,129 @@
+"""Small random transformers models saved as checkpoint directories in published layouts."""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+def write_tokenizer(d: str, vocab: int) -> None:
+    """A small byte-level BPE tokenizer.json with Qwen's chat special tokens, ids < vocab."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from freetoken.demo import _bytes_to_unicode
+    b2u = _bytes_to_unicode()
+    toks = {b2u[b]: b for b in range(256)}
+    merges = []
+    for a, b in [("t", "h"), ("th", "e"), ("i", "n"), ("e", "r"), ("Ġ", "t")]:
+        toks[a + b] = len(toks)
+        merges.append((a, b))
+    tk = Tokenizer(models.BPE(vocab=toks, merges=merges))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                           for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")])
+    assert tk.get_vocab_size() <= vocab
+    tk.save(os.path.join(d, "tokenizer.json"))
+    with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<|im_end|>"}, f)
+
+
+def qwen3_5(seed: int, **kw):
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+    args = dict(vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, moe_intermediate_size=32,
+                shared_expert_intermediate_size=48, num_experts=16, num_experts_per_tok=4,
+                linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                linear_num_value_heads=4, max_position_embeddings=512)
+    args.update(kw)
+    torch.manual_seed(seed)
+    m = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**args)).eval()
+    _perturb(m, seed)
+    return m
+
+
+def qwen3_moe(seed: int, **kw):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    args = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, moe_intermediate_size=32,
+                num_experts=16, num_experts_per_tok=4, max_position_embeddings=512)
+    args.update(kw)
+    torch.manual_seed(seed)
+    m = Qwen3MoeForCausalLM(Qwen3MoeConfig(**args)).eval()
+    _perturb(m, seed)
+    return m
+
+
+def _perturb(m, seed: int) -> None:
+    """Fresh random values everywhere (HF init leaves norms at 0/1 and biases at 0), so that
+    every parameter influences the output and none sits at a special value."""
+    g = torch.Generator().manual_seed(seed + 1000)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(0.5, 2.5, generator=g).log())
+            elif "norm" in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+            elif name.endswith("dt_bias"):
+                p.add_(torch.randn(p.shape, generator=g) * 0.3)
+            elif "embed_tokens" in name or "lm_head" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            else:
+                fan_in = p.shape[-1] if p.dim() > 1 else 1
+                p.copy_(torch.randn(p.shape, generator=g) * fan_in ** -0.5)
+
+
+def save(model, d: str, layout: str = "plain") -> str:
+    """layouts: plain (per-expert tensors, one file), sharded (index + shards), fused
+    (experts.gate_up_proj / down_proj per layer), wrapper (Qwen3_5MoeForConditionalGeneration)."""
+    os.makedirs(d, exist_ok=True)
+    if layout == "sharded":
+        model.save_pretrained(d, max_shard_size="150KB")
+        assert os.path.exists(os.path.join(d, "model.safetensors.index.json"))
+    else:
+        model.save_pretrained(d)
+    write_tokenizer(d, model.config.vocab_size)
+    if layout in ("fused", "wrapper"):
+        fn = os.path.join(d, "model.safetensors")
+        w = load_file(fn)
+        w = fuse_experts(w, model.config.num_hidden_layers, model.config.num_experts)
+        if layout == "wrapper":
+            w = {("model.language_model." + k[6:] if k.startswith("model.") else k): v for k, v in w.items()}
+            w["model.visual.patch_embed.proj.weight"] = torch.randn(8, 3, 2, 2)
+            w["mtp.fc.weight"] = torch.randn(4, 4)
+            _wrap_config(d)
+        save_file(w, fn, metadata={"format": "pt"})
+    return d
+
+
+def fuse_experts(w: dict, layers: int, experts: int) -> dict:
+    out = dict(w)
+    for l in range(layers):
+        p = f"model.layers.{l}.mlp.experts."
+        if p + "0.gate_proj.weight" not in w:
+            continue
+        gu = [torch.cat([out.pop(f"{p}{e}.gate_proj.weight"), out.pop(f"{p}{e}.up_proj.weight")]) for e in range(experts)]
+        dn = [out.pop(f"{p}{e}.down_proj.weight") for e in range(experts)]
+        out[p + "gate_up_proj"] = torch.stack(gu)  # [E, 2I, H]
+        out[p + "down_proj"] = torch.stack(dn)  # [E, H, I]
+    return out
+
+
+def _wrap_config(d: str) -> None:
+    fn = os.path.join(d, "config.json")
+    with open(fn) as f:
+        text = json.load(f)
+    text.pop("architectures", None)
+    text["model_type"] = "qwen3_5_moe_text"
+    cfg = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+           "text_config": text, "vision_config": {"depth": 1, "hidden_size": 8},
+           "tie_word_embeddings": text.get("tie_word_embeddings", False)}
+    with open(fn, "w") as f:
+        json.dump(cfg, f)
+
+
+@torch.no_grad()
+def reference_logits(model, ids: list[int]) -> torch.Tensor:
+    """[len(ids), V] next-token logits of the full sequence, one forward, float32."""
+    return model(torch.tensor([ids])).logits[0].float()

@@ -1,0 +1,103 @@
+"""The C++ CPU expert executor against the pure-torch reference, on fresh random inputs."""
+import pytest
+import torch
+
+from freetoken.experts.cpu import CpuExpertExecutor, extension, physical_cores
+from freetoken.experts.executor import TorchExpertExecutor, reference_experts
+
+
+def rel(a, b):
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+def banks(n, h, i, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    gu = (torch.randn(n, 2 * i, h, generator=g) * h ** -0.5).to(dtype)
+    dn = (torch.randn(n, h, i, generator=g) * i ** -0.5).to(dtype)
+    return gu, dn
+
+
+def inputs(t, h, k, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=g)
+    ids = torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(t)])  # distinct per token
+    w = torch.softmax(torch.randn(t, k, generator=g), -1)
+    return x, ids, w
+
+
+def test_extension_builds():
+    assert extension() is not None, "the C++ executor must build where CI runs"
+
+
+# shapes with tails that do not fill a SIMD vector or a 4-row block
+@pytest.mark.parametrize("h,i", [(64, 32), (96, 40), (136, 22)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_reference_all_batch_sizes(h, i, dtype):
+    n, k = 40, 4
+    gu, dn = banks(n, h, i, dtype, seed=h + i)
+    ex = CpuExpertExecutor(gu, dn)
+    for t in list(range(1, 18)) + [31, 64, 130]:
+        x, ids, w = inputs(t, h, k, n, seed=t)
+        ref = reference_experts(x, ids, w, gu.float(), dn.float())
+        assert rel(ex.kernel(x, ids, w), ref) < 2e-6, t
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_thread_counts_agree(threads):
+    gu, dn = banks(16, 64, 48, torch.bfloat16, 1)
+    x, ids, w = inputs(5, 64, 4, 16, 2)
+    one = CpuExpertExecutor(gu, dn, threads=1).kernel(x, ids, w)
+    assert torch.equal(CpuExpertExecutor(gu, dn, threads=threads).kernel(x, ids, w), one)
+
+
+@pytest.mark.parametrize("isa", [0, 1, 2, 3])
+def test_every_available_isa_matches(isa):
+    """Each SIMD level this CPU has (capped from above) gives the reference's result."""
+    gu, dn = banks(12, 80, 36, torch.bfloat16, 3)
+    ex = CpuExpertExecutor(gu, dn, isa_cap=isa)
+    x, ids, w = inputs(3, 80, 3, 12, 4)
+    ref = reference_experts(x, ids, w, gu.float(), dn.float())
+    if ex.isa == "avx512-bf16":
+        # activations rounded to bf16, as a bf16 model has them
+        xb = x.bfloat16().float()
+        ref = reference_experts(xb, ids, w, gu.float(), dn.float())
+        assert rel(ex.kernel(x.bfloat16(), ids, w), ref) < 2e-2
+    assert rel(ex.kernel(x, ids, w), ref) < 2e-6
+
+
+def test_repeated_expert_ids_and_shared_experts_across_tokens():
+    gu, dn = banks(8, 64, 32, torch.float32, 5)
+    ex = CpuExpertExecutor(gu, dn)
+    x = torch.randn(6, 64)
+    ids = torch.tensor([[1, 1], [1, 2], [7, 1], [0, 7], [2, 2], [3, 1]])
+    w = torch.rand(6, 2)
+    assert rel(ex.kernel(x, ids, w), reference_experts(x, ids, w, gu, dn)) < 2e-6
+
+
+def test_executor_call_keeps_dtype_and_uses_torch_for_big_batches():
+    gu, dn = banks(10, 64, 32, torch.float32, 6)
+    ex = CpuExpertExecutor(gu, dn, torch_batch_threshold=4)
+    for t in (2, 9):
+        x, ids, w = inputs(t, 64, 2, 10, t)
+        out = ex(x.double(), ids, w)
+        assert out.dtype == torch.float64
+        assert rel(out, reference_experts(x.double(), ids, w, gu.double(), dn.double())) < 2e-6
+
+
+def test_static_torch_executor_matches_reference():
+    gu, dn = banks(10, 64, 32, torch.float32, 7)
+    ex = TorchExpertExecutor(gu, dn)
+    for t in (1, 3, 8):
+        x, ids, w = inputs(t, 64, 4, 10, t)
+        assert rel(ex._static(x, ids, w), reference_experts(x, ids, w, gu, dn)) < 2e-6
+
+
+def test_bad_expert_id_is_rejected():
+    gu, dn = banks(4, 64, 32, torch.float32, 8)
+    ex = CpuExpertExecutor(gu, dn)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ex.kernel(torch.randn(1, 64), torch.tensor([[4]]), torch.ones(1, 1))
+
+
+def test_physical_cores_nonempty():
+    assert len(physical_cores()) >= 1
