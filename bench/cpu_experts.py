@@ -65,14 +65,19 @@ def main():
             return timeit(lambda: fn(*next(it)), warmup=3, iters=a.iters)
 
         t_cpp = run(ex.kernel)
+        # a bf16 model hands over bf16 activations: the VDPBF16PS path where the CPU has it
+        t_bf = run(lambda x, ids, w: ex.kernel(x.bfloat16(), ids, w))
         row = {"batch": b, "distinct_experts": round(distinct, 1),
-               "cpp_ms": round(t_cpp * 1e3, 3), "cpp_gbs": round(distinct * per_expert / t_cpp / 1e9, 1)}
+               "cpp_ms": round(t_cpp * 1e3, 3), "cpp_gbs": round(distinct * per_expert / t_cpp / 1e9, 1),
+               "cpp_bf16act_ms": round(t_bf * 1e3, 3),
+               "cpp_bf16act_gbs": round(distinct * per_expert / t_bf / 1e9, 1)}
         if b <= 32:
             t_ref = run(lambda x, ids, w: reference_experts(x.bfloat16(), ids, w, gu, dn))
             row.update(torch_ms=round(t_ref * 1e3, 3), torch_gbs=round(distinct * per_expert / t_ref / 1e9, 1))
         res["batches"].append(row)
         print(row, flush=True)
-    res["cpp_vs_read_bw_batch1"] = round(res["batches"][0]["cpp_gbs"] / res["host_read_gbs"], 2)
+    best1 = max(res["batches"][0]["cpp_gbs"], res["batches"][0]["cpp_bf16act_gbs"])
+    res["cpp_vs_read_bw_batch1"] = round(best1 / res["host_read_gbs"], 2)
     write_result("cpu_experts", res)
 
 

@@ -3,6 +3,15 @@ import sys
 
 import pytest
 
+# Triton kernels run on the CPU through the interpreter when no GPU is present; this must be
+# set before anything imports triton
+try:
+    import torch
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:
+    pass
+
 sys.path.insert(0, os.path.dirname(__file__))
 
 

@@ -91,8 +91,8 @@ def test_logits_and_greedy_match_transformers(built, name, device):
 def test_chunked_prefill_equals_unchunked(built, name):
     model, ftw = built[name]
     prompt = prompt_for(7, n=45)
-    whole = Engine(ftw, EngineConfig(dtype="float32"))
-    chunked = Engine(ftw, EngineConfig(dtype="float32", prefill_chunk=7))
+    whole = Engine(ftw, EngineConfig(device="cpu", dtype="float32"))
+    chunked = Engine(ftw, EngineConfig(device="cpu", dtype="float32", prefill_chunk=7))
     a = whole.prefill(prompt, whole.new_state(64), all_logits=True)
     st = chunked.new_state(64)
     b = chunked.prefill(prompt, st, all_logits=True)
@@ -128,7 +128,7 @@ def test_cli_generate_json_matches_transformers(built):
 def test_bfloat16_runs_close_to_reference(built):
     model, ftw = built["q35-plain"]
     prompt = prompt_for(13)
-    eng = Engine(ftw, EngineConfig(dtype="bfloat16"))
+    eng = Engine(ftw, EngineConfig(device="cpu", dtype="bfloat16"))
     got = eng.prefill(prompt, eng.new_state(32), all_logits=True)
     ref = hf_models.reference_logits(model, prompt)
     import copy

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kernels import use_triton
+
 
 class ExpertExecutor:
     """Interface. __call__(x [T, H], ids [T, k] int, weights [T, k]) -> [T, H] in x's dtype."""
@@ -49,8 +51,10 @@ def reference_experts(x, ids, weights, gate_up, down):
 class TorchExpertExecutor(ExpertExecutor):
     """All experts resident on one device (CPU host banks, or the full-VRAM GPU baseline).
 
-    Small batches use a static-shape gather + batched GEMV (no host sync, CUDA-graph safe);
-    large batches loop over distinct experts, which reads each expert once.
+    Small batches (decode) take a static-shape path with no host sync, CUDA-graph safe: on
+    CUDA the fused Triton GEMV that reads experts in place (kernels/moe_decode.py), else a
+    gather + batched GEMV. Large batches (prefill chunks) group tokens by expert: on CUDA one
+    padded batched GEMM over the experts present, on the CPU a loop over them.
     """
 
     name = "torch"
@@ -64,10 +68,36 @@ class TorchExpertExecutor(ExpertExecutor):
         src = x.device
         x, ids, weights = (t.to(self.device) for t in (x, ids, weights))
         if ids.numel() <= self.static_max_pairs:
-            out = self._static(x, ids, weights)
+            if use_triton(x):
+                from ..kernels.moe_decode import moe_decode_triton
+                out = moe_decode_triton(x, ids, weights, self.gate_up, self.down)
+            else:
+                out = self._static(x, ids, weights)
+        elif x.is_cuda:
+            out = self._grouped(x, ids, weights)
         else:
             out = reference_experts(x, ids, weights, self.gate_up, self.down)
         return out.to(src)
+
+    def _grouped(self, x, ids, weights):
+        """Tokens grouped by expert, padded to the largest group: one bmm per projection and
+        one host sync per call, instead of a kernel chain per expert."""
+        t, k = ids.shape
+        inter = self.gate_up.shape[1] // 2
+        flat = ids.reshape(-1)
+        experts, slot_of, counts = torch.unique(flat, return_inverse=True, return_counts=True)
+        order = torch.argsort(slot_of, stable=True)
+        width = int(counts.max())  # the one host sync
+        starts = torch.cumsum(counts, 0) - counts
+        rank = torch.arange(flat.numel(), device=x.device) - starts[slot_of[order]]
+        xs = torch.zeros(experts.numel(), width, x.shape[1], dtype=x.dtype, device=x.device)
+        xs[slot_of[order], rank] = x[order // k]  # [G, W, H]
+        gu = torch.bmm(xs, self.gate_up[experts].transpose(1, 2).to(x.dtype))  # [G, W, 2I]
+        h = F.silu(gu[..., :inter]) * gu[..., inter:]
+        y = torch.bmm(h, self.down[experts].transpose(1, 2).to(x.dtype))  # [G, W, H]
+        y = y[slot_of[order], rank] * weights.reshape(-1)[order, None].to(x.dtype)  # [P, H]
+        out = torch.zeros_like(x)
+        return out.index_add_(0, order // k, y)
 
     def _static(self, x, ids, weights):
         t, k = ids.shape

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .layers import Rope, rms_norm
+from .layers import FusedLinear, Rope, rms_norm
 from .state import DecodeState
 
 
@@ -14,22 +14,22 @@ class Attention:
         self.layer, self.rope, self.gated, self.one_centered = layer, rope, gated, one_centered
         self.nh, self.kvh, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.eps, self.window = cfg.rms_norm_eps, cfg.sliding_window
-        self.wq, self.wk, self.wv, self.wo = (w[p + n + ".weight"] for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
-        self.bq, self.bk, self.bv, self.bo = (w.get(p + n + ".bias") for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        qkv = ("q_proj", "k_proj", "v_proj")
+        self.qkv = FusedLinear([w[p + n + ".weight"] for n in qkv], [w.get(p + n + ".bias") for n in qkv])
+        self.wo, self.bo = w[p + "o_proj.weight"], w.get(p + "o_proj.bias")
         self.q_norm, self.k_norm = w[p + "q_norm.weight"], w[p + "k_norm.weight"]
 
     def _project(self, x: torch.Tensor, positions: torch.Tensor):
         """x: [N, H], positions: [N] -> q [N, nh, hd], k/v [N, kvh, hd], gate [N, nh*hd] or None."""
         n = x.shape[0]
-        q = F.linear(x, self.wq, self.bq)
+        q, k, v = self.qkv(x)
         gate = None
         if self.gated:  # q_proj emits [query | gate] per head
             q, gate = q.view(n, self.nh, 2 * self.hd).chunk(2, dim=-1)
             gate = gate.reshape(n, self.nh * self.hd)
         q = rms_norm(q.reshape(n, self.nh, self.hd), self.q_norm, self.eps, self.one_centered)
-        k = rms_norm(F.linear(x, self.wk, self.bk).view(n, self.kvh, self.hd), self.k_norm,
-                     self.eps, self.one_centered)
-        v = F.linear(x, self.wv, self.bv).view(n, self.kvh, self.hd)
+        k = rms_norm(k.view(n, self.kvh, self.hd), self.k_norm, self.eps, self.one_centered)
+        v = v.view(n, self.kvh, self.hd)
         return self.rope(q, positions), self.rope(k, positions), v, gate
 
     def _output(self, o: torch.Tensor, gate) -> torch.Tensor:

@@ -9,8 +9,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .layers import gated_rms_norm
+from ..kernels import use_triton
+from .layers import FusedLinear, gated_rms_norm
 from .state import DecodeState
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -71,13 +76,14 @@ class GatedDeltaNet:
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.kernel = cfg.linear_conv_kernel_dim
         self.eps = cfg.rms_norm_eps
-        self.w_qkv, self.w_z = w[p + "in_proj_qkv.weight"], w[p + "in_proj_z.weight"]
-        self.w_b, self.w_a = w[p + "in_proj_b.weight"], w[p + "in_proj_a.weight"]
+        self.in_proj = FusedLinear([w[p + n + ".weight"] for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")])
         self.w_out, self.norm_w = w[p + "out_proj.weight"], w[p + "norm.weight"]
         self.conv_w = w[p + "conv1d.weight"].reshape(-1, self.kernel)  # [C, K]
         self.conv_b = w.get(p + "conv1d.bias")
         self.neg_a = -w[p + "A_log"].float().exp()  # [Hv]
         self.dt_bias = w[p + "dt_bias"]
+        # the fused decode kernels need power-of-two head dims and no conv bias
+        self.fusable = _pow2(self.dk) and _pow2(self.dv) and self.kernel >= 2 and self.conv_b is None
 
     def _gates_and_heads(self, mixed, a, b):
         """Split conv output into normalised q, k and v heads; compute decay g and beta."""
@@ -106,8 +112,7 @@ class GatedDeltaNet:
     def prefill(self, x: torch.Tensor, st: DecodeState, slot: int, start: int) -> torch.Tensor:
         """x: [T, H] for one sequence, continuing from the state in `slot`."""
         t = x.shape[0]
-        mixed = F.linear(x, self.w_qkv)  # [T, C]
-        z, b, a = F.linear(x, self.w_z), F.linear(x, self.w_b), F.linear(x, self.w_a)
+        mixed, z, b, a = self.in_proj(x)  # [T, C], [T, Hv*dv], [T, Hv], [T, Hv]
         conv_state = st.conv[self.layer][slot]  # [C, K-1]
         seq = torch.cat([conv_state, mixed.t().to(conv_state.dtype)], dim=-1)  # [C, K-1+T]
         conv = F.conv1d(seq[None], self.conv_w[:, None, :], self.conv_b, groups=seq.shape[0])
@@ -121,9 +126,14 @@ class GatedDeltaNet:
     def decode(self, x: torch.Tensor, st: DecodeState, pos: torch.Tensor, attend_len: int) -> torch.Tensor:
         """x: [B, H], one token per slot."""
         bsz = x.shape[0]
-        mixed = F.linear(x, self.w_qkv)  # [B, C]
-        z, b, a = F.linear(x, self.w_z), F.linear(x, self.w_b), F.linear(x, self.w_a)
+        mixed, z, b, a = self.in_proj(x)  # [B, C], [B, Hv*dv], [B, Hv], [B, Hv]
         conv_state = st.conv[self.layer][:bsz]  # [B, C, K-1]
+        if self.fusable and use_triton(x):
+            from ..kernels.deltanet_decode import conv_update_triton, delta_step_triton
+            mixed = conv_update_triton(mixed, conv_state, self.conv_w)
+            o = delta_step_triton(mixed, z, b, a, self.neg_a, self.dt_bias, st.rec[self.layer][:bsz],
+                                  self.norm_w, self.eps, self.hk, self.hv, self.dk, self.dv)
+            return F.linear(o, self.w_out)
         window = torch.cat([conv_state, mixed[..., None].to(conv_state.dtype)], dim=-1)  # [B, C, K]
         conv = (window * self.conv_w).sum(-1)
         if self.conv_b is not None:

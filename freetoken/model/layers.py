@@ -7,13 +7,24 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kernels import use_triton
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, one_centered: bool) -> torch.Tensor:
     """RMSNorm over the last dim.
 
     one_centered (Qwen3.5/3.6): scale by (1 + w) in fp32, then cast, as the reference does.
     Otherwise (Qwen3): cast the normalised value first, then scale by w in the input dtype.
+    On CUDA one fused Triton kernel (kernels/rmsnorm.py) computes the same.
     """
+    if use_triton(x):
+        from ..kernels.rmsnorm import rms_norm_triton
+        return rms_norm_triton(x, weight, eps, one_centered)
+    return rms_norm_torch(x, weight, eps, one_centered)
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, one_centered: bool) -> torch.Tensor:
+    """The reference (and CPU) RMSNorm."""
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if one_centered:
@@ -55,3 +66,19 @@ class Rope:
 
 def swiglu_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+class FusedLinear:
+    """Several projections of the same input as one GEMM (one launch, one pass over x);
+    returns the outputs split back apart. Built once at load from the checkpoint's tensors."""
+
+    def __init__(self, weights: list[torch.Tensor], biases: list | None = None):
+        self.weight = torch.cat(weights, dim=0)  # [sum(out), in]
+        self.sizes = [w.shape[0] for w in weights]
+        self.bias = None
+        if biases is not None and any(b is not None for b in biases):
+            self.bias = torch.cat([b if b is not None else torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)
+                                   for w, b in zip(weights, biases)])
+
+    def __call__(self, x: torch.Tensor):
+        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)

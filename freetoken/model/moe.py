@@ -8,37 +8,39 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .layers import swiglu_mlp
+from .layers import FusedLinear, swiglu_mlp
 
 
 class MoE:
     def __init__(self, cfg, w: dict, layer: int, ordinal: int, executor):
         p = f"model.layers.{layer}.mlp."
-        self.router = w[p + "gate.weight"]  # [E, H]
         self.top_k, self.num_experts = cfg.top_k, cfg.num_experts
         self.norm_topk = cfg.norm_topk_prob
         self.base = ordinal * cfg.num_experts  # first flat id of this layer
         self.executor = executor
-        self.shared = None
-        if cfg.shared_expert_intermediate_size:
-            s = p + "shared_expert."
-            self.shared = (w[s + "gate_proj.weight"], w[s + "up_proj.weight"], w[s + "down_proj.weight"])
-            self.shared_gate = w[p + "shared_expert_gate.weight"]  # [1, H]
+        self.shared = cfg.shared_expert_intermediate_size > 0
+        # router, shared expert gate/up and its sigmoid gate all read x: one GEMM
+        names = ["gate.weight"]
+        if self.shared:
+            names += ["shared_expert.gate_proj.weight", "shared_expert.up_proj.weight", "shared_expert_gate.weight"]
+            self.shared_down = w[p + "shared_expert.down_proj.weight"]
+        self.in_proj = FusedLinear([w[p + n] for n in names])
 
-    def route(self, x: torch.Tensor):
-        """x: [T, H] -> flat ids [T, k] int64, weights [T, k] in x's dtype."""
-        logits = F.linear(x, self.router)  # [T, E]
+    def route(self, logits: torch.Tensor, dtype):
+        """router logits [T, E] -> flat ids [T, k] int64, weights [T, k] in the activation dtype."""
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)
         top, idx = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk:
             top = top / top.sum(dim=-1, keepdim=True)
-        return idx + self.base, top.to(x.dtype)
+        return idx + self.base, top.to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.route(x)
+        parts = self.in_proj(x)  # router logits [T, E] (+ shared gate [T, Is], up [T, Is], gate [T, 1])
+        ids, weights = self.route(parts[0], x.dtype)
         out = self.executor(x, ids, weights)
-        if self.shared is not None:
-            out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * swiglu_mlp(x, *self.shared)
+        if self.shared:
+            _, g, u, sg = parts
+            out = out + torch.sigmoid(sg) * F.linear(F.silu(g) * u, self.shared_down)
         return out
 
 

@@ -1,0 +1,95 @@
+"""Fused gated-DeltaNet decode step: two kernels per layer instead of ~40 small ops.
+
+  conv_update:   causal conv1d over the stored window plus the new input, SiLU, window shift
+  delta_step:    per (token, value head): l2-norm q/k, decay and beta gates, the delta-rule
+                 update of the [dk, dv] fp32 state in place, the readout, and the gated RMSNorm
+References: model.deltanet.GatedDeltaNet.decode's torch path (recurrent_gated_delta_step,
+_gates_and_heads, _finish), with the same points of rounding to the activation dtype.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import tl_dtype
+
+
+@triton.jit
+def _conv_update_kernel(x_ptr, state_ptr, w_ptr, out_ptr, C, stride_xb, stride_sb, stride_sc,
+                        K: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr):
+    b = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < C
+    x = tl.load(x_ptr + b * stride_xb + cols, mask=m, other=0.0).to(tl.float32)
+    acc = x * tl.load(w_ptr + cols * K + (K - 1), mask=m, other=0.0).to(tl.float32)
+    sp = state_ptr + b * stride_sb + cols * stride_sc
+    for j in tl.static_range(K - 1):
+        s = tl.load(sp + j, mask=m, other=0.0).to(tl.float32)
+        acc += s * tl.load(w_ptr + cols * K + j, mask=m, other=0.0).to(tl.float32)
+    for j in tl.static_range(K - 2):  # shift the window left by one
+        tl.store(sp + j, tl.load(sp + j + 1, mask=m, other=0.0), mask=m)
+    tl.store(sp + (K - 2), x.to(DTYPE), mask=m)
+    y = acc.to(DTYPE).to(tl.float32)
+    tl.store(out_ptr + b * stride_xb + cols, (y / (1.0 + tl.exp(-y))).to(DTYPE), mask=m)
+
+
+def conv_update_triton(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x: [B, C], state: [B, C, K-1] (updated in place), weight: [C, K] -> silu(conv) [B, C]."""
+    b, c = x.shape
+    k = weight.shape[1]
+    assert state.stride(2) == 1 and k >= 2 and x.stride(1) == 1
+    out = torch.empty_like(x)
+    block = 256
+    _conv_update_kernel[(b, triton.cdiv(c, block))](x, state, weight, out, c, x.stride(0), state.stride(0),
+                                                   state.stride(1), K=k, BLOCK=block, DTYPE=tl_dtype(x.dtype))
+    return out
+
+
+@triton.jit
+def _delta_step_kernel(mixed_ptr, z_ptr, b_ptr, a_ptr, neg_a_ptr, dt_bias_ptr, state_ptr, norm_w_ptr, out_ptr,
+                       stride_m, stride_z, stride_ba, stride_o, eps,
+                       HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                       DTYPE: tl.constexpr):
+    bi = tl.program_id(0)
+    h = tl.program_id(1)
+    kh = h // (HV // HK)
+    dk = tl.arange(0, DK)
+    dv = tl.arange(0, DV)
+    row = mixed_ptr + bi * stride_m
+    q = tl.load(row + kh * DK + dk).to(tl.float32)
+    k = tl.load(row + HK * DK + kh * DK + dk).to(tl.float32)
+    v = tl.load(row + 2 * HK * DK + h * DV + dv).to(tl.float32)
+    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * (DK ** -0.5)
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+    bb = tl.load(b_ptr + bi * stride_ba + h).to(tl.float32)
+    beta = (1.0 / (1.0 + tl.exp(-bb))).to(DTYPE).to(tl.float32)  # sigmoid in the activation dtype
+    xa = tl.load(a_ptr + bi * stride_ba + h).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
+    softplus = tl.where(xa > 20.0, xa, tl.log(1.0 + tl.exp(tl.minimum(xa, 20.0))))
+    g = tl.load(neg_a_ptr + h) * softplus
+    sp = state_ptr + ((bi * HV + h) * DK + dk[:, None]) * DV + dv[None, :]
+    s = tl.load(sp) * tl.exp(g)  # [DK, DV]
+    kv_mem = tl.sum(s * k[:, None], axis=0)  # [DV]
+    delta = (v - kv_mem) * beta
+    s = s + k[:, None] * delta[None, :]
+    tl.store(sp, s)
+    o = tl.sum(s * q[:, None], axis=0).to(DTYPE).to(tl.float32)  # [DV]
+    # gated RMSNorm: w * norm(o) rounded to dtype, times silu(z)
+    normed = (o * tl.rsqrt(tl.sum(o * o, axis=0) / DV + eps)).to(DTYPE).to(tl.float32)
+    w = tl.load(norm_w_ptr + dv).to(tl.float32)
+    y = (w * normed).to(DTYPE).to(tl.float32)
+    z = tl.load(z_ptr + bi * stride_z + h * DV + dv).to(tl.float32)
+    tl.store(out_ptr + bi * stride_o + h * DV + dv, (y * (z / (1.0 + tl.exp(-z)))).to(DTYPE))
+
+
+def delta_step_triton(mixed, z, b, a, neg_a, dt_bias, state, norm_w, eps, hk, hv, dk, dv):
+    """mixed: [B, C] conv output; z: [B, Hv*dv]; b, a: [B, Hv]; state: [B, Hv, dk, dv] fp32,
+    updated in place -> gated-normed readout [B, Hv*dv] in mixed's dtype."""
+    bsz = mixed.shape[0]
+    assert state.is_contiguous() and b.stride(0) == a.stride(0) and b.stride(1) == 1 == a.stride(1)
+    out = torch.empty(bsz, hv * dv, dtype=mixed.dtype, device=mixed.device)
+    _delta_step_kernel[(bsz, hv)](mixed, z, b, a, neg_a, dt_bias, state, norm_w, out,
+                                  mixed.stride(0), z.stride(0), b.stride(0), out.stride(0), eps,
+                                  HK=hk, HV=hv, DK=dk, DV=dv, DTYPE=tl_dtype(mixed.dtype),
+                                  num_warps=8 if dk * dv >= 8192 else 4)
+    return out

@@ -1,0 +1,82 @@
+"""Fused routed-expert GEMV for small batches: experts read in place by flat id, no gather.
+
+  gate_up_act:  grid (pair, block of intermediate rows): h = silu(x Wg^T) * (x Wu^T)
+  down:         grid (pair, block of hidden rows):        y = (h Wd^T) * gate weight
+then the k pairs of each token are summed (in slot order, deterministic). Reference:
+experts.executor.TorchExpertExecutor._static, with the same roundings to the activation dtype.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import tl_dtype
+
+
+@triton.jit
+def _gate_up_act_kernel(x_ptr, ids_ptr, gu_ptr, h_ptr, H, I, K,
+                        BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, DTYPE: tl.constexpr):
+    p = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    rm = rows < I
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    tok = p // K
+    base = gu_ptr + e * (2 * I) * H
+    acc_g = tl.zeros([BLOCK_I], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_I], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        cm = cols < H
+        x = tl.load(x_ptr + tok * H + cols, mask=cm, other=0.0).to(tl.float32)
+        m2 = rm[:, None] & cm[None, :]
+        wg = tl.load(base + rows[:, None] * H + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+        wu = tl.load(base + (rows[:, None] + I) * H + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+        acc_g += tl.sum(wg * x[None, :], axis=1)
+        acc_u += tl.sum(wu * x[None, :], axis=1)
+    g = acc_g.to(DTYPE).to(tl.float32)
+    u = acc_u.to(DTYPE).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(DTYPE).to(tl.float32)
+    tl.store(h_ptr + p * I + rows, (act * u).to(DTYPE), mask=rm)
+
+
+@triton.jit
+def _down_kernel(h_ptr, ids_ptr, w_ptr, dn_ptr, y_ptr, H, I,
+                 BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, DTYPE: tl.constexpr):
+    p = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = rows < H
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    base = dn_ptr + e * H * I
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for i0 in range(0, I, BLOCK_I):
+        cols = i0 + tl.arange(0, BLOCK_I)
+        cm = cols < I
+        hv = tl.load(h_ptr + p * I + cols, mask=cm, other=0.0).to(tl.float32)
+        wd = tl.load(base + rows[:, None] * I + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0)
+        acc += tl.sum(wd.to(tl.float32) * hv[None, :], axis=1)
+    gate = tl.load(w_ptr + p).to(tl.float32)
+    y = (acc.to(DTYPE).to(tl.float32) * gate).to(DTYPE)
+    tl.store(y_ptr + p * H + rows, y, mask=rm)
+
+
+def moe_decode_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                      gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """x: [T, H]; ids, weights: [T, k]; gate_up: [N, 2I, H]; down: [N, H, I] -> [T, H]."""
+    t, k = ids.shape
+    n_h = x.shape[1]
+    n_i = down.shape[2]
+    pairs = t * k
+    x = x.contiguous()
+    flat = ids.reshape(-1).contiguous()
+    w = weights.reshape(-1).to(x.dtype).contiguous()
+    h = torch.empty(pairs, n_i, dtype=x.dtype, device=x.device)
+    y = torch.empty(pairs, n_h, dtype=x.dtype, device=x.device)
+    dt = tl_dtype(x.dtype)
+    bi = 32
+    _gate_up_act_kernel[(pairs, triton.cdiv(n_i, bi))](x, flat, gate_up, h, n_h, n_i, k,
+                                                       BLOCK_I=bi, BLOCK_H=128, DTYPE=dt, num_warps=4)
+    bn = 32
+    _down_kernel[(pairs, triton.cdiv(n_h, bn))](h, flat, w, down, y, n_h, n_i,
+                                                BLOCK_N=bn, BLOCK_I=128, DTYPE=dt, num_warps=4)
+    return y.view(t, k, n_h).sum(1)

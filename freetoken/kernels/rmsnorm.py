@@ -1,0 +1,43 @@
+"""Fused RMSNorm: one kernel per call instead of the reference's chain of small ops.
+
+Reference: model.layers.rms_norm (both the one-centered Qwen3.5 form and the Qwen3 form,
+including where each rounds to the activation dtype).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import tl_dtype
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, stride_x, stride_o,
+                     BLOCK: tl.constexpr, ONE_CENTERED: tl.constexpr, DTYPE: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    m = cols < D
+    x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    if ONE_CENTERED:
+        y = normed * (1.0 + w)  # fp32 scale, then round once (as the reference)
+    else:
+        y = w * normed.to(DTYPE).to(tl.float32)  # round, then scale in the activation dtype
+    tl.store(out_ptr + row * stride_o + cols, y.to(DTYPE), mask=m)
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, one_centered: bool) -> torch.Tensor:
+    """x: [..., D] -> same shape and dtype."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    d = shape[-1]
+    block = triton.next_power_of_2(d)
+    _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, d, eps, x2.stride(0), out.stride(0),
+                                     BLOCK=block, ONE_CENTERED=one_centered, DTYPE=tl_dtype(x.dtype),
+                                     num_warps=min(8, max(1, block // 256)))
+    return out.view(shape)
