@@ -82,11 +82,29 @@ def active_bytes(mc, w, ctx: int) -> int:
     return b
 
 
-def run(cfg, dev, experts_on, prompt_len, tokens, graph: bool):
+def profile_step(step, steps: int = 3) -> dict:
+    """GPU kernels per decode step and where the time goes (eager, so per-kernel times show)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    total = sum(e.device_time_total for e in rows)
+    rows.sort(key=lambda e: -e.device_time_total)
+    return {"kernels_per_step": round(sum(e.count for e in rows) / steps),
+            "gpu_us_per_step": round(total / steps),
+            "top": [{"kernel": e.key[:80], "calls_per_step": round(e.count / steps),
+                     "us_per_step": round(e.device_time_total / steps, 1)} for e in rows[:12]]}
+
+
+def run(cfg, dev, experts_on, prompt_len, tokens, graph: bool, profile: bool = False):
     mc, w, ex, model = build(cfg, dev, experts_on)
     ctx = prompt_len + tokens + 8
     st = DecodeState(mc, 1, ctx, dev, torch.bfloat16)
     prompt = torch.randint(0, mc.vocab_size, (prompt_len,), device=dev)
+    model.prefill(prompt[:16], st, 0, 0)  # compile the Triton kernels, warm cuBLAS
+    st.reset(0)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     logits = model.prefill(prompt, st, 0, 0)
@@ -119,6 +137,9 @@ def run(cfg, dev, experts_on, prompt_len, tokens, graph: bool):
         g.replay()
         torch.cuda.synchronize()
         out["graph_matches_eager"] = bool(torch.equal(graph_out, eager_logits))
+    if profile:
+        out["profile"] = profile_step(step)
+
     def graph_step():
         g.replay()
         return graph_out
@@ -148,6 +169,7 @@ def main():
     ap.add_argument("--experts-on", default="gpu,cpu")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--profile", action="store_true", help="record per-kernel GPU time of a step")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.decode needs a CUDA device")
@@ -157,7 +179,7 @@ def main():
     res = {"model": "Qwen3.6-35B-A3B shape, random BF16", "layers": a.layers, "batch": 1,
            "device_read_gbs": round(bw, 1), "runs": []}
     for where in a.experts_on.split(","):
-        r = run(cfg, dev, where, a.prompt, a.tokens, graph=where == "gpu")
+        r = run(cfg, dev, where, a.prompt, a.tokens, graph=where == "gpu", profile=a.profile and where == "gpu")
         floor_ms = r["active_gb_per_token"] / bw * 1e3
         r["bandwidth_floor_ms"] = round(floor_ms, 3)
         best = min(v for k, v in r.items() if k.endswith("_ms_per_token"))

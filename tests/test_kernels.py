@@ -119,3 +119,37 @@ def test_grouped_prefill_path_matches_reference():
     w = torch.rand(t, k, generator=g).to(DEV)
     got = TorchExpertExecutor(gu, dn)._grouped(x, ids, w)
     assert rel(got, reference_experts(x, ids, w, gu, dn)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("one_centered", [True, False])
+def test_add_rms_norm(dtype, tol, one_centered):
+    from freetoken.kernels.rmsnorm import add_rms_norm_triton
+    g = torch.Generator().manual_seed(9)
+    r = torch.randn(4, 80, generator=g).to(DEV, dtype)
+    h = torch.randn(4, 80, generator=g).to(DEV, dtype)
+    w = torch.randn(80, generator=g).to(DEV, dtype)
+    s, out = add_rms_norm_triton(r, h, w, 1e-6, one_centered)
+    # fp32: exact; bf16: the CPU interpreter rounds bf16 by truncation, not to nearest
+    assert torch.equal(s, r + h) if dtype == torch.float32 else rel(s, r + h) < 1e-2
+    assert rel(out, rms_norm_torch(r + h, w, 1e-6, one_centered)) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,e,k,norm", [(1, 256, 8, True), (5, 20, 4, False), (3, 16, 2, True)])
+def test_router(t, e, k, norm, dtype):
+    from types import SimpleNamespace
+    from freetoken.kernels.router import route_triton
+    from freetoken.model.moe import MoE
+    g = torch.Generator().manual_seed(t * e + k)
+    logits = (torch.randn(t, e, generator=g) * 2).to(DEV, dtype)
+    moe = SimpleNamespace(top_k=k, norm_topk=norm, base=3 * e)
+    ref_ids, ref_w = MoE.route_torch(moe, logits, dtype)
+    ids, w = route_triton(logits, k, norm, 3 * e, dtype)
+    if dtype == torch.float32:
+        assert torch.equal(ids, ref_ids)
+        assert rel(w, ref_w) < 1e-6
+    else:  # bf16 logits tie often; any order among equals is a correct top-k
+        kth = torch.topk(logits.float(), k).values[:, -1:]
+        assert bool((logits.float().gather(1, ids - 3 * e) >= kth).all())
+        assert rel(w.float().sort(-1).values, ref_w.float().sort(-1).values) < 1e-2

@@ -41,3 +41,36 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, one_cente
                                      BLOCK=block, ONE_CENTERED=one_centered, DTYPE=tl_dtype(x.dtype),
                                      num_warps=min(8, max(1, block // 256)))
     return out.view(shape)
+
+
+@triton.jit
+def _add_rms_norm_kernel(res_ptr, h_ptr, w_ptr, sum_ptr, out_ptr, D, eps,
+                         BLOCK: tl.constexpr, ONE_CENTERED: tl.constexpr, DTYPE: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    m = cols < D
+    r = tl.load(res_ptr + row * D + cols, mask=m, other=0.0).to(tl.float32)
+    h = tl.load(h_ptr + row * D + cols, mask=m, other=0.0).to(tl.float32)
+    s = (r + h).to(DTYPE)  # the residual stream is kept in the activation dtype
+    tl.store(sum_ptr + row * D + cols, s, mask=m)
+    x = s.to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    if ONE_CENTERED:
+        y = normed * (1.0 + w)
+    else:
+        y = w * normed.to(DTYPE).to(tl.float32)
+    tl.store(out_ptr + row * D + cols, y.to(DTYPE), mask=m)
+
+
+def add_rms_norm_triton(res: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float,
+                        one_centered: bool):
+    """(res + h, rms_norm(res + h)) in one pass. res, h: [N, D] contiguous."""
+    res, h = res.contiguous(), h.contiguous()
+    n, d = res.shape
+    s = torch.empty_like(res)
+    out = torch.empty_like(res)
+    block = triton.next_power_of_2(d)
+    _add_rms_norm_kernel[(n,)](res, h, weight, s, out, d, eps, BLOCK=block, ONE_CENTERED=one_centered,
+                               DTYPE=tl_dtype(res.dtype), num_warps=min(8, max(1, block // 256)))
+    return s, out

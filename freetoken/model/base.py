@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from ..config import ModelConfig
 from .attention import Attention
 from .deltanet import GatedDeltaNet
-from .layers import Rope, rms_norm
+from .layers import Rope, add_rms_norm, rms_norm
 from .moe import MoE, DenseMLP
 from .state import DecodeState
 
@@ -68,29 +68,31 @@ class DecoderModel:
                 names += [m + n + ".weight" for n in ("gate_proj", "up_proj", "down_proj")]
         return names
 
-    def _layer(self, i, x, mix):
-        mixer, mlp, ln1, ln2 = self.layers[i]
-        x = x + mix(mixer, rms_norm(x, ln1, self.cfg.rms_norm_eps, self.one_centered_norm))
-        return x + mlp(rms_norm(x, ln2, self.cfg.rms_norm_eps, self.one_centered_norm))
+    def _stack(self, x: torch.Tensor, mix) -> torch.Tensor:
+        """Embeddings [N, H] through every layer -> final-normed hidden states [N, H].
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        h = rms_norm(h, self.norm, self.cfg.rms_norm_eps, self.one_centered_norm)
-        return F.linear(h, self.lm_head).float()
+        Each residual add is fused with the norm that follows it (the next sub-layer's input
+        norm, or the final norm): pre-norm blocks, the same arithmetic as the reference."""
+        eps, oc = self.cfg.rms_norm_eps, self.one_centered_norm
+        normed = rms_norm(x, self.layers[0][2], eps, oc)
+        for i, (mixer, mlp, _, ln2) in enumerate(self.layers):
+            x, normed = add_rms_norm(x, mix(mixer, normed), ln2, eps, oc)
+            nxt = self.layers[i + 1][2] if i + 1 < len(self.layers) else self.norm
+            x, normed = add_rms_norm(x, mlp(normed), nxt, eps, oc)
+        return normed
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, st: DecodeState, slot: int, start: int,
                 all_logits: bool = False) -> torch.Tensor:
         """tokens: [T] of one sequence at positions start.. -> logits [T, V] or [1, V] (last)."""
         x = self.embed[tokens].to(self.dtype)  # [T, H]
-        for i in range(len(self.layers)):
-            x = self._layer(i, x, lambda m, h: m.prefill(h, st, slot, start))
-        return self.logits(x if all_logits else x[-1:])
+        h = self._stack(x, lambda m, h: m.prefill(h, st, slot, start))
+        return F.linear(h if all_logits else h[-1:], self.lm_head).float()
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, st: DecodeState, pos: torch.Tensor, attend_len: int) -> torch.Tensor:
         """tokens, pos: [B] (one per slot) -> logits [B, V]. Static shapes for a given B and
         attend_len: no data-dependent Python branching."""
         x = self.embed[tokens].to(self.dtype)  # [B, H]
-        for i in range(len(self.layers)):
-            x = self._layer(i, x, lambda m, h: m.decode(h, st, pos, attend_len))
-        return self.logits(x)
+        h = self._stack(x, lambda m, h: m.decode(h, st, pos, attend_len))
+        return F.linear(h, self.lm_head).float()

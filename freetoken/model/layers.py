@@ -23,6 +23,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, one_centered: bo
     return rms_norm_torch(x, weight, eps, one_centered)
 
 
+def add_rms_norm(res: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float, one_centered: bool):
+    """Residual add then norm: returns (res + h, rms_norm(res + h)); one kernel on CUDA."""
+    if use_triton(res) and res.dim() == 2:
+        from ..kernels.rmsnorm import add_rms_norm_triton
+        return add_rms_norm_triton(res, h, weight, eps, one_centered)
+    s = res + h
+    return s, rms_norm_torch(s, weight, eps, one_centered)
+
+
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, one_centered: bool) -> torch.Tensor:
     """The reference (and CPU) RMSNorm."""
     xf = x.float()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kernels import use_triton
 from .layers import FusedLinear, swiglu_mlp
 
 
@@ -28,6 +29,12 @@ class MoE:
 
     def route(self, logits: torch.Tensor, dtype):
         """router logits [T, E] -> flat ids [T, k] int64, weights [T, k] in the activation dtype."""
+        if use_triton(logits) and logits.shape[0] <= 64 and self.top_k & (self.top_k - 1) == 0:
+            from ..kernels.router import route_triton
+            return route_triton(logits, self.top_k, self.norm_topk, self.base, dtype)
+        return self.route_torch(logits, dtype)
+
+    def route_torch(self, logits: torch.Tensor, dtype):
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)
         top, idx = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk:
