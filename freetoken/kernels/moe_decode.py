@@ -11,9 +11,19 @@ import torch
 import triton
 import triton.language as tl
 
-from . import tl_dtype
+from . import INTERPRET, tl_dtype
 
 
+def _configs(block_rows: str, block_k: str, rows, ks, warps):
+    """A few tile shapes to autotune over on the GPU; one under the CPU interpreter."""
+    shapes = [(r, k, w) for r in rows for k in ks for w in warps]
+    if INTERPRET:
+        shapes = shapes[:1]
+    return [triton.Config({block_rows: r, block_k: k}, num_warps=w) for r, k, w in shapes]
+
+
+# GEMV at batch 1 needs many programs in flight to saturate HBM: few rows per program
+@triton.autotune(configs=_configs("BLOCK_I", "BLOCK_H", [4, 8, 16], [256, 512], [4]), key=["H", "I"])
 @triton.jit
 def _gate_up_act_kernel(x_ptr, ids_ptr, gu_ptr, h_ptr, H, I, K,
                         BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, DTYPE: tl.constexpr):
@@ -40,6 +50,7 @@ def _gate_up_act_kernel(x_ptr, ids_ptr, gu_ptr, h_ptr, H, I, K,
     tl.store(h_ptr + p * I + rows, (act * u).to(DTYPE), mask=rm)
 
 
+@triton.autotune(configs=_configs("BLOCK_N", "BLOCK_I", [8, 16, 32], [128, 256], [4]), key=["H", "I"])
 @triton.jit
 def _down_kernel(h_ptr, ids_ptr, w_ptr, dn_ptr, y_ptr, H, I,
                  BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, DTYPE: tl.constexpr):
@@ -73,10 +84,6 @@ def moe_decode_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     h = torch.empty(pairs, n_i, dtype=x.dtype, device=x.device)
     y = torch.empty(pairs, n_h, dtype=x.dtype, device=x.device)
     dt = tl_dtype(x.dtype)
-    bi = 32
-    _gate_up_act_kernel[(pairs, triton.cdiv(n_i, bi))](x, flat, gate_up, h, n_h, n_i, k,
-                                                       BLOCK_I=bi, BLOCK_H=128, DTYPE=dt, num_warps=4)
-    bn = 32
-    _down_kernel[(pairs, triton.cdiv(n_h, bn))](h, flat, w, down, y, n_h, n_i,
-                                                BLOCK_N=bn, BLOCK_I=128, DTYPE=dt, num_warps=4)
+    _gate_up_act_kernel[lambda m: (pairs, triton.cdiv(n_i, m["BLOCK_I"]))](x, flat, gate_up, h, n_h, n_i, k, DTYPE=dt)
+    _down_kernel[lambda m: (pairs, triton.cdiv(n_h, m["BLOCK_N"]))](h, flat, w, down, y, n_h, n_i, DTYPE=dt)
     return y.view(t, k, n_h).sum(1)
