@@ -13,19 +13,25 @@ from . import tl_dtype
 
 
 @triton.jit
+def _normalize(x, w_ptr, cols, m, D, eps, ONE_CENTERED: tl.constexpr, DTYPE: tl.constexpr):
+    """fp32 row x -> normed and scaled, rounded where the reference rounds."""
+    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    if ONE_CENTERED:
+        y = normed * (1.0 + w)  # fp32 scale, then round once
+    else:
+        y = w * normed.to(DTYPE).to(tl.float32)  # round, then scale in the activation dtype
+    return y.to(DTYPE)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, stride_x, stride_o,
                      BLOCK: tl.constexpr, ONE_CENTERED: tl.constexpr, DTYPE: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     m = cols < D
     x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-    normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-    if ONE_CENTERED:
-        y = normed * (1.0 + w)  # fp32 scale, then round once (as the reference)
-    else:
-        y = w * normed.to(DTYPE).to(tl.float32)  # round, then scale in the activation dtype
-    tl.store(out_ptr + row * stride_o + cols, y.to(DTYPE), mask=m)
+    tl.store(out_ptr + row * stride_o + cols, _normalize(x, w_ptr, cols, m, D, eps, ONE_CENTERED, DTYPE), mask=m)
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, one_centered: bool) -> torch.Tensor:
@@ -53,14 +59,8 @@ def _add_rms_norm_kernel(res_ptr, h_ptr, w_ptr, sum_ptr, out_ptr, D, eps,
     h = tl.load(h_ptr + row * D + cols, mask=m, other=0.0).to(tl.float32)
     s = (r + h).to(DTYPE)  # the residual stream is kept in the activation dtype
     tl.store(sum_ptr + row * D + cols, s, mask=m)
-    x = s.to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-    normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-    if ONE_CENTERED:
-        y = normed * (1.0 + w)
-    else:
-        y = w * normed.to(DTYPE).to(tl.float32)
-    tl.store(out_ptr + row * D + cols, y.to(DTYPE), mask=m)
+    y = _normalize(s.to(tl.float32), w_ptr, cols, m, D, eps, ONE_CENTERED, DTYPE)
+    tl.store(out_ptr + row * D + cols, y, mask=m)
 
 
 def add_rms_norm_triton(res: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float,

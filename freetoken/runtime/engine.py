@@ -74,7 +74,7 @@ class Engine:
         self.device, self.dtype, self.experts_on = self.ecfg.resolved()
         t0 = time.perf_counter()
         meta, w = load_ftw(path, verify=self.ecfg.verify, progress=progress,
-                           pin=self.device.type == "cuda" and self.experts_on == "cpu")
+                           pin=self.device.type == "cuda")  # DMA-able: fast H2D, later the expert cache
         self.load_s = time.perf_counter() - t0
         self.meta = meta
         self.cfg = ModelConfig.from_hf(meta["config"], path)
