@@ -104,6 +104,32 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    import uvicorn
+    from .runtime.engine import Engine, EngineConfig
+    from .runtime.serving import ServingEngine
+    from .server.app import ServerContext, build_app
+    from .server.template import ChatTemplate
+    from .tokenizer import load_json
+    if args.max_batch < 1 or args.max_queue < 0:
+        raise FreeTokenError("--max-batch must be >= 1 and --max-queue >= 0")
+    path = resolve_model(args.model)
+    eng = Engine(path, config_from_args(EngineConfig, args), progress=sys.stderr.isatty())
+    files = eng.files
+    template = ChatTemplate.from_files(files, load_json(files.get("tokenizer_config.json"), "tokenizer_config.json"))
+    name = args.served_model_name or (eng.meta.get("source") if args.model else "freetoken-demo")
+    serving = ServingEngine(eng, max_batch=args.max_batch, max_queue=args.max_queue)
+    ctx = ServerContext(serving, eng.tokenizer, template, [name], eng.cfg.vocab_size, api_key=args.api_key)
+    app = build_app(ctx)
+    print(f"FreeToken: serving {name!r} ({eng.cfg.arch}, {eng.device}, experts on {eng.experts_on}, "
+          f"context {eng.max_len}) at http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
+    finally:
+        serving.shutdown()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .runtime.engine import EngineConfig
     p = argparse.ArgumentParser(prog="ft", description="FreeToken: big MoE models on one GPU plus host RAM")
@@ -124,6 +150,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object")
     add_config_args(g, EngineConfig)
     g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server")
+    s.add_argument("model", nargs="?", help="FTW file (default: the embedded demo model)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None, help="model id clients must send (default: the checkpoint's name)")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY'")
+    s.add_argument("--max-batch", type=int, default=8, help="requests decoded together (continuous batching)")
+    s.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch; more get 429")
+    add_config_args(s, EngineConfig)
+    s.set_defaults(func=cmd_serve)
 
     c = sub.add_parser("convert", help="convert a transformers checkpoint directory to FTW")
     c.add_argument("src", help="directory with config.json, *.safetensors, tokenizer files")

@@ -79,6 +79,7 @@ class Engine:
         self.meta = meta
         self.cfg = ModelConfig.from_hf(meta["config"], path)
         files = {k[5:]: bytes(v.numpy()) for k, v in w.items() if k.startswith("file/")}
+        self.files = files  # embedded checkpoint files (tokenizer, templates, configs)
         tcfg = load_json(files.get("tokenizer_config.json"), "tokenizer_config.json")
         if "tokenizer.json" not in files:
             raise FreeTokenError(f"{path}: has no embedded tokenizer.json; re-run `ft convert`")

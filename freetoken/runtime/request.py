@@ -1,0 +1,56 @@
+"""The internal request every API adapter produces, and what the engine streams back.
+
+Plain Python (no torch): the scheduler and the server both use it.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+_ids = itertools.count()
+
+
+@dataclass
+class SamplingOptions:
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = 256
+    stop: list[str] = field(default_factory=list)  # strings that end generation (not emitted)
+    stop_token_ids: list[int] = field(default_factory=list)  # besides the model's EOS ids
+    ignore_eos: bool = False
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]  # rendered prompt, tokenized
+    sampling: SamplingOptions
+    id: int = field(default_factory=lambda: next(_ids))
+    arrival: float = field(default_factory=time.monotonic)
+    # engine-side progress (written by the engine thread only)
+    slot: int | None = None  # decode-state row while running
+    prefilled: int = 0  # prompt tokens already in the state
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens reused from a cache (prefix cache issue)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
+    cancelled: bool = False  # set by the server when the client goes away
+
+    @property
+    def length(self) -> int:
+        """Tokens in the decode state (prompt + generated)."""
+        return self.prefilled + len(self.output_ids)
+
+
+@dataclass
+class TokenEvent:
+    """One engine output for one request: new token(s), or the end."""
+    request_id: int
+    token_ids: list[int]  # new tokens this step (empty on a pure finish event)
+    logprobs: list[float]
+    finish_reason: str | None = None  # set on the last event
+    error: str | None = None

@@ -1,0 +1,154 @@
+"""ServingEngine: the engine thread behind `ft serve`, with continuous batching.
+
+One background thread owns the model and the decode state and loops schedule -> execute ->
+update. Requests arrive from the asyncio server through submit(); every new token goes back
+to the request's asyncio queue with loop.call_soon_threadsafe. The thread never blocks the
+event loop, and a failing step fails only the requests in it: the server keeps serving.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+
+import torch
+
+from .engine import Engine
+from .request import Request, TokenEvent
+from .sampler import SamplingParams, sample
+from .scheduler import Scheduler
+
+log = logging.getLogger("freetoken.serving")
+
+
+class ServingEngine:
+    def __init__(self, engine: Engine, max_batch: int = 8, max_queue: int = 64, metrics=None):
+        self.engine = engine
+        self.max_len = engine.max_len
+        self.state = engine.new_state(self.max_len, slots=max_batch)
+        self.sched = Scheduler(max_batch, max_queue, engine.ecfg.prefill_chunk)
+        self.metrics = metrics
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._streams: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._gens: dict[int, torch.Generator | None] = {}
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="ft-engine", daemon=True)
+        self._thread.start()
+
+    # ---- called from the event loop ---------------------------------------------------
+    def submit(self, req: Request) -> asyncio.Queue:
+        """Queue a request; raises scheduler.QueueFull past the bound."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            self.sched.add(req)
+            self._streams[req.id] = (loop, q)
+        s = req.sampling
+        self._gens[req.id] = torch.Generator().manual_seed(s.seed) if s.seed is not None else None
+        self._wake.set()
+        return q
+
+    def cancel(self, req: Request, reason: str = "cancelled") -> None:
+        """Stop a request (client gone, or a stop string seen by the server)."""
+        if req.finish_reason is None:
+            req.finish_reason = reason
+        req.cancelled = True
+        self._wake.set()
+
+    def queue_depth(self) -> int:
+        return len(self.sched.waiting)
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=5)
+
+    # ---- the engine thread --------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop:
+            if not self.sched.busy:
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            with self._lock:
+                batch = self.sched.schedule()
+            if batch.empty():
+                self._wake.wait(timeout=0.01)
+                self._wake.clear()
+                continue
+            try:
+                self._execute(batch)
+            except Exception as e:  # a bug or OOM: fail this batch, keep serving
+                log.exception("engine step failed")
+                for req in [r for r, _, _ in batch.prefill] + batch.decode:
+                    self._finish(req, "error", error=f"{type(e).__name__}: {e}")
+        for req in list(self.sched.running.values()) + list(self.sched.waiting):
+            self._finish(req, "cancelled")
+
+    def _execute(self, batch) -> None:
+        for req in batch.cancelled:
+            self._finish(req, req.finish_reason or "cancelled")
+        eng = self.engine
+        for req, start, end in batch.prefill:
+            if start == 0:
+                self.state.reset(req.slot)
+            t0 = time.perf_counter()
+            logits = eng.prefill(req.prompt_ids[start:end], self.state, req.slot, start)[-1]
+            req.prefilled = end
+            if self.metrics:
+                self.metrics.prefill(end - start, time.perf_counter() - t0)
+            if end == len(req.prompt_ids):
+                self._accept(req, logits)
+        if batch.decode:
+            n = max(r.slot for r in batch.decode) + 1  # slots below n that are idle decode junk
+            tokens = torch.zeros(n, dtype=torch.long)
+            pos = torch.zeros(n, dtype=torch.long)
+            for r in batch.decode:
+                tokens[r.slot] = r.output_ids[-1]
+                pos[r.slot] = r.length - 1
+            t0 = time.perf_counter()
+            logits = eng.model.decode(tokens.to(eng.device), self.state, pos.to(eng.device), int(pos.max()) + 1)
+            logits = logits.cpu()
+            if self.metrics:
+                self.metrics.decode_step(len(batch.decode), time.perf_counter() - t0)
+            for r in batch.decode:
+                self._accept(r, logits[r.slot])
+
+    def _accept(self, req: Request, logits: torch.Tensor) -> None:
+        """Sample the next token of `req`, emit it, finish the request if it is done."""
+        s = req.sampling
+        tok, lp = sample(logits, SamplingParams(s.temperature, s.top_p, s.top_k), self._gens.get(req.id))
+        if req.first_token_at is None:
+            req.first_token_at = time.monotonic()
+        req.output_ids.append(tok)
+        req.logprobs.append(lp)
+        reason = None
+        if (not s.ignore_eos and tok in self.engine.eos_ids) or tok in s.stop_token_ids:
+            reason = "stop"
+        elif len(req.output_ids) >= s.max_tokens or req.length >= self.max_len:
+            reason = "length"
+        self._emit(req, TokenEvent(req.id, [tok], [lp]))
+        if reason:
+            self._finish(req, reason)
+
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        with self._lock:
+            self.sched.finish(req)
+        req.finish_reason = req.finish_reason or reason
+        req.finished_at = time.monotonic()
+        self._emit(req, TokenEvent(req.id, [], [], finish_reason=req.finish_reason, error=error))
+        self._streams.pop(req.id, None)
+        self._gens.pop(req.id, None)
+        if self.metrics:
+            self.metrics.finished(req)
+
+    def _emit(self, req: Request, ev: TokenEvent) -> None:
+        stream = self._streams.get(req.id)
+        if stream is not None:
+            loop, q = stream
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, ev)
+            except RuntimeError:  # the event loop is closing
+                pass

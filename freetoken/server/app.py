@@ -1,0 +1,104 @@
+"""The HTTP app: route table, authentication, one error wrapper, /health and /metrics.
+
+Each route parses the JSON body itself so that every malformed request gets an error in its
+API's own shape (OpenAI or Anthropic) and status; nothing a client sends can stop the server.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from starlette.responses import JSONResponse, Response
+
+from . import anthropic, openai
+from .common import ApiError, parse_body
+from .metrics import Metrics
+from .template import ChatTemplate
+
+log = logging.getLogger("freetoken.server")
+
+
+@dataclass
+class ServerContext:
+    serving: object  # runtime.serving.ServingEngine
+    tokenizer: object
+    template: ChatTemplate
+    model_names: list[str]
+    vocab_size: int
+    api_key: str | None = None
+    metrics: Metrics = field(default_factory=Metrics)
+    started: int = field(default_factory=lambda: int(time.time()))
+
+
+def _api_of(path: str) -> str:
+    return "anthropic" if path.startswith("/v1/messages") else "openai"
+
+
+def _error_response(api: str, e: ApiError) -> JSONResponse:
+    body = anthropic.error_body(e) if api == "anthropic" else openai.error_body(e)
+    return JSONResponse(body, status_code=e.status, headers=e.headers)
+
+
+def build_app(ctx: ServerContext) -> FastAPI:
+    app = FastAPI(title="FreeToken", docs_url=None, redoc_url=None, openapi_url=None)
+    ctx.metrics.serving = ctx.serving
+    app.state.ctx = ctx
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        api = _api_of(request.url.path)
+        if request.url.path.startswith("/v1/") and ctx.api_key:
+            auth = request.headers.get("authorization", "")
+            token = auth[7:].strip() if auth.lower().startswith("bearer ") else None
+            if ctx.api_key not in (token, request.headers.get("x-api-key")):
+                ctx.metrics.requests.labels(api, "401").inc()
+                return _error_response(api, ApiError(401, "invalid or missing API key", kind="authentication_error",
+                                                     code="invalid_api_key"))
+        try:
+            resp = await call_next(request)
+        except Exception:  # a bug: answer 500 in the API's shape, keep serving
+            log.exception("unhandled error on %s", request.url.path)
+            resp = _error_response(api, ApiError(500, "internal server error", kind="server_error"))
+        ctx.metrics.requests.labels(api, str(resp.status_code)).inc()
+        return resp
+
+    def route(path: str, handler):
+        api = _api_of(path)
+
+        async def endpoint(request: Request):
+            try:
+                body = parse_body(await request.body())
+                return await handler(ctx, body, request)
+            except ApiError as e:
+                return _error_response(api, e)
+        app.add_api_route(path, endpoint, methods=["POST"])
+
+    route("/v1/chat/completions", openai.chat_completions)
+    route("/v1/completions", openai.completions)
+    route("/v1/messages", anthropic.messages)
+    route("/v1/messages/count_tokens", anthropic.count_tokens)
+
+    @app.get("/v1/models")
+    async def models():
+        return openai.models(ctx)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": ctx.model_names[0]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.exception_handler(404)
+    async def not_found(request: Request, exc):
+        return _error_response(_api_of(request.url.path), ApiError(404, f"no route {request.url.path}", kind="not_found_error"))
+
+    @app.exception_handler(405)
+    async def bad_method(request: Request, exc):
+        return _error_response(_api_of(request.url.path),
+                               ApiError(405, f"{request.method} is not allowed on {request.url.path}"))
+
+    return app

@@ -1,0 +1,133 @@
+"""What both API adapters share: request validation, errors, prompt building."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from ..errors import FreeTokenError
+from ..runtime.request import SamplingOptions
+
+
+class ApiError(Exception):
+    """An error answered to the client; each adapter formats it in its API's shape."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+        self.headers = headers or {}
+
+
+def parse_body(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except ValueError as e:
+        raise ApiError(400, f"malformed JSON body: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list, "object": dict}
+
+
+def field(body: dict, name: str, kind: str, default=None, required: bool = False, nullable: bool = True):
+    """Typed access with a clear error: kind is a JSON type name or 'a|b' alternatives."""
+    if name not in body or (body[name] is None and nullable):
+        if required:
+            raise ApiError(400, f"missing required field '{name}'", param=name)
+        return default
+    v = body[name]
+    kinds = kind.split("|")
+    ok = any(isinstance(v, _TYPES[k]) and not (k in ("integer", "number") and isinstance(v, bool)) for k in kinds)
+    if not ok:
+        raise ApiError(400, f"field '{name}' must be {' or '.join(kinds)}, got {type(v).__name__}", param=name)
+    return v
+
+
+def sampling_from(body: dict, max_tokens: int | None, stop, default_max: int) -> SamplingOptions:
+    temperature = field(body, "temperature", "number", 1.0)
+    top_p = field(body, "top_p", "number", 1.0)
+    top_k = field(body, "top_k", "integer", 0)
+    seed = field(body, "seed", "integer")
+    if not 0 <= temperature <= 2:
+        raise ApiError(400, f"temperature must be in [0, 2], got {temperature}", param="temperature")
+    if not 0 < top_p <= 1:
+        raise ApiError(400, f"top_p must be in (0, 1], got {top_p}", param="top_p")
+    if top_k < 0 and top_k != -1:
+        raise ApiError(400, f"top_k must be >= 0, got {top_k}", param="top_k")
+    if max_tokens is not None and max_tokens < 1:
+        raise ApiError(400, f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise ApiError(400, "stop must be a string or a list of strings", param="stop")
+    return SamplingOptions(temperature=float(temperature), top_p=float(top_p), top_k=max(top_k, 0), seed=seed,
+                           max_tokens=max_tokens or default_max, stop=list(stop or []))
+
+
+@dataclass
+class Prompt:
+    ids: list[int]
+    in_reasoning: bool  # the rendered prompt already opened <think>
+
+
+def build_prompt(ctx, text: str, sampling: SamplingOptions) -> Prompt:
+    ids = ctx.tokenizer.encode(text)
+    fit_prompt(ctx, ids, sampling)
+    tail = text.rstrip()
+    return Prompt(ids, tail.endswith("<think>"))
+
+
+def fit_prompt(ctx, ids: list[int], sampling: SamplingOptions) -> None:
+    """Reject prompts that do not fit; clamp max_tokens to the context left (as llama.cpp)."""
+    limit = ctx.serving.max_len
+    if not ids:
+        raise ApiError(400, "the prompt is empty")
+    if len(ids) >= limit:
+        raise ApiError(400, f"prompt is too long: {len(ids)} tokens, the context is {limit} tokens "
+                            "(this leaves no room to generate)", code="context_length_exceeded")
+    sampling.max_tokens = min(sampling.max_tokens, limit - len(ids))
+
+
+def render(ctx, messages: list[dict], tools: list[dict] | None, **kwargs) -> str:
+    try:
+        return ctx.template.render(messages, tools, add_generation_prompt=True, **kwargs)
+    except FreeTokenError as e:
+        raise ApiError(400, str(e)) from None
+
+
+def text_of(content, where: str) -> str:
+    """Message content -> plain text: a string, or a list of text parts / blocks."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out = []
+        for part in content:
+            if isinstance(part, str):
+                out.append(part)
+            elif isinstance(part, dict) and part.get("type") in ("text", "input_text", "output_text"):
+                out.append(str(part.get("text", "")))
+            elif isinstance(part, dict) and part.get("type") in ("image", "image_url", "input_image", "document"):
+                raise ApiError(400, f"{where}: {part['type']} content is not supported by this text model")
+            elif isinstance(part, dict):
+                raise ApiError(400, f"{where}: unsupported content part type {part.get('type')!r}")
+            else:
+                raise ApiError(400, f"{where}: content parts must be objects")
+        return "".join(out)
+    raise ApiError(400, f"{where}: content must be a string or a list of parts")
+
+
+def json_args(args) -> dict | str:
+    """Tool-call arguments for templates: a dict when the JSON parses (templates expect one)."""
+    if isinstance(args, dict):
+        return args
+    if isinstance(args, str):
+        try:
+            v = json.loads(args) if args.strip() else {}
+            return v if isinstance(v, dict) else args
+        except ValueError:
+            return args
+    return {}

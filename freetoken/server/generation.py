@@ -1,0 +1,155 @@
+"""One request's server-side life: submit, detokenize incrementally, cut at stop strings,
+parse thinking / text / tool calls, and report usage. Shared by the OpenAI and Anthropic
+adapters, which only format what this yields."""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from ..runtime.request import Request, SamplingOptions
+from .parser import Event, OutputParser
+
+PING_EVERY_S = 10.0  # keep-alive while a long prompt prefills
+
+
+@dataclass
+class Done:
+    finish_reason: str  # "stop" | "length" | "stop_sequence" | "cancelled" | "error"
+    stop_sequence: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    error: str | None = None
+    logprobs: list[float] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Ping:
+    pass
+
+
+class Detokenizer:
+    """Incremental decode that never emits half a multi-byte character."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0
+        self.read = 0
+
+    def push(self, ids: list[int]) -> str:
+        self.ids += ids
+        before = self.tok.decode(self.ids[self.prefix:self.read])
+        now = self.tok.decode(self.ids[self.prefix:])
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return now[len(before):]
+        return ""
+
+    def flush(self) -> str:
+        before = self.tok.decode(self.ids[self.prefix:self.read])
+        now = self.tok.decode(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return now[len(before):]
+
+
+class RawParser:
+    """No chat parsing (/v1/completions): all text is content."""
+
+    def feed(self, text: str) -> list[Event]:
+        return [Event("content", text)]
+
+    def finish(self) -> list[Event]:
+        return []
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text, holding back what could be the start of one."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.buf = ""
+
+    def push(self, text: str) -> tuple[str, str | None]:
+        """-> (text safe to emit, the stop string if one was hit)."""
+        self.buf += text
+        hits = [(self.buf.find(s), s) for s in self.stops if s in self.buf]
+        if hits:
+            idx, s = min(hits)
+            out, self.buf = self.buf[:idx], ""
+            return out, s
+        if not self.stops:
+            out, self.buf = self.buf, ""
+            return out, None
+        cut = max(0, len(self.buf) - self.hold)
+        out, self.buf = self.buf[:cut], self.buf[cut:]
+        return out, None
+
+    def flush(self) -> str:
+        out, self.buf = self.buf, ""
+        return out
+
+
+def start(ctx, prompt_ids: list[int], sampling: SamplingOptions):
+    """Queue a request now (raises QueueFull before any response byte is sent)."""
+    req = Request(prompt_ids, sampling)
+    queue = ctx.serving.submit(req)
+    ctx.metrics.request_started()
+    return req, queue
+
+
+async def events(ctx, req: Request, queue, tools: bool, in_reasoning: bool, is_disconnected=None,
+                 raw: bool = False):
+    """Async iterator of parser Events, Pings and a final Done for a started request.
+    is_disconnected: for non-streaming responses, polled so a vanished client cancels."""
+    sampling, prompt_ids = req.sampling, req.prompt_ids
+    detok = Detokenizer(ctx.tokenizer)
+    stops = StopMatcher(sampling.stop)
+    parser = RawParser() if raw else OutputParser(in_reasoning=in_reasoning, tools=tools)
+    hidden = set(ctx.serving.engine.eos_ids) | set(sampling.stop_token_ids)
+    stop_hit = None
+    try:
+        while True:
+            try:
+                ev = await asyncio.wait_for(queue.get(), timeout=PING_EVERY_S if is_disconnected is None else 1.0)
+            except asyncio.TimeoutError:
+                if is_disconnected is not None and await is_disconnected():
+                    ctx.serving.cancel(req)
+                    continue
+                yield Ping()
+                continue
+            visible = [t for t in ev.token_ids if t not in hidden or sampling.ignore_eos]
+            text = detok.push(visible) if visible else ""
+            if ev.finish_reason is not None:
+                text += detok.flush()
+            if stop_hit is None and text:
+                text, stop_hit = stops.push(text)
+                if stop_hit is not None:
+                    ctx.serving.cancel(req, "stop_sequence")
+            if ev.finish_reason is not None and stop_hit is None:
+                text += stops.flush()
+            for e in parser.feed(text) if text else []:
+                yield e
+            if ev.finish_reason is not None:
+                for e in parser.finish():
+                    yield e
+                reason = "stop_sequence" if stop_hit is not None else ev.finish_reason
+                yield Done(reason, stop_hit, len(prompt_ids), len(req.output_ids), req.cached_tokens,
+                           ev.error, list(req.logprobs), list(req.output_ids))
+                return
+    finally:
+        if req.finish_reason is None or req.finished_at is None:
+            ctx.serving.cancel(req)  # client went away mid-stream: free the slot
+        ctx.metrics.request_finished(req, time.monotonic())
+
+
+def collect(events: list) -> tuple[str, str, list, Done]:
+    """Whole-response view of a finished generation."""
+    reasoning = "".join(e.text for e in events if isinstance(e, Event) and e.kind == "reasoning")
+    content = "".join(e.text for e in events if isinstance(e, Event) and e.kind == "content")
+    tools = [e.tool for e in events if isinstance(e, Event) and e.kind == "tool_call"]
+    done = next(e for e in events if isinstance(e, Done))
+    return reasoning, content, tools, done

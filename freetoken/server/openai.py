@@ -1,0 +1,241 @@
+"""OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from starlette.responses import JSONResponse, StreamingResponse
+
+from ..runtime.scheduler import QueueFull
+from .common import ApiError, build_prompt, field, fit_prompt, json_args, render, sampling_from, text_of
+from .generation import Done, Ping, collect, events, start
+from .parser import Event
+
+ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
+
+
+def error_body(e: ApiError) -> dict:
+    return {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}}
+
+
+def check_model(ctx, body: dict) -> str:
+    model = field(body, "model", "string", required=True)
+    if model not in ctx.model_names:
+        raise ApiError(404, f"model '{model}' does not exist; this server serves {ctx.model_names[0]!r}",
+                       param="model", code="model_not_found")
+    return model
+
+
+def normalize_messages(raw) -> list[dict]:
+    if not isinstance(raw, list) or not raw:
+        raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise ApiError(400, f"{where}: role must be one of {sorted(ROLES)}", param="messages")
+        role = {"developer": "system", "function": "tool"}.get(m["role"], m["role"])
+        msg = {"role": role, "content": text_of(m.get("content"), where)}
+        if role == "assistant":
+            calls = m.get("tool_calls") or []
+            if not isinstance(calls, list):
+                raise ApiError(400, f"{where}: tool_calls must be a list", param="messages")
+            msg["tool_calls"] = []
+            for c in calls:
+                fn = c.get("function") if isinstance(c, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise ApiError(400, f"{where}: each tool call needs function.name", param="messages")
+                msg["tool_calls"].append({"id": c.get("id") or "", "type": "function",
+                                          "function": {"name": fn["name"], "arguments": json_args(fn.get("arguments"))}})
+            reasoning = m.get("reasoning_content", m.get("reasoning"))
+            if isinstance(reasoning, str) and reasoning:
+                msg["reasoning_content"] = reasoning
+        if role == "tool":
+            msg["tool_call_id"] = m.get("tool_call_id") or m.get("name") or ""
+        out.append(msg)
+    return out
+
+
+def normalize_tools(body: dict):
+    tools = field(body, "tools", "array")
+    choice = body.get("tool_choice", "auto")
+    if not tools or choice == "none":
+        return None
+    out = []
+    for t in tools:
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(t.get("function"), dict) \
+                or not isinstance(t["function"].get("name"), str):
+            raise ApiError(400, "each tool must be {'type': 'function', 'function': {'name': ..., ...}}", param="tools")
+        out.append({"type": "function", "function": t["function"]})
+    return out
+
+
+def _max_tokens(body: dict):
+    a = field(body, "max_completion_tokens", "integer")
+    b = field(body, "max_tokens", "integer")
+    return a if a is not None else b
+
+
+def _check_n(body):
+    n = field(body, "n", "integer", 1)
+    if n != 1:
+        raise ApiError(400, f"n={n} is not supported: only one choice per request", param="n")
+
+
+async def chat_completions(ctx, body: dict, request):
+    model = check_model(ctx, body)
+    _check_n(body)
+    messages = normalize_messages(body.get("messages"))
+    tools = normalize_tools(body)
+    stream = field(body, "stream", "boolean", False)
+    include_usage = bool((field(body, "stream_options", "object") or {}).get("include_usage"))
+    sampling = sampling_from(body, _max_tokens(body), body.get("stop"), default_max=ctx.serving.max_len)
+    kwargs = dict(field(body, "chat_template_kwargs", "object") or {})
+    text = render(ctx, messages, tools, **kwargs)
+    prompt = build_prompt(ctx, text, sampling)
+    want_logprobs = bool(field(body, "logprobs", "boolean", False))
+    req, queue = submit(ctx, prompt.ids, sampling)
+    gen = events(ctx, req, queue, tools is not None, prompt.in_reasoning, None if stream else request.is_disconnected)
+    cid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
+    if stream:
+        return StreamingResponse(_chat_stream(ctx, gen, cid, created, model, include_usage),
+                                 media_type="text/event-stream", headers={"cache-control": "no-cache"})
+    reasoning, content, calls, done = collect([e async for e in gen])
+    _raise_if_failed(done)
+    msg = {"role": "assistant", "content": content if (content or not calls) else None}
+    if reasoning:
+        msg["reasoning_content"] = reasoning
+    if calls:
+        msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                             for c in calls]
+    choice = {"index": 0, "message": msg, "finish_reason": _finish(done, bool(calls)), "logprobs": None}
+    if want_logprobs:
+        choice["logprobs"] = {"content": [{"token": ctx.tokenizer.decode([t]), "logprob": lp, "top_logprobs": []}
+                                          for t, lp in zip(done.token_ids, done.logprobs)]}
+    return JSONResponse({"id": cid, "object": "chat.completion", "created": created, "model": model,
+                         "choices": [choice], "usage": usage(done), "system_fingerprint": "freetoken"})
+
+
+def usage(done: Done) -> dict:
+    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
+            "total_tokens": done.prompt_tokens + done.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
+
+
+def _finish(done: Done, tool_calls: bool) -> str:
+    if done.finish_reason == "length":
+        return "length"
+    return "tool_calls" if tool_calls else "stop"
+
+
+def _raise_if_failed(done: Done):
+    if done.finish_reason == "error":
+        raise ApiError(500, f"generation failed: {done.error}", kind="server_error")
+
+
+def _sse(obj) -> str:
+    return "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
+
+
+def submit(ctx, ids, sampling):
+    try:
+        return start(ctx, ids, sampling)
+    except QueueFull as e:
+        raise ApiError(429, f"server busy: {e}; retry shortly", kind="rate_limit_error",
+                       headers={"retry-after": "1"}) from None
+
+
+async def _chat_stream(ctx, gen, cid, created, model, include_usage):
+    def chunk(delta, finish=None):
+        return _sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                     "system_fingerprint": "freetoken",
+                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]})
+    yield chunk({"role": "assistant", "content": ""})
+    n_calls = 0
+    try:
+        async for ev in gen:
+            if isinstance(ev, Ping):
+                yield ": keep-alive\n\n"
+            elif isinstance(ev, Event) and ev.kind == "content":
+                yield chunk({"content": ev.text})
+            elif isinstance(ev, Event) and ev.kind == "reasoning":
+                yield chunk({"reasoning_content": ev.text})
+            elif isinstance(ev, Event) and ev.kind == "tool_call":
+                t = ev.tool
+                yield chunk({"tool_calls": [{"index": n_calls, "id": t.id, "type": "function",
+                                             "function": {"name": t.name, "arguments": t.arguments}}]})
+                n_calls += 1
+            elif isinstance(ev, Done):
+                if ev.finish_reason == "error":
+                    yield _sse({"error": {"message": f"generation failed: {ev.error}", "type": "server_error"}})
+                    return
+                yield chunk({}, _finish(ev, n_calls > 0))
+                if include_usage:
+                    yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                                "choices": [], "usage": usage(ev)})
+                yield "data: [DONE]\n\n"
+    finally:
+        await gen.aclose()
+
+
+async def completions(ctx, body: dict, request):
+    model = check_model(ctx, body)
+    _check_n(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = ctx.tokenizer.encode(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = list(prompt)
+        if any(not 0 <= t < ctx.vocab_size for t in ids):
+            raise ApiError(400, "prompt token ids must be in [0, vocab size)", param="prompt")
+    else:
+        raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per request)", param="prompt")
+    sampling = sampling_from(body, field(body, "max_tokens", "integer"), body.get("stop"), default_max=16)
+    fit_prompt(ctx, ids, sampling)
+    stream = field(body, "stream", "boolean", False)
+    include_usage = bool((field(body, "stream_options", "object") or {}).get("include_usage"))
+    req, queue = submit(ctx, ids, sampling)
+    # raw completions: no chat parsing, thinking tags are just text
+    gen = events(ctx, req, queue, tools=False, in_reasoning=False,
+                 is_disconnected=None if stream else request.is_disconnected, raw=True)
+    cid, created = "cmpl-" + uuid.uuid4().hex, int(time.time())
+    if stream:
+        return StreamingResponse(_completion_stream(gen, cid, created, model, include_usage),
+                                 media_type="text/event-stream")
+    evs = [e async for e in gen]
+    done = next(e for e in evs if isinstance(e, Done))
+    _raise_if_failed(done)
+    text = "".join(e.text for e in evs if isinstance(e, Event))
+    return JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": model,
+                         "choices": [{"index": 0, "text": text, "logprobs": None,
+                                      "finish_reason": "length" if done.finish_reason == "length" else "stop"}],
+                         "usage": usage(done)})
+
+
+async def _completion_stream(gen, cid, created, model, include_usage):
+    def chunk(text, finish=None):
+        return _sse({"id": cid, "object": "text_completion", "created": created, "model": model,
+                     "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]})
+    try:
+        async for ev in gen:
+            if isinstance(ev, Ping):
+                yield ": keep-alive\n\n"
+            elif isinstance(ev, Event):
+                yield chunk(ev.text)
+            elif isinstance(ev, Done):
+                yield chunk("", "length" if ev.finish_reason == "length" else "stop")
+                if include_usage:
+                    yield _sse({"id": cid, "object": "text_completion", "created": created, "model": model,
+                                "choices": [], "usage": usage(ev)})
+                yield "data: [DONE]\n\n"
+    finally:
+        await gen.aclose()
+
+
+def models(ctx) -> JSONResponse:
+    return JSONResponse({"object": "list", "data": [
+        {"id": name, "object": "model", "created": ctx.started, "owned_by": "freetoken",
+         "max_model_len": ctx.serving.max_len} for name in ctx.model_names]})

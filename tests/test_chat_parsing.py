@@ -1,0 +1,95 @@
+"""Output parsing on scripted streams split at every boundary, and template rendering."""
+import json
+
+import pytest
+
+from freetoken.server.parser import OutputParser, merge, parse_tool_call
+from freetoken.server.template import ChatTemplate
+
+SCRIPTS = [
+    # (text, starts inside <think>, expected reasoning, content, tool calls [(name, args)])
+    ("<think>\nLet me add.\n</think>\n\nThe answer is 4.", False, "Let me add.", "The answer is 4.", []),
+    ("plan it\n\n</think>\n\nDone.", True, "plan it", "Done.", []),
+    ("I'll check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"days\": 2}}\n</tool_call>",
+     False, "", "I'll check.\n", [("get_weather", {"city": "Paris", "days": 2})]),
+    ("<think>x < y and </thinking> is not a tag</think><tool_call>\n{\"name\": \"a\", \"arguments\": {}}\n</tool_call>\n"
+     "<tool_call>\n<function=run>\n<parameter=cmd>\nls -la\n</parameter>\n<parameter=n>\n3\n</parameter>\n</function>\n</tool_call>",
+     False, "x < y and </thinking> is not a tag", "", [("a", {}), ("run", {"cmd": "ls -la", "n": 3})]),
+    ("no tags at all, just <b>html</b> and a lone <", False, "", "no tags at all, just <b>html</b> and a lone <", []),
+    ("<tool_call>not json at all</tool_call> tail", False, "", "<tool_call>not json at all</tool_call>tail", []),
+]
+
+
+def run(parser, pieces):
+    events = []
+    for p in pieces:
+        events += parser.feed(p)
+    events += parser.finish()
+    return merge(events)
+
+
+def check(result, reasoning, content, calls):
+    r, c, tools = result
+    assert r == reasoning
+    assert c == content
+    assert [(t.name, json.loads(t.arguments)) for t in tools] == calls
+
+
+@pytest.mark.parametrize("i", range(len(SCRIPTS)))
+def test_every_split_point(i):
+    text, in_think, *expected = SCRIPTS[i]
+    check(run(OutputParser(in_think), [text]), *expected)
+    for cut in range(len(text) + 1):
+        check(run(OutputParser(in_think), [text[:cut], text[cut:]]), *expected)
+    check(run(OutputParser(in_think), list(text)), *expected)  # one character at a time
+
+
+def test_three_way_splits_on_a_tool_script():
+    text, in_think, *expected = SCRIPTS[3]
+    for a in range(0, len(text), 3):
+        for b in range(a, len(text), 5):
+            check(run(OutputParser(in_think), [text[:a], text[a:b], text[b:]]), *expected)
+
+
+def test_tools_disabled_keeps_text():
+    text = "<tool_call>{\"name\": \"x\", \"arguments\": {}}</tool_call>"
+    assert run(OutputParser(tools=False), [text]) == ("", text, [])
+
+
+def test_unterminated_tool_call_at_end():
+    r, c, tools = run(OutputParser(), ["<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}}"])
+    assert [t.name for t in tools] == ["f"]
+
+
+def test_parse_tool_call_variants():
+    assert parse_tool_call('{"name": "f", "arguments": "{\\"x\\": 1}"}').arguments == '{"x": 1}'
+    assert parse_tool_call("garbage") is None
+
+
+def test_builtin_template_renders_tools_history_and_thinking():
+    t = ChatTemplate(None)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    msgs = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "", "reasoning_content": "need tool",
+             "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+            {"role": "tool", "tool_call_id": "c2", "content": "warm"},
+            {"role": "user", "content": "thanks"}]
+    out = t.render(msgs, tools)
+    assert out.startswith("<|im_start|>system\nBe brief.\n\n# Tools")
+    assert '"name": "get_weather"' in out and "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>" in out
+    assert "<tool_response>\nsunny\n</tool_response>\n<tool_response>\nwarm\n</tool_response><|im_end|>" in out
+    assert "need tool" not in out  # thinking of turns before the last user message is dropped
+    assert out.endswith("<|im_start|>user\nthanks<|im_end|>\n<|im_start|>assistant\n")
+    no_think = t.render([{"role": "user", "content": "hi"}], enable_thinking=False)
+    assert no_think.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_model_template_from_tokenizer_config():
+    cfg = {"chat_template": "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+                            "{% if add_generation_prompt %}[assistant]{% endif %}{{ eos_token }}",
+           "eos_token": "</s>"}
+    t = ChatTemplate.from_files({}, cfg)
+    assert not t.builtin
+    assert t.render([{"role": "user", "content": "hi"}]) == "[user]hi[assistant]</s>"
