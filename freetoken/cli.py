@@ -109,6 +109,7 @@ def cmd_serve(args) -> int:
     from .runtime.engine import Engine, EngineConfig
     from .runtime.serving import ServingEngine
     from .server.app import ServerContext, build_app
+    from .server.metrics import Metrics
     from .server.template import ChatTemplate
     from .tokenizer import load_json
     if args.max_batch < 1 or args.max_queue < 0:
@@ -118,8 +119,10 @@ def cmd_serve(args) -> int:
     files = eng.files
     template = ChatTemplate.from_files(files, load_json(files.get("tokenizer_config.json"), "tokenizer_config.json"))
     name = args.served_model_name or (eng.meta.get("source") if args.model else "freetoken-demo")
-    serving = ServingEngine(eng, max_batch=args.max_batch, max_queue=args.max_queue)
-    ctx = ServerContext(serving, eng.tokenizer, template, [name], eng.cfg.vocab_size, api_key=args.api_key)
+    metrics = Metrics()
+    serving = ServingEngine(eng, max_batch=args.max_batch, max_queue=args.max_queue, metrics=metrics)
+    ctx = ServerContext(serving, eng.tokenizer, template, [name], eng.cfg.vocab_size, api_key=args.api_key,
+                        metrics=metrics)
     app = build_app(ctx)
     print(f"FreeToken: serving {name!r} ({eng.cfg.arch}, {eng.device}, experts on {eng.experts_on}, "
           f"context {eng.max_len}) at http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)

@@ -153,3 +153,22 @@ def test_router(t, e, k, norm, dtype):
         kth = torch.topk(logits.float(), k).values[:, -1:]
         assert bool((logits.float().gather(1, ids - 3 * e) >= kth).all())
         assert rel(w.float().sort(-1).values, ref_w.float().sort(-1).values) < 1e-2
+
+
+def test_inactive_rows_keep_their_state():
+    """Decode rows of slots that are not decoding (mid-prefill, idle) must not touch state."""
+    g = torch.Generator().manual_seed(17)
+    b, hk, hv, dk, dv, k = 3, 1, 2, 16, 16, 4
+    c = 2 * hk * dk + hv * dv
+    active = torch.tensor([True, False, True], device=DEV)
+    state = torch.randn(b, c, k - 1, generator=g).to(DEV)
+    before = state.clone()
+    conv_update_triton(torch.randn(b, c, generator=g).to(DEV), state, torch.randn(c, k, generator=g).to(DEV), active)
+    assert torch.equal(state[1], before[1]) and not torch.equal(state[0], before[0])
+    rec = torch.randn(b, hv, dk, dv, generator=g).to(DEV)
+    rbefore = rec.clone()
+    delta_step_triton(torch.randn(b, c, generator=g).to(DEV), torch.randn(b, hv * dv, generator=g).to(DEV),
+                      torch.randn(b, hv, generator=g).to(DEV), torch.randn(b, hv, generator=g).to(DEV),
+                      -torch.ones(hv, device=DEV), torch.zeros(hv, device=DEV), rec, torch.ones(dv, device=DEV),
+                      1e-6, hk, hv, dk, dv, active)
+    assert torch.equal(rec[1], rbefore[1]) and not torch.equal(rec[2], rbefore[2])

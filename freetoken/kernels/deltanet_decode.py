@@ -16,39 +16,49 @@ from . import tl_dtype
 
 
 @triton.jit
-def _conv_update_kernel(x_ptr, state_ptr, w_ptr, out_ptr, C, stride_xb, stride_sb, stride_sc,
+def _conv_update_kernel(x_ptr, state_ptr, w_ptr, out_ptr, active_ptr, C, stride_xb, stride_sb, stride_sc,
                         K: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr):
     b = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < C
+    live = tl.load(active_ptr + b).to(tl.int32)  # inactive rows compute but keep their state
     x = tl.load(x_ptr + b * stride_xb + cols, mask=m, other=0.0).to(tl.float32)
     acc = x * tl.load(w_ptr + cols * K + (K - 1), mask=m, other=0.0).to(tl.float32)
     sp = state_ptr + b * stride_sb + cols * stride_sc
     for j in tl.static_range(K - 1):
         s = tl.load(sp + j, mask=m, other=0.0).to(tl.float32)
         acc += s * tl.load(w_ptr + cols * K + j, mask=m, other=0.0).to(tl.float32)
+    ms = m & ((cols * 0 + live) != 0)
     for j in tl.static_range(K - 2):  # shift the window left by one
-        tl.store(sp + j, tl.load(sp + j + 1, mask=m, other=0.0), mask=m)
-    tl.store(sp + (K - 2), x.to(DTYPE), mask=m)
+        tl.store(sp + j, tl.load(sp + j + 1, mask=m, other=0.0), mask=ms)
+    tl.store(sp + (K - 2), x.to(DTYPE), mask=ms)
     y = acc.to(DTYPE).to(tl.float32)
     tl.store(out_ptr + b * stride_xb + cols, (y / (1.0 + tl.exp(-y))).to(DTYPE), mask=m)
 
 
-def conv_update_triton(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x: [B, C], state: [B, C, K-1] (updated in place), weight: [C, K] -> silu(conv) [B, C]."""
+def _active_rows(active, b: int, device) -> torch.Tensor:
+    if active is None:
+        return torch.ones(b, dtype=torch.int8, device=device)
+    return active.to(torch.int8)
+
+
+def conv_update_triton(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, active=None) -> torch.Tensor:
+    """x: [B, C], state: [B, C, K-1] (updated in place where active), weight: [C, K]
+    -> silu(conv) [B, C]."""
     b, c = x.shape
     k = weight.shape[1]
     assert state.stride(2) == 1 and k >= 2 and x.stride(1) == 1
     out = torch.empty_like(x)
     block = 256
-    _conv_update_kernel[(b, triton.cdiv(c, block))](x, state, weight, out, c, x.stride(0), state.stride(0),
-                                                   state.stride(1), K=k, BLOCK=block, DTYPE=tl_dtype(x.dtype))
+    _conv_update_kernel[(b, triton.cdiv(c, block))](x, state, weight, out, _active_rows(active, b, x.device), c,
+                                                   x.stride(0), state.stride(0), state.stride(1), K=k, BLOCK=block,
+                                                   DTYPE=tl_dtype(x.dtype))
     return out
 
 
 @triton.jit
 def _delta_step_kernel(mixed_ptr, z_ptr, b_ptr, a_ptr, neg_a_ptr, dt_bias_ptr, state_ptr, norm_w_ptr, out_ptr,
-                       stride_m, stride_z, stride_ba, stride_o, eps,
+                       active_ptr, stride_m, stride_z, stride_ba, stride_o, eps,
                        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                        DTYPE: tl.constexpr):
     bi = tl.program_id(0)
@@ -72,7 +82,8 @@ def _delta_step_kernel(mixed_ptr, z_ptr, b_ptr, a_ptr, neg_a_ptr, dt_bias_ptr, s
     kv_mem = tl.sum(s * k[:, None], axis=0)  # [DV]
     delta = (v - kv_mem) * beta
     s = s + k[:, None] * delta[None, :]
-    tl.store(sp, s)
+    live = tl.load(active_ptr + bi).to(tl.int32)
+    tl.store(sp, s, mask=(dk[:, None] * 0 + dv[None, :] * 0 + live) != 0)
     o = tl.sum(s * q[:, None], axis=0).to(DTYPE).to(tl.float32)  # [DV]
     # gated RMSNorm: w * norm(o) rounded to dtype, times silu(z)
     normed = (o * tl.rsqrt(tl.sum(o * o, axis=0) / DV + eps)).to(DTYPE).to(tl.float32)
@@ -82,14 +93,14 @@ def _delta_step_kernel(mixed_ptr, z_ptr, b_ptr, a_ptr, neg_a_ptr, dt_bias_ptr, s
     tl.store(out_ptr + bi * stride_o + h * DV + dv, (y * (z / (1.0 + tl.exp(-z)))).to(DTYPE))
 
 
-def delta_step_triton(mixed, z, b, a, neg_a, dt_bias, state, norm_w, eps, hk, hv, dk, dv):
+def delta_step_triton(mixed, z, b, a, neg_a, dt_bias, state, norm_w, eps, hk, hv, dk, dv, active=None):
     """mixed: [B, C] conv output; z: [B, Hv*dv]; b, a: [B, Hv]; state: [B, Hv, dk, dv] fp32,
-    updated in place -> gated-normed readout [B, Hv*dv] in mixed's dtype."""
+    updated in place where active -> gated-normed readout [B, Hv*dv] in mixed's dtype."""
     bsz = mixed.shape[0]
     assert state.is_contiguous() and b.stride(0) == a.stride(0) and b.stride(1) == 1 == a.stride(1)
     out = torch.empty(bsz, hv * dv, dtype=mixed.dtype, device=mixed.device)
     _delta_step_kernel[(bsz, hv)](mixed, z, b, a, neg_a, dt_bias, state, norm_w, out,
-                                  mixed.stride(0), z.stride(0), b.stride(0), out.stride(0), eps,
+                                  _active_rows(active, bsz, mixed.device), mixed.stride(0), z.stride(0), b.stride(0), out.stride(0), eps,
                                   HK=hk, HV=hv, DK=dk, DV=dv, DTYPE=tl_dtype(mixed.dtype),
                                   num_warps=8 if dk * dv >= 8192 else 4)
     return out

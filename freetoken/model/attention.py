@@ -61,13 +61,16 @@ class Attention:
         o = o[0].transpose(0, 1).reshape(t, self.nh * self.hd)  # [T, nh*hd]
         return self._output(o, gate)
 
-    def decode(self, x: torch.Tensor, st: DecodeState, pos: torch.Tensor, attend_len: int) -> torch.Tensor:
-        """One token for each of B slots. x: [B, H], pos: [B]; keys beyond attend_len unseen."""
+    def decode(self, x: torch.Tensor, st: DecodeState, pos: torch.Tensor, attend_len: int,
+               active: torch.Tensor | None = None) -> torch.Tensor:
+        """One token for each of B slots. x: [B, H], pos: [B]; keys beyond attend_len unseen.
+        active: [B] bool; inactive rows (slots prefilling or idle) write to the scratch position."""
         b = x.shape[0]
         q, k, v, gate = self._project(x, pos)  # q [B, nh, hd]
         rows = torch.arange(b, device=x.device)
-        st.k[self.layer][rows, :, pos] = k  # [B, kvh, hd] scattered at each slot's position
-        st.v[self.layer][rows, :, pos] = v
+        wpos = pos if active is None else torch.where(active, pos, st.scratch)
+        st.k[self.layer][rows, :, wpos] = k  # [B, kvh, hd] scattered at each slot's position
+        st.v[self.layer][rows, :, wpos] = v
         kc = st.k[self.layer][:b, :, :attend_len]  # [B, kvh, L, hd]
         vc = st.v[self.layer][:b, :, :attend_len]
         mask = self._mask(pos, attend_len)[:, None, None, :]  # [B, 1, 1, L]

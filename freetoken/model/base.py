@@ -90,9 +90,11 @@ class DecoderModel:
         return F.linear(h if all_logits else h[-1:], self.lm_head).float()
 
     @torch.inference_mode()
-    def decode(self, tokens: torch.Tensor, st: DecodeState, pos: torch.Tensor, attend_len: int) -> torch.Tensor:
+    def decode(self, tokens: torch.Tensor, st: DecodeState, pos: torch.Tensor, attend_len: int,
+               active: torch.Tensor | None = None) -> torch.Tensor:
         """tokens, pos: [B] (one per slot) -> logits [B, V]. Static shapes for a given B and
-        attend_len: no data-dependent Python branching."""
+        attend_len: no data-dependent Python branching. active [B] bool masks the state
+        updates of rows that are not decoding (idle or mid-prefill slots)."""
         x = self.embed[tokens].to(self.dtype)  # [B, H]
-        h = self._stack(x, lambda m, h: m.decode(h, st, pos, attend_len))
+        h = self._stack(x, lambda m, h: m.decode(h, st, pos, attend_len, active))
         return F.linear(h, self.lm_head).float()

@@ -123,24 +123,32 @@ class GatedDeltaNet:
         st.rec[self.layer][slot].copy_(new)
         return self._finish(core, z, x.dtype)
 
-    def decode(self, x: torch.Tensor, st: DecodeState, pos: torch.Tensor, attend_len: int) -> torch.Tensor:
-        """x: [B, H], one token per slot."""
+    def decode(self, x: torch.Tensor, st: DecodeState, pos: torch.Tensor, attend_len: int,
+               active: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [B, H], one token per slot. active: [B] bool; inactive rows leave their state alone
+        (a slot mid-prefill keeps what it has)."""
         bsz = x.shape[0]
         mixed, z, b, a = self.in_proj(x)  # [B, C], [B, Hv*dv], [B, Hv], [B, Hv]
         conv_state = st.conv[self.layer][:bsz]  # [B, C, K-1]
         if self.fusable and use_triton(x):
             from ..kernels.deltanet_decode import conv_update_triton, delta_step_triton
-            mixed = conv_update_triton(mixed, conv_state, self.conv_w)
+            mixed = conv_update_triton(mixed, conv_state, self.conv_w, active)
             o = delta_step_triton(mixed, z, b, a, self.neg_a, self.dt_bias, st.rec[self.layer][:bsz],
-                                  self.norm_w, self.eps, self.hk, self.hv, self.dk, self.dv)
+                                  self.norm_w, self.eps, self.hk, self.hv, self.dk, self.dv, active)
             return F.linear(o, self.w_out)
         window = torch.cat([conv_state, mixed[..., None].to(conv_state.dtype)], dim=-1)  # [B, C, K]
         conv = (window * self.conv_w).sum(-1)
         if self.conv_b is not None:
             conv = conv + self.conv_b
         mixed = F.silu(conv).to(x.dtype)
-        conv_state.copy_(window[..., 1:])
         q, k, v, g, beta = self._gates_and_heads(mixed, a, b)
-        core, new = recurrent_gated_delta_step(q, k, v, g, beta, st.rec[self.layer][:bsz])
-        st.rec[self.layer][:bsz].copy_(new)
+        rec = st.rec[self.layer][:bsz]
+        core, new = recurrent_gated_delta_step(q, k, v, g, beta, rec)
+        if active is None:
+            conv_state.copy_(window[..., 1:])
+            rec.copy_(new)
+        else:
+            keep = active[:, None, None]
+            conv_state.copy_(torch.where(keep, window[..., 1:], conv_state))
+            rec.copy_(torch.where(keep[..., None], new, rec))
         return self._finish(core, z, x.dtype)

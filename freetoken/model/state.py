@@ -14,7 +14,9 @@ from ..config import ModelConfig
 class DecodeState:
     def __init__(self, cfg: ModelConfig, slots: int, max_len: int, device, dtype):
         self.slots, self.max_len = slots, max_len
-        kv_shape = (slots, cfg.num_kv_heads, max_len, cfg.head_dim)
+        # one extra position: decode rows that are not active write their K/V there
+        self.scratch = max_len
+        kv_shape = (slots, cfg.num_kv_heads, max_len + 1, cfg.head_dim)
         self.k = {i: torch.zeros(kv_shape, device=device, dtype=dtype) for i in cfg.attention_layers}
         self.v = {i: torch.zeros(kv_shape, device=device, dtype=dtype) for i in cfg.attention_layers}
         conv_shape = (slots, cfg.conv_dim, max(cfg.linear_conv_kernel_dim - 1, 0))

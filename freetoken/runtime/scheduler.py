@@ -38,7 +38,8 @@ class Scheduler:
         self.max_queue, self.chunk, self.prefill_per_step = max_queue, chunk, prefill_per_step
 
     def add(self, req: Request) -> None:
-        if len(self.waiting) >= self.max_queue:
+        # free slots absorb arrivals the engine thread has not scheduled yet
+        if len(self.waiting) >= self.max_queue + len(self.free):
             raise QueueFull(f"{len(self.waiting)} requests already waiting")
         self.waiting.append(req)
 

@@ -102,14 +102,17 @@ class ServingEngine:
             if end == len(req.prompt_ids):
                 self._accept(req, logits)
         if batch.decode:
-            n = max(r.slot for r in batch.decode) + 1  # slots below n that are idle decode junk
+            n = max(r.slot for r in batch.decode) + 1  # rows [0, n): the decoding slots and any holes
             tokens = torch.zeros(n, dtype=torch.long)
             pos = torch.zeros(n, dtype=torch.long)
+            active = torch.zeros(n, dtype=torch.bool)  # rows of idle or mid-prefill slots keep their state
             for r in batch.decode:
                 tokens[r.slot] = r.output_ids[-1]
                 pos[r.slot] = r.length - 1
+                active[r.slot] = True
             t0 = time.perf_counter()
-            logits = eng.model.decode(tokens.to(eng.device), self.state, pos.to(eng.device), int(pos.max()) + 1)
+            dev = eng.device
+            logits = eng.model.decode(tokens.to(dev), self.state, pos.to(dev), int(pos.max()) + 1, active.to(dev))
             logits = logits.cpu()
             if self.metrics:
                 self.metrics.decode_step(len(batch.decode), time.perf_counter() - t0)

@@ -140,7 +140,7 @@ async def messages(ctx, body: dict, request):
     prompt = build_prompt(ctx, text, sampling)
     stream = field(body, "stream", "boolean", False)
     req, queue = submit(ctx, prompt.ids, sampling)
-    gen = events(ctx, req, queue, tools is not None, prompt.in_reasoning, None if stream else request.is_disconnected)
+    gen = events(ctx, req, queue, tools is not None, prompt.in_reasoning, request.is_disconnected)
     mid = "msg_" + uuid.uuid4().hex[:24]
     if stream:
         return StreamingResponse(_stream(gen, mid, model, len(prompt.ids)), media_type="text/event-stream",

@@ -46,43 +46,44 @@ def build_app(ctx: ServerContext) -> FastAPI:
     ctx.metrics.serving = ctx.serving
     app.state.ctx = ctx
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        api = _api_of(request.url.path)
-        if request.url.path.startswith("/v1/") and ctx.api_key:
-            auth = request.headers.get("authorization", "")
-            token = auth[7:].strip() if auth.lower().startswith("bearer ") else None
-            if ctx.api_key not in (token, request.headers.get("x-api-key")):
-                ctx.metrics.requests.labels(api, "401").inc()
-                return _error_response(api, ApiError(401, "invalid or missing API key", kind="authentication_error",
-                                                     code="invalid_api_key"))
-        try:
-            resp = await call_next(request)
-        except Exception:  # a bug: answer 500 in the API's shape, keep serving
-            log.exception("unhandled error on %s", request.url.path)
-            resp = _error_response(api, ApiError(500, "internal server error", kind="server_error"))
-        ctx.metrics.requests.labels(api, str(resp.status_code)).inc()
-        return resp
+    def authorized(request: Request) -> bool:
+        if not ctx.api_key:
+            return True
+        auth = request.headers.get("authorization", "")
+        token = auth[7:].strip() if auth.lower().startswith("bearer ") else None
+        return ctx.api_key in (token, request.headers.get("x-api-key"))
 
-    def route(path: str, handler):
-        api = _api_of(path)
-
+    def guarded(api: str, handler):
+        """Authentication, the API's error shape for every failure, and request counting.
+        (A plain wrapper, not an HTTP middleware: those buffer streams and hide disconnects.)"""
         async def endpoint(request: Request):
             try:
-                body = parse_body(await request.body())
-                return await handler(ctx, body, request)
+                if not authorized(request):
+                    raise ApiError(401, "invalid or missing API key", kind="authentication_error",
+                                   code="invalid_api_key")
+                resp = await handler(request)
             except ApiError as e:
-                return _error_response(api, e)
-        app.add_api_route(path, endpoint, methods=["POST"])
+                resp = _error_response(api, e)
+            except Exception:  # a bug: answer 500 in the API's shape, keep serving
+                log.exception("unhandled error on %s", request.url.path)
+                resp = _error_response(api, ApiError(500, "internal server error", kind="server_error"))
+            ctx.metrics.requests.labels(api, str(resp.status_code)).inc()
+            return resp
+        return endpoint
+
+    def route(path: str, handler):
+        async def call(request: Request):
+            return await handler(ctx, parse_body(await request.body()), request)
+        app.add_api_route(path, guarded(_api_of(path), call), methods=["POST"])
 
     route("/v1/chat/completions", openai.chat_completions)
     route("/v1/completions", openai.completions)
     route("/v1/messages", anthropic.messages)
     route("/v1/messages/count_tokens", anthropic.count_tokens)
 
-    @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
         return openai.models(ctx)
+    app.add_api_route("/v1/models", guarded("openai", models), methods=["GET"])
 
     @app.get("/health")
     async def health():

@@ -104,28 +104,37 @@ def start(ctx, prompt_ids: list[int], sampling: SamplingOptions):
 async def events(ctx, req: Request, queue, tools: bool, in_reasoning: bool, is_disconnected=None,
                  raw: bool = False):
     """Async iterator of parser Events, Pings and a final Done for a started request.
-    is_disconnected: for non-streaming responses, polled so a vanished client cancels."""
+    is_disconnected: polled twice a second, so a vanished client cancels its request."""
     sampling, prompt_ids = req.sampling, req.prompt_ids
     detok = Detokenizer(ctx.tokenizer)
     stops = StopMatcher(sampling.stop)
     parser = RawParser() if raw else OutputParser(in_reasoning=in_reasoning, tools=tools)
     hidden = set(ctx.serving.engine.eos_ids) | set(sampling.stop_token_ids)
     stop_hit = None
+    last_out = last_check = time.monotonic()
     try:
         while True:
-            try:
-                ev = await asyncio.wait_for(queue.get(), timeout=PING_EVERY_S if is_disconnected is None else 1.0)
-            except asyncio.TimeoutError:
-                if is_disconnected is not None and await is_disconnected():
+            now = time.monotonic()
+            if is_disconnected is not None and now - last_check > 0.5:
+                last_check = now
+                if await is_disconnected():  # client gone: free the slot, stop streaming
                     ctx.serving.cancel(req)
-                    continue
-                yield Ping()
+                    return
+            try:
+                ev = await asyncio.wait_for(queue.get(), timeout=1.0)
+            except asyncio.TimeoutError:
+                if time.monotonic() - last_out > PING_EVERY_S:
+                    last_out = time.monotonic()
+                    yield Ping()
                 continue
+            last_out = time.monotonic()
             visible = [t for t in ev.token_ids if t not in hidden or sampling.ignore_eos]
             text = detok.push(visible) if visible else ""
             if ev.finish_reason is not None:
                 text += detok.flush()
-            if stop_hit is None and text:
+            if stop_hit is not None:
+                text = ""  # tokens the engine made before it saw the cancel
+            elif text:
                 text, stop_hit = stops.push(text)
                 if stop_hit is not None:
                     ctx.serving.cancel(req, "stop_sequence")

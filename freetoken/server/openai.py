@@ -96,7 +96,7 @@ async def chat_completions(ctx, body: dict, request):
     prompt = build_prompt(ctx, text, sampling)
     want_logprobs = bool(field(body, "logprobs", "boolean", False))
     req, queue = submit(ctx, prompt.ids, sampling)
-    gen = events(ctx, req, queue, tools is not None, prompt.in_reasoning, None if stream else request.is_disconnected)
+    gen = events(ctx, req, queue, tools is not None, prompt.in_reasoning, request.is_disconnected)
     cid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
     if stream:
         return StreamingResponse(_chat_stream(ctx, gen, cid, created, model, include_usage),
@@ -200,7 +200,7 @@ async def completions(ctx, body: dict, request):
     req, queue = submit(ctx, ids, sampling)
     # raw completions: no chat parsing, thinking tags are just text
     gen = events(ctx, req, queue, tools=False, in_reasoning=False,
-                 is_disconnected=None if stream else request.is_disconnected, raw=True)
+                 is_disconnected=request.is_disconnected, raw=True)
     cid, created = "cmpl-" + uuid.uuid4().hex, int(time.time())
     if stream:
         return StreamingResponse(_completion_stream(gen, cid, created, model, include_usage),

@@ -1,0 +1,66 @@
+"""Scheduler (plain Python, no torch) with fake requests."""
+import sys
+
+import pytest
+
+from freetoken.runtime.request import Request, SamplingOptions
+from freetoken.runtime.scheduler import QueueFull, Scheduler
+
+
+def req(n=10):
+    return Request(list(range(n)), SamplingOptions(max_tokens=4))
+
+
+def test_scheduler_imports_no_torch():
+    import subprocess
+    code = "import sys, freetoken.runtime.scheduler, freetoken.runtime.request; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def test_admission_chunking_and_decode():
+    s = Scheduler(slots=2, max_queue=1, chunk=4)
+    a, b, c = req(10), req(3), req(5)
+    for r in (a, b, c):
+        s.add(r)
+    batch = s.schedule()
+    assert (a.slot, b.slot, c.slot) == (0, 1, None)
+    assert [(r.id, st, en) for r, st, en in batch.prefill] == [(a.id, 0, 4)]  # one chunk per step
+    a.prefilled = 4
+    batch = s.schedule()
+    assert [(r.id, st, en) for r, st, en in batch.prefill] == [(a.id, 4, 8)]
+    a.prefilled = 10  # pretend the rest went through
+    b.prefilled = 3
+    b.output_ids.append(7)
+    batch = s.schedule()
+    assert b in batch.decode and a in batch.decode
+    s.finish(a)
+    batch = s.schedule()
+    assert c.slot == 0  # the freed lowest slot is reused
+    assert [r.id for r, _, _ in batch.prefill] == [c.id]
+
+
+def test_queue_bound_counts_free_slots():
+    s = Scheduler(slots=2, max_queue=1, chunk=8)
+    for _ in range(3):
+        s.add(req())
+    with pytest.raises(QueueFull):
+        s.add(req())
+    s.schedule()  # two enter slots, one waits
+    with pytest.raises(QueueFull):
+        s.add(req())
+
+
+def test_cancelled_requests_leave():
+    s = Scheduler(slots=1, max_queue=2, chunk=8)
+    a, b = req(), req()
+    s.add(a)
+    s.add(b)
+    s.schedule()
+    b.cancelled = True
+    batch = s.schedule()
+    assert batch.cancelled == [b] and b not in s.waiting
+    a.cancelled = True
+    batch = s.schedule()
+    assert batch.cancelled == [a]
+    s.finish(a)
+    assert s.free == [0] and not s.busy
