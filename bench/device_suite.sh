@@ -17,7 +17,7 @@ step tests
 timeout 400 python3 -m pytest -q -x -p no:cacheprovider tests/test_reference.py tests/test_cpu_executor.py tests/test_kernels.py \
   2>&1 | tail -25 | tee "$OUT/pytest.log"
 step cpu_experts
-timeout 240 python3 -m bench.cpu_experts --experts ${FT_CPU_EXPERTS:-768} --batches 1,2,4,8,32 2>&1 | tail -4
+[ -n "${FT_SKIP_CPU:-}" ] || timeout 240 python3 -m bench.cpu_experts --experts ${FT_CPU_EXPERTS:-768} --batches 1,2,4,8,32 2>&1 | tail -4
 step decode
 timeout 400 python3 -m bench.decode --experts-on ${FT_DECODE_ON:-gpu,cpu} --tokens ${FT_DECODE_TOKENS:-64} --profile 2>&1 | tail -40
 step serve

@@ -113,18 +113,25 @@ def load_ftw(path: str, names=None, *, verify: bool = True, threads: int | None 
     return meta, tensors
 
 
-def pin_in_place(tensors) -> bool:
-    """Register host tensors for DMA without copying them (cudaHostRegister)."""
+def pin_in_place(tensors, min_bytes: int = 1 << 20) -> bool:
+    """Register host tensors for DMA without copying them (cudaHostRegister).
+
+    Only whole pages that belong to the tensor are registered (FTW buffers start on a page and
+    own their padding), so neighbouring allocations never overlap a registered range. Small
+    tensors are not worth it. A refused registration is cleared so no later CUDA call sees it.
+    """
     if not torch.cuda.is_available():
         return False
     cudart = torch.cuda.cudart()
     ok = True
     for t in tensors:
-        if t.numel() == 0 or t.is_pinned():
+        n = t.numel() * t.element_size()
+        if n < min_bytes or t.is_pinned() or t.data_ptr() % ALIGN:
             continue
-        base = t.untyped_storage()
-        err = cudart.cudaHostRegister(base.data_ptr(), base.nbytes(), 0)
-        ok &= int(err) == 0
+        err = cudart.cudaHostRegister(t.data_ptr(), align_up(n), 0)
+        if int(err) != 0:
+            ok = False
+            torch.cuda.cudart().cudaGetLastError()  # do not leave the error for the next call
     if not ok:
         log.warning("could not pin every host bank; transfers from them will be slower")
     return ok
