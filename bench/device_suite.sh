@@ -19,7 +19,7 @@ timeout 400 python3 -m pytest -q -x -p no:cacheprovider tests/test_reference.py 
 step cpu_experts
 [ -n "${FT_SKIP_CPU:-}" ] || timeout 240 python3 -m bench.cpu_experts --experts ${FT_CPU_EXPERTS:-768} --batches 1,2,4,8,32 2>&1 | tail -4
 step decode
-timeout 400 python3 -m bench.decode --experts-on ${FT_DECODE_ON:-gpu,cpu} --tokens ${FT_DECODE_TOKENS:-64} --profile 2>&1 | tail -40
+[ -n "${FT_SKIP_DECODE:-}" ] || timeout 400 python3 -m bench.decode --experts-on ${FT_DECODE_ON:-gpu,cpu} --tokens ${FT_DECODE_TOKENS:-64} --profile 2>&1 | tail -40
 step serve
 timeout 300 python3 -m bench.serve --tokens 64 2>&1 | tail -6
 step done

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -132,6 +133,10 @@ def pin_in_place(tensors, min_bytes: int = 1 << 20) -> bool:
         if int(err) != 0:
             ok = False
             torch.cuda.cudart().cudaGetLastError()  # do not leave the error for the next call
+        else:
+            # unregister before the memory goes back to the allocator: a stale registration
+            # over freed (and later reused) pages breaks every copy from them
+            weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
     if not ok:
         log.warning("could not pin every host bank; transfers from them will be slower")
     return ok
