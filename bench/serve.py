@@ -22,7 +22,7 @@ from server_fixture import Server  # noqa: E402
 
 
 async def one(client, url, i, tokens, words):
-    body = {"model": "freetoken-demo", "stream": True, "max_tokens": tokens, "temperature": 0,
+    body = {"model": "freetoken-demo", "stream": True, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
             "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content": f"Request {i}: " + "lorem ipsum " * (words // 2)}]}
     t0 = time.perf_counter()
@@ -35,7 +35,12 @@ async def one(client, url, i, tokens, words):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             obj = json.loads(line[6:])
-            if obj.get("choices") and obj["choices"][0]["delta"].get("content"):
+            if obj.get("error"):
+                raise RuntimeError(f"stream error: {obj['error']}")
+            if obj.get("choices") and obj["choices"][0]["delta"].get("content") is not None and n == 0 and first is None \
+                    and obj["choices"][0]["delta"].get("role"):
+                continue  # the opening role chunk is not a token
+            if obj.get("choices") and (obj["choices"][0]["delta"] or obj["choices"][0].get("finish_reason")):
                 first = first or time.perf_counter()
                 last = time.perf_counter()
             if obj.get("usage"):

@@ -63,7 +63,8 @@ def sampling_from(body: dict, max_tokens: int | None, stop, default_max: int) ->
     if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise ApiError(400, "stop must be a string or a list of strings", param="stop")
     return SamplingOptions(temperature=float(temperature), top_p=float(top_p), top_k=max(top_k, 0), seed=seed,
-                           max_tokens=max_tokens or default_max, stop=list(stop or []))
+                           max_tokens=max_tokens or default_max, stop=list(stop or []),
+                           ignore_eos=field(body, "ignore_eos", "boolean", False))  # vLLM's extension
 
 
 @dataclass
