@@ -16,7 +16,7 @@ from . import tl_dtype
 
 
 @triton.jit
-def _conv_update_kernel(x_ptr, state_ptr, w_ptr, out_ptr, active_ptr, C, stride_xb, stride_sb, stride_sc,
+def _conv_update_kernel(x_ptr, state_ptr, w_ptr, out_ptr, active_ptr, C, stride_xb, stride_ob, stride_sb, stride_sc,
                         K: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr):
     b = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -33,7 +33,7 @@ def _conv_update_kernel(x_ptr, state_ptr, w_ptr, out_ptr, active_ptr, C, stride_
         tl.store(sp + j, tl.load(sp + j + 1, mask=m, other=0.0), mask=ms)
     tl.store(sp + (K - 2), x.to(DTYPE), mask=ms)
     y = acc.to(DTYPE).to(tl.float32)
-    tl.store(out_ptr + b * stride_xb + cols, (y / (1.0 + tl.exp(-y))).to(DTYPE), mask=m)
+    tl.store(out_ptr + b * stride_ob + cols, (y / (1.0 + tl.exp(-y))).to(DTYPE), mask=m)
 
 
 def _active_rows(active, b: int, device) -> torch.Tensor:
@@ -48,10 +48,11 @@ def conv_update_triton(x: torch.Tensor, state: torch.Tensor, weight: torch.Tenso
     b, c = x.shape
     k = weight.shape[1]
     assert state.stride(2) == 1 and k >= 2 and x.stride(1) == 1
-    out = torch.empty_like(x)
+    out = torch.empty(b, c, dtype=x.dtype, device=x.device)  # x may be a strided view of a fused GEMM
     block = 256
     _conv_update_kernel[(b, triton.cdiv(c, block))](x, state, weight, out, _active_rows(active, b, x.device), c,
-                                                   x.stride(0), state.stride(0), state.stride(1), K=k, BLOCK=block,
+                                                   x.stride(0), out.stride(0), state.stride(0), state.stride(1),
+                                                   K=k, BLOCK=block,
                                                    DTYPE=tl_dtype(x.dtype))
     return out
 
