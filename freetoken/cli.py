@@ -120,7 +120,8 @@ def cmd_serve(args) -> int:
     template = ChatTemplate.from_files(files, load_json(files.get("tokenizer_config.json"), "tokenizer_config.json"))
     name = args.served_model_name or (eng.meta.get("source") if args.model else "freetoken-demo")
     metrics = Metrics()
-    serving = ServingEngine(eng, max_batch=args.max_batch, max_queue=args.max_queue, metrics=metrics)
+    serving = ServingEngine(eng, max_batch=args.max_batch, max_queue=args.max_queue, metrics=metrics,
+                            max_new_tokens=args.max_new_tokens)
     ctx = ServerContext(serving, eng.tokenizer, template, [name], eng.cfg.vocab_size, api_key=args.api_key,
                         metrics=metrics)
     app = build_app(ctx)
@@ -162,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY'")
     s.add_argument("--max-batch", type=int, default=8, help="requests decoded together (continuous batching)")
     s.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch; more get 429")
+    s.add_argument("--max-new-tokens", type=int, default=0,
+                   help="cap on tokens generated per request, whatever the client asks (0: no cap)")
     add_config_args(s, EngineConfig)
     s.set_defaults(func=cmd_serve)
 

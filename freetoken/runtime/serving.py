@@ -23,8 +23,10 @@ log = logging.getLogger("freetoken.serving")
 
 
 class ServingEngine:
-    def __init__(self, engine: Engine, max_batch: int = 8, max_queue: int = 64, metrics=None):
+    def __init__(self, engine: Engine, max_batch: int = 8, max_queue: int = 64, metrics=None,
+                 max_new_tokens: int = 0):
         self.engine = engine
+        self.max_new_tokens = max_new_tokens  # server-side cap per request (0: none)
         self.max_len = engine.max_len
         self.state = engine.new_state(self.max_len, slots=max_batch)
         self.sched = Scheduler(max_batch, max_queue, engine.ecfg.prefill_chunk)
@@ -42,6 +44,8 @@ class ServingEngine:
         """Queue a request; raises scheduler.QueueFull past the bound."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
+        if self.max_new_tokens:
+            req.sampling.max_tokens = min(req.sampling.max_tokens, self.max_new_tokens)
         with self._lock:
             self.sched.add(req)
             self._streams[req.id] = (loop, q)
