@@ -1,0 +1,100 @@
+"""Semantic anchors and the recurrent-state checkpoint store.
+
+Agent frameworks edit context exactly at turn, thinking, tool-call and tool-output
+boundaries. Checkpoints of the linear-attention state taken at those token boundaries (just
+before and just after each such special token) survive the edits; checkpoints at fixed
+intervals mostly do not. The anchor tokens come from the tokenizer, not from a per-model list.
+Plain Python: checkpoint slots index a state pool the engine owns.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+
+# names of the special tokens that open/close turns, thinking, tool calls and tool outputs
+ANCHOR_TOKENS = ("<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
+                 "<tool_response>", "</tool_response>")
+
+
+def anchor_ids(token_id) -> set[int]:
+    """Ids of the anchor tokens this tokenizer has (token_id: str -> int | None)."""
+    return {i for i in (token_id(t) for t in ANCHOR_TOKENS) if i is not None}
+
+
+class CheckpointPolicy:
+    """Where to checkpoint: 'anchors', 'interval:N' or 'none'."""
+
+    def __init__(self, spec: str, anchors: set[int]):
+        self.spec = spec
+        self.anchors = anchors
+        self.interval = 0
+        if spec.startswith("interval:"):
+            try:
+                self.interval = int(spec.split(":", 1)[1])
+            except ValueError:
+                raise ValueError(f"bad checkpoint policy {spec!r}: interval:N needs an integer N") from None
+            if self.interval < 1:
+                raise ValueError(f"bad checkpoint policy {spec!r}: N must be >= 1")
+        elif spec not in ("anchors", "none"):
+            raise ValueError(f"bad checkpoint policy {spec!r}: use anchors, interval:N or none")
+
+    def positions(self, tokens: list[int], start: int, end: int) -> list[int]:
+        """Token boundaries p in (start, end] (state after tokens[:p]) to checkpoint."""
+        if self.spec == "none":
+            return []
+        if self.interval:
+            first = (start // self.interval + 1) * self.interval
+            return list(range(first, end + 1, self.interval))
+        out = set()
+        for i in range(max(start - 1, 0), min(end, len(tokens))):
+            if tokens[i] in self.anchors:
+                for p in (i, i + 1):  # just before and just after the special token
+                    if start < p <= end:
+                        out.add(p)
+        return sorted(out)
+
+
+class CheckpointStore:
+    """LRU of recurrent-state checkpoints, keyed by the exact token prefix they follow.
+
+    Keys are tuples of token ids (the prefix is what makes a checkpoint valid); slots are
+    indices into the engine's checkpoint pool, recycled least recently used first, with a
+    budget of its own, apart from the KV pages."""
+
+    def __init__(self, slots: int):
+        self.capacity = slots
+        self.free = list(range(slots))
+        self.entries: OrderedDict[tuple[int, ...], int] = OrderedDict()  # prefix -> slot, LRU order
+        self.hits = self.evictions = 0
+        self._ids = itertools.count()
+
+    def lookup(self, tokens: list[int], max_len: int) -> tuple[int, int | None]:
+        """Deepest checkpoint at a prefix of tokens[:max_len]: (position, slot) or (0, None)."""
+        best = (0, None)
+        for key, slot in self.entries.items():
+            n = len(key)
+            if best[0] < n <= max_len and tuple(tokens[:n]) == key:
+                best = (n, slot)
+        if best[1] is not None:
+            self.entries.move_to_end(tuple(tokens[:best[0]]))
+            self.hits += 1
+        return best
+
+    def reserve(self, prefix: list[int]) -> int | None:
+        """A slot to save the state after `prefix` into (evicting the LRU one if full)."""
+        key = tuple(prefix)
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return self.entries[key]
+        if self.capacity == 0:
+            return None
+        if not self.free:
+            _, slot = self.entries.popitem(last=False)
+            self.evictions += 1
+            self.free.append(slot)
+        slot = self.free.pop()
+        self.entries[key] = slot
+        return slot
+
+    def __len__(self) -> int:
+        return len(self.entries)
