@@ -110,6 +110,7 @@ def cmd_serve(args) -> int:
     from .runtime.serving import ServingEngine
     from .server.app import ServerContext, build_app
     from .server.metrics import Metrics
+    from .cache.config import CacheConfig
     from .server.template import ChatTemplate
     from .tokenizer import load_json
     if args.max_batch < 1 or args.max_queue < 0:
@@ -120,8 +121,10 @@ def cmd_serve(args) -> int:
     template = ChatTemplate.from_files(files, load_json(files.get("tokenizer_config.json"), "tokenizer_config.json"))
     name = args.served_model_name or (eng.meta.get("source") if args.model else "freetoken-demo")
     metrics = Metrics()
+    cache = CacheConfig(enabled=not args.no_prefix_cache, page_size=args.page_size, tokens=args.prefix_cache_tokens,
+                        checkpoint_budget=args.checkpoint_budget, checkpoint_policy=args.checkpoint_policy)
     serving = ServingEngine(eng, max_batch=args.max_batch, max_queue=args.max_queue, metrics=metrics,
-                            max_new_tokens=args.max_new_tokens)
+                            max_new_tokens=args.max_new_tokens, cache=cache)
     ctx = ServerContext(serving, eng.tokenizer, template, [name], eng.cfg.vocab_size, api_key=args.api_key,
                         metrics=metrics)
     app = build_app(ctx)
@@ -165,6 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch; more get 429")
     s.add_argument("--max-new-tokens", type=int, default=0,
                    help="cap on tokens generated per request, whatever the client asks (0: no cap)")
+    s.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt in full")
+    s.add_argument("--prefix-cache-tokens", type=int, default=0, help="KV page pool size in tokens (0: one context)")
+    s.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    s.add_argument("--checkpoint-budget", default="32",
+                   help="recurrent-state checkpoints kept: a slot count (32) or a size (2GiB)")
+    s.add_argument("--checkpoint-policy", default="anchors",
+                   help="where to checkpoint DeltaNet state: anchors | interval:N | none")
     add_config_args(s, EngineConfig)
     s.set_defaults(func=cmd_serve)
 

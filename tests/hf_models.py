@@ -22,7 +22,8 @@ def write_tokenizer(d: str, vocab: int) -> None:
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
     tk.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                           for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")])
+                           for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
+                                     "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")])
     assert tk.get_vocab_size() <= vocab
     tk.save(os.path.join(d, "tokenizer.json"))
     with open(os.path.join(d, "tokenizer_config.json"), "w") as f:

@@ -27,6 +27,9 @@ def test_match_insert_split_and_dedup():
     assert rc.match(b)[:2] == (8, [10, 11, 22, 23])
     assert rc.match([1, 2, 3])[:2] == (2, [10])  # page-aligned matches only
     assert rc.match([7, 7])[:2] == (0, [])
+    # partial: the first tokens of the next page count too, with that page
+    assert rc.match([1, 2, 3, 4, 9, 7], partial=True)[:2] == (5, [10, 11, 22])
+    assert rc.match([1, 2, 3], partial=True)[:2] == (3, [10, 11])
 
 
 def test_lru_eviction_spares_locked_prefixes():
@@ -54,6 +57,9 @@ def test_checkpoint_positions(policy, expected):
     toks = [0, 0, 100, 7, 7, 101, 7, 7, 7, 100]
     assert CheckpointPolicy(policy, {100, 101}).positions(toks, 0, len(toks)) == expected
     assert CheckpointPolicy(policy, {100, 101}).positions(toks, 3, 6) == [p for p in expected if 3 < p <= 6]
+    # the boundary before an anchor that is the next, not yet processed token
+    if policy == "anchors":
+        assert CheckpointPolicy(policy, {100, 101}).positions(toks, 0, 2) == [2]
 
 
 def test_anchor_ids_come_from_the_tokenizer():

@@ -59,7 +59,7 @@ def test_chat_non_streaming(oai):
     assert r.choices[0].message.role == "assistant"
     assert isinstance(r.choices[0].message.content, str) and r.choices[0].message.content
     assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "length"
-    assert r.usage.prompt_tokens > 5 and r.usage.prompt_tokens_details.cached_tokens == 0
+    assert r.usage.prompt_tokens > 5 and r.usage.prompt_tokens_details.cached_tokens is not None
 
 
 def test_chat_streaming_with_usage(oai):
@@ -232,12 +232,29 @@ def test_auth(server):
     assert httpx.get(server.url + "/health").status_code == 200  # health needs no key
 
 
+def test_prefix_reuse_is_reported(oai, claude, server):
+    """A second turn that extends the first reports the reused prompt tokens in both APIs."""
+    history = [{"role": "system", "content": "You are a helpful agent. " * 30},
+               {"role": "user", "content": "First question about the repository layout?"}]
+    first = oai.chat.completions.create(model=MODEL, messages=history, max_tokens=2)
+    again = oai.chat.completions.create(model=MODEL, messages=history + [
+        {"role": "assistant", "content": "It has src and tests."}, {"role": "user", "content": "And docs?"}],
+        max_tokens=2)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached >= first.usage.prompt_tokens - 20 and cached < again.usage.prompt_tokens
+    r = claude.messages.create(model=MODEL, max_tokens=2, system="You are a helpful agent. " * 30,
+                               messages=[{"role": "user", "content": "First question about the repository layout?"}])
+    assert r.usage.cache_read_input_tokens >= first.usage.prompt_tokens - 20
+    assert metric(server, "freetoken_prefix_reused_tokens_total") >= cached
+
+
 def test_metrics(server, oai):
     oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=3)
     text = httpx.get(server.url + "/metrics").text
     for name in ("freetoken_requests_total", "freetoken_prompt_tokens_total", "freetoken_generation_tokens_total",
                  "freetoken_time_to_first_token_seconds_bucket", "freetoken_decode_tokens_per_second_bucket",
-                 "freetoken_queue_depth"):
+                 "freetoken_queue_depth", "freetoken_prefix_reused_tokens_total", "freetoken_prefill_tokens_total",
+                 "freetoken_checkpoint_hits", "freetoken_checkpoint_evictions", "freetoken_kv_pages_evicted"):
         assert name in text, name
 
 
@@ -246,7 +263,7 @@ def test_messages_non_streaming(claude):
     r = claude.messages.create(model=MODEL, max_tokens=6, system="Be terse.", messages=USER, extra_body={"temperature": 0})
     assert r.role == "assistant" and r.content[0].type == "text" and r.content[0].text
     assert r.stop_reason == "max_tokens" and r.usage.output_tokens == 6
-    assert r.usage.cache_read_input_tokens == 0
+    assert r.usage.cache_read_input_tokens is not None
 
 
 def test_messages_full_history_and_ignored_fields(claude, server):
@@ -306,7 +323,7 @@ def test_count_tokens(claude):
     b = claude.messages.count_tokens(model=MODEL, messages=USER, system="A much longer system prompt here.").input_tokens
     assert 0 < a < b
     r = claude.messages.create(model=MODEL, max_tokens=1, messages=USER)
-    assert r.usage.input_tokens == a
+    assert r.usage.input_tokens + r.usage.cache_read_input_tokens == a
 
 
 @pytest.mark.parametrize("body,status,kind", [

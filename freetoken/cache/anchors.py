@@ -46,7 +46,9 @@ class CheckpointPolicy:
             first = (start // self.interval + 1) * self.interval
             return list(range(first, end + 1, self.interval))
         out = set()
-        for i in range(max(start - 1, 0), min(end, len(tokens))):
+        # tokens[end] may be known (the next chunk, or a token sampled but not yet fed): an
+        # anchor there asks for the boundary just before it, p = end
+        for i in range(max(start - 1, 0), min(end + 1, len(tokens))):
             if tokens[i] in self.anchors:
                 for p in (i, i + 1):  # just before and just after the special token
                     if start < p <= end:

@@ -39,8 +39,12 @@ class RadixCache:
     def _first(self, tokens) -> tuple[int, ...]:
         return tuple(tokens[:self.page_size])
 
-    def match(self, tokens: list[int]) -> tuple[int, list[int], Node]:
-        """Longest cached page-aligned prefix of `tokens`: (length, its pages, deepest node)."""
+    def match(self, tokens: list[int], partial: bool = False) -> tuple[int, list[int], Node]:
+        """Longest cached page-aligned prefix of `tokens`: (length, its pages, deepest node).
+
+        partial: also use the first tokens of one more page when they match (its page is
+        returned too; a reader copies it and overwrites the rest). The node stays the last
+        one matched in full."""
         node, pos, pages = self.root, 0, []
         p = self.page_size
         while pos + p <= len(tokens):
@@ -56,6 +60,16 @@ class RadixCache:
             pos += len(child.key)
             node = child
             node.touch()
+        if partial:
+            best, page = 0, None
+            for child in node.children.values():
+                r = 0
+                while r < min(p, len(tokens) - pos) and child.key[r] == tokens[pos + r]:
+                    r += 1
+                if r > best:
+                    best, page = r, child.pages[0]
+            if page is not None:
+                return pos + best, pages + [page], node
         return pos, pages, node
 
     def _common(self, key, tokens, pos) -> int:

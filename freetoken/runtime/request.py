@@ -39,6 +39,9 @@ class Request:
     finished_at: float | None = None
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
     cancelled: bool = False  # set by the server when the client goes away
+    restored: bool = False  # the prefix cache has been consulted for this request
+    cache_node: object = None  # radix node of the reused prefix, held while running
+    logits: list = field(default_factory=list)  # logits behind each sampled token (tests only)
 
     @property
     def length(self) -> int:

@@ -18,17 +18,21 @@ from .engine import Engine
 from .request import Request, TokenEvent
 from .sampler import SamplingParams, sample
 from .scheduler import Scheduler
+from ..cache.config import CacheConfig
 
 log = logging.getLogger("freetoken.serving")
 
 
 class ServingEngine:
     def __init__(self, engine: Engine, max_batch: int = 8, max_queue: int = 64, metrics=None,
-                 max_new_tokens: int = 0):
+                 max_new_tokens: int = 0, cache: CacheConfig | None = None, record_logits: bool = False,
+                 start: bool = True):
         self.engine = engine
         self.max_new_tokens = max_new_tokens  # server-side cap per request (0: none)
+        self.record_logits = record_logits
         self.max_len = engine.max_len
         self.state = engine.new_state(self.max_len, slots=max_batch)
+        self.cache = cache.build(engine, self.state) if cache is not None and cache.enabled else None
         self.sched = Scheduler(max_batch, max_queue, engine.ecfg.prefill_chunk)
         self.metrics = metrics
         self._lock = threading.Lock()
@@ -37,7 +41,8 @@ class ServingEngine:
         self._gens: dict[int, torch.Generator | None] = {}
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="ft-engine", daemon=True)
-        self._thread.start()
+        if start:  # tests drive step() themselves
+            self._thread.start()
 
     # ---- called from the event loop ---------------------------------------------------
     def submit(self, req: Request) -> asyncio.Queue:
@@ -76,18 +81,24 @@ class ServingEngine:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
-            with self._lock:
-                batch = self.sched.schedule()
-            if batch.empty():
+            if not self.step():
                 self._wake.wait(timeout=0.01)
                 self._wake.clear()
-                continue
-            try:
-                self._execute(batch)
-            except Exception as e:  # a bug or OOM: fail this batch, keep serving
-                log.exception("engine step failed")
-                for req in [r for r, _, _ in batch.prefill] + batch.decode:
+
+    def step(self) -> bool:
+        """One engine step: schedule, execute, update. False if there was nothing to do."""
+        with self._lock:
+            batch = self.sched.schedule()
+        if batch.empty():
+            return False
+        try:
+            self._execute(batch)
+        except Exception as e:  # a bug or OOM: fail this batch, keep serving
+            log.exception("engine step failed")
+            for req in [r for r, _, _ in batch.prefill] + batch.decode:
+                if req.finished_at is None:
                     self._finish(req, "error", error=f"{type(e).__name__}: {e}")
+        return True
         for req in list(self.sched.running.values()) + list(self.sched.waiting):
             self._finish(req, "cancelled")
 
@@ -96,14 +107,27 @@ class ServingEngine:
             self._finish(req, req.finish_reason or "cancelled")
         eng = self.engine
         for req, start, end in batch.prefill:
-            if start == 0:
+            if not req.restored:
+                req.restored = True
                 self.state.reset(req.slot)
+                if self.cache is not None:
+                    req.prefilled = req.cached_tokens = self.cache.restore(req, self.state)
+                start = req.prefilled
+                end = min(len(req.prompt_ids), start + self.sched.chunk)
             t0 = time.perf_counter()
-            logits = eng.prefill(req.prompt_ids[start:end], self.state, req.slot, start)[-1]
+            prompt = req.prompt_ids
+            cuts = self.cache.positions(prompt, start, end) if self.cache is not None else []
+            s0 = start
+            for b in sorted({c for c in cuts if c < end} | {end}):  # checkpoints fall on chunk ends
+                if b > s0:
+                    logits = eng.prefill(prompt[s0:b], self.state, req.slot, s0)[-1]
+                if b in cuts:
+                    self.cache.save(prompt[:b], self.state, req.slot)
+                s0 = b
             req.prefilled = end
             if self.metrics:
                 self.metrics.prefill(end - start, time.perf_counter() - t0)
-            if end == len(req.prompt_ids):
+            if end == len(prompt):
                 self._accept(req, logits)
         if batch.decode:
             n = max(r.slot for r in batch.decode) + 1  # rows [0, n): the decoding slots and any holes
@@ -129,8 +153,15 @@ class ServingEngine:
         tok, lp = sample(logits, SamplingParams(s.temperature, s.top_p, s.top_k), self._gens.get(req.id))
         if req.first_token_at is None:
             req.first_token_at = time.monotonic()
+        if self.record_logits:
+            req.logits.append(logits.detach().float().cpu().clone())
         req.output_ids.append(tok)
         req.logprobs.append(lp)
+        if self.cache is not None:  # the state now holds seq[:L]; checkpoint that boundary?
+            seq = req.prompt_ids + req.output_ids
+            L = len(seq) - 1
+            if self.cache.positions(seq, L - 1, L):
+                self.cache.save(seq[:L], self.state, req.slot)
         reason = None
         if (not s.ignore_eos and tok in self.engine.eos_ids) or tok in s.stop_token_ids:
             reason = "stop"
@@ -141,6 +172,12 @@ class ServingEngine:
             self._finish(req, reason)
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        if self.cache is not None:
+            # the slot holds K/V for the prompt part prefilled and all outputs but the last
+            n = req.prefilled + max(0, len(req.output_ids) - 1) if req.slot is not None else 0
+            seq = (req.prompt_ids + req.output_ids)[:n]
+            ok = error is None and reason != "error"
+            self.cache.release(req, self.state if ok else None, seq if ok else None)
         with self._lock:
             self.sched.finish(req)
         req.finish_reason = req.finish_reason or reason

@@ -22,6 +22,11 @@ class Metrics:
         self.queue = Gauge("freetoken_queue_depth", "requests waiting for a decode slot", registry=r)
         self.running = Gauge("freetoken_running_requests", "requests holding a decode slot", registry=r)
         self.finished_by = Counter("freetoken_finished", "finished requests by reason", ["reason"], registry=r)
+        self.reused_tokens = Counter("freetoken_prefix_reused_tokens", "prompt tokens restored from the prefix cache",
+                                     registry=r)
+        self.cache_stats = {k: Gauge(f"freetoken_{k}", f"prefix cache: {k.replace('_', ' ')}", registry=r)
+                            for k in ("kv_pages_cached", "kv_pages_free", "kv_pages_evicted", "checkpoints",
+                                      "checkpoint_hits", "checkpoint_evictions")}
         self.serving = None
 
     # engine thread
@@ -40,6 +45,7 @@ class Metrics:
 
     def request_finished(self, req, now: float) -> None:
         self.prompt_tokens.inc(len(req.prompt_ids))
+        self.reused_tokens.inc(req.cached_tokens)
         self.generation_tokens.inc(len(req.output_ids))
         if req.first_token_at is not None:
             self.ttft.observe(req.first_token_at - req.arrival)
@@ -53,6 +59,10 @@ class Metrics:
             st = self.serving.sched.stats()
             self.queue.set(st["waiting"])
             self.running.set(st["running"])
+            cache = getattr(self.serving, "cache", None)
+            if cache is not None:
+                for k, v in cache.stats().items():
+                    self.cache_stats[k].set(v)
         return generate_latest(self.registry)
 
 
