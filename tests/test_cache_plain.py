@@ -55,11 +55,22 @@ def test_lru_eviction_spares_locked_prefixes():
 def test_checkpoint_positions(policy, expected):
     # 100 = <|im_start|>, 101 = <|im_end|> in this fake vocabulary
     toks = [0, 0, 100, 7, 7, 101, 7, 7, 7, 100]
-    assert CheckpointPolicy(policy, {100, 101}).positions(toks, 0, len(toks)) == expected
-    assert CheckpointPolicy(policy, {100, 101}).positions(toks, 3, 6) == [p for p in expected if 3 < p <= 6]
+    pol = CheckpointPolicy(policy, {100, 101}, min_gap=0)
+    assert pol.positions(toks, 0, len(toks)) == expected
+    assert pol.positions(toks, 3, 6) == [p for p in expected if 3 < p <= 6]
     # the boundary before an anchor that is the next, not yet processed token
     if policy == "anchors":
-        assert CheckpointPolicy(policy, {100, 101}).positions(toks, 0, 2) == [2]
+        assert pol.positions(toks, 0, 2) == [2]
+
+
+def test_anchor_clusters_are_thinned_but_turn_starts_kept():
+    # 100 = <|im_start|> (turn opener), 101 = <|im_end|>, 102 = </tool_call>
+    toks = [5] * 10 + [102, 101, 9, 100, 4, 4] + [5] * 10 + [101]
+    pol = CheckpointPolicy("anchors", {100, 101, 102}, turn_open={100}, min_gap=4)
+    # 10: before </tool_call> (nothing in the 4 before it); 11, 12: crowded; 13: before
+    # <|im_start|>, always; 14: right after it, crowded; 26: before the last <|im_end|>;
+    # 27: right after it, crowded
+    assert pol.positions(toks, 0, len(toks)) == [10, 13, 26]
 
 
 def test_anchor_ids_come_from_the_tokenizer():

@@ -101,32 +101,32 @@ def test_edits_are_exact(engines, model, policy):
     c = Conv(eng)
     for name, first, second, _ in sessions(c):
         shared = common(first, second)
-        warm = serve(eng, CacheConfig(page_size=4, checkpoint_policy=policy))
+        warm = serve(eng, CacheConfig(page_size=4, checkpoint_policy=policy, min_gap=8))
         run(warm, first)
         got = run(warm, second)
         cold = run(serve(eng, CacheConfig(enabled=False)), second)
         check_same(got, cold)
         assert got.cached_tokens <= shared, name  # never reuses past the edit
         if model == "attention" or policy == "anchors":
-            # KV alone (attention) or an anchor right at the edit (hybrid) reuse all but < 1 page
-            assert got.cached_tokens >= shared - 4, (name, got.cached_tokens, shared)
+            # KV alone (attention) or an anchor near the edit (hybrid) reuse all but at most
+            # one page or min_gap tokens
+            assert got.cached_tokens >= shared - 8 - 4, (name, got.cached_tokens, shared)
         if model == "hybrid" and policy == "none":
             assert got.cached_tokens == 0
 
 
 def test_decode_checkpoints_serve_the_next_turn(engines):
-    """The reply's own anchors are checkpointed during decode: the next turn, which appends
-    to the full reply, restores past the old prompt."""
+    """Checkpoints are also taken while decoding: the next turn, which appends to the full
+    reply, restores from inside the reply, past the old prompt."""
     eng = engines["hybrid"]
     c = Conv(eng)
-    srv = serve(eng, CacheConfig(page_size=4))
+    srv = serve(eng, CacheConfig(page_size=4, checkpoint_policy="interval:2"))
     prompt = c.turn("system", "Be brief. " * 10) + c.turn("user", "hello there")
-    first = run(srv, prompt, max_tokens=6)
-    # force an anchor into the history at the end of the reply, as a real model would emit
+    first = run(srv, prompt, max_tokens=9)
     follow = prompt + first.output_ids[:-1] + [c.s["<|im_end|>"]] + c.tk.encode("\n") + c.turn("user", "more")
     got = run(srv, follow)
     check_same(got, run(serve(eng, CacheConfig(enabled=False)), follow))
-    assert got.cached_tokens >= len(prompt) - 4
+    assert got.cached_tokens > len(prompt)
 
 
 def test_memory_pressure_stays_exact(engines):

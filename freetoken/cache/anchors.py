@@ -16,17 +16,33 @@ ANCHOR_TOKENS = ("<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_cal
                  "<tool_response>", "</tool_response>")
 
 
+TURN_OPEN = "<|im_start|>"
+
+
 def anchor_ids(token_id) -> set[int]:
     """Ids of the anchor tokens this tokenizer has (token_id: str -> int | None)."""
     return {i for i in (token_id(t) for t in ANCHOR_TOKENS) if i is not None}
 
 
-class CheckpointPolicy:
-    """Where to checkpoint: 'anchors', 'interval:N' or 'none'."""
+def turn_open_ids(token_id) -> set[int]:
+    i = token_id(TURN_OPEN)
+    return set() if i is None else {i}
 
-    def __init__(self, spec: str, anchors: set[int]):
+
+class CheckpointPolicy:
+    """Where to checkpoint: 'anchors', 'interval:N' or 'none'.
+
+    anchors: the boundary just before and just after each anchor token, thinned so that a
+    boundary within `min_gap` tokens after another is skipped, except the one just before a
+    turn opener (always kept). Anchors come in clusters (`</tool_call><|im_end|>\n<|im_start|>`);
+    each checkpoint costs a prefill split and a state copy, and a skipped one costs at most
+    min_gap re-prefilled tokens after an edit."""
+
+    def __init__(self, spec: str, anchors: set[int], turn_open: set[int] | None = None, min_gap: int = 64):
         self.spec = spec
         self.anchors = anchors
+        self.turn_open = turn_open or set()
+        self.min_gap = min_gap
         self.interval = 0
         if spec.startswith("interval:"):
             try:
@@ -51,9 +67,16 @@ class CheckpointPolicy:
         for i in range(max(start - 1, 0), min(end + 1, len(tokens))):
             if tokens[i] in self.anchors:
                 for p in (i, i + 1):  # just before and just after the special token
-                    if start < p <= end:
+                    if start < p <= end and self._keep(tokens, p):
                         out.add(p)
         return sorted(out)
+
+    def _keep(self, tokens: list[int], p: int) -> bool:
+        """Keep p unless an anchor token lies in the min_gap tokens before it (a turn opener
+        at p is always kept)."""
+        if p < len(tokens) and tokens[p] in self.turn_open:
+            return True
+        return not any(tokens[j] in self.anchors for j in range(max(0, p - self.min_gap), p))
 
 
 class CheckpointStore:

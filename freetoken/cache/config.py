@@ -17,6 +17,7 @@ class CacheConfig:
     tokens: int = 0  # KV pool size in tokens (0: one full context)
     checkpoint_budget: str = "32"  # checkpoint slots ("32") or bytes ("2GiB")
     checkpoint_policy: str = "anchors"  # anchors | interval:N | none
+    min_gap: int = 64  # anchors closer than this to an earlier one are not checkpointed
 
     def __post_init__(self):
         if self.page_size < 1:
@@ -35,11 +36,12 @@ class CacheConfig:
         return int(n // max(bytes_per_checkpoint, 1))
 
     def build(self, engine, st):
-        from .anchors import CheckpointPolicy, anchor_ids
+        from .anchors import CheckpointPolicy, anchor_ids, turn_open_ids
         from .prefix import PrefixCache
         pages = max(1, (self.tokens or engine.max_len) // self.page_size)
         slots = self.checkpoint_slots(PrefixCache.checkpoint_bytes(st))
-        policy = CheckpointPolicy(self.checkpoint_policy, anchor_ids(engine.tokenizer.token_id))
+        tid = engine.tokenizer.token_id
+        policy = CheckpointPolicy(self.checkpoint_policy, anchor_ids(tid), turn_open_ids(tid), self.min_gap)
         return PrefixCache(engine.cfg, st, self.page_size, pages, slots, policy)
 
 
