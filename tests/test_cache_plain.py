@@ -32,6 +32,20 @@ def test_match_insert_split_and_dedup():
     assert rc.match([1, 2, 3], partial=True)[:2] == (3, [10, 11])
 
 
+def test_partial_tail_pages():
+    rc = RadixCache(page_size=4)
+    rc.insert([1, 2, 3, 4, 5, 6], [10, 11])  # one full page and a partial one
+    assert rc.match([1, 2, 3, 4, 5, 6, 7], partial=True)[:2] == (6, [10, 11])
+    assert rc.match([1, 2, 3, 4, 5, 9], partial=True)[:2] == (5, [10, 11])
+    # a later, longer sequence extends the path; the partial leaf stays until evicted
+    node, dup = rc.insert([1, 2, 3, 4, 5, 6, 7, 8, 9], [20, 21, 22])
+    assert dup == [20]
+    assert rc.match([1, 2, 3, 4, 5, 6, 7, 8, 9, 9], partial=True)[:2] == (9, [10, 21, 22])
+    # inserting a tail already inside a cached page returns its page as a duplicate
+    _, dup = rc.insert([1, 2, 3, 4, 5], [30, 31])
+    assert dup == [30, 31]
+
+
 def test_lru_eviction_spares_locked_prefixes():
     rc = RadixCache(page_size=1)
     n1, _ = rc.insert([1, 2, 3], [1, 2, 3])

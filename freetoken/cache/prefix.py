@@ -96,12 +96,8 @@ class PrefixCache:
 
     def _insert(self, slot: int, st: DecodeState, toks: list[int]) -> None:
         p = self.page
-        n_full = len(toks) // p
-        if n_full == 0:
-            return
-        toks = toks[:n_full * p]
-        matched, pages, node = self.radix.match(toks)
-        need = n_full - matched // p
+        matched, pages, node = self.radix.match(toks)  # whole pages already cached
+        need = -(-(len(toks) - matched) // p)  # the last page may be partly filled
         if need == 0:
             return
         self.radix.lock(node)  # keep the matched path while evicting for room
@@ -116,13 +112,16 @@ class PrefixCache:
             self.radix.unlock(node)
         if not new:
             return
-        start, end = matched, matched + take * p
+        end = min(len(toks), matched + take * p)
         idx = torch.tensor(new, device=next(iter(self.k.values())).device)
         for l in self.k:
             for pool, src in ((self.k[l], st.k[l]), (self.v[l], st.v[l])):
-                blk = src[slot, :, start:end]  # [kvh, take*P, hd]
+                blk = src[slot, :, matched:matched + take * p]  # [kvh, <= take*P, hd]
+                if blk.shape[1] < take * p:  # at the very end of the context
+                    blk = torch.nn.functional.pad(blk, (0, 0, 0, take * p - blk.shape[1]))
                 pool[idx] = blk.reshape(blk.shape[0], take, p, blk.shape[2]).permute(1, 0, 2, 3)
-        self.radix.insert(toks[:end], pages + new)
+        _, dup = self.radix.insert(toks[:end], pages + new)
+        self.free_pages += [d for d in dup if d in new]  # a tail that was already cached
 
     def stats(self) -> dict:
         return {"kv_pages_cached": self.radix.cached_pages, "kv_pages_free": len(self.free_pages),

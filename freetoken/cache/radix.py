@@ -1,10 +1,10 @@
 """Radix tree over token ids mapping cached prefixes to KV pages (as in SGLang), with LRU
 eviction of pages no running request holds.
 
-Granularity is a page of `page_size` tokens: only whole pages are cached and matched, so a
-match length is always a multiple of the page size. Each edge holds a run of whole pages;
-an edge splits at a page boundary when two sequences diverge inside it. Plain Python: page
-ids index a KV pool the engine owns.
+Granularity is a page of `page_size` tokens. Each edge holds a run of pages and splits at a
+page boundary when two sequences diverge inside it; a leaf may end in a partly filled page
+(the tail of a finished request), so a later turn can reuse its prefix to the last token.
+Plain Python: page ids index a KV pool the engine owns.
 """
 from __future__ import annotations
 
@@ -61,16 +61,21 @@ class RadixCache:
             node = child
             node.touch()
         if partial:
-            best, page = 0, None
-            for child in node.children.values():
-                r = 0
-                while r < min(p, len(tokens) - pos) and child.key[r] == tokens[pos + r]:
-                    r += 1
-                if r > best:
-                    best, page = r, child.pages[0]
+            best, page = self._partial(node, tokens, pos)
             if page is not None:
                 return pos + best, pages + [page], node
         return pos, pages, node
+
+    def _partial(self, node: Node, tokens, pos: int):
+        """The child whose first page shares the most leading tokens with tokens[pos:]."""
+        best, page = 0, None
+        for child in node.children.values():
+            r, lim = 0, min(self.page_size, len(tokens) - pos, len(child.key))
+            while r < lim and child.key[r] == tokens[pos + r]:
+                r += 1
+            if r > best:
+                best, page = r, child.pages[0]
+        return best, page
 
     def _common(self, key, tokens, pos) -> int:
         """Tokens of `key` matching tokens[pos:], rounded down to whole pages."""
@@ -91,17 +96,20 @@ class RadixCache:
         return upper
 
     def insert(self, tokens: list[int], pages: list[int]) -> tuple[Node, list[int]]:
-        """Cache the whole pages of `tokens` (pages[i] holds tokens [i*P, (i+1)*P)).
+        """Cache `tokens` (pages[i] holds tokens [i*P, (i+1)*P); a last, partly filled page
+        is allowed). Tokens beyond the pages given are dropped.
 
         Returns (deepest node, pages of `pages` that were already cached under the same
         prefix: the caller frees those, the tree keeps its own copies)."""
         p = self.page_size
-        n_full = min(len(tokens) // p, len(pages))
-        tokens = list(tokens[:n_full * p])
+        tokens = list(tokens[:len(pages) * p])
         matched, _, node = self.match(tokens)
         dup = pages[:matched // p]
-        if matched < len(tokens):
-            leaf = Node(tuple(tokens[matched:]), list(pages[matched // p:n_full]), node)
+        tail = len(tokens) - matched
+        if 0 < tail < p and self._partial(node, tokens, matched)[0] == tail:
+            dup = pages[:matched // p + 1]  # the tail is already inside a cached page
+        elif tail > 0:
+            leaf = Node(tuple(tokens[matched:]), list(pages[matched // p:]), node)
             leaf.touch()
             node.children[self._first(leaf.key)] = leaf
             self.cached_pages += len(leaf.pages)
