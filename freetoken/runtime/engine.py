@@ -124,13 +124,17 @@ class Engine:
         return DecodeState(self.cfg, slots, length, self.device, self.dtype)
 
     def prefill(self, ids: list[int], st: DecodeState, slot: int = 0, start: int = 0,
-                all_logits: bool = False) -> torch.Tensor:
-        """Chunked prefill of ids at positions start..; returns logits of the last (or all)."""
+                all_logits: bool = False, logits: bool = True) -> torch.Tensor | None:
+        """Chunked prefill of ids at positions start..; returns logits of the last (or all),
+        or None with logits=False."""
         tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
         outs = []
-        for s in range(0, len(ids), self.ecfg.prefill_chunk):
-            chunk = tokens[s:s + self.ecfg.prefill_chunk]
-            outs.append(self.model.prefill(chunk, st, slot, start + s, all_logits))
+        n = self.ecfg.prefill_chunk
+        for s in range(0, len(ids), n):
+            last = s + n >= len(ids)
+            out = self.model.prefill(tokens[s:s + n], st, slot, start + s, all_logits,
+                                     logits=all_logits or (logits and last))
+            outs.append(out)
         return torch.cat(outs) if all_logits else outs[-1]
 
     def generate(self, prompt_ids: list[int], max_tokens: int, params: SamplingParams | None = None,

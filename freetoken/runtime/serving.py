@@ -118,9 +118,12 @@ class ServingEngine:
             prompt = req.prompt_ids
             cuts = self.cache.positions(prompt, start, end) if self.cache is not None else []
             s0 = start
+            final = end == len(prompt)
             for b in sorted({c for c in cuts if c < end} | {end}):  # checkpoints fall on chunk ends
                 if b > s0:
-                    logits = eng.prefill(prompt[s0:b], self.state, req.slot, s0)[-1]
+                    # only the prompt's last token needs logits (they start decoding)
+                    out = eng.prefill(prompt[s0:b], self.state, req.slot, s0, logits=final and b == end)
+                    logits = out[-1] if out is not None else None
                 if b in cuts:
                     self.cache.save(prompt[:b], self.state, req.slot)
                 s0 = b
