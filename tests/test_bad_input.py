@@ -128,3 +128,12 @@ def test_model_path_errors(good, tmp_path):
 def test_convert_errors_are_freetoken_errors(tmp_path):
     with pytest.raises(FreeTokenError, match="not a checkpoint directory"):
         convert(str(tmp_path / "absent"), str(tmp_path / "o.ftw"), progress=False)
+
+
+def test_state_that_cannot_fit_is_refused(good, monkeypatch):
+    from freetoken.runtime import engine as engine_mod
+    from freetoken.runtime.engine import Engine
+    eng = Engine(str(good / "m.ftw"))
+    monkeypatch.setattr(engine_mod, "_host_available", lambda: 1000)
+    with pytest.raises(FreeTokenError, match="lower --max-seq-len or --max-batch"):
+        eng.new_state(64, slots=8)

@@ -40,6 +40,10 @@ class CacheConfig:
         from .prefix import PrefixCache
         pages = max(1, (self.tokens or engine.max_len) // self.page_size)
         slots = self.checkpoint_slots(PrefixCache.checkpoint_bytes(st))
+        page_bytes = sum(2 * t[0, :, :1].numel() * t.element_size() for t in st.k.values()) * self.page_size
+        ckpt = PrefixCache.checkpoint_bytes(st)
+        engine.check_memory(pages * page_bytes + (slots * ckpt if st.conv else 0),
+                            f"the prefix cache ({pages * self.page_size} tokens of KV, {slots} checkpoints)")
         tid = engine.tokenizer.token_id
         policy = CheckpointPolicy(self.checkpoint_policy, anchor_ids(tid), turn_open_ids(tid), self.min_gap)
         return PrefixCache(engine.cfg, st, self.page_size, pages, slots, policy)

@@ -11,6 +11,15 @@ import torch
 from ..config import ModelConfig
 
 
+def state_bytes(cfg: ModelConfig, slots: int, max_len: int, dtype) -> int:
+    """What a DecodeState of this size allocates (to check it fits before allocating)."""
+    el = torch.empty((), dtype=dtype).element_size()
+    kv = 2 * len(cfg.attention_layers) * cfg.num_kv_heads * (max_len + 1) * cfg.head_dim * el
+    conv = len(cfg.linear_layers) * cfg.conv_dim * max(cfg.linear_conv_kernel_dim - 1, 0) * el
+    rec = len(cfg.linear_layers) * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    return slots * (kv + conv + rec)
+
+
 class DecodeState:
     def __init__(self, cfg: ModelConfig, slots: int, max_len: int, device, dtype):
         self.slots, self.max_len = slots, max_len

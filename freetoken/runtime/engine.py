@@ -17,7 +17,7 @@ from ..config import ModelConfig
 from ..errors import ContextOverflowError, FreeTokenError
 from ..experts.executor import TorchExpertExecutor
 from ..model.registry import model_class
-from ..model.state import DecodeState
+from ..model.state import DecodeState, state_bytes
 from ..tokenizer import Tokenizer, load_json
 from ..weights.reader import load_ftw
 from .sampler import SamplingParams, sample
@@ -65,6 +65,17 @@ class Generation:
     prompt_tokens: int
     prefill_s: float
     decode_s: float
+
+
+def _host_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 class Engine:
@@ -121,7 +132,20 @@ class Engine:
 
     def new_state(self, length: int, slots: int = 1) -> DecodeState:
         length = min(self.max_len, -(-length // 256) * 256)
+        self.check_memory(state_bytes(self.cfg, slots, length, self.dtype),
+                          f"{slots} sequence slot(s) x {length} tokens of KV/recurrent state")
         return DecodeState(self.cfg, slots, length, self.device, self.dtype)
+
+    def check_memory(self, need: int, what: str) -> None:
+        """Refuse an allocation that cannot fit, with what to change, rather than dying in it."""
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+        else:
+            free = _host_available()
+        if free and need > 0.95 * free:
+            raise FreeTokenError(
+                f"{what} needs {need / 1e9:.1f} GB but only {free / 1e9:.1f} GB is free on {self.device}; "
+                "lower --max-seq-len or --max-batch")
 
     def prefill(self, ids: list[int], st: DecodeState, slot: int = 0, start: int = 0,
                 all_logits: bool = False, logits: bool = True) -> torch.Tensor | None:
