@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import time
 
+import torch
+
 from bench.common import write_result
 from freetoken.cache.config import CacheConfig
 from freetoken.demo import demo_path
@@ -103,6 +105,21 @@ def replay(eng, template, policy: str, style: str, args) -> dict:
             "worst_ratio_after_first": max(r["ratio"] for r in later)}
 
 
+def full_size_engine(layers: int, device: str) -> Engine:
+    """A Qwen3.6-35B-A3B-shaped model with random BF16 weights made in place (no FTW file:
+    the GPU machine's disk is smaller than the checkpoint), the demo's real tokenizer."""
+    from bench.decode import QWEN36_35B_A3B, build
+    from freetoken.runtime.engine import EngineConfig
+    dev = torch.device(device)
+    mc, _, _, model = build(dict(QWEN36_35B_A3B, num_hidden_layers=layers), dev, "gpu")
+    demo = Engine(demo_path(), EngineConfig(device="cpu", experts="cpu"))
+    eng = Engine.__new__(Engine)
+    eng.ecfg, eng.device, eng.dtype, eng.experts_on = EngineConfig(device="cpu"), dev, torch.bfloat16, "gpu"
+    eng.cfg, eng.model, eng.max_len = mc, model, 8192
+    eng.tokenizer, eng.eos_ids = demo.tokenizer, demo.eos_ids
+    return eng
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--turns", type=int, default=6)
@@ -111,17 +128,21 @@ def main():
     ap.add_argument("--budget", type=int, default=32, help="checkpoint slots, the same for every policy")
     ap.add_argument("--tokens", type=int, default=8, help="tokens generated per turn")
     ap.add_argument("--styles", default="openclaw,opencode,swe-agent,subagents")
+    ap.add_argument("--full-size", action="store_true", help="Qwen3.6-35B-A3B shape, random weights (GPU machine)")
+    ap.add_argument("--layers", type=int, default=40, help="with --full-size")
+    ap.add_argument("--device", default="cuda", help="with --full-size")
     a = ap.parse_args()
-    eng = Engine(demo_path())
+    eng = full_size_engine(a.layers, a.device) if a.full_size else Engine(demo_path())
     template = ChatTemplate(None)
-    res = {"model": "demo", "device": str(eng.device), "checkpoint_budget": a.budget, "styles": {}}
+    res = {"model": f"Qwen3.6-35B-A3B shape, {a.layers} layers, random BF16" if a.full_size else "demo",
+           "device": str(eng.device), "checkpoint_budget": a.budget, "styles": {}}
     for style in a.styles.split(","):
         res["styles"][style] = {}
         for policy in ("anchors", f"interval:{a.interval}", "none"):
             r = replay(eng, template, policy, style, a)
             res["styles"][style][policy] = r
             print(style, policy, {k: v for k, v in r.items() if k != "turns"}, flush=True)
-    write_result("agentic", res)
+    write_result("agentic-full" if a.full_size else "agentic", res)
 
 
 if __name__ == "__main__":

