@@ -339,3 +339,18 @@ def test_anthropic_errors(server, body, status, kind):
     r = post(server, "/v1/messages", body)
     assert r.status_code == status, r.text
     assert r.json()["type"] == "error" and r.json()["error"]["type"] == kind
+
+
+def test_server_side_token_cap_and_no_prefix_cache():
+    s = Server("--max-new-tokens", "3", "--no-prefix-cache", "--max-seq-len", "1024")
+    try:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        msgs = [{"role": "system", "content": "A long shared system prompt. " * 20}, *USER]
+        r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=50, extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+        again = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=50)
+        assert again.usage.prompt_tokens_details.cached_tokens == 0  # --no-prefix-cache
+        assert "max_tokens" in post(s, "/v1/chat/completions", {"model": MODEL, "messages": USER, "max_tokens": 0},
+                                    key=None).json()["error"]["message"]
+    finally:
+        s.stop()
