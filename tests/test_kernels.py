@@ -14,13 +14,15 @@ from freetoken.model.deltanet import l2norm, recurrent_gated_delta_step  # noqa:
 from freetoken.model.layers import gated_rms_norm, rms_norm_torch  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# the CPU interpreter rounds to bf16 by truncation, one ulp off torch's round-to-nearest
+BF16_NORM_TOL = 2e-2 if DEV == "cpu" else 1e-2
 
 
 def rel(a, b):
     return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])  # bf16: 2 roundings
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, BF16_NORM_TOL)])
 @pytest.mark.parametrize("one_centered", [True, False])
 @pytest.mark.parametrize("shape", [(3, 64), (2, 5, 96), (1, 256)])
 def test_rms_norm(shape, one_centered, dtype, tol):
@@ -122,7 +124,7 @@ def test_grouped_prefill_path_matches_reference():
     assert rel(got, reference_experts(x, ids, w, gu, dn)) < 1e-5
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, BF16_NORM_TOL)])
 @pytest.mark.parametrize("one_centered", [True, False])
 def test_add_rms_norm(dtype, tol, one_centered):
     from freetoken.kernels.rmsnorm import add_rms_norm_triton
@@ -131,8 +133,8 @@ def test_add_rms_norm(dtype, tol, one_centered):
     h = torch.randn(4, 80, generator=g).to(DEV, dtype)
     w = torch.randn(80, generator=g).to(DEV, dtype)
     s, out = add_rms_norm_triton(r, h, w, 1e-6, one_centered)
-    # fp32: exact; bf16: the CPU interpreter rounds bf16 by truncation, not to nearest
-    assert torch.equal(s, r + h) if dtype == torch.float32 else rel(s, r + h) < 1e-2
+    # exact, except bf16 under the CPU interpreter (truncating, not rounding to nearest)
+    assert torch.equal(s, r + h) if dtype == torch.float32 or DEV != "cpu" else rel(s, r + h) < 1e-2
     assert rel(out, rms_norm_torch(r + h, w, 1e-6, one_centered)) < tol
 
 
