@@ -161,10 +161,10 @@ class ServingEngine:
         req.output_ids.append(tok)
         req.logprobs.append(lp)
         if self.cache is not None:  # the state now holds seq[:L]; checkpoint that boundary?
-            seq = req.prompt_ids + req.output_ids
+            seq = _Joined(req.prompt_ids, req.output_ids)  # no per-token copy of the whole context
             L = len(seq) - 1
             if self.cache.positions(seq, L - 1, L):
-                self.cache.save(seq[:L], self.state, req.slot)
+                self.cache.save((req.prompt_ids + req.output_ids)[:L], self.state, req.slot)
         reason = None
         if (not s.ignore_eos and tok in self.engine.eos_ids) or tok in s.stop_token_ids:
             reason = "stop"
@@ -199,3 +199,19 @@ class ServingEngine:
                 loop.call_soon_threadsafe(q.put_nowait, ev)
             except RuntimeError:  # the event loop is closing
                 pass
+
+
+class _Joined:
+    """Read-only view of prompt + output (indexing and len only)."""
+
+    __slots__ = ("a", "b")
+
+    def __init__(self, a: list[int], b: list[int]):
+        self.a, self.b = a, b
+
+    def __len__(self) -> int:
+        return len(self.a) + len(self.b)
+
+    def __getitem__(self, i: int) -> int:
+        n = len(self.a)
+        return self.a[i] if i < n else self.b[i - n]
