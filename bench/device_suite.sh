@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU machine's one-call suite: GPU tests, CPU executor bandwidth, full-size decode.
+# The GPU machine's one-call suite: GPU tests, server, agentic replay, full-size decode, CPU executor.
+# Newest work first, so a call cut short by the 10-minute limit still brings back what is new.
 # Run through the device tool from the repo root, carrying .whl (the wheels missing there, made
 # by bench/fetch_device_wheels.sh):  FT_COMMIT=<sha> bash bench/device_suite.sh
 # Results land in $OUT (JSON + logs); copy them into benchmarks/results/ afterwards.
@@ -18,12 +19,12 @@ step() { echo "=== $* ($(date +%T))"; }
 step tests
 [ -n "${FT_SKIP_TESTS:-}" ] || timeout 400 python3 -m pytest -q -x -p no:cacheprovider tests/test_reference.py tests/test_cpu_executor.py tests/test_kernels.py \
   2>&1 | tail -25 | tee "$OUT/pytest.log"
-step cpu_experts
-[ -n "${FT_SKIP_CPU:-}" ] || timeout 240 python3 -m bench.cpu_experts --experts ${FT_CPU_EXPERTS:-768} --batches 1,2,4,8,32 2>&1 | tail -4
+step serve
+timeout ${FT_SERVE_TIMEOUT:-240} python3 -m bench.serve --tokens 64 2>&1 | tail -6
+step agentic
+[ -n "${FT_SKIP_AGENTIC:-}" ] || timeout 400 python3 -m bench.agentic --full-size 2>&1 | tee "$OUT/agentic.log" | grep -v '^ ' | tail -14
 step decode
 [ -n "${FT_SKIP_DECODE:-}" ] || timeout 400 python3 -m bench.decode --experts-on ${FT_DECODE_ON:-gpu,cpu} --tokens ${FT_DECODE_TOKENS:-64} --profile 2>&1 | tail -40
-step serve
-timeout 300 python3 -m bench.serve --tokens 64 2>&1 | tail -6
-step agentic
-[ -n "${FT_SKIP_AGENTIC:-}" ] || timeout 400 python3 -m bench.agentic --full-size 2>&1 | grep -v '^ ' | tail -14
+step cpu_experts
+[ -n "${FT_SKIP_CPU:-}" ] || timeout 240 python3 -m bench.cpu_experts --experts ${FT_CPU_EXPERTS:-768} --batches 1,2,4,8,32 2>&1 | tail -4
 step done
