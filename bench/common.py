@@ -35,13 +35,15 @@ def machine() -> dict:
 
 
 def commit() -> str:
+    if os.environ.get("FT_COMMIT"):  # the device machine's copy of the tree may carry a stale .git
+        return os.environ["FT_COMMIT"]
     try:
         rev = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
                                       stderr=subprocess.DEVNULL).strip()
         dirty = subprocess.call(["git", "diff", "--quiet", "HEAD"], stderr=subprocess.DEVNULL) != 0
         return rev + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("FT_COMMIT", "unknown")
+        return "unknown"
 
 
 def write_result(name: str, results: dict, out_dir: str | None = None) -> str:

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU machine's one-call suite: GPU tests, server, agentic replay, full-size decode, CPU executor.
+# The GPU machine's one-call suite: GPU tests, server (engine loop, then HTTP), agentic replay,
+# full-size decode, CPU executor.
 # Newest work first, so a call cut short by the 10-minute limit still brings back what is new.
 # Run through the device tool from the repo root, carrying .whl (the wheels missing there, made
 # by bench/fetch_device_wheels.sh):  FT_COMMIT=<sha> bash bench/device_suite.sh
@@ -17,8 +18,10 @@ export PYTHONPATH="$PWD:/tmp/site"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; lscpu | head -20; free -g; } > "$OUT/machine.txt" 2>&1
 step() { echo "=== $* ($(date +%T))"; }
 step tests
-[ -n "${FT_SKIP_TESTS:-}" ] || timeout 400 python3 -m pytest -q -x -p no:cacheprovider tests/test_reference.py tests/test_cpu_executor.py tests/test_kernels.py \
+[ -n "${FT_SKIP_TESTS:-}" ] || timeout 400 python3 -m pytest -q -x -p no:cacheprovider tests/test_reference.py tests/test_cpu_executor.py tests/test_kernels.py tests/test_deltanet_chunks.py \
   2>&1 | tail -25 | tee "$OUT/pytest.log"
+step serve_engine
+timeout 180 python3 -m bench.serve_engine --profile 2>&1 | grep -v '^ *["{}]' | tail -40
 step serve
 timeout ${FT_SERVE_TIMEOUT:-240} python3 -m bench.serve --tokens 64 2>&1 | tail -6
 step agentic

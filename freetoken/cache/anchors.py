@@ -35,7 +35,8 @@ class CheckpointPolicy:
     anchors: the boundary just before and just after each anchor token, thinned so that a
     boundary within `min_gap` tokens after another is skipped, except the one just before a
     turn opener (always kept). Anchors come in clusters (`</tool_call><|im_end|>\n<|im_start|>`);
-    each checkpoint costs a prefill split and a state copy, and a skipped one costs at most
+    each checkpoint costs a state copy and a slot of the checkpoint budget (not a prefill
+    split: the DeltaNet layers emit it in the same pass), and a skipped one costs at most
     min_gap re-prefilled tokens after an edit."""
 
     def __init__(self, spec: str, anchors: set[int], turn_open: set[int] | None = None, min_gap: int = 64):
@@ -120,6 +121,12 @@ class CheckpointStore:
         slot = self.free.pop()
         self.entries[key] = slot
         return slot
+
+    def discard(self, prefix: list[int]) -> None:
+        """Forget a checkpoint whose state was never written (its prefill failed)."""
+        slot = self.entries.pop(tuple(prefix), None)
+        if slot is not None:
+            self.free.append(slot)
 
     def __len__(self) -> int:
         return len(self.entries)

@@ -72,6 +72,16 @@ class PrefixCache:
     def positions(self, seq: list[int], start: int, end: int) -> list[int]:
         return self.policy.positions(seq, start, end) if self.hybrid and self.ckpt.capacity else []
 
+    def capture(self, prompt: list[int], cuts: list[int]) -> "StateCapture | None":
+        """Checkpoints at token boundaries `cuts` of `prompt`, to be filled by the DeltaNet
+        layers during the prefill that crosses them (one pass, no split of the chunk)."""
+        where: dict[int, int] = {}
+        for c in cuts:
+            s = self.ckpt.reserve(prompt[:c])
+            if s is not None:
+                where[s] = c  # a later reservation that evicted an earlier one of these takes its slot
+        return StateCapture(self, prompt, {c: s for s, c in where.items()}) if where else None
+
     def save(self, prefix: list[int], st: DecodeState, slot: int) -> None:
         """Checkpoint the recurrent state of `slot`, which has consumed exactly `prefix`."""
         s = self.ckpt.reserve(prefix)
@@ -127,3 +137,27 @@ class PrefixCache:
         return {"kv_pages_cached": self.radix.cached_pages, "kv_pages_free": len(self.free_pages),
                 "kv_pages_evicted": self.kv_evicted_pages, "checkpoints": len(self.ckpt),
                 "checkpoint_hits": self.ckpt.hits, "checkpoint_evictions": self.ckpt.evictions}
+
+
+class StateCapture:
+    """Pool slots that a prefill fills with the recurrent state at chosen token boundaries.
+
+    The DeltaNet layers call offsets() for the boundaries inside their chunk and store() with
+    the state there. If the prefill fails, abort() drops the half-written checkpoints."""
+
+    def __init__(self, cache: PrefixCache, prompt: list[int], slots: dict[int, int]):
+        self.cache, self.prompt, self.slots = cache, prompt, slots
+        self.positions = sorted(slots)
+
+    def offsets(self, start: int, t: int) -> list[int]:
+        """Boundaries inside the chunk at positions start..start+t, as offsets in 1..t."""
+        return [p - start for p in self.positions if start < p <= start + t]
+
+    def store(self, layer: int, pos: int, conv: torch.Tensor, rec: torch.Tensor) -> None:
+        s = self.slots[pos]
+        self.cache.conv[layer][s].copy_(conv)
+        self.cache.rec[layer][s].copy_(rec)
+
+    def abort(self) -> None:
+        for p in self.positions:
+            self.cache.ckpt.discard(self.prompt[:p])

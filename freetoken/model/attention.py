@@ -46,8 +46,9 @@ class Attention:
             m &= j > q_pos[..., None] - self.window
         return m
 
-    def prefill(self, x: torch.Tensor, st: DecodeState, slot: int, start: int) -> torch.Tensor:
-        """One chunk of one sequence. x: [T, H] at positions start..start+T-1."""
+    def prefill(self, x: torch.Tensor, st: DecodeState, slot: int, start: int, capture=None) -> torch.Tensor:
+        """One chunk of one sequence. x: [T, H] at positions start..start+T-1. (capture is for
+        recurrent layers: the prefix cache keeps K/V as pages, not checkpoints.)"""
         t = x.shape[0]
         pos = torch.arange(start, start + t, device=x.device)
         q, k, v, gate = self._project(x, pos)

@@ -83,11 +83,12 @@ class DecoderModel:
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, st: DecodeState, slot: int, start: int,
-                all_logits: bool = False, logits: bool = True) -> torch.Tensor | None:
+                all_logits: bool = False, logits: bool = True, capture=None) -> torch.Tensor | None:
         """tokens: [T] of one sequence at positions start.. -> logits [T, V] or [1, V] (last);
-        None with logits=False (a chunk that only fills the state: skips the lm_head GEMM)."""
+        None with logits=False (a chunk that only fills the state: skips the lm_head GEMM).
+        capture: recurrent-state checkpoints to take inside the chunk (cache.prefix)."""
         x = self.embed[tokens].to(self.dtype)  # [T, H]
-        h = self._stack(x, lambda m, h: m.prefill(h, st, slot, start))
+        h = self._stack(x, lambda m, h: m.prefill(h, st, slot, start, capture))
         if not logits:
             return None
         return F.linear(h if all_logits else h[-1:], self.lm_head).float()

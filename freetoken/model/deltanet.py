@@ -22,18 +22,51 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64):
+def _cut_layout(t: int, cuts, chunk: int, device):
+    """Padded layout that puts every cut on a chunk boundary.
+
+    Segment i (tokens between consecutive cuts) starts on a chunk boundary and is padded up
+    to a chunk multiple. Returns (index [T] of each token in the padded sequence, padded
+    length, the chunk index ending at each cut)."""
+    bounds = sorted({c for c in cuts if 0 < c < t}) + [t]
+    idx, ends, p, s = [], [], 0, 0
+    for b in bounds:
+        idx.append(torch.arange(p, p + b - s, device=device))
+        p += -(-(b - s) // chunk) * chunk
+        ends.append(p // chunk - 1)
+        s = b
+    return torch.cat(idx), p, dict(zip(bounds, ends))
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64, cuts=()):
     """q, k: [T, Hv, dk]; v: [T, Hv, dv]; g, beta: [T, Hv]; state: [Hv, dk, dv] fp32.
 
-    Returns (out [T, Hv, dv] fp32, new state). q/k must already be l2-normalised and q scaled.
-    Within a chunk the updates are solved as one triangular system; across chunks the state
-    is carried sequentially.
+    Returns (out [T, Hv, dv] fp32, new state, [state after c tokens for c in cuts]). q/k must
+    already be l2-normalised and q scaled. Within a chunk the updates are solved as one
+    triangular system; across chunks the state is carried sequentially.
+
+    cuts (offsets in 1..T) ask for intermediate states, for prefix-cache checkpoints, in the
+    same pass: zero padding after each cut moves it onto a chunk boundary. A padded step has
+    beta = 0 and g = 0, so it neither writes to nor decays the state: the result is exactly
+    that of separate calls split at the cuts, without running the rest of the model per piece.
     """
     t = q.shape[0]
-    pad = (-t) % chunk
-    q, k, v = (F.pad(x.transpose(0, 1), (0, 0, 0, pad)) for x in (q, k, v))  # [Hv, Tp, d]
-    g, beta = (F.pad(x.transpose(0, 1), (0, pad)) for x in (g, beta))  # [Hv, Tp]
-    h = q.shape[0]
+    h = q.shape[1]
+    if any(0 < c < t for c in cuts):
+        idx, tp, end_chunk = _cut_layout(t, cuts, chunk, q.device)
+
+        def spread(x):  # [T, Hv, ...] -> [Hv, Tp, ...] with each segment chunk-aligned
+            out = x.new_zeros((tp, *x.shape[1:]))
+            out[idx] = x
+            return out.transpose(0, 1)
+        q, k, v, g, beta = (spread(x) for x in (q, k, v, g, beta))
+    else:
+        idx, pad = None, (-t) % chunk
+        end_chunk = {t: (t + pad) // chunk - 1}
+        q, k, v = (F.pad(x.transpose(0, 1), (0, 0, 0, pad)) for x in (q, k, v))  # [Hv, Tp, d]
+        g, beta = (F.pad(x.transpose(0, 1), (0, pad)) for x in (g, beta))  # [Hv, Tp]
+    want = {end_chunk[c] for c in cuts if c in end_chunk}
+    snaps = {}
     n = q.shape[1] // chunk
     q, k, v = (x.reshape(h, n, chunk, -1) for x in (q, k, v))  # [Hv, n, C, d]
     g, beta = g.reshape(h, n, chunk), beta.reshape(h, n, chunk)
@@ -54,8 +87,11 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64):
         vi = new_v[:, i] - k_cum[:, i] @ state  # the part the old state did not predict
         out[:, i] = q[:, i] @ state + intra[:, i] @ vi
         state = state * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ vi
-    out = out.reshape(h, n * chunk, -1)[:, :t].transpose(0, 1)  # [T, Hv, dv]
-    return out, state
+        if i in want:
+            snaps[i] = state
+    out = out.reshape(h, n * chunk, -1).transpose(0, 1)  # [Tp, Hv, dv]
+    out = out[:t] if idx is None else out[idx]  # [T, Hv, dv]
+    return out, state, [snaps[end_chunk[c]] for c in cuts if c in end_chunk]
 
 
 def recurrent_gated_delta_step(q, k, v, g, beta, state):
@@ -109,8 +145,10 @@ class GatedDeltaNet:
         o = gated_rms_norm(core, z.view(n, self.hv, self.dv), self.norm_w, self.eps)
         return F.linear(o.reshape(n, self.hv * self.dv), self.w_out)
 
-    def prefill(self, x: torch.Tensor, st: DecodeState, slot: int, start: int) -> torch.Tensor:
-        """x: [T, H] for one sequence, continuing from the state in `slot`."""
+    def prefill(self, x: torch.Tensor, st: DecodeState, slot: int, start: int, capture=None) -> torch.Tensor:
+        """x: [T, H] for one sequence, continuing from the state in `slot`. capture (a
+        cache.prefix.StateCapture) receives the conv and recurrent state at its positions
+        inside this chunk."""
         t = x.shape[0]
         mixed, z, b, a = self.in_proj(x)  # [T, C], [T, Hv*dv], [T, Hv], [T, Hv]
         conv_state = st.conv[self.layer][slot]  # [C, K-1]
@@ -119,8 +157,12 @@ class GatedDeltaNet:
         mixed = F.silu(conv[0]).t().to(x.dtype)  # [T, C]
         conv_state.copy_(seq[:, seq.shape[1] - conv_state.shape[1]:])
         q, k, v, g, beta = self._gates_and_heads(mixed, a, b)
-        core, new = chunk_gated_delta_rule(q, k, v, g, beta, st.rec[self.layer][slot])
+        cuts = capture.offsets(start, t) if capture is not None else []
+        core, new, snaps = chunk_gated_delta_rule(q, k, v, g, beta, st.rec[self.layer][slot], cuts=cuts)
         st.rec[self.layer][slot].copy_(new)
+        w = conv_state.shape[1]
+        for c, rec in zip(cuts, snaps):  # conv state after c tokens: the K-1 inputs before it
+            capture.store(self.layer, start + c, seq[:, c:c + w], rec)
         return self._finish(core, z, x.dtype)
 
     def decode(self, x: torch.Tensor, st: DecodeState, pos: torch.Tensor, attend_len: int,

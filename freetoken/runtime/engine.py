@@ -148,16 +148,16 @@ class Engine:
                 "lower --max-seq-len or --max-batch")
 
     def prefill(self, ids: list[int], st: DecodeState, slot: int = 0, start: int = 0,
-                all_logits: bool = False, logits: bool = True) -> torch.Tensor | None:
+                all_logits: bool = False, logits: bool = True, capture=None) -> torch.Tensor | None:
         """Chunked prefill of ids at positions start..; returns logits of the last (or all),
-        or None with logits=False."""
+        or None with logits=False. capture: recurrent-state checkpoints to take on the way."""
         tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
         outs = []
         n = self.ecfg.prefill_chunk
         for s in range(0, len(ids), n):
             last = s + n >= len(ids)
             out = self.model.prefill(tokens[s:s + n], st, slot, start + s, all_logits,
-                                     logits=all_logits or (logits and last))
+                                     logits=all_logits or (logits and last), capture=capture)
             outs.append(out)
         return torch.cat(outs) if all_logits else outs[-1]
 

@@ -117,16 +117,17 @@ class ServingEngine:
             t0 = time.perf_counter()
             prompt = req.prompt_ids
             cuts = self.cache.positions(prompt, start, end) if self.cache is not None else []
-            s0 = start
-            final = end == len(prompt)
-            for b in sorted({c for c in cuts if c < end} | {end}):  # checkpoints fall on chunk ends
-                if b > s0:
-                    # only the prompt's last token needs logits (they start decoding)
-                    out = eng.prefill(prompt[s0:b], self.state, req.slot, s0, logits=final and b == end)
-                    logits = out[-1] if out is not None else None
-                if b in cuts:
-                    self.cache.save(prompt[:b], self.state, req.slot)
-                s0 = b
+            # checkpoints inside the chunk are taken by the DeltaNet layers in the same pass
+            capture = self.cache.capture(prompt, cuts) if cuts else None
+            try:
+                # only the prompt's last token needs logits (they start decoding)
+                out = eng.prefill(prompt[start:end], self.state, req.slot, start, logits=end == len(prompt),
+                                  capture=capture)
+            except Exception:
+                if capture is not None:
+                    capture.abort()
+                raise
+            logits = out[-1] if out is not None else None
             req.prefilled = end
             if self.metrics:
                 self.metrics.prefill(end - start, time.perf_counter() - t0)
