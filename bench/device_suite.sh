@@ -21,7 +21,7 @@ step tests
 [ -n "${FT_SKIP_TESTS:-}" ] || timeout 400 python3 -m pytest -q -x -p no:cacheprovider tests/test_reference.py tests/test_cpu_executor.py tests/test_kernels.py tests/test_deltanet_chunks.py \
   2>&1 | tail -25 | tee "$OUT/pytest.log"
 step serve_engine
-timeout 180 python3 -m bench.serve_engine --profile 2>&1 | grep -v '^ *["{}]' | tail -40
+timeout 180 python3 -m bench.serve_engine --profile ${FT_SERVE_ENGINE_ARGS:-} 2>&1 | grep -v '^ *["{}]' | tail -40
 step serve
 timeout ${FT_SERVE_TIMEOUT:-240} python3 -m bench.serve --tokens 64 2>&1 | tail -6
 step agentic

@@ -17,6 +17,7 @@ import time
 import torch
 
 from bench.common import write_result
+from bench.decode import profile_step
 from freetoken.cache.config import CacheConfig
 from freetoken.demo import demo_path
 from freetoken.runtime.engine import Engine, EngineConfig
@@ -49,6 +50,7 @@ def level(srv: ServingEngine, c: int, steps: int, prompt_tokens: int, vocab: int
     if prof:
         prof.disable()
     dt = (time.perf_counter() - t0) / steps
+    kernels = profile_step(srv.step) if profile and srv.engine.device.type == "cuda" else None
     for r in reqs:  # let them finish so the next level starts from empty slots
         srv.cancel(r)
     while srv.sched.busy:
@@ -57,6 +59,8 @@ def level(srv: ServingEngine, c: int, steps: int, prompt_tokens: int, vocab: int
            "aggregate_tok_s": round(c / dt, 1)}
     if prof:
         row["profile_top_tottime"] = top_functions(prof)
+    if kernels:
+        row["gpu_kernels"] = kernels
     return row
 
 
@@ -66,10 +70,11 @@ def main():
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=400)
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--max-seq-len", type=int, default=0, help="context per slot (0: the model's)")
     ap.add_argument("--no-prefix-cache", action="store_true")
     ap.add_argument("--profile", action="store_true")
     a = ap.parse_args()
-    eng = Engine(demo_path(), EngineConfig(device=a.device))
+    eng = Engine(demo_path(), EngineConfig(device=a.device, max_seq_len=a.max_seq_len))
     srv = ServingEngine(eng, max_batch=8, max_queue=16, start=False, cache=CacheConfig(enabled=not a.no_prefix_cache))
     vocab = eng.cfg.vocab_size
     level(srv, 1, 4, 32, vocab, False)  # warm-up: kernels compiled, autotuned
@@ -77,10 +82,13 @@ def main():
     for c in a.concurrency.split(","):
         level(srv, int(c), 4, 32, vocab, False)  # this batch size's shapes
         rows.append(level(srv, int(c), a.steps, a.prompt_tokens, vocab, a.profile))
-        print({k: v for k, v in rows[-1].items() if k != "profile_top_tottime"}, flush=True)
-        for ln in rows[-1].get("profile_top_tottime", [])[:12]:
+        print("level:", {k: v for k, v in rows[-1].items() if k not in ("profile_top_tottime", "gpu_kernels")}, flush=True)
+        for ln in rows[-1].get("profile_top_tottime", [])[:8]:
             print("   ", ln)
+        for k in rows[-1].get("gpu_kernels", {}).get("top", [])[:6]:
+            print("    gpu:", k)
     write_result("serve_engine", {"model": "demo", "device": str(eng.device), "experts_on": eng.experts_on,
+                                  "context_per_slot": eng.max_len,
                                   "prompt_tokens": a.prompt_tokens, "steps": a.steps, "levels": rows})
 
 
