@@ -43,3 +43,12 @@ def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | 
         probs = torch.zeros_like(probs).scatter_(0, si[keep], sp[keep])
     tok = int(torch.multinomial(probs.cpu(), 1, generator=gen))
     return tok, float(logprobs[tok])
+
+
+def greedy_rows(logits: torch.Tensor, rows: list[int]) -> list[tuple[int, float]]:
+    """Greedy picks for `rows` of logits [B, V], computed where the logits are (one batched
+    argmax and log_softmax on the GPU) so only two numbers per row cross to the host."""
+    sel = logits[rows].float()  # [R, V]
+    tok = sel.argmax(-1)  # [R]
+    lp = torch.log_softmax(sel, -1).gather(1, tok[:, None])[:, 0]  # [R]
+    return list(zip(tok.tolist(), lp.tolist()))

@@ -16,7 +16,7 @@ import torch
 
 from .engine import Engine
 from .request import Request, TokenEvent
-from .sampler import SamplingParams, sample
+from .sampler import SamplingParams, greedy_rows, sample
 from .scheduler import Scheduler
 from ..cache.config import CacheConfig
 
@@ -145,16 +145,22 @@ class ServingEngine:
             t0 = time.perf_counter()
             dev = eng.device
             logits = eng.model.decode(tokens.to(dev), self.state, pos.to(dev), int(pos.max()) + 1, active.to(dev))
-            logits = logits.cpu()
+            # greedy rows are decided on the device; only the others copy their logits over
+            greedy = [r for r in batch.decode if r.sampling.temperature == 0 and not self.record_logits]
+            picks = dict(zip((r.id for r in greedy), greedy_rows(logits, [r.slot for r in greedy]))) if greedy else {}
+            host = logits.cpu() if len(picks) < len(batch.decode) else None
             if self.metrics:
                 self.metrics.decode_step(len(batch.decode), time.perf_counter() - t0)
             for r in batch.decode:
-                self._accept(r, logits[r.slot])
+                self._accept(r, host[r.slot] if host is not None and r.id not in picks else None, picks.get(r.id))
 
-    def _accept(self, req: Request, logits: torch.Tensor) -> None:
-        """Sample the next token of `req`, emit it, finish the request if it is done."""
+    def _accept(self, req: Request, logits: torch.Tensor | None, pick: tuple[int, float] | None = None) -> None:
+        """Sample the next token of `req` (or take `pick`, chosen on the device), emit it,
+        finish the request if it is done."""
         s = req.sampling
-        tok, lp = sample(logits, SamplingParams(s.temperature, s.top_p, s.top_k), self._gens.get(req.id))
+        if pick is None:
+            pick = sample(logits, SamplingParams(s.temperature, s.top_p, s.top_k), self._gens.get(req.id))
+        tok, lp = pick
         if req.first_token_at is None:
             req.first_token_at = time.monotonic()
         if self.record_logits:
