@@ -36,21 +36,23 @@ def top_functions(prof: cProfile.Profile, n: int = 15) -> list[str]:
 def level(srv: ServingEngine, c: int, steps: int, prompt_tokens: int, vocab: int, profile: bool) -> dict:
     gen = torch.Generator().manual_seed(c)
     reqs = [Request(torch.randint(100, vocab, (prompt_tokens,), generator=gen).tolist(),
-                    SamplingOptions(temperature=0, max_tokens=steps + 8, ignore_eos=True)) for _ in range(c)]
+                    SamplingOptions(temperature=0, max_tokens=steps + 16, ignore_eos=True)) for _ in range(c)]
     for r in reqs:
         srv.sched.add(r)
     while any(not r.output_ids for r in reqs):  # prefill all of them
         srv.step()
-    prof = cProfile.Profile() if profile else None
     t0 = time.perf_counter()
-    if prof:
-        prof.enable()
     for _ in range(steps):
         srv.step()
-    if prof:
-        prof.disable()
     dt = (time.perf_counter() - t0) / steps
-    kernels = profile_step(srv.step) if profile and srv.engine.device.type == "cuda" else None
+    prof = kernels = None
+    if profile:  # after the timed steps: the profilers slow the host down
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(4):
+            srv.step()
+        prof.disable()
+        kernels = profile_step(srv.step) if srv.engine.device.type == "cuda" else None
     for r in reqs:  # let them finish so the next level starts from empty slots
         srv.cancel(r)
     while srv.sched.busy:
