@@ -356,3 +356,33 @@ def test_server_side_token_cap_and_no_prefix_cache():
                                     key=None).json()["error"]["message"]
     finally:
         s.stop()
+
+
+def _opened_call(content: str | None, calls, name: str) -> bool:
+    """The forced opening is there: a parsed call to `name`, or (the random model rarely
+    finishes the arguments) the unterminated call left as text."""
+    if calls:
+        return calls[0] == name
+    return bool(content) and content.startswith("<tool_call>") and name in content[:40]
+
+
+def test_tool_choice_forces_a_call(oai, claude, server):
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = oai.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, tool_choice=named, max_tokens=12,
+                                    temperature=0)
+    m = r.choices[0].message
+    assert _opened_call(m.content, [c.function.name for c in m.tool_calls or []], "get_weather")
+    r = oai.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, tool_choice="required", max_tokens=6,
+                                    temperature=0)
+    m = r.choices[0].message
+    assert m.tool_calls or (m.content or "").startswith("<tool_call>")
+    tools = [{"name": "get_weather", "description": "weather", "input_schema": {"type": "object"}}]
+    a = claude.messages.create(model=MODEL, max_tokens=12, messages=msgs, tools=tools,
+                               tool_choice={"type": "tool", "name": "get_weather"})
+    calls = [b.name for b in a.content if b.type == "tool_use"]
+    text = "".join(b.text for b in a.content if b.type == "text")
+    assert _opened_call(text, calls, "get_weather")
+    bad = post(server, "/v1/chat/completions", {
+        "model": MODEL, "messages": msgs, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}})
+    assert bad.status_code == 400 and "not among the tools" in bad.json()["error"]["message"]

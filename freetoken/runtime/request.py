@@ -21,6 +21,10 @@ class SamplingOptions:
     stop: list[str] = field(default_factory=list)  # strings that end generation (not emitted)
     stop_token_ids: list[int] = field(default_factory=list)  # besides the model's EOS ids
     ignore_eos: bool = False
+    # tokens emitted in place of sampled ones (a forced tool-call opening), once `forced_after`
+    # has been generated (None: from the first output token)
+    forced: list[int] = field(default_factory=list)
+    forced_after: int | None = None
 
 
 @dataclass
@@ -42,6 +46,13 @@ class Request:
     restored: bool = False  # the prefix cache has been consulted for this request
     cache_node: object = None  # radix node of the reused prefix, held while running
     logits: list = field(default_factory=list)  # logits behind each sampled token (tests only)
+    forced_next: int = 0  # how many of sampling.forced have been emitted
+    forced_armed: bool = False  # sampling.forced_after has been generated
+
+    def forcing(self) -> bool:
+        """The next output token is a forced one."""
+        s = self.sampling
+        return self.forced_next < len(s.forced) and (s.forced_after is None or self.forced_armed)
 
     @property
     def length(self) -> int:

@@ -146,7 +146,8 @@ class ServingEngine:
             dev = eng.device
             logits = eng.model.decode(tokens.to(dev), self.state, pos.to(dev), int(pos.max()) + 1, active.to(dev))
             # greedy rows are decided on the device; only the others copy their logits over
-            greedy = [r for r in batch.decode if r.sampling.temperature == 0 and not self.record_logits]
+            greedy = [r for r in batch.decode
+                      if r.sampling.temperature == 0 and not self.record_logits and not r.forcing()]
             picks = dict(zip((r.id for r in greedy), greedy_rows(logits, [r.slot for r in greedy]))) if greedy else {}
             host = logits.cpu() if len(picks) < len(batch.decode) else None
             if self.metrics:
@@ -158,9 +159,15 @@ class ServingEngine:
         """Sample the next token of `req` (or take `pick`, chosen on the device), emit it,
         finish the request if it is done."""
         s = req.sampling
-        if pick is None:
+        if req.forcing():  # a forced token, with its log-probability under the model
+            tok = s.forced[req.forced_next]
+            req.forced_next += 1
+            pick = tok, float(torch.log_softmax(logits.float(), -1)[tok])
+        elif pick is None:
             pick = sample(logits, SamplingParams(s.temperature, s.top_p, s.top_k), self._gens.get(req.id))
         tok, lp = pick
+        if tok == s.forced_after:
+            req.forced_armed = True
         if req.first_token_at is None:
             req.first_token_at = time.monotonic()
         if self.record_logits:

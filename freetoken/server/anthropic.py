@@ -13,6 +13,7 @@ import uuid
 from starlette.responses import JSONResponse, StreamingResponse
 
 from .common import ApiError, build_prompt, field, json_args, render, sampling_from, text_of
+from .tool_choice import forced_opening, wanted
 from .generation import Done, Ping, collect, events
 from .openai import submit
 from .parser import Event
@@ -117,18 +118,23 @@ def check_model(ctx, body: dict) -> str:
 
 
 def prepare(ctx, body: dict):
+    """-> (rendered prompt, tools, how to force a tool call or None)."""
     messages = normalize(body)
     tools = tools_of(body)
     thinking = body.get("thinking")
     kwargs = {}
     if isinstance(thinking, dict) and thinking.get("type") == "disabled":
         kwargs["enable_thinking"] = False
-    return render(ctx, messages, tools, **kwargs), tools
+    text = render(ctx, messages, tools, **kwargs)
+    must, name = wanted(body.get("tool_choice"), [t["function"]["name"] for t in tools or []], "anthropic") \
+        if tools else (False, None)
+    force = (lambda in_reasoning: forced_opening(ctx, messages, tools, name, in_reasoning, **kwargs)) if must else None
+    return text, tools, force
 
 
 async def count_tokens(ctx, body: dict, request):
     check_model(ctx, body)
-    text, _ = prepare(ctx, body)
+    text, _, _ = prepare(ctx, body)
     return JSONResponse({"input_tokens": len(ctx.tokenizer.encode(text))})
 
 
@@ -136,8 +142,11 @@ async def messages(ctx, body: dict, request):
     model = check_model(ctx, body)
     max_tokens = field(body, "max_tokens", "integer", required=True)
     sampling = sampling_from(body, max_tokens, field(body, "stop_sequences", "array"), ctx.serving.max_len)
-    text, tools = prepare(ctx, body)
+    text, tools, force = prepare(ctx, body)
     prompt = build_prompt(ctx, text, sampling)
+    if force is not None:
+        f = force(prompt.in_reasoning)
+        sampling.forced, sampling.forced_after = f.tokens, f.after
     stream = field(body, "stream", "boolean", False)
     req, queue = submit(ctx, prompt.ids, sampling)
     gen = events(ctx, req, queue, tools is not None, prompt.in_reasoning, request.is_disconnected)

@@ -9,6 +9,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from ..runtime.scheduler import QueueFull
 from .common import ApiError, build_prompt, field, fit_prompt, json_args, render, sampling_from, text_of
+from .tool_choice import forced_opening, wanted
 from .generation import Done, Ping, collect, events, start
 from .parser import Event
 
@@ -94,6 +95,13 @@ async def chat_completions(ctx, body: dict, request):
     kwargs = dict(field(body, "chat_template_kwargs", "object") or {})
     text = render(ctx, messages, tools, **kwargs)
     prompt = build_prompt(ctx, text, sampling)
+    choice = body.get("tool_choice")
+    if choice not in (None, "none", "auto") and not tools:
+        raise ApiError(400, "tool_choice other than 'none'/'auto' needs tools", param="tool_choice")
+    must, name = wanted(choice, [t["function"]["name"] for t in tools or []], "openai")
+    if must:  # open the call by forced tokens; the model writes the rest
+        f = forced_opening(ctx, messages, tools, name, prompt.in_reasoning, **kwargs)
+        sampling.forced, sampling.forced_after = f.tokens, f.after
     want_logprobs = bool(field(body, "logprobs", "boolean", False))
     req, queue = submit(ctx, prompt.ids, sampling)
     gen = events(ctx, req, queue, tools is not None, prompt.in_reasoning, request.is_disconnected)
