@@ -1,0 +1,75 @@
+"""Prefill speed on the full-size model (GPU machine): tok/s at several prompt lengths, and
+where a prefill chunk's time goes (GPU kernel time against wall time, top kernels, top host
+functions), to aim the next prefill work.
+    python -m bench.prefill [--lengths 512,2048,8192] [--layers 40]
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import time
+
+import torch
+
+from bench.common import write_result
+from bench.decode import QWEN36_35B_A3B, build
+from bench.serve_engine import top_functions
+from freetoken.model.state import DecodeState
+
+
+def kernels(fn) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    rows.sort(key=lambda e: -e.device_time_total)
+    return {"kernels": sum(e.count for e in rows), "gpu_ms": round(sum(e.device_time_total for e in rows) / 1e3, 1),
+            "top": [{"kernel": e.key[:80], "calls": e.count, "ms": round(e.device_time_total / 1e3, 2)}
+                    for e in rows[:12]]}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", default="512,2048,8192")
+    ap.add_argument("--layers", type=int, default=40)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.prefill needs a CUDA device")
+    dev = torch.device("cuda")
+    mc, _, _, model = build(dict(QWEN36_35B_A3B, num_hidden_layers=a.layers), dev, "gpu")
+    lengths = [int(x) for x in a.lengths.split(",")]
+    st = DecodeState(mc, 1, max(lengths) + 8, dev, torch.bfloat16)
+    prompt = torch.randint(0, mc.vocab_size, (max(lengths),), device=dev)
+    chunk = 2048  # the engine's default prefill chunk
+
+    def prefill(n):
+        st.reset(0)
+        for s in range(0, n, chunk):
+            model.prefill(prompt[s:min(n, s + chunk)], st, 0, s, logits=s + chunk >= n)
+        torch.cuda.synchronize()
+
+    prefill(min(lengths))  # compile, autotune, warm cuBLAS
+    rows = []
+    for n in lengths:
+        prefill(n)
+        t0 = time.perf_counter()
+        prefill(n)
+        wall = time.perf_counter() - t0
+        row = {"prompt_tokens": n, "wall_s": round(wall, 3), "tok_s": round(n / wall, 1)}
+        if n == lengths[0] or n == 2048:
+            row["gpu"] = kernels(lambda: prefill(n))
+            prof = cProfile.Profile()
+            prof.enable()
+            prefill(n)
+            prof.disable()
+            row["host_top_tottime"] = top_functions(prof, 12)
+        rows.append(row)
+        print({k: v for k, v in row.items() if k in ("prompt_tokens", "wall_s", "tok_s")},
+              "gpu_ms" in row.get("gpu", {}) and row["gpu"]["gpu_ms"], flush=True)
+    write_result("prefill", {"model": f"Qwen3.6-35B-A3B shape, {a.layers} layers, random BF16, experts in VRAM",
+                             "chunk": chunk, "runs": rows})
+
+
+if __name__ == "__main__":
+    main()
