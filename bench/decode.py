@@ -56,7 +56,7 @@ def build(cfg: dict, dev, experts_on: str, seed=0):
     gu = torch.randn(n, 2 * i, h, generator=g, device=dev, dtype=torch.bfloat16).mul_(h ** -0.5)
     dn = torch.randn(n, h, i, generator=g, device=dev, dtype=torch.bfloat16).mul_(i ** -0.5)
     if experts_on == "gpu":
-        ex = TorchExpertExecutor(gu, dn)
+        ex = TorchExpertExecutor(gu, dn, layer_experts=mc.num_experts)
     else:
         from freetoken.experts.cpu import CpuExpertExecutor
         from freetoken.weights.reader import pin_in_place

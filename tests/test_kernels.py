@@ -110,6 +110,27 @@ def test_moe_decode(t, k, h, i, dtype, tol):
     assert rel(moe_decode_triton(x, ids, w, gu, dn), ref) < tol
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("t,k,h,i,n,layer_experts", [(37, 3, 64, 32, 10, None), (5, 2, 96, 40, 24, 12),
+                                                     (70, 4, 130, 72, 16, 8)])
+def test_moe_grouped(t, k, h, i, n, layer_experts, dtype, tol):
+    """Prefill-size batches: pairs sorted into expert tiles, experts read in place (both tile
+    sizes: few and many pairs per expert; some experts unused; a second layer's experts)."""
+    from freetoken.experts.executor import reference_experts
+    from freetoken.kernels.moe_grouped import moe_grouped_triton
+    g = torch.Generator().manual_seed(t + h + n)
+    gu = (torch.randn(n, 2 * i, h, generator=g) * h ** -0.5).to(DEV, dtype)
+    dn = (torch.randn(n, h, i, generator=g) * i ** -0.5).to(DEV, dtype)
+    x = torch.randn(t, h, generator=g).to(DEV, dtype)
+    span = layer_experts or n
+    base = n - span  # route within the last layer's experts, as flat ids do
+    ids = torch.stack([torch.randperm(span, generator=g)[:k] + base for _ in range(t)]).to(DEV)
+    w = torch.softmax(torch.randn(t, k, generator=g), -1).to(DEV, dtype)
+    ref = reference_experts(x.float(), ids, w.float(), gu.float(), dn.float())
+    got = moe_grouped_triton(x, ids, w, gu, dn, max_experts=layer_experts)
+    assert rel(got.float(), ref) < tol
+
+
 def test_grouped_prefill_path_matches_reference():
     """The padded batched-GEMM grouping (used on CUDA for prefill chunks) is exact."""
     from freetoken.experts.executor import TorchExpertExecutor, reference_experts

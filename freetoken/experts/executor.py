@@ -59,9 +59,11 @@ class TorchExpertExecutor(ExpertExecutor):
 
     name = "torch"
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, static_max_pairs: int = 64):
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, static_max_pairs: int = 64,
+                 layer_experts: int | None = None):
         self.gate_up, self.down = gate_up, down
         self.static_max_pairs = static_max_pairs
+        self.layer_experts = layer_experts  # experts one call can route to (bounds the tile grid)
         self.device = gate_up.device
 
     def __call__(self, x, ids, weights):
@@ -73,6 +75,9 @@ class TorchExpertExecutor(ExpertExecutor):
                 out = moe_decode_triton(x, ids, weights, self.gate_up, self.down)
             else:
                 out = self._static(x, ids, weights)
+        elif use_triton(x):
+            from ..kernels.moe_grouped import moe_grouped_triton
+            out = moe_grouped_triton(x, ids, weights, self.gate_up, self.down, self.layer_experts)
         elif x.is_cuda:
             out = self._grouped(x, ids, weights)
         else:

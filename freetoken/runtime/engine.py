@@ -108,7 +108,8 @@ class Engine:
         if gate_up is None:
             return None
         if self.experts_on == "gpu":
-            return TorchExpertExecutor(gate_up.to(self.device, self.dtype), down.to(self.device, self.dtype))
+            return TorchExpertExecutor(gate_up.to(self.device, self.dtype), down.to(self.device, self.dtype),
+                                       layer_experts=self.cfg.num_experts)
         from ..experts.cpu import CpuExpertExecutor
         return CpuExpertExecutor(gate_up, down, threads=self.ecfg.cpu_threads)
 

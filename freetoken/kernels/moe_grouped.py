@@ -1,0 +1,144 @@
+"""Grouped routed-expert GEMM for prefill chunks: experts read in place, no weight gather.
+
+A prefill chunk of a few hundred tokens already touches nearly every expert of a layer, so
+gathering each used expert's weights into a batch (the torch path: `gate_up[experts]`) copies
+the whole layer's experts every chunk. Here the (token, expert) pairs are sorted by expert and
+padded to tiles of BLOCK_M pairs that share one expert; each program multiplies one tile of
+pairs by one expert's weights where they lie:
+
+  gate_up_act:  grid (tile, block of intermediate cols): h = silu(x Wg^T) * (x Wu^T)
+  down:         grid (tile, block of hidden cols):       y = (h Wd^T) * gate weight
+then each token sums its k pairs (index_add). The tiling is computed on the device with no
+host sync (a static upper bound on tiles; tiles past the real count exit at once).
+Reference: experts.executor.reference_experts.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import INTERPRET, tl_dtype
+
+
+def _configs():
+    shapes = [(64, 64, 4), (128, 64, 4), (64, 128, 8)]
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in (shapes[:1] if INTERPRET else shapes)]
+
+
+@triton.autotune(configs=_configs(), key=["H", "I", "BLOCK_M"])
+@triton.jit
+def _grouped_gate_up_kernel(x_ptr, tok_ptr, tile_expert_ptr, gu_ptr, h_ptr, H, I,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            DTYPE: tl.constexpr, IEEE: tl.constexpr):
+    tile = tl.program_id(0)
+    e = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    if e >= 0:
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # padded pair slots of this tile
+        tok = tl.load(tok_ptr + rows)
+        valid = tok >= 0
+        tok = tl.where(valid, tok, 0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # intermediate columns
+        cm = cols < I
+        base = gu_ptr + e * (2 * I) * H
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            km = ks < H
+            a = tl.load(x_ptr + tok[:, None] * H + ks[None, :], mask=valid[:, None] & km[None, :], other=0.0)
+            wm = km[:, None] & cm[None, :]
+            wg = tl.load(base + cols[None, :] * H + ks[:, None], mask=wm, other=0.0)  # [BLOCK_K, BLOCK_N]
+            wu = tl.load(base + (cols[None, :] + I) * H + ks[:, None], mask=wm, other=0.0)
+            if IEEE:  # float32 activations (and bfloat16 under the CPU interpreter, whose dot mishandles it)
+                a, wg, wu = a.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
+                acc_g += tl.dot(a, wg, input_precision="ieee")
+                acc_u += tl.dot(a, wu, input_precision="ieee")
+            else:
+                acc_g += tl.dot(a, wg)
+                acc_u += tl.dot(a, wu)
+        g = acc_g.to(DTYPE).to(tl.float32)  # the reference rounds each GEMM to the activation dtype
+        u = acc_u.to(DTYPE).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(DTYPE).to(tl.float32)
+        tl.store(h_ptr + rows[:, None].to(tl.int64) * I + cols[None, :], (act * u).to(DTYPE),
+                 mask=valid[:, None] & cm[None, :])
+
+
+@triton.autotune(configs=_configs(), key=["H", "I", "BLOCK_M"])
+@triton.jit
+def _grouped_down_kernel(h_ptr, tok_ptr, w_ptr, tile_expert_ptr, dn_ptr, y_ptr, H, I,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         DTYPE: tl.constexpr, IEEE: tl.constexpr):
+    tile = tl.program_id(0)
+    e = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    if e >= 0:
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        valid = tl.load(tok_ptr + rows) >= 0
+        rows64 = rows.to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # hidden columns
+        cm = cols < H
+        base = dn_ptr + e * H * I
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            km = ks < I
+            a = tl.load(h_ptr + rows64[:, None] * I + ks[None, :], mask=valid[:, None] & km[None, :], other=0.0)
+            w = tl.load(base + cols[None, :] * I + ks[:, None], mask=km[:, None] & cm[None, :], other=0.0)
+            if IEEE:
+                acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(a, w)
+        gate = tl.load(w_ptr + rows, mask=valid, other=0.0).to(tl.float32)
+        y = (acc.to(DTYPE).to(tl.float32) * gate[:, None]).to(DTYPE)
+        tl.store(y_ptr + rows64[:, None] * H + cols[None, :], y, mask=valid[:, None] & cm[None, :])
+
+
+def tile_pairs(ids: torch.Tensor, weights: torch.Tensor, n_experts: int, block_m: int, max_experts: int):
+    """Sort the (token, expert) pairs by expert into tiles of block_m that share one expert.
+
+    ids, weights: [T, k] -> (tok [S] token of each padded slot or -1, gate [S] its weight,
+    tile_expert [S / block_m] expert of each tile or -1). S is a static bound: every expert
+    present adds at most one partly filled tile, and at most max_experts are present."""
+    t, k = ids.shape
+    pairs = t * k
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # [P] pairs grouped by expert
+    counts = torch.bincount(flat, minlength=n_experts)  # [N]
+    tiles = (counts + block_m - 1) // block_m  # [N]
+    tile_end = torch.cumsum(tiles, 0)  # [N]
+    pair_start = torch.cumsum(counts, 0) - counts  # [N]
+    e_sorted = flat[order]
+    slot = (tile_end - tiles)[e_sorted] * block_m + torch.arange(pairs, device=ids.device) - pair_start[e_sorted]
+    n_tiles = -(-pairs // block_m) + min(pairs, max_experts)
+    tok = torch.full((n_tiles * block_m,), -1, dtype=torch.int32, device=ids.device)
+    tok[slot] = (order // k).to(torch.int32)
+    gate = torch.zeros(n_tiles * block_m, dtype=weights.dtype, device=ids.device)
+    gate[slot] = weights.reshape(-1)[order]
+    idx = torch.arange(n_tiles, device=ids.device)
+    owner = torch.searchsorted(tile_end, idx, right=True)  # [n_tiles] expert whose tiles cover idx
+    tile_expert = torch.where(owner < n_experts, owner, -1).to(torch.int32)
+    return tok, gate, tile_expert
+
+
+def moe_grouped_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                       down: torch.Tensor, max_experts: int | None = None) -> torch.Tensor:
+    """x: [T, H]; ids, weights: [T, k]; gate_up: [N, 2I, H]; down: [N, H, I] -> [T, H].
+    max_experts: how many distinct experts one call can route to (a layer's count), a bound
+    that keeps the tile grid small; default all N."""
+    t, k = ids.shape
+    n, n_h, n_i = down.shape
+    block_m = 16 if t * k <= 16 * min(n, max_experts or n) else 64  # ~pairs per expert
+    tok, gate, tile_expert = tile_pairs(ids, weights.to(x.dtype), n, block_m, min(n, max_experts or n))
+    slots = tok.numel()
+    x = x.contiguous()
+    h = torch.empty(slots, n_i, dtype=x.dtype, device=x.device)
+    y = torch.zeros(slots, n_h, dtype=x.dtype, device=x.device)  # padding slots stay zero
+    dt, ieee = tl_dtype(x.dtype), x.dtype == torch.float32 or INTERPRET
+    n_tiles = tile_expert.numel()
+    _grouped_gate_up_kernel[lambda m: (n_tiles, triton.cdiv(n_i, m["BLOCK_N"]))](
+        x, tok, tile_expert, gate_up, h, n_h, n_i, BLOCK_M=block_m, DTYPE=dt, IEEE=ieee)
+    _grouped_down_kernel[lambda m: (n_tiles, triton.cdiv(n_h, m["BLOCK_N"]))](
+        h, tok, gate, tile_expert, down, y, n_h, n_i, BLOCK_M=block_m, DTYPE=dt, IEEE=ieee)
+    out = torch.zeros(t, n_h, dtype=torch.float32, device=x.device)
+    out.index_add_(0, tok.clamp(min=0).long(), y.float())  # padding adds zeros to token 0
+    return out.to(x.dtype)
