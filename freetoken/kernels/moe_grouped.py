@@ -8,7 +8,7 @@ pairs by one expert's weights where they lie:
 
   gate_up_act:  grid (tile, block of intermediate cols): h = silu(x Wg^T) * (x Wu^T)
   down:         grid (tile, block of hidden cols):       y = (h Wd^T) * gate weight
-then each token sums its k pairs (index_add). The tiling is computed on the device with no
+writing each pair's row at its place in [T, k, H], then each token sums its k rows (no atomics). The tiling is computed on the device with no
 host sync (a static upper bound on tiles; tiles past the real count exit at once).
 Reference: experts.executor.reference_experts.
 """
@@ -66,7 +66,7 @@ def _grouped_gate_up_kernel(x_ptr, tok_ptr, tile_expert_ptr, gu_ptr, h_ptr, H, I
 
 @triton.autotune(configs=_configs(), key=["H", "I", "BLOCK_M"])
 @triton.jit
-def _grouped_down_kernel(h_ptr, tok_ptr, w_ptr, tile_expert_ptr, dn_ptr, y_ptr, H, I,
+def _grouped_down_kernel(h_ptr, tok_ptr, dest_ptr, w_ptr, tile_expert_ptr, dn_ptr, y_ptr, H, I,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          DTYPE: tl.constexpr, IEEE: tl.constexpr):
     tile = tl.program_id(0)
@@ -90,14 +90,15 @@ def _grouped_down_kernel(h_ptr, tok_ptr, w_ptr, tile_expert_ptr, dn_ptr, y_ptr, 
                 acc += tl.dot(a, w)
         gate = tl.load(w_ptr + rows, mask=valid, other=0.0).to(tl.float32)
         y = (acc.to(DTYPE).to(tl.float32) * gate[:, None]).to(DTYPE)
-        tl.store(y_ptr + rows64[:, None] * H + cols[None, :], y, mask=valid[:, None] & cm[None, :])
+        dest = tl.load(dest_ptr + rows, mask=valid, other=0).to(tl.int64)  # the pair's row in [T*k, H]
+        tl.store(y_ptr + dest[:, None] * H + cols[None, :], y, mask=valid[:, None] & cm[None, :])
 
 
 def tile_pairs(ids: torch.Tensor, weights: torch.Tensor, n_experts: int, block_m: int, max_experts: int):
     """Sort the (token, expert) pairs by expert into tiles of block_m that share one expert.
 
-    ids, weights: [T, k] -> (tok [S] token of each padded slot or -1, gate [S] its weight,
-    tile_expert [S / block_m] expert of each tile or -1). S is a static bound: every expert
+    ids, weights: [T, k] -> (tok [S] token of each padded slot or -1, dest [S] its pair index
+    t*k + j, gate [S] its weight, tile_expert [S / block_m] expert of each tile or -1). S is a static bound: every expert
     present adds at most one partly filled tile, and at most max_experts are present."""
     t, k = ids.shape
     pairs = t * k
@@ -112,12 +113,14 @@ def tile_pairs(ids: torch.Tensor, weights: torch.Tensor, n_experts: int, block_m
     n_tiles = -(-pairs // block_m) + min(pairs, max_experts)
     tok = torch.full((n_tiles * block_m,), -1, dtype=torch.int32, device=ids.device)
     tok[slot] = (order // k).to(torch.int32)
+    dest = torch.zeros(n_tiles * block_m, dtype=torch.int32, device=ids.device)
+    dest[slot] = order.to(torch.int32)
     gate = torch.zeros(n_tiles * block_m, dtype=weights.dtype, device=ids.device)
     gate[slot] = weights.reshape(-1)[order]
     idx = torch.arange(n_tiles, device=ids.device)
     owner = torch.searchsorted(tile_end, idx, right=True)  # [n_tiles] expert whose tiles cover idx
     tile_expert = torch.where(owner < n_experts, owner, -1).to(torch.int32)
-    return tok, gate, tile_expert
+    return tok, dest, gate, tile_expert
 
 
 def moe_grouped_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
@@ -128,17 +131,15 @@ def moe_grouped_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     t, k = ids.shape
     n, n_h, n_i = down.shape
     block_m = 16 if t * k <= 16 * min(n, max_experts or n) else 64  # ~pairs per expert
-    tok, gate, tile_expert = tile_pairs(ids, weights.to(x.dtype), n, block_m, min(n, max_experts or n))
+    tok, dest, gate, tile_expert = tile_pairs(ids, weights.to(x.dtype), n, block_m, min(n, max_experts or n))
     slots = tok.numel()
     x = x.contiguous()
     h = torch.empty(slots, n_i, dtype=x.dtype, device=x.device)
-    y = torch.zeros(slots, n_h, dtype=x.dtype, device=x.device)  # padding slots stay zero
+    y = torch.empty(t * k, n_h, dtype=x.dtype, device=x.device)  # every pair's row is written once
     dt, ieee = tl_dtype(x.dtype), x.dtype == torch.float32 or INTERPRET
     n_tiles = tile_expert.numel()
     _grouped_gate_up_kernel[lambda m: (n_tiles, triton.cdiv(n_i, m["BLOCK_N"]))](
         x, tok, tile_expert, gate_up, h, n_h, n_i, BLOCK_M=block_m, DTYPE=dt, IEEE=ieee)
     _grouped_down_kernel[lambda m: (n_tiles, triton.cdiv(n_h, m["BLOCK_N"]))](
-        h, tok, gate, tile_expert, down, y, n_h, n_i, BLOCK_M=block_m, DTYPE=dt, IEEE=ieee)
-    out = torch.zeros(t, n_h, dtype=torch.float32, device=x.device)
-    out.index_add_(0, tok.clamp(min=0).long(), y.float())  # padding adds zeros to token 0
-    return out.to(x.dtype)
+        h, tok, dest, gate, tile_expert, down, y, n_h, n_i, BLOCK_M=block_m, DTYPE=dt, IEEE=ieee)
+    return y.view(t, k, n_h).sum(1)
