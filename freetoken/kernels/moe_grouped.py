@@ -104,7 +104,8 @@ def tile_pairs(ids: torch.Tensor, weights: torch.Tensor, n_experts: int, block_m
     pairs = t * k
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # [P] pairs grouped by expert
-    counts = torch.bincount(flat, minlength=n_experts)  # [N]
+    # [N] pairs per expert (scatter_add, not bincount: bincount reads the max id back to the host)
+    counts = torch.zeros(n_experts, dtype=torch.long, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
     tiles = (counts + block_m - 1) // block_m  # [N]
     tile_end = torch.cumsum(tiles, 0)  # [N]
     pair_start = torch.cumsum(counts, 0) - counts  # [N]
