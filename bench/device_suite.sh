@@ -18,10 +18,12 @@ export PYTHONPATH="$PWD:/tmp/site"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; lscpu | head -20; free -g; } > "$OUT/machine.txt" 2>&1
 step() { echo "=== $* ($(date +%T))"; }
 step tests
-[ -n "${FT_SKIP_TESTS:-}" ] || timeout 400 python3 -m pytest -q -x -p no:cacheprovider tests/test_reference.py tests/test_cpu_executor.py tests/test_kernels.py tests/test_deltanet_chunks.py tests/test_attention.py \
+[ -n "${FT_SKIP_TESTS:-}" ] || timeout 400 python3 -m pytest -q -x -p no:cacheprovider tests/test_reference.py tests/test_cpu_executor.py tests/test_kernels.py tests/test_deltanet_chunks.py tests/test_attention.py tests/test_decode_runner.py \
   2>&1 | tail -25 | tee "$OUT/pytest.log"
 step serve_engine
 timeout 180 python3 -m bench.serve_engine --profile ${FT_SERVE_ENGINE_ARGS:-} 2>&1 | grep -v '^ *["{}]' | tail -40
+step serve_engine_graphs
+timeout 180 python3 -m bench.serve_engine --cuda-graphs 2>&1 | grep -E 'level:|graph|Error|error' | tail -12
 step serve
 timeout ${FT_SERVE_TIMEOUT:-240} python3 -m bench.serve --tokens 64 2>&1 | tail -6
 step agentic

@@ -75,9 +75,11 @@ def main():
     ap.add_argument("--max-seq-len", type=int, default=0, help="context per slot (0: the model's)")
     ap.add_argument("--no-prefix-cache", action="store_true")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--cuda-graphs", action="store_true")
     a = ap.parse_args()
     eng = Engine(demo_path(), EngineConfig(device=a.device, max_seq_len=a.max_seq_len))
-    srv = ServingEngine(eng, max_batch=8, max_queue=16, start=False, cache=CacheConfig(enabled=not a.no_prefix_cache))
+    srv = ServingEngine(eng, max_batch=8, max_queue=16, start=False, cache=CacheConfig(enabled=not a.no_prefix_cache),
+                        cuda_graphs=a.cuda_graphs)
     vocab = eng.cfg.vocab_size
     level(srv, 1, 4, 32, vocab, False)  # warm-up: kernels compiled, autotuned
     rows = []
@@ -89,8 +91,8 @@ def main():
             print("   ", ln)
         for k in rows[-1].get("gpu_kernels", {}).get("top", [])[:6]:
             print("    gpu:", k)
-    write_result("serve_engine", {"model": "demo", "device": str(eng.device), "experts_on": eng.experts_on,
-                                  "context_per_slot": eng.max_len,
+    write_result("serve_engine_graphs" if a.cuda_graphs else "serve_engine", {"model": "demo", "device": str(eng.device), "experts_on": eng.experts_on,
+                                  "context_per_slot": eng.max_len, "cuda_graphs": a.cuda_graphs,
                                   "prompt_tokens": a.prompt_tokens, "steps": a.steps, "levels": rows})
 
 

@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from .decode_runner import DecodeRunner
 from .engine import Engine
 from .request import Request, TokenEvent
 from .sampler import SamplingParams, greedy_rows, sample
@@ -26,13 +27,15 @@ log = logging.getLogger("freetoken.serving")
 class ServingEngine:
     def __init__(self, engine: Engine, max_batch: int = 8, max_queue: int = 64, metrics=None,
                  max_new_tokens: int = 0, cache: CacheConfig | None = None, record_logits: bool = False,
-                 start: bool = True):
+                 start: bool = True, cuda_graphs: bool = False):
         self.engine = engine
         self.max_new_tokens = max_new_tokens  # server-side cap per request (0: none)
         self.record_logits = record_logits
         self.max_len = engine.max_len
         self.state = engine.new_state(self.max_len, slots=max_batch)
         self.cache = cache.build(engine, self.state) if cache is not None and cache.enabled else None
+        # graphs replay GPU work only: with experts on the host the step stays eager
+        self.decode = DecodeRunner(engine.model, self.state, cuda_graphs and engine.experts_on == "gpu")
         self.sched = Scheduler(max_batch, max_queue, engine.ecfg.prefill_chunk)
         self.metrics = metrics
         self._lock = threading.Lock()
@@ -143,8 +146,7 @@ class ServingEngine:
                 pos[r.slot] = r.length - 1
                 active[r.slot] = True
             t0 = time.perf_counter()
-            dev = eng.device
-            logits = eng.model.decode(tokens.to(dev), self.state, pos.to(dev), int(pos.max()) + 1, active.to(dev))
+            logits = self.decode(tokens, pos, active)
             # greedy rows are decided on the device; only the others copy their logits over
             greedy = [r for r in batch.decode
                       if r.sampling.temperature == 0 and not self.record_logits and not r.forcing()]
