@@ -7,12 +7,11 @@ lm_head for a prefill chunk of one sequence or a decode step over all batch slot
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..config import ModelConfig
 from .attention import Attention
 from .deltanet import GatedDeltaNet
-from .layers import Rope, add_rms_norm, rms_norm
+from .layers import Rope, add_rms_norm, lm_head, rms_norm
 from .moe import MoE, DenseMLP
 from .state import DecodeState
 
@@ -91,7 +90,7 @@ class DecoderModel:
         h = self._stack(x, lambda m, h: m.prefill(h, st, slot, start, capture))
         if not logits:
             return None
-        return F.linear(h if all_logits else h[-1:], self.lm_head).float()
+        return lm_head(h if all_logits else h[-1:], self.lm_head).float()
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, st: DecodeState, pos: torch.Tensor, attend_len: int,
@@ -101,4 +100,4 @@ class DecoderModel:
         updates of rows that are not decoding (idle or mid-prefill slots)."""
         x = self.embed[tokens].to(self.dtype)  # [B, H]
         h = self._stack(x, lambda m, h: m.decode(h, st, pos, attend_len, active))
-        return F.linear(h, self.lm_head).float()
+        return lm_head(h, self.lm_head).float()

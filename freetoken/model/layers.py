@@ -73,6 +73,21 @@ class Rope:
         return torch.cat([xr * cos + rotated * sin, xp], dim=-1)
 
 
+def lm_head(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Logits [N, V] = h [N, H] @ w [V, H]^T.
+
+    On the CPU, for the few rows of a decode step, MKL runs the product 2-4x faster with the
+    tall weight as the left operand (w @ h^T) than as F.linear gives it (measured on the 2-core
+    dev machine, vocab 152k: batch 2 29 -> 7 ms); a single row goes in twice, since the
+    one-column product stays on the slow single-threaded GEMV. Same math, another summation
+    order. On CUDA, cuBLAS handles F.linear well."""
+    n = h.shape[0]
+    if h.is_cuda or n > 32:
+        return F.linear(h, w)
+    cols = torch.cat([h, h]) if n == 1 else h  # [max(N, 2), H]
+    return (w @ cols.T)[:, :n].T  # [N, V]
+
+
 def swiglu_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
