@@ -80,15 +80,24 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64, cuts=()):
     k_cum = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False,
                                           unitriangular=True)
     q = q * cum.exp()[..., None]
-    k = k * (cum[..., -1:] - cum).exp()[..., None]
-    chunk_decay = cum[..., -1].exp()[..., None, None]  # [Hv, n, 1, 1]
-    out = torch.empty_like(new_v)
+    k_end = (k * (cum[..., -1:] - cum).exp()[..., None]).transpose(-1, -2)  # [Hv, n, dk, C] decayed to chunk end
+    # Chunk i starts from state S_i. What S_i does not predict is vi = new_v_i - k_cum_i S_i, so
+    #   out_i   = q_i S_i + intra_i vi         = (q_i - intra_i k_cum_i) S_i + intra_i new_v_i
+    #   S_{i+1} = d_i S_i + k_end_i vi         = (d_i I - k_end_i k_cum_i) S_i + k_end_i new_v_i
+    # Everything but the product with S_i is batched over chunks up front, so the sequential
+    # part is one baddbmm per chunk (it was nine small ops: the loop bounds prefill on the GPU
+    # by host time), and the outputs are one batched product after it.
+    trans = -(k_end @ k_cum)  # [Hv, n, dk, dk]
+    trans.diagonal(dim1=-2, dim2=-1).add_(cum[..., -1:].exp())  # + d_i I
+    trans = trans.transpose(0, 1).contiguous()  # [n, Hv, dk, dk]: each step reads one block
+    inject = (k_end @ new_v).transpose(0, 1).contiguous()  # [n, Hv, dk, dv]
+    starts = []
     for i in range(n):
-        vi = new_v[:, i] - k_cum[:, i] @ state  # the part the old state did not predict
-        out[:, i] = q[:, i] @ state + intra[:, i] @ vi
-        state = state * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ vi
+        starts.append(state)
+        state = torch.baddbmm(inject[i], trans[i], state)  # [Hv, dk, dv]
         if i in want:
             snaps[i] = state
+    out = (q - intra @ k_cum) @ torch.stack(starts, 1) + intra @ new_v  # [Hv, n, C, dv]
     out = out.reshape(h, n * chunk, -1).transpose(0, 1)  # [Tp, Hv, dv]
     out = out[:t] if idx is None else out[idx]  # [T, Hv, dv]
     return out, state, [snaps[end_chunk[c]] for c in cuts if c in end_chunk]
