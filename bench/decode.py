@@ -103,7 +103,7 @@ def run(cfg, dev, experts_on, prompt_len, tokens, graph: bool, profile: bool = F
     ctx = prompt_len + tokens + 8
     st = DecodeState(mc, 1, ctx, dev, torch.bfloat16)
     prompt = torch.randint(0, mc.vocab_size, (prompt_len,), device=dev)
-    model.prefill(prompt[:16], st, 0, 0)  # compile the Triton kernels, warm cuBLAS
+    model.prefill(prompt, st, 0, 0)  # compile and autotune for these shapes, warm cuBLAS
     st.reset(0)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
