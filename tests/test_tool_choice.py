@@ -16,10 +16,6 @@ from freetoken.server.tool_choice import forced_opening, wanted
 from freetoken.tokenizer import Tokenizer
 from freetoken.weights.convert import convert
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
-         {"type": "function", "function": {"name": "run", "parameters": {"type": "object"}}}]
-MSGS = [{"role": "user", "content": "Weather in Paris?"}]
-
 # the Qwen3.5/3.6 call format, as their templates write it
 XML_TEMPLATE = QWEN3_TEMPLATE.replace(
     '<tool_call>\n{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}\n</tool_call>',
@@ -58,13 +54,13 @@ def test_wanted_parses_both_apis():
     (XML_TEMPLATE, "run", "<tool_call>\n<function=run>"),
 ])
 def test_opening_follows_the_template(tokenizer, template, name, opening):
-    f = forced_opening(ctx_for(template, tokenizer), MSGS, TOOLS, name, in_reasoning=False)
+    f = forced_opening(ctx_for(template, tokenizer), name, in_reasoning=False)
     assert f.after is None
     assert tokenizer.decode(f.tokens) == opening
 
 
 def test_opening_waits_for_the_end_of_thinking(tokenizer):
-    f = forced_opening(ctx_for(None, tokenizer), MSGS, TOOLS, "run", in_reasoning=True)
+    f = forced_opening(ctx_for(None, tokenizer), "run", in_reasoning=True)
     assert f.after == tokenizer.token_id("</think>")
     assert tokenizer.decode(f.tokens) == '\n\n<tool_call>\n{"name": "run"'
 

@@ -35,7 +35,7 @@ class DecodeRunner:
     def __init__(self, model, state: DecodeState, graphs: bool):
         self.model, self.state = model, state
         rows = state.slots
-        dev = next(iter([*state.k.values(), *state.conv.values()])).device
+        dev = model.device
         self.static = graphs  # full rows, static buffers, bucketed length
         self.graphs = graphs and dev.type == "cuda"  # ... and captured
         self.tokens = torch.zeros(rows, dtype=torch.long, device=dev)  # [rows] static inputs

@@ -128,7 +128,7 @@ def prepare(ctx, body: dict):
     text = render(ctx, messages, tools, **kwargs)
     must, name = wanted(body.get("tool_choice"), [t["function"]["name"] for t in tools or []], "anthropic") \
         if tools else (False, None)
-    force = (lambda in_reasoning: forced_opening(ctx, messages, tools, name, in_reasoning, **kwargs)) if must else None
+    force = (lambda in_reasoning: forced_opening(ctx, name, in_reasoning, **kwargs)) if must else None
     return text, tools, force
 
 

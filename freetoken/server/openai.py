@@ -100,7 +100,7 @@ async def chat_completions(ctx, body: dict, request):
         raise ApiError(400, "tool_choice other than 'none'/'auto' needs tools", param="tool_choice")
     must, name = wanted(choice, [t["function"]["name"] for t in tools or []], "openai")
     if must:  # open the call by forced tokens; the model writes the rest
-        f = forced_opening(ctx, messages, tools, name, prompt.in_reasoning, **kwargs)
+        f = forced_opening(ctx, name, prompt.in_reasoning, **kwargs)
         sampling.forced, sampling.forced_after = f.tokens, f.after
     want_logprobs = bool(field(body, "logprobs", "boolean", False))
     req, queue = submit(ctx, prompt.ids, sampling)

@@ -10,6 +10,7 @@ the model to close its thinking, so reasoning is kept.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from .common import ApiError
@@ -52,37 +53,56 @@ def wanted(choice, names: list[str], api: str) -> tuple[bool, str | None]:
     return True, name
 
 
-def forced_opening(ctx, messages: list[dict], tools: list[dict], name: str | None, in_reasoning: bool,
-                   **kwargs) -> Forced:
-    """Tokens that open a tool call (naming `name` if given), and when to emit them."""
+@dataclass(frozen=True)
+class CallFormat:
+    """How the template writes a tool call: `head` NAME `tail`, and the `gap` between the end of
+    thinking and the call."""
+    head: str
+    tail: str
+    gap: str
+
+
+def call_format(template, **kwargs) -> CallFormat:
+    """Probe the template once (per set of template kwargs) by rendering a dummy call."""
+    cache = template.__dict__.setdefault("_call_formats", {})
+    key = json.dumps(kwargs, sort_keys=True, default=str)
+    if key not in cache:
+        cache[key] = _probe(template, kwargs)
+    return cache[key]
+
+
+def _probe(template, kwargs: dict) -> CallFormat:
     probe = [{"role": "user", "content": "x"},
              {"role": "assistant", "content": "", "reasoning_content": _THINK,
               "tool_calls": [{"id": "call_0", "type": "function", "function": {"name": _NAME, "arguments": {}}}]}]
+    tools = [{"type": "function", "function": {"name": _NAME, "parameters": {"type": "object"}}}]
     try:
-        text = ctx.template.render(probe, tools, add_generation_prompt=False, **kwargs)
+        text = template.render(probe, tools, add_generation_prompt=False, **kwargs)
     except Exception:  # noqa: BLE001 - a template that cannot render the probe: plain Qwen form
         text = ""
     at = text.rfind(_NAME)
     start = text.rfind("<tool_call>", 0, at) if at >= 0 else -1
     if start < 0:  # the template does not show the format; Qwen3's JSON form
-        head, tail = '<tool_call>\n{"name": "', '"'
-    else:
-        head = text[start:at]
-        end = at + len(_NAME)
-        tail = ""
-        while end < len(text) and text[end] in _CLOSERS:
-            tail += text[end]
-            end += 1
-    opening = head + name + tail if name else "<tool_call>"
+        return CallFormat('<tool_call>\n{"name": "', '"', "\n\n")
+    end = at + len(_NAME)
+    tail = ""
+    while end < len(text) and text[end] in _CLOSERS:
+        tail += text[end]
+        end += 1
+    t = text.find("</think>", text.find(_THINK)) if _THINK in text else -1
+    gap = text[t + len("</think>"):start] if 0 <= t < start else "\n\n"
+    return CallFormat(text[start:at], tail, gap)
+
+
+def forced_opening(ctx, name: str | None, in_reasoning: bool, **kwargs) -> Forced:
+    """Tokens that open a tool call (naming `name` if given), and when to emit them."""
+    fmt = call_format(ctx.template, **kwargs)
+    opening = fmt.head + name + fmt.tail if name else "<tool_call>"
     after = None
     if in_reasoning:
         close = ctx.tokenizer.token_id("</think>")
-        gap = "\n\n"
-        t = text.find("</think>", text.find(_THINK)) if _THINK in text else -1
-        if t >= 0 and start > t:
-            gap = text[t + len("</think>"):start]
         if close is not None:
-            after, opening = close, gap + opening
+            after, opening = close, fmt.gap + opening
         else:
-            opening = "</think>" + gap + opening
+            opening = "</think>" + fmt.gap + opening
     return Forced(ctx.tokenizer.encode(opening), after)
