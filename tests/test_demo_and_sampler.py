@@ -40,7 +40,7 @@ def test_demo_generate_cli():
 
 def test_greedy_and_logprob():
     logits = torch.tensor([1.0, 3.0, 2.0])
-    tok, lp = sample(logits, SamplingParams(temperature=0), None)
+    tok, lp, _ = sample(logits, SamplingParams(temperature=0), None)
     assert tok == 1 and abs(lp - float(torch.log_softmax(logits, -1)[1])) < 1e-6
 
 

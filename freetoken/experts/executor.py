@@ -18,6 +18,7 @@ class ExpertExecutor:
     """Interface. __call__(x [T, H], ids [T, k] int, weights [T, k]) -> [T, H] in x's dtype."""
 
     name = "abstract"
+    backend = "abstract"  # what computes the experts, as reported in /health and /metrics
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -58,6 +59,10 @@ class TorchExpertExecutor(ExpertExecutor):
     """
 
     name = "torch"
+
+    @property
+    def backend(self) -> str:
+        return "gpu-resident" if self.device.type == "cuda" else "torch"
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, static_max_pairs: int = 64,
                  layer_experts: int | None = None):

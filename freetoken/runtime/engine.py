@@ -104,6 +104,14 @@ class Engine:
         self.model = model_class(self.cfg.arch)(self.cfg, dense, self.executor, self.device,
                                                 self.dtype, self.max_len)
 
+    def describe(self) -> dict:
+        """What runs where (start-up banner, /health, /metrics): device, dtype, expert backend."""
+        ex = self.executor
+        return {"device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
+                "experts": self.experts_on, "expert_backend": ex.backend if ex is not None else "none",
+                "expert_isa": getattr(ex, "isa", None), "expert_threads": getattr(ex, "threads", None),
+                "context": self.max_len}
+
     def _executor(self, gate_up, down):
         if gate_up is None:
             return None
@@ -175,7 +183,7 @@ class Engine:
         out, lps, finish = [], [], "length"
         pos = len(prompt_ids)
         for _ in range(max_tokens):
-            tok, lp = sample(logits, params, gen)
+            tok, lp, _ = sample(logits, params, gen)
             out.append(tok)
             lps.append(lp)
             if stop_at_eos and tok in self.eos_ids:

@@ -25,6 +25,8 @@ class SamplingOptions:
     # has been generated (None: from the first output token)
     forced: list[int] = field(default_factory=list)
     forced_after: int | None = None
+    # most likely alternatives reported with each output token (OpenAI top_logprobs; 0: none)
+    top_logprobs: int = 0
 
 
 @dataclass
@@ -38,6 +40,8 @@ class Request:
     prefilled: int = 0  # prompt tokens already in the state
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    # per output token, when sampling.top_logprobs > 0: [(token id, logprob)] most likely first
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens reused from a cache (prefix cache issue)
     first_token_at: float | None = None
     finished_at: float | None = None

@@ -26,12 +26,18 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None):
-    """logits: [V] float -> (token id, its log-probability under the model)."""
+def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None, top_n: int = 0):
+    """logits: [V] float -> (token id, its log-probability under the model, the top_n most
+    likely [(id, logprob)], most likely first; [] when top_n is 0)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     if params.temperature == 0:
         tok = int(torch.argmax(logits))
-        return tok, float(logprobs[tok])
+    else:
+        tok = _draw(logits, params, gen)
+    return tok, float(logprobs[tok]), top_entries(logprobs, top_n)
+
+
+def _draw(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
     scaled = logits.float() / params.temperature
     if params.top_k and params.top_k < scaled.numel():
         kth = torch.topk(scaled, params.top_k).values[-1]
@@ -41,14 +47,27 @@ def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | 
         sp, si = torch.sort(probs, descending=True)
         keep = sp.cumsum(0) - sp < params.top_p  # always keeps the most likely token
         probs = torch.zeros_like(probs).scatter_(0, si[keep], sp[keep])
-    tok = int(torch.multinomial(probs.cpu(), 1, generator=gen))
-    return tok, float(logprobs[tok])
+    return int(torch.multinomial(probs.cpu(), 1, generator=gen))
 
 
-def greedy_rows(logits: torch.Tensor, rows: list[int]) -> list[tuple[int, float]]:
+def top_entries(logprobs: torch.Tensor, n: int) -> list[tuple[int, float]]:
+    """The n most likely tokens of a [V] log-probability vector, most likely first."""
+    if n <= 0:
+        return []
+    v, i = torch.topk(logprobs, min(n, logprobs.numel()))
+    return list(zip(i.tolist(), v.tolist()))
+
+
+def greedy_rows(logits: torch.Tensor, rows: list[int], top_n: int = 0):
     """Greedy picks for `rows` of logits [B, V], computed where the logits are (one batched
-    argmax and log_softmax on the GPU) so only two numbers per row cross to the host."""
+    argmax and log_softmax on the GPU) so only a few numbers per row cross to the host.
+    -> [(token id, logprob, top_n most likely [(id, logprob)])] per row."""
     sel = logits[rows].float()  # [R, V]
+    lsm = torch.log_softmax(sel, -1)  # [R, V]
     tok = sel.argmax(-1)  # [R]
-    lp = torch.log_softmax(sel, -1).gather(1, tok[:, None])[:, 0]  # [R]
-    return list(zip(tok.tolist(), lp.tolist()))
+    lp = lsm.gather(1, tok[:, None])[:, 0]  # [R]
+    tops = [[] for _ in rows]
+    if top_n > 0:
+        v, i = torch.topk(lsm, min(top_n, lsm.shape[1]), dim=-1)  # [R, n]
+        tops = [list(zip(a, b)) for a, b in zip(i.tolist(), v.tolist())]
+    return list(zip(tok.tolist(), lp.tolist(), tops))

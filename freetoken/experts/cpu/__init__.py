@@ -73,6 +73,8 @@ class CpuExpertExecutor(ExpertExecutor):
         self.threads = len(cpus)
         self.handle = ext.create(cpus, isa_cap) if ext is not None else None
         self.isa = ISA_NAMES[ext.isa(self.handle)] if ext is not None else "torch"
+        # "cpp": the C++ thread pool; "torch-fallback": it could not be built (slower, warned once)
+        self.backend = "cpp" if ext is not None else "torch-fallback"
 
     def __call__(self, x, ids, weights):
         src_dev, src_dtype = x.device, x.dtype
