@@ -8,6 +8,8 @@ import anthropic
 import httpx
 import openai
 import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from server_fixture import API_KEY, MODEL, Server
 
@@ -43,15 +45,60 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 
 
+@pytest.fixture(scope="module")
+def reference():
+    """The demo model in this process: the reference the server's answers are checked against
+    (Engine.generate and one all-logits prefill, apart from the serving loop)."""
+    from freetoken.demo import demo_path
+    from freetoken.runtime.engine import Engine, EngineConfig
+    return Engine(demo_path(), EngineConfig(device="cpu", dtype="float32", cpu_threads=1, verify=False))
+
+
+def render_ids(eng, messages, tools=None) -> list[int]:
+    """Prompt ids as the model's own chat template renders messages (already in the
+    template's shape: arguments as dicts, content as strings)."""
+    from freetoken.server.template import ChatTemplate
+    from freetoken.tokenizer import load_json
+    tpl = ChatTemplate.from_files(eng.files, load_json(eng.files.get("tokenizer_config.json"), "tokenizer_config.json"))
+    return eng.tokenizer.encode(tpl.render(messages, tools, add_generation_prompt=True))
+
+
+def reference_logprobs(eng, prompt: list[int], n: int):
+    """Greedy continuation of prompt by the reference: (ids, their logprobs, [n, V] log-softmax
+    of every output position from one prefill of prompt + ids)."""
+    from freetoken.runtime.sampler import SamplingParams
+    gen = eng.generate(prompt, n, SamplingParams(temperature=0), stop_at_eos=False)
+    st = eng.new_state(len(prompt) + n)
+    logits = eng.prefill(prompt + gen.token_ids[:-1], st, all_logits=True)[len(prompt) - 1:]
+    return gen.token_ids, gen.logprobs, torch.log_softmax(logits.float(), -1)
+
+
+def spelled(eng, tid: int, token: str) -> bool:
+    """token is how OpenAI spells tid: its text, or bytes:\\xNN.. for part of a character."""
+    text = eng.tokenizer.decode([tid])
+    return token == text if "\ufffd" not in text else token.startswith("bytes:\\x")
+
+
 # ---------------------------------------------------------------- OpenAI
 def test_startup_prints_url_and_model(server):
     out = server.output()
     assert f"http://127.0.0.1:{server.port}/v1" in out and MODEL in out
 
 
-def test_models(oai):
+def test_models(oai, claude):
     ids = [m.id for m in oai.models.list().data]
     assert ids == [MODEL]
+    assert oai.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("gpt-4o")
+    # the Anthropic SDK (anthropic-version header) gets its own shape on the same routes
+    page = claude.models.list()
+    assert [(m.type, m.id) for m in page.data] == [("model", MODEL)] and page.has_more is False
+    assert page.first_id == page.last_id == MODEL
+    m = claude.models.retrieve(MODEL)
+    assert m.display_name == MODEL and m.created_at.year >= 2025
+    with pytest.raises(anthropic.NotFoundError):
+        claude.models.retrieve("claude-opus-4")
 
 
 def test_chat_non_streaming(oai):
@@ -74,7 +121,7 @@ def test_chat_streaming_with_usage(oai):
     assert r.choices[0].message.content == text
 
 
-def test_tools_and_tool_call_history(oai):
+def test_tools_and_tool_call_history(oai, reference):
     msgs = [{"role": "system", "content": "You are terse."},
             {"role": "user", "content": "Weather in Paris?"},
             {"role": "assistant", "content": None, "reasoning_content": "I should call the tool.",
@@ -85,9 +132,32 @@ def test_tools_and_tool_call_history(oai):
                                                                 "function": {"name": "get_weather", "arguments": "{}"}}]},
             {"role": "tool", "tool_call_id": "call_2", "content": [{"type": "text", "text": "cloudy"}]},
             {"role": "user", "content": "And tomorrow?"}, {"role": "user", "content": "Be brief."}]
+    # the same history as the template takes it: arguments parsed, content parts joined
+    as_template = [msgs[0], msgs[1],
+                   {"role": "assistant", "content": "", "reasoning_content": "I should call the tool.",
+                    "tool_calls": [{"id": "call_1", "type": "function",
+                                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+                   msgs[3],
+                   {"role": "assistant", "content": "", "tool_calls": [{"id": "call_2", "type": "function",
+                                                                       "function": {"name": "get_weather", "arguments": {}}}]},
+                   {"role": "tool", "tool_call_id": "call_2", "content": "cloudy"}, msgs[6], msgs[7]]
+    with_tools = render_ids(reference, as_template, TOOLS)
+    text = reference.tokenizer.decode(with_tools)
+    assert text.count("<tool_response>") == 2 and "sunny, 21C" in text and "cloudy" in text
+    assert '"name": "get_weather", "arguments": {"city": "Paris"}' in text
     for choice in ("auto", "none", "required"):
-        r = oai.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, tool_choice=choice, max_tokens=4)
+        r = oai.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, tool_choice=choice, max_tokens=4,
+                                        temperature=0, logprobs=True)
         assert r.choices[0].finish_reason in ("length", "stop", "tool_calls")
+        # 'none' renders without the tools; the others with them
+        expected = render_ids(reference, as_template) if choice == "none" else with_tools
+        assert r.usage.prompt_tokens == len(expected), choice
+        if choice == "auto":
+            # the same ids sent raw continue exactly alike: the server rendered what the template renders
+            raw = oai.completions.create(model=MODEL, prompt=expected, max_tokens=4, temperature=0, logprobs=0)
+            chat = r.choices[0].logprobs.content
+            assert [e.token for e in chat] == raw.choices[0].logprobs.tokens
+            assert [e.logprob for e in chat] == pytest.approx(raw.choices[0].logprobs.token_logprobs, abs=1e-3)
 
 
 def test_seeded_sampling_is_reproducible(oai):
@@ -117,12 +187,93 @@ def test_completions(oai):
     assert streamed == r.choices[0].text
 
 
+def test_chat_logprobs_match_the_model(oai, reference):
+    """logprobs.content: one entry per output token, spelled and valued as the reference model
+    has them, with the N most likely alternatives, most likely first; greedy picks the top one."""
+    n, k = 8, 5
+    kw = dict(model=MODEL, messages=USER, max_tokens=n, temperature=0, logprobs=True, extra_body={"ignore_eos": True})
+    r = oai.chat.completions.create(top_logprobs=k, **kw)
+    entries = r.choices[0].logprobs.content
+    prompt = render_ids(reference, USER)
+    assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == len(entries) == n
+    ids, lps, ref = reference_logprobs(reference, prompt, n)
+    for e, tid, lp, row in zip(entries, ids, lps, ref):
+        assert spelled(reference, tid, e.token), (tid, e.token)
+        assert e.logprob <= 0 and e.logprob == pytest.approx(lp, abs=1e-3)
+        assert len(e.top_logprobs) == k
+        values = [t.logprob for t in e.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        assert (e.top_logprobs[0].token, e.top_logprobs[0].logprob) == (e.token, e.logprob)  # greedy
+        best = row.topk(k)
+        assert all(spelled(reference, i, t.token) for i, t in zip(best.indices.tolist(), e.top_logprobs))
+        assert values == pytest.approx(best.values.tolist(), abs=1e-3)
+        assert bytes(e.top_logprobs[0].bytes) == bytes(e.bytes)
+    message = r.choices[0].message
+    assert bytes(b for e in entries for b in e.bytes).decode() == (getattr(message, "reasoning_content", None) or "") + message.content
+    # without top_logprobs: the same tokens and values, no alternatives
+    plain = oai.chat.completions.create(**kw).choices[0].logprobs.content
+    assert [(e.token, e.top_logprobs) for e in plain] == [(e.token, []) for e in entries]
+    assert [e.logprob for e in plain] == pytest.approx([e.logprob for e in entries], abs=1e-3)
+    # streamed: every token comes with the chunk that carries its text (or a later one)
+    chunks = list(oai.chat.completions.create(top_logprobs=k, stream=True, **kw))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, len(e.top_logprobs)) for e in streamed] == [(e.token, k) for e in entries]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in entries], abs=1e-3)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == message.content
+
+
+def test_completions_logprobs_match_the_model(oai, reference):
+    """Legacy logprobs: tokens, token_logprobs, top_logprobs (the N most likely and the chosen
+    one, token -> logprob) and text_offset, against the reference model."""
+    n, k = 8, 3
+    prompt = reference.tokenizer.encode("The capital of France is")
+    kw = dict(model=MODEL, prompt="The capital of France is", max_tokens=n, temperature=0, logprobs=k,
+              extra_body={"ignore_eos": True})
+    r = oai.completions.create(**kw)
+    lp = r.choices[0].logprobs
+    ids, lps, ref = reference_logprobs(reference, prompt, n)
+    assert r.choices[0].text == reference.tokenizer.decode(ids)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    for i, (tok, value, top, tid, ref_lp, row) in enumerate(zip(lp.tokens, lp.token_logprobs, lp.top_logprobs,
+                                                                ids, lps, ref)):
+        assert spelled(reference, tid, tok) and value <= 0 and value == pytest.approx(ref_lp, abs=1e-3)
+        best = row.topk(k)
+        assert len(top) == k and all(spelled(reference, j, t) for j, t in zip(best.indices.tolist(), top))
+        assert list(top.values()) == pytest.approx(best.values.tolist(), abs=1e-3)
+        assert top[tok] == value  # greedy: the chosen token is the most likely one
+        before = reference.tokenizer.decode(ids[:i])
+        if "\ufffd" not in before:
+            assert lp.text_offset[i] == len(before)
+    streamed = [c.choices[0].logprobs for c in oai.completions.create(stream=True, **kw)
+                if c.choices and c.choices[0].logprobs]
+    assert sum((s.tokens for s in streamed), []) == lp.tokens
+    assert sum((s.text_offset for s in streamed), []) == lp.text_offset
+    assert sum((s.token_logprobs for s in streamed), []) == pytest.approx(lp.token_logprobs, abs=1e-3)
+
+
+def test_response_format_is_refused_until_constrained_decoding(oai, server):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=2, response_format={"type": "json_object"})
+    assert "response_format" in str(e.value) and "json_object" in str(e.value)
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "response_format": schema})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 21})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+    assert oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=2, response_format={"type": "text"}).choices
+
+
 @pytest.mark.parametrize("body,status,needle", [
     ({"model": MODEL, "messages": USER, "temperature": "hot"}, 400, "temperature"),
     ({"model": "gpt-4o", "messages": USER}, 404, "gpt-4o"),
     ({"model": MODEL, "messages": USER, "max_tokens": 0}, 400, "max_tokens"),
     ({"model": MODEL, "messages": USER, "max_tokens": "ten"}, 400, "max_tokens"),
     ({"model": MODEL, "messages": USER, "n": 2}, 400, "n=2"),
+    ({"model": MODEL, "messages": USER, "top_logprobs": 3}, 400, "logprobs: true"),
+    ({"model": MODEL, "messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ({"model": MODEL, "messages": USER, "logprobs": True, "top_logprobs": "3"}, 400, "top_logprobs"),
+    ({"model": MODEL, "messages": USER, "response_format": {"type": "json_object"}}, 400, "response_format"),
     ({"model": MODEL}, 400, "messages"),
     ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
     ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
@@ -204,6 +355,19 @@ def metric(server, name):
     return total
 
 
+def scrape(server) -> dict:
+    """Every sample of /metrics: {(name, sorted labels): value}."""
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(server.url + "/metrics").text):
+        for smp in fam.samples:
+            out[(smp.name, tuple(sorted(smp.labels.items())))] = smp.value
+    return out
+
+
+def sample(snapshot: dict, name: str, **labels) -> float:
+    return snapshot.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
 def test_disconnect_cancels(server, oai):
     before = metric(server, 'freetoken_finished_total{reason="cancelled"}')
     with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60,
@@ -249,13 +413,74 @@ def test_prefix_reuse_is_reported(oai, claude, server):
 
 
 def test_metrics(server, oai):
-    oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=3)
-    text = httpx.get(server.url + "/metrics").text
-    for name in ("freetoken_requests_total", "freetoken_prompt_tokens_total", "freetoken_generation_tokens_total",
-                 "freetoken_time_to_first_token_seconds_bucket", "freetoken_decode_tokens_per_second_bucket",
-                 "freetoken_queue_depth", "freetoken_prefix_reused_tokens_total", "freetoken_prefill_tokens_total",
-                 "freetoken_checkpoint_hits", "freetoken_checkpoint_evictions", "freetoken_kv_pages_evicted"):
-        assert name in text, name
+    """Each counter moves by what one request did, and endpoints are counted apart."""
+    before = scrape(server)
+    r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Count me in the metrics."}],
+                                    max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    oai.models.list()
+    after = scrape(server)
+
+    def grew(name, **labels):
+        return sample(after, name, **labels) - sample(before, name, **labels)
+    prompt, cached = r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens
+    assert grew("freetoken_requests_total", api="openai", endpoint="/v1/chat/completions", status="200") == 1
+    assert grew("freetoken_requests_total", api="openai", endpoint="/v1/models", status="200") == 1
+    assert sum(v - sample(before, n, **dict(l)) for (n, l), v in after.items() if n == "freetoken_requests_total") == 2
+    assert grew("freetoken_generation_tokens_total") == 5
+    assert grew("freetoken_prompt_tokens_total") == prompt
+    assert grew("freetoken_prefix_reused_tokens_total") == cached
+    assert grew("freetoken_prefill_tokens_total") == prompt - cached and grew("freetoken_prefill_seconds_total") > 0
+    assert grew("freetoken_time_to_first_token_seconds_count") == 1
+    assert grew("freetoken_decode_tokens_per_second_count") == 1
+    assert grew("freetoken_decode_step_seconds_count", batch="1") == 4  # the first token comes from the prefill
+    assert grew("freetoken_finished_total", reason="length") == 1
+    assert sample(after, "freetoken_running_requests") == 0 and sample(after, "freetoken_queue_depth") == 0
+
+
+def test_health_and_metrics_name_the_engine(server):
+    health = httpx.get(server.url + "/health").json()
+    assert health["status"] == "ok" and health["model"] == MODEL
+    assert health["device"] == "cpu" and health["experts"] == "cpu" and health["expert_backend"] in ("cpp", "torch")
+    assert health["expert_threads"] >= 1 and health["decode_path"] == "eager" and health["max_batch"] == 4
+    info = [dict(l) for (n, l) in scrape(server) if n == "freetoken_engine_info"]
+    assert len(info) == 1
+    described = {k: "none" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+                 for k, v in health.items() if k not in ("status", "model")}
+    assert info[0] == described
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"model": MODEL, "messages": USER, "max_tokens": 1500, "ignore_eos": True}),
+    ("/v1/completions", {"model": MODEL, "prompt": "Once", "max_tokens": 1500, "ignore_eos": True}),
+    ("/v1/messages", {"model": MODEL, "messages": USER, "max_tokens": 1500, "ignore_eos": True}),
+])
+def test_non_streaming_disconnect_is_quiet(server, path, body):
+    """A client that leaves before its answer: the request is cancelled, counted as 499
+    (client closed request), and nothing is logged as an error."""
+    logged = len(server.output())
+    before = scrape(server)
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(server.url + path, json=body, headers={"authorization": f"Bearer {API_KEY}"}, timeout=1.5)
+    api = "anthropic" if path == "/v1/messages" else "openai"
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        now = scrape(server)
+        if sample(now, "freetoken_requests_total", api=api, endpoint=path, status="499") > \
+                sample(before, "freetoken_requests_total", api=api, endpoint=path, status="499") \
+                and sample(now, "freetoken_running_requests") == 0:
+            break
+        time.sleep(0.2)
+    after = scrape(server)
+    assert sample(after, "freetoken_requests_total", api=api, endpoint=path, status="499") == \
+        sample(before, "freetoken_requests_total", api=api, endpoint=path, status="499") + 1
+    assert sample(after, "freetoken_finished_total", reason="cancelled") == \
+        sample(before, "freetoken_finished_total", reason="cancelled") + 1
+    assert sample(after, "freetoken_running_requests") == 0
+    fivehundreds = [k for k, v in after.items() if k[0] == "freetoken_requests_total" and ("status", "500") in k[1]
+                    and v != before.get(k, 0)]
+    assert not fivehundreds
+    log = server.output()[logged:]
+    assert "Traceback" not in log and "StopIteration" not in log and "ERROR" not in log, log
 
 
 # ---------------------------------------------------------------- Anthropic
@@ -302,14 +527,39 @@ def test_messages_stream_event_sequence(claude):
     assert final.usage.output_tokens == 5 and final.stop_reason == "max_tokens"
 
 
-def test_raw_stream_has_ping_and_usage(server):
-    with httpx.stream("POST", server.url + "/v1/messages?beta=true", timeout=60,
-                      headers={"x-api-key": API_KEY, "anthropic-version": "2023-06-01"},
-                      json={"model": MODEL, "max_tokens": 3, "stream": True, "messages": USER}) as r:
-        lines = [l for l in r.iter_lines() if l.startswith("event: ")]
-        data = []
-    assert "event: ping" in lines
-    assert lines[0] == "event: message_start" and lines[-1] == "event: message_stop"
+def raw_stream(server, body) -> list[tuple[str, dict]]:
+    """(event name, data) of one raw Anthropic stream."""
+    out, name = [], None
+    with httpx.stream("POST", server.url + "/v1/messages?beta=true", timeout=60, json=body,
+                      headers={"x-api-key": API_KEY, "anthropic-version": "2023-06-01"}) as r:
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                out.append((name, json.loads(line[6:])))
+    return out
+
+
+def test_raw_stream_has_ping_and_usage(server, claude):
+    """message_start and message_delta report the same usage, in Anthropic's meaning
+    (input_tokens excludes cache reads), also when the prefix cache served the prompt."""
+    system = "You are checking stream usage figures. " * 12
+    body = {"model": MODEL, "max_tokens": 3, "stream": True, "system": system, "messages": USER}
+    total = claude.messages.count_tokens(model=MODEL, system=system, messages=USER).input_tokens
+    cached = []
+    for _ in range(2):  # the second time, most of the prompt comes from the cache
+        evs = raw_stream(server, body)
+        names = [n for n, _ in evs]
+        assert "ping" in names
+        assert names[0] == "message_start" and names[-1] == "message_stop"
+        start = evs[0][1]["message"]["usage"]
+        delta = next(d for n, d in evs if n == "message_delta")["usage"]
+        assert start["input_tokens"] + start["cache_read_input_tokens"] == total
+        assert (delta["input_tokens"], delta["cache_read_input_tokens"]) == \
+            (start["input_tokens"], start["cache_read_input_tokens"])
+        assert start["output_tokens"] == 0 and delta["output_tokens"] == 3
+        cached.append(start["cache_read_input_tokens"])
+    assert cached[1] > cached[0] and cached[1] > total // 2
 
 
 def test_stop_sequences(claude):

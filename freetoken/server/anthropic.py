@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import time
 import uuid
 
 from starlette.responses import JSONResponse, StreamingResponse
@@ -152,7 +153,7 @@ async def messages(ctx, body: dict, request):
     gen = events(ctx, req, queue, tools is not None, prompt.in_reasoning, request.is_disconnected)
     mid = "msg_" + uuid.uuid4().hex[:24]
     if stream:
-        return StreamingResponse(_stream(gen, mid, model, len(prompt.ids)), media_type="text/event-stream",
+        return StreamingResponse(_stream(gen, req, mid, model), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache"})
     reasoning, content, calls, done = collect([e async for e in gen])
     if done.finish_reason == "error":
@@ -170,8 +171,13 @@ async def messages(ctx, body: dict, request):
 
 
 def usage(done: Done) -> dict:
-    return {"input_tokens": done.prompt_tokens - done.cached_tokens, "output_tokens": done.completion_tokens,
-            "cache_read_input_tokens": done.cached_tokens, "cache_creation_input_tokens": 0}
+    return _usage(done.prompt_tokens, done.cached_tokens, done.completion_tokens)
+
+
+def _usage(prompt_tokens: int, cached: int, output_tokens: int) -> dict:
+    """Anthropic's meaning: input_tokens are the prompt tokens NOT read from the cache."""
+    return {"input_tokens": prompt_tokens - cached, "output_tokens": output_tokens,
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
 
 
 def stop_reason(done: Done, tool_use: bool) -> str:
@@ -186,13 +192,19 @@ def _event(kind: str, data: dict) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
 
 
-async def _stream(gen, mid, model, prompt_tokens):
-    yield _event("message_start", {"message": {
+def _message_start(req, mid, model) -> str:
+    return _event("message_start", {"message": {
         "id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
         "stop_reason": None, "stop_sequence": None,
-        "usage": {"input_tokens": prompt_tokens, "output_tokens": 0, "cache_read_input_tokens": 0,
-                  "cache_creation_input_tokens": 0}}})
-    yield _event("ping", {})
+        "usage": _usage(len(req.prompt_ids), req.cached_tokens, 0)}}) + _event("ping", {})
+
+
+async def _stream(gen, req, mid, model):
+    """message_start waits for the first engine output: clients read the input and cache
+    figures from it, and how much of the prompt the cache restored is known only once the
+    engine has taken the request (req.cached_tokens is set before its first token). Pings
+    before it keep the connection alive (the SDKs skip them wherever they come)."""
+    started = False
     index, open_kind, thinking_text, used_tool = -1, None, "", False
 
     def close():
@@ -208,7 +220,11 @@ async def _stream(gen, mid, model, prompt_tokens):
         async for ev in gen:
             if isinstance(ev, Ping):
                 yield _event("ping", {})
-            elif isinstance(ev, Event) and ev.kind in ("reasoning", "content"):
+                continue
+            if not started and not (isinstance(ev, Done) and ev.finish_reason == "error"):
+                started = True
+                yield _message_start(req, mid, model)
+            if isinstance(ev, Event) and ev.kind in ("reasoning", "content"):
                 kind = "thinking" if ev.kind == "reasoning" else "text"
                 if open_kind != kind:
                     for s in close():
@@ -241,9 +257,23 @@ async def _stream(gen, mid, model, prompt_tokens):
                     yield _event("content_block_stop", {"index": 0})
                 yield _event("message_delta", {"delta": {"stop_reason": stop_reason(ev, used_tool),
                                                          "stop_sequence": ev.stop_sequence},
-                                               "usage": {"output_tokens": ev.completion_tokens,
-                                                         "input_tokens": ev.prompt_tokens - ev.cached_tokens,
-                                                         "cache_read_input_tokens": ev.cached_tokens}})
+                                               "usage": usage(ev)})
                 yield _event("message_stop", {})
     finally:
         await gen.aclose()
+
+
+def _model_card(ctx, name: str) -> dict:
+    created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ctx.started))
+    return {"type": "model", "id": name, "display_name": name, "created_at": created}
+
+
+def models(ctx) -> JSONResponse:
+    data = [_model_card(ctx, n) for n in ctx.model_names]
+    return JSONResponse({"data": data, "has_more": False, "first_id": data[0]["id"], "last_id": data[-1]["id"]})
+
+
+def model(ctx, name: str) -> JSONResponse:
+    if name not in ctx.model_names:
+        raise ApiError(404, f"model '{name}' not found; this server serves {ctx.model_names[0]!r}")
+    return JSONResponse(_model_card(ctx, name))

@@ -13,7 +13,8 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
 from . import anthropic, openai
-from .common import ApiError, parse_body
+from .common import ApiError, ClientGone, parse_body
+from .logprobs import TokenText
 from .metrics import Metrics
 from .template import ChatTemplate
 
@@ -30,10 +31,16 @@ class ServerContext:
     api_key: str | None = None
     metrics: Metrics = field(default_factory=Metrics)
     started: int = field(default_factory=lambda: int(time.time()))
+    token_text: TokenText | None = None  # token spellings for logprobs (set by build_app)
 
 
-def _api_of(path: str) -> str:
-    return "anthropic" if path.startswith("/v1/messages") else "openai"
+def _api_of(request: Request) -> str:
+    """Which API's shape to answer in: the path says, except on the routes both APIs share
+    (/v1/models), where Anthropic's SDK announces itself with an anthropic-version header."""
+    path = request.url.path
+    if path.startswith("/v1/messages") or (path.startswith("/v1/models") and "anthropic-version" in request.headers):
+        return "anthropic"
+    return "openai"
 
 
 def _error_response(api: str, e: ApiError) -> JSONResponse:
@@ -43,7 +50,9 @@ def _error_response(api: str, e: ApiError) -> JSONResponse:
 
 def build_app(ctx: ServerContext) -> FastAPI:
     app = FastAPI(title="FreeToken", docs_url=None, redoc_url=None, openapi_url=None)
-    ctx.metrics.serving = ctx.serving
+    ctx.token_text = TokenText(ctx.tokenizer)
+    engine_info = ctx.serving.describe()  # fixed for the server's life
+    ctx.metrics.attach(ctx.serving, engine_info)
     app.state.ctx = ctx
 
     def authorized(request: Request) -> bool:
@@ -53,41 +62,50 @@ def build_app(ctx: ServerContext) -> FastAPI:
         token = auth[7:].strip() if auth.lower().startswith("bearer ") else None
         return ctx.api_key in (token, request.headers.get("x-api-key"))
 
-    def guarded(api: str, handler):
+    def guarded(endpoint_name: str, handler):
         """Authentication, the API's error shape for every failure, and request counting.
         (A plain wrapper, not an HTTP middleware: those buffer streams and hide disconnects.)"""
         async def endpoint(request: Request):
+            api = _api_of(request)
             try:
                 if not authorized(request):
                     raise ApiError(401, "invalid or missing API key", kind="authentication_error",
                                    code="invalid_api_key")
-                resp = await handler(request)
+                resp = await handler(request, api)
             except ApiError as e:
                 resp = _error_response(api, e)
+            except ClientGone:  # cancelled already; the status is for the log and /metrics only
+                log.debug("client closed the connection on %s; request cancelled", request.url.path)
+                resp = Response(status_code=499)
             except Exception:  # a bug: answer 500 in the API's shape, keep serving
                 log.exception("unhandled error on %s", request.url.path)
                 resp = _error_response(api, ApiError(500, "internal server error", kind="server_error"))
-            ctx.metrics.requests.labels(api, str(resp.status_code)).inc()
+            ctx.metrics.requests.labels(api, endpoint_name, str(resp.status_code)).inc()
             return resp
         return endpoint
 
     def route(path: str, handler):
-        async def call(request: Request):
+        async def call(request: Request, api: str):
             return await handler(ctx, parse_body(await request.body()), request)
-        app.add_api_route(path, guarded(_api_of(path), call), methods=["POST"])
+        app.add_api_route(path, guarded(path, call), methods=["POST"])
 
     route("/v1/chat/completions", openai.chat_completions)
     route("/v1/completions", openai.completions)
     route("/v1/messages", anthropic.messages)
     route("/v1/messages/count_tokens", anthropic.count_tokens)
 
-    async def models(request: Request):
-        return openai.models(ctx)
-    app.add_api_route("/v1/models", guarded("openai", models), methods=["GET"])
+    async def models(request: Request, api: str):
+        return (anthropic if api == "anthropic" else openai).models(ctx)
+
+    async def model(request: Request, api: str):
+        return (anthropic if api == "anthropic" else openai).model(ctx, request.path_params["model"])
+    app.add_api_route("/v1/models", guarded("/v1/models", models), methods=["GET"])
+    # model ids may contain slashes (org/name)
+    app.add_api_route("/v1/models/{model:path}", guarded("/v1/models/{model}", model), methods=["GET"])
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": ctx.model_names[0]}
+        return {"status": "ok", "model": ctx.model_names[0], **engine_info}
 
     @app.get("/metrics")
     async def metrics():
@@ -95,11 +113,10 @@ def build_app(ctx: ServerContext) -> FastAPI:
 
     @app.exception_handler(404)
     async def not_found(request: Request, exc):
-        return _error_response(_api_of(request.url.path), ApiError(404, f"no route {request.url.path}", kind="not_found_error"))
+        return _error_response(_api_of(request), ApiError(404, f"no route {request.url.path}", kind="not_found_error"))
 
     @app.exception_handler(405)
     async def bad_method(request: Request, exc):
-        return _error_response(_api_of(request.url.path),
-                               ApiError(405, f"{request.method} is not allowed on {request.url.path}"))
+        return _error_response(_api_of(request), ApiError(405, f"{request.method} is not allowed on {request.url.path}"))
 
     return app

@@ -18,6 +18,11 @@ class ApiError(Exception):
         self.headers = headers or {}
 
 
+class ClientGone(Exception):
+    """The client closed the connection before its answer was ready: the request has been
+    cancelled and there is nobody to answer (counted as 499, nginx's "client closed request")."""
+
+
 def parse_body(raw: bytes) -> dict:
     try:
         body = json.loads(raw)
@@ -65,6 +70,17 @@ def sampling_from(body: dict, max_tokens: int | None, stop, default_max: int) ->
     return SamplingOptions(temperature=float(temperature), top_p=float(top_p), top_k=max(top_k, 0), seed=seed,
                            max_tokens=max_tokens or default_max, stop=list(stop or []),
                            ignore_eos=field(body, "ignore_eos", "boolean", False))  # vLLM's extension
+
+
+def check_response_format(body: dict) -> None:
+    """Only plain text can be honoured until grammar-constrained decoding exists: a JSON mode
+    or schema that was silently ignored would hand the client output it trusts to parse."""
+    fmt = field(body, "response_format", "object")
+    if fmt is None or fmt.get("type", "text") == "text":
+        return
+    raise ApiError(400, f"response_format type {fmt.get('type')!r} is not supported: this server has no "
+                        "grammar-constrained decoding yet; only {'type': 'text'} is accepted",
+                   param="response_format")
 
 
 @dataclass

@@ -8,9 +8,26 @@ import time
 from dataclasses import dataclass, field
 
 from ..runtime.request import Request, SamplingOptions
-from .parser import Event, OutputParser
+from .common import ClientGone
+from .parser import Event, OutputParser, merge
 
 PING_EVERY_S = 10.0  # keep-alive while a long prompt prefills
+
+
+@dataclass
+class Tokens:
+    """Output tokens with their log-probabilities. events() yields them (when asked) just
+    before the text they produce, so a stream can attach each token to its chunk."""
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # most likely first
+    text_offsets: list[int] = field(default_factory=list)  # where each token's text starts in the output
+
+    def extend(self, other: "Tokens") -> None:
+        self.ids += other.ids
+        self.logprobs += other.logprobs
+        self.top_logprobs += other.top_logprobs
+        self.text_offsets += other.text_offsets
 
 
 @dataclass
@@ -21,8 +38,9 @@ class Done:
     completion_tokens: int
     cached_tokens: int
     error: str | None = None
-    logprobs: list[float] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
+    # the tokens behind the output text: EOS / stop ids (hidden) and tokens the engine made
+    # after a stop string are left out
+    tokens: Tokens = field(default_factory=Tokens)
 
 
 @dataclass
@@ -96,21 +114,23 @@ class StopMatcher:
 def start(ctx, prompt_ids: list[int], sampling: SamplingOptions):
     """Queue a request now (raises QueueFull before any response byte is sent)."""
     req = Request(prompt_ids, sampling)
-    queue = ctx.serving.submit(req)
-    ctx.metrics.request_started()
-    return req, queue
+    return req, ctx.serving.submit(req)
 
 
 async def events(ctx, req: Request, queue, tools: bool, in_reasoning: bool, is_disconnected=None,
-                 raw: bool = False):
-    """Async iterator of parser Events, Pings and a final Done for a started request.
-    is_disconnected: polled twice a second, so a vanished client cancels its request."""
+                 raw: bool = False, tokens: bool = False):
+    """Async iterator of parser Events, Pings and a final Done for a started request; with
+    tokens=True also a Tokens before the text each engine event produces.
+    is_disconnected: polled twice a second; a vanished client cancels its request and the
+    iterator ends without a Done (collect() turns that into ClientGone)."""
     sampling, prompt_ids = req.sampling, req.prompt_ids
     detok = Detokenizer(ctx.tokenizer)
     stops = StopMatcher(sampling.stop)
     parser = RawParser() if raw else OutputParser(in_reasoning=in_reasoning, tools=tools)
     hidden = set(ctx.serving.engine.eos_ids) | set(sampling.stop_token_ids)
     stop_hit = None
+    kept = Tokens()
+    n_out = chars = 0  # output tokens seen (index into req.top_logprobs), characters decoded
     last_out = last_check = time.monotonic()
     try:
         while True:
@@ -128,10 +148,17 @@ async def events(ctx, req: Request, queue, tools: bool, in_reasoning: bool, is_d
                     yield Ping()
                 continue
             last_out = time.monotonic()
-            visible = [t for t in ev.token_ids if t not in hidden or sampling.ignore_eos]
+            shown = [t not in hidden or sampling.ignore_eos for t in ev.token_ids]
+            visible = [t for t, s in zip(ev.token_ids, shown) if s]
             text = detok.push(visible) if visible else ""
             if ev.finish_reason is not None:
                 text += detok.flush()
+            new = None
+            if stop_hit is None:  # past a stop string the engine's tokens are not output
+                new = _tokens_of(req, ev, n_out, shown, chars)
+                kept.extend(new)
+            n_out += len(ev.token_ids)
+            chars += len(text)
             if stop_hit is not None:
                 text = ""  # tokens the engine made before it saw the cancel
             elif text:
@@ -140,6 +167,8 @@ async def events(ctx, req: Request, queue, tools: bool, in_reasoning: bool, is_d
                     ctx.serving.cancel(req, "stop_sequence")
             if ev.finish_reason is not None and stop_hit is None:
                 text += stops.flush()
+            if tokens and new is not None and new.ids:
+                yield new
             for e in parser.feed(text) if text else []:
                 yield e
             if ev.finish_reason is not None:
@@ -147,7 +176,7 @@ async def events(ctx, req: Request, queue, tools: bool, in_reasoning: bool, is_d
                     yield e
                 reason = "stop_sequence" if stop_hit is not None else ev.finish_reason
                 yield Done(reason, stop_hit, len(prompt_ids), len(req.output_ids), req.cached_tokens,
-                           ev.error, list(req.logprobs), list(req.output_ids))
+                           ev.error, kept)
                 return
     finally:
         if req.finish_reason is None or req.finished_at is None:
@@ -155,10 +184,22 @@ async def events(ctx, req: Request, queue, tools: bool, in_reasoning: bool, is_d
         ctx.metrics.request_finished(req, time.monotonic())
 
 
+def _tokens_of(req: Request, ev, first: int, shown: list[bool], offset: int) -> Tokens:
+    """The shown tokens of one engine event, with their top alternatives (the engine appends
+    to req.top_logprobs before it emits the event; empty when none were asked for)."""
+    tops = req.top_logprobs
+    out = Tokens()
+    for j, (t, lp, s) in enumerate(zip(ev.token_ids, ev.logprobs, shown)):
+        if s:
+            i = first + j
+            out.extend(Tokens([t], [lp], [list(tops[i]) if i < len(tops) else []], [offset]))
+    return out
+
+
 def collect(events: list) -> tuple[str, str, list, Done]:
-    """Whole-response view of a finished generation."""
-    reasoning = "".join(e.text for e in events if isinstance(e, Event) and e.kind == "reasoning")
-    content = "".join(e.text for e in events if isinstance(e, Event) and e.kind == "content")
-    tools = [e.tool for e in events if isinstance(e, Event) and e.kind == "tool_call"]
-    done = next(e for e in events if isinstance(e, Done))
-    return reasoning, content, tools, done
+    """Whole-response view of a finished generation; ClientGone if it ended because the
+    client went away (no Done: nobody to answer)."""
+    done = next((e for e in events if isinstance(e, Done)), None)
+    if done is None:
+        raise ClientGone()
+    return *merge([e for e in events if isinstance(e, Event)]), done

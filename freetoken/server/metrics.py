@@ -1,21 +1,31 @@
-"""Prometheus metrics for /metrics (prometheus_client, one registry per server)."""
+"""Prometheus metrics for /metrics (prometheus_client, one registry per server).
+
+The engine thread reports prefill chunks and decode steps; the event loop reports requests
+as they end; gauges that mirror the scheduler and the prefix cache are read at scrape time.
+"""
 from __future__ import annotations
 
-import time
-
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 44, 60, 120, 300, 600)
 SPEED_BUCKETS = (1, 2, 5, 10, 20, 40, 60, 80, 100, 150, 200, 300, 500)
+# a decode step is ~4 ms for a big model on a GPU, tens of ms with experts on the host
+STEP_BUCKETS = (0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1, 2, 5)
 
 
 class Metrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("freetoken_requests", "HTTP requests by API and status", ["api", "status"], registry=r)
+        self.requests = Counter("freetoken_requests", "HTTP requests by API, endpoint and status "
+                                "(499: the client closed the connection first)",
+                                ["api", "endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("freetoken_prompt_tokens", "prompt tokens received", registry=r)
         self.generation_tokens = Counter("freetoken_generation_tokens", "tokens generated", registry=r)
         self.prefill_tokens = Counter("freetoken_prefill_tokens", "prompt tokens prefilled", registry=r)
+        self.prefill_seconds = Counter("freetoken_prefill_seconds", "engine time spent prefilling "
+                                       "(prefill_tokens / prefill_seconds: prefill speed)", registry=r)
+        self.decode_steps = Histogram("freetoken_decode_step_seconds", "time of one batched decode step, "
+                                     "by the number of requests in it", ["batch"], buckets=STEP_BUCKETS, registry=r)
         self.ttft = Histogram("freetoken_time_to_first_token_seconds", "time to first token", buckets=TTFT_BUCKETS, registry=r)
         self.decode_speed = Histogram("freetoken_decode_tokens_per_second", "per-request decode speed",
                                       buckets=SPEED_BUCKETS, registry=r)
@@ -27,22 +37,28 @@ class Metrics:
         self.cache_stats = {k: Gauge(f"freetoken_{k}", f"prefix cache: {k.replace('_', ' ')}", registry=r)
                             for k in ("kv_pages_cached", "kv_pages_free", "kv_pages_evicted", "checkpoints",
                                       "checkpoint_hits", "checkpoint_evictions")}
+        self.engine = Info("freetoken_engine", "what runs where: device, dtype, expert backend, ISA and "
+                           "threads, decode path", registry=r)
         self.serving = None
+
+    def attach(self, serving, describe: dict) -> None:
+        """The serving engine whose scheduler and cache the gauges mirror, and what it runs on."""
+        self.serving = serving
+        self.engine.info({k: "none" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+                          for k, v in describe.items()})
 
     # engine thread
     def prefill(self, n: int, seconds: float) -> None:
         self.prefill_tokens.inc(n)
+        self.prefill_seconds.inc(seconds)
 
     def decode_step(self, batch: int, seconds: float) -> None:
-        pass
+        self.decode_steps.labels(str(batch)).observe(seconds)
 
     def finished(self, req) -> None:
         self.finished_by.labels(req.finish_reason or "unknown").inc()
 
     # event loop
-    def request_started(self) -> None:
-        pass
-
     def request_finished(self, req, now: float) -> None:
         self.prompt_tokens.inc(len(req.prompt_ids))
         self.reused_tokens.inc(req.cached_tokens)
@@ -64,7 +80,3 @@ class Metrics:
                 for k, v in cache.stats().items():
                     self.cache_stats[k].set(v)
         return generate_latest(self.registry)
-
-
-def now() -> float:
-    return time.monotonic()

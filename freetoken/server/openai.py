@@ -8,10 +8,13 @@ import uuid
 from starlette.responses import JSONResponse, StreamingResponse
 
 from ..runtime.scheduler import QueueFull
-from .common import ApiError, build_prompt, field, fit_prompt, json_args, render, sampling_from, text_of
-from .tool_choice import forced_opening, wanted
-from .generation import Done, Ping, collect, events, start
+from ..runtime.serving import ShuttingDown
+from .common import (ApiError, build_prompt, check_response_format, field, fit_prompt, json_args, render,
+                     sampling_from, text_of)
+from .generation import Done, Ping, Tokens, collect, events, start
+from .logprobs import TokenText, chat_entries, chat_options, completion_logprobs, completion_options
 from .parser import Event
+from .tool_choice import forced_opening, wanted
 
 ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 
@@ -87,11 +90,13 @@ def _check_n(body):
 async def chat_completions(ctx, body: dict, request):
     model = check_model(ctx, body)
     _check_n(body)
+    check_response_format(body)
     messages = normalize_messages(body.get("messages"))
     tools = normalize_tools(body)
     stream = field(body, "stream", "boolean", False)
     include_usage = bool((field(body, "stream_options", "object") or {}).get("include_usage"))
     sampling = sampling_from(body, _max_tokens(body), body.get("stop"), default_max=ctx.serving.max_len)
+    want_logprobs = chat_options(body, sampling)
     kwargs = dict(field(body, "chat_template_kwargs", "object") or {})
     text = render(ctx, messages, tools, **kwargs)
     prompt = build_prompt(ctx, text, sampling)
@@ -102,12 +107,13 @@ async def chat_completions(ctx, body: dict, request):
     if must:  # open the call by forced tokens; the model writes the rest
         f = forced_opening(ctx, name, prompt.in_reasoning, **kwargs)
         sampling.forced, sampling.forced_after = f.tokens, f.after
-    want_logprobs = bool(field(body, "logprobs", "boolean", False))
     req, queue = submit(ctx, prompt.ids, sampling)
-    gen = events(ctx, req, queue, tools is not None, prompt.in_reasoning, request.is_disconnected)
+    gen = events(ctx, req, queue, tools is not None, prompt.in_reasoning, request.is_disconnected,
+                 tokens=stream and want_logprobs)
     cid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
     if stream:
-        return StreamingResponse(_chat_stream(ctx, gen, cid, created, model, include_usage),
+        text_of_token = ctx.token_text if want_logprobs else None
+        return StreamingResponse(_chat_stream(gen, cid, created, model, include_usage, text_of_token),
                                  media_type="text/event-stream", headers={"cache-control": "no-cache"})
     reasoning, content, calls, done = collect([e async for e in gen])
     _raise_if_failed(done)
@@ -119,10 +125,14 @@ async def chat_completions(ctx, body: dict, request):
                              for c in calls]
     choice = {"index": 0, "message": msg, "finish_reason": _finish(done, bool(calls)), "logprobs": None}
     if want_logprobs:
-        choice["logprobs"] = {"content": [{"token": ctx.tokenizer.decode([t]), "logprob": lp, "top_logprobs": []}
-                                          for t, lp in zip(done.token_ids, done.logprobs)]}
+        choice["logprobs"] = _chat_logprobs(ctx, done.tokens)
     return JSONResponse({"id": cid, "object": "chat.completion", "created": created, "model": model,
                          "choices": [choice], "usage": usage(done), "system_fingerprint": "freetoken"})
+
+
+def _chat_logprobs(ctx, t: Tokens) -> dict:
+    # every output token, thinking and tool-call text included, in generation order
+    return {"content": chat_entries(ctx.token_text, t.ids, t.logprobs, t.top_logprobs), "refusal": None}
 
 
 def usage(done: Done) -> dict:
@@ -149,22 +159,36 @@ def _sse(obj) -> str:
 def submit(ctx, ids, sampling):
     try:
         return start(ctx, ids, sampling)
+    except ShuttingDown as e:
+        raise ApiError(503, str(e), kind="server_error") from None
     except QueueFull as e:
         raise ApiError(429, f"server busy: {e}; retry shortly", kind="rate_limit_error",
                        headers={"retry-after": "1"}) from None
 
 
-async def _chat_stream(ctx, gen, cid, created, model, include_usage):
+async def _chat_stream(gen, cid, created, model, include_usage, text_of_token: TokenText | None):
+    """text_of_token: given when the client asked for logprobs; each chunk then carries the
+    tokens that arrived since the previous one (a token that shows no text yet, a held-back
+    partial tag say, goes with the next chunk)."""
+    pending = Tokens()
+
     def chunk(delta, finish=None):
+        nonlocal pending
+        lp = None
+        if text_of_token is not None and pending.ids:
+            t, pending = pending, Tokens()
+            lp = {"content": chat_entries(text_of_token, t.ids, t.logprobs, t.top_logprobs), "refusal": None}
         return _sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                      "system_fingerprint": "freetoken",
-                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]})
+                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}]})
     yield chunk({"role": "assistant", "content": ""})
     n_calls = 0
     try:
         async for ev in gen:
             if isinstance(ev, Ping):
                 yield ": keep-alive\n\n"
+            elif isinstance(ev, Tokens):
+                pending.extend(ev)
             elif isinstance(ev, Event) and ev.kind == "content":
                 yield chunk({"content": ev.text})
             elif isinstance(ev, Event) and ev.kind == "reasoning":
@@ -190,6 +214,7 @@ async def _chat_stream(ctx, gen, cid, created, model, include_usage):
 async def completions(ctx, body: dict, request):
     model = check_model(ctx, body)
     _check_n(body)
+    check_response_format(body)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
@@ -202,38 +227,53 @@ async def completions(ctx, body: dict, request):
     else:
         raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per request)", param="prompt")
     sampling = sampling_from(body, field(body, "max_tokens", "integer"), body.get("stop"), default_max=16)
+    want_logprobs = completion_options(body, sampling)
     fit_prompt(ctx, ids, sampling)
     stream = field(body, "stream", "boolean", False)
     include_usage = bool((field(body, "stream_options", "object") or {}).get("include_usage"))
     req, queue = submit(ctx, ids, sampling)
     # raw completions: no chat parsing, thinking tags are just text
     gen = events(ctx, req, queue, tools=False, in_reasoning=False,
-                 is_disconnected=request.is_disconnected, raw=True)
+                 is_disconnected=request.is_disconnected, raw=True, tokens=stream and want_logprobs)
     cid, created = "cmpl-" + uuid.uuid4().hex, int(time.time())
     if stream:
-        return StreamingResponse(_completion_stream(gen, cid, created, model, include_usage),
+        text_of_token = ctx.token_text if want_logprobs else None
+        return StreamingResponse(_completion_stream(gen, cid, created, model, include_usage, text_of_token),
                                  media_type="text/event-stream")
-    evs = [e async for e in gen]
-    done = next(e for e in evs if isinstance(e, Done))
+    _, text, _, done = collect([e async for e in gen])
     _raise_if_failed(done)
-    text = "".join(e.text for e in evs if isinstance(e, Event))
+    t = done.tokens
+    lp = completion_logprobs(ctx.token_text, t.ids, t.logprobs, t.top_logprobs, t.text_offsets) \
+        if want_logprobs else None
     return JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": model,
-                         "choices": [{"index": 0, "text": text, "logprobs": None,
+                         "choices": [{"index": 0, "text": text, "logprobs": lp,
                                       "finish_reason": "length" if done.finish_reason == "length" else "stop"}],
                          "usage": usage(done)})
 
 
-async def _completion_stream(gen, cid, created, model, include_usage):
+async def _completion_stream(gen, cid, created, model, include_usage, text_of_token: TokenText | None):
+    pending = Tokens()
+
     def chunk(text, finish=None):
+        nonlocal pending
+        lp = None
+        if text_of_token is not None and pending.ids:
+            t, pending = pending, Tokens()
+            lp = completion_logprobs(text_of_token, t.ids, t.logprobs, t.top_logprobs, t.text_offsets)
         return _sse({"id": cid, "object": "text_completion", "created": created, "model": model,
-                     "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]})
+                     "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}]})
     try:
         async for ev in gen:
             if isinstance(ev, Ping):
                 yield ": keep-alive\n\n"
+            elif isinstance(ev, Tokens):
+                pending.extend(ev)
             elif isinstance(ev, Event):
                 yield chunk(ev.text)
             elif isinstance(ev, Done):
+                if ev.finish_reason == "error":
+                    yield _sse({"error": {"message": f"generation failed: {ev.error}", "type": "server_error"}})
+                    return
                 yield chunk("", "length" if ev.finish_reason == "length" else "stop")
                 if include_usage:
                     yield _sse({"id": cid, "object": "text_completion", "created": created, "model": model,
@@ -243,7 +283,17 @@ async def _completion_stream(gen, cid, created, model, include_usage):
         await gen.aclose()
 
 
+def _model_card(ctx, name: str) -> dict:
+    return {"id": name, "object": "model", "created": ctx.started, "owned_by": "freetoken",
+            "max_model_len": ctx.serving.max_len}
+
+
 def models(ctx) -> JSONResponse:
-    return JSONResponse({"object": "list", "data": [
-        {"id": name, "object": "model", "created": ctx.started, "owned_by": "freetoken",
-         "max_model_len": ctx.serving.max_len} for name in ctx.model_names]})
+    return JSONResponse({"object": "list", "data": [_model_card(ctx, n) for n in ctx.model_names]})
+
+
+def model(ctx, name: str) -> JSONResponse:
+    if name not in ctx.model_names:
+        raise ApiError(404, f"model '{name}' does not exist; this server serves {ctx.model_names[0]!r}",
+                       param="model", code="model_not_found")
+    return JSONResponse(_model_card(ctx, name))
