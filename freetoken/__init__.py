@@ -1,3 +1,6 @@
 """FreeToken: serve very large Mixture-of-Experts models on one GPU plus host RAM."""
 
 __version__ = "0.1.0"
+# the distribution (pip) name: `freetoken` on PyPI is another project, so ours is installed
+# under this name; the import package and the `ft` command are still `freetoken` and `ft`
+__distribution__ = "freetoken-moe"

@@ -7,20 +7,36 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
 import logging
 import os
+import socket
 import sys
 import time
 
-from .errors import FreeTokenError
+from . import __distribution__, __version__
+from .errors import CorruptModelError, FreeTokenError
+
+DEMO_NAME = "freetoken-demo"
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default in its help, except where there is none to show (None, off)."""
+
+    def _get_help_string(self, action):
+        help_ = action.help or ""
+        if ("%(default)" in help_ or any(action.default is v for v in (None, False, argparse.SUPPRESS))
+                or not (action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE))):
+            return help_
+        return help_ + " (default: %(default)s)"
 
 
 def add_config_args(parser: argparse.ArgumentParser, cls) -> None:
     """One --flag per dataclass field, typed and documented from the field's metadata."""
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
-        help_ = f.metadata.get("help", "") + f" (default: {f.default})"
+        help_ = f.metadata.get("help", "")
         if f.type in (bool, "bool"):
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                 default=f.default, help=help_)
@@ -42,6 +58,9 @@ def resolve_model(path: str | None) -> str:
         ftws = sorted(f for f in os.listdir(path) if f.endswith(".ftw"))
         if len(ftws) == 1:
             return os.path.join(path, ftws[0])
+        if len(ftws) > 1:
+            raise FreeTokenError(f"{path}: holds {len(ftws)} .ftw files ({', '.join(ftws)}); "
+                                 f"name one, e.g. {os.path.join(path, ftws[0])}")
         if os.path.exists(os.path.join(path, "config.json")):
             raise FreeTokenError(f"{path}: is a transformers checkpoint; convert it first: "
                                  f"ft convert {path} model.ftw")
@@ -49,6 +68,24 @@ def resolve_model(path: str | None) -> str:
     if not os.path.exists(path):
         raise FreeTokenError(f"{path}: no such model file")
     return path
+
+
+def load_engine(args, progress: bool):
+    """(path, Engine) for the MODEL argument. The demo model is FreeToken's own cache file: if
+    it fails its checksums, it is generated again (said in one warning line) and loaded anew;
+    any other model's corruption is the user's to fix and is reported."""
+    from .runtime.engine import Engine, EngineConfig
+    ecfg = config_from_args(EngineConfig, args)
+    path = resolve_model(args.model)
+    stat = os.stat(path)
+    try:
+        return path, Engine(path, ecfg, progress=progress)
+    except CorruptModelError as e:
+        if args.model is not None:
+            raise
+        from .demo import ensure_demo
+        ensure_demo(path, stale=stat, reason=str(e))
+        return path, Engine(path, ecfg, progress=progress)
 
 
 def parse_ids(text: str) -> list[int]:
@@ -61,8 +98,20 @@ def parse_ids(text: str) -> list[int]:
     return ids
 
 
+def read_prompt_file(fn: str) -> str:
+    """The prompt as UTF-8 text, exactly as written (`-`: standard input)."""
+    try:
+        if fn == "-":
+            return sys.stdin.buffer.read().decode("utf-8")
+        with open(fn, "rb") as f:
+            return f.read().decode("utf-8")
+    except OSError as e:
+        raise FreeTokenError(f"--prompt-file {fn}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise FreeTokenError(f"--prompt-file {fn}: not UTF-8 text (byte {e.start})") from None
+
+
 def cmd_generate(args) -> int:
-    from .runtime.engine import Engine, EngineConfig
     from .runtime.sampler import SamplingParams
     try:
         params = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
@@ -70,15 +119,15 @@ def cmd_generate(args) -> int:
         raise FreeTokenError(str(e)) from None
     if args.max_tokens < 1:
         raise FreeTokenError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    path = resolve_model(args.model)
-    eng = Engine(path, config_from_args(EngineConfig, args), progress=not args.json and sys.stderr.isatty())
-    if args.prompt_ids is not None:
-        ids = parse_ids(args.prompt_ids)
+    prompt = read_prompt_file(args.prompt_file) if args.prompt_file is not None else args.prompt
+    ids = parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
+    path, eng = load_engine(args, progress=not args.json and sys.stderr.isatty())
+    if ids is not None:
         bad = [i for i in ids if not 0 <= i < eng.cfg.vocab_size]
         if bad:
             raise FreeTokenError(f"--prompt-ids: token id {bad[0]} is outside the vocabulary [0, {eng.cfg.vocab_size})")
     else:
-        ids = eng.tokenizer.encode(args.prompt)
+        ids = eng.tokenizer.encode(prompt)
     g = eng.generate(ids, args.max_tokens, params, stop_at_eos=not args.ignore_eos)
     n = len(g.token_ids)
     stats = {"load_s": round(eng.load_s, 3), "prefill_s": round(g.prefill_s, 4), "decode_s": round(g.decode_s, 4),
@@ -87,8 +136,7 @@ def cmd_generate(args) -> int:
     if args.json:
         print(json.dumps({"model": path, "prompt_tokens": g.prompt_tokens, "token_ids": g.token_ids,
                           "text": g.text, "logprobs": g.logprobs, "finish_reason": g.finish_reason,
-                          "device": str(eng.device), "dtype": str(eng.dtype).replace("torch.", ""),
-                          "experts": eng.experts_on, **stats}))
+                          **eng.describe(), **stats}))
     else:
         print(g.text)
         print(f"[{g.prompt_tokens} prompt tokens, {n} generated ({g.finish_reason}); "
@@ -99,39 +147,124 @@ def cmd_generate(args) -> int:
 def cmd_convert(args) -> int:
     from .weights.convert import convert
     t0 = time.perf_counter()
+    parent = os.path.dirname(os.path.abspath(args.out))
+    had_parent = os.path.isdir(parent)
     out = convert(args.src, args.out, progress=not args.quiet)
-    print(f"wrote {out} ({os.path.getsize(out) / 1e9:.2f} GB) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    made = "" if had_parent else f"; created the folder {parent}"
+    print(f"wrote {out} ({os.path.getsize(out) / 1e9:.2f} GB) in {time.perf_counter() - t0:.1f} s{made}",
+          file=sys.stderr)
     return 0
 
 
+def bind_sockets(host: str, port: int) -> list[socket.socket]:
+    """Bound (not yet listening) TCP sockets for host:port, one per address the host resolves to,
+    made before the model loads: a busy port is reported at once, and nothing can take the port
+    while the model loads. uvicorn listens on them."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise FreeTokenError(f"--host {host}: cannot resolve it ({e.strerror}); pass an address such as 127.0.0.1") from None
+    socks: list[socket.socket] = []
+    seen = set()
+    try:
+        for family, kind, proto, _, addr in infos:
+            if (family, addr[:2]) in seen or family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            seen.add((family, addr[:2]))
+            s = socket.socket(family, kind, proto)
+            socks.append(s)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if port == 0 and len(socks) > 1:  # one free port for every address
+                addr = (addr[0], socks[0].getsockname()[1], *addr[2:])
+            try:
+                s.bind(addr)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise FreeTokenError(f"port {port} on {host} is in use; pass --port to use another") from None
+                if e.errno == errno.EACCES:
+                    raise FreeTokenError(f"port {port} on {host}: permission denied "
+                                         "(ports below 1024 need privileges); pass --port") from None
+                if e.errno == errno.EADDRNOTAVAIL:
+                    raise FreeTokenError(f"--host {host}: not an address of this machine") from None
+                raise FreeTokenError(f"cannot listen on {host}:{port} ({e.strerror})") from None
+            s.set_inheritable(True)
+    except BaseException:
+        for s in socks:
+            s.close()
+        raise
+    if not socks:
+        raise FreeTokenError(f"--host {host}: no IPv4 or IPv6 address")
+    return socks
+
+
+def banner(name: str, arch: str, url: str, d: dict) -> str:
+    """The start-up line: what is served where, and what runs it (ServingEngine.describe())."""
+    experts = f"experts on {d.get('experts')}"
+    backend = d.get("expert_backend")
+    if backend and backend != "none":
+        how = [backend] + ([d["expert_isa"]] if d.get("expert_isa") else [])
+        if d.get("expert_threads"):
+            how.append(f"{d['expert_threads']} threads")
+        experts += f" ({', '.join(how)})"
+    cache = "on" if d.get("prefix_cache") else "off"
+    return (f"FreeToken: serving {name!r} ({arch}) at {url} | {d.get('device')} {d.get('dtype')} | {experts} | "
+            f"context {d.get('context')} | decode {d.get('decode_path')}, max batch {d.get('max_batch')}, "
+            f"prefix cache {cache}")
+
+
 def cmd_serve(args) -> int:
+    if args.max_batch < 1 or args.max_queue < 0:
+        raise FreeTokenError("--max-batch must be >= 1 and --max-queue >= 0")
+    socks = bind_sockets(args.host, args.port)
+    try:
+        return _serve(args, socks)
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _serve(args, socks: list[socket.socket]) -> int:
     import uvicorn
-    from .runtime.engine import Engine, EngineConfig
+    from .cache.config import CacheConfig
     from .runtime.serving import ServingEngine
     from .server.app import ServerContext, build_app
     from .server.metrics import Metrics
-    from .cache.config import CacheConfig
     from .server.template import ChatTemplate
     from .tokenizer import load_json
-    if args.max_batch < 1 or args.max_queue < 0:
-        raise FreeTokenError("--max-batch must be >= 1 and --max-queue >= 0")
-    path = resolve_model(args.model)
-    eng = Engine(path, config_from_args(EngineConfig, args), progress=sys.stderr.isatty())
+    path, eng = load_engine(args, progress=sys.stderr.isatty())
     files = eng.files
     template = ChatTemplate.from_files(files, load_json(files.get("tokenizer_config.json"), "tokenizer_config.json"))
-    name = args.served_model_name or (eng.meta.get("source") if args.model else "freetoken-demo")
+    name = args.served_model_name or (eng.meta.get("source") if args.model else DEMO_NAME)
     metrics = Metrics()
     cache = CacheConfig(enabled=not args.no_prefix_cache, page_size=args.page_size, tokens=args.prefix_cache_tokens,
                         checkpoint_budget=args.checkpoint_budget, checkpoint_policy=args.checkpoint_policy)
     serving = ServingEngine(eng, max_batch=args.max_batch, max_queue=args.max_queue, metrics=metrics,
                             max_new_tokens=args.max_new_tokens, cache=cache, cuda_graphs=args.cuda_graphs)
-    ctx = ServerContext(serving, eng.tokenizer, template, [name], eng.cfg.vocab_size, api_key=args.api_key,
-                        metrics=metrics)
-    app = build_app(ctx)
-    print(f"FreeToken: serving {name!r} ({eng.cfg.arch}, {eng.device}, experts on {eng.experts_on}, "
-          f"context {eng.max_len}) at http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
+        ctx = ServerContext(serving, eng.tokenizer, template, [name], eng.cfg.vocab_size, api_key=args.api_key,
+                            metrics=metrics)
+        app = build_app(ctx)
+        host = socks[0].getsockname()[0]
+        host = f"[{host}]" if ":" in host else host
+        url = f"http://{host}:{socks[0].getsockname()[1]}/v1"
+        line = banner(name, eng.cfg.arch, url, serving.describe())
+
+        class Server(uvicorn.Server):
+            async def startup(self, sockets=None):
+                await super().startup(sockets=sockets)
+                if self.started and not self.should_exit:  # listening now: clients may connect
+                    print(line, file=sys.stderr, flush=True)
+
+            def handle_exit(self, sig, frame):
+                # SIGINT/SIGTERM: end every request in flight with an error event that says why
+                # before uvicorn drains the connections (instead of cutting the streams)
+                serving.begin_shutdown()
+                super().handle_exit(sig, frame)
+
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
+        Server(config).run(sockets=socks)
     finally:
         serving.shutdown()
     return 0
@@ -139,31 +272,49 @@ def cmd_serve(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from .runtime.engine import EngineConfig
-    p = argparse.ArgumentParser(prog="ft", description="FreeToken: big MoE models on one GPU plus host RAM")
+    p = argparse.ArgumentParser(prog="ft", formatter_class=HelpFormatter,
+                                description="FreeToken: big MoE models on one GPU plus host RAM")
     p.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p.add_argument("--version", action="version", version=f"ft {__version__} (distribution {__distribution__})")
+    # -v after the subcommand too (`ft serve -v`); SUPPRESS keeps it from resetting `ft -v serve`
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="log what the engine does")
+    sub = p.add_subparsers(dest="cmd", metavar="{generate,serve,convert}")
 
-    g = sub.add_parser("generate", help="generate text from a prompt")
-    g.add_argument("model", nargs="?", help="FTW file (default: the embedded demo model)")
+    def command(name, help_):
+        return sub.add_parser(name, help=help_, description=help_, parents=[common], formatter_class=HelpFormatter)
+
+    g = command("generate", "generate text from a prompt")
+    g.add_argument("model", nargs="?", help="FTW file or a folder holding one (default: the embedded demo model)")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
-    src.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=None)
+    src.add_argument("--prompt-file", metavar="FILE",
+                     help="read the prompt from FILE as UTF-8 text, exactly as written ('-': standard input); "
+                          "for prompts too long for the command line")
+    src.add_argument("--prompt-ids", metavar="IDS", help="prompt as comma-separated token ids")
+    g.add_argument("--max-tokens", type=int, default=64,
+                   help="tokens to generate at most (fewer if the model ends the text, unless --ignore-eos)")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the most likely tokens up to "
+                                                             "this total probability (1 = off)")
+    g.add_argument("--top-k", type=int, default=0, help="keep only the K most likely tokens (0 = off)")
+    g.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: unseeded)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
-    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--json", action="store_true",
+                   help="print one JSON object: tokens, text, logprobs, timings and what ran where")
     add_config_args(g, EngineConfig)
     g.set_defaults(func=cmd_generate)
 
-    s = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server")
-    s.add_argument("model", nargs="?", help="FTW file (default: the embedded demo model)")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--served-model-name", default=None, help="model id clients must send (default: the checkpoint's name)")
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY'")
+    s = command("serve", "OpenAI- and Anthropic-compatible HTTP server")
+    s.add_argument("model", nargs="?", help="FTW file or a folder holding one (default: the embedded demo model)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    s.add_argument("--served-model-name", default=None,
+                   help="model id clients must send (default: the name of the checkpoint folder the FTW was "
+                        f"converted from; {DEMO_NAME} for the demo model)")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' "
+                                                   "(default: no key)")
     s.add_argument("--max-batch", type=int, default=8, help="requests decoded together (continuous batching)")
     s.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch; more get 429")
     s.add_argument("--max-new-tokens", type=int, default=0,
@@ -180,16 +331,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(s, EngineConfig)
     s.set_defaults(func=cmd_serve)
 
-    c = sub.add_parser("convert", help="convert a transformers checkpoint directory to FTW")
+    c = command("convert", "convert a transformers checkpoint directory to FTW")
     c.add_argument("src", help="directory with config.json, *.safetensors, tokenizer files")
-    c.add_argument("out", help="output .ftw file")
-    c.add_argument("--quiet", action="store_true")
+    c.add_argument("out", help="output .ftw file (missing folders are created)")
+    c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(func=cmd_convert)
     return p
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.cmd is None:
+        parser.print_help(sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:

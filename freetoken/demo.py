@@ -4,6 +4,11 @@ Generated deterministically on first use into the cache directory, through the s
 real checkpoint takes (safetensors directory -> `ft convert` -> FTW). Its text is gibberish;
 every part of the pipeline is real. Sized so that a 20k-token prompt prefills in seconds on a
 2-core CPU while keeping a 64k context.
+
+Processes that start together share one generation: an exclusive lock (flock on
+`demo-vN.ftw.lock`) is held while the file is generated, the others wait for it and then use
+the finished file, which appears by an atomic rename. A cached file that turns out truncated or
+corrupt is generated again (the engine made it, so the engine remakes it), with one warning.
 """
 from __future__ import annotations
 
@@ -15,7 +20,8 @@ import tempfile
 
 import torch
 
-from .paths import cache_dir
+from .errors import CorruptModelError, notice
+from .paths import cache_dir, file_lock
 
 log = logging.getLogger("freetoken.demo")
 DEMO_VERSION = 1
@@ -51,9 +57,58 @@ DEMO_CONFIG = {
 }
 
 
+DEMO_SECONDS = "10-30 s"  # generation time, for the first-run message
+
+
 def demo_path() -> str:
+    """The demo model's FTW file, generated first if the cache has none (or a broken one)."""
     path = os.path.join(cache_dir(), f"demo-v{DEMO_VERSION}.ftw")
+    if _problem(path) is None:
+        return path
+    return ensure_demo(path)
+
+
+def _problem(path: str) -> str | None:
+    """Why the cached file cannot be used ("missing", or the reader's complaint), None if it
+    can. A cheap check (header and size); the block checksums are checked while loading."""
     if not os.path.exists(path):
+        return "missing"
+    from .weights.ftw import read_header
+    try:
+        read_header(path)
+    except CorruptModelError as e:
+        return str(e)
+    return None
+
+
+def _short(path: str, reason: str) -> str:
+    """The reader's complaint without the file name and the `re-run ft convert` advice."""
+    reason = reason[len(path) + 2:] if reason.startswith(path + ": ") else reason
+    return reason.split(";")[0]
+
+
+def ensure_demo(path: str, stale: os.stat_result | None = None, reason: str | None = None) -> str:
+    """Generate the demo file at `path` unless another process did meanwhile.
+
+    `stale`/`reason`: the caller found the file at `path` (with this stat) unusable for this
+    reason (a checksum mismatch while loading); it is regenerated unless it has been replaced.
+    """
+    def waiting():
+        notice("another process is generating the demo model; waiting for it ...")
+
+    with file_lock(path + ".lock", on_wait=waiting):
+        problem = _problem(path)
+        if problem is None and stale is not None:
+            st = os.stat(path)
+            if (st.st_ino, st.st_mtime_ns, st.st_size) == (stale.st_ino, stale.st_mtime_ns, stale.st_size):
+                problem = reason or "corrupt"
+        if problem is None:
+            return path  # made (or remade) by another process while we waited
+        if problem == "missing":
+            notice(f"first run: generating the demo model into {path} (takes {DEMO_SECONDS}, once) ...")
+        else:
+            notice(f"warning: the cached demo model {path} is unusable ({_short(path, problem)}); "
+                   f"generating it again (takes {DEMO_SECONDS}) ...")
         build_demo(path)
     return path
 

@@ -1,4 +1,9 @@
-"""User-facing errors: the CLI prints these as one line, without a traceback."""
+"""User-facing errors: the CLI prints these as one line, without a traceback.
+
+Also `notice()`: the one-line messages FreeToken prints on stderr for things the user should
+know about while they happen (a first-run step that takes a while, a cache file rebuilt).
+"""
+import sys
 
 
 class FreeTokenError(Exception):
@@ -18,3 +23,8 @@ class UnsupportedModelError(FreeTokenError):
 
 class ContextOverflowError(FreeTokenError):
     """A prompt (plus the requested new tokens) longer than the model's context."""
+
+
+def notice(message: str) -> None:
+    """One line on stderr, prefixed like the CLI's errors (`ft: ...`), flushed at once."""
+    print(f"ft: {message}", file=sys.stderr, flush=True)

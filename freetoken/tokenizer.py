@@ -22,6 +22,21 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.tk.get_vocab_size(with_added_tokens=True)
 
+    def max_id(self) -> int:
+        """The largest id this tokenizer can produce: its vocabulary and its added tokens."""
+        ids = self.tk.get_vocab(with_added_tokens=True).values()
+        return max(max(ids, default=-1), max(self.tk.get_added_tokens_decoder(), default=-1))
+
+    def check_fits(self, vocab_size: int, source: str) -> None:
+        """Every id the tokenizer (and so the chat template) can produce must index a row of the
+        model's embedding; a checkpoint may pad vocab_size above the tokenizer (Qwen does)."""
+        top = self.max_id()
+        if top >= vocab_size:
+            raise FreeTokenError(
+                f"{source}: the tokenizer produces token ids up to {top}, but the model's vocab_size "
+                f"is {vocab_size} (embedding rows 0..{vocab_size - 1}): the tokenizer is not this model's; "
+                "copy tokenizer.json and tokenizer_config.json from the model's original release")
+
     def token_id(self, text: str) -> int | None:
         return self.tk.token_to_id(text)
 

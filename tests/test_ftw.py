@@ -132,4 +132,22 @@ def test_failed_convert_leaves_nothing(tmp_path):
     out = tmp_path / "out.ftw"
     with pytest.raises(FreeTokenError, match="expert 7"):
         convert(d, str(out), progress=False)
-    assert not out.exists() and not (tmp_path / "out.ftw.partial").exists()
+    assert sorted(os.listdir(tmp_path)) == ["hf"]  # no output, no OUT.<pid>.partial
+
+
+def test_partial_name_is_per_process(tmp_path):
+    """Two processes writing one output never share (or remove) each other's partial file."""
+    path = str(tmp_path / "x.ftw")
+    entries = [ftw.Entry("b", "uint8", [3])]
+    w = FTWWriter(path, entries, {"arch": "x"})
+    assert w.tmp == f"{path}.{os.getpid()}.partial" and os.path.exists(w.tmp)
+    other = tmp_path / "x.ftw.99999999.partial"  # another process's file, half written
+    other.write_bytes(b"half")
+    w.write("b", b"abc")
+    w.close()
+    assert other.read_bytes() == b"half" and not os.path.exists(w.tmp)
+    _, got = load_ftw(path)
+    assert bytes(got["b"].numpy()) == b"abc"
+    w = FTWWriter(path + "2", [ftw.Entry("b", "uint8", [3])], {"arch": "x"})
+    w.abort()
+    assert other.exists() and not os.path.exists(w.tmp)

@@ -95,6 +95,7 @@ class Engine:
         if "tokenizer.json" not in files:
             raise FreeTokenError(f"{path}: has no embedded tokenizer.json; re-run `ft convert`")
         self.tokenizer = Tokenizer(files["tokenizer.json"], tcfg)
+        self.tokenizer.check_fits(self.cfg.vocab_size, path)  # ids past the embedding: refuse now, not per request
         self.eos_ids = self._eos_ids(files)
         banks = meta.get("banks", {})
         self.executor = self._executor(w.get(banks.get("gate_up")), w.get(banks.get("down")))

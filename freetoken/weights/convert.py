@@ -3,6 +3,11 @@
 Streams tensor by tensor (experts row by row), so a checkpoint larger than RAM converts.
 Weights keep the checkpoint's dtype and bits. Expert tensors, per-expert or fused, are merged
 into two banks whose first dimension is the flat id ordinal * E + e.
+
+Refused with one line, before anything is written: quantized checkpoints (their scales would be
+dropped: FP8, MXFP4, GPTQ/AWQ, ...), weights that are not float32/bfloat16/float16, and a
+tokenizer whose ids do not fit the model's embedding. Missing folders of the output path are
+created (and removed again if the conversion fails).
 """
 from __future__ import annotations
 
@@ -12,10 +17,11 @@ import torch
 from tqdm import tqdm
 
 from ..config import ModelConfig
-from ..errors import FreeTokenError
+from ..errors import FreeTokenError, UnsupportedModelError
 from ..model.registry import model_class
+from ..tokenizer import Tokenizer
 from .ftw import DTYPE_NAMES, Entry
-from .hf import Checkpoint, read_config
+from .hf import WEIGHT_DTYPES, Checkpoint, describe_quant, describe_quant_tensors, quant_config, read_config
 from .writer import FTWWriter
 
 REQUIRED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
@@ -64,21 +70,75 @@ class ExpertReader:
         return self.ck.get(f"{self.p}{e}.down_proj.weight")
 
 
+def _refuse_quantized(src: str, what: str) -> None:
+    raise UnsupportedModelError(f"{src}: quantization {what} is not supported yet; "
+                                "convert the BF16 release of the model")
+
+
 def plan(src: str):
     """Read and check everything about a checkpoint without writing anything."""
     raw = read_config(src)
+    q = quant_config(src, raw)
+    if q is not None:
+        _refuse_quantized(src, f"{describe_quant(q[1])}, declared in {q[0]},")
     cfg = ModelConfig.from_hf(raw, os.path.join(src, "config.json"))
     for fn in REQUIRED_FILES:
         if not os.path.exists(os.path.join(src, fn)):
             raise FreeTokenError(f"{src}: {fn} is missing; FTW embeds the tokenizer, copy it from the model's release")
     ck = Checkpoint(src)
+    qt = describe_quant_tensors(ck)
+    if qt is not None:
+        _refuse_quantized(src, qt)
     dense = model_class(cfg.arch).expected_tensors(cfg)
     experts = [ExpertReader(ck, cfg, l) for l in cfg.moe_layers]
-    needed = dense + [n for r in experts for e in range(cfg.num_experts) for n in r.names(e)]
-    missing = [n for n in dict.fromkeys(needed) if n not in ck.tensors]
+    needed = list(dict.fromkeys(dense + [n for r in experts for e in range(cfg.num_experts) for n in r.names(e)]))
+    missing = [n for n in needed if n not in ck.tensors]
     if missing:
         raise FreeTokenError(f"{src}: checkpoint is missing {len(missing)} tensor(s), first {missing[0]}")
+    for n in needed:
+        s = ck.tensors[n]
+        if s.dtype not in WEIGHT_DTYPES:
+            raise UnsupportedModelError(
+                f"{src}: tensor {n} is {s.st_dtype} (in {os.path.basename(s.file)}); FreeToken converts "
+                "F32, BF16 and F16 weights only (quantized formats are not supported yet); "
+                "convert the BF16 release of the model")
+    with open(os.path.join(src, "tokenizer.json"), "rb") as f:
+        tk = Tokenizer(f.read(), source=os.path.join(src, "tokenizer.json"))
+    tk.check_fits(cfg.vocab_size, src)
     return raw, cfg, ck, dense, experts
+
+
+def _make_parent(out: str) -> str | None:
+    """Create the output's missing folders; returns the topmost one created (None if none)."""
+    parent = os.path.dirname(os.path.abspath(out))
+    top = None
+    p = parent
+    while not os.path.exists(p):
+        top, p = p, os.path.dirname(p)
+    if top is None:
+        if not os.path.isdir(parent):
+            raise FreeTokenError(f"{out}: {parent} is not a folder")
+        return None
+    try:
+        os.makedirs(parent)
+    except OSError as e:
+        raise FreeTokenError(f"{out}: cannot create the folder {parent} ({e.strerror})") from None
+    return top
+
+
+def _remove_created(top: str | None, out: str) -> None:
+    """Undo _make_parent after a failure: remove the folders it made, if still empty."""
+    if top is None:
+        return
+    p = os.path.dirname(os.path.abspath(out))
+    while True:
+        try:
+            os.rmdir(p)
+        except OSError:
+            return
+        if p == top:
+            return
+        p = os.path.dirname(p)
 
 
 def convert(src: str, out: str, progress: bool = True) -> str:
@@ -97,6 +157,22 @@ def convert(src: str, out: str, progress: bool = True) -> str:
             "source": os.path.basename(os.path.abspath(src))}
     if os.path.isdir(out):
         raise FreeTokenError(f"{out}: is a directory; give the output file name, e.g. {out}/model.ftw")
+    created = _make_parent(out)
+    try:
+        _write(src, out, cfg, ck, dense, experts, entries, meta, blobs, progress)
+    except OSError as e:
+        _remove_created(created, out)
+        raise FreeTokenError(f"{out}: cannot write ({e.strerror or e}); nothing was written") from None
+    except BaseException:
+        _remove_created(created, out)
+        raise
+    return out
+
+
+def _write(src, out, cfg, ck, dense, experts, entries, meta, blobs, progress) -> None:
+    i, h = cfg.moe_intermediate_size, cfg.hidden_size
+    dt = ck.tensors[experts[0].names(0)[0]].dtype if experts else None
+    banks = ((BANKS[0], "gate_up", [2 * i, h]), (BANKS[1], "down", [h, i])) if experts else ()
     total = sum(e.nbytes for e in entries)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not progress)
     with FTWWriter(out, entries, meta) as w:
@@ -107,9 +183,7 @@ def convert(src: str, out: str, progress: bool = True) -> str:
             t = ck.get(n)
             w.write(n, t)
             bar.update(t.numel() * t.element_size())
-        for bank, part, shape in ((BANKS[0], "gate_up", [2 * i, h]), (BANKS[1], "down", [h, i])):
-            if not experts:
-                break
+        for bank, part, shape in banks:
             for r in experts:
                 for e in range(cfg.num_experts):
                     t = getattr(r, part)(e)
@@ -120,4 +194,3 @@ def convert(src: str, out: str, progress: bool = True) -> str:
                     w.write(bank, t)
                     bar.update(t.numel() * t.element_size())
     bar.close()
-    return out

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ..errors import CorruptModelError
+from ..errors import CorruptModelError, UnsupportedModelError
 from .ftw import ALIGN, BLOCK, DTYPES, align_up, block_spans, crc32, read_header
 
 log = logging.getLogger("freetoken.weights")
@@ -73,6 +73,14 @@ def load_ftw(path: str, names=None, *, verify: bool = True, threads: int | None 
     """Read entries of an FTW file. Returns (meta, {name: tensor}); files come as uint8."""
     meta, entries = read_header(path)
     wanted = [entries[n] for n in (names if names is not None else entries)]
+    for e in wanted:
+        if e.dtype.startswith("float8"):
+            # FTW files converted from FP8 checkpoints before `ft convert` refused them: the block
+            # scales were dropped, so these weights are wrong whatever the engine does
+            raise UnsupportedModelError(
+                f"{path}: tensor {e.name} is {e.dtype}: this file was converted from a quantized (FP8) "
+                "checkpoint without its scales; quantized formats are not supported yet; "
+                "convert the BF16 release of the model")
     out = {e.name: _aligned_buffer(e.nbytes) for e in wanted}
     jobs = [(e, s, n) for e in wanted for s, n in block_spans(e.nbytes)]
     total = sum(e.nbytes for e in wanted)

@@ -1,7 +1,9 @@
 """Streaming FTW writer: entries are appended in layout order, one chunk at a time.
 
-The output appears under its final name only when everything was written and checked;
-a failure (or Ctrl-C) removes the partial file, so a failed convert leaves nothing behind.
+The output appears under its final name only when everything was written and checked (one
+atomic rename); a failure (or Ctrl-C) removes the partial file, so a failed convert leaves
+nothing behind. The partial file's name carries the process id (`OUT.<pid>.partial`), so
+processes writing the same output at once never write into or remove each other's file.
 """
 from __future__ import annotations
 
@@ -13,16 +15,25 @@ import torch
 from .ftw import BLOCK, Entry, align_up, layout, total_size, write_preamble
 
 
+def partial_name(path: str) -> str:
+    """The temporary name this process writes `path` under."""
+    return f"{path}.{os.getpid()}.partial"
+
+
 class FTWWriter:
     def __init__(self, path: str, entries: list[Entry], meta: dict):
         self.path = path
         self.entries = entries
         self.meta = meta
         self.data_start = layout(entries, meta)
-        self.tmp = path + ".partial"
+        self.tmp = partial_name(path)
         self.f = open(self.tmp, "wb")
-        self.f.truncate(total_size(entries))
-        self.f.seek(self.data_start)
+        try:
+            self.f.truncate(total_size(entries))
+            self.f.seek(self.data_start)
+        except BaseException:
+            self.abort()
+            raise
         self._i = 0  # index of the entry being written
         self._done = 0  # bytes of it written so far
         self._crc = 0  # running CRC of the current block
@@ -66,11 +77,15 @@ class FTWWriter:
     def close(self) -> None:
         if self._i != len(self.entries):
             raise RuntimeError(f"FTW writer closed before {self.current.name} was written")
-        write_preamble(self.f, self.entries, self.meta, self.data_start)
-        self.f.flush()
-        os.fsync(self.f.fileno())
-        self.f.close()
-        os.replace(self.tmp, self.path)
+        try:
+            write_preamble(self.f, self.entries, self.meta, self.data_start)
+            self.f.flush()
+            os.fsync(self.f.fileno())
+            self.f.close()
+            os.replace(self.tmp, self.path)
+        except BaseException:
+            self.abort()
+            raise
 
     def abort(self) -> None:
         try:

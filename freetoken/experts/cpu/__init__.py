@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 
 from ..executor import ExpertExecutor, reference_experts
-from ...paths import cache_dir
+from ...errors import notice
+from ...paths import cache_dir, file_lock
 
 log = logging.getLogger("freetoken.experts")
 _ext = None
@@ -21,8 +23,20 @@ _ext_error: str | None = None
 ISA_NAMES = ["scalar", "avx2", "avx512", "avx512-bf16"]
 
 
+EXT_NAME = "freetoken_moe_cpu"
+BUILD_SECONDS = "20-60 s"  # for the first-run message
+
+
 def extension():
-    """Build (first time) and import the C++ extension; None if unavailable."""
+    """Build (first time) and import the C++ extension; None if unavailable.
+
+    Processes starting together build it once: an flock on the build folder's `freetoken.lock`
+    serialises them (the first builds, the others wait, then import the finished library).
+    torch's own build lock (a `lock` file it creates and deletes, polled by waiters) would also
+    keep concurrent builds apart, but a build killed midway leaves that file behind and every
+    later start waits on it forever; under our flock no other FreeToken process can be building,
+    so a leftover one is stale and is removed.
+    """
     global _ext, _ext_error
     if _ext is not None or _ext_error is not None:
         return _ext
@@ -31,8 +45,26 @@ def extension():
         src = os.path.join(os.path.dirname(__file__), "moe_cpu.cpp")
         build = os.path.join(cache_dir(), "build", f"moe_cpu-torch{torch.__version__.replace('+', '_')}")
         os.makedirs(build, exist_ok=True)
-        _ext = load(name="freetoken_moe_cpu", sources=[src], build_directory=build,
-                    extra_cflags=["-O3", "-std=c++17", "-fno-math-errno"], verbose=False)
+
+        def waiting():
+            notice("another process is building the C++ expert executor; waiting for it ...")
+
+        with file_lock(os.path.join(build, "freetoken.lock"), on_wait=waiting):
+            baton = os.path.join(build, "lock")
+            if os.path.exists(baton):
+                log.warning("removing %s, left by a build that did not finish", baton)
+                os.remove(baton)
+            lib = os.path.join(build, EXT_NAME + ".so")
+            fresh = os.path.exists(lib) and os.path.getmtime(lib) >= os.path.getmtime(src)
+            if not fresh:
+                notice(f"building the C++ expert executor into {build} (takes {BUILD_SECONDS}, once) ...")
+            else:
+                log.info("C++ expert executor: using the build in %s", build)
+            t0 = time.perf_counter()
+            _ext = load(name=EXT_NAME, sources=[src], build_directory=build,
+                        extra_cflags=["-O3", "-std=c++17", "-fno-math-errno"], verbose=False)
+            if not fresh:
+                log.info("C++ expert executor built in %.0f s", time.perf_counter() - t0)
     except Exception as e:  # no compiler, no ninja, ...: degrade to torch, loudly
         _ext_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         log.warning("C++ expert executor unavailable (%s); using the torch fallback", _ext_error)

@@ -1,0 +1,185 @@
+"""`ft convert` refuses what it would convert wrongly (quantized checkpoints, a tokenizer that
+does not fit the embedding), and the loader refuses FTW files made that way before the fix.
+
+Each refusal: exit 2, one `ft: error:` line naming the format or the numbers, nothing written.
+"""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import hf_models
+from test_bad_input import assert_one_line_error, ft
+from freetoken.errors import FreeTokenError, UnsupportedModelError
+from freetoken.weights import convert as convert_mod
+from freetoken.weights.convert import convert
+
+FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+              "weight_block_size": [128, 128]}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    d = tmp_path_factory.mktemp("quant")
+    hf_models.save(hf_models.qwen3_moe(5, max_position_embeddings=64), str(d / "hf"))
+    return d / "hf"
+
+
+def variant(base, tmp_path, name, tensors=None, config=None, files=None):
+    """A copy of the checkpoint with its tensors / config.json edited and extra files added."""
+    d = tmp_path / name
+    shutil.copytree(base, d)
+    if tensors is not None:
+        fn = d / "model.safetensors"
+        w = tensors(load_file(str(fn)))
+        save_file(w, str(fn), metadata={"format": "pt"})
+    if config is not None:
+        cfg = json.loads((d / "config.json").read_text())
+        config(cfg)
+        (d / "config.json").write_text(json.dumps(cfg))
+    for fn, doc in (files or {}).items():
+        (d / fn).write_text(json.dumps(doc))
+    return d
+
+
+def to_fp8_block(w: dict) -> dict:
+    """The layout Qwen and DeepSeek publish: e4m3 projection weights, each with a float32
+    `weight_scale_inv` of one scale per 128x128 block."""
+    out = {}
+    for n, t in w.items():
+        if n.endswith("_proj.weight") and t.dim() == 2:
+            out[n] = t.to(torch.float8_e4m3fn)
+            out[n[: -len("weight")] + "weight_scale_inv"] = torch.ones(-(-t.shape[0] // 128), -(-t.shape[1] // 128))
+        else:
+            out[n] = t
+    return out
+
+
+def to_mxfp4(w: dict) -> dict:
+    """gpt-oss style: fused expert tensors as 4-bit blocks plus shared scales."""
+    out = hf_models.fuse_experts(w, 3, 16)
+    for l in range(3):
+        p = f"model.layers.{l}.mlp.experts."
+        gu = out.pop(p + "gate_up_proj")
+        out[p + "gate_up_proj_blocks"] = torch.zeros(gu.shape[0], gu.shape[1], gu.shape[2] // 32, 16, dtype=torch.uint8)
+        out[p + "gate_up_proj_scales"] = torch.zeros(gu.shape[0], gu.shape[1], gu.shape[2] // 32, dtype=torch.uint8)
+    return out
+
+
+def one_int8(w: dict) -> dict:
+    w["model.layers.0.self_attn.o_proj.weight"] = torch.zeros_like(w["model.layers.0.self_attn.o_proj.weight"],
+                                                                     dtype=torch.int8)
+    return w
+
+
+def set_key(key, value):
+    return lambda cfg: cfg.__setitem__(key, value)
+
+
+QUANTIZED = {
+    # name: (variant kwargs, words the error line must contain)
+    "fp8-block": (dict(tensors=to_fp8_block, config=set_key("quantization_config", FP8_CONFIG)),
+                  ["quantization 'fp8' (e4m3, 128x128 block scales)", "config.json", "not supported yet", "BF16"]),
+    "fp8-tensors-only": (dict(tensors=to_fp8_block),
+                         ["quantization 'fp8'", "e4m3", "weight_scale_inv", "not supported yet", "BF16"]),
+    "modelopt": (dict(files={"hf_quant_config.json": {"producer": {"name": "modelopt", "version": "0.31"},
+                                                      "quantization": {"quant_algo": "NVFP4", "group_size": 16}}}),
+                 ["hf_quant_config.json", "NVFP4", "group size 16", "not supported yet"]),
+    "gptq-config": (dict(config=set_key("quantization_config", {"quant_method": "gptq", "bits": 4, "group_size": 128})),
+                    ["quantization 'gptq' (4-bit, group size 128)", "not supported yet"]),
+    "mxfp4-tensors": (dict(tensors=to_mxfp4), ["quantization 'mxfp4'", "gate_up_proj_blocks", "not supported yet"]),
+    "int8-weight": (dict(tensors=one_int8), ["model.layers.0.self_attn.o_proj.weight", "I8", "BF16"]),
+}
+
+
+@pytest.mark.parametrize("kind", list(QUANTIZED))
+def test_quantized_checkpoint_is_refused(base, tmp_path, kind):
+    kw, words = QUANTIZED[kind]
+    d = variant(base, tmp_path, kind, **kw)
+    out = tmp_path / "out" / "m.ftw"
+    with pytest.raises(UnsupportedModelError):
+        convert(str(d), str(out), progress=False)
+    code, _, err = ft("convert", str(d), str(out))
+    assert_one_line_error(code, err, str(d), *words)
+    assert not (tmp_path / "out").exists()  # nothing written, not even the folder
+
+
+def test_unquantized_copy_still_converts(base, tmp_path):
+    """The refusals key on quantization, not on something every checkpoint has."""
+    code, _, err = ft("convert", str(base), str(tmp_path / "m.ftw"), "--quiet")
+    assert code == 0, err
+
+
+def fp8_ftw_as_before_the_fix(base, tmp_path, monkeypatch) -> str:
+    """What `ft convert` wrote for an FP8 checkpoint before it refused them: e4m3 weights kept,
+    their scales dropped."""
+    d = variant(base, tmp_path, "fp8", tensors=to_fp8_block, config=set_key("quantization_config", FP8_CONFIG))
+    with monkeypatch.context() as m:
+        m.setattr(convert_mod, "quant_config", lambda *a: None)
+        m.setattr(convert_mod, "describe_quant_tensors", lambda *a: None)
+        m.setattr(convert_mod, "WEIGHT_DTYPES", convert_mod.WEIGHT_DTYPES + (torch.float8_e4m3fn,))
+        out = str(tmp_path / "old-fp8.ftw")
+        convert(str(d), out, progress=False)
+    return out
+
+
+def test_loader_refuses_float8_ftw(base, tmp_path, monkeypatch):
+    out = fp8_ftw_as_before_the_fix(base, tmp_path, monkeypatch)
+    from freetoken.weights.reader import load_ftw
+    with pytest.raises(UnsupportedModelError, match="float8_e4m3fn"):
+        load_ftw(out)
+    code, _, err = ft("generate", out, "--prompt-ids", "1,2", "--max-tokens", "2")
+    assert_one_line_error(code, err, "old-fp8.ftw", "float8_e4m3fn", "BF16")
+
+
+def add_tokens(d, n: int) -> int:
+    """Give the checkpoint's tokenizer n more special tokens; returns the largest id."""
+    from tokenizers import AddedToken, Tokenizer
+    tk = Tokenizer.from_file(str(d / "tokenizer.json"))
+    tk.add_special_tokens([AddedToken(f"<|extra_{i}|>", special=True, normalized=False) for i in range(n)])
+    tk.save(str(d / "tokenizer.json"))
+    return max(tk.get_vocab(with_added_tokens=True).values())
+
+
+def test_tokenizer_larger_than_embedding_is_refused(base, tmp_path):
+    d = tmp_path / "bigtok"
+    shutil.copytree(base, d)
+    top = add_tokens(d, 80)  # 270 ids + 80 > vocab_size 320
+    assert top >= 320
+    code, _, err = ft("convert", str(d), str(tmp_path / "m.ftw"))
+    assert_one_line_error(code, err, str(d), f"up to {top}", "vocab_size is 320", "tokenizer.json")
+    assert not [f for f in os.listdir(tmp_path) if f.startswith("m.ftw")]
+
+
+def test_padded_vocab_is_fine(base):
+    """Real Qwen checkpoints pad vocab_size above the tokenizer: every id still fits."""
+    from freetoken.tokenizer import Tokenizer
+    tk = Tokenizer((base / "tokenizer.json").read_bytes())
+    assert tk.max_id() < 320
+    tk.check_fits(320, "x")
+    with pytest.raises(FreeTokenError, match=f"up to {tk.max_id()}.*vocab_size is {tk.max_id()}"):
+        tk.check_fits(tk.max_id(), "x")
+
+
+def test_engine_refuses_tokenizer_past_the_embedding(base, tmp_path, monkeypatch):
+    """An FTW converted before the check (or by hand): refused at load, in generate and serve,
+    instead of an IndexError per request."""
+    d = tmp_path / "bigtok"
+    shutil.copytree(base, d)
+    top = add_tokens(d, 80)
+    from freetoken.tokenizer import Tokenizer
+    with monkeypatch.context() as m:
+        m.setattr(Tokenizer, "check_fits", lambda *a: None)
+        out = str(tmp_path / "bigtok.ftw")
+        convert(str(d), out, progress=False)
+    from freetoken.runtime.engine import Engine
+    with pytest.raises(FreeTokenError, match=f"up to {top}"):
+        Engine(out)
+    code, _, err = ft("generate", out, "--prompt", "hi", "--max-tokens", "2")
+    assert_one_line_error(code, err, "bigtok.ftw", f"up to {top}", "vocab_size is 320")
+    from server_fixture import free_port
+    code, _, err = ft("serve", out, "--port", str(free_port()))
+    assert_one_line_error(code, err, "bigtok.ftw", f"up to {top}", "vocab_size is 320")
