@@ -14,6 +14,7 @@ request), and TTFT (mean, worst).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import torch
@@ -144,6 +145,7 @@ def main():
         warm.step()
     del warm
     res = {"model": f"Qwen3.6-35B-A3B shape, {a.layers} layers, random BF16" if a.full_size else "demo",
+           "config": {k: v for k, v in dataclasses.asdict(eng.cfg).items() if isinstance(v, (int, float, str, bool, list))},
            "device": str(eng.device), "checkpoint_budget": a.budget, "styles": {}}
     for style in a.styles.split(","):
         res["styles"][style] = {}

@@ -4,11 +4,12 @@ from __future__ import annotations
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 
 import torch
+
+from bench.commit import commit, commit_info  # noqa: F401  (commit: for callers)
 
 
 def machine() -> dict:
@@ -28,28 +29,31 @@ def machine() -> dict:
             m["mem_gb"] = round(int(f.readline().split()[1]) / 1e6, 1)
     except OSError:
         pass
+    try:
+        import triton
+        m["triton"] = triton.__version__
+    except ImportError:
+        pass
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         m.update(gpu=p.name, gpu_mem_gb=round(p.total_memory / 1e9, 1), cuda=torch.version.cuda)
     return m
 
 
-def commit() -> str:
-    if os.environ.get("FT_COMMIT"):  # the device machine's copy of the tree may carry a stale .git
-        return os.environ["FT_COMMIT"]
-    try:
-        rev = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                      stderr=subprocess.DEVNULL).strip()
-        dirty = subprocess.call(["git", "diff", "--quiet", "HEAD"], stderr=subprocess.DEVNULL) != 0
-        return rev + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+def command() -> str:
+    """The command line as typed: `python -m bench.x ...` when run as a module."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    argv = (["-m", spec.name] if spec is not None and spec.name else sys.argv[:1]) + sys.argv[1:]
+    return " ".join([os.path.basename(sys.executable)] + argv)
 
 
 def write_result(name: str, results: dict, out_dir: str | None = None) -> str:
-    doc = {"benchmark": name, "machine": machine(), "commit": commit(),
-           "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+    info = commit_info()  # git here; .devcache/commit on the device machine (bench/commit.py)
+    doc = {"benchmark": name, "machine": machine(), "commit": info["commit"], "commit_source": info["source"],
+           "command": command(),
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "results": results}
+    if info.get("changed"):
+        doc["changed_files"] = info["changed"]  # what "-dirty" means: these differ from the commit
     out_dir = out_dir or os.environ.get("OUT") or "benchmarks/results"
     os.makedirs(out_dir, exist_ok=True)
     tag = "gpu" if torch.cuda.is_available() else "cpu"

@@ -176,7 +176,7 @@ def main():
     dev = torch.device("cuda")
     cfg = dict(QWEN36_35B_A3B, num_hidden_layers=a.layers)
     bw = device_read_bw(dev)
-    res = {"model": "Qwen3.6-35B-A3B shape, random BF16", "layers": a.layers, "batch": 1,
+    res = {"model": "Qwen3.6-35B-A3B shape, random BF16", "config": cfg, "layers": a.layers, "batch": 1,
            "device_read_gbs": round(bw, 1), "runs": []}
     for where in a.experts_on.split(","):
         r = run(cfg, dev, where, a.prompt, a.tokens, graph=where == "gpu", profile=a.profile and where == "gpu")

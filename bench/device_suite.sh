@@ -2,12 +2,18 @@
 # The GPU machine's one-call suite: GPU tests, server (engine loop, then HTTP), agentic replay,
 # full-size decode, CPU executor.
 # Newest work first, so a call cut short by the 10-minute limit still brings back what is new.
-# Run through the device tool from the repo root, carrying .whl (the wheels missing there, made
-# by bench/fetch_device_wheels.sh):  FT_COMMIT=<sha> bash bench/device_suite.sh
+# Before each call, here: bash bench/stamp_commit.sh (writes the git-computed commit label and
+# a fingerprint of the tree to .devcache/commit; the copy of the tree there has no usable .git).
+# Then run through the device tool from the repo root, carrying .devcache and .whl (the wheels
+# missing there, made by bench/fetch_device_wheels.sh):  bash bench/device_suite.sh
+# Every result records the commit from that stamp (bench/commit.py): "-dirty" if the tree
+# differed from HEAD when stamped, "-stale" if it changed after the stamp, "unknown" without
+# one; nothing is typed (FT_COMMIT is gone).
 # Results land in $OUT (JSON + logs); copy them into benchmarks/results/ afterwards.
 # Steps can be skipped to fit the device time left: FT_SKIP_TESTS, FT_SKIP_CPU, FT_SKIP_DECODE,
 # FT_SKIP_AGENTIC (any value); the serve step always runs.
 set -uo pipefail
+[ -f .devcache/commit ] || echo "warning: no .devcache/commit: results will say commit unknown (run bench/stamp_commit.sh here first)"
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"

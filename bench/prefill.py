@@ -68,7 +68,7 @@ def main():
         print({k: v for k, v in row.items() if k in ("prompt_tokens", "wall_s", "tok_s")},
               "gpu_ms" in row.get("gpu", {}) and row["gpu"]["gpu_ms"], flush=True)
     write_result("prefill", {"model": f"Qwen3.6-35B-A3B shape, {a.layers} layers, random BF16, experts in VRAM",
-                             "chunk": chunk, "runs": rows})
+                             "config": dict(QWEN36_35B_A3B, num_hidden_layers=a.layers), "chunk": chunk, "runs": rows})
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import io
 import pstats
 import time
@@ -92,6 +93,7 @@ def main():
         for k in rows[-1].get("gpu_kernels", {}).get("top", [])[:6]:
             print("    gpu:", k)
     write_result("serve_engine_graphs" if a.cuda_graphs else "serve_engine", {"model": "demo", "device": str(eng.device), "experts_on": eng.experts_on,
+                                  "config": {k: v for k, v in dataclasses.asdict(eng.cfg).items() if isinstance(v, (int, float, str, bool, list))},
                                   "context_per_slot": eng.max_len, "cuda_graphs": a.cuda_graphs,
                                   "prompt_tokens": a.prompt_tokens, "steps": a.steps, "levels": rows})
 
