@@ -20,6 +20,7 @@ import time
 import torch
 
 from bench.common import write_result
+from bench.fullsize import full_size_engine
 from freetoken.cache.config import CacheConfig
 from freetoken.demo import demo_path
 from freetoken.runtime.engine import Engine
@@ -104,21 +105,6 @@ def replay(eng, template, policy: str, style: str, args) -> dict:
             "worst_ttft_s": max(r["ttft_s"] for r in rows),
             "prefilled_total": sum(r["prefilled"] for r in rows), "truly_new_total": sum(r["truly_new"] for r in rows),
             "worst_ratio_after_first": max(r["ratio"] for r in later)}
-
-
-def full_size_engine(layers: int, device: str) -> Engine:
-    """A Qwen3.6-35B-A3B-shaped model with random BF16 weights made in place (no FTW file:
-    the GPU machine's disk is smaller than the checkpoint), the demo's real tokenizer."""
-    from bench.decode import QWEN36_35B_A3B, build
-    from freetoken.runtime.engine import EngineConfig
-    dev = torch.device(device)
-    mc, _, _, model = build(dict(QWEN36_35B_A3B, num_hidden_layers=layers), dev, "gpu")
-    demo = Engine(demo_path(), EngineConfig(device="cpu", experts="cpu"))
-    eng = Engine.__new__(Engine)
-    eng.ecfg, eng.device, eng.dtype, eng.experts_on = EngineConfig(device="cpu"), dev, torch.bfloat16, "gpu"
-    eng.cfg, eng.model, eng.max_len = mc, model, 8192
-    eng.tokenizer, eng.eos_ids = demo.tokenizer, demo.eos_ids
-    return eng
 
 
 def main():

@@ -102,6 +102,7 @@ def run(cfg, dev, experts_on, prompt_len, tokens, graph: bool, profile: bool = F
     mc, w, ex, model = build(cfg, dev, experts_on)
     ctx = prompt_len + tokens + 8
     st = DecodeState(mc, 1, ctx, dev, torch.bfloat16)
+    st.reserve(0, ctx)
     prompt = torch.randint(0, mc.vocab_size, (prompt_len,), device=dev)
     model.prefill(prompt, st, 0, 0)  # compile and autotune for these shapes, warm cuBLAS
     st.reset(0)
@@ -113,7 +114,7 @@ def run(cfg, dev, experts_on, prompt_len, tokens, graph: bool, profile: bool = F
     tok = torch.zeros(1, dtype=torch.long, device=dev)
     pos = torch.zeros(1, dtype=torch.long, device=dev)
     tok[0] = logits[-1].argmax()
-    step = lambda: model.decode(tok, st, pos, ctx)  # noqa: E731  fixed attend length: static shapes
+    step = lambda: model.decode(tok, st, pos)  # noqa: E731  static shapes: the length is device data
     out = {"experts_on": experts_on, "prompt_tokens": prompt_len, "decode_tokens": tokens,
            "prefill_s": round(prefill_s, 3), "prefill_tok_s": round(prompt_len / prefill_s, 1),
            "active_gb_per_token": round(active_bytes(mc, w, ctx) / 1e9, 3),

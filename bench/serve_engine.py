@@ -19,6 +19,7 @@ import torch
 
 from bench.common import write_result
 from bench.decode import profile_step
+from bench.fullsize import full_size_engine
 from freetoken.cache.config import CacheConfig
 from freetoken.demo import demo_path
 from freetoken.runtime.engine import Engine, EngineConfig
@@ -76,11 +77,16 @@ def main():
     ap.add_argument("--max-seq-len", type=int, default=0, help="context per slot (0: the model's)")
     ap.add_argument("--no-prefix-cache", action="store_true")
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--cuda-graphs", action="store_true")
+    ap.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly (default: graphs on CUDA)")
+    ap.add_argument("--full-size", action="store_true", help="Qwen3.6-35B-A3B shape, random weights (GPU machine)")
+    ap.add_argument("--layers", type=int, default=40, help="with --full-size")
     a = ap.parse_args()
-    eng = Engine(demo_path(), EngineConfig(device=a.device, max_seq_len=a.max_seq_len))
-    srv = ServingEngine(eng, max_batch=8, max_queue=16, start=False, cache=CacheConfig(enabled=not a.no_prefix_cache),
-                        cuda_graphs=a.cuda_graphs)
+    graphs = not a.no_cuda_graphs
+    if a.full_size:
+        eng = full_size_engine(a.layers, "cuda", max_len=a.max_seq_len or 8192, cuda_graphs=graphs)
+    else:
+        eng = Engine(demo_path(), EngineConfig(device=a.device, max_seq_len=a.max_seq_len, cuda_graphs=graphs))
+    srv = ServingEngine(eng, max_batch=8, max_queue=16, start=False, cache=CacheConfig(enabled=not a.no_prefix_cache))
     vocab = eng.cfg.vocab_size
     level(srv, 1, 4, 32, vocab, False)  # warm-up: kernels compiled, autotuned
     rows = []
@@ -92,9 +98,11 @@ def main():
             print("   ", ln)
         for k in rows[-1].get("gpu_kernels", {}).get("top", [])[:6]:
             print("    gpu:", k)
-    write_result("serve_engine_graphs" if a.cuda_graphs else "serve_engine", {"model": "demo", "device": str(eng.device), "experts_on": eng.experts_on,
-                                  "config": {k: v for k, v in dataclasses.asdict(eng.cfg).items() if isinstance(v, (int, float, str, bool, list))},
-                                  "context_per_slot": eng.max_len, "cuda_graphs": a.cuda_graphs,
+    name = "serve_engine" + ("-full" if a.full_size else "") + ("" if graphs else "-eager")
+    write_result(name, {"model": f"Qwen3.6-35B-A3B shape, {a.layers} layers" if a.full_size else "demo",
+                        "device": str(eng.device), "experts_on": eng.experts_on,
+                        "config": {k: v for k, v in dataclasses.asdict(eng.cfg).items() if isinstance(v, (int, float, str, bool, list))},
+                        "context_per_slot": eng.max_len, "decode_path": srv.describe()["decode_path"],
                                   "prompt_tokens": a.prompt_tokens, "steps": a.steps, "levels": rows})
 
 

@@ -238,10 +238,11 @@ def _serve(args, socks: list[socket.socket]) -> int:
     template = ChatTemplate.from_files(files, load_json(files.get("tokenizer_config.json"), "tokenizer_config.json"))
     name = args.served_model_name or (eng.meta.get("source") if args.model else DEMO_NAME)
     metrics = Metrics()
-    cache = CacheConfig(enabled=not args.no_prefix_cache, page_size=args.page_size, tokens=args.prefix_cache_tokens,
+    cache = CacheConfig(enabled=not args.no_prefix_cache, page_size=args.page_size,
                         checkpoint_budget=args.checkpoint_budget, checkpoint_policy=args.checkpoint_policy)
     serving = ServingEngine(eng, max_batch=args.max_batch, max_queue=args.max_queue, metrics=metrics,
-                            max_new_tokens=args.max_new_tokens, cache=cache, cuda_graphs=args.cuda_graphs)
+                            max_new_tokens=args.max_new_tokens, cache=cache, page_size=args.page_size,
+                            kv_tokens=args.prefix_cache_tokens)
     try:
         ctx = ServerContext(serving, eng.tokenizer, template, [name], eng.cfg.vocab_size, api_key=args.api_key,
                             metrics=metrics)
@@ -320,9 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-new-tokens", type=int, default=0,
                    help="cap on tokens generated per request, whatever the client asks (0: no cap)")
     s.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt in full")
-    s.add_argument("--cuda-graphs", action="store_true",
-                   help="replay decode steps from CUDA graphs (experts on the GPU; experimental: see README)")
-    s.add_argument("--prefix-cache-tokens", type=int, default=0, help="KV page pool size in tokens (0: one context)")
+    s.add_argument("--prefix-cache-tokens", type=int, default=None, dest="prefix_cache_tokens",
+                   help="alias of --kv-cache-tokens (the prefix cache lives in the one KV pool)")
     s.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     s.add_argument("--checkpoint-budget", default="32",
                    help="recurrent-state checkpoints kept: a slot count (32) or a size (2GiB)")

@@ -130,10 +130,16 @@ def test_convert_errors_are_freetoken_errors(tmp_path):
         convert(str(tmp_path / "absent"), str(tmp_path / "o.ftw"), progress=False)
 
 
-def test_state_that_cannot_fit_is_refused(good, monkeypatch):
-    from freetoken.runtime import engine as engine_mod
-    from freetoken.runtime.engine import Engine
+def test_state_that_cannot_fit_is_refused(good):
+    from freetoken.runtime.engine import Engine, EngineConfig
+    from freetoken.runtime.serving import ServingEngine
     eng = Engine(str(good / "m.ftw"))
-    monkeypatch.setattr(engine_mod, "_host_available", lambda: 1000)
+    eng.budget = eng.weight_bytes + 1000  # as if only 1000 bytes were left after the weights
     with pytest.raises(FreeTokenError, match="lower --max-seq-len or --max-batch"):
         eng.new_state(64, slots=8)
+    with pytest.raises(FreeTokenError, match="raise --vram-budget"):
+        ServingEngine(eng, max_batch=8, start=False)
+    with pytest.raises(FreeTokenError, match="more than the budget.*raise --vram-budget"):
+        Engine(str(good / "m.ftw"), EngineConfig(vram_budget="1000"))
+    with pytest.raises(FreeTokenError, match="--vram-budget"):
+        EngineConfig(vram_budget="lots") and Engine(str(good / "m.ftw"), EngineConfig(vram_budget="lots"))

@@ -39,7 +39,7 @@ def teacher_forced(eng, prompt, toks):
     for i, tok in enumerate(toks):
         pos = len(prompt) + i
         steps.append(eng.model.decode(torch.tensor([tok], device=eng.device), st,
-                                      torch.tensor([pos], device=eng.device), pos + 1)[0])
+                                      torch.tensor([pos], device=eng.device))[0])
     return torch.cat([pre, torch.stack(steps)])
 
 

@@ -196,3 +196,29 @@ def test_inactive_rows_keep_their_state():
                       -torch.ones(hv, device=DEV), torch.zeros(hv, device=DEV), rec, torch.ones(dv, device=DEV),
                       1e-6, hk, hv, dk, dv, active)
     assert torch.equal(rec[1], rbefore[1]) and not torch.equal(rec[2], rbefore[2])
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_rows_routed_to_no_expert_add_nothing(grouped):
+    """Batch rows that are not running carry NO_EXPERT: both kernels skip them (zero rows) and
+    the live rows are unchanged; the torch paths and the C++ executor agree."""
+    from freetoken.experts.cpu import CpuExpertExecutor
+    from freetoken.experts.executor import NO_EXPERT, TorchExpertExecutor, reference_experts
+    from freetoken.kernels.moe_decode import moe_decode_triton
+    from freetoken.kernels.moe_grouped import moe_grouped_triton
+    g = torch.Generator().manual_seed(9)
+    n, h, i, t, k = 12, 64, 32, 5, 4
+    gu = (torch.randn(n, 2 * i, h, generator=g) * h ** -0.5).to(DEV)
+    dn = (torch.randn(n, h, i, generator=g) * i ** -0.5).to(DEV)
+    x = torch.randn(t, h, generator=g).to(DEV)
+    ids = torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(t)]).to(DEV)
+    w = torch.softmax(torch.randn(t, k, generator=g), -1).to(DEV)
+    idle = torch.tensor([False, True, False, True, False], device=DEV)
+    routed = ids.masked_fill(idle[:, None], NO_EXPERT)
+    live = reference_experts(x[~idle], ids[~idle], w[~idle], gu, dn)
+    fn = moe_grouped_triton if grouped else moe_decode_triton
+    for got in (fn(x, routed, w, gu, dn), TorchExpertExecutor(gu, dn)._static(x, routed, w),
+                reference_experts(x, routed, w, gu, dn),
+                CpuExpertExecutor(gu.cpu(), dn.cpu()).kernel(x.cpu(), routed.cpu(), w.cpu()).to(DEV)):
+        assert float(got[idle].abs().max()) == 0.0
+        assert rel(got[~idle], live) < 1e-5

@@ -39,8 +39,9 @@ class Conv:
         return ids + [self.s["<|im_end|>"]] + self.tk.encode("\n")
 
 
-def serve(eng, cache, slots=2):
-    return ServingEngine(eng, max_batch=slots, max_queue=8, cache=cache, record_logits=True, start=False)
+def serve(eng, cache, slots=2, kv_tokens=None):
+    return ServingEngine(eng, max_batch=slots, max_queue=8, cache=cache, record_logits=True, start=False,
+                         kv_tokens=kv_tokens)
 
 
 def run(srv, prompt, max_tokens=3):
@@ -142,7 +143,9 @@ def test_decode_checkpoints_serve_the_next_turn(engines):
 def test_memory_pressure_stays_exact(engines):
     eng = engines["hybrid"]
     c = Conv(eng)
-    srv = serve(eng, CacheConfig(page_size=4, tokens=48, checkpoint_budget="2"))
+    longest = max(len(r) for _, a, b, _ in sessions(c) for r in (a, b)) + 3
+    # one pool for running requests and the cache: room for the longest request and 48 tokens more
+    srv = serve(eng, CacheConfig(page_size=4, checkpoint_budget="2"), kv_tokens=longest + 48)
     cold = serve(eng, CacheConfig(enabled=False))
     for name, first, second, _ in sessions(c):
         run(srv, first)

@@ -18,18 +18,18 @@ def test_scheduler_imports_no_torch():
 
 
 def test_admission_chunking_and_decode():
-    s = Scheduler(slots=2, max_queue=1, chunk=4)
+    s = Scheduler(slots=2, max_queue=1, chunk=4, step_tokens=4, order="arrival")
     a, b, c = req(10), req(3), req(5)
     for r in (a, b, c):
         s.add(r)
     batch = s.schedule()
     assert (a.slot, b.slot, c.slot) == (0, 1, None)
-    assert [(r.id, st, en) for r, st, en in batch.prefill] == [(a.id, 0, 4)]  # one chunk per step
-    a.prefilled = 4
+    assert [(r.id, st, en) for r, st, en in batch.prefill] == [(a.id, 0, 4)]  # the step's budget: 4 tokens
+    a.computed = 4
     batch = s.schedule()
     assert [(r.id, st, en) for r, st, en in batch.prefill] == [(a.id, 4, 8)]
-    a.prefilled = 10  # pretend the rest went through
-    b.prefilled = 3
+    a.computed = 10  # pretend the rest went through
+    b.computed = 3
     b.output_ids.append(7)
     batch = s.schedule()
     assert b in batch.decode and a in batch.decode
@@ -64,3 +64,36 @@ def test_cancelled_requests_leave():
     assert batch.cancelled == [a]
     s.finish(a)
     assert s.free == [0] and not s.busy
+
+
+def test_token_budget_spans_requests_shortest_first():
+    s = Scheduler(slots=3, max_queue=4, chunk=8, step_tokens=12)
+    long, short, mid = req(30), req(3), req(6)
+    for r in (long, short, mid):
+        s.add(r)
+    batch = s.schedule()
+    # decode rows: none yet; prompts shortest-remaining first, each at most one chunk, 12 tokens in all
+    assert [(r.id, st, en) for r, st, en in batch.prefill] == [(short.id, 0, 3), (mid.id, 0, 6), (long.id, 0, 3)]
+    short.computed, mid.computed, long.computed = 3, 6, 3
+    short.output_ids.append(1)
+    mid.output_ids.append(1)
+    batch = s.schedule()
+    assert batch.decode == [short, mid]  # two decode rows take two tokens of the budget
+    assert [(r.id, st, en) for r, st, en in batch.prefill] == [(long.id, 3, 11)]
+    batch = s.schedule(prefill_budget=2)  # the runtime keeps decoders' latency bounded
+    assert [(r.id, st, en) for r, st, en in batch.prefill] == [(long.id, 3, 5)]
+
+
+def test_preempted_request_goes_first_and_recomputes_its_tokens():
+    s = Scheduler(slots=1, max_queue=4, chunk=64)
+    a, b = req(10), req(5)
+    s.add(a)
+    s.add(b)
+    s.schedule()
+    a.computed = 10
+    a.output_ids += [5, 6]
+    a.computed, a.prefill_end = 0, a.length  # what the runtime does when it preempts
+    s.preempt(a)
+    assert a.slot is None and s.waiting[0] is a and s.free == [0]
+    batch = s.schedule()
+    assert a.slot == 0 and [(r.id, st, en) for r, st, en in batch.prefill] == [(a.id, 0, 12)]

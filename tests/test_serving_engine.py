@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import hf_models
-from freetoken.errors import FreeTokenError
 from freetoken.runtime.engine import Engine, EngineConfig
 from freetoken.runtime.request import Request, SamplingOptions
 from freetoken.runtime.sampler import SamplingParams, greedy_rows, sample
@@ -106,25 +105,29 @@ def test_seeded_requests_are_reproducible_with_a_running_engine_thread(eng):
 
 
 def test_failing_prefill_fails_only_its_request(eng):
+    """The faulty prompt shares a varlen forward with another: both start over alone, and
+    only the faulty one fails."""
     ps = prompts(eng, (30, 50, 9), seed=3)
     ref = drive(ServingEngine(eng, max_batch=3, max_queue=4, start=False), [greedy(p) for p in ps])
     srv = ServingEngine(eng, max_batch=3, max_queue=4, start=False)
-    real = eng.prefill
-    bad = ps[1]
+    real, bad, calls = eng.prefill_batch, ps[1], []
 
-    def prefill(ids, *a, **k):
-        if ids[:5] == bad[:5] or ids == bad[32:]:  # any chunk of the faulty prompt
+    def prefill_batch(st, segs):
+        calls.append(len(segs))
+        if any(toks[:5] == bad[:5] or toks == bad[-len(toks):] for toks, *_ in segs):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
-        return real(ids, *a, **k)
-    eng.prefill = prefill
+        return real(st, segs)
+    eng.prefill_batch = prefill_batch
     try:
         reqs = drive(srv, [greedy(p) for p in ps], arrive=[0, 1, 1])
     finally:
-        del eng.prefill
-    assert reqs[1].finish_reason == "error" and reqs[1].output_ids == []
+        del eng.prefill_batch
+    assert max(calls) >= 2  # the faulty prompt was in a shared forward first
+    assert reqs[1].finish_reason == "error" and reqs[1].output_ids == [] and "out of memory" in reqs[1].error
     for i in (0, 2):
         assert reqs[i].finish_reason == "length" and reqs[i].output_ids == ref[i].output_ids
     assert not srv.sched.running and len(srv.sched.free) == 3  # every slot came back
+    assert srv.state.pages.used == 0  # and every page
 
 
 def test_failing_decode_step_spares_prefilling_requests(eng):
@@ -169,6 +172,8 @@ def test_shutdown_ends_requests_in_flight_with_an_error(eng):
         assert ev.finish_reason == "error" and "shutting down" in ev.error
 
 
-def test_cuda_graphs_flag_is_not_dropped_silently(eng):
-    with pytest.raises(FreeTokenError, match="--cuda-graphs needs a CUDA device"):
-        ServingEngine(eng, max_batch=1, max_queue=1, start=False, cuda_graphs=True)
+def test_decode_path_says_why_it_is_eager(eng):
+    srv = ServingEngine(eng, max_batch=1, max_queue=1, start=False)
+    d = srv.describe()
+    assert d["decode_path"] == "eager" and d["eager_reason"] == "no CUDA device"
+    assert d["expert_backend"] in ("cpp", "torch-fallback") and d["memory_plan"]["kv_pages"] >= 2

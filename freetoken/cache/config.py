@@ -14,7 +14,6 @@ _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 1024, "m": 1e6, "mb": 1e6, 
 class CacheConfig:
     enabled: bool = True
     page_size: int = 16  # tokens per KV page (match granularity)
-    tokens: int = 0  # KV pool size in tokens (0: one full context)
     checkpoint_budget: str = "32"  # checkpoint slots ("32") or bytes ("2GiB")
     checkpoint_policy: str = "anchors"  # anchors | interval:N | none
     min_gap: int = 64  # anchors closer than this to an earlier one are not checkpointed
@@ -35,18 +34,13 @@ class CacheConfig:
             return n
         return int(n // max(bytes_per_checkpoint, 1))
 
-    def build(self, engine, st):
+    def build(self, engine, st, checkpoint_slots: int):
+        """The prefix cache over `st`'s page pool, with checkpoint slots the memory plan sized."""
         from .anchors import CheckpointPolicy, anchor_ids, turn_open_ids
         from .prefix import PrefixCache
-        pages = max(1, (self.tokens or engine.max_len) // self.page_size)
-        slots = self.checkpoint_slots(PrefixCache.checkpoint_bytes(st))
-        page_bytes = sum(2 * t[0, :, :1].numel() * t.element_size() for t in st.k.values()) * self.page_size
-        ckpt = PrefixCache.checkpoint_bytes(st)
-        engine.check_memory(pages * page_bytes + (slots * ckpt if st.conv else 0),
-                            f"the prefix cache ({pages * self.page_size} tokens of KV, {slots} checkpoints)")
         tid = engine.tokenizer.token_id
         policy = CheckpointPolicy(self.checkpoint_policy, anchor_ids(tid), turn_open_ids(tid), self.min_gap)
-        return PrefixCache(engine.cfg, st, self.page_size, pages, slots, policy)
+        return PrefixCache(engine.cfg, st, checkpoint_slots, policy)
 
 
 def parse_budget(text: str) -> tuple[str, int]:

@@ -1,13 +1,13 @@
-"""PrefixCache: the tensors behind the radix tree and the checkpoint store.
+"""PrefixCache: the radix tree over the one paged KV pool, and the checkpoint store.
 
-Design (copy-in): each running request decodes in its own contiguous slot of the decode
-state, as before; cached prefixes live in a shared pool of KV pages
-([pages, kv_heads, page_size, head_dim] per attention layer) and a pool of DeltaNet state
-checkpoints. A new request restores the deepest position where both survive: the KV pages are
-copied into its slot (a device copy, far cheaper than recomputing them) and the recurrent
-state is copied from the checkpoint taken at exactly that token boundary; only the rest is
-prefilled. A finished request's KV goes into the pool page by page. Sliding-window layers can
-join by keeping only their last window of pages.
+Design (shared in place): cached prefixes are pages of the same KV pool running requests use;
+the radix tree owns them. A new request restores the deepest position where both the KV
+prefix and (for hybrid models) a recurrent-state checkpoint survive: its block table starts
+with the tree's pages, used where they lie (no copy, no second pool), and a partly used last
+page is copied before the request writes into it (copy on write). Only the rest is prefilled.
+When a request ends, its pages are handed to the tree (those holding tokens the tree already
+has are freed). Checkpoints of the DeltaNet state live in their own pool, with their own
+budget and LRU. Sliding-window layers can join by keeping only their last window of pages.
 """
 from __future__ import annotations
 
@@ -19,57 +19,59 @@ from .radix import RadixCache
 
 
 class PrefixCache:
-    def __init__(self, cfg, st: DecodeState, page_size: int, kv_pages: int, checkpoint_slots: int,
-                 policy: CheckpointPolicy):
-        self.cfg, self.page = cfg, page_size
-        self.radix = RadixCache(page_size)
-        self.free_pages = list(range(kv_pages))
+    def __init__(self, cfg, st: DecodeState, checkpoint_slots: int, policy: CheckpointPolicy):
+        self.cfg, self.st, self.page = cfg, st, st.page_size
+        self.radix = RadixCache(self.page)
         self.policy = policy
         self.hybrid = bool(cfg.linear_layers)
-        shape = (kv_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
-        self.k = {l: torch.zeros(shape, dtype=t.dtype, device=t.device) for l, t in st.k.items()}
-        self.v = {l: torch.zeros(shape, dtype=t.dtype, device=t.device) for l, t in st.v.items()}
         slots = checkpoint_slots if self.hybrid else 0
         self.ckpt = CheckpointStore(slots)
         self.conv = {l: torch.zeros((slots, *t.shape[1:]), dtype=t.dtype, device=t.device) for l, t in st.conv.items()}
         self.rec = {l: torch.zeros((slots, *t.shape[1:]), dtype=t.dtype, device=t.device) for l, t in st.rec.items()}
         self.kv_evicted_pages = 0
 
-    # ---- bytes, for the log and the budget flags ----------------------------------------
     @staticmethod
     def checkpoint_bytes(st: DecodeState) -> int:
         """Bytes of one recurrent-state checkpoint (every linear-attention layer)."""
         return sum(t[0].numel() * t.element_size() for t in [*st.conv.values(), *st.rec.values()])
 
+    # ---- pages --------------------------------------------------------------------------
+    def evict(self, n_pages: int) -> int:
+        """Give back up to n_pages cached pages no running request uses (LRU); returns how many."""
+        freed = self.radix.evict(n_pages)
+        self.kv_evicted_pages += len(freed)
+        self.st.pages.release(freed)
+        return len(freed)
+
     # ---- restore ------------------------------------------------------------------------
-    def restore(self, req, st: DecodeState) -> int:
-        """Before a request's first prefill: copy in the deepest reusable prefix of its prompt.
-        Returns the number of prompt tokens that need no prefill."""
-        toks = req.prompt_ids
+    def restore(self, req, alloc) -> int:
+        """Before a request's first prefill: point its block table at the deepest reusable
+        prefix of its tokens and restore the recurrent state there. Returns the number of
+        tokens that need no prefill. alloc(n) -> n fresh pages (for the copy-on-write page)."""
+        toks = req.tokens(0, req.prefill_end)
         limit = len(toks) - 1  # at least one token is prefilled: its logits start decoding
-        n, pages, node = self.radix.match(toks[:limit], partial=True)
-        self.radix.lock(node)
-        req.cache_node = node
-        if self.hybrid:
-            p, slot = self.ckpt.lookup(toks, n)
-        else:
-            p, slot = n, None
+        n, pages, _ = self.radix.match(toks[:limit], partial=True)
+        p, slot = self.ckpt.lookup(toks, n) if self.hybrid else (n, None)
+        full = p // self.page
+        # hold the whole pages the request reads in place (only those: the rest stays evictable)
+        req.cache_node = self.radix.match(toks[:full * self.page])[2]
+        self.radix.lock(req.cache_node)
         if p == 0:
             return 0
-        used = -(-p // self.page)
-        for l in self.k:
-            idx = torch.tensor(pages[:used], device=self.k[l].device)
-            for pool, dst in ((self.k[l], st.k[l]), (self.v[l], st.v[l])):
-                blk = pool[idx].permute(1, 0, 2, 3).reshape(pool.shape[1], used * self.page, pool.shape[3])
-                dst[req.slot, :, :used * self.page] = blk  # positions >= p are overwritten by prefill
+        req.pages, req.shared_pages = pages[:full], full
+        if p % self.page:  # the request writes into this page from position p on: copy it first
+            own = alloc(1)
+            self.st.copy_page(pages[full], own[0])
+            req.pages = req.pages + own
+        self.st.set_pages(req.slot, req.pages)
         if slot is not None:
             for l in self.conv:
-                st.conv[l][req.slot].copy_(self.conv[l][slot])
-                st.rec[l][req.slot].copy_(self.rec[l][slot])
+                self.st.conv[l][req.slot].copy_(self.conv[l][slot])
+                self.st.rec[l][req.slot].copy_(self.rec[l][slot])
         return p
 
     # ---- checkpoints --------------------------------------------------------------------
-    def positions(self, seq: list[int], start: int, end: int) -> list[int]:
+    def positions(self, seq, start: int, end: int) -> list[int]:
         return self.policy.positions(seq, start, end) if self.hybrid and self.ckpt.capacity else []
 
     def capture(self, prompt: list[int], cuts: list[int]) -> "StateCapture | None":
@@ -82,59 +84,35 @@ class PrefixCache:
                 where[s] = c  # a later reservation that evicted an earlier one of these takes its slot
         return StateCapture(self, prompt, {c: s for s, c in where.items()}) if where else None
 
-    def save(self, prefix: list[int], st: DecodeState, slot: int) -> None:
+    def save(self, prefix: list[int], slot: int) -> None:
         """Checkpoint the recurrent state of `slot`, which has consumed exactly `prefix`."""
         s = self.ckpt.reserve(prefix)
         if s is None:
             return
         for l in self.conv:
-            self.conv[l][s].copy_(st.conv[l][slot])
-            self.rec[l][s].copy_(st.rec[l][slot])
+            self.conv[l][s].copy_(self.st.conv[l][slot])
+            self.rec[l][s].copy_(self.st.rec[l][slot])
 
     # ---- finish -------------------------------------------------------------------------
-    def release(self, req, st: DecodeState | None, in_state: list[int] | None) -> None:
-        """A request ends: cache the KV of `in_state` (tokens whose K/V its slot holds), then
-        drop its hold on the prefix it reused. st None: the state is not trustworthy."""
-        node = getattr(req, "cache_node", None)
+    def release(self, req, in_state: list[int] | None) -> None:
+        """A request ends: hand the pages holding `in_state` (tokens whose K/V it computed)
+        to the tree, free the rest of its own pages, drop its hold on the prefix it reused.
+        in_state None: its state is not trustworthy, cache nothing."""
+        own = set(req.pages[req.shared_pages:])
         try:
-            if st is not None and in_state and self.k:
-                self._insert(req.slot, st, in_state)
+            if in_state:
+                used = req.pages[:-(-len(in_state) // self.page)]
+                _, dup = self.radix.insert(in_state, used)
+                own -= set(used) - set(dup)  # now the tree's
+            self.st.pages.release(own)
         finally:
-            if node is not None:
-                self.radix.unlock(node)
+            req.pages, req.shared_pages = [], 0
+            if req.cache_node is not None:
+                self.radix.unlock(req.cache_node)
                 req.cache_node = None
 
-    def _insert(self, slot: int, st: DecodeState, toks: list[int]) -> None:
-        p = self.page
-        matched, pages, node = self.radix.match(toks)  # whole pages already cached
-        need = -(-(len(toks) - matched) // p)  # the last page may be partly filled
-        if need == 0:
-            return
-        self.radix.lock(node)  # keep the matched path while evicting for room
-        try:
-            if len(self.free_pages) < need:
-                freed = self.radix.evict(need - len(self.free_pages))
-                self.kv_evicted_pages += len(freed)
-                self.free_pages += freed
-            take = min(need, len(self.free_pages))
-            new = [self.free_pages.pop() for _ in range(take)]
-        finally:
-            self.radix.unlock(node)
-        if not new:
-            return
-        end = min(len(toks), matched + take * p)
-        idx = torch.tensor(new, device=next(iter(self.k.values())).device)
-        for l in self.k:
-            for pool, src in ((self.k[l], st.k[l]), (self.v[l], st.v[l])):
-                blk = src[slot, :, matched:matched + take * p]  # [kvh, <= take*P, hd]
-                if blk.shape[1] < take * p:  # at the very end of the context
-                    blk = torch.nn.functional.pad(blk, (0, 0, 0, take * p - blk.shape[1]))
-                pool[idx] = blk.reshape(blk.shape[0], take, p, blk.shape[2]).permute(1, 0, 2, 3)
-        _, dup = self.radix.insert(toks[:end], pages + new)
-        self.free_pages += [d for d in dup if d in new]  # a tail that was already cached
-
     def stats(self) -> dict:
-        return {"kv_pages_cached": self.radix.cached_pages, "kv_pages_free": len(self.free_pages),
+        return {"kv_pages_cached": self.radix.cached_pages, "kv_pages_free": self.st.pages.free,
                 "kv_pages_evicted": self.kv_evicted_pages, "checkpoints": len(self.ckpt),
                 "checkpoint_hits": self.ckpt.hits, "checkpoint_evictions": self.ckpt.evictions}
 

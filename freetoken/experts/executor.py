@@ -5,30 +5,69 @@ the executor returns the gate-weighted sum of the selected experts' outputs. Ban
     gate_up: [N, 2I, H]  rows [0, I) are the gate projection, [I, 2I) the up projection
     down:    [N, H, I]
 with N = moe_layers * E, shared by every executor whatever the physical format.
+
+The call is split in two phases so that the MoE layer can compute its shared expert while the
+routed experts run elsewhere (the CPU pool, later a PCIe fill): `launch` starts the work and
+returns a handle, `finish` waits for it and returns the sum. Rows that are not running (idle
+or mid-prefill batch slots) carry the id NO_EXPERT: every kernel and the C++ executor skip
+those pairs, so they neither cost expert reads nor touch any cache state, and their output
+rows are zero. Partial results are merged in one fixed order (the executor's output, then the
+shared expert) whatever the placement.
 """
 from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from ..kernels import use_triton
 
+NO_EXPERT = -1  # routed id of a pair that runs nowhere (a batch row that is not running)
+
+
+@dataclass
+class Pending:
+    """An expert call in flight: the result tensor, or a future that yields it."""
+    out: torch.Tensor | None = None
+    future: Future | None = None
+
 
 class ExpertExecutor:
-    """Interface. __call__(x [T, H], ids [T, k] int, weights [T, k]) -> [T, H] in x's dtype."""
+    """Interface. launch(x [T, H], ids [T, k] int, weights [T, k], layer, phase) -> Pending;
+    finish(Pending) -> [T, H] in x's dtype and device."""
 
     name = "abstract"
     backend = "abstract"  # what computes the experts, as reported in /health and /metrics
+    capturable = False  # launch + finish may be recorded into a CUDA graph
+    needs_pinned_staging = False  # inputs and outputs cross the PCIe link each call
 
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def launch(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, layer: int = 0,
+               phase: str = "decode") -> Pending:
+        """phase: "decode" (one token per running row) or "prefill" (a chunk of prompt tokens)."""
+        return Pending(out=self.run(x, ids, weights, phase))
+
+    def finish(self, pending: Pending) -> torch.Tensor:
+        return pending.out if pending.future is None else pending.future.result()
+
+    def run(self, x, ids, weights, phase: str) -> torch.Tensor:
         raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, phase: str = "decode"):
+        return self.finish(self.launch(x, ids, weights, phase=phase))
+
+    def stats(self) -> dict:
+        """Counters for /metrics (calls, routed pairs, skipped pairs)."""
+        return {}
 
 
 def reference_experts(x, ids, weights, gate_up, down):
     """Pure-torch reference: loop over the distinct selected experts (as transformers does).
 
     Data-dependent (host sync per call); used for tests and as the large-batch CPU path.
-    Computes in x's dtype; accumulates into a buffer of x's dtype in expert order.
+    Computes in x's dtype; accumulates into a buffer of x's dtype in expert order. Pairs with
+    the id NO_EXPERT are skipped.
     """
     out = torch.zeros_like(x)
     inter = gate_up.shape[1] // 2
@@ -39,6 +78,8 @@ def reference_experts(x, ids, weights, gate_up, down):
     pairs = order.split(counts.tolist())
     k = ids.shape[1]
     for e, pair in zip(uniq.tolist(), pairs):
+        if e < 0:
+            continue
         tok = pair // k
         xs = x[tok]  # [n, H]
         gu = F.linear(xs, gate_up[e].to(x.dtype))  # [n, 2I]
@@ -52,17 +93,15 @@ def reference_experts(x, ids, weights, gate_up, down):
 class TorchExpertExecutor(ExpertExecutor):
     """All experts resident on one device (CPU host banks, or the full-VRAM GPU baseline).
 
-    Small batches (decode) take a static-shape path with no host sync, CUDA-graph safe: on
-    CUDA the fused Triton GEMV that reads experts in place (kernels/moe_decode.py), else a
-    gather + batched GEMV. Large batches (prefill chunks) group tokens by expert: on CUDA one
-    padded batched GEMM over the experts present, on the CPU a loop over them.
+    Decode takes a static-shape path with no host sync, CUDA-graph safe: on CUDA the fused
+    Triton GEMV that reads experts in place (kernels/moe_decode.py), else a gather + batched
+    GEMV; a large decode batch goes to the grouped kernel, which is static-shape too. Prefill
+    chunks group tokens by expert: on CUDA the grouped Triton GEMM, on the CPU a loop over the
+    experts present. Synchronous: launch computes, finish returns it.
     """
 
     name = "torch"
-
-    @property
-    def backend(self) -> str:
-        return "gpu-resident" if self.device.type == "cuda" else "torch"
+    capturable = True
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, static_max_pairs: int = 64,
                  layer_experts: int | None = None):
@@ -71,18 +110,22 @@ class TorchExpertExecutor(ExpertExecutor):
         self.layer_experts = layer_experts  # experts one call can route to (bounds the tile grid)
         self.device = gate_up.device
 
-    def __call__(self, x, ids, weights):
+    @property
+    def backend(self) -> str:
+        return "gpu-resident" if self.device.type == "cuda" else "torch"
+
+    def run(self, x, ids, weights, phase):
         src = x.device
         x, ids, weights = (t.to(self.device) for t in (x, ids, weights))
-        if ids.numel() <= self.static_max_pairs:
-            if use_triton(x):
+        if use_triton(x):
+            if phase == "decode" and ids.numel() <= self.static_max_pairs:
                 from ..kernels.moe_decode import moe_decode_triton
                 out = moe_decode_triton(x, ids, weights, self.gate_up, self.down)
             else:
-                out = self._static(x, ids, weights)
-        elif use_triton(x):
-            from ..kernels.moe_grouped import moe_grouped_triton
-            out = moe_grouped_triton(x, ids, weights, self.gate_up, self.down, self.layer_experts)
+                from ..kernels.moe_grouped import moe_grouped_triton
+                out = moe_grouped_triton(x, ids, weights, self.gate_up, self.down, self.layer_experts)
+        elif phase == "decode" and ids.numel() <= self.static_max_pairs:
+            out = self._static(x, ids, weights)
         elif x.is_cuda:
             out = self._grouped(x, ids, weights)
         else:
@@ -102,10 +145,11 @@ class TorchExpertExecutor(ExpertExecutor):
         rank = torch.arange(flat.numel(), device=x.device) - starts[slot_of[order]]
         xs = torch.zeros(experts.numel(), width, x.shape[1], dtype=x.dtype, device=x.device)
         xs[slot_of[order], rank] = x[order // k]  # [G, W, H]
-        gu = torch.bmm(xs, self.gate_up[experts].transpose(1, 2).to(x.dtype))  # [G, W, 2I]
+        gu = torch.bmm(xs, self.gate_up[experts.clamp(min=0)].transpose(1, 2).to(x.dtype))  # [G, W, 2I]
         h = F.silu(gu[..., :inter]) * gu[..., inter:]
-        y = torch.bmm(h, self.down[experts].transpose(1, 2).to(x.dtype))  # [G, W, H]
-        y = y[slot_of[order], rank] * weights.reshape(-1)[order, None].to(x.dtype)  # [P, H]
+        y = torch.bmm(h, self.down[experts.clamp(min=0)].transpose(1, 2).to(x.dtype))  # [G, W, H]
+        keep = (flat[order] >= 0).to(x.dtype)[:, None]  # NO_EXPERT pairs add nothing
+        y = y[slot_of[order], rank] * weights.reshape(-1)[order, None].to(x.dtype) * keep  # [P, H]
         out = torch.zeros_like(x)
         return out.index_add_(0, order // k, y)
 
@@ -113,9 +157,23 @@ class TorchExpertExecutor(ExpertExecutor):
         t, k = ids.shape
         inter = self.gate_up.shape[1] // 2
         flat = ids.reshape(-1)
+        keep = (flat >= 0).to(x.dtype)[:, None]  # [T*k, 1]: NO_EXPERT pairs add nothing
+        flat = flat.clamp(min=0)
         xs = x.repeat_interleave(k, dim=0)[:, :, None]  # [T*k, H, 1]
         gu = torch.bmm(self.gate_up[flat].to(x.dtype), xs)[..., 0]  # [T*k, 2I]
         h = F.silu(gu[:, :inter]) * gu[:, inter:]
         y = torch.bmm(self.down[flat].to(x.dtype), h[:, :, None])[..., 0]  # [T*k, H]
-        y = y * weights.reshape(-1, 1).to(x.dtype)
+        y = y * weights.reshape(-1, 1).to(x.dtype) * keep
         return y.view(t, k, -1).sum(1)
+
+
+class BackgroundLaunch:
+    """Runs an executor's synchronous `run` on one worker thread, so `launch` returns at once
+    and the caller computes (the shared expert, the GPU path) while it works. For executors
+    whose kernel releases the GIL (the C++ pool)."""
+
+    def __init__(self):
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="ft-experts")
+
+    def submit(self, fn, *args) -> Pending:
+        return Pending(future=self._worker.submit(fn, *args))

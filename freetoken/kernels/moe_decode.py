@@ -2,7 +2,8 @@
 
   gate_up_act:  grid (pair, block of intermediate rows): h = silu(x Wg^T) * (x Wu^T)
   down:         grid (pair, block of hidden rows):        y = (h Wd^T) * gate weight
-then the k pairs of each token are summed (in slot order, deterministic). Reference:
+then the k pairs of each token are summed (in slot order, deterministic). Pairs routed to
+NO_EXPERT (-1, rows that are not running) read no weights and add zero. Reference:
 experts.executor.TorchExpertExecutor._static, with the same roundings to the activation dtype.
 """
 from __future__ import annotations
@@ -31,11 +32,12 @@ def _gate_up_act_kernel(x_ptr, ids_ptr, gu_ptr, h_ptr, H, I, K,
     rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     rm = rows < I
     e = tl.load(ids_ptr + p).to(tl.int64)
+    live = e >= 0  # NO_EXPERT (-1): a batch row that is not running reads no weights
     tok = p // K
-    base = gu_ptr + e * (2 * I) * H
+    base = gu_ptr + tl.maximum(e, 0) * (2 * I) * H
     acc_g = tl.zeros([BLOCK_I], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_I], dtype=tl.float32)
-    for h0 in range(0, H, BLOCK_H):
+    for h0 in range(0, tl.where(live, H, 0), BLOCK_H):
         cols = h0 + tl.arange(0, BLOCK_H)
         cm = cols < H
         x = tl.load(x_ptr + tok * H + cols, mask=cm, other=0.0).to(tl.float32)
@@ -58,15 +60,16 @@ def _down_kernel(h_ptr, ids_ptr, w_ptr, dn_ptr, y_ptr, H, I,
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = rows < H
     e = tl.load(ids_ptr + p).to(tl.int64)
-    base = dn_ptr + e * H * I
+    live = e >= 0  # NO_EXPERT: no weights read, the pair's row is zero
+    base = dn_ptr + tl.maximum(e, 0) * H * I
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for i0 in range(0, I, BLOCK_I):
+    for i0 in range(0, tl.where(live, I, 0), BLOCK_I):
         cols = i0 + tl.arange(0, BLOCK_I)
         cm = cols < I
         hv = tl.load(h_ptr + p * I + cols, mask=cm, other=0.0).to(tl.float32)
         wd = tl.load(base + rows[:, None] * I + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0)
         acc += tl.sum(wd.to(tl.float32) * hv[None, :], axis=1)
-    gate = tl.load(w_ptr + p).to(tl.float32)
+    gate = tl.where(live, tl.load(w_ptr + p).to(tl.float32), 0.0)
     y = (acc.to(DTYPE).to(tl.float32) * gate).to(DTYPE)
     tl.store(y_ptr + p * H + rows, y, mask=rm)
 

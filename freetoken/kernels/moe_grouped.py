@@ -102,16 +102,17 @@ def tile_pairs(ids: torch.Tensor, weights: torch.Tensor, n_experts: int, block_m
     present adds at most one partly filled tile, and at most max_experts are present."""
     t, k = ids.shape
     pairs = t * k
-    flat = ids.reshape(-1)
+    # NO_EXPERT pairs (-1, rows that are not running) go to a last bucket whose tiles run nowhere
+    flat = torch.where(ids.reshape(-1) < 0, n_experts, ids.reshape(-1))
     order = torch.argsort(flat, stable=True)  # [P] pairs grouped by expert
-    # [N] pairs per expert (scatter_add, not bincount: bincount reads the max id back to the host)
-    counts = torch.zeros(n_experts, dtype=torch.long, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+    # [N + 1] pairs per expert (scatter_add, not bincount: bincount reads the max id back to the host)
+    counts = torch.zeros(n_experts + 1, dtype=torch.long, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
     tiles = (counts + block_m - 1) // block_m  # [N]
     tile_end = torch.cumsum(tiles, 0)  # [N]
     pair_start = torch.cumsum(counts, 0) - counts  # [N]
     e_sorted = flat[order]
     slot = (tile_end - tiles)[e_sorted] * block_m + torch.arange(pairs, device=ids.device) - pair_start[e_sorted]
-    n_tiles = -(-pairs // block_m) + min(pairs, max_experts)
+    n_tiles = -(-pairs // block_m) + min(pairs, max_experts + 1)
     tok = torch.full((n_tiles * block_m,), -1, dtype=torch.int32, device=ids.device)
     tok[slot] = (order // k).to(torch.int32)
     dest = torch.zeros(n_tiles * block_m, dtype=torch.int32, device=ids.device)
@@ -136,7 +137,7 @@ def moe_grouped_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     slots = tok.numel()
     x = x.contiguous()
     h = torch.empty(slots, n_i, dtype=x.dtype, device=x.device)
-    y = torch.empty(t * k, n_h, dtype=x.dtype, device=x.device)  # every pair's row is written once
+    y = torch.zeros(t * k, n_h, dtype=x.dtype, device=x.device)  # each live pair's row is written once
     dt, ieee = tl_dtype(x.dtype), x.dtype == torch.float32 or INTERPRET
     n_tiles = tile_expert.numel()
     _grouped_gate_up_kernel[lambda m: (n_tiles, triton.cdiv(n_i, m["BLOCK_N"]))](

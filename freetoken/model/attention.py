@@ -1,10 +1,11 @@
-"""Full (softmax) attention with a preallocated KV cache; optional output gate (Qwen3.5)."""
+"""Full (softmax) attention over the paged KV pool; optional output gate (Qwen3.5)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from ..cache.pages import SCRATCH
 from .layers import FusedLinear, Rope, rms_norm
 from .state import DecodeState
 
@@ -39,41 +40,39 @@ class Attention:
             o = o * torch.sigmoid(gate)
         return F.linear(o, self.wo, self.bo)
 
-    def _mask(self, q_pos: torch.Tensor, length: int) -> torch.Tensor:
-        """Boolean [.., Tq, length] mask: key j visible to a query at position p."""
-        j = torch.arange(length, device=q_pos.device)
-        m = j <= q_pos[..., None]
-        if self.window:
-            m &= j > q_pos[..., None] - self.window
-        return m
-
     def prefill(self, x: torch.Tensor, st: DecodeState, slot: int, start: int, capture=None) -> torch.Tensor:
-        """One chunk of one sequence. x: [T, H] at positions start..start+T-1. (capture is for
-        recurrent layers: the prefix cache keeps K/V as pages, not checkpoints.)"""
+        """One chunk of one sequence. x: [T, H] at positions start..start+T-1, whose pages are
+        already in the slot's block table. (capture is for recurrent layers: the prefix cache
+        keeps K/V as pages, not checkpoints.)"""
+        from ..kernels.paged_attention import paged_prefill_attention, write_kv
         t = x.shape[0]
         pos = torch.arange(start, start + t, device=x.device)
         q, k, v, gate = self._project(x, pos)
-        kc, vc = st.k[self.layer][slot], st.v[self.layer][slot]  # [kvh, max_len, hd]
-        kc[:, start:start + t] = k.transpose(0, 1)
-        vc[:, start:start + t] = v.transpose(0, 1)
-        end = start + t
-        mask = self._mask(pos, end) if self.window else None
-        o = prefill_attention(q.transpose(0, 1), kc[:, :end], vc[:, :end], mask, self.hd ** -0.5)  # [nh, T, hd]
-        return self._output(o.transpose(0, 1).reshape(t, self.nh * self.hd), gate)
+        table = st.block_table[slot]  # [W]
+        write_kv(st.k[self.layer], st.v[self.layer], k, v, table[pos // st.page_size], pos % st.page_size)
+        o = paged_prefill_attention(q, st.k[self.layer], st.v[self.layer], table, start, self.hd ** -0.5,
+                                    self.window)  # [T, nh, hd]
+        return self._output(o.reshape(t, self.nh * self.hd), gate)
 
-    def decode(self, x: torch.Tensor, st: DecodeState, pos: torch.Tensor, attend_len: int,
+    def decode(self, x: torch.Tensor, st: DecodeState, pos: torch.Tensor,
                active: torch.Tensor | None = None) -> torch.Tensor:
-        """One token for each of B slots. x: [B, H], pos: [B]; keys beyond attend_len unseen.
-        active: [B] bool; inactive rows (slots prefilling or idle) write to the scratch position."""
+        """One token for each of B slots. x: [B, H], pos: [B] (each row's position, device data:
+        one captured step serves every length). active: [B] bool; rows that are not decoding
+        (idle or mid-prefill slots) write to the scratch page and attend to nothing."""
+        from ..kernels.paged_attention import paged_decode_attention, write_kv
         b = x.shape[0]
         q, k, v, gate = self._project(x, pos)  # q [B, nh, hd]
-        rows = torch.arange(b, device=x.device)
-        wpos = pos if active is None else torch.where(active, pos, st.scratch)
-        st.k[self.layer][rows, :, wpos] = k  # [B, kvh, hd] scattered at each slot's position
-        st.v[self.layer][rows, :, wpos] = v
-        kc = st.k[self.layer][:b, :, :attend_len]  # [B, kvh, L, hd]
-        vc = st.v[self.layer][:b, :, :attend_len]
-        o = decode_attention(q, kc, vc, self._mask(pos, attend_len), self.hd ** -0.5)  # [B, nh, hd]
+        table = st.block_table[:b]  # [B, W]
+        page = table.gather(1, (pos // st.page_size)[:, None])[:, 0]  # [B]
+        off = pos % st.page_size
+        lens = pos + 1
+        if active is not None:
+            page = torch.where(active, page, SCRATCH)
+            off = torch.where(active, off, 0)
+            lens = torch.where(active, lens, 0)
+        write_kv(st.k[self.layer], st.v[self.layer], k, v, page, off)
+        o = paged_decode_attention(q, st.k[self.layer], st.v[self.layer], table, lens.to(torch.int32),
+                                   self.hd ** -0.5, self.window)  # [B, nh, hd]
         return self._output(o.reshape(b, self.nh * self.hd), gate)
 
 

@@ -67,7 +67,7 @@ class DecoderModel:
                 names += [m + n + ".weight" for n in ("gate_proj", "up_proj", "down_proj")]
         return names
 
-    def _stack(self, x: torch.Tensor, mix) -> torch.Tensor:
+    def _stack(self, x: torch.Tensor, mix, phase: str, active=None) -> torch.Tensor:
         """Embeddings [N, H] through every layer -> final-normed hidden states [N, H].
 
         Each residual add is fused with the norm that follows it (the next sub-layer's input
@@ -77,27 +77,51 @@ class DecoderModel:
         for i, (mixer, mlp, _, ln2) in enumerate(self.layers):
             x, normed = add_rms_norm(x, mix(mixer, normed), ln2, eps, oc)
             nxt = self.layers[i + 1][2] if i + 1 < len(self.layers) else self.norm
-            x, normed = add_rms_norm(x, mlp(normed), nxt, eps, oc)
+            x, normed = add_rms_norm(x, mlp(normed, phase, active), nxt, eps, oc)
         return normed
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, st: DecodeState, slot: int, start: int,
                 all_logits: bool = False, logits: bool = True, capture=None) -> torch.Tensor | None:
-        """tokens: [T] of one sequence at positions start.. -> logits [T, V] or [1, V] (last);
-        None with logits=False (a chunk that only fills the state: skips the lm_head GEMM).
-        capture: recurrent-state checkpoints to take inside the chunk (cache.prefix)."""
+        """tokens: [T] of one sequence at positions start.. (their pages already in the slot's
+        block table) -> logits [T, V] or [1, V] (last); None with logits=False (a chunk that
+        only fills the state: skips the lm_head GEMM). capture: recurrent-state checkpoints to
+        take inside the chunk (cache.prefix)."""
         x = self.embed[tokens].to(self.dtype)  # [T, H]
-        h = self._stack(x, lambda m, h: m.prefill(h, st, slot, start, capture))
+        h = self._stack(x, lambda m, h: m.prefill(h, st, slot, start, capture), "prefill")
         if not logits:
             return None
         return lm_head(h if all_logits else h[-1:], self.lm_head).float()
 
     @torch.inference_mode()
-    def decode(self, tokens: torch.Tensor, st: DecodeState, pos: torch.Tensor, attend_len: int,
+    def prefill_batch(self, tokens: torch.Tensor, st: DecodeState, segs: list) -> torch.Tensor | None:
+        """Prompt chunks of several sequences as one varlen forward: the dense layers and the
+        experts see every token at once, attention and DeltaNet run per sequence.
+        tokens: [N] (the chunks back to back); segs: [(slot, start, length, capture, logits)]
+        -> logits [S, V] of the last token of each segment with logits=True, or None."""
+        x = self.embed[tokens].to(self.dtype)  # [N, H]
+        ends = torch.tensor([s[2] for s in segs]).cumsum(0).tolist()
+        bounds = list(zip([0] + ends[:-1], ends))
+
+        def mix(m, h):
+            if len(segs) == 1:
+                slot, start, _, capture, _ = segs[0]
+                return m.prefill(h, st, slot, start, capture)
+            return torch.cat([m.prefill(h[a:b], st, slot, start, capture)
+                              for (a, b), (slot, start, _, capture, _) in zip(bounds, segs)])
+        h = self._stack(x, mix, "prefill")
+        rows = [b - 1 for (_, b), seg in zip(bounds, segs) if seg[4]]
+        if not rows:
+            return None
+        return lm_head(h[rows], self.lm_head).float()
+
+    @torch.inference_mode()
+    def decode(self, tokens: torch.Tensor, st: DecodeState, pos: torch.Tensor,
                active: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens, pos: [B] (one per slot) -> logits [B, V]. Static shapes for a given B and
-        attend_len: no data-dependent Python branching. active [B] bool masks the state
-        updates of rows that are not decoding (idle or mid-prefill slots)."""
+        """tokens, pos: [B] (one per slot) -> logits [B, V]. Static shapes for a given B: no
+        data-dependent Python branching, lengths are device data, so one captured graph
+        serves every length. active [B] bool masks the rows that are not decoding (idle or
+        mid-prefill slots): their state is untouched and they route to no expert."""
         x = self.embed[tokens].to(self.dtype)  # [B, H]
-        h = self._stack(x, lambda m, h: m.decode(h, st, pos, attend_len, active))
+        h = self._stack(x, lambda m, h: m.decode(h, st, pos, active), "decode", active)
         return lm_head(h, self.lm_head).float()

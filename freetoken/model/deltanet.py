@@ -174,7 +174,7 @@ class GatedDeltaNet:
             capture.store(self.layer, start + c, seq[:, c:c + w], rec)
         return self._finish(core, z, x.dtype)
 
-    def decode(self, x: torch.Tensor, st: DecodeState, pos: torch.Tensor, attend_len: int,
+    def decode(self, x: torch.Tensor, st: DecodeState, pos: torch.Tensor,
                active: torch.Tensor | None = None) -> torch.Tensor:
         """x: [B, H], one token per slot. active: [B] bool; inactive rows leave their state alone
         (a slot mid-prefill keeps what it has)."""

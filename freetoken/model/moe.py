@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..experts.executor import NO_EXPERT
 from ..kernels import use_triton
 from .layers import FusedLinear, swiglu_mlp
 
@@ -41,14 +42,20 @@ class MoE:
             top = top / top.sum(dim=-1, keepdim=True)
         return idx + self.base, top.to(dtype)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, phase: str = "prefill", active: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [T, H] -> [T, H]. phase: "prefill" | "decode"; active [T] bool marks the decode
+        rows that are running (the others route to no expert)."""
         parts = self.in_proj(x)  # router logits [T, E] (+ shared gate [T, Is], up [T, Is], gate [T, 1])
-        ids, weights = self.route(parts[0], x.dtype)
-        out = self.executor(x, ids, weights)
-        if self.shared:
+        ids, weights = self.route(parts[0], x.dtype)  # [T, k]
+        if active is not None:
+            ids = ids.masked_fill(~active[:, None], NO_EXPERT)
+        pending = self.executor.launch(x, ids, weights, layer=self.base // self.num_experts, phase=phase)
+        shared = None
+        if self.shared:  # computed while the routed experts run (on the CPU pool, say)
             _, g, u, sg = parts
-            out = out + torch.sigmoid(sg) * F.linear(F.silu(g) * u, self.shared_down)
-        return out
+            shared = torch.sigmoid(sg) * F.linear(F.silu(g) * u, self.shared_down)
+        out = self.executor.finish(pending)
+        return out if shared is None else out + shared  # one fixed merge order
 
 
 class DenseMLP:
@@ -56,5 +63,5 @@ class DenseMLP:
         p = f"model.layers.{layer}.mlp."
         self.w = (w[p + "gate_proj.weight"], w[p + "up_proj.weight"], w[p + "down_proj.weight"])
 
-    def __call__(self, x):
+    def __call__(self, x, phase: str = "prefill", active=None):
         return swiglu_mlp(x, *self.w)

@@ -1,33 +1,57 @@
-"""Per-sequence decode state, preallocated so that decode has static shapes.
+"""The engine's sequence state: one paged KV pool shared by every sequence, plus per-slot
+recurrent state, preallocated so that decode has static shapes.
 
-A state has `slots` rows (one per sequence in the batch) and `max_len` positions. Attention
-layers keep K/V; gated DeltaNet layers keep their causal-conv window and recurrent matrix.
-Nothing here grows during decode: a CUDA graph can capture a step over these buffers.
+Full-attention K/V live in pages of `page_size` tokens ([pages, kv_heads, page_size, head_dim]
+per attention layer); a sequence's block table (one row per batch slot, on the device) lists
+its pages in order, so key j of slot s sits in page block_table[s, j // P] at offset j % P.
+Pages are handed out as tokens arrive (cache/pages.py) and a cached prefix is shared in place
+by every sequence that reuses it. Gated DeltaNet layers keep their causal-conv window and
+recurrent matrix per slot. Nothing here grows during decode: a CUDA graph can capture a step
+over these buffers, and one graph serves every length (lengths are device data).
 """
 from __future__ import annotations
 
 import torch
 
+from ..cache.pages import SCRATCH, PageAllocator
 from ..config import ModelConfig
 
 
-def state_bytes(cfg: ModelConfig, slots: int, max_len: int, dtype) -> int:
-    """What a DecodeState of this size allocates (to check it fits before allocating)."""
+def kv_page_bytes(cfg: ModelConfig, page_size: int, dtype) -> int:
+    """Bytes of one KV page across every attention layer (K and V)."""
     el = torch.empty((), dtype=dtype).element_size()
-    kv = 2 * len(cfg.attention_layers) * cfg.num_kv_heads * (max_len + 1) * cfg.head_dim * el
-    conv = len(cfg.linear_layers) * cfg.conv_dim * max(cfg.linear_conv_kernel_dim - 1, 0) * el
-    rec = len(cfg.linear_layers) * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
-    return slots * (kv + conv + rec)
+    return 2 * len(cfg.attention_layers) * cfg.num_kv_heads * page_size * cfg.head_dim * el
+
+
+def slot_state_bytes(cfg: ModelConfig, dtype) -> int:
+    """Recurrent state of one slot (every linear-attention layer: conv window + fp32 matrix)."""
+    el = torch.empty((), dtype=dtype).element_size()
+    conv = cfg.conv_dim * max(cfg.linear_conv_kernel_dim - 1, 0) * el
+    rec = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    return len(cfg.linear_layers) * (conv + rec)
+
+
+def state_bytes(cfg: ModelConfig, slots: int, max_len: int, dtype, page_size: int = 16) -> int:
+    """What a DecodeState with every slot's full context in its own pages allocates."""
+    pages = slots * -(-max_len // page_size) + 1
+    return pages * kv_page_bytes(cfg, page_size, dtype) + slots * slot_state_bytes(cfg, dtype)
 
 
 class DecodeState:
-    def __init__(self, cfg: ModelConfig, slots: int, max_len: int, device, dtype):
-        self.slots, self.max_len = slots, max_len
-        # one extra position: decode rows that are not active write their K/V there
-        self.scratch = max_len
-        kv_shape = (slots, cfg.num_kv_heads, max_len + 1, cfg.head_dim)
-        self.k = {i: torch.zeros(kv_shape, device=device, dtype=dtype) for i in cfg.attention_layers}
-        self.v = {i: torch.zeros(kv_shape, device=device, dtype=dtype) for i in cfg.attention_layers}
+    def __init__(self, cfg: ModelConfig, slots: int, max_len: int, device, dtype,
+                 kv_pages: int | None = None, page_size: int = 16):
+        self.slots, self.max_len, self.page_size = slots, max_len, page_size
+        self.width = -(-max_len // page_size)  # block-table entries per slot
+        kv_pages = kv_pages or slots * self.width + 1
+        self.pages = PageAllocator(kv_pages, page_size)
+        shape = (kv_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
+        # empty, not zeros: host memory is committed only as pages are written, and no page is
+        # read before it is written (lengths mask the rest)
+        self.k = {i: torch.empty(shape, device=device, dtype=dtype) for i in cfg.attention_layers}
+        self.v = {i: torch.empty(shape, device=device, dtype=dtype) for i in cfg.attention_layers}
+        for t in (*self.k.values(), *self.v.values()):
+            t[SCRATCH].zero_()
+        self.block_table = torch.full((slots, self.width), SCRATCH, dtype=torch.int32, device=device)
         conv_shape = (slots, cfg.conv_dim, max(cfg.linear_conv_kernel_dim - 1, 0))
         rec_shape = (slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                      cfg.linear_value_head_dim)
@@ -37,9 +61,27 @@ class DecodeState:
                     for i in cfg.linear_layers}
 
     def reset(self, slot: int) -> None:
-        """Forget a sequence (its K/V need no clearing: positions past the length are masked)."""
+        """Forget a sequence's recurrent state (its K/V need no clearing: lengths mask them)."""
         for t in list(self.conv.values()) + list(self.rec.values()):
             t[slot].zero_()
+
+    def set_pages(self, slot: int, pages: list[int], start: int = 0) -> None:
+        """Block-table row of `slot` from entry `start` on (entries past the pages: scratch)."""
+        row = torch.full((self.width - start,), SCRATCH, dtype=torch.int32)
+        row[:len(pages) - start] = torch.tensor(pages[start:], dtype=torch.int32)
+        self.block_table[slot, start:].copy_(row, non_blocking=True)
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copy-on-write of a shared page before a sequence writes into it."""
+        for t in (*self.k.values(), *self.v.values()):
+            t[dst].copy_(t[src])
+
+    def reserve(self, slot: int, tokens: int) -> list[int]:
+        """Give `slot` fresh pages for `tokens` positions (single-sequence use: tests, bench,
+        one-off generation); the serving loop grows block tables itself as tokens arrive."""
+        pages = self.pages.alloc(self.pages.pages_for(tokens))
+        self.set_pages(slot, pages)
+        return pages
 
     def nbytes(self) -> int:
         ts = [*self.k.values(), *self.v.values(), *self.conv.values(), *self.rec.values()]

@@ -1,17 +1,17 @@
-"""The serving loop's batched decode step, optionally replayed from CUDA graphs.
+"""The serving loop's batched decode step, replayed from one CUDA graph per batch size.
 
-An eager decode step of a full-size model costs ~38 ms of host time on the H200 (about a
-thousand kernel launches) against ~4 ms as one CUDA graph (benchmarks/README.md). A graph
-needs fixed shapes and fixed buffers, so in graph mode the step always covers every batch slot
-(rows that are not decoding are masked by `active`, as in eager mode), reads its inputs from
-static device buffers, and attends over a length rounded up to a bucket; one graph is
-captured per bucket the first time it is needed, right after an eager step of the same shape
-(which also compiles and autotunes the Triton kernels outside the capture). Capturing records
-the work without running it, so the decode state is not advanced twice.
+An eager decode step of a full-size model costs tens of ms of host time on the H200 (about a
+thousand kernel launches) against ~4 ms as one CUDA graph (benchmarks/README.md). A step
+covers batch rows 0..B-1 (rows are the state's slots; rows that are not decoding are masked by
+`active`: they write to the scratch page, attend to nothing and route to no expert) and reads
+its inputs from static device buffers. Lengths and block tables are device data, so one graph
+per batch size B (1, 2, 4, 8, ... up to the slot count) serves every context length; a step
+of n rows replays the smallest captured B >= n.
 
-Without graphs (experts on the host, or graphs off) the step is the plain eager one over the
-first n rows and the exact length. On a CPU, graph mode runs the same static-buffer, bucketed
-step eagerly (no capture): that is how the tests check it.
+Graphs are captured at start-up: each size is warmed up eagerly on a side stream first (which
+also compiles and autotunes the Triton kernels outside the capture), then captured. Warm-up
+and capture run with every row inactive, so they never change the state. Without graphs
+(the CPU, or an executor that cannot be captured) the same static step runs eagerly.
 """
 from __future__ import annotations
 
@@ -19,16 +19,19 @@ import logging
 
 import torch
 
+from ..errors import FreeTokenError
 from ..model.state import DecodeState
 
 log = logging.getLogger("freetoken.decode")
 
 
-def length_bucket(n: int, cap: int) -> int:
-    """Attend length rounded up: multiples of 512 up to 4096, then of an eighth of the power of
-    two below (at most ~12% more keys read than needed), never beyond cap."""
-    step = 512 if n <= 4096 else 1 << (n.bit_length() - 4)
-    return min(-(-n // step) * step, cap)
+def batch_sizes(rows: int) -> list[int]:
+    """Powers of two below `rows`, and `rows` itself."""
+    out, b = [], 1
+    while b < rows:
+        out.append(b)
+        b *= 2
+    return out + [rows]
 
 
 class DecodeRunner:
@@ -36,46 +39,60 @@ class DecodeRunner:
         self.model, self.state = model, state
         rows = state.slots
         dev = model.device
-        self.static = graphs  # full rows, static buffers, bucketed length
-        self.graphs = graphs and dev.type == "cuda"  # ... and captured
+        self.sizes = batch_sizes(rows)
+        self.graphs = graphs and dev.type == "cuda"
         self.tokens = torch.zeros(rows, dtype=torch.long, device=dev)  # [rows] static inputs
         self.pos = torch.zeros(rows, dtype=torch.long, device=dev)
         self.active = torch.zeros(rows, dtype=torch.bool, device=dev)
         self._captured: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
+
+    @property
+    def path(self) -> str:
+        return "cuda-graphs" if self._captured else "eager"
+
+    def capture(self) -> None:
+        """Warm up and capture every batch size (largest first: smaller graphs reuse its
+        memory pool). Raises FreeTokenError if a capture fails."""
+        if not self.graphs:
+            return
+        pool = torch.cuda.graph_pool_handle()
+        self.active.zero_()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for b in self.sizes:
+                for _ in range(2):
+                    self._eager(b)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        for b in reversed(self.sizes):
+            g = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(g, pool=pool):
+                    out = self._eager(b)
+            except Exception as e:  # noqa: BLE001 - something in the step cannot be captured
+                self._captured.clear()
+                raise FreeTokenError(f"CUDA graph capture of the decode step failed at batch size {b} "
+                                     f"({type(e).__name__}: {e}); pass --allow-eager to decode without "
+                                     "graphs (several times slower)") from None
+            self._captured[b] = (g, out)
+        torch.cuda.synchronize()
+        log.info("captured decode graphs for batch sizes %s", self.sizes)
+
+    def _eager(self, b: int) -> torch.Tensor:
+        return self.model.decode(self.tokens[:b], self.state, self.pos[:b], self.active[:b])
 
     def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
-        """tokens, pos, active: [n] host tensors for slots 0..n-1 -> logits [>= n, V] on the
+        """tokens, pos, active: [n] host tensors for rows 0..n-1 -> logits [>= n, V] on the
         device (rows past n are not meaningful). The result may be overwritten by the next call."""
         n = tokens.shape[0]
-        attend = int(pos.max()) + 1  # rows that are not decoding have pos 0
-        if not self.static:
-            dev = self.tokens.device
-            return self.model.decode(tokens.to(dev), self.state, pos.to(dev), attend, active.to(dev))
-        self.tokens.zero_()
-        self.pos.zero_()
-        self.active.zero_()
+        b = next(s for s in self.sizes if s >= n)
         self.tokens[:n].copy_(tokens, non_blocking=True)
         self.pos[:n].copy_(pos, non_blocking=True)
         self.active[:n].copy_(active, non_blocking=True)
-        length = length_bucket(attend, self.state.max_len)
-        hit = self._captured.get(length)
+        self.active[n:b].zero_()
+        hit = self._captured.get(b)
         if hit is not None:
             hit[0].replay()
             return hit[1]
-        out = self.model.decode(self.tokens, self.state, self.pos, length, self.active)  # this step, eager
-        if self.graphs:
-            self._capture(length)
-        return out
-
-    def _capture(self, length: int) -> None:
-        try:
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self._pool):
-                out = self.model.decode(self.tokens, self.state, self.pos, length, self.active)
-            self._captured[length] = (g, out)
-            log.info("captured a decode graph for attend length %d (%d so far)", length, len(self._captured))
-        except Exception as e:  # noqa: BLE001 - something in the step cannot be captured: stay eager
-            log.warning("CUDA graph capture failed (%s: %s); decoding eagerly from now on", type(e).__name__, e)
-            self.graphs = False
+        return self._eager(b)

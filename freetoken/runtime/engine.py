@@ -19,8 +19,10 @@ from ..experts.executor import TorchExpertExecutor
 from ..model.registry import model_class
 from ..model.state import DecodeState, state_bytes
 from ..tokenizer import Tokenizer, load_json
+from ..weights.ftw import DTYPES as DTYPES_BY_NAME, read_header
 from ..weights.reader import load_ftw
-from .sampler import SamplingParams, sample
+from .budget import device_budget
+from .sampler import SamplingParams
 
 log = logging.getLogger("freetoken.engine")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -39,10 +41,30 @@ class EngineConfig:
     prefill_chunk: int = field(default=2048, metadata={"help": "tokens per prefill chunk"})
     max_seq_len: int = field(default=0, metadata={"help": "context limit (0: the model's)"})
     verify: bool = field(default=True, metadata={"help": "check FTW block checksums while loading"})
+    vram_budget: str = field(default="", metadata={
+        "help": "memory the engine may use on the device: a size (24GiB) or a fraction of it (0.9); "
+                "on the CPU, of host memory (default: free memory less 1 GiB)"})
+    kv_cache_tokens: int = field(default=0, metadata={
+        "help": "tokens of KV the page pool holds, shared by running requests and the prefix cache "
+                "(0: what the budget leaves, up to every batch slot's full context)"})
+    max_step_tokens: int = field(default=0, metadata={
+        "help": "tokens one engine step may process: decode rows plus prompt chunks of one or more "
+                "requests (0: 512 on the CPU, 2048 on CUDA)"})
+    decode_slowdown: float = field(default=1.5, metadata={
+        "help": "while streams decode, a step's prompt work is sized so the step takes at most this "
+                "many times a plain decode step (0: no limit, prompts get --max-step-tokens)"})
+    cuda_graphs: bool = field(default=True, metadata={
+        "help": "replay decode steps from one CUDA graph per batch size (CUDA, experts in VRAM)"})
+    allow_eager: bool = field(default=False, metadata={
+        "help": "decode eagerly when a CUDA graph cannot be captured, instead of failing at start-up"})
 
     def __post_init__(self):
         if self.prefill_chunk < 1:
             raise FreeTokenError(f"--prefill-chunk must be >= 1, got {self.prefill_chunk}")
+        if self.max_step_tokens < 0 or self.kv_cache_tokens < 0 or self.decode_slowdown < 0:
+            raise FreeTokenError("--max-step-tokens, --kv-cache-tokens and --decode-slowdown must be >= 0")
+        if self.decode_slowdown and self.decode_slowdown < 1:
+            raise FreeTokenError(f"--decode-slowdown must be 0 (off) or >= 1, got {self.decode_slowdown}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise FreeTokenError("--device cuda: no CUDA device is available")
 
@@ -67,22 +89,13 @@ class Generation:
     decode_s: float
 
 
-def _host_available() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 class Engine:
     def __init__(self, path: str, ecfg: EngineConfig | None = None, progress: bool = False):
         self.path = path
         self.ecfg = ecfg or EngineConfig()
         self.device, self.dtype, self.experts_on = self.ecfg.resolved()
+        self.budget = device_budget(self.device, self.ecfg.vram_budget)
+        self.weight_bytes = self._check_weights_fit(path)
         t0 = time.perf_counter()
         meta, w = load_ftw(path, verify=self.ecfg.verify, progress=progress,
                            pin=self.device.type == "cuda")  # DMA-able: fast H2D, later the expert cache
@@ -104,6 +117,28 @@ class Engine:
         self.max_len = min(self.cfg.max_position_embeddings, self.ecfg.max_seq_len or 1 << 62)
         self.model = model_class(self.cfg.arch)(self.cfg, dense, self.executor, self.device,
                                                 self.dtype, self.max_len)
+        self._runner = None  # the one-request serving loop behind generate()
+
+    def _check_weights_fit(self, path: str) -> int:
+        """Bytes of weights that will live on the compute device, refused before loading if
+        they exceed the budget. (On the CPU everything is host memory.)"""
+        meta, entries = read_header(path)
+        el = torch.empty((), dtype=self.dtype).element_size()
+
+        def size(name, e):  # floating weights are cast to the compute dtype, except host experts
+            dt = DTYPES_BY_NAME[e.dtype]
+            if not dt.is_floating_point or (name.startswith("experts.") and self.experts_on == "cpu"):
+                return e.nbytes
+            return e.nbytes // dt.itemsize * el
+        on_device = self.device.type == "cpu" or self.experts_on == "gpu"  # are the experts here?
+        n = sum(size(name, e) for name, e in entries.items()
+                if not name.startswith("file/") and (on_device or not name.startswith("experts.")))
+        if n > self.budget:
+            hint = "" if self.experts_on == "cpu" else ", or keep the experts on the host (--experts cpu)"
+            raise FreeTokenError(
+                f"{path}: the weights take {n / 1e9:.1f} GB on {self.device}, more than the budget of "
+                f"{self.budget / 1e9:.1f} GB; raise --vram-budget{hint}")
+        return n
 
     def describe(self) -> dict:
         """What runs where (start-up banner, /health, /metrics): device, dtype, expert backend."""
@@ -141,21 +176,19 @@ class Engine:
                 f"{self.max_len} tokens; shorten the prompt or lower max tokens")
 
     def new_state(self, length: int, slots: int = 1) -> DecodeState:
+        """A state whose slots each own pages for `length` positions (single-sequence use:
+        tests, benchmarks; the serving loop sizes its pool from the memory plan)."""
         length = min(self.max_len, -(-length // 256) * 256)
-        self.check_memory(state_bytes(self.cfg, slots, length, self.dtype),
-                          f"{slots} sequence slot(s) x {length} tokens of KV/recurrent state")
-        return DecodeState(self.cfg, slots, length, self.device, self.dtype)
-
-    def check_memory(self, need: int, what: str) -> None:
-        """Refuse an allocation that cannot fit, with what to change, rather than dying in it."""
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-        else:
-            free = _host_available()
-        if free and need > 0.95 * free:
+        need = state_bytes(self.cfg, slots, length, self.dtype)
+        if need > self.budget - self.weight_bytes:
             raise FreeTokenError(
-                f"{what} needs {need / 1e9:.1f} GB but only {free / 1e9:.1f} GB is free on {self.device}; "
+                f"{slots} sequence slot(s) x {length} tokens of KV/recurrent state need {need / 1e9:.1f} GB "
+                f"but {max(self.budget - self.weight_bytes, 0) / 1e9:.1f} GB is left on {self.device}; "
                 "lower --max-seq-len or --max-batch")
+        st = DecodeState(self.cfg, slots, length, self.device, self.dtype)
+        for s in range(slots):
+            st.reserve(s, length)
+        return st
 
     def prefill(self, ids: list[int], st: DecodeState, slot: int = 0, start: int = 0,
                 all_logits: bool = False, logits: bool = True, capture=None) -> torch.Tensor | None:
@@ -171,35 +204,34 @@ class Engine:
             outs.append(out)
         return torch.cat(outs) if all_logits else outs[-1]
 
+    def prefill_batch(self, st: DecodeState, segs: list) -> torch.Tensor | None:
+        """segs: [(tokens, slot, start, capture, logits)] -> logits of the segments asking
+        for them ([S, V]) or None (model.prefill_batch)."""
+        tokens = torch.tensor([t for seg in segs for t in seg[0]], dtype=torch.long, device=self.device)
+        return self.model.prefill_batch(tokens, st, [(slot, start, len(toks), cap, want)
+                                                     for toks, slot, start, cap, want in segs])
+
     def generate(self, prompt_ids: list[int], max_tokens: int, params: SamplingParams | None = None,
                  stop_at_eos: bool = True) -> Generation:
+        """One request through the same engine step as the server (a one-slot serving loop
+        driven in this thread, without the prefix cache)."""
+        from .request import Request, SamplingOptions
         params = params or SamplingParams(temperature=0.0)
         self.check_context(len(prompt_ids), max_tokens)
-        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        st = self.new_state(len(prompt_ids) + max_tokens)
-        t0 = time.perf_counter()
-        logits = self.prefill(prompt_ids, st)[-1]
-        self._sync()
-        t1 = time.perf_counter()
-        out, lps, finish = [], [], "length"
-        pos = len(prompt_ids)
-        for _ in range(max_tokens):
-            tok, lp, _ = sample(logits, params, gen)
-            out.append(tok)
-            lps.append(lp)
-            if stop_at_eos and tok in self.eos_ids:
-                finish = "stop"
-                break
-            if len(out) == max_tokens:
-                break
-            t = torch.tensor([tok], device=self.device)
-            p = torch.tensor([pos], device=self.device)
-            logits = self.model.decode(t, st, p, pos + 1)[0]
-            pos += 1
-        self._sync()
-        t2 = time.perf_counter()
-        return Generation(out, lps, self.tokenizer.decode(out), finish, len(prompt_ids), t1 - t0, t2 - t1)
+        if self._runner is None:
+            from .serving import ServingEngine
+            self._runner = ServingEngine(self, max_batch=1, max_queue=1, start=False)
+        req = Request(list(prompt_ids), SamplingOptions(
+            temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed,
+            max_tokens=max_tokens, ignore_eos=not stop_at_eos))
+        self._runner.run_to_completion(req)
+        if req.finish_reason == "error":
+            raise RuntimeError(f"generation failed: {req.error}")
+        first = req.first_token_at or req.finished_at
+        return Generation(req.output_ids, req.logprobs, self.tokenizer.decode(req.output_ids),
+                          "stop" if req.finish_reason == "stop" else "length", len(prompt_ids),
+                          first - req.arrival, req.finished_at - first)
 
-    def _sync(self):
+    def sync(self):
         if self.device.type == "cuda":
             torch.cuda.synchronize()

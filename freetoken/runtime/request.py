@@ -36,16 +36,23 @@ class Request:
     id: int = field(default_factory=lambda: next(_ids))
     arrival: float = field(default_factory=time.monotonic)
     # engine-side progress (written by the engine thread only)
-    slot: int | None = None  # decode-state row while running
-    prefilled: int = 0  # prompt tokens already in the state
+    slot: int | None = None  # batch row (recurrent-state slot) while running
+    computed: int = 0  # tokens of prompt + output whose K/V and recurrent state are in the engine
+    prefill_end: int = -1  # tokens to compute before decoding: the prompt (after a preemption:
+    #                        the prompt and every token generated so far); -1: len(prompt_ids)
+    pages: list[int] = field(default_factory=list)  # KV pages holding tokens [i*P, (i+1)*P)
+    shared_pages: int = 0  # leading pages owned by the prefix cache (shared in place, not ours)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     # per output token, when sampling.top_logprobs > 0: [(token id, logprob)] most likely first
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    cached_tokens: int = 0  # prompt tokens reused from a cache (prefix cache issue)
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache
+    solo: bool = False  # prefill alone (a shared forward it was in failed)
+    preemptions: int = 0  # times its state was dropped for lack of KV pages (recomputed later)
     first_token_at: float | None = None
     finished_at: float | None = None
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
+    error: str | None = None  # what went wrong, with finish_reason "error"
     cancelled: bool = False  # set by the server when the client goes away
     restored: bool = False  # the prefix cache has been consulted for this request
     cache_node: object = None  # radix node of the reused prefix, held while running
@@ -53,15 +60,32 @@ class Request:
     forced_next: int = 0  # how many of sampling.forced have been emitted
     forced_armed: bool = False  # sampling.forced_after has been generated
 
+    def __post_init__(self):
+        if self.prefill_end < 0:
+            self.prefill_end = len(self.prompt_ids)
+
     def forcing(self) -> bool:
         """The next output token is a forced one."""
         s = self.sampling
         return self.forced_next < len(s.forced) and (s.forced_after is None or self.forced_armed)
 
     @property
+    def prefilling(self) -> bool:
+        return self.computed < self.prefill_end
+
+    def token(self, i: int) -> int:
+        """Token i of prompt + output."""
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    def tokens(self, start: int = 0, end: int | None = None) -> list[int]:
+        """prompt + output [start, end)."""
+        return (self.prompt_ids + self.output_ids)[start:end]
+
+    @property
     def length(self) -> int:
-        """Tokens in the decode state (prompt + generated)."""
-        return self.prefilled + len(self.output_ids)
+        """Tokens of prompt + output so far."""
+        return len(self.prompt_ids) + len(self.output_ids)
 
 
 @dataclass

@@ -1,9 +1,16 @@
-"""Continuous batching: which requests prefill and which decode in the next engine step.
+"""Continuous batching with a token budget per step: which requests prefill and which decode.
 
 Plain Python, no torch: unit-tested with fake requests. The engine step is three calls:
 schedule() -> Batch, execute(Batch) (runner), update() (engine). Waiting requests enter free
-decode slots in arrival order; a prompt is prefilled in chunks of at most `chunk` tokens,
-one chunk per step, so running requests keep decoding while a long prompt comes in.
+batch slots in arrival order. Every step decodes one token for every running request that has
+its prompt in (decode rows cost one token of the budget each) and spends what is left of the
+step's token budget on prompt chunks, possibly of several requests (one varlen forward):
+shortest remaining prompt first, so a short request that arrives while a long prompt is being
+prefilled gets its first token after one step instead of after the whole long prompt.
+
+The runtime may lower the prefill budget of a step (to keep decoding streams' inter-token
+latency bounded) and may preempt a request when KV pages run out: preempt() puts it back at
+the head of the queue, to be recomputed from its tokens when a slot frees up.
 """
 from __future__ import annotations
 
@@ -12,6 +19,8 @@ from dataclasses import dataclass, field
 
 from .request import Request
 
+ORDERS = ("shortest", "arrival")
+
 
 class QueueFull(Exception):
     """More requests waiting than the queue bound: the server answers 429."""
@@ -19,7 +28,7 @@ class QueueFull(Exception):
 
 @dataclass
 class Batch:
-    # (request, start, end): prompt tokens [start, end) to prefill this step
+    # (request, start, end): tokens [start, end) of prompt (+ output, after a preemption) to prefill
     prefill: list[tuple[Request, int, int]] = field(default_factory=list)
     # requests that decode one token this step (their prompt is fully in the state)
     decode: list[Request] = field(default_factory=list)
@@ -31,11 +40,17 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, slots: int, max_queue: int, chunk: int, prefill_per_step: int = 1):
+    def __init__(self, slots: int, max_queue: int, chunk: int, step_tokens: int = 0, order: str = "shortest"):
+        """chunk: most tokens of one request per step; step_tokens: token budget of a step
+        (decode rows + prefill chunks; 0: one chunk); order: which prompts prefill first."""
+        if order not in ORDERS:
+            raise ValueError(f"prefill order must be one of {ORDERS}, got {order!r}")
         self.free = list(range(slots))  # lowest slot first keeps the decode batch compact
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # slot -> request
-        self.max_queue, self.chunk, self.prefill_per_step = max_queue, chunk, prefill_per_step
+        self.max_queue, self.chunk = max_queue, chunk
+        self.step_tokens = step_tokens or chunk
+        self.order = order
 
     def add(self, req: Request) -> None:
         # free slots absorb arrivals the engine thread has not scheduled yet
@@ -47,7 +62,9 @@ class Scheduler:
     def busy(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> Batch:
+    def schedule(self, prefill_budget: int | None = None) -> Batch:
+        """prefill_budget: at most this many prompt tokens this step (None: the step budget
+        less the decode rows). At least one prompt token is scheduled when nothing decodes."""
         b = Batch()
         for q in list(self.waiting):  # cancelled while still queued
             if q.cancelled:
@@ -58,19 +75,39 @@ class Scheduler:
             self.free.sort()
             req.slot = self.free.pop(0)
             self.running[req.slot] = req
-        budget = self.prefill_per_step
+        prefilling = []
         for slot in sorted(self.running):
             req = self.running[slot]
             if req.cancelled:
                 b.cancelled.append(req)
-            elif req.prefilled < len(req.prompt_ids):
-                if budget > 0:
-                    end = min(len(req.prompt_ids), req.prefilled + self.chunk)
-                    b.prefill.append((req, req.prefilled, end))
-                    budget -= 1
+            elif req.prefilling:
+                prefilling.append(req)
             else:
                 b.decode.append(req)
+        budget = self.step_tokens - len(b.decode)
+        if prefill_budget is not None:
+            budget = min(budget, prefill_budget)
+        if not b.decode:
+            budget = max(budget, 1)
+        if self.order == "shortest":
+            prefilling.sort(key=lambda r: (r.prefill_end - r.computed, r.arrival))
+        else:
+            prefilling.sort(key=lambda r: r.arrival)
+        for req in prefilling:
+            if budget <= 0:
+                break
+            end = min(req.prefill_end, req.computed + self.chunk, req.computed + budget)
+            b.prefill.append((req, req.computed, end))
+            budget -= end - req.computed
         return b
+
+    def preempt(self, req: Request) -> None:
+        """Give a running request's slot back and queue it first (it will be recomputed)."""
+        if req.slot is not None and self.running.get(req.slot) is req:
+            del self.running[req.slot]
+            self.free.append(req.slot)
+        req.slot = None
+        self.waiting.appendleft(req)
 
     def finish(self, req: Request) -> None:
         """Release a request's slot (finished, cancelled or failed)."""

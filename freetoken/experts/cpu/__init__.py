@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from ..executor import ExpertExecutor, reference_experts
+from ..executor import BackgroundLaunch, ExpertExecutor, Pending, reference_experts
 from ...errors import notice
 from ...paths import cache_dir, file_lock
 
@@ -90,9 +90,15 @@ def physical_cores() -> list[int]:
 
 
 class CpuExpertExecutor(ExpertExecutor):
-    """Runs routed experts from host banks. Returns results on x's device and dtype."""
+    """Runs routed experts from host banks. Returns results on x's device and dtype.
+
+    With the model on a GPU (the CPU-only MoE backend), `launch` copies the activations to the
+    host in stream order and hands the C++ call to a worker thread (the kernel releases the
+    GIL), so the shared expert and the next GPU work are queued while the CPU computes; with
+    the model on the CPU the call is synchronous (the pool already uses every core)."""
 
     name = "cpu"
+    needs_pinned_staging = True
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, threads: int = 0,
                  torch_batch_threshold: int = 32, isa_cap: int = 3):
@@ -107,8 +113,26 @@ class CpuExpertExecutor(ExpertExecutor):
         self.isa = ISA_NAMES[ext.isa(self.handle)] if ext is not None else "torch"
         # "cpp": the C++ thread pool; "torch-fallback": it could not be built (slower, warned once)
         self.backend = "cpp" if ext is not None else "torch-fallback"
+        self._background = BackgroundLaunch()
+        self.calls = self.pairs = 0
 
-    def __call__(self, x, ids, weights):
+    def launch(self, x, ids, weights, layer: int = 0, phase: str = "decode") -> Pending:
+        self.calls += 1
+        self.pairs += ids.numel()
+        if not x.is_cuda:
+            return Pending(out=self.run(x, ids, weights, phase))
+        # device -> host in stream order, before the caller queues more GPU work behind it
+        host = [t.to("cpu", non_blocking=True) for t in (x, ids, weights)]
+        done = torch.cuda.Event()
+        done.record()
+        dev, dtype = x.device, x.dtype
+
+        def work():
+            done.synchronize()
+            return self.run(*host, phase).to(dev, dtype)
+        return self._background.submit(work)
+
+    def run(self, x, ids, weights, phase):
         src_dev, src_dtype = x.device, x.dtype
         x, ids, weights = x.cpu(), ids.cpu(), weights.cpu()
         if self.handle is None or x.shape[0] > self.torch_batch_threshold:
@@ -121,3 +145,6 @@ class CpuExpertExecutor(ExpertExecutor):
         """The C++ path whatever the batch size; fp32 result."""
         return extension().forward(self.handle, x.float(), ids.long(), weights.float(),
                                    self.gate_up, self.down, x.dtype == torch.bfloat16)
+
+    def stats(self) -> dict:
+        return {"calls": self.calls, "pairs": self.pairs}

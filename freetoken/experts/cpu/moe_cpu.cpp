@@ -228,8 +228,10 @@ struct Executor {
     for (int p = 0; p < P; ++p) order[p] = p;
     std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return ids[a] < ids[b]; });
     std::vector<int> starts;  // group g covers order[starts[g], starts[g+1])
-    for (int p = 0; p < P; ++p)
-      if (p == 0 || ids[order[p]] != ids[order[p - 1]]) starts.push_back(p);
+    int first = 0;  // pairs with the "no expert" id (-1, rows that are not running) sort first: skip them
+    while (first < P && ids[order[first]] < 0) ++first;
+    for (int p = first; p < P; ++p)
+      if (p == first || ids[order[p]] != ids[order[p - 1]]) starts.push_back(p);
     starts.push_back(P);
     const int G = int(starts.size()) - 1;
     std::vector<float> h(size_t(P) * I);  // intermediate activations, row per pair (in `order`)
@@ -345,7 +347,7 @@ torch::Tensor forward(int64_t handle, torch::Tensor x, torch::Tensor ids, torch:
   const int64_t N = gate_up.size(0);
   TORCH_CHECK(gate_up.size(1) == 2 * I && gate_up.size(2) == H && down.size(1) == H, "bank shapes");
   auto idp = ids.data_ptr<int64_t>();
-  for (int64_t i = 0; i < ids.numel(); ++i) TORCH_CHECK(idp[i] >= 0 && idp[i] < N, "expert id out of range");
+  for (int64_t i = 0; i < ids.numel(); ++i) TORCH_CHECK(idp[i] >= -1 && idp[i] < N, "expert id out of range");
   auto out = torch::empty({T, H}, x.options());
   Executor& ex = *g_execs.at(handle);
   std::lock_guard<std::mutex> g(ex.call_mutex);

@@ -1,0 +1,27 @@
+"""A Qwen3.6-35B-A3B-shaped Engine with random BF16 weights made in place on the GPU machine
+(no FTW file: its disk is smaller than the checkpoint), with the demo's real tokenizer."""
+from __future__ import annotations
+
+import torch
+
+from freetoken.demo import demo_path
+from freetoken.runtime.budget import device_budget
+from freetoken.runtime.engine import Engine, EngineConfig
+
+
+def full_size_engine(layers: int = 40, device: str = "cuda", experts_on: str = "gpu", max_len: int = 8192,
+                     **ecfg) -> Engine:
+    """ecfg: EngineConfig fields (max_step_tokens, cuda_graphs, ...)."""
+    from bench.decode import QWEN36_35B_A3B, build
+    dev = torch.device(device)
+    mc, w, ex, model = build(dict(QWEN36_35B_A3B, num_hidden_layers=layers), dev, experts_on)
+    demo = Engine(demo_path(), EngineConfig(device="cpu", experts="cpu"))
+    eng = Engine.__new__(Engine)
+    eng.ecfg = EngineConfig(device=device, experts=experts_on, **ecfg)
+    eng.device, eng.dtype, eng.experts_on = dev, torch.bfloat16, experts_on
+    eng.cfg, eng.model, eng.executor, eng.max_len = mc, model, ex, max_len
+    eng.tokenizer, eng.eos_ids, eng.files, eng.meta, eng.load_s = demo.tokenizer, demo.eos_ids, demo.files, {}, 0.0
+    eng.weight_bytes = 0  # already allocated: the budget below is what is free now
+    eng.budget = device_budget(dev, eng.ecfg.vram_budget)
+    eng._runner = None
+    return eng

@@ -1,0 +1,134 @@
+"""One memory plan: what the engine puts in the device's memory, sized before anything is
+allocated.
+
+On CUDA the budget is VRAM (`--vram-budget`, default: the driver's free memory less a
+margin); on the CPU the same plan runs against host memory. The plan takes, in order: the
+weights that live on the device (dense layers, plus every expert when they are resident),
+work buffers for a prefill chunk and a decode step, the recurrent state of every batch slot,
+the prefix cache's checkpoint slots, and the KV page pool (`--kv-cache-tokens`, default: what
+is left, up to every slot's full context). What remains is the room a GPU expert cache will
+take. Errors name the flag to change. A plan is plain numbers, so it can be recomputed while
+serving (the run-time budget issue).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import FreeTokenError
+from ..model.state import kv_page_bytes, slot_state_bytes
+
+GiB = 1 << 30
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 1 << 10, "m": 1e6, "mb": 1e6, "mib": 1 << 20,
+          "g": 1e9, "gb": 1e9, "gib": GiB, "t": 1e12, "tb": 1e12, "tib": 1 << 40}
+
+
+def parse_size(text: str, total: int, flag: str) -> int:
+    """'24GiB' / '8e9' / '0.9' (a fraction of `total`) -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?(?:e\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise FreeTokenError(f"{flag}: {text!r} is not a size (e.g. 24GiB, 8GB) or a fraction of memory (e.g. 0.9)")
+    num, unit = float(m.group(1)), m.group(2).lower()
+    if unit == "" and num <= 1:
+        return int(num * total)
+    return int(num * _UNITS[unit])
+
+
+def gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+@dataclass
+class MemoryPlan:
+    device: str
+    budget: int  # bytes the engine may use there
+    weights: int  # dense weights, plus every expert when they are resident on this device
+    work: int  # activations and scratch of a prefill chunk and a decode step (estimated)
+    state: int  # recurrent state of every batch slot
+    checkpoints: int  # prefix-cache checkpoint slots
+    kv: int  # the KV page pool
+    kv_pages: int  # pages in it (one is the scratch page)
+    page_size: int
+    left: int  # what is left over: the room for a GPU expert cache
+
+    @property
+    def kv_tokens(self) -> int:
+        return (self.kv_pages - 1) * self.page_size
+
+    def summary(self) -> str:
+        return (f"memory plan on {self.device}: budget {gb(self.budget)} = weights {gb(self.weights)} + work "
+                f"{gb(self.work)} + state {gb(self.state)} + checkpoints {gb(self.checkpoints)} + KV "
+                f"{gb(self.kv)} ({self.kv_tokens} tokens) + left {gb(self.left)}")
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "kv_tokens": self.kv_tokens}
+
+
+def device_budget(device: torch.device, spec: str, margin: int = GiB) -> int:
+    """Bytes the engine may use on `device`: the --vram-budget spec, else free memory less a
+    margin (CUDA: driver free memory; CPU: MemAvailable)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+    else:
+        free = total = host_available()
+    if spec:
+        return parse_size(spec, total, "--vram-budget")
+    return max(free - margin, 0)
+
+
+def host_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def work_bytes(cfg: ModelConfig, chunk: int, slots: int, dtype) -> int:
+    """Activation memory of a prefill chunk (the largest intermediates of one layer, a few
+    live at once) and the logits of a decode step, plus fixed slack for library workspaces."""
+    el = torch.empty((), dtype=dtype).element_size()
+    per_token = 12 * cfg.hidden_size * el  # residual, norms, projections in flight
+    per_token += cfg.top_k * 3 * max(cfg.moe_intermediate_size, 1) * el  # routed pairs' gate/up/act
+    per_token += 4 * (cfg.conv_dim + 2 * cfg.num_heads * cfg.head_dim) * 4  # fp32 mixer inputs
+    per_token += cfg.linear_num_value_heads * 64 * 4 * 2  # DeltaNet chunk-local [C, C] systems
+    logits = (slots + 1) * cfg.vocab_size * 4 * 2
+    return chunk * per_token + logits + 256 * (1 << 20)
+
+
+def plan_memory(cfg: ModelConfig, device: torch.device, dtype, budget: int, weights: int, slots: int,
+                max_len: int, chunk: int, page_size: int, checkpoint_slots: int, kv_tokens: int = 0) -> MemoryPlan:
+    """Size everything before allocating any of it. kv_tokens 0: what is left, up to every
+    slot's full context."""
+    work = work_bytes(cfg, chunk, slots, dtype)
+    state = slots * slot_state_bytes(cfg, dtype)
+    ckpt = checkpoint_slots * slot_state_bytes(cfg, dtype)
+    page = max(kv_page_bytes(cfg, page_size, dtype), 1)
+    fixed = weights + work + state + ckpt
+    if fixed > budget:
+        raise FreeTokenError(
+            f"the model does not fit in {gb(budget)} on {device}: weights {gb(weights)}, work buffers "
+            f"{gb(work)}, recurrent state {gb(state)}, checkpoints {gb(ckpt)}; raise --vram-budget, or "
+            "lower --max-batch / --prefill-chunk / --checkpoint-budget, or keep the experts on the host "
+            "(--experts cpu)")
+    full = slots * -(-max_len // page_size) + 1  # every slot's whole context, and the scratch page
+    if kv_tokens:
+        pages = -(-kv_tokens // page_size) + 1
+    else:
+        pages = min(full, (budget - fixed) // page)
+    if pages * page > budget - fixed:
+        raise FreeTokenError(
+            f"--kv-cache-tokens {kv_tokens} needs {gb(pages * page)} of KV pages but only "
+            f"{gb(budget - fixed)} is left of the budget; lower it or raise --vram-budget")
+    if pages < 2:
+        raise FreeTokenError(
+            f"no room for KV pages: {gb(budget - fixed)} left after the weights and buffers; raise "
+            "--vram-budget or lower --max-seq-len / --max-batch")
+    return MemoryPlan(str(device), budget, weights, work, state, ckpt, pages * page, pages, page_size,
+                      budget - fixed - pages * page)

@@ -1,0 +1,352 @@
+"""EngineLoop: one engine step, schedule -> execute -> update, for the server and `ft generate`.
+
+It owns the memory plan, the decode state (one paged KV pool, per-slot recurrent state), the
+prefix cache, the scheduler and the decode runner. A step prefills prompt chunks of one or
+more requests as one varlen forward, then decodes one token for every running request in one
+batched (graph-replayed) forward, then samples, checkpoints and finishes. KV pages are taken
+as tokens arrive; when none is left, the latest-arrived request is preempted (its pages freed,
+its tokens recomputed when it runs again). A failure is charged to the request it belongs to.
+Subclasses deliver tokens (`emit`); ServingEngine adds the thread and the asyncio side.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from ..cache.kv import KVSpace, PagesExhausted
+from ..cache.config import CacheConfig
+from ..errors import FreeTokenError
+from ..model.state import DecodeState, slot_state_bytes
+from .budget import plan_memory
+from .decode_runner import DecodeRunner
+from .request import Request, TokenEvent
+from .sampler import SamplingParams, greedy_rows, sample, top_entries
+from .scheduler import Scheduler
+
+log = logging.getLogger("freetoken.serving")
+EMA = 0.2  # weight of the newest step in the step-time averages
+
+
+class EngineLoop:
+    def __init__(self, engine, max_batch: int = 8, max_queue: int = 64, metrics=None,
+                 cache: CacheConfig | None = None, record_logits: bool = False, page_size: int = 16,
+                 kv_tokens: int | None = None):
+        """page_size: tokens per KV page (the prefix cache's, when it is on); kv_tokens: the KV
+        pool's size (default: --kv-cache-tokens, else what the memory plan leaves)."""
+        ecfg, cfg = engine.ecfg, engine.cfg
+        self.engine, self.metrics, self.record_logits = engine, metrics, record_logits
+        use_cache = cache is not None and cache.enabled
+        page_size = cache.page_size if use_cache else page_size
+        ckpt = cache.checkpoint_slots(slot_state_bytes(cfg, engine.dtype)) if use_cache and cfg.linear_layers else 0
+        self.plan = plan_memory(cfg, engine.device, engine.dtype, engine.budget, engine.weight_bytes, max_batch,
+                                engine.max_len, ecfg.prefill_chunk, page_size, ckpt,
+                                ecfg.kv_cache_tokens if kv_tokens is None else kv_tokens)
+        self.max_len = min(engine.max_len, self.plan.kv_tokens)
+        if self.max_len < engine.max_len:
+            log.warning("the KV pool holds %d tokens: the context is limited to that (raise --kv-cache-tokens "
+                        "or --vram-budget for more)", self.max_len)
+        log.info(self.plan.summary())
+        self.state = DecodeState(cfg, max_batch, self.max_len, engine.device, engine.dtype,
+                                 kv_pages=self.plan.kv_pages, page_size=page_size)
+        self.cache = cache.build(engine, self.state, ckpt) if use_cache else None
+        self.kv = KVSpace(self.state, self.cache)
+        self.decode = self._decode_runner(engine)
+        step_tokens = ecfg.max_step_tokens or (2048 if engine.device.type == "cuda" else 512)
+        self.sched = Scheduler(max_batch, max_queue, ecfg.prefill_chunk, step_tokens)
+        self.slowdown = ecfg.decode_slowdown
+        self._decode_s = self._prefill_tok_s = None  # step-time averages (EMA)
+        self._lock = threading.Lock()  # the scheduler's queues are shared with the submitting thread
+        self._gens: dict[int, torch.Generator | None] = {}
+
+    def _decode_runner(self, engine) -> DecodeRunner:
+        ex = engine.executor
+        capturable = engine.device.type == "cuda" and (ex is None or ex.capturable)
+        self.eager_reason = None
+        if engine.device.type != "cuda":
+            self.eager_reason = "no CUDA device"
+        elif not engine.ecfg.cuda_graphs:
+            self.eager_reason = "--no-cuda-graphs"
+        elif not capturable:
+            self.eager_reason = f"the {ex.backend} expert backend cannot be captured in a graph yet"
+            log.warning("decode runs eagerly: %s", self.eager_reason)
+        runner = DecodeRunner(engine.model, self.state, engine.ecfg.cuda_graphs and capturable)
+        try:
+            runner.capture()
+        except FreeTokenError as e:
+            if not engine.ecfg.allow_eager:
+                raise
+            self.eager_reason = str(e)
+            log.warning("%s; decoding eagerly (--allow-eager)", e)
+        return runner
+
+    def describe(self) -> dict:
+        """Engine.describe() plus the loop's own choices, for the banner, /health, /metrics."""
+        return {**self.engine.describe(), "context": self.max_len, "decode_path": self.decode.path,
+                "eager_reason": self.eager_reason, "max_batch": self.state.slots,
+                "max_step_tokens": self.sched.step_tokens, "prefix_cache": self.cache is not None,
+                "memory_plan": self.plan.to_dict()}
+
+    def stats(self) -> dict:
+        out = {**self.kv.stats(), **(self.cache.stats() if self.cache is not None else {})}
+        ex = self.engine.executor
+        return {**out, **({f"experts_{k}": v for k, v in ex.stats().items()} if ex is not None else {})}
+
+    # ---- hooks ------------------------------------------------------------------------------
+    def emit(self, req: Request, ev: TokenEvent) -> None:
+        """Deliver a token event (the server streams it; generate() reads the request)."""
+
+    def run_to_completion(self, req: Request) -> Request:
+        """Drive steps in this thread until `req` finishes (ft generate)."""
+        s = req.sampling
+        self._gens[req.id] = torch.Generator().manual_seed(s.seed) if s.seed is not None else None
+        with self._lock:
+            self.sched.add(req)
+        while req.finished_at is None:
+            self.step()
+        return req
+
+    # ---- the step -----------------------------------------------------------------------------
+    def step(self) -> bool:
+        """One engine step: schedule, execute, update. False if there was nothing to do."""
+        with self._lock:
+            batch = self.sched.schedule(self._prefill_budget())
+        if batch.empty():
+            return False
+        for req in batch.cancelled:
+            self._finish(req, req.finish_reason or "cancelled")
+        if batch.prefill:
+            self._prefill([(r, s, e) for r, s, e in batch.prefill if r.finished_at is None])
+        decode = [r for r in batch.decode if r.finished_at is None and r.slot is not None]
+        if decode:
+            self._guarded(decode, self._decode, decode)
+        return True
+
+    def _prefill_budget(self) -> int | None:
+        """While streams decode, prompt tokens that keep a step within `slowdown` times a plain
+        decode step (measured); None: no limit beyond the scheduler's budget."""
+        if not self.slowdown or self._decode_s is None or self._prefill_tok_s is None:
+            return None
+        if not any(not r.prefilling for r in self.sched.running.values()):
+            return None
+        return max(self.state.page_size, int(self._prefill_tok_s * self._decode_s * (self.slowdown - 1)))
+
+    def _guarded(self, reqs: list[Request], fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception as e:  # a bug or OOM: fail these requests, keep serving
+            log.exception("engine step failed for request(s) %s", [r.id for r in reqs])
+            for req in reqs:
+                if req.finished_at is None:
+                    self._finish(req, "error", error=f"{type(e).__name__}: {e}")
+
+    # ---- prefill ------------------------------------------------------------------------------
+    def _prefill(self, items: list[tuple[Request, int, int]]) -> None:
+        """Restore, give pages, then one varlen forward over every chunk (requests that failed
+        inside a shared forward before run alone, so a fault is charged to its request)."""
+        ready = []
+        for req, start, end in items:
+            try:
+                if not req.restored:
+                    n = end - start
+                    req.restored = True
+                    req.computed = self.kv.restore(req)
+                    if not req.preemptions:
+                        req.cached_tokens = req.computed
+                    start, end = req.computed, min(req.prefill_end, req.computed + n)
+                if self._room(req, end):
+                    ready.append((req, start, end))
+            except Exception as e:  # noqa: BLE001
+                log.exception("prefill set-up failed for request %s", req.id)
+                self._finish(req, "error", error=f"{type(e).__name__}: {e}")
+        shared = [it for it in ready if not it[0].solo]
+        groups = ([shared] if shared else []) + [[it] for it in ready if it[0].solo]
+        for group in groups:
+            try:
+                self._prefill_forward(group)
+            except Exception as e:  # noqa: BLE001
+                if len(group) == 1:
+                    log.exception("prefill failed for request %s", group[0][0].id)
+                    self._finish(group[0][0], "error", error=f"{type(e).__name__}: {e}")
+                    continue
+                log.warning("a shared prefill forward failed (%s: %s); its requests start over, each alone",
+                            type(e).__name__, e)
+                for req, _, _ in group:
+                    self._rewind(req)
+                    req.solo = True
+
+    def _prefill_forward(self, group: list[tuple[Request, int, int]]) -> None:
+        eng, t0 = self.engine, time.perf_counter()
+        segs, captures = [], []
+        for req, start, end in group:
+            toks = req.tokens(0, req.prefill_end)
+            cuts = self.cache.positions(toks, start, end) if self.cache is not None else []
+            # checkpoints inside the chunk are taken by the DeltaNet layers in the same pass
+            capture = self.cache.capture(toks, cuts) if cuts else None
+            captures.append(capture)
+            segs.append((toks[start:end], req.slot, start, capture, end == req.prefill_end))
+        try:
+            logits = eng.prefill_batch(self.state, segs)  # [finishing segments, V] or None
+        except Exception:
+            for c in captures:
+                if c is not None:
+                    c.abort()
+            raise
+        eng.sync()
+        dt, n = time.perf_counter() - t0, sum(e - s for _, s, e in group)
+        self._prefill_tok_s = n / dt if self._prefill_tok_s is None else (1 - EMA) * self._prefill_tok_s + EMA * n / dt
+        if self.metrics:
+            self.metrics.prefill(n, dt)
+        row = 0
+        for req, _, end in group:
+            req.computed = end
+            if end == req.prefill_end:  # the prompt is in: its last logits give the first token
+                lg = logits[row:row + 1]  # [1, V]
+                row += 1
+                picks = self._device_picks([req], lg, [0])
+                host = lg[0].cpu() if self.record_logits or req.id not in picks else None
+                self._guarded([req], self._accept, req, host, picks.get(req.id))
+
+    # ---- decode -------------------------------------------------------------------------------
+    def _decode(self, reqs: list[Request]) -> None:
+        for req in list(reqs):  # a page for each row's next position
+            if req.slot is None or not self._room(req, req.computed + 1):
+                reqs.remove(req)
+        reqs = [r for r in reqs if r.slot is not None and r.finished_at is None]
+        if not reqs:
+            return
+        n = max(r.slot for r in reqs) + 1  # rows [0, n): the decoding slots and any holes
+        tokens = torch.zeros(n, dtype=torch.long)
+        pos = torch.zeros(n, dtype=torch.long)
+        active = torch.zeros(n, dtype=torch.bool)  # rows of idle or mid-prefill slots keep their state
+        for r in reqs:
+            tokens[r.slot] = r.output_ids[-1]
+            pos[r.slot] = r.computed
+            active[r.slot] = True
+        t0 = time.perf_counter()
+        logits = self.decode(tokens, pos, active)  # [>= n, V] on the device
+        picks = self._device_picks(reqs, logits, [r.slot for r in reqs])
+        host = logits.cpu() if self.record_logits or len(picks) < len(reqs) else None
+        dt = time.perf_counter() - t0
+        self._decode_s = dt if self._decode_s is None else (1 - EMA) * self._decode_s + EMA * dt
+        if self.metrics:
+            self.metrics.decode_step(len(reqs), dt)
+        for r in reqs:
+            r.computed += 1
+            self._guarded([r], self._accept, r, host[r.slot] if host is not None else None, picks.get(r.id))
+
+    def _device_picks(self, reqs: list[Request], logits: torch.Tensor, rows: list[int]) -> dict:
+        """Greedy rows are decided where the logits are; only the others copy theirs over."""
+        greedy = [(r, row) for r, row in zip(reqs, rows) if r.sampling.temperature == 0 and not r.forcing()]
+        if not greedy:
+            return {}
+        top = max(r.sampling.top_logprobs for r, _ in greedy)
+        picks = greedy_rows(logits, [row for _, row in greedy], top)
+        return {r.id: (tok, lp, tops[:r.sampling.top_logprobs]) for (r, _), (tok, lp, tops) in zip(greedy, picks)}
+
+    # ---- pages and preemption -------------------------------------------------------------------
+    def _room(self, req: Request, tokens: int) -> bool:
+        """Pages for positions [0, tokens) of `req`. When the pool is out, the latest-arrived
+        running request is preempted (req itself, if it is the latest). False if req lost
+        its slot (preempted) or failed."""
+        while True:
+            try:
+                self.kv.grow(req, tokens)
+                return True
+            except PagesExhausted:
+                others = [r for r in self.sched.running.values() if r is not req]
+                if not others:
+                    self._finish(req, "error", error=(
+                        f"the request needs {self.state.pages.pages_for(tokens)} KV pages and the pool holds "
+                        f"{self.state.pages.num_pages - 1}; raise --kv-cache-tokens or --vram-budget"))
+                    return False
+                victim = max(others + [req], key=lambda r: r.arrival)
+                self._preempt(victim)
+                if victim is req:
+                    return False
+
+    def _rewind(self, req: Request) -> None:
+        """Drop a request's computed state; it prefills everything it has again."""
+        self.kv.release(req, None)
+        req.computed, req.restored = 0, False
+        req.prefill_end = req.length if req.output_ids else len(req.prompt_ids)
+
+    def _preempt(self, req: Request) -> None:
+        log.info("KV pool full: preempting request %s (%d tokens, recomputed when it runs again)",
+                 req.id, req.computed)
+        self._rewind(req)
+        req.preemptions += 1
+        with self._lock:
+            self.sched.preempt(req)
+
+    # ---- update -------------------------------------------------------------------------------
+    def _accept(self, req: Request, logits: torch.Tensor | None, pick: tuple | None = None) -> None:
+        """Sample the next token of `req` (or take `pick`, chosen on the device), emit it,
+        finish the request if it is done."""
+        s = req.sampling
+        if req.forcing():  # a forced token, with its log-probability under the model
+            tok = s.forced[req.forced_next]
+            req.forced_next += 1
+            lsm = torch.log_softmax(logits.float(), -1)
+            pick = tok, float(lsm[tok]), top_entries(lsm, s.top_logprobs)
+        elif pick is None:
+            pick = sample(logits, SamplingParams(s.temperature, s.top_p, s.top_k), self._gens.get(req.id),
+                          s.top_logprobs)
+        tok, lp, tops = pick
+        if tok == s.forced_after:
+            req.forced_armed = True
+        if req.first_token_at is None:
+            req.first_token_at = time.monotonic()
+        if self.record_logits:
+            req.logits.append(logits.detach().float().cpu().clone())
+        if s.top_logprobs:
+            req.top_logprobs.append(tops)
+        req.output_ids.append(tok)
+        req.logprobs.append(lp)
+        if self.cache is not None:  # the state holds tokens [0, computed): checkpoint that boundary?
+            seq = _Joined(req.prompt_ids, req.output_ids)  # no per-token copy of the whole context
+            c = req.computed
+            if self.cache.positions(seq, c - 1, c):
+                self.cache.save(req.tokens(0, c), req.slot)
+        reason = None
+        if (not s.ignore_eos and tok in self.engine.eos_ids) or tok in s.stop_token_ids:
+            reason = "stop"
+        elif len(req.output_ids) >= s.max_tokens or req.length >= self.max_len:
+            reason = "length"
+        self.emit(req, TokenEvent(req.id, [tok], [lp]))
+        if reason:
+            self._finish(req, reason)
+
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        ok = error is None and reason != "error" and req.slot is not None
+        try:
+            # the pages hold K/V of tokens [0, computed) unless something failed midway
+            self.kv.release(req, req.tokens(0, req.computed) if ok and req.computed else None)
+        finally:
+            with self._lock:
+                self.sched.finish(req)
+            req.finish_reason = req.finish_reason or reason
+            req.error = req.error or error
+            req.finished_at = time.monotonic()
+            self.emit(req, TokenEvent(req.id, [], [], finish_reason=req.finish_reason, error=req.error))
+            self._gens.pop(req.id, None)
+            if self.metrics:
+                self.metrics.finished(req)
+
+
+class _Joined:
+    """Read-only view of prompt + output (indexing and len only)."""
+
+    __slots__ = ("a", "b")
+
+    def __init__(self, a: list[int], b: list[int]):
+        self.a, self.b = a, b
+
+    def __len__(self) -> int:
+        return len(self.a) + len(self.b)
+
+    def __getitem__(self, i: int) -> int:
+        n = len(self.a)
+        return self.a[i] if i < n else self.b[i - n]
