@@ -3,6 +3,7 @@ response (non-streaming) that says the server is shutting down, and the server e
 import json
 import signal
 import threading
+import time
 
 import httpx
 
@@ -32,6 +33,12 @@ def test_sigterm_ends_requests_in_flight_with_an_error():
         assert started.wait(120)
         t2 = threading.Thread(target=queued)
         t2.start()
+        for _ in range(600):  # the second request is in the server's queue before the signal
+            if "freetoken_queue_depth 1.0" in httpx.get(srv.url + "/metrics", timeout=10).text:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the second request never reached the queue")
         srv.proc.send_signal(signal.SIGTERM)
         t1.join(60)
         t2.join(60)

@@ -41,9 +41,9 @@ class DecodeRunner:
         dev = model.device
         self.sizes = batch_sizes(rows)
         self.graphs = graphs and dev.type == "cuda"
-        self.tokens = torch.zeros(rows, dtype=torch.long, device=dev)  # [rows] static inputs
-        self.pos = torch.zeros(rows, dtype=torch.long, device=dev)
-        self.active = torch.zeros(rows, dtype=torch.bool, device=dev)
+        # static inputs, one upload per step: token, position and running flag of each row
+        self.inputs = torch.zeros(3, rows, dtype=torch.long, device=dev)  # [3, rows]
+        self._host = torch.zeros(3, rows, dtype=torch.long, pin_memory=dev.type == "cuda")
         self._captured: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     @property
@@ -56,7 +56,7 @@ class DecodeRunner:
         if not self.graphs:
             return
         pool = torch.cuda.graph_pool_handle()
-        self.active.zero_()
+        self.inputs.zero_()  # every row idle: warm-up and capture change no state
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -80,17 +80,18 @@ class DecodeRunner:
         log.info("captured decode graphs for batch sizes %s", self.sizes)
 
     def _eager(self, b: int) -> torch.Tensor:
-        return self.model.decode(self.tokens[:b], self.state, self.pos[:b], self.active[:b])
+        x = self.inputs[:, :b]
+        return self.model.decode(x[0], self.state, x[1], x[2] != 0)
 
-    def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
-        """tokens, pos, active: [n] host tensors for rows 0..n-1 -> logits [>= n, V] on the
-        device (rows past n are not meaningful). The result may be overwritten by the next call."""
-        n = tokens.shape[0]
+    def __call__(self, tokens: list[int], pos: list[int], active: list[bool]) -> torch.Tensor:
+        """tokens, pos, active: rows 0..n-1 (rows not decoding: active False) -> logits
+        [>= n, V] on the device (rows past n are not meaningful). The result may be
+        overwritten by the next call; the caller reads it (a sync) before the next one."""
+        n = len(tokens)
         b = next(s for s in self.sizes if s >= n)
-        self.tokens[:n].copy_(tokens, non_blocking=True)
-        self.pos[:n].copy_(pos, non_blocking=True)
-        self.active[:n].copy_(active, non_blocking=True)
-        self.active[n:b].zero_()
+        self._host[:, :b].zero_()
+        self._host[:, :n] = torch.tensor([tokens, pos, active], dtype=torch.long)
+        self.inputs[:, :b].copy_(self._host[:, :b], non_blocking=True)
         hit = self._captured.get(b)
         if hit is not None:
             hit[0].replay()

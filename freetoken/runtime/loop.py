@@ -218,13 +218,9 @@ class EngineLoop:
         if not reqs:
             return
         n = max(r.slot for r in reqs) + 1  # rows [0, n): the decoding slots and any holes
-        tokens = torch.zeros(n, dtype=torch.long)
-        pos = torch.zeros(n, dtype=torch.long)
-        active = torch.zeros(n, dtype=torch.bool)  # rows of idle or mid-prefill slots keep their state
+        tokens, pos, active = [0] * n, [0] * n, [False] * n  # idle or mid-prefill rows keep their state
         for r in reqs:
-            tokens[r.slot] = r.output_ids[-1]
-            pos[r.slot] = r.computed
-            active[r.slot] = True
+            tokens[r.slot], pos[r.slot], active[r.slot] = r.output_ids[-1], r.computed, True
         t0 = time.perf_counter()
         logits = self.decode(tokens, pos, active)  # [>= n, V] on the device
         picks = self._device_picks(reqs, logits, [r.slot for r in reqs])

@@ -60,14 +60,21 @@ def top_entries(logprobs: torch.Tensor, n: int) -> list[tuple[int, float]]:
 
 def greedy_rows(logits: torch.Tensor, rows: list[int], top_n: int = 0):
     """Greedy picks for `rows` of logits [B, V], computed where the logits are (one batched
-    argmax and log_softmax on the GPU) so only a few numbers per row cross to the host.
-    -> [(token id, logprob, top_n most likely [(id, logprob)])] per row."""
-    sel = logits[rows].float()  # [R, V]
+    argmax and log_softmax on the GPU) so only a few numbers per row cross to the host, in one
+    transfer. -> [(token id, logprob, top_n most likely [(id, logprob)])] per row."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        sel = logits[rows[0]:rows[0] + len(rows)].float()  # [R, V] a view: no index upload
+    else:
+        sel = logits[torch.tensor(rows, device=logits.device)].float()
     lsm = torch.log_softmax(sel, -1)  # [R, V]
-    tok = sel.argmax(-1)  # [R]
-    lp = lsm.gather(1, tok[:, None])[:, 0]  # [R]
-    tops = [[] for _ in rows]
+    tok = sel.argmax(-1, keepdim=True)  # [R, 1]
+    parts = [tok.double(), lsm.gather(1, tok).double()]  # ids < 2^53 are exact in float64
     if top_n > 0:
         v, i = torch.topk(lsm, min(top_n, lsm.shape[1]), dim=-1)  # [R, n]
-        tops = [list(zip(a, b)) for a, b in zip(i.tolist(), v.tolist())]
-    return list(zip(tok.tolist(), lp.tolist(), tops))
+        parts += [i.double(), v.double()]
+    host = torch.cat(parts, 1).tolist()  # [R, 2 (+ 2n)]: the one sync
+    out = []
+    for row in host:
+        n = (len(row) - 2) // 2
+        out.append((int(row[0]), row[1], [(int(a), b) for a, b in zip(row[2:2 + n], row[2 + n:])]))
+    return out

@@ -132,19 +132,21 @@ def pin_in_place(tensors, min_bytes: int = 1 << 20) -> bool:
     if not torch.cuda.is_available():
         return False
     cudart = torch.cuda.cudart()
-    ok = True
+    ok, errors = True, set()
     for t in tensors:
         n = t.numel() * t.element_size()
-        if n < min_bytes or t.is_pinned() or t.data_ptr() % ALIGN:
+        if n < min_bytes or t.data_ptr() % ALIGN:
             continue
         err = cudart.cudaHostRegister(t.data_ptr(), align_up(n), 0)
         if int(err) != 0:
             ok = False
+            errors.add(str(err))
             torch.cuda.cudart().cudaGetLastError()  # do not leave the error for the next call
         else:
             # unregister before the memory goes back to the allocator: a stale registration
             # over freed (and later reused) pages breaks every copy from them
             weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
     if not ok:
-        log.warning("could not pin every host bank; transfers from them will be slower")
+        log.warning("could not pin every host bank (cudaHostRegister: %s); transfers from them will be "
+                    "slower", ", ".join(sorted(errors)))
     return ok
