@@ -40,13 +40,14 @@ def test_batched_steps_match_each_request_alone(tmp_path):
     arrive = [0, 2, 3, 3]
     batched = ServingEngine(eng, max_batch=3, max_queue=4, record_logits=True, start=False, page_size=8)
     assert batched.decode.path == "eager"
-    segments, real = [], eng.prefill_batch
+    segments, real, real_mixed = [], eng.prefill_batch, eng.forward_mixed
     eng.prefill_batch = lambda st, segs: segments.append(len(segs)) or real(st, segs)
+    eng.forward_mixed = lambda st, *rows, segs=None: segments.append(len(rows[-1]) + 1) or real_mixed(st, *rows)
     try:
         together = run_all(batched, prompts, arrive)
     finally:
-        del eng.prefill_batch
-    assert max(segments) >= 2  # several prompts shared a forward
+        del eng.prefill_batch, eng.forward_mixed
+    assert max(segments) >= 2  # several prompts (or prompts and decode rows) shared a forward
     for p, got in zip(prompts, together):
         alone = run_all(ServingEngine(eng, max_batch=1, max_queue=1, record_logits=True, start=False), [p], [0])[0]
         assert got.output_ids == alone.output_ids

@@ -66,8 +66,11 @@ def test_production_configs_match_transformers(model_and_ftw, dtype, experts):
     ref_bf16 = hf_models.reference_logits(copy.deepcopy(model).to(torch.bfloat16), seq[:-1])
     # bf16 rounding is the reference's too: no further from fp32 than transformers in bf16
     assert rel(got, ref) <= 1.5 * rel(ref_bf16, ref) + 1e-2
-    agree = (got.float().cpu().argmax(-1) == ref.argmax(-1)).float().mean()
-    assert agree >= 0.9
+    # greedy choices flip against fp32 where the top two logits nearly tie (a small random
+    # model has many such positions); about as often as transformers' own bf16 flips
+    flips = int((got.float().cpu().argmax(-1) != ref.argmax(-1)).sum())
+    ref_flips = int((ref_bf16.argmax(-1) != ref.argmax(-1)).sum())
+    assert flips <= max(2 * ref_flips, ref_flips + 3), (flips, ref_flips, len(ref))
 
 
 def _serve(eng, graphs, prompts, arrive):

@@ -104,24 +104,38 @@ def test_seeded_requests_are_reproducible_with_a_running_engine_thread(eng):
     assert all(o == outs[0] for o in outs) and len(outs[0]) == 8
 
 
-def test_failing_prefill_fails_only_its_request(eng):
-    """The faulty prompt shares a varlen forward with another: both start over alone, and
-    only the faulty one fails."""
-    ps = prompts(eng, (30, 50, 9), seed=3)
-    ref = drive(ServingEngine(eng, max_batch=3, max_queue=4, start=False), [greedy(p) for p in ps])
-    srv = ServingEngine(eng, max_batch=3, max_queue=4, start=False)
-    real, bad, calls = eng.prefill_batch, ps[1], []
+def _inject(eng, bad, calls):
+    """Make every forward that holds a chunk of the prompt `bad` raise (both forward kinds)."""
+    def faulty(toks):
+        return toks[:5] == bad[:5] or toks == bad[-len(toks):]
+    real_batch, real_mixed = eng.prefill_batch, eng.forward_mixed
 
     def prefill_batch(st, segs):
         calls.append(len(segs))
-        if any(toks[:5] == bad[:5] or toks == bad[-len(toks):] for toks, *_ in segs):
+        if any(faulty(seg[0]) for seg in segs):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
-        return real(st, segs)
-    eng.prefill_batch = prefill_batch
+        return real_batch(st, segs)
+
+    def forward_mixed(st, tokens, pos, active, segs):
+        calls.append(len(segs) + 1)
+        if any(faulty(seg[0]) for seg in segs):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
+        return real_mixed(st, tokens, pos, active, segs)
+    eng.prefill_batch, eng.forward_mixed = prefill_batch, forward_mixed
+
+
+def test_failing_prefill_fails_only_its_request(eng):
+    """The faulty prompt shares a forward with others (prompt chunks, decode rows): they all
+    start over alone, only the faulty one fails, and the others' outputs are unchanged."""
+    ps = prompts(eng, (30, 50, 9), seed=3)
+    ref = drive(ServingEngine(eng, max_batch=3, max_queue=4, start=False), [greedy(p) for p in ps])
+    srv = ServingEngine(eng, max_batch=3, max_queue=4, start=False)
+    calls = []
+    _inject(eng, ps[1], calls)
     try:
         reqs = drive(srv, [greedy(p) for p in ps], arrive=[0, 1, 1])
     finally:
-        del eng.prefill_batch
+        del eng.prefill_batch, eng.forward_mixed
     assert max(calls) >= 2  # the faulty prompt was in a shared forward first
     assert reqs[1].finish_reason == "error" and reqs[1].output_ids == [] and "out of memory" in reqs[1].error
     for i in (0, 2):
@@ -130,21 +144,21 @@ def test_failing_prefill_fails_only_its_request(eng):
     assert srv.state.pages.used == 0  # and every page
 
 
-def test_failing_decode_step_spares_prefilling_requests(eng):
+def test_failing_decode_step_fails_its_rows_only(eng):
     ps = prompts(eng, (10, 80), seed=4)
     ref = drive(ServingEngine(eng, max_batch=2, max_queue=4, start=False), [greedy(p) for p in ps])
     srv = ServingEngine(eng, max_batch=2, max_queue=4, start=False)
     real, calls = srv.decode, []
 
-    def decode(*a):
+    def decode(*a):  # decode-only forwards: the first one fails
         calls.append(1)
-        if len(calls) == 2:
+        if len(calls) == 1:
             raise RuntimeError("injected decode failure")
         return real(*a)
     srv.decode = decode
-    reqs = drive(srv, [greedy(p) for p in ps], arrive=[0, 1])
-    # request 0 was the only one decoding at the failing step; request 1 was still prefilling
-    assert reqs[0].finish_reason == "error" and len(reqs[0].output_ids) == 2
+    reqs = drive(srv, [greedy(p) for p in ps], arrive=[0, 4])
+    # request 0 decodes alone at step 1 and fails there; request 1 arrives later and is served
+    assert reqs[0].finish_reason == "error" and len(reqs[0].output_ids) == 1
     assert reqs[1].finish_reason == "length" and reqs[1].output_ids == ref[1].output_ids
 
 

@@ -16,7 +16,7 @@ shared expert) whatever the placement.
 """
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -165,15 +165,3 @@ class TorchExpertExecutor(ExpertExecutor):
         y = torch.bmm(self.down[flat].to(x.dtype), h[:, :, None])[..., 0]  # [T*k, H]
         y = y * weights.reshape(-1, 1).to(x.dtype) * keep
         return y.view(t, k, -1).sum(1)
-
-
-class BackgroundLaunch:
-    """Runs an executor's synchronous `run` on one worker thread, so `launch` returns at once
-    and the caller computes (the shared expert, the GPU path) while it works. For executors
-    whose kernel releases the GIL (the C++ pool)."""
-
-    def __init__(self):
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="ft-experts")
-
-    def submit(self, fn, *args) -> Pending:
-        return Pending(future=self._worker.submit(fn, *args))

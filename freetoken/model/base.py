@@ -116,6 +116,28 @@ class DecoderModel:
         return lm_head(h[rows], self.lm_head).float()
 
     @torch.inference_mode()
+    def forward_mixed(self, dec_tokens: torch.Tensor, st: DecodeState, pos: torch.Tensor, active: torch.Tensor,
+                      pre_tokens: torch.Tensor, segs: list) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A decode step and prompt chunks in one forward (eager steps: the dense layers and the
+        experts pay their fixed cost once for both). Rows 0..B-1 decode as in decode() (rows =
+        slots, `active` masks the others); then the chunks as in prefill_batch().
+        -> (decode logits [B, V], logits of the segments asking for them [S, V] or None)."""
+        b = dec_tokens.shape[0]
+        x = self.embed[torch.cat([dec_tokens, pre_tokens])].to(self.dtype)  # [B + N, H]
+        ends = (torch.tensor([s[2] for s in segs]).cumsum(0) + b).tolist()
+        bounds = list(zip([b] + ends[:-1], ends))
+
+        def mix(m, h):
+            return torch.cat([m.decode(h[:b], st, pos, active)] +
+                             [m.prefill(h[lo:hi], st, slot, start, capture)
+                              for (lo, hi), (slot, start, _, capture, _) in zip(bounds, segs)])
+        routed = torch.cat([active, torch.ones(x.shape[0] - b, dtype=torch.bool, device=x.device)])
+        h = self._stack(x, mix, "prefill", routed)
+        rows = list(range(b)) + [hi - 1 for (_, hi), seg in zip(bounds, segs) if seg[4]]
+        logits = lm_head(h[rows], self.lm_head).float()  # [B + S, V]
+        return logits[:b], (logits[b:] if len(rows) > b else None)
+
+    @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, st: DecodeState, pos: torch.Tensor,
                active: torch.Tensor | None = None) -> torch.Tensor:
         """tokens, pos: [B] (one per slot) -> logits [B, V]. Static shapes for a given B: no

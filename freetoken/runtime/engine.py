@@ -211,6 +211,16 @@ class Engine:
         return self.model.prefill_batch(tokens, st, [(slot, start, len(toks), cap, want)
                                                      for toks, slot, start, cap, want in segs])
 
+    def forward_mixed(self, st: DecodeState, tokens: list[int], pos: list[int], active: list[bool],
+                      segs: list) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Decode rows and prompt chunks in one forward (model.forward_mixed); segs as for
+        prefill_batch."""
+        dev = self.device
+        pre = torch.tensor([t for seg in segs for t in seg[0]], dtype=torch.long, device=dev)
+        return self.model.forward_mixed(
+            torch.tensor(tokens, device=dev), st, torch.tensor(pos, device=dev), torch.tensor(active, device=dev),
+            pre, [(slot, start, len(toks), cap, want) for toks, slot, start, cap, want in segs])
+
     def generate(self, prompt_ids: list[int], max_tokens: int, params: SamplingParams | None = None,
                  stop_at_eos: bool = True) -> Generation:
         """One request through the same engine step as the server (a one-slot serving loop

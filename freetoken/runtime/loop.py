@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 
 import torch
 
@@ -27,7 +28,23 @@ from .sampler import SamplingParams, greedy_rows, sample, top_entries
 from .scheduler import Scheduler
 
 log = logging.getLogger("freetoken.serving")
-EMA = 0.2  # weight of the newest step in the step-time averages
+EMA = 0.2  # weight of the newest step in the decode step-time average
+MIN_PREFILL = 32  # prompt tokens a step takes at least, whatever the latency budget says
+
+
+def affine_fit(costs) -> tuple[float, float]:
+    """(fixed seconds, seconds per token) of forwards [(tokens, seconds)], least squares; with
+    too little spread in sizes, all of the time is charged per token (an upper bound)."""
+    n = [c[0] for c in costs]
+    t = [c[1] for c in costs]
+    mn, mt = sum(n) / len(n), sum(t) / len(t)
+    var = sum((x - mn) ** 2 for x in n)
+    if var > 0:
+        b = sum((x - mn) * (y - mt) for x, y in zip(n, t)) / var
+        a = mt - b * mn
+        if b > 0 and a >= 0:
+            return a, b
+    return 0.0, max(sum(t) / max(sum(n), 1), 1e-9)
 
 
 class EngineLoop:
@@ -54,10 +71,12 @@ class EngineLoop:
         self.cache = cache.build(engine, self.state, ckpt) if use_cache else None
         self.kv = KVSpace(self.state, self.cache)
         self.decode = self._decode_runner(engine)
+        self.mixed = self.decode.path == "eager"  # decode rows and prompt chunks share a forward
         step_tokens = ecfg.max_step_tokens or (2048 if engine.device.type == "cuda" else 512)
         self.sched = Scheduler(max_batch, max_queue, ecfg.prefill_chunk, step_tokens)
         self.slowdown = ecfg.decode_slowdown
-        self._decode_s = self._prefill_tok_s = None  # step-time averages (EMA)
+        self._decode_s = None  # decode step time (EMA)
+        self._costs: deque[tuple[int, float]] = deque(maxlen=32)  # (tokens, seconds) of recent forwards
         self._lock = threading.Lock()  # the scheduler's queues are shared with the submitting thread
         self._gens: dict[int, torch.Generator | None] = {}
 
@@ -110,42 +129,55 @@ class EngineLoop:
 
     # ---- the step -----------------------------------------------------------------------------
     def step(self) -> bool:
-        """One engine step: schedule, execute, update. False if there was nothing to do."""
+        """One engine step: schedule, execute, update. False if there was nothing to do.
+
+        With graphs, decode is its own replayed forward and prompt chunks a varlen forward
+        beside it; eager (the CPU), both go through one forward, so the layers' fixed cost
+        (the experts above all) is paid once and decoding streams barely slow down."""
         with self._lock:
             batch = self.sched.schedule(self._prefill_budget())
         if batch.empty():
             return False
         for req in batch.cancelled:
             self._finish(req, req.finish_reason or "cancelled")
-        if batch.prefill:
-            self._prefill([(r, s, e) for r, s, e in batch.prefill if r.finished_at is None])
-        decode = [r for r in batch.decode if r.finished_at is None and r.slot is not None]
+        groups = self._prepare_prefill([(r, s, e) for r, s, e in batch.prefill if r.finished_at is None])
+        decode = self._prepare_decode([r for r in batch.decode if r.finished_at is None and r.slot is not None])
+        groups = [g for g in groups if all(r.restored and r.slot is not None for r, _, _ in g)]  # not preempted since
+        if decode and groups and self.mixed and not groups[0][0][0].solo:
+            self._run(groups[0], decode)
+            groups, decode = groups[1:], []
+        for group in groups:
+            self._run(group, [])
         if decode:
-            self._guarded(decode, self._decode, decode)
+            self._run([], decode)
         return True
 
     def _prefill_budget(self) -> int | None:
         """While streams decode, prompt tokens that keep a step within `slowdown` times a plain
-        decode step (measured); None: no limit beyond the scheduler's budget."""
-        if not self.slowdown or self._decode_s is None or self._prefill_tok_s is None:
+        decode step; None: no limit beyond the scheduler's budget. A forward costs a fixed
+        part (launches, weights read once, the DeltaNet chunk padding) plus a part per token,
+        fitted to the recent forwards: a rate alone would read the fixed part of small chunks
+        as slowness and shrink the budget to nothing."""
+        if not self.slowdown or self._decode_s is None or len(self._costs) < 2:
             return None
-        if not any(not r.prefilling for r in self.sched.running.values()):
+        rows = sum(not r.prefilling for r in self.sched.running.values())
+        if not rows:
             return None
-        return max(self.state.page_size, int(self._prefill_tok_s * self._decode_s * (self.slowdown - 1)))
+        fixed, per_token = affine_fit(self._costs)
+        if self.mixed:  # one forward: decode rows and prompt tokens share the fixed part
+            room = self.slowdown * self._decode_s - fixed - per_token * rows
+            floor = MIN_PREFILL
+        else:  # a prefill forward of its own after the decode step: it pays its fixed part in
+            # full, so a chunk at least as costly as that part keeps prefill half efficient
+            room = (self.slowdown - 1) * self._decode_s - fixed
+            floor = max(MIN_PREFILL, int(fixed / per_token))
+        return max(floor, int(room / per_token) if room > 0 else 0)
 
-    def _guarded(self, reqs: list[Request], fn, *args) -> None:
-        try:
-            fn(*args)
-        except Exception as e:  # a bug or OOM: fail these requests, keep serving
-            log.exception("engine step failed for request(s) %s", [r.id for r in reqs])
-            for req in reqs:
-                if req.finished_at is None:
-                    self._finish(req, "error", error=f"{type(e).__name__}: {e}")
-
-    # ---- prefill ------------------------------------------------------------------------------
-    def _prefill(self, items: list[tuple[Request, int, int]]) -> None:
-        """Restore, give pages, then one varlen forward over every chunk (requests that failed
-        inside a shared forward before run alone, so a fault is charged to its request)."""
+    # ---- before the forward ---------------------------------------------------------------------
+    def _prepare_prefill(self, items: list[tuple[Request, int, int]]) -> list[list[tuple[Request, int, int]]]:
+        """Restore and give pages; -> forward groups: every chunk in one varlen group, except
+        requests that failed inside a shared forward before, which run alone (so a fault is
+        charged to its request)."""
         ready = []
         for req, start, end in items:
             try:
@@ -162,24 +194,43 @@ class EngineLoop:
                 log.exception("prefill set-up failed for request %s", req.id)
                 self._finish(req, "error", error=f"{type(e).__name__}: {e}")
         shared = [it for it in ready if not it[0].solo]
-        groups = ([shared] if shared else []) + [[it] for it in ready if it[0].solo]
-        for group in groups:
-            try:
-                self._prefill_forward(group)
-            except Exception as e:  # noqa: BLE001
-                if len(group) == 1:
-                    log.exception("prefill failed for request %s", group[0][0].id)
-                    self._finish(group[0][0], "error", error=f"{type(e).__name__}: {e}")
-                    continue
-                log.warning("a shared prefill forward failed (%s: %s); its requests start over, each alone",
-                            type(e).__name__, e)
-                for req, _, _ in group:
-                    self._rewind(req)
-                    req.solo = True
+        return ([shared] if shared else []) + [[it] for it in ready if it[0].solo]
 
-    def _prefill_forward(self, group: list[tuple[Request, int, int]]) -> None:
+    def _prepare_decode(self, reqs: list[Request]) -> list[Request]:
+        for req in list(reqs):  # a page for each row's next position
+            if req.slot is None or not self._room(req, req.computed + 1):
+                reqs.remove(req)
+        return [r for r in reqs if r.slot is not None and r.finished_at is None]
+
+    # ---- the forward and what follows -------------------------------------------------------------
+    def _run(self, group: list[tuple[Request, int, int]], decode: list[Request]) -> None:
+        """One forward: prompt chunks (`group`), decode rows, or both. A failure of a forward
+        that holds one prompt chunk alone fails that request; of decode rows alone, those rows;
+        otherwise every request in it starts over alone (its state may be half updated)."""
+        captures = []
+        try:
+            self._forward(group, decode, captures)
+        except Exception as e:  # noqa: BLE001
+            for c in captures:
+                if c is not None:
+                    c.abort()
+            reqs = [r for r, _, _ in group] + decode
+            if len(group) + bool(decode) == 1 and (decode or len(group) == 1):
+                log.exception("engine step failed for request(s) %s", [r.id for r in reqs])
+                for r in reqs:
+                    if r.finished_at is None:
+                        self._finish(r, "error", error=f"{type(e).__name__}: {e}")
+                return
+            log.warning("a shared forward failed (%s: %s); its requests start over, each alone",
+                        type(e).__name__, e)
+            for r in reqs:
+                if r.finished_at is None:
+                    self._rewind(r)
+                    r.solo = True
+
+    def _forward(self, group, decode, captures) -> None:
         eng, t0 = self.engine, time.perf_counter()
-        segs, captures = [], []
+        segs = []
         for req, start, end in group:
             toks = req.tokens(0, req.prefill_end)
             cuts = self.cache.positions(toks, start, end) if self.cache is not None else []
@@ -187,51 +238,56 @@ class EngineLoop:
             capture = self.cache.capture(toks, cuts) if cuts else None
             captures.append(capture)
             segs.append((toks[start:end], req.slot, start, capture, end == req.prefill_end))
-        try:
-            logits = eng.prefill_batch(self.state, segs)  # [finishing segments, V] or None
-        except Exception:
-            for c in captures:
-                if c is not None:
-                    c.abort()
-            raise
+        rows = (tokens, pos, active) = self._decode_rows(decode) if decode else ([], [], [])
+        if decode and group:
+            dec_logits, pre_logits = eng.forward_mixed(self.state, *rows, segs)
+        elif decode:
+            dec_logits, pre_logits = self.decode(tokens, pos, active), None  # [>= n, V] on the device
+        else:
+            dec_logits, pre_logits = None, eng.prefill_batch(self.state, segs)  # [finishing, V] or None
+        # greedy rows are decided on the device: only the others copy their logits over
+        picks = self._device_picks(decode, dec_logits, [r.slot for r in decode]) if decode else {}
+        host = dec_logits.cpu() if decode and (self.record_logits or len(picks) < len(decode)) else None
         eng.sync()
-        dt, n = time.perf_counter() - t0, sum(e - s for _, s, e in group)
-        self._prefill_tok_s = n / dt if self._prefill_tok_s is None else (1 - EMA) * self._prefill_tok_s + EMA * n / dt
-        if self.metrics:
-            self.metrics.prefill(n, dt)
+        dt, n_pre = time.perf_counter() - t0, sum(e - s for _, s, e in group)
+        if decode:
+            if not group:
+                self._decode_s = dt if self._decode_s is None else (1 - EMA) * self._decode_s + EMA * dt
+            if self.metrics:
+                self.metrics.decode_step(len(decode), dt)
+        if group:
+            if self.metrics:
+                self.metrics.prefill(n_pre, dt)
+        if group or self.mixed:  # the cost model of forwards that carry prompt tokens
+            self._costs.append((n_pre + len(tokens), dt))
+        for r in decode:
+            r.computed += 1
+            self._guarded([r], self._accept, r, host[r.slot] if host is not None else None, picks.get(r.id))
         row = 0
         for req, _, end in group:
             req.computed = end
             if end == req.prefill_end:  # the prompt is in: its last logits give the first token
-                lg = logits[row:row + 1]  # [1, V]
+                lg = pre_logits[row:row + 1]  # [1, V]
                 row += 1
-                picks = self._device_picks([req], lg, [0])
-                host = lg[0].cpu() if self.record_logits or req.id not in picks else None
-                self._guarded([req], self._accept, req, host, picks.get(req.id))
+                pk = self._device_picks([req], lg, [0])
+                self._guarded([req], self._accept, req,
+                              lg[0].cpu() if self.record_logits or req.id not in pk else None, pk.get(req.id))
 
-    # ---- decode -------------------------------------------------------------------------------
-    def _decode(self, reqs: list[Request]) -> None:
-        for req in list(reqs):  # a page for each row's next position
-            if req.slot is None or not self._room(req, req.computed + 1):
-                reqs.remove(req)
-        reqs = [r for r in reqs if r.slot is not None and r.finished_at is None]
-        if not reqs:
-            return
+    def _decode_rows(self, reqs: list[Request]):
         n = max(r.slot for r in reqs) + 1  # rows [0, n): the decoding slots and any holes
         tokens, pos, active = [0] * n, [0] * n, [False] * n  # idle or mid-prefill rows keep their state
         for r in reqs:
             tokens[r.slot], pos[r.slot], active[r.slot] = r.output_ids[-1], r.computed, True
-        t0 = time.perf_counter()
-        logits = self.decode(tokens, pos, active)  # [>= n, V] on the device
-        picks = self._device_picks(reqs, logits, [r.slot for r in reqs])
-        host = logits.cpu() if self.record_logits or len(picks) < len(reqs) else None
-        dt = time.perf_counter() - t0
-        self._decode_s = dt if self._decode_s is None else (1 - EMA) * self._decode_s + EMA * dt
-        if self.metrics:
-            self.metrics.decode_step(len(reqs), dt)
-        for r in reqs:
-            r.computed += 1
-            self._guarded([r], self._accept, r, host[r.slot] if host is not None else None, picks.get(r.id))
+        return tokens, pos, active
+
+    def _guarded(self, reqs: list[Request], fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception as e:  # a bug: fail these requests, keep serving
+            log.exception("engine step failed for request(s) %s", [r.id for r in reqs])
+            for req in reqs:
+                if req.finished_at is None:
+                    self._finish(req, "error", error=f"{type(e).__name__}: {e}")
 
     def _device_picks(self, reqs: list[Request], logits: torch.Tensor, rows: list[int]) -> dict:
         """Greedy rows are decided where the logits are; only the others copy theirs over."""

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from ..executor import BackgroundLaunch, ExpertExecutor, Pending, reference_experts
+from ..executor import ExpertExecutor, Pending, reference_experts
 from ...errors import notice
 from ...paths import cache_dir, file_lock
 
@@ -92,10 +92,7 @@ def physical_cores() -> list[int]:
 class CpuExpertExecutor(ExpertExecutor):
     """Runs routed experts from host banks. Returns results on x's device and dtype.
 
-    With the model on a GPU (the CPU-only MoE backend), `launch` copies the activations to the
-    host in stream order and hands the C++ call to a worker thread (the kernel releases the
-    GIL), so the shared expert and the next GPU work are queued while the CPU computes; with
-    the model on the CPU the call is synchronous (the pool already uses every core)."""
+    `launch` runs the call (the result is ready at `finish`)."""
 
     name = "cpu"
     needs_pinned_staging = True
@@ -113,24 +110,16 @@ class CpuExpertExecutor(ExpertExecutor):
         self.isa = ISA_NAMES[ext.isa(self.handle)] if ext is not None else "torch"
         # "cpp": the C++ thread pool; "torch-fallback": it could not be built (slower, warned once)
         self.backend = "cpp" if ext is not None else "torch-fallback"
-        self._background = BackgroundLaunch()
         self.calls = self.pairs = 0
 
     def launch(self, x, ids, weights, layer: int = 0, phase: str = "decode") -> Pending:
+        # Synchronous for now: handing the call to a Python worker thread (the GIL-free C++
+        # kernel would allow it) made the H200's CPU-only decode 2x and its prefill 12x slower
+        # (benchmarks/results/decode-gpu.json of 671cdb0); the asynchronous CPU branch is the
+        # expert-cache issue's, through doorbells inside the decode graph.
         self.calls += 1
         self.pairs += ids.numel()
-        if not x.is_cuda:
-            return Pending(out=self.run(x, ids, weights, phase))
-        # device -> host in stream order, before the caller queues more GPU work behind it
-        host = [t.to("cpu", non_blocking=True) for t in (x, ids, weights)]
-        done = torch.cuda.Event()
-        done.record()
-        dev, dtype = x.device, x.dtype
-
-        def work():
-            done.synchronize()
-            return self.run(*host, phase).to(dev, dtype)
-        return self._background.submit(work)
+        return Pending(out=self.run(x, ids, weights, phase))
 
     def run(self, x, ids, weights, phase):
         src_dev, src_dtype = x.device, x.dtype

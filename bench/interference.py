@@ -1,0 +1,150 @@
+"""What a long prompt does to everyone else: inter-token latency of streams that are decoding,
+and the time to first token of a short request, while a long prompt prefills.
+
+Drives the engine loop in this thread (EngineLoop.step(), what `ft serve` runs) and stamps every
+token as it is emitted. Per scheduler setting:
+  unloaded   the decoding streams alone (their inter-token gaps), then the short request alone
+  loaded     the same streams decoding, a long prompt arrives, then the short request arrives
+             one step later; gaps of the streams while the long prompt prefills, TTFT of the
+             short one
+Settings compared in one run: `one-chunk` (one prompt chunk per step, arrival order, no latency
+budget: the scheduler before the token budget) and `budget` (the default: a token budget per
+step, shortest prompt first, prompt work sized so a step takes at most --decode-slowdown times
+a decode step).
+    python -m bench.interference [--long 32768] [--short 200] [--streams 2] [--full-size]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from bench.common import write_result
+from bench.fullsize import full_size_engine
+from freetoken.demo import demo_path
+from freetoken.runtime.engine import Engine, EngineConfig
+from freetoken.runtime.request import Request, SamplingOptions
+from freetoken.runtime.serving import ServingEngine
+
+SETTINGS = {
+    "one-chunk": dict(order="arrival", step_tokens=None, slowdown=0.0),
+    "budget": dict(order="shortest", step_tokens=0, slowdown=None),
+}
+
+
+class Stamped(ServingEngine):
+    """The engine loop, recording when each token of each request is emitted."""
+
+    def emit(self, req, ev):
+        if ev.token_ids:
+            self.stamps.setdefault(req.id, []).append(time.perf_counter())
+
+
+def quantile(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
+
+
+def prompt(n: int, seed: int, vocab: int) -> list[int]:
+    return torch.randint(100, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run_setting(eng, name: str, a) -> dict:
+    s = SETTINGS[name]
+    srv = Stamped(eng, max_batch=a.streams + 2, max_queue=8, start=False)
+    srv.stamps = {}
+    srv.sched.order = s["order"]
+    if s["step_tokens"] is None:
+        srv.sched.step_tokens = eng.ecfg.prefill_chunk
+    if s["slowdown"] is not None:
+        srv.slowdown = s["slowdown"]
+    vocab = eng.cfg.vocab_size
+    opts = lambda n: SamplingOptions(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
+
+    def run_until(cond):
+        while not cond():
+            srv.step()
+
+    # warm-up: every shape once
+    w = Request(prompt(a.short, 1, vocab), opts(4))
+    srv.sched.add(w)
+    run_until(lambda: w.finished_at)
+    # unloaded: the streams alone, then the short request alone
+    streams = [Request(prompt(a.short, 10 + i, vocab), opts(10_000)) for i in range(a.streams)]
+    for r in streams:
+        srv.sched.add(r)
+    run_until(lambda: all(len(r.output_ids) > 4 for r in streams))
+    mark = {r.id: len(srv.stamps[r.id]) for r in streams}
+    run_until(lambda: all(len(srv.stamps[r.id]) - mark[r.id] >= a.tokens for r in streams))
+    unloaded = [b - c for r in streams for c, b in zip(srv.stamps[r.id][mark[r.id]:], srv.stamps[r.id][mark[r.id] + 1:])]
+    for r in streams:
+        srv.cancel(r)
+    run_until(lambda: not srv.sched.busy)
+    idle = Request(prompt(a.short, 2, vocab), opts(2))
+    t0 = time.perf_counter()
+    srv.sched.add(idle)
+    run_until(lambda: idle.first_token_at)
+    idle_ttft = srv.stamps[idle.id][0] - t0
+    run_until(lambda: not srv.sched.busy)
+    # loaded: streams decoding, a long prompt arrives, the short request one step later
+    streams = [Request(prompt(a.short, 20 + i, vocab), opts(10_000)) for i in range(a.streams)]
+    for r in streams:
+        srv.sched.add(r)
+    run_until(lambda: all(len(r.output_ids) > 4 for r in streams))
+    long = Request(prompt(a.long, 3, vocab), opts(2))
+    short = Request(prompt(a.short, 4, vocab), opts(2))
+    mark = {r.id: len(srv.stamps[r.id]) - 1 for r in streams}  # gaps from the last token before it
+    t_long = time.perf_counter()
+    srv.sched.add(long)
+    srv.step()
+    t_short = time.perf_counter()
+    srv.sched.add(short)
+    run_until(lambda: long.first_token_at and short.first_token_at)
+    loaded = [b - c for r in streams for c, b in zip(srv.stamps[r.id][mark[r.id]:], srv.stamps[r.id][mark[r.id] + 1:])]
+    long_ttft = srv.stamps[long.id][0] - t_long
+    short_ttft = srv.stamps[short.id][0] - t_short
+    for r in streams:
+        srv.cancel(r)
+    run_until(lambda: not srv.sched.busy)
+    ms = lambda x: round(x * 1e3, 2) if x is not None else None  # noqa: E731
+    out = {"setting": name, "step_tokens": srv.sched.step_tokens, "order": srv.sched.order,
+           "decode_slowdown": srv.slowdown,
+           "unloaded_gap_p50_ms": ms(quantile(unloaded, 0.5)), "unloaded_gap_p99_ms": ms(quantile(unloaded, 0.99)),
+           "loaded_gap_p50_ms": ms(quantile(loaded, 0.5)), "loaded_gap_p99_ms": ms(quantile(loaded, 0.99)),
+           "loaded_gaps": len(loaded), "loaded_gap_max5_ms": [ms(g) for g in sorted(loaded)[-5:]], "idle_short_ttft_s": round(idle_ttft, 3),
+           "short_ttft_behind_long_s": round(short_ttft, 3), "long_ttft_s": round(long_ttft, 2),
+           "long_prefill_tok_s": round(a.long / long_ttft, 1)}
+    out["p99_gap_over_unloaded_p50"] = round(quantile(loaded, 0.99) / statistics.median(unloaded), 2)
+    out["short_ttft_over_idle"] = round(short_ttft / idle_ttft, 2)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--long", type=int, default=32768, help="tokens of the long prompt")
+    ap.add_argument("--short", type=int, default=200, help="tokens of the short prompts")
+    ap.add_argument("--streams", type=int, default=2, help="requests decoding meanwhile")
+    ap.add_argument("--tokens", type=int, default=32, help="decode gaps measured unloaded, per stream")
+    ap.add_argument("--settings", default="one-chunk,budget")
+    ap.add_argument("--full-size", action="store_true", help="Qwen3.6-35B-A3B shape, random weights (GPU machine)")
+    ap.add_argument("--layers", type=int, default=40, help="with --full-size")
+    a = ap.parse_args()
+    ctx = a.long + a.short + 64
+    if a.full_size:
+        eng = full_size_engine(a.layers, "cuda", max_len=ctx)
+    else:
+        eng = Engine(demo_path(), EngineConfig(max_seq_len=ctx))
+    rows = []
+    for name in a.settings.split(","):
+        rows.append(run_setting(eng, name, a))
+        print(rows[-1], flush=True)
+    write_result("interference-full" if a.full_size else "interference",
+                 {"model": f"Qwen3.6-35B-A3B shape, {a.layers} layers" if a.full_size else "demo",
+                  "device": str(eng.device), "long_prompt": a.long, "short_prompt": a.short,
+                  "decoding_streams": a.streams, "settings": rows})
+
+
+if __name__ == "__main__":
+    main()
