@@ -48,7 +48,7 @@ def device_read_bw(dev) -> float:
     return 10 * x.numel() * 4 / (time.perf_counter() - t0) / 1e9
 
 
-def build(cfg: dict, dev, experts_on: str, seed=0):
+def build(cfg: dict, dev, experts_on: str, seed=0, max_len: int = 8192):
     mc = ModelConfig.from_hf(cfg)
     g = torch.Generator(device=dev).manual_seed(seed)
     w = {n: random_tensor(n, s, g, device=dev, embed_std=0.02) for n, s in weight_shapes(mc, experts=False).items()}
@@ -65,7 +65,7 @@ def build(cfg: dict, dev, experts_on: str, seed=0):
         torch.cuda.empty_cache()
         pin_in_place([gu_h, dn_h])
         ex = CpuExpertExecutor(gu_h, dn_h)
-    model = model_class(mc.arch)(mc, w, ex, dev, torch.bfloat16, 8192)
+    model = model_class(mc.arch)(mc, w, ex, dev, torch.bfloat16, max_len)  # rope table length
     return mc, w, ex, model
 
 

@@ -14,7 +14,7 @@ def full_size_engine(layers: int = 40, device: str = "cuda", experts_on: str = "
     """ecfg: EngineConfig fields (max_step_tokens, cuda_graphs, ...)."""
     from bench.decode import QWEN36_35B_A3B, build
     dev = torch.device(device)
-    mc, w, ex, model = build(dict(QWEN36_35B_A3B, num_hidden_layers=layers), dev, experts_on)
+    mc, w, ex, model = build(dict(QWEN36_35B_A3B, num_hidden_layers=layers), dev, experts_on, max_len=max_len)
     demo = Engine(demo_path(), EngineConfig(device="cpu", experts="cpu"))
     eng = Engine.__new__(Engine)
     eng.ecfg = EngineConfig(device=device, experts=experts_on, **ecfg)
