@@ -77,7 +77,8 @@ def _serve(eng, graphs, prompts, arrive):
     eng.ecfg.cuda_graphs = graphs
     srv = ServingEngine(eng, max_batch=4, max_queue=8, record_logits=True, start=False)
     assert srv.decode.path == ("cuda-graphs" if graphs else "eager")
-    srv.mixed = False  # the same forwards in both (eager steps would merge prompts and decode rows)
+    # the same forwards in both: no merged prompt+decode steps, no timing-dependent prompt budget
+    srv.mixed, srv.slowdown = False, 0.0
     reqs = [Request(p, SamplingOptions(temperature=0, max_tokens=STEPS, ignore_eos=True)) for p in prompts]
     step = 0
     while any(r.finished_at is None for r in reqs):
