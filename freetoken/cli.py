@@ -250,7 +250,7 @@ def _serve(args, socks: list[socket.socket]) -> int:
         host = socks[0].getsockname()[0]
         host = f"[{host}]" if ":" in host else host
         url = f"http://{host}:{socks[0].getsockname()[1]}/v1"
-        line = banner(name, eng.cfg.arch, url, serving.describe())
+        line = banner(name, eng.cfg.arch, url, serving.describe()) + "\nFreeToken: " + serving.plan.summary()
 
         class Server(uvicorn.Server):
             async def startup(self, sockets=None):

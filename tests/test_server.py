@@ -445,8 +445,13 @@ def test_health_and_metrics_name_the_engine(server):
     info = [dict(l) for (n, l) in scrape(server) if n == "freetoken_engine_info"]
     assert len(info) == 1
     described = {k: "none" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
-                 for k, v in health.items() if k not in ("status", "model")}
+                 for k, v in health.items() if k not in ("status", "model") and not isinstance(v, dict)}
     assert info[0] == described
+    plan = health["memory_plan"]  # the memory plan, in bytes per part, and the KV pool it sized
+    assert plan["budget"] >= plan["weights"] + plan["work"] + plan["state"] + plan["checkpoints"] + plan["kv"]
+    snap = scrape(server)
+    assert sample(snap, "freetoken_memory_plan_bytes", part="kv") == plan["kv"] > 0
+    assert sample(snap, "freetoken_kv_pages_total") == plan["kv_pages"] - 1
 
 
 @pytest.mark.parametrize("path,body", [

@@ -166,11 +166,12 @@ class EngineLoop:
         fixed, per_token = affine_fit(self._costs)
         if self.mixed:  # one forward: decode rows and prompt tokens share the fixed part
             room = self.slowdown * self._decode_s - fixed - per_token * rows
-            floor = MIN_PREFILL
-        else:  # a prefill forward of its own after the decode step: it pays its fixed part in
-            # full, so a chunk at least as costly as that part keeps prefill half efficient
+        else:  # a prefill forward of its own after the decode step
             room = (self.slowdown - 1) * self._decode_s - fixed
-            floor = max(MIN_PREFILL, int(fixed / per_token))
+        # never below the chunk that costs as much as the fixed part (which grows with the
+        # context: attention reads every earlier token once per chunk): the prompt keeps at
+        # least half its speed, and decoding streams wait at most about twice a fixed part
+        floor = max(MIN_PREFILL, int(fixed / per_token))
         return max(floor, int(room / per_token) if room > 0 else 0)
 
     # ---- before the forward ---------------------------------------------------------------------

@@ -39,13 +39,23 @@ class Metrics:
                                       "checkpoint_hits", "checkpoint_evictions")}
         self.engine = Info("freetoken_engine", "what runs where: device, dtype, expert backend, ISA and "
                            "threads, decode path", registry=r)
+        self.memory = Gauge("freetoken_memory_plan_bytes", "the memory plan, by part (budget, weights, work, "
+                            "state, checkpoints, kv, left)", ["part"], registry=r)
+        self.kv = {k: Gauge(f"freetoken_{k}", f"KV pool: {k.replace('_', ' ')}", registry=r)
+                   for k in ("kv_pages_total", "kv_pages_used", "kv_pages_high_water")}
+        self.experts = Gauge("freetoken_expert_executor", "expert executor counters (calls, routed pairs)",
+                             ["counter"], registry=r)
         self.serving = None
 
     def attach(self, serving, describe: dict) -> None:
         """The serving engine whose scheduler and cache the gauges mirror, and what it runs on."""
         self.serving = serving
+        plan = describe.get("memory_plan") or {}
+        for part in ("budget", "weights", "work", "state", "checkpoints", "kv", "left"):
+            if part in plan:
+                self.memory.labels(part).set(plan[part])
         self.engine.info({k: "none" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
-                          for k, v in describe.items()})
+                          for k, v in describe.items() if not isinstance(v, dict)})
 
     # engine thread
     def prefill(self, n: int, seconds: float) -> None:
@@ -75,8 +85,12 @@ class Metrics:
             st = self.serving.sched.stats()
             self.queue.set(st["waiting"])
             self.running.set(st["running"])
-            cache = getattr(self.serving, "cache", None)
-            if cache is not None:
-                for k, v in cache.stats().items():
+            stats = self.serving.stats() if hasattr(self.serving, "stats") else {}
+            for k, v in stats.items():
+                if k in self.cache_stats:
                     self.cache_stats[k].set(v)
+                elif k in self.kv:
+                    self.kv[k].set(v)
+                elif k.startswith("experts_"):
+                    self.experts.labels(k[len("experts_"):]).set(v)
         return generate_latest(self.registry)
