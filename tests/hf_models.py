@@ -11,8 +11,8 @@ from safetensors.torch import load_file, save_file
 def write_tokenizer(d: str, vocab: int) -> None:
     """A small byte-level BPE tokenizer.json with Qwen's chat special tokens, ids < vocab."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    from freetoken.demo import _bytes_to_unicode
-    b2u = _bytes_to_unicode()
+    from freetoken.tokenizer import bytes_to_unicode
+    b2u = bytes_to_unicode()
     toks = {b2u[b]: b for b in range(256)}
     merges = []
     for a, b in [("t", "h"), ("th", "e"), ("i", "n"), ("e", "r"), ("Ġ", "t")]:

@@ -5,6 +5,7 @@ give what each request gets alone. On CUDA the same step replays one graph per b
 import torch
 
 import hf_models
+from drive import drive
 from freetoken.runtime.decode_runner import batch_sizes
 from freetoken.runtime.engine import Engine, EngineConfig
 from freetoken.runtime.request import Request, SamplingOptions
@@ -19,15 +20,8 @@ def test_batch_sizes():
 
 
 def run_all(srv, prompts, arrive, n=6):
-    reqs = [Request(p, SamplingOptions(temperature=0, max_tokens=n, ignore_eos=True)) for p in prompts]
-    step = 0
-    while any(r.finished_at is None for r in reqs):
-        for r, at in zip(reqs, arrive):
-            if at == step:
-                srv.sched.add(r)
-        srv.step()
-        step += 1
-    return reqs
+    return drive(srv, [Request(p, SamplingOptions(temperature=0, max_tokens=n, ignore_eos=True)) for p in prompts],
+                 arrive)
 
 
 def test_batched_steps_match_each_request_alone(tmp_path):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import hf_models
+from drive import drive
 from freetoken.runtime.engine import Engine, EngineConfig
 from freetoken.runtime.request import Request, SamplingOptions
 from freetoken.runtime.serving import ServingEngine
@@ -80,14 +81,7 @@ def _serve(eng, graphs, prompts, arrive):
     # the same forwards in both: no merged prompt+decode steps, no timing-dependent prompt budget
     srv.mixed, srv.slowdown = False, 0.0
     reqs = [Request(p, SamplingOptions(temperature=0, max_tokens=STEPS, ignore_eos=True)) for p in prompts]
-    step = 0
-    while any(r.finished_at is None for r in reqs):
-        for r, at in zip(reqs, arrive):
-            if at == step:
-                srv.sched.add(r)
-        srv.step()
-        step += 1
-    return srv, reqs
+    return srv, drive(srv, reqs, arrive)
 
 
 def test_decode_graphs_replay_equal_to_eager(model_and_ftw):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import hf_models
+from drive import drive
 from freetoken.runtime.engine import Engine, EngineConfig
 from freetoken.runtime.request import Request, SamplingOptions
 from freetoken.runtime.sampler import SamplingParams, greedy_rows, sample
@@ -25,19 +26,6 @@ def eng(tmp_path_factory):
 def prompts(eng, lens, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(5, eng.cfg.vocab_size, (n,), generator=g).tolist() for n in lens]
-
-
-def drive(srv, reqs, arrive=None):
-    arrive = arrive or [0] * len(reqs)
-    step = 0
-    while any(r.finished_at is None for r in reqs):
-        for r, at in zip(reqs, arrive):
-            if at == step:
-                srv.sched.add(r)
-        srv.step()
-        step += 1
-        assert step < 500
-    return reqs
 
 
 def greedy(p, n=6, top=0):

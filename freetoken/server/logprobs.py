@@ -8,6 +8,7 @@ as `bytes:\\xNN...` with the raw bytes alongside, so a client can join the bytes
 from __future__ import annotations
 
 from ..runtime.request import SamplingOptions
+from ..tokenizer import bytes_to_unicode
 from .common import ApiError, field
 
 MAX_TOP = 20  # as OpenAI's top_logprobs
@@ -15,15 +16,7 @@ MAX_TOP = 20  # as OpenAI's top_logprobs
 
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet, reversed: vocabulary character -> byte."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 class TokenText:
