@@ -1,0 +1,397 @@
+"""Cache control of the GPU expert cache: one step per MoE layer call, all on the device.
+
+One global pool of S expert slots is shared by every MoE layer; a slot holds one complete
+expert (its rows of every bank). Residency lives on the device (`Residency`) and each MoE
+layer call runs one control step (`control`) that, with no host sync:
+
+  1. dedups the routed experts of the whole batch: U (pairs with NO_EXPERT are ignored);
+  2. classifies them: hits (resident) and misses M, m = |M|;
+  3. takes q = 0 if m == 0 else clamp(round(m * r), 1, m) misses to fill (r = the fill
+     share, a device scalar, 1 = fill-only), capped by K (max_fill, the static size of the
+     fill list) and by the number of slots holding no hit of this call;
+  4. finds the K least-recently-used slots among those holding no hit (free slots first,
+     ties by slot index) in one pass over the pool; the fill path consumes the first q;
+  5. F = the first q misses in policy order ("recent": routed most recently first, by
+     `seen`; "gate": largest summed gate weight in this batch first; ties by first
+     occurrence in the batch); F[j] goes to the j-th oldest victim: the victim's old id is
+     evicted, F admitted, hits and fills stamped with the new clock, `seen` set for all U;
+  6. rewrites each routed pair to its physical slot (hit or fill), CPU (-2) for a miss that
+     is not filled (run in place from the host banks), NO_EXPERT (-1) stays -1.
+
+Everything has a fixed shape (fill list [K], CPU list [T*k], device-resident counts) so the
+Triton version can be captured in a CUDA graph. `control_reference` is the pure-torch
+reference (plain code, host syncs allowed); `control_triton` is one single-program launch
+with identical results. `control` picks the kernel for CUDA tensors when Triton is present.
+
+Using it (the cached executor, per MoE layer): run `control`; copy the host bank rows
+fill_src -> slots fill_dst for every bank (entries past n_fill are -1: mask on them); the
+GPU experts take `route` (as int64) as ids over the slot banks (the decode and grouped
+kernels skip any negative id, so CPU and NO_EXPERT pairs add nothing there); the CPU branch runs
+where(route == CPU, ids, NO_EXPERT) over the host banks. Both sums are exact partial sums
+of the all-resident output. The fills must land before the GPU experts read their slots,
+and a later call (the next layer) may evict any slot not hit by that call: whatever reads a
+slot must be ordered before the next control call on the stream.
+
+Exactness between the two: the fill count is computed in float32 (m * r, round half to
+even, as torch.round) with FMA contraction off in the kernel; gate weights are summed in
+fixed point (each weight truncated to a multiple of 2**-24, clamped to [0, 256]) so the sum,
+and the "gate" order, do not depend on the summation order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels import HAS_TRITON, use_triton
+from .executor import NO_EXPERT
+
+CPU = -2  # route of a pair whose expert runs on the CPU, in place from the host banks
+POLICIES = ("recent", "gate")
+GATE_ONE = 1 << 24  # fixed-point scale of a gate weight (exact in float32: a power of two)
+GATE_CAP = 256.0  # a weight counts at most this much (keeps the fixed-point sums in 44 bits)
+MAX_PAIRS = 4096  # pairs (T * k) per call the kernel's composite sort keys are sized for
+
+
+@dataclass
+class Residency:
+    """Where each flat expert id lives in the slot pool; device tensors, updated in place.
+
+    slot_of [N] int32  slot holding flat id i, or -1
+    id_of   [S] int32  flat id held by each slot, or -1 (free)
+    stamp   [S] int64  clock of the slot's last use (hit or fill); a free slot is older than
+                       any held one whatever its stamp
+    seen    [N] int64  clock at which each flat id was last routed (resident or not)
+    clock   [1] int64  advanced by one per control call
+
+    Invariants kept by `control` (and assumed by it): slot_of and id_of are inverse
+    (a slot holds at most one id, an id at most one slot); stamp <= clock and seen <= clock.
+    """
+    slot_of: torch.Tensor
+    id_of: torch.Tensor
+    stamp: torch.Tensor
+    seen: torch.Tensor
+    clock: torch.Tensor
+
+    @classmethod
+    def empty(cls, num_flat_experts: int, num_slots: int, device) -> "Residency":
+        """All slots free, nothing seen, clock 0."""
+        assert num_slots >= 1 and num_flat_experts >= 1
+        return cls(slot_of=torch.full((num_flat_experts,), -1, dtype=torch.int32, device=device),
+                   id_of=torch.full((num_slots,), -1, dtype=torch.int32, device=device),
+                   stamp=torch.zeros(num_slots, dtype=torch.int64, device=device),
+                   seen=torch.zeros(num_flat_experts, dtype=torch.int64, device=device),
+                   clock=torch.zeros(1, dtype=torch.int64, device=device))
+
+    @property
+    def num_slots(self) -> int:
+        return self.id_of.numel()
+
+    @property
+    def num_flat_experts(self) -> int:
+        return self.slot_of.numel()
+
+    def clone(self) -> "Residency":
+        return Residency(*(t.clone() for t in (self.slot_of, self.id_of, self.stamp, self.seen, self.clock)))
+
+
+@dataclass
+class ControlOut:
+    """Result of one control step; fixed shapes, counts on the device.
+
+    route    [T, k] int32  physical slot of each pair (hit or fill), CPU (-2) for a miss run
+                           on the CPU, NO_EXPERT (-1) for pairs that run nowhere
+    fill_src [K] int32     flat ids to copy from the host banks (first n_fill; then -1)
+    fill_dst [K] int32     their slots (first n_fill; then -1)
+    cpu_ids  [T*k] int32   distinct flat ids to run on the CPU, in policy order (first n_cpu; then -1)
+    counts   [3] int32     n_fill, n_cpu, n_hit (distinct experts); one buffer, one copy to the host
+    """
+    route: torch.Tensor
+    fill_src: torch.Tensor
+    fill_dst: torch.Tensor
+    cpu_ids: torch.Tensor
+    counts: torch.Tensor
+
+    @classmethod
+    def empty(cls, tokens: int, top_k: int, max_fill: int, device) -> "ControlOut":
+        i32 = dict(dtype=torch.int32, device=device)
+        return cls(route=torch.empty(tokens, top_k, **i32), fill_src=torch.empty(max_fill, **i32),
+                   fill_dst=torch.empty(max_fill, **i32), cpu_ids=torch.empty(tokens * top_k, **i32),
+                   counts=torch.empty(3, **i32))
+
+    @property
+    def n_fill(self) -> torch.Tensor:  # [1]
+        return self.counts[0:1]
+
+    @property
+    def n_cpu(self) -> torch.Tensor:  # [1]
+        return self.counts[1:2]
+
+    @property
+    def n_hit(self) -> torch.Tensor:  # [1]
+        return self.counts[2:3]
+
+
+def control(ids: torch.Tensor, weights: torch.Tensor, res: Residency, fill_share: torch.Tensor,
+            max_fill: int, policy: str = "recent", out: ControlOut | None = None) -> ControlOut:
+    """One control step for one MoE layer call (see the module docstring).
+
+    ids [T, k] int flat ids of one layer (or NO_EXPERT); weights [T, k] gate weights;
+    fill_share [1] float32 device tensor r in [0, 1]; max_fill K >= 1 static; policy
+    "recent" or "gate"; out: buffers to reuse (static addresses for a CUDA graph).
+    Residency is updated in place. The Triton kernel for CUDA tensors, else the reference.
+    """
+    if use_triton(ids):
+        return control_triton(ids, weights, res, fill_share, max_fill, policy, out)
+    return control_reference(ids, weights, res, fill_share, max_fill, policy, out)
+
+
+def _check_args(ids, weights, res, fill_share, max_fill, policy):
+    assert ids.dim() == 2 and weights.shape == ids.shape, "ids and weights: [T, k]"
+    assert fill_share.numel() == 1, "fill_share: a [1] device tensor"
+    assert max_fill >= 1, "max_fill (K) must be at least 1"
+    assert policy in POLICIES, f"policy must be one of {POLICIES}"
+
+
+def _fixed_gate(w: torch.Tensor) -> torch.Tensor:
+    """Gate weights -> int64 multiples of 2**-24 (truncated; NaN and negatives count 0)."""
+    w = w.float()
+    w = torch.where(w > 0, w, 0.0).clamp(max=GATE_CAP)
+    return (w * GATE_ONE).to(torch.int64)
+
+
+def _fill_count(m: int, fill_share: torch.Tensor) -> int:
+    """q before the caps: 0 if m == 0 else clamp(round(m * r), 1, m), r clamped to [0, 1]."""
+    if m == 0:
+        return 0
+    r = fill_share.reshape(1).float()
+    r = torch.where(r > 0, r, 0.0)
+    r = torch.where(r < 1, r, 1.0)
+    x = torch.full_like(r, float(m)) * r  # float32, as the kernel
+    return min(max(int(torch.round(x).item()), 1), m)
+
+
+def control_reference(ids, weights, res: Residency, fill_share, max_fill: int, policy: str = "recent",
+                      out: ControlOut | None = None) -> ControlOut:
+    """Pure-torch reference: plain code (host syncs, data-dependent sizes), same results as
+    the kernel."""
+    _check_args(ids, weights, res, fill_share, max_fill, policy)
+    t, k = ids.shape
+    dev = ids.device
+    pairs, kf = t * k, max_fill
+    out = out or ControlOut.empty(t, k, kf, dev)
+    flat = ids.reshape(-1).long()  # [P]
+    gate = _fixed_gate(weights.reshape(-1))  # [P]
+    clock = res.clock + 1  # [1] this call's stamp
+
+    live = (flat >= 0).nonzero()[:, 0]  # [L] pair indices that route somewhere
+    uniq, inv = torch.unique(flat[live], return_inverse=True)  # U [n_u] sorted by id
+    first = torch.full_like(uniq, pairs).scatter_reduce_(0, inv, live, "amin")  # first pair routing it
+    total = torch.zeros_like(uniq).index_add_(0, inv, gate[live])  # summed fixed-point gate
+    old_slot = res.slot_of[uniq].long()
+    hit = old_slot >= 0
+
+    # misses in policy order: priority descending, ties by first occurrence
+    prio = res.seen[uniq] if policy == "recent" else total
+    order = torch.argsort(first)
+    order = order[torch.argsort(prio[order], descending=True, stable=True)]
+    misses = uniq[order[~hit[order]]]  # [m]
+    m = misses.numel()
+
+    # victims: the least recently used slots holding no hit, free ones first, ties by index
+    age = torch.where(res.id_of >= 0, res.stamp + 1, 0)  # [S]
+    evictable = torch.ones(res.num_slots, dtype=torch.bool, device=dev)
+    evictable[old_slot[hit]] = False
+    by_age = torch.argsort(age, stable=True)
+    cand = by_age[evictable[by_age]][:kf]  # the K oldest candidates
+    q = min(_fill_count(m, fill_share), kf, cand.numel())
+
+    fills, victims = misses[:q], cand[:q]
+    old = res.id_of[victims].long()
+    res.slot_of[old[old >= 0]] = -1
+    res.slot_of[fills] = victims.to(torch.int32)
+    res.id_of[victims] = fills.to(torch.int32)
+    res.stamp[old_slot[hit]] = clock
+    res.stamp[victims] = clock
+    res.seen[uniq] = clock
+    res.clock.copy_(clock)
+
+    now = res.slot_of[flat.clamp(min=0)].long()
+    route = torch.where(flat < 0, NO_EXPERT, torch.where(now >= 0, now, CPU))
+    out.route.copy_(route.view(t, k))
+    out.fill_src.fill_(-1)[:q] = fills.to(torch.int32)
+    out.fill_dst.fill_(-1)[:q] = victims.to(torch.int32)
+    out.cpu_ids.fill_(-1)[:m - q] = misses[q:].to(torch.int32)
+    out.counts.copy_(torch.tensor([q, m - q, int(hit.sum())], dtype=torch.int32))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernel: one program does the whole step. Threads share global memory, and a small
+# vector is held by several threads at once, so every location is only read in phases before
+# the barrier that precedes its writes, or after the one that follows them (one CTA: a
+# barrier orders its threads' global accesses).
+#
+#   pairs   [P_PAD]  sort (id, pair) -> runs of one id; run starts = U; scans give each run's
+#                    summed gate; hits / misses from slot_of; stamp hits, set seen
+#   misses  [P_PAD]  sort by (policy priority, first pair) -> ranks; q from m and r
+#   -- barrier (hit stamps are visible: a slot stamped with this clock holds a hit) --
+#   slots   [BLOCK_S] per chunk: key (age, slot), hits and padding +inf; running K_PAD
+#                    smallest via top-k of the chunk merged with the running set
+#   write fill_src / fill_dst / cpu_ids, seen
+#   -- barrier --   [K_PAD] read fill_src and the victims' old ids
+#   -- barrier --   evict, admit, stamp fills
+#   -- barrier --   [P_PAD] route each pair from the new slot_of
+# --------------------------------------------------------------------------------------------
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    _NONE: tl.constexpr = tl.constexpr(2**63 - 1)  # sort key of an absent entry (sorts last)
+    _GATE_MAX: tl.constexpr = tl.constexpr(1 << 44)  # bound of a fixed-point gate sum
+
+    @triton.jit
+    def _count_of_max(ia, ca, ib, cb):
+        """Scan summary over sorted ids: (largest id, how often it occurs). Associative and
+        commutative, so the scan direction does not matter."""
+        i = tl.maximum(ia, ib)
+        return i, tl.where(ia == i, ca, 0) + tl.where(ib == i, cb, 0)
+
+    @triton.jit
+    def _sum_of_min(ia, va, ib, vb):
+        """Scan summary over sorted ids: (smallest id, sum of the values carrying it)."""
+        i = tl.minimum(ia, ib)
+        return i, tl.where(ia == i, va, 0) + tl.where(ib == i, vb, 0)
+
+    @triton.jit
+    def _smallest(x, N: tl.constexpr, TOPK: tl.constexpr):
+        """The N smallest of x [M] (M >= N, powers of two), ascending -> [N]."""
+        if TOPK:
+            r = tl.topk(x, N, descending=False)
+        else:  # Triton without tl.topk: sort, then row 0 of the [M / N, N] view is the answer
+            r = tl.min(tl.reshape(tl.sort(x), [x.shape[0] // N, N]), axis=0)
+        return r
+
+    @triton.jit
+    def _control_kernel(ids_ptr, w_ptr, share_ptr,  # [P] int64, [P] gate weights, [1] float32
+                        slot_of_ptr, id_of_ptr, stamp_ptr, seen_ptr, clock_ptr,  # residency (in place)
+                        route_ptr, fill_src_ptr, fill_dst_ptr, cpu_ptr, counts_ptr,  # outputs
+                        P, S,
+                        K: tl.constexpr, P_PAD: tl.constexpr, K_PAD: tl.constexpr,
+                        BLOCK_S: tl.constexpr, RECENT: tl.constexpr, TOPK: tl.constexpr):
+        clock = tl.load(clock_ptr) + 1  # this call's stamp
+
+        # ---- dedup: sort the pairs by (id, pair index); each run of one id is one expert of U
+        p = tl.arange(0, P_PAD)  # [P_PAD]
+        pid = tl.load(ids_ptr + p, mask=p < P, other=-1)
+        sk = tl.sort(tl.where(pid >= 0, pid * P_PAD + p, _NONE))  # [P_PAD] ascending
+        valid = sk != _NONE
+        sid = sk // P_PAD  # flat id; absent entries form the last run, above every id
+        uid = tl.where(valid, sid, 0)  # the same, safe as an address
+        first = sk % P_PAD  # pair index; at a run's start, the id's first occurrence
+        w = tl.load(w_ptr + first, mask=valid, other=0.0).to(tl.float32)
+        w = tl.minimum(tl.where(w > 0, w, 0.0), 256.0)  # GATE_CAP
+        gate = (w * 16777216.0).to(tl.int64)  # GATE_ONE: fixed point, exact sums
+        _, nth = tl.associative_scan((sid, tl.full([P_PAD], 1, tl.int32)), 0, _count_of_max)
+        rep = valid & (nth == 1)  # [P_PAD] run starts: one per expert of U
+        _, total = tl.associative_scan((sid, gate), 0, _sum_of_min, reverse=True)  # run sum at its start
+
+        slot = tl.load(slot_of_ptr + uid, mask=rep, other=-1).to(tl.int64)
+        hit = rep & (slot >= 0)
+        miss = rep & (slot < 0)
+        n_hit = tl.sum(hit.to(tl.int32), axis=0)
+        m = tl.sum(miss.to(tl.int32), axis=0)
+        seen_old = tl.load(seen_ptr + uid, mask=rep, other=0)
+        tl.store(stamp_ptr + slot, clock, mask=hit)  # hits refreshed (and marked for the scan)
+
+        # ---- policy order of the misses: smaller key first, ties by first occurrence
+        if RECENT:
+            prio = clock - seen_old  # routed most recently first
+        else:
+            prio = _GATE_MAX - tl.minimum(total, _GATE_MAX)  # largest summed gate first
+        mk = tl.sort(tl.where(miss, prio * P_PAD + first, _NONE))  # [P_PAD] rank order
+        mid = tl.load(ids_ptr + mk % P_PAD, mask=mk != _NONE, other=-1)  # flat id of each rank
+
+        # ---- q = clamp(round(m * r), 1, m), round half to even as torch.round
+        r = tl.load(share_ptr).to(tl.float32)
+        r = tl.where(r > 0, r, 0.0)
+        r = tl.where(r < 1, r, 1.0)
+        x = m.to(tl.float32) * r
+        fl = tl.floor(x)
+        d = x - fl
+        fl_i = fl.to(tl.int32)
+        q = fl_i + ((d > 0.5) | ((d == 0.5) & (fl_i % 2 == 1))).to(tl.int32)
+        q = tl.where(m > 0, tl.minimum(tl.maximum(q, 1), m), 0)
+
+        tl.debug_barrier()  # the hits' stamps are in memory before the scan reads them
+
+        # ---- victims: the K_PAD smallest keys (age, slot) over the pool, one pass in chunks
+        best = tl.full([K_PAD], _NONE, tl.int64)  # [K_PAD] ascending
+        for s0 in range(0, S, BLOCK_S):
+            s = s0 + tl.arange(0, BLOCK_S)  # [BLOCK_S]
+            held = tl.load(id_of_ptr + s, mask=s < S, other=-1)
+            st = tl.load(stamp_ptr + s, mask=s < S, other=0)
+            age = tl.where(held >= 0, st + 1, 0)  # a free slot is the oldest
+            usable = (s < S) & ((held < 0) | (st != clock))  # not holding a hit of this call
+            key = tl.where(usable, age * S + s, _NONE)
+            both = tl.reshape(tl.join(best, _smallest(key, K_PAD, TOPK)), [2 * K_PAD])
+            best = _smallest(both, K_PAD, TOPK)
+        j = tl.arange(0, K_PAD)  # [K_PAD] fill index
+        n_cand = tl.sum(((j < K) & (best != _NONE)).to(tl.int32), axis=0)
+        q = tl.minimum(q, n_cand)  # q <= K too: n_cand counts only the first K
+        victim = tl.where(j < q, best % S, -1)  # j-th oldest usable slot
+
+        # ---- outputs: F = ranks [0, q), C = ranks [q, m); padding -1; seen (read before bar 1)
+        tl.store(seen_ptr + uid, clock, mask=rep)
+        tl.store(fill_dst_ptr + j, victim.to(tl.int32), mask=j < K)
+        tl.store(fill_src_ptr + p, mid.to(tl.int32), mask=p < q)
+        tl.store(fill_src_ptr + j, tl.full([K_PAD], -1, tl.int32), mask=(j >= q) & (j < K))
+        tl.store(cpu_ptr + (p - q), mid.to(tl.int32), mask=(p >= q) & (p < m))
+        tl.store(cpu_ptr + p, tl.full([P_PAD], -1, tl.int32), mask=(p >= m - q) & (p < P))
+        tl.debug_barrier()  # fill_src is in memory before it is read back beside its victim
+
+        # ---- residency: evict each victim's old id, admit F, stamp the fills
+        fills = j < q
+        src = tl.load(fill_src_ptr + j, mask=fills, other=-1)  # [K_PAD]
+        old = tl.load(id_of_ptr + victim, mask=fills, other=-1)
+        tl.debug_barrier()  # every thread holding a copy has read the old ids before they change
+        tl.store(slot_of_ptr + old, -1, mask=fills & (old >= 0))
+        tl.store(slot_of_ptr + src, victim.to(tl.int32), mask=fills)
+        tl.store(id_of_ptr + victim, src, mask=fills)
+        tl.store(stamp_ptr + victim, clock, mask=fills)
+        tl.debug_barrier()  # slot_of is final before the routes read it
+
+        # ---- routes: slot of a hit or fill, CPU for the rest, NO_EXPERT stays
+        now = tl.load(slot_of_ptr + pid, mask=pid >= 0, other=-1)
+        route = tl.where(pid < 0, -1, tl.where(now >= 0, now, -2))  # NO_EXPERT, CPU
+        tl.store(route_ptr + p, route.to(tl.int32), mask=p < P)
+        tl.store(counts_ptr, q)
+        tl.store(counts_ptr + 1, m - q)
+        tl.store(counts_ptr + 2, n_hit)
+        tl.store(clock_ptr, clock)
+
+
+def control_triton(ids, weights, res: Residency, fill_share, max_fill: int, policy: str = "recent",
+                   out: ControlOut | None = None, topk: bool | None = None,
+                   block_s: int | None = None) -> ControlOut:
+    """The Triton kernel: one single-program launch, no host sync, CUDA-graph capturable.
+    topk: use tl.topk in the victim scan (default: when this Triton has it); block_s: slots
+    per chunk of the scan (default up to 1024; a power of two, at least K's)."""
+    _check_args(ids, weights, res, fill_share, max_fill, policy)
+    t, k = ids.shape
+    pairs, s = t * k, res.num_slots
+    assert 1 <= pairs <= MAX_PAIRS, f"{pairs} pairs: the kernel handles 1..{MAX_PAIRS}"
+    out = out or ControlOut.empty(t, k, max_fill, ids.device)
+    p_pad = max(2, triton.next_power_of_2(pairs))
+    k_pad = max(2, triton.next_power_of_2(max_fill))
+    block_s = max(k_pad, block_s or min(1024, triton.next_power_of_2(s)))
+    assert block_s & (block_s - 1) == 0
+    if topk is None:
+        topk = hasattr(tl, "topk")
+    _control_kernel[(1,)](
+        ids.reshape(-1).to(torch.int64).contiguous(), weights.reshape(-1).contiguous(), fill_share,
+        res.slot_of, res.id_of, res.stamp, res.seen, res.clock,
+        out.route, out.fill_src, out.fill_dst, out.cpu_ids, out.counts,
+        pairs, s, K=max_fill, P_PAD=p_pad, K_PAD=k_pad, BLOCK_S=block_s,
+        RECENT=policy == "recent", TOPK=topk, num_warps=4, enable_fp_fusion=False)
+    return out
