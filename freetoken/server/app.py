@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
-from . import anthropic, openai
+from . import anthropic, openai, responses, tokenize
 from .common import ApiError, ClientGone, parse_body
 from .logprobs import TokenText
 from .metrics import Metrics
@@ -93,6 +93,13 @@ def build_app(ctx: ServerContext) -> FastAPI:
     route("/v1/completions", openai.completions)
     route("/v1/messages", anthropic.messages)
     route("/v1/messages/count_tokens", anthropic.count_tokens)
+    route("/v1/responses", responses.create)
+    route("/tokenize", tokenize.tokenize)
+    route("/detokenize", tokenize.detokenize)
+
+    async def stored_response(request: Request, api: str):
+        return responses.stored(ctx, request.method, request.path_params["rid"])
+    app.add_api_route("/v1/responses/{rid}", guarded("/v1/responses/{id}", stored_response), methods=["GET", "DELETE"])
 
     async def models(request: Request, api: str):
         return (anthropic if api == "anthropic" else openai).models(ctx)
