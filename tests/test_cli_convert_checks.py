@@ -1,5 +1,7 @@
-"""`ft convert` refuses what it would convert wrongly (quantized checkpoints, a tokenizer that
-does not fit the embedding), and the loader refuses FTW files made that way before the fix.
+"""`ft convert` refuses what it would convert wrongly (quantizations it does not read, a tokenizer
+that does not fit the embedding), and the loader refuses FTW files made that way before the fix.
+The three quantized formats FreeToken reads (FP8 128x128 block, MXFP4, NVFP4) convert: their
+end-to-end tests are in test_quantized_models.py.
 
 Each refusal: exit 2, one `ft: error:` line naming the format or the numbers, nothing written.
 """
@@ -14,7 +16,6 @@ from safetensors.torch import load_file, save_file
 import hf_models
 from test_bad_input import assert_one_line_error, ft
 from freetoken.errors import FreeTokenError, UnsupportedModelError
-from freetoken.weights import convert as convert_mod
 from freetoken.weights.convert import convert
 
 FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -58,14 +59,34 @@ def to_fp8_block(w: dict) -> dict:
     return out
 
 
-def to_mxfp4(w: dict) -> dict:
-    """gpt-oss style: fused expert tensors as 4-bit blocks plus shared scales."""
+def to_mxfp4_gate_up_only(w: dict) -> dict:
+    """gpt-oss style 4-bit blocks for the experts' gate_up, but the down projections left fused
+    in BF16: experts in two formats, which one bank cannot hold."""
     out = hf_models.fuse_experts(w, 3, 16)
     for l in range(3):
         p = f"model.layers.{l}.mlp.experts."
         gu = out.pop(p + "gate_up_proj")
         out[p + "gate_up_proj_blocks"] = torch.zeros(gu.shape[0], gu.shape[1], gu.shape[2] // 32, 16, dtype=torch.uint8)
         out[p + "gate_up_proj_scales"] = torch.zeros(gu.shape[0], gu.shape[1], gu.shape[2] // 32, dtype=torch.uint8)
+    return out
+
+
+def to_fp8_per_tensor(w: dict) -> dict:
+    """compressed-tensors / ModelOpt FP8: e4m3 weights with one `weight_scale` per tensor."""
+    out = dict(w)
+    for n, t in w.items():
+        if n.endswith("_proj.weight") and t.dim() == 2:
+            out[n] = t.to(torch.float8_e4m3fn)
+            out[n[: -len("weight")] + "weight_scale"] = torch.ones(())
+    return out
+
+
+def to_awq(w: dict) -> dict:
+    out = dict(w)
+    t = out.pop("model.layers.0.self_attn.o_proj.weight")
+    out["model.layers.0.self_attn.o_proj.qweight"] = torch.zeros(t.shape[1], t.shape[0] // 8, dtype=torch.int32)
+    out["model.layers.0.self_attn.o_proj.qzeros"] = torch.zeros(1, t.shape[0] // 8, dtype=torch.int32)
+    out["model.layers.0.self_attn.o_proj.scales"] = torch.ones(1, t.shape[0], dtype=torch.float16)
     return out
 
 
@@ -81,17 +102,37 @@ def set_key(key, value):
 
 QUANTIZED = {
     # name: (variant kwargs, words the error line must contain)
-    "fp8-block": (dict(tensors=to_fp8_block, config=set_key("quantization_config", FP8_CONFIG)),
-                  ["quantization 'fp8' (e4m3, 128x128 block scales)", "config.json", "not supported yet", "BF16"]),
-    "fp8-tensors-only": (dict(tensors=to_fp8_block),
-                         ["quantization 'fp8'", "e4m3", "weight_scale_inv", "not supported yet", "BF16"]),
-    "modelopt": (dict(files={"hf_quant_config.json": {"producer": {"name": "modelopt", "version": "0.31"},
-                                                      "quantization": {"quant_algo": "NVFP4", "group_size": 16}}}),
-                 ["hf_quant_config.json", "NVFP4", "group size 16", "not supported yet"]),
+    "fp8-per-tensor-config": (dict(tensors=to_fp8_per_tensor, config=set_key("quantization_config", {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "static"})),
+        ["quantization 'fp8' (e4m3, per-tensor scales)", "config.json", "not supported", "128x128", "BF16"]),
+    "fp8-block-64": (dict(tensors=to_fp8_block, config=set_key("quantization_config", dict(
+        FP8_CONFIG, weight_block_size=[64, 64]))), ["'fp8' (e4m3, 64x64 block scales)", "not supported"]),
+    "fp8-per-tensor-tensors-only": (dict(tensors=to_fp8_per_tensor),
+                                    ["quantization 'fp8' (e4m3 weights; tensor", "not supported", "BF16"]),
+    "modelopt-fp8": (dict(files={"hf_quant_config.json": {"producer": {"name": "modelopt", "version": "0.31"},
+                                                          "quantization": {"quant_algo": "FP8"}}}),
+                     ["hf_quant_config.json", "'FP8' (e4m3, per-tensor scales)", "not supported"]),
+    "modelopt-nvfp4-awq": (dict(files={"hf_quant_config.json": {"producer": {"name": "modelopt"},
+                                       "quantization": {"quant_algo": "NVFP4_AWQ", "group_size": 16}}}),
+                           ["hf_quant_config.json", "NVFP4_AWQ", "not supported"]),
+    "nvfp4-compressed-tensors": (dict(config=set_key("quantization_config", {
+        "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"})),
+        ["'compressed-tensors' (nvfp4-pack-quantized)", "not supported"]),
     "gptq-config": (dict(config=set_key("quantization_config", {"quant_method": "gptq", "bits": 4, "group_size": 128})),
-                    ["quantization 'gptq' (4-bit, group size 128)", "not supported yet"]),
-    "mxfp4-tensors": (dict(tensors=to_mxfp4), ["quantization 'mxfp4'", "gate_up_proj_blocks", "not supported yet"]),
+                    ["quantization 'gptq' (4-bit, group size 128)", "not supported"]),
+    "awq-config": (dict(config=set_key("quantization_config", {"quant_method": "awq", "bits": 4, "group_size": 128,
+                                                                "version": "gemm"})),
+                   ["quantization 'awq' (4-bit, group size 128)", "not supported"]),
+    "awq-tensors-only": (dict(tensors=to_awq), ["'gptq/awq'", "self_attn.o_proj.q", "not supported"]),
+    "bitsandbytes": (dict(config=set_key("quantization_config", {"quant_method": "bitsandbytes", "load_in_4bit": True,
+                                                                  "bnb_4bit_quant_type": "nf4"})),
+                     ["'bitsandbytes' (4-bit nf4)", "not supported"]),
     "int8-weight": (dict(tensors=one_int8), ["model.layers.0.self_attn.o_proj.weight", "I8", "BF16"]),
+    "mxfp4-experts-in-two-formats": (dict(tensors=to_mxfp4_gate_up_only),
+                                     ["routed experts are stored in more than one format", "dense", "mxfp4"]),
+    "nvfp4-declared-on-no-tensor": (dict(files={"hf_quant_config.json": {
+        "producer": {"name": "modelopt", "version": "0.31"}, "quantization": {"quant_algo": "NVFP4", "group_size": 16}}}),
+        ["hf_quant_config.json", "NVFP4", "none of its weights"]),
 }
 
 
@@ -100,39 +141,67 @@ def test_quantized_checkpoint_is_refused(base, tmp_path, kind):
     kw, words = QUANTIZED[kind]
     d = variant(base, tmp_path, kind, **kw)
     out = tmp_path / "out" / "m.ftw"
-    with pytest.raises(UnsupportedModelError):
+    with pytest.raises(FreeTokenError):
         convert(str(d), str(out), progress=False)
     code, _, err = ft("convert", str(d), str(out))
     assert_one_line_error(code, err, str(d), *words)
     assert not (tmp_path / "out").exists()  # nothing written, not even the folder
 
 
+ACCEPTED = {
+    # the layouts refused before quantized formats existed, now read: (variant kwargs, format)
+    "fp8-block": (dict(tensors=to_fp8_block, config=set_key("quantization_config", FP8_CONFIG)),
+                  "fp8_block", "declared in config.json"),
+    "fp8-block-tensors-only": (dict(tensors=to_fp8_block), "fp8_block", "found in the tensors"),
+}
+
+
+@pytest.mark.parametrize("kind", list(ACCEPTED))
+def test_published_quantized_layouts_now_convert(base, tmp_path, kind):
+    kw, fmt, where = ACCEPTED[kind]
+    d = variant(base, tmp_path, kind, **kw)
+    code, _, err = ft("convert", str(d), str(tmp_path / "m.ftw"), "--quiet")
+    assert code == 0, err
+    assert f"quantized checkpoint: {fmt}" in err and where in err and "routed experts kept as" in err
+    from freetoken.weights.ftw import read_header
+    meta, entries = read_header(str(tmp_path / "m.ftw"))
+    assert meta["banks"]["format"] == fmt and entries["experts.gate_up.scale"].dtype == "float32"
+
+
 def test_unquantized_copy_still_converts(base, tmp_path):
     """The refusals key on quantization, not on something every checkpoint has."""
     code, _, err = ft("convert", str(base), str(tmp_path / "m.ftw"), "--quiet")
     assert code == 0, err
+    assert "quantized checkpoint" not in err
 
 
-def fp8_ftw_as_before_the_fix(base, tmp_path, monkeypatch) -> str:
-    """What `ft convert` wrote for an FP8 checkpoint before it refused them: e4m3 weights kept,
-    their scales dropped."""
-    d = variant(base, tmp_path, "fp8", tensors=to_fp8_block, config=set_key("quantization_config", FP8_CONFIG))
-    with monkeypatch.context() as m:
-        m.setattr(convert_mod, "quant_config", lambda *a: None)
-        m.setattr(convert_mod, "describe_quant_tensors", lambda *a: None)
-        m.setattr(convert_mod, "WEIGHT_DTYPES", convert_mod.WEIGHT_DTYPES + (torch.float8_e4m3fn,))
-        out = str(tmp_path / "old-fp8.ftw")
-        convert(str(d), out, progress=False)
+def fp8_ftw_as_before_the_fix(base, tmp_path) -> str:
+    """What `ft convert` wrote for an FP8 checkpoint before it read them: e4m3 weights kept,
+    their scales dropped, nothing in the header saying so."""
+    from freetoken.weights.ftw import Entry, read_header
+    from freetoken.weights.reader import load_ftw
+    from freetoken.weights.writer import FTWWriter
+    good = str(tmp_path / "good.ftw")
+    convert(str(base), good, progress=False)
+    meta, entries = read_header(good)
+    _, tensors = load_ftw(good)
+    name = "model.layers.0.self_attn.o_proj.weight"
+    tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+    fresh = [Entry(e.name, "float8_e4m3fn" if e.name == name else e.dtype, e.shape) for e in entries.values()]
+    out = str(tmp_path / "old-fp8.ftw")
+    with FTWWriter(out, fresh, meta) as w:
+        for e in fresh:
+            w.write(e.name, tensors[e.name])
     return out
 
 
-def test_loader_refuses_float8_ftw(base, tmp_path, monkeypatch):
-    out = fp8_ftw_as_before_the_fix(base, tmp_path, monkeypatch)
+def test_loader_refuses_float8_ftw(base, tmp_path):
+    out = fp8_ftw_as_before_the_fix(base, tmp_path)
     from freetoken.weights.reader import load_ftw
     with pytest.raises(UnsupportedModelError, match="float8_e4m3fn"):
         load_ftw(out)
     code, _, err = ft("generate", out, "--prompt-ids", "1,2", "--max-tokens", "2")
-    assert_one_line_error(code, err, "old-fp8.ftw", "float8_e4m3fn", "BF16")
+    assert_one_line_error(code, err, "old-fp8.ftw", "float8_e4m3fn", "re-run `ft convert`", "BF16")
 
 
 def add_tokens(d, n: int) -> int:

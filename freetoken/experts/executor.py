@@ -4,7 +4,11 @@ The MoE layer hands over activations, flat expert ids (moe_layer * E + e) and ga
 the executor returns the gate-weighted sum of the selected experts' outputs. Banks:
     gate_up: [N, 2I, H]  rows [0, I) are the gate projection, [I, 2I) the up projection
     down:    [N, H, I]
-with N = moe_layers * E, shared by every executor whatever the physical format.
+with N = moe_layers * E, shared by every executor whatever the physical format. A bank is a
+float tensor of that shape (bf16/f16/f32), or a banks.QuantBank (fp8_block, mxfp4, nvfp4: the
+published bytes and their scales) whose `shape` is that shape: the torch paths below dequantize
+just the selected experts with quant.py's reference (banks.take); the Triton kernels and the C++
+executor read float banks only for now.
 
 The call is split in two phases so that the MoE layer can compute its shared expert while the
 routed experts run elsewhere (the CPU pool, later a PCIe fill): `launch` starts the work and
@@ -23,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import use_triton
+from .banks import take
 
 NO_EXPERT = -1  # routed id of a pair that runs nowhere (a batch row that is not running)
 
@@ -67,8 +72,10 @@ def reference_experts(x, ids, weights, gate_up, down):
 
     Data-dependent (host sync per call); used for tests and as the large-batch CPU path.
     Computes in x's dtype; accumulates into a buffer of x's dtype in expert order. Pairs with
-    the id NO_EXPERT are skipped.
+    the id NO_EXPERT are skipped. Quantized banks (QuantBank): each selected expert is
+    dequantized to x's dtype once per call.
     """
+    quantized = not isinstance(gate_up, torch.Tensor)
     out = torch.zeros_like(x)
     inter = gate_up.shape[1] // 2
     flat_ids = ids.reshape(-1)
@@ -82,9 +89,13 @@ def reference_experts(x, ids, weights, gate_up, down):
             continue
         tok = pair // k
         xs = x[tok]  # [n, H]
-        gu = F.linear(xs, gate_up[e].to(x.dtype))  # [n, 2I]
+        if quantized:
+            w_gu, w_dn = gate_up.dequant(e, x.dtype), down.dequant(e, x.dtype)
+        else:
+            w_gu, w_dn = gate_up[e].to(x.dtype), down[e].to(x.dtype)
+        gu = F.linear(xs, w_gu)  # [n, 2I]
         h = F.silu(gu[:, :inter]) * gu[:, inter:]
-        y = F.linear(h, down[e].to(x.dtype))  # [n, H]
+        y = F.linear(h, w_dn)  # [n, H]
         y = y * weights.reshape(-1)[pair, None].to(x.dtype)
         out.index_add_(0, tok, y)
     return out
@@ -98,6 +109,11 @@ class TorchExpertExecutor(ExpertExecutor):
     GEMV; a large decode batch goes to the grouped kernel, which is static-shape too. Prefill
     chunks group tokens by expert: on CUDA the grouped Triton GEMM, on the CPU a loop over the
     experts present. Synchronous: launch computes, finish returns it.
+
+    Quantized banks (QuantBank) take the same static decode / grouped / reference paths with the
+    selected experts dequantized in place of the gather (no Triton kernel reads them yet). Not
+    captured in CUDA graphs for now (quant.py's fp4 unpacking builds its lookup table on the
+    device each call, a host copy a capture refuses): decode runs eagerly until the kernels come.
     """
 
     name = "torch"
@@ -109,6 +125,9 @@ class TorchExpertExecutor(ExpertExecutor):
         self.static_max_pairs = static_max_pairs
         self.layer_experts = layer_experts  # experts one call can route to (bounds the tile grid)
         self.device = gate_up.device
+        self.quantized = not isinstance(gate_up, torch.Tensor)  # banks.QuantBank
+        if self.quantized:
+            self.capturable = False
 
     @property
     def backend(self) -> str:
@@ -117,7 +136,7 @@ class TorchExpertExecutor(ExpertExecutor):
     def run(self, x, ids, weights, phase):
         src = x.device
         x, ids, weights = (t.to(self.device) for t in (x, ids, weights))
-        if use_triton(x):
+        if use_triton(x) and not self.quantized:
             if phase == "decode" and ids.numel() <= self.static_max_pairs:
                 from ..kernels.moe_decode import moe_decode_triton
                 out = moe_decode_triton(x, ids, weights, self.gate_up, self.down)
@@ -145,9 +164,10 @@ class TorchExpertExecutor(ExpertExecutor):
         rank = torch.arange(flat.numel(), device=x.device) - starts[slot_of[order]]
         xs = torch.zeros(experts.numel(), width, x.shape[1], dtype=x.dtype, device=x.device)
         xs[slot_of[order], rank] = x[order // k]  # [G, W, H]
-        gu = torch.bmm(xs, self.gate_up[experts.clamp(min=0)].transpose(1, 2).to(x.dtype))  # [G, W, 2I]
+        sel = experts.clamp(min=0)
+        gu = torch.bmm(xs, take(self.gate_up, sel, x.dtype).transpose(1, 2))  # [G, W, 2I]
         h = F.silu(gu[..., :inter]) * gu[..., inter:]
-        y = torch.bmm(h, self.down[experts.clamp(min=0)].transpose(1, 2).to(x.dtype))  # [G, W, H]
+        y = torch.bmm(h, take(self.down, sel, x.dtype).transpose(1, 2))  # [G, W, H]
         keep = (flat[order] >= 0).to(x.dtype)[:, None]  # NO_EXPERT pairs add nothing
         y = y[slot_of[order], rank] * weights.reshape(-1)[order, None].to(x.dtype) * keep  # [P, H]
         out = torch.zeros_like(x)
@@ -160,8 +180,37 @@ class TorchExpertExecutor(ExpertExecutor):
         keep = (flat >= 0).to(x.dtype)[:, None]  # [T*k, 1]: NO_EXPERT pairs add nothing
         flat = flat.clamp(min=0)
         xs = x.repeat_interleave(k, dim=0)[:, :, None]  # [T*k, H, 1]
-        gu = torch.bmm(self.gate_up[flat].to(x.dtype), xs)[..., 0]  # [T*k, 2I]
+        gu = torch.bmm(take(self.gate_up, flat, x.dtype), xs)[..., 0]  # [T*k, 2I]
         h = F.silu(gu[:, :inter]) * gu[:, inter:]
-        y = torch.bmm(self.down[flat].to(x.dtype), h[:, :, None])[..., 0]  # [T*k, H]
+        y = torch.bmm(take(self.down, flat, x.dtype), h[:, :, None])[..., 0]  # [T*k, H]
         y = y * weights.reshape(-1, 1).to(x.dtype) * keep
         return y.view(t, k, -1).sum(1)
+
+
+class QuantizedHostExecutor(TorchExpertExecutor):
+    """`--experts cpu` with quantized banks, until the C++ executor reads them: the torch path
+    over the host banks, as the CPU executor's own fallback runs it (reference_experts for every
+    call: each distinct expert dequantized once), reported as "torch-fallback". On CUDA the
+    activations cross to the host and back, as with the C++ executor."""
+
+    name = "cpu"
+    backend = "torch-fallback"
+    capturable = False
+    needs_pinned_staging = True
+
+    def __init__(self, gate_up, down, layer_experts: int | None = None):
+        super().__init__(gate_up, down, static_max_pairs=0, layer_experts=layer_experts)
+        self.threads = torch.get_num_threads()
+        self.isa = "torch"
+        self.calls = self.pairs = 0
+
+    def run(self, x, ids, weights, phase):
+        self.calls += 1
+        self.pairs += ids.numel()
+        src = x.device
+        out = reference_experts(x.to(self.device), ids.to(self.device), weights.to(self.device),
+                                self.gate_up, self.down)
+        return out.to(src)
+
+    def stats(self) -> dict:
+        return {"calls": self.calls, "pairs": self.pairs}

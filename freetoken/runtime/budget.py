@@ -52,15 +52,18 @@ class MemoryPlan:
     kv: int  # the KV page pool
     kv_pages: int  # pages in it (one is the scratch page)
     page_size: int
-    left: int  # what is left over: the room for a GPU expert cache
+    left: int  # what is left over
+    expert_cache: int = 0  # the GPU expert cache's slots (--moe cache)
+    expert_slots: int = 0
 
     @property
     def kv_tokens(self) -> int:
         return (self.kv_pages - 1) * self.page_size
 
     def summary(self) -> str:
+        cache = f" + expert cache {gb(self.expert_cache)} ({self.expert_slots} slots)" if self.expert_slots else ""
         return (f"memory plan on {self.device}: budget {gb(self.budget)} = weights {gb(self.weights)} + work "
-                f"{gb(self.work)} + state {gb(self.state)} + checkpoints {gb(self.checkpoints)} + KV "
+                f"{gb(self.work)} + state {gb(self.state)} + checkpoints {gb(self.checkpoints)}{cache} + KV "
                 f"{gb(self.kv)} ({self.kv_tokens} tokens) + left {gb(self.left)}")
 
     def to_dict(self) -> dict:
@@ -103,9 +106,11 @@ def work_bytes(cfg: ModelConfig, chunk: int, slots: int, dtype) -> int:
 
 
 def plan_memory(cfg: ModelConfig, device: torch.device, dtype, budget: int, weights: int, slots: int,
-                max_len: int, chunk: int, page_size: int, checkpoint_slots: int, kv_tokens: int = 0) -> MemoryPlan:
+                max_len: int, chunk: int, page_size: int, checkpoint_slots: int, kv_tokens: int = 0,
+                expert_slot_bytes: int = 0, num_experts: int = 0, expert_cache: str = "") -> MemoryPlan:
     """Size everything before allocating any of it. kv_tokens 0: what is left, up to every
-    slot's full context."""
+    slot's full context. expert_slot_bytes (the GPU expert cache): its slots come before the KV
+    pool (what `expert_cache` asks, else all but one full context of KV, at most num_experts)."""
     work = work_bytes(cfg, chunk, slots, dtype)
     state = slots * slot_state_bytes(cfg, dtype)
     ckpt = checkpoint_slots * slot_state_bytes(cfg, dtype)
@@ -118,6 +123,21 @@ def plan_memory(cfg: ModelConfig, device: torch.device, dtype, budget: int, weig
             "lower --max-batch / --prefill-chunk / --checkpoint-budget, or keep the experts on the host "
             "(--experts cpu)")
     full = slots * -(-max_len // page_size) + 1  # every slot's whole context, and the scratch page
+    cache_slots = 0
+    if expert_slot_bytes:
+        room = budget - fixed
+        if expert_cache:
+            want = parse_size(expert_cache, room, "--expert-cache")
+        else:
+            kv_min = (-(-max_len // page_size) + 1) * page if not kv_tokens else (-(-kv_tokens // page_size) + 1) * page
+            want = room - kv_min
+        cache_slots = min(num_experts, max(want, 0) // expert_slot_bytes)
+        if cache_slots < 1:
+            raise FreeTokenError(
+                f"no room for an expert cache: {gb(room)} left after the weights and buffers on {device}, one "
+                f"expert takes {gb(expert_slot_bytes)}; raise --vram-budget or --expert-cache, or lower "
+                "--max-seq-len / --kv-cache-tokens")
+        fixed += cache_slots * expert_slot_bytes
     if kv_tokens:
         pages = -(-kv_tokens // page_size) + 1
     else:
@@ -131,4 +151,4 @@ def plan_memory(cfg: ModelConfig, device: torch.device, dtype, budget: int, weig
             f"no room for KV pages: {gb(budget - fixed)} left after the weights and buffers; raise "
             "--vram-budget or lower --max-seq-len / --max-batch")
     return MemoryPlan(str(device), budget, weights, work, state, ckpt, pages * page, pages, page_size,
-                      budget - fixed - pages * page)
+                      budget - fixed - pages * page, cache_slots * expert_slot_bytes, cache_slots)

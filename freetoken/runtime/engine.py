@@ -4,6 +4,9 @@ Loading reads every entry straight into host tensors (weights/reader.py), moves 
 weights to the compute device, and gives the expert banks to an ExpertExecutor: on the CPU
 they stay in host memory for the C++ executor; on CUDA with experts="gpu" all experts are
 resident in VRAM (the full-VRAM baseline); experts="cpu" on CUDA is the CPU-only MoE backend.
+Quantized checkpoints (fp8_block, mxfp4, nvfp4): the expert banks keep their bytes (an
+experts.banks.ExpertBanks) and run on the torch path, which dequantizes the selected experts;
+quantized dense weights are dequantized to the compute dtype here, at load.
 """
 from __future__ import annotations
 
@@ -15,12 +18,13 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ContextOverflowError, FreeTokenError
-from ..experts.executor import TorchExpertExecutor
+from ..experts.banks import ExpertBanks
+from ..experts.executor import QuantizedHostExecutor, TorchExpertExecutor
 from ..model.registry import model_class
 from ..model.state import DecodeState, state_bytes
 from ..tokenizer import Tokenizer, load_json
 from ..weights.ftw import DTYPES as DTYPES_BY_NAME, read_header
-from ..weights.reader import load_ftw
+from ..weights.reader import dense_weights, load_ftw
 from .budget import device_budget
 from .sampler import SamplingParams
 
@@ -34,9 +38,23 @@ class EngineConfig:
     dtype: str = field(default="auto", metadata={
         "help": "compute dtype (auto: bfloat16 on CUDA, float32 on CPU)",
         "choices": ["auto", "float32", "bfloat16"]})
+    moe: str = field(default="auto", metadata={
+        "help": "where routed experts run: resident = all in VRAM; cache = a GPU cache of expert slots "
+                "that follows the router, misses filled over PCIe or run on the CPU; cpu = all on the host "
+                "(C++ executor) (auto: resident if every expert fits the budget, else cache; cpu without CUDA)",
+        "choices": ["auto", "resident", "cache", "cpu"]})
     experts: str = field(default="auto", metadata={
-        "help": "where routed experts run: gpu = all resident in VRAM, cpu = C++ executor on host "
-                "memory (auto: gpu on CUDA, cpu otherwise)", "choices": ["auto", "cpu", "gpu"]})
+        "help": "older spelling of --moe: gpu = resident, cpu = cpu", "choices": ["auto", "cpu", "gpu"]})
+    expert_cache: str = field(default="", metadata={
+        "help": "with --moe cache: VRAM for expert slots, a size (8GiB) or a fraction (0.5) of what is left "
+                "after the weights and buffers (default: all of it but one full context of KV, at most "
+                "every expert)"})
+    fill_share: float = field(default=1.0, metadata={
+        "help": "with --moe cache: the share of a step's misses copied to the GPU (the rest run on the "
+                "CPU); 1 = fill-only. Fixed for now: adapting it to measured bandwidths is to come"})
+    cache_policy: str = field(default="recent", metadata={
+        "help": "with --moe cache: which misses are filled first: recent (routed most recently) or gate "
+                "(largest gate weight)", "choices": ["recent", "gate"]})
     cpu_threads: int = field(default=0, metadata={"help": "CPU expert threads (0: physical cores)"})
     prefill_chunk: int = field(default=2048, metadata={"help": "tokens per prefill chunk"})
     max_seq_len: int = field(default=0, metadata={"help": "context limit (0: the model's)"})
@@ -67,15 +85,24 @@ class EngineConfig:
             raise FreeTokenError(f"--decode-slowdown must be 0 (off) or >= 1, got {self.decode_slowdown}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise FreeTokenError("--device cuda: no CUDA device is available")
+        if not 0 <= self.fill_share <= 1:
+            raise FreeTokenError(f"--fill-share must be in [0, 1], got {self.fill_share}")
+        if self.moe != "auto" and self.experts != "auto" and \
+                {"gpu": "resident", "cpu": "cpu"}[self.experts] != self.moe:
+            raise FreeTokenError(f"--experts {self.experts} contradicts --moe {self.moe}; give one")
 
     def resolved(self):
+        """(device, dtype, where the experts run: "gpu" (resident), "cache", "cpu", or "auto"
+        for Engine to decide from the budget)."""
         dev = "cuda" if self.device == "auto" and torch.cuda.is_available() else self.device
         dev = "cpu" if dev == "auto" else dev
         dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if dev == "cuda" else "float32")
-        experts = self.experts if self.experts != "auto" else ("gpu" if dev == "cuda" else "cpu")
-        if experts == "gpu" and dev != "cuda":
-            raise FreeTokenError("--experts gpu needs --device cuda")
-        return torch.device(dev), DTYPES[dtype], experts
+        mode = self.moe if self.moe != "auto" else {"gpu": "resident", "cpu": "cpu"}.get(self.experts, "auto")
+        if mode == "auto" and dev != "cuda":
+            mode = "cpu"
+        if mode == "resident" and dev != "cuda":
+            raise FreeTokenError("--moe resident (--experts gpu) needs --device cuda")
+        return torch.device(dev), DTYPES[dtype], {"resident": "gpu"}.get(mode, mode)
 
 
 @dataclass
@@ -95,6 +122,10 @@ class Engine:
         self.ecfg = ecfg or EngineConfig()
         self.device, self.dtype, self.experts_on = self.ecfg.resolved()
         self.budget = device_budget(self.device, self.ecfg.vram_budget)
+        if self.experts_on == "auto":  # every expert in VRAM if they fit with room to spare, else a cache
+            self.experts_on = "gpu"
+            if self._weight_bytes(path) > 0.9 * self.budget:
+                self.experts_on = "cache"
         self.weight_bytes = self._check_weights_fit(path)
         t0 = time.perf_counter()
         meta, w = load_ftw(path, verify=self.ecfg.verify, progress=progress,
@@ -110,31 +141,45 @@ class Engine:
         self.tokenizer = Tokenizer(files["tokenizer.json"], tcfg)
         self.tokenizer.check_fits(self.cfg.vocab_size, path)  # ids past the embedding: refuse now, not per request
         self.eos_ids = self._eos_ids(files)
-        banks = meta.get("banks", {})
-        self.executor = self._executor(w.get(banks.get("gate_up")), w.get(banks.get("down")))
-        dense = {k: v.to(self.device, self.dtype) if v.is_floating_point() else v.to(self.device)
-                 for k, v in w.items() if not k.startswith(("file/", "experts."))}
+        banks = ExpertBanks.from_ftw(meta, w)  # None without experts; quantized banks keep their bytes
+        self.expert_format = banks.label if banks is not None else "none"
+        if banks is not None and banks.quantized:
+            self.executor = self._quantized_executor(banks)
+        else:
+            self.executor = self._executor(banks.gate_up if banks else None, banks.down if banks else None)
+        dense = dense_weights(meta, w, self.device, self.dtype)  # quantized ones dequantized (quant.py)
         self.max_len = min(self.cfg.max_position_embeddings, self.ecfg.max_seq_len or 1 << 62)
         self.model = model_class(self.cfg.arch)(self.cfg, dense, self.executor, self.device,
                                                 self.dtype, self.max_len)
         self._runner = None  # the one-request serving loop behind generate()
 
-    def _check_weights_fit(self, path: str) -> int:
-        """Bytes of weights that will live on the compute device, refused before loading if
-        they exceed the budget. (On the CPU everything is host memory.)"""
+    def _weight_bytes(self, path: str) -> int:
+        """Bytes of weights that will live on the compute device (on the CPU: all of them)."""
         meta, entries = read_header(path)
         el = torch.empty((), dtype=self.dtype).element_size()
+        qd = (meta.get("quant") or {}).get("dense") or {}  # dequantized at load: values -> [R, C] of el
+        dequantized = {d["values"]: d["shape"] for d in qd.values()}
+        consumed = {d[k] for d in qd.values() for k in ("scale", "scale_2") if d.get(k)}
+        quant_banks = (meta.get("banks") or {}).get("format", "dense") != "dense"  # bytes kept everywhere
 
         def size(name, e):  # floating weights are cast to the compute dtype, except host experts
+            if name in consumed:
+                return 0
+            if name in dequantized:
+                return el * int(torch.tensor(dequantized[name]).prod())
             dt = DTYPES_BY_NAME[e.dtype]
-            if not dt.is_floating_point or (name.startswith("experts.") and self.experts_on == "cpu"):
+            if not dt.is_floating_point or (name.startswith("experts.") and (self.experts_on != "gpu" or quant_banks)):
                 return e.nbytes
             return e.nbytes // dt.itemsize * el
         on_device = self.device.type == "cpu" or self.experts_on == "gpu"  # are the experts here?
-        n = sum(size(name, e) for name, e in entries.items()
-                if not name.startswith("file/") and (on_device or not name.startswith("experts.")))
+        return sum(size(name, e) for name, e in entries.items()
+                   if not name.startswith("file/") and (on_device or not name.startswith("experts.")))
+
+    def _check_weights_fit(self, path: str) -> int:
+        """The device's weight bytes, refused before loading if they exceed the budget."""
+        n = self._weight_bytes(path)
         if n > self.budget:
-            hint = "" if self.experts_on == "cpu" else ", or keep the experts on the host (--experts cpu)"
+            hint = "" if self.experts_on != "gpu" else ", or keep the experts on the host (--moe cache or cpu)"
             raise FreeTokenError(
                 f"{path}: the weights take {n / 1e9:.1f} GB on {self.device}, more than the budget of "
                 f"{self.budget / 1e9:.1f} GB; raise --vram-budget{hint}")
@@ -146,7 +191,21 @@ class Engine:
         return {"device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
                 "experts": self.experts_on, "expert_backend": ex.backend if ex is not None else "none",
                 "expert_isa": getattr(ex, "isa", None), "expert_threads": getattr(ex, "threads", None),
-                "context": self.max_len}
+                "expert_format": self.expert_format, "context": self.max_len}
+
+    def _quantized_executor(self, banks: ExpertBanks):
+        """Quantized expert banks run on the torch path, which dequantizes the selected experts
+        with quant.py's reference: resident on the device (--moe resident), or on the host, the
+        CPU executor's torch fallback, until the C++ and Triton kernels read these formats."""
+        if self.experts_on == "gpu":
+            b = banks.to(self.device)
+            return TorchExpertExecutor(b.gate_up, b.down, layer_experts=self.cfg.num_experts)
+        if self.experts_on == "cache":
+            log.warning("the GPU expert cache does not take %s experts yet; they stay on the host", banks.format)
+            self.experts_on = "cpu"
+        log.warning("%s experts: the C++ quantized expert kernels are not built yet; the experts run on the "
+                    "torch path on the host (the CPU executor's fallback; slower)", banks.format)
+        return QuantizedHostExecutor(banks.gate_up, banks.down, layer_experts=self.cfg.num_experts)
 
     def _executor(self, gate_up, down):
         if gate_up is None:
@@ -155,7 +214,15 @@ class Engine:
             return TorchExpertExecutor(gate_up.to(self.device, self.dtype), down.to(self.device, self.dtype),
                                        layer_experts=self.cfg.num_experts)
         from ..experts.cpu import CpuExpertExecutor
-        return CpuExpertExecutor(gate_up, down, threads=self.ecfg.cpu_threads)
+        cpu = CpuExpertExecutor(gate_up, down, threads=self.ecfg.cpu_threads)
+        if self.experts_on != "cache":
+            return cpu
+        from ..experts.cached import CachedExpertExecutor
+        if self.device.type != "cuda":
+            log.warning("--moe cache without CUDA: the expert slots are host memory (a functional test "
+                        "of the cache, not a speed-up)")
+        return CachedExpertExecutor(gate_up, down, None, self.device, self.dtype, cpu,
+                                    self.ecfg.fill_share, self.ecfg.cache_policy)
 
     def _eos_ids(self, files) -> set[int]:
         ids = set(self.cfg.eos_token_ids)
@@ -185,6 +252,9 @@ class Engine:
                 f"{slots} sequence slot(s) x {length} tokens of KV/recurrent state need {need / 1e9:.1f} GB "
                 f"but {max(self.budget - self.weight_bytes, 0) / 1e9:.1f} GB is left on {self.device}; "
                 "lower --max-seq-len or --max-batch")
+        ex = self.executor
+        if getattr(ex, "pool", 0) is None:  # a GPU expert cache: what the state leaves, at most every expert
+            ex.allocate(max(1, (self.budget - self.weight_bytes - need) // ex.slot_bytes))
         st = DecodeState(self.cfg, slots, length, self.device, self.dtype)
         for s in range(slots):
             st.reserve(s, length)

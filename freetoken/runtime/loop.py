@@ -58,9 +58,15 @@ class EngineLoop:
         use_cache = cache is not None and cache.enabled
         page_size = cache.page_size if use_cache else page_size
         ckpt = cache.checkpoint_slots(slot_state_bytes(cfg, engine.dtype)) if use_cache and cfg.linear_layers else 0
+        ex = engine.executor
+        slots = ex if getattr(ex, "pool", 0) is None else None  # a GPU expert cache still to size
         self.plan = plan_memory(cfg, engine.device, engine.dtype, engine.budget, engine.weight_bytes, max_batch,
                                 engine.max_len, ecfg.prefill_chunk, page_size, ckpt,
-                                ecfg.kv_cache_tokens if kv_tokens is None else kv_tokens)
+                                ecfg.kv_cache_tokens if kv_tokens is None else kv_tokens,
+                                slots.slot_bytes if slots else 0, slots.num_experts if slots else 0,
+                                ecfg.expert_cache)
+        if slots is not None:
+            slots.allocate(self.plan.expert_slots)
         self.max_len = min(engine.max_len, self.plan.kv_tokens)
         if self.max_len < engine.max_len:
             log.warning("the KV pool holds %d tokens: the context is limited to that (raise --kv-cache-tokens "

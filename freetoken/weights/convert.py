@@ -2,12 +2,22 @@
 
 Streams tensor by tensor (experts row by row), so a checkpoint larger than RAM converts.
 Weights keep the checkpoint's dtype and bits. Expert tensors, per-expert or fused, are merged
-into two banks whose first dimension is the flat id ordinal * E + e.
+into banks whose first dimension is the flat id ordinal * E + e.
 
-Refused with one line, before anything is written: quantized checkpoints (their scales would be
-dropped: FP8, MXFP4, GPTQ/AWQ, ...), weights that are not float32/bfloat16/float16, and a
-tokenizer whose ids do not fit the model's embedding. Missing folders of the output path are
-created (and removed again if the conversion fails).
+Quantized checkpoints in the three formats FreeToken reads (FP8 128x128 block, MXFP4, NVFP4;
+the layouts are in hf.py's docstring) keep their published bytes, bit for bit:
+  - routed experts: a values bank, a scale bank and (NVFP4) a scale_2 bank per projection, in
+    the layout quant.py's docstring gives (gate rows then up rows; GPT-OSS's interleaved gate/up
+    rows are de-interleaved, a pure row permutation applied alike to values and scales); the
+    header's meta["banks"] records the format and the scale entries' names;
+  - dense (non-expert) quantized weights: their tensors as published, under their names, listed
+    in meta["quant"]["dense"]; the engine dequantizes them when it loads (quant.py reference).
+`ft convert` prints the format it found and the resulting sizes.
+
+Refused with one line, before anything is written: other quantizations (GPTQ/AWQ, bitsandbytes,
+compressed-tensors, per-tensor fp8, ...), weights that are not float32/bfloat16/float16 and not
+one of the formats above, and a tokenizer whose ids do not fit the model's embedding. Missing
+folders of the output path are created (and removed again if the conversion fails).
 """
 from __future__ import annotations
 
@@ -17,95 +27,211 @@ import torch
 from tqdm import tqdm
 
 from ..config import ModelConfig
-from ..errors import FreeTokenError, UnsupportedModelError
+from ..errors import FreeTokenError, UnsupportedModelError, notice
 from ..model.registry import model_class
 from ..tokenizer import Tokenizer
 from .ftw import DTYPE_NAMES, Entry
-from .hf import WEIGHT_DTYPES, Checkpoint, describe_quant, describe_quant_tensors, quant_config, read_config
+from .hf import FORMAT_NAMES, WEIGHT_DTYPES, Checkpoint, QuantScheme, Weight, quant_scheme, read_config
+from .quant import FP8_BLOCK, MX_BLOCK, NV_BLOCK
 from .writer import FTWWriter
 
 REQUIRED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
 OPTIONAL_FILES = ("generation_config.json", "chat_template.jinja", "chat_template.json",
                   "special_tokens_map.json")
 BANKS = ("experts.gate_up", "experts.down")
+COMPONENT_SUFFIX = {"values": "", "scale": ".scale", "scale_2": ".scale_2"}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 class ExpertReader:
-    """Reads expert (layer, e) of one layer in bank layout: gate_up [2I, H], down [H, I]."""
+    """Reads expert (layer, e) of one layer in bank layout, one component at a time (FTW entries
+    are written one after another): gate_up rows [2I, ...] (gate then up), down [H, ...].
+
+    Layouts: one tensor per expert (`experts.{e}.{gate,up,down}_proj.weight`, any format, its
+    scales beside it), fused per layer in float (`experts.gate_up_proj` [E, 2I, H] or [E, H, 2I],
+    `experts.down_proj`), fused MXFP4 as GPT-OSS publishes it (`experts.gate_up_proj_blocks`,
+    interleaved gate/up rows) or with gate and up apart (`experts.gate_proj_blocks`,
+    `experts.up_proj_blocks`), `experts.down_proj_blocks`."""
 
     def __init__(self, ck: Checkpoint, cfg: ModelConfig, layer: int):
         self.ck, self.layer = ck, layer
         p = f"model.layers.{layer}.mlp.experts."
-        self.fused_gu = p + "gate_up_proj" if p + "gate_up_proj" in ck.tensors else None
-        self.fused_down = p + "down_proj" if p + "down_proj" in ck.tensors else None
-        self.p, self.h, self.i = p, cfg.hidden_size, cfg.moe_intermediate_size
-        e = cfg.num_experts
-        want = {self.fused_gu: [e, 2 * self.i, self.h], self.fused_down: [e, self.h, self.i]}
-        for name, shape in want.items():
-            if name is None:
-                continue
-            got = ck.tensors[name].shape
-            if got != shape and got != [shape[0], shape[2], shape[1]]:
-                raise FreeTokenError(f"{ck.tensors[name].file}: {name} has shape {got}, expected {shape}")
+        self.p, self.h, self.i, self.e = p, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+        self.perm = None  # row permutation of a fused gate_up (GPT-OSS interleave)
+        self.fused_gu = self._fused("gate_up_proj", [self.e, 2 * self.i, self.h])
+        self.fused_g = self.fused_u = None
+        if self.fused_gu is None:
+            g = self._fused("gate_proj", [self.e, self.i, self.h])
+            u = self._fused("up_proj", [self.e, self.i, self.h])
+            if g is not None and u is not None:
+                self.fused_g, self.fused_u = g, u
+        elif self.fused_gu.format == "mxfp4":  # GPT-OSS: row 2j is gate j, row 2j+1 is up j
+            n = 2 * self.i
+            self.perm = torch.cat([torch.arange(0, n, 2), torch.arange(1, n, 2)])
+        self.fused_down = self._fused("down_proj", [self.e, self.h, self.i])
 
-    def names(self, e: int) -> list[str]:
-        """Checkpoint tensors this expert needs (for the missing-tensor check)."""
-        gu = [self.fused_gu] if self.fused_gu else [f"{self.p}{e}.gate_proj.weight", f"{self.p}{e}.up_proj.weight"]
-        dn = [self.fused_down] if self.fused_down else [f"{self.p}{e}.down_proj.weight"]
-        return gu + dn
+    def _fused(self, leaf: str, shape: list[int]) -> Weight | None:
+        w = self.ck.weight(self.p + leaf)
+        if w is None:
+            return None
+        if w.format not in ("dense", "mxfp4"):
+            raise FreeTokenError(
+                f"{self.ck.path}: {w.values} holds every expert of a layer in {w.format}; FreeToken reads "
+                f"{w.format} experts one tensor per expert, as the releases publish them")
+        got = w.shape
+        if got != shape and not (w.format == "dense" and got == [shape[0], shape[2], shape[1]]):
+            s = self.ck.tensors[w.values]
+            raise FreeTokenError(f"{s.file}: {w.values} has shape {s.shape}, expected "
+                                 f"{shape if w.format == 'dense' else shape[:2] + [shape[2] // MX_BLOCK, MX_BLOCK // 2]}")
+        return w
 
-    def _fused_row(self, name: str, e: int, rows: int) -> torch.Tensor:
-        t = self.ck.get(name, e)
-        return t if t.shape[0] == rows else t.t().contiguous()  # [E, H, 2I] layouts transpose
+    def _one(self, e: int, proj: str) -> Weight | None:
+        return self.ck.weight(f"{self.p}{e}.{proj}.weight")
 
-    def gate_up(self, e: int) -> torch.Tensor:
-        if self.fused_gu:
-            return self._fused_row(self.fused_gu, e, 2 * self.i)
-        return torch.cat([self.ck.get(f"{self.p}{e}.gate_proj.weight"),
-                          self.ck.get(f"{self.p}{e}.up_proj.weight")], dim=0)
+    def pieces(self, part: str, e: int) -> list[tuple[Weight | None, int | None, str]]:
+        """(weight, row of a fused tensor or None, its name) of each piece of a part, in bank row
+        order (a missing per-expert weight: None with the name it should have)."""
+        if part == "gate_up":
+            if self.fused_gu is not None:
+                return [(self.fused_gu, e, self.fused_gu.name)]
+            if self.fused_g is not None:
+                return [(self.fused_g, e, self.fused_g.name), (self.fused_u, e, self.fused_u.name)]
+            return [(self._one(e, pr), None, f"{self.p}{e}.{pr}.weight") for pr in ("gate_proj", "up_proj")]
+        if self.fused_down is not None:
+            return [(self.fused_down, e, self.fused_down.name)]
+        return [(self._one(e, "down_proj"), None, f"{self.p}{e}.down_proj.weight")]
 
-    def down(self, e: int) -> torch.Tensor:
-        if self.fused_down:
-            return self._fused_row(self.fused_down, e, self.h)
-        return self.ck.get(f"{self.p}{e}.down_proj.weight")
+    def weights(self, e: int) -> list[tuple[Weight | None, str]]:
+        """Every weight this expert needs (for the missing-tensor and format checks)."""
+        return [(w, n) for part in ("gate_up", "down") for w, _, n in self.pieces(part, e)]
+
+    def read(self, part: str, e: int, comp: str = "values") -> torch.Tensor:
+        """One component ("values", "scale", "scale_2") of expert e's part, in bank layout."""
+        out = []
+        for w, row, _ in self.pieces(part, e):
+            t = self.ck.read(w, comp, row)
+            if w.format == "dense" and row is not None:
+                rows = 2 * self.i if part == "gate_up" else self.h
+                t = t if t.shape[0] == rows else t.t().contiguous()  # [E, H, 2I] layouts transpose
+            out.append(t)
+        t = out[0] if len(out) == 1 else torch.cat(out, dim=0)
+        if self.perm is not None and part == "gate_up":
+            t = t[self.perm]
+        return t
 
 
-def _refuse_quantized(src: str, what: str) -> None:
-    raise UnsupportedModelError(f"{src}: quantization {what} is not supported yet; "
-                                "convert the BF16 release of the model")
+def bank_entries(fmt: str, n: int, i: int, h: int, dtypes: dict) -> list[tuple[str, str, list[int], str, str]]:
+    """(entry name, dtype name, shape, part, component) of every expert bank, in file order;
+    dtypes: component -> dtype name (the published ones: bf16/f16/f32 values, fp8 scales as
+    published)."""
+    out = []
+    for part, rows, cols, halves in (("gate_up", 2 * i, h, 2), ("down", h, i, 1)):
+        name = BANKS[0] if part == "gate_up" else BANKS[1]
+        if fmt == "dense":
+            out.append((name, dtypes["values"], [n, rows, cols], part, "values"))
+        elif fmt == "fp8_block":
+            grid = [halves * _cdiv(rows // halves, FP8_BLOCK), _cdiv(cols, FP8_BLOCK)]
+            out += [(name, "float8_e4m3fn", [n, rows, cols], part, "values"),
+                    (name + ".scale", dtypes["scale"], [n] + grid, part, "scale")]
+        elif fmt == "mxfp4":
+            out += [(name, "uint8", [n, rows, cols // 2], part, "values"),
+                    (name + ".scale", "uint8", [n, rows, cols // MX_BLOCK], part, "scale")]
+        elif fmt == "nvfp4":
+            out += [(name, "uint8", [n, rows, cols // 2], part, "values"),
+                    (name + ".scale", "float8_e4m3fn", [n, rows, cols // NV_BLOCK], part, "scale"),
+                    (name + ".scale_2", "float32", [n, halves], part, "scale_2")]
+        else:
+            raise ValueError(fmt)
+    return out
 
 
-def plan(src: str):
+def banks_meta(fmt: str) -> dict:
+    """meta["banks"]: the value banks' names (as before), the format, and the scale entries."""
+    m = {"gate_up": BANKS[0], "down": BANKS[1], "format": fmt}
+    for part, name in zip(("gate_up", "down"), BANKS):
+        if fmt in ("fp8_block", "mxfp4", "nvfp4"):
+            m[part + "_scale"] = name + ".scale"
+        if fmt == "nvfp4":
+            m[part + "_scale_2"] = name + ".scale_2"
+    return m
+
+
+class Plan:
+    """Everything about a checkpoint, read and checked, before anything is written."""
+
+    def __init__(self, raw, cfg, ck, dense, experts, scheme, dense_w, expert_fmt, expert_dtypes):
+        self.raw, self.cfg, self.ck, self.dense, self.experts = raw, cfg, ck, dense, experts
+        self.scheme: QuantScheme | None = scheme
+        self.dense_w: dict[str, Weight] = dense_w  # every dense weight, resolved
+        self.expert_format: str | None = expert_fmt  # None: no routed experts
+        self.expert_dtypes: dict = expert_dtypes
+
+
+def _check_dense_dtype(src: str, ck: Checkpoint, name: str) -> None:
+    s = ck.tensors[name]
+    if s.dtype not in WEIGHT_DTYPES:
+        raise UnsupportedModelError(
+            f"{src}: tensor {name} is {s.st_dtype} (in {os.path.basename(s.file)}); FreeToken converts "
+            "F32, BF16 and F16 weights, and FP8 (128x128 blocks), MXFP4 and NVFP4 weights with their "
+            "scales; convert the BF16 release of the model")
+
+
+def plan(src: str) -> Plan:
     """Read and check everything about a checkpoint without writing anything."""
     raw = read_config(src)
-    q = quant_config(src, raw)
-    if q is not None:
-        _refuse_quantized(src, f"{describe_quant(q[1])}, declared in {q[0]},")
+    scheme = quant_scheme(src, raw, None)  # a declared quantization FreeToken does not read: refused first
     cfg = ModelConfig.from_hf(raw, os.path.join(src, "config.json"))
     for fn in REQUIRED_FILES:
         if not os.path.exists(os.path.join(src, fn)):
             raise FreeTokenError(f"{src}: {fn} is missing; FTW embeds the tokenizer, copy it from the model's release")
     ck = Checkpoint(src)
-    qt = describe_quant_tensors(ck)
-    if qt is not None:
-        _refuse_quantized(src, qt)
-    dense = model_class(cfg.arch).expected_tensors(cfg)
+    if scheme is None:
+        scheme = quant_scheme(src, raw, ck)  # quantized tensors that no config declares
+    names = model_class(cfg.arch).expected_tensors(cfg)
     experts = [ExpertReader(ck, cfg, l) for l in cfg.moe_layers]
-    needed = list(dict.fromkeys(dense + [n for r in experts for e in range(cfg.num_experts) for n in r.names(e)]))
-    missing = [n for n in needed if n not in ck.tensors]
+    dense_w = {n: ck.weight(n) for n in names}
+    expert_w = [(w, n) for r in experts for e in range(cfg.num_experts) for w, n in r.weights(e)]
+    missing = [n for n, w in dense_w.items() if w is None] + [n for w, n in expert_w if w is None]
     if missing:
         raise FreeTokenError(f"{src}: checkpoint is missing {len(missing)} tensor(s), first {missing[0]}")
-    for n in needed:
-        s = ck.tensors[n]
-        if s.dtype not in WEIGHT_DTYPES:
+    quantized = [w for w in dense_w.values() if w.format != "dense"] + [w for w, _ in expert_w if w.format != "dense"]
+    if scheme is None and quantized:  # cannot happen: quant_scheme saw these tensors
+        raise FreeTokenError(f"{src}: tensor {quantized[0].values} is quantized but no format was recognised")
+    for w in quantized:
+        if w.format != scheme.format:
             raise UnsupportedModelError(
-                f"{src}: tensor {n} is {s.st_dtype} (in {os.path.basename(s.file)}); FreeToken converts "
-                "F32, BF16 and F16 weights only (quantized formats are not supported yet); "
-                "convert the BF16 release of the model")
+                f"{src}: the checkpoint is {scheme.format} ({scheme.where}) but {w.name} is stored as "
+                f"{w.format} ({', '.join(w.parts())}); mixed formats are not supported")
+    if scheme is not None and not quantized:
+        raise FreeTokenError(f"{src}: the checkpoint's quantization ({scheme.description}) is on none of its "
+                             "weights (no scale tensors); is this the right config for these weights?")
+    for w in dense_w.values():
+        if w.format == "dense":
+            _check_dense_dtype(src, ck, w.values)
+    expert_fmt, expert_dtypes = None, {}
+    if expert_w:
+        fmts = {w.format for w, _ in expert_w}
+        if len(fmts) > 1:
+            raise UnsupportedModelError(
+                f"{src}: the routed experts are stored in more than one format ({', '.join(sorted(fmts))}); "
+                "FreeToken's expert banks hold one format")
+        expert_fmt = fmts.pop()
+        first = expert_w[0][0]
+        for comp in first.components():
+            if comp == "values" and expert_fmt == "dense":
+                for w, _ in expert_w:
+                    _check_dense_dtype(src, ck, w.values)
+            seen = {ck.tensors[getattr(w, comp)].st_dtype for w, _ in expert_w}
+            if len(seen) > 1:
+                raise FreeTokenError(f"{src}: the routed experts' {comp} tensors mix dtypes ({', '.join(sorted(seen))})")
+            expert_dtypes[comp] = DTYPE_NAMES.get(ck.tensors[getattr(first, comp)].dtype, "uint8")
     with open(os.path.join(src, "tokenizer.json"), "rb") as f:
         tk = Tokenizer(f.read(), source=os.path.join(src, "tokenizer.json"))
     tk.check_fits(cfg.vocab_size, src)
-    return raw, cfg, ck, dense, experts
+    return Plan(raw, cfg, ck, names, experts, scheme, dense_w, expert_fmt, expert_dtypes)
 
 
 def _make_parent(out: str) -> str | None:
@@ -142,55 +268,96 @@ def _remove_created(top: str | None, out: str) -> None:
 
 
 def convert(src: str, out: str, progress: bool = True) -> str:
-    raw, cfg, ck, dense, experts = plan(src)
+    pl = plan(src)
+    cfg, ck = pl.cfg, pl.ck
     files = [fn for fn in REQUIRED_FILES + OPTIONAL_FILES if os.path.exists(os.path.join(src, fn))]
     blobs = {fn: open(os.path.join(src, fn), "rb").read() for fn in files}
     entries = [Entry("file/" + fn, "uint8", [len(b)]) for fn, b in blobs.items()]
-    entries += [Entry(n, DTYPE_NAMES[ck.tensors[n].dtype], ck.tensors[n].shape) for n in dense]
-    if experts:
-        n_flat, i, h = cfg.num_flat_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        dt = ck.tensors[experts[0].names(0)[0]].dtype
-        entries += [Entry(BANKS[0], DTYPE_NAMES[dt], [n_flat, 2 * i, h]),
-                    Entry(BANKS[1], DTYPE_NAMES[dt], [n_flat, h, i])]
-    meta = {"arch": cfg.arch, "model": cfg.to_dict(), "config": raw,
-            "banks": {"gate_up": BANKS[0], "down": BANKS[1]} if experts else {},
+    dense_tensors = list(dict.fromkeys(t for n in pl.dense for t in pl.dense_w[n].parts()))
+    entries += [Entry(t, _dtype_name(ck, t), ck.tensors[t].shape) for t in dense_tensors]
+    banks = []
+    if pl.experts:
+        banks = bank_entries(pl.expert_format, cfg.num_flat_experts, cfg.moe_intermediate_size,
+                             cfg.hidden_size, pl.expert_dtypes)
+        entries += [Entry(name, dt, shape) for name, dt, shape, _, _ in banks]
+    meta = {"arch": cfg.arch, "model": cfg.to_dict(), "config": pl.raw,
+            "banks": banks_meta(pl.expert_format) if pl.experts else {},
             "source": os.path.basename(os.path.abspath(src))}
+    if pl.scheme is not None:
+        qd = {n: {"format": w.format, "values": w.values, "scale": w.scale, "scale_2": w.scale_2,
+                  "shape": w.shape} for n, w in pl.dense_w.items() if w.format != "dense"}
+        meta["quant"] = {"format": pl.scheme.format, "declared": pl.scheme.where,
+                         "description": pl.scheme.description, "dense": qd}
     if os.path.isdir(out):
         raise FreeTokenError(f"{out}: is a directory; give the output file name, e.g. {out}/model.ftw")
     created = _make_parent(out)
     try:
-        _write(src, out, cfg, ck, dense, experts, entries, meta, blobs, progress)
+        _write(src, out, pl, dense_tensors, banks, entries, meta, blobs, progress)
     except OSError as e:
         _remove_created(created, out)
         raise FreeTokenError(f"{out}: cannot write ({e.strerror or e}); nothing was written") from None
     except BaseException:
         _remove_created(created, out)
         raise
+    if pl.scheme is not None:
+        notice(summary(pl, entries))
     return out
 
 
-def _write(src, out, cfg, ck, dense, experts, entries, meta, blobs, progress) -> None:
-    i, h = cfg.moe_intermediate_size, cfg.hidden_size
-    dt = ck.tensors[experts[0].names(0)[0]].dtype if experts else None
-    banks = ((BANKS[0], "gate_up", [2 * i, h]), (BANKS[1], "down", [h, i])) if experts else ()
+def _dtype_name(ck: Checkpoint, name: str) -> str:
+    dt = ck.tensors[name].dtype
+    return DTYPE_NAMES.get(dt, "uint8")  # float8_e8m0fnu scales: their bytes, as uint8
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def summary(pl: Plan, entries: list[Entry]) -> str:
+    """One line: the format found and the sizes that result."""
+    by = {e.name: e.nbytes for e in entries}
+    cfg, fmt = pl.cfg, pl.scheme.format
+    parts = [f"quantized checkpoint: {fmt} ({FORMAT_NAMES[fmt]}), {pl.scheme.description}"]
+    if pl.experts:
+        eb = sum(n for name, n in by.items() if name.startswith("experts."))
+        n = cfg.num_flat_experts * 3 * cfg.moe_intermediate_size * cfg.hidden_size
+        parts.append(f"routed experts kept as {pl.expert_format}: {_size(eb)} ({eb / n:.2f} bytes per weight; "
+                     f"BF16 would take {_size(2 * n)})")
+    qd = [w for w in pl.dense_w.values() if w.format != "dense"]
+    if qd:
+        db = sum(by[t] for w in qd for t in w.parts())
+        parts.append(f"{len(qd)} dense weights kept as {fmt} ({_size(db)}; dequantized to the compute dtype "
+                     "when loaded)")
+    plain = [n for n, w in pl.dense_w.items() if w.format == "dense"]
+    parts.append(f"{len(plain)} unquantized ({_size(sum(by[n] for n in plain))})")
+    return "; ".join(parts)
+
+
+def _write(src, out, pl: Plan, dense_tensors, banks, entries, meta, blobs, progress) -> None:
+    cfg, ck = pl.cfg, pl.ck
+    by_name = {e.name: e for e in entries}
     total = sum(e.nbytes for e in entries)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not progress)
     with FTWWriter(out, entries, meta) as w:
         for fn, b in blobs.items():
             w.write("file/" + fn, b)
             bar.update(len(b))
-        for n in dense:
+        for n in dense_tensors:
             t = ck.get(n)
+            if t.dtype not in DTYPE_NAMES:
+                t = t.view(torch.uint8)
             w.write(n, t)
             bar.update(t.numel() * t.element_size())
-        for bank, part, shape in banks:
-            for r in experts:
+        for bank, _, _, part, comp in banks:
+            want = by_name[bank]
+            shape = want.shape[1:]
+            for r in pl.experts:
                 for e in range(cfg.num_experts):
-                    t = getattr(r, part)(e)
-                    if t.dtype != dt or list(t.shape) != shape:
+                    t = r.read(part, e, comp)
+                    if DTYPE_NAMES.get(t.dtype) != want.dtype or list(t.shape) != shape:
                         raise FreeTokenError(
-                            f"{src}: layer {r.layer} expert {e} {part} is {t.dtype} {list(t.shape)}, "
-                            f"expected {dt} {shape}")
+                            f"{src}: layer {r.layer} expert {e} {part} {comp} is {t.dtype} {list(t.shape)}, "
+                            f"expected {want.dtype} {shape}")
                     w.write(bank, t)
                     bar.update(t.numel() * t.element_size())
     bar.close()

@@ -9,6 +9,14 @@ Each entry's bytes are cut into BLOCK-sized blocks; the header keeps a CRC32 per
 reader checks exactly what it read, in parallel, with no second pass. Expert banks are
 ordinary entries whose first dimension is the flat expert id l*E + e, already merged
 (gate and up rows together), so loading is a read into an exact-size tensor, no repacking.
+
+meta["banks"] names the expert banks: "gate_up" and "down" (the value banks), "format" (quant.py's
+FORMATS: "dense" for BF16/F16/F32, "fp8_block", "mxfp4", "nvfp4"; absent in files written before
+quantized formats: "dense"), and for quantized formats the scale banks "gate_up_scale" /
+"down_scale" and, for NVFP4, "gate_up_scale_2" / "down_scale_2", in quant.py's layout.
+meta["quant"] (quantized checkpoints only): "format", "declared" (where), "description", and
+"dense": {weight name: {"format", "values", "scale", "scale_2", "shape"}} for the non-expert
+weights stored as published (entries named as in the checkpoint), dequantized at load.
 """
 from __future__ import annotations
 
@@ -32,6 +40,18 @@ DTYPES = {
     "float8_e4m3fn": torch.float8_e4m3fn,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def quantized_entries(meta: dict) -> set[str]:
+    """Entries that hold quantized bytes with their scales recorded in the header (expert banks
+    of a quantized format, dense weights in meta["quant"]["dense"])."""
+    names = set()
+    b = meta.get("banks") or {}
+    if b.get("format", "dense") != "dense":
+        names |= {v for k, v in b.items() if k != "format" and isinstance(v, str)}
+    for d in ((meta.get("quant") or {}).get("dense") or {}).values():
+        names |= {d.get(k) for k in ("values", "scale", "scale_2") if d.get(k)}
+    return names
 
 
 def align_up(n: int, a: int = ALIGN) -> int:

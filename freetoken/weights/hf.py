@@ -5,9 +5,47 @@ multimodal wrapper's `model.language_model.` prefix (vision tower and MTP heads 
 routed experts stored one tensor per expert or fused per layer. Tensors are opened lazily
 (safetensors mmap) so a checkpoint larger than RAM streams through.
 
-Quantized checkpoints (FP8 with block scales, MXFP4, GPTQ/AWQ, bitsandbytes, ModelOpt,
-compressed-tensors) are recognised here, from their config and from their tensors, so that
-`ft convert` can refuse them by name instead of dropping their scales.
+Quantized checkpoints are recognised here, from their config and from their tensors. Three
+formats are read as published (`quant_scheme`, `Checkpoint.weight`; quant.py has the formats and
+their reference dequantizers); every other quantization is refused by name (`describe_quant`,
+`describe_quant_tensors`) instead of having its scales dropped.
+
+The layouts read, and the releases each is modelled on:
+
+fp8_block  Qwen/Qwen3-30B-A3B-FP8 (Qwen3-MoE), Qwen/Qwen3.6-35B-A3B-FP8 (Qwen3.5-MoE, multimodal
+           wrapper), DeepSeek-V3: config.json `quantization_config` {quant_method: "fp8", fmt:
+           "e4m3", activation_scheme: "dynamic", weight_block_size: [128, 128],
+           modules_to_not_convert / ignored_layers: [...]}; each quantized Linear `X.weight`
+           F8_E4M3 [R, C] with `X.weight_scale_inv` [ceil(R/128), ceil(C/128)] in F32 (DeepSeek)
+           or BF16 / F16 (Qwen); routed experts one tensor per expert
+           (`mlp.experts.{e}.{gate,up,down}_proj.weight` + `.weight_scale_inv`). Other block
+           sizes, per-tensor or per-channel fp8 are refused.
+mxfp4      openai/gpt-oss-20b/120b (`quant_method: "mxfp4"`, modules_to_not_convert): routed
+           experts fused per layer, `mlp.experts.gate_up_proj_blocks` U8 [E, 2I, H/32, 16] +
+           `mlp.experts.gate_up_proj_scales` U8 (e8m0) [E, 2I, H/32], whose rows INTERLEAVE gate
+           and up (row 2j: gate j, row 2j+1: up j, as GPT-OSS publishes them: transformers'
+           GptOssExperts takes gate_up[..., ::2] and [..., 1::2]); `mlp.experts.down_proj_blocks`
+           [E, H, I/32, 16] + `_scales` [E, H, I/32]. Also read: gate and up published
+           separately in that style, `mlp.experts.gate_proj_blocks` / `up_proj_blocks` [E, I,
+           H/32, 16] + `_scales` (not interleaved), and, by the same naming rule (a parameter P
+           published as P_blocks + P_scales), one tensor per expert or dense Linear weights as
+           `X.weight_blocks` [R, C/32, 16] + `X.weight_scales` [R, C/32]. A fused
+           `gate_up_proj_blocks` is always read as GPT-OSS-interleaved. Scales may be U8 or
+           F8_E8M0. No expert biases (GPT-OSS's `*_bias` belong to its own architecture).
+nvfp4      nvidia/Qwen3-30B-A3B-FP4 (NVIDIA ModelOpt export): `hf_quant_config.json` {producer:
+           {name: "modelopt"}, quantization: {quant_algo: "NVFP4", group_size: 16,
+           exclude_modules: [...]}} and/or config.json `quantization_config` {quant_method:
+           "modelopt", quant_algo: "NVFP4", group_size: 16, exclude_modules | ignore: [...]};
+           each quantized Linear `X.weight` U8 [R, C/2] (e2m1 pairs), `X.weight_scale`
+           F8_E4M3 [R, C/16], `X.weight_scale_2` F32 (one value), `X.input_scale` F32
+           (activation scale: not used, activations stay in the compute dtype); routed experts
+           one tensor per expert. Group sizes other than 16, NVFP4_AWQ, FP8 and mixed ModelOpt
+           algorithms, and compressed-tensors' nvfp4-pack-quantized are refused.
+
+Whether a weight is quantized is read from its tensors (a weight with no scale tensor next to it
+is taken as published, in BF16/F16/F32): the exclusion lists of the configs are not needed, and
+a release that keeps some modules unquantized (routers, DeltaNet a/b projections, lm_head) reads
+as it is. The routed experts of a checkpoint must all be in one format.
 """
 from __future__ import annotations
 
@@ -19,7 +57,8 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 
-from ..errors import FreeTokenError
+from ..errors import FreeTokenError, UnsupportedModelError
+from .quant import FP8_BLOCK, MX_BLOCK, NV_BLOCK
 
 SKIP = re.compile(r"^(model\.visual\.|visual\.|mtp\.|model\.mtp\.|model\.vision_tower\.)")
 EXPERT_ONE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -94,6 +133,25 @@ class Checkpoint:
                 raise FreeTokenError(f"{fn}: not a readable safetensors file ({e})") from None
         return self._handles[fn]
 
+    def weight(self, name: str) -> "Weight | None":
+        """How the weight `name` is stored (dense, or quantized with its scale tensors beside it),
+        checked against its format's shapes and dtypes; None if the checkpoint lacks it."""
+        return resolve_weight(self, name)
+
+    def read(self, w: "Weight", part: str, index: int | None = None) -> torch.Tensor:
+        """One component of a weight ("values", "scale", "scale_2"), or row `index` of a fused
+        one, as FTW keeps it: MXFP4 blocks [.., R, C/32, 16] as [.., R, C/2] (the same bytes),
+        e8m0 scales as uint8, NVFP4 scale_2 as float32 [1]."""
+        t = self.get(getattr(w, part), index)
+        if part == "values" and w.format == "mxfp4":
+            t = t.flatten(-2)
+        elif part == "scale" and t.dtype not in (torch.uint8, torch.float8_e4m3fn, torch.float32,
+                                                  torch.bfloat16, torch.float16):
+            t = t.view(torch.uint8)  # float8_e8m0fnu: the e8m0 bytes
+        elif part == "scale_2":
+            t = t.reshape(1)
+        return t
+
     def get(self, name: str, index: int | None = None) -> torch.Tensor:
         """Whole tensor, or row `index` of its first dimension (reads only that row)."""
         s = self.tensors[name]
@@ -109,6 +167,8 @@ class Checkpoint:
 ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
              "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+if hasattr(torch, "float8_e8m0fnu"):  # MXFP4 scales as DeepSeek-V4 publishes them (GPT-OSS: U8)
+    ST_DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what FTW weights may be
 
 # tensors that only quantized checkpoints have: FP8 block scales (weight_scale_inv), per-tensor
@@ -241,3 +301,185 @@ def read_config(path: str) -> dict:
             return json.load(f)
     except ValueError as e:
         raise FreeTokenError(f"{fn}: invalid JSON ({e})") from None
+
+
+# ---------------------------------------------------------------- quantized formats read as published
+
+QUANT_FORMATS = ("fp8_block", "mxfp4", "nvfp4")
+FORMAT_NAMES = {"fp8_block": "FP8 e4m3, one scale per 128x128 block", "mxfp4": "e2m1, one e8m0 scale per 32",
+                "nvfp4": "e2m1, one e4m3 scale per 16 and an fp32 scale per tensor", "dense": "unquantized"}
+FP8_SCALE_DTYPES = ("F32", "BF16", "F16")  # DeepSeek publishes F32 scales, Qwen BF16 (some F16)
+
+
+@dataclass
+class Weight:
+    """One weight of a checkpoint and how it is stored. `name` is the weight as the model names
+    it (`X.weight`, or a fused expert tensor such as `mlp.experts.gate_up_proj`); the other names
+    are the checkpoint tensors that hold it (canonical names). `shape` is the float matrix's
+    shape, leading dims included ([E, R, C] for a fused expert tensor)."""
+    name: str
+    format: str  # "dense" | "fp8_block" | "mxfp4" | "nvfp4"
+    values: str
+    shape: list[int]
+    scale: str | None = None
+    scale_2: str | None = None
+
+    def parts(self) -> list[str]:
+        return [n for n in (self.values, self.scale, self.scale_2) if n is not None]
+
+    def components(self) -> list[str]:
+        return ["values"] + (["scale"] if self.scale else []) + (["scale_2"] if self.scale_2 else [])
+
+
+def _bad(ck: Checkpoint, name: str, what: str) -> FreeTokenError:
+    s = ck.tensors.get(name)
+    where = os.path.basename(s.file) if s is not None else ck.path
+    return FreeTokenError(f"{ck.path}: tensor {name} (in {where}) {what}")
+
+
+def resolve_weight(ck: Checkpoint, name: str) -> Weight | None:
+    t = ck.tensors
+    if name in t:
+        s = t[name]
+        if name + "_scale_inv" in t:
+            return _fp8_weight(ck, name)
+        if name + "_scale" in t and s.st_dtype == "U8":
+            return _nvfp4_weight(ck, name)
+        if s.st_dtype.startswith("F8") or s.st_dtype == "U8":
+            scale = next((name + x for x in ("_scale", "_scale_2", "_scales") if name + x in t), None)
+            raise _bad(ck, name, f"is {s.st_dtype} {s.shape}" + (
+                f" with {scale} {t[scale].st_dtype} {t[scale].shape}, which is not a quantized layout "
+                "FreeToken reads (FP8 128x128 block scales, MXFP4, NVFP4)" if scale else
+                ", with no scale tensor beside it (no weight_scale_inv / weight_scale)"))
+        return Weight(name, "dense", name, list(s.shape))
+    if name + "_blocks" in t:
+        return _mxfp4_weight(ck, name)
+    return None
+
+
+def _fp8_weight(ck: Checkpoint, name: str) -> Weight:
+    v, sc = ck.tensors[name], ck.tensors[name + "_scale_inv"]
+    if v.st_dtype != "F8_E4M3":
+        raise _bad(ck, name, f"is {v.st_dtype} with a weight_scale_inv; FP8 block weights are F8_E4M3")
+    if len(v.shape) < 2 or len(sc.shape) != len(v.shape):
+        raise _bad(ck, name + "_scale_inv", f"has shape {sc.shape} for a weight of shape {v.shape}; "
+                   "FP8 block scales are one per 128x128 block")
+    grid = v.shape[:-2] + [-(-v.shape[-2] // FP8_BLOCK), -(-v.shape[-1] // FP8_BLOCK)]
+    if sc.shape != grid:
+        raise _bad(ck, name + "_scale_inv", f"has shape {sc.shape}; a {v.shape} weight with 128x128 "
+                   f"block scales has {grid} (other block sizes are not supported)")
+    if sc.st_dtype not in FP8_SCALE_DTYPES:
+        raise _bad(ck, name + "_scale_inv", f"is {sc.st_dtype}; FP8 block scales are F32, BF16 or F16")
+    return Weight(name, "fp8_block", name, list(v.shape), scale=name + "_scale_inv")
+
+
+def _nvfp4_weight(ck: Checkpoint, name: str) -> Weight:
+    v, sc = ck.tensors[name], ck.tensors[name + "_scale"]
+    s2 = ck.tensors.get(name + "_scale_2")
+    if s2 is None:
+        raise _bad(ck, name, "is U8 with a weight_scale but no weight_scale_2: not NVFP4 as ModelOpt "
+                   "writes it (per-tensor weight_scale_2)")
+    shape = v.shape[:-1] + [v.shape[-1] * 2] if v.shape else []
+    if len(v.shape) != 2 or sc.shape != [shape[0], shape[1] // NV_BLOCK] or shape[1] % NV_BLOCK:
+        raise _bad(ck, name + "_scale", f"has shape {sc.shape} for packed NVFP4 values {v.shape}; "
+                   f"NVFP4 has one scale per {NV_BLOCK} values of a row")
+    if sc.st_dtype != "F8_E4M3":
+        raise _bad(ck, name + "_scale", f"is {sc.st_dtype}; NVFP4 block scales are F8_E4M3")
+    n2 = 1
+    for d in s2.shape:
+        n2 *= d
+    if s2.st_dtype != "F32" or n2 != 1:
+        raise _bad(ck, name + "_scale_2", f"is {s2.st_dtype} {s2.shape}; NVFP4's second scale is one F32 "
+                   "value per tensor")
+    return Weight(name, "nvfp4", name, shape, scale=name + "_scale", scale_2=name + "_scale_2")
+
+
+def _mxfp4_weight(ck: Checkpoint, name: str) -> Weight:
+    b = ck.tensors[name + "_blocks"]
+    sc = ck.tensors.get(name + "_scales")
+    if sc is None:
+        raise _bad(ck, name + "_blocks", f"has no {name}_scales beside it (MXFP4 needs both)")
+    if b.st_dtype != "U8" or len(b.shape) < 3 or b.shape[-1] != MX_BLOCK // 2:
+        raise _bad(ck, name + "_blocks", f"is {b.st_dtype} {b.shape}; MXFP4 blocks are U8 [..., rows, "
+                   f"cols/{MX_BLOCK}, {MX_BLOCK // 2}]")
+    if sc.shape != b.shape[:-1] or sc.st_dtype not in ("U8", "F8_E8M0"):
+        raise _bad(ck, name + "_scales", f"is {sc.st_dtype} {sc.shape}; the scales of blocks {b.shape} are "
+                   f"U8 (e8m0) {b.shape[:-1]}")
+    shape = b.shape[:-2] + [b.shape[-2] * MX_BLOCK]
+    return Weight(name, "mxfp4", name + "_blocks", shape, scale=name + "_scales")
+
+
+@dataclass
+class QuantScheme:
+    """A quantization FreeToken reads: its format, where it was declared and how to name it."""
+    format: str  # one of QUANT_FORMATS
+    where: str  # "config.json", "hf_quant_config.json", ... or "tensors" (no config says it)
+    description: str
+    excluded: list[str]  # modules the config keeps unquantized (informational: tensors decide)
+
+
+def _excluded(qc: dict) -> list[str]:
+    inner = qc.get("quantization") if isinstance(qc.get("quantization"), dict) else {}
+    for d in (qc, inner):
+        for key in ("modules_to_not_convert", "exclude_modules", "ignored_layers", "ignore"):
+            v = d.get(key)
+            if isinstance(v, list):
+                return [str(x) for x in v]
+    return []
+
+
+def accepted_format(qc: dict) -> str | None:
+    """The format of a declared quantization config if FreeToken reads it, else None."""
+    inner = qc.get("quantization") if isinstance(qc.get("quantization"), dict) else {}
+    method = str(qc.get("quant_method") or "").lower()
+    algo = str(qc.get("quant_algo") or inner.get("quant_algo") or "").upper()
+    if method == "fp8":
+        fmt = str(qc.get("fmt") or "e4m3").lower()
+        bs = qc.get("weight_block_size")
+        ok = isinstance(bs, (list, tuple)) and [int(x) for x in bs] == [FP8_BLOCK, FP8_BLOCK]
+        return "fp8_block" if ok and fmt in ("e4m3", "float8_e4m3fn") else None
+    if method == "mxfp4":
+        return "mxfp4"
+    if method in ("modelopt", "") and algo == "NVFP4" and (method or "producer" in qc or inner):
+        group = inner.get("group_size", qc.get("group_size", NV_BLOCK))
+        return "nvfp4" if group in (NV_BLOCK, str(NV_BLOCK)) else None
+    return None
+
+
+def refuse_quantized(src: str, what: str) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"{src}: quantization {what} is not supported; FreeToken reads FP8 with 128x128 block scales, "
+        "MXFP4 and NVFP4 (ModelOpt) checkpoints as published: convert one of those or the BF16 release")
+
+
+def quant_scheme(src: str, raw: dict, ck: Checkpoint | None) -> QuantScheme | None:
+    """The checkpoint's quantization if it is one FreeToken reads (None: not quantized); raises
+    UnsupportedModelError naming any other. With ck=None only the configs are looked at (the
+    refusal that needs no tensors comes first)."""
+    q = quant_config(src, raw)
+    if q is not None:
+        where, qc = q
+        fmt = accepted_format(qc)
+        if fmt is None:
+            raise refuse_quantized(src, f"{describe_quant(qc)}, declared in {where},")
+        return QuantScheme(fmt, where, f"declared in {where} as {describe_quant(qc)}", _excluded(qc))
+    if ck is None:
+        return None
+    names = [n for n in ck.tensors if is_quant_tensor(n)]
+    f8 = [n for n, s in ck.tensors.items() if s.st_dtype.startswith("F8")]
+    if not names and not f8:
+        return None
+    what = describe_quant_tensors(ck)
+    inv = [n for n in names if n.endswith("weight_scale_inv")]
+    fmt = None
+    if inv:
+        block = _block_size(ck, inv)
+        fmt = "fp8_block" if block in (None, (FP8_BLOCK, FP8_BLOCK)) else None
+    elif any(n.endswith("_blocks") for n in names):
+        fmt = "mxfp4"
+    elif any(n.endswith("weight_scale_2") for n in names) and any(
+            ck.tensors[n].st_dtype == "U8" and n + "_scale" in ck.tensors for n in ck.tensors):
+        fmt = "nvfp4"
+    if fmt is None:
+        raise refuse_quantized(src, what)
+    return QuantScheme(fmt, "tensors", f"found in the tensors as {what} (no config declares it)", [])

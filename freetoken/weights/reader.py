@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ..errors import CorruptModelError, UnsupportedModelError
-from .ftw import ALIGN, BLOCK, DTYPES, align_up, block_spans, crc32, read_header
+from .ftw import ALIGN, BLOCK, DTYPES, align_up, block_spans, crc32, quantized_entries, read_header
 
 log = logging.getLogger("freetoken.weights")
 
@@ -73,14 +73,15 @@ def load_ftw(path: str, names=None, *, verify: bool = True, threads: int | None 
     """Read entries of an FTW file. Returns (meta, {name: tensor}); files come as uint8."""
     meta, entries = read_header(path)
     wanted = [entries[n] for n in (names if names is not None else entries)]
+    quantized = quantized_entries(meta)
     for e in wanted:
-        if e.dtype.startswith("float8"):
+        if e.dtype.startswith("float8") and e.name not in quantized:
             # FTW files converted from FP8 checkpoints before `ft convert` refused them: the block
             # scales were dropped, so these weights are wrong whatever the engine does
             raise UnsupportedModelError(
                 f"{path}: tensor {e.name} is {e.dtype}: this file was converted from a quantized (FP8) "
-                "checkpoint without its scales; quantized formats are not supported yet; "
-                "convert the BF16 release of the model")
+                "checkpoint without its scales (before FreeToken read quantized formats); re-run "
+                "`ft convert` on the checkpoint, or convert the BF16 release of the model")
     out = {e.name: _aligned_buffer(e.nbytes) for e in wanted}
     jobs = [(e, s, n) for e in wanted for s, n in block_spans(e.nbytes)]
     total = sum(e.nbytes for e in wanted)
@@ -150,3 +151,33 @@ def pin_in_place(tensors, min_bytes: int = 1 << 20) -> bool:
         log.warning("could not pin every host bank (cudaHostRegister: %s); transfers from them will be "
                     "slower", ", ".join(sorted(errors)))
     return ok
+
+
+def dense_weights(meta: dict, tensors: dict, device, dtype) -> dict:
+    """The non-expert weights for the model, on `device`: floating ones cast to `dtype`, integer
+    ones as they are, and those stored quantized (meta["quant"]["dense"]) dequantized with the
+    quant.py reference (on the device) and cast to `dtype`; their scale tensors are consumed.
+    (FP8 GEMMs that read the published bytes directly are later work.)"""
+    from .quant import dequant_fp8_block, dequant_mxfp4, dequant_nvfp4
+    qd = (meta.get("quant") or {}).get("dense") or {}
+    consumed = {d[k] for d in qd.values() for k in ("values", "scale", "scale_2") if d.get(k)}
+    out = {}
+    for name, d in qd.items():
+        v = tensors[d["values"]].to(device)
+        s = tensors[d["scale"]].to(device)
+        fmt, shape = d["format"], d["shape"]
+        if fmt == "fp8_block":
+            w = dequant_fp8_block(v, s)
+        elif fmt == "mxfp4":
+            w = dequant_mxfp4(v.reshape(*shape[:-1], shape[-1] // 2), s)
+        elif fmt == "nvfp4":
+            w = dequant_nvfp4(v, s, tensors[d["scale_2"]].to(device).float().reshape(()))
+        else:
+            raise UnsupportedModelError(f"weight {name} is stored as {fmt!r}, a format this FreeToken does "
+                                        "not read; update FreeToken or re-run `ft convert`")
+        out[name] = w.reshape(shape).to(dtype)
+    for k, v in tensors.items():
+        if k.startswith(("file/", "experts.")) or k in consumed:
+            continue
+        out[k] = v.to(device, dtype) if v.is_floating_point() else v.to(device)
+    return out

@@ -1,0 +1,109 @@
+"""The GPU expert cache's executor (slots that follow the router, misses filled or run on the
+CPU): its output equals the all-resident experts' for any residency, fill share and policy,
+and a model served through it equals transformers. On the CPU the slots are host memory: the
+same control, transfers and merge, checked here; the GPU machine runs the CUDA path."""
+import pytest
+import torch
+
+import hf_models
+from drive import drive
+from freetoken.cache.config import CacheConfig
+from freetoken.experts.cached import CachedExpertExecutor
+from freetoken.experts.cpu import CpuExpertExecutor
+from freetoken.experts.executor import NO_EXPERT, reference_experts
+from freetoken.runtime.engine import Engine, EngineConfig
+from freetoken.runtime.request import Request, SamplingOptions
+from freetoken.runtime.serving import ServingEngine
+from freetoken.weights.convert import convert
+
+
+def banks(n, h, i, seed):
+    g = torch.Generator().manual_seed(seed)
+    return ((torch.randn(n, 2 * i, h, generator=g) * h ** -0.5), (torch.randn(n, h, i, generator=g) * i ** -0.5))
+
+
+def rel(a, b):
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("policy", ["recent", "gate"])
+@pytest.mark.parametrize("slots", [3, 12, 64])
+def test_cached_output_equals_all_resident(share, policy, slots):
+    layers, e, h, i, k = 3, 16, 48, 24, 4
+    gu, dn = banks(layers * e, h, i, seed=slots)
+    ex = CachedExpertExecutor(gu, dn, slots, "cpu", torch.float32, CpuExpertExecutor(gu, dn), share, policy)
+    g = torch.Generator().manual_seed(7)
+    for step in range(12):  # decode steps across layers, a prefill chunk now and then
+        layer = step % layers
+        t = 37 if step % 5 == 4 else 1 + step % 4
+        phase = "prefill" if t > 8 else "decode"
+        x = torch.randn(t, h, generator=g)
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]) + layer * e
+        if phase == "decode" and t > 1:
+            ids[0] = NO_EXPERT  # an idle batch row
+        w = torch.softmax(torch.randn(t, k, generator=g), -1)
+        got = ex(x, ids, w, phase=phase)
+        ref = reference_experts(x, ids, w, gu, dn)
+        assert rel(got, ref) < 1e-5, (step, phase)
+        if phase == "decode" and t > 1:
+            assert float(got[0].abs().max()) == 0.0
+    st = ex.stats()
+    assert st["slots"] == min(slots, layers * e) and 0 < st["slots_used"] <= st["slots"]
+    assert st["fills"] > 0 and st["bytes_moved"] == st["fills"] * ex.pool.slot_bytes
+    if slots >= k:  # one route, again and again: each call fills at least one miss, then all hit
+        x, ids, w = torch.randn(1, h, generator=g), torch.arange(k)[None] + e, torch.full((1, k), 1 / k)
+        for _ in range(k):
+            ex(x, ids, w)
+        before = ex.stats()["hits"]
+        ex(x, ids, w)
+        assert ex.stats()["hits"] == before + k
+    if share == 0.0:  # at least one fill per layer call with misses, the rest on the CPU
+        assert st["cpu_experts"] > 0
+
+
+def test_model_served_through_the_cache_equals_transformers(tmp_path):
+    model = hf_models.qwen3_5(23, num_hidden_layers=4, num_experts=16, num_experts_per_tok=4)
+    hf_models.save(model, str(tmp_path / "hf"))
+    convert(str(tmp_path / "hf"), str(tmp_path / "m.ftw"), progress=False)
+    # room for 10 of the 64 experts: most steps miss, fills evict, a share runs on the CPU
+    eng = Engine(str(tmp_path / "m.ftw"), EngineConfig(device="cpu", dtype="float32", moe="cache", fill_share=0.5,
+                                                       prefill_chunk=16))
+    assert eng.experts_on == "cache" and eng.describe()["expert_backend"] == "gpu-cache"
+    slot = eng.executor.slot_bytes
+    srv = ServingEngine(eng, max_batch=2, max_queue=4, start=False, record_logits=True,
+                        cache=CacheConfig(enabled=False))
+    assert srv.plan.expert_slots == 4 * 16  # the plan's default: every expert when they fit
+    ex = eng.executor
+    ex.pool = None
+    ex.allocate(10)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (21, 9)]
+    reqs = drive(srv, [Request(p, SamplingOptions(temperature=0, max_tokens=8, ignore_eos=True)) for p in prompts],
+                 arrive=[0, 2])
+    for p, r in zip(prompts, reqs):
+        ref = hf_models.reference_logits(model, p + r.output_ids)
+        assert r.output_ids == ref[len(p) - 1:-1].argmax(-1).tolist()
+        for j, lg in enumerate(r.logits):
+            assert rel(lg, ref[len(p) - 1 + j]) < 1e-4
+    st = ex.stats()
+    assert st["fills"] > 10 and st["cpu_experts"] > 0 and st["slots_used"] == 10
+    assert slot * 10 == ex.pool.slot_bytes * 10
+
+
+def test_plan_sizes_the_cache(tmp_path):
+    from freetoken.errors import FreeTokenError
+    hf_models.save(hf_models.qwen3_5(24, num_hidden_layers=2), str(tmp_path / "hf"))
+    convert(str(tmp_path / "hf"), str(tmp_path / "m.ftw"), progress=False)
+    eng = Engine(str(tmp_path / "m.ftw"), EngineConfig(device="cpu", dtype="float32", moe="cache",
+                                                       expert_cache=str(40 * 1024)))
+    srv = ServingEngine(eng, max_batch=1, start=False)
+    slot = eng.executor.slot_bytes
+    assert srv.plan.expert_slots == 40 * 1024 // slot and srv.plan.expert_cache == srv.plan.expert_slots * slot
+    assert eng.executor.pool.slots == srv.plan.expert_slots and "expert cache" in srv.plan.summary()
+    with pytest.raises(FreeTokenError, match="--expert-cache"):
+        eng2 = Engine(str(tmp_path / "m.ftw"), EngineConfig(device="cpu", dtype="float32", moe="cache",
+                                                            expert_cache="10"))
+        ServingEngine(eng2, max_batch=1, start=False)
+    with pytest.raises(FreeTokenError, match="contradicts"):
+        EngineConfig(moe="cache", experts="gpu")
