@@ -281,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                         help="log what the engine does")
-    sub = p.add_subparsers(dest="cmd", metavar="{generate,serve,convert}")
+    sub = p.add_subparsers(dest="cmd", metavar="{generate,serve,convert,launch}")
 
     def command(name, help_):
         return sub.add_parser(name, help=help_, description=help_, parents=[common], formatter_class=HelpFormatter)
@@ -336,7 +336,33 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("out", help="output .ftw file (missing folders are created)")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(func=cmd_convert)
+
+    from .launch import CLIENTS
+    la = command("launch", "run an agentic client (Claude Code, Codex, OpenCode, OpenClaw) against a local "
+                           "ft serve, started or reused, with its configuration written for it")
+    la.add_argument("client", choices=list(CLIENTS), help="the client to run")
+    la.add_argument("client_args", nargs="*", metavar="-- ARGS",
+                    help="arguments for the client, after -- (e.g. -- -p 'say hi')")
+    la.add_argument("--print", action="store_true",
+                    help="print the client's configuration (files, environment, command); run nothing")
+    la.add_argument("--port", type=int, default=8000, help="port of the server on 127.0.0.1 (reused if it "
+                                                          "already serves the model)")
+    la.add_argument("--model", default=None, help="FTW file or a folder holding one (default: the demo model)")
+    la.add_argument("--served-model-name", default=None, help="model id (default: as ft serve names it)")
+    la.add_argument("--max-new-tokens", type=int, default=None,
+                    help="server-side cap on a reply's tokens, also the output limit the client is given "
+                         "(default: 256 for the demo model, whose replies never end; else none, and the "
+                         "client is told a quarter of the context, at most 32768)")
+    la.add_argument("--serve-args", default=None, metavar="'FLAGS'",
+                    help="more ft serve flags for a server ft launch starts, as one string "
+                         "(e.g. '--max-batch 4 --experts cpu')")
+    la.set_defaults(func=cmd_launch)
     return p
+
+
+def cmd_launch(args) -> int:
+    from .launch import cmd_launch as run
+    return run(args)
 
 
 def main(argv=None) -> int:
