@@ -202,6 +202,8 @@ def bind_sockets(host: str, port: int) -> list[socket.socket]:
 def banner(name: str, arch: str, url: str, d: dict) -> str:
     """The start-up line: what is served where, and what runs it (ServingEngine.describe())."""
     experts = f"experts on {d.get('experts')}"
+    if d.get("expert_format") not in (None, "none"):
+        experts = f"{d['expert_format']} {experts}"
     backend = d.get("expert_backend")
     if backend and backend != "none":
         how = [backend] + ([d["expert_isa"]] if d.get("expert_isa") else [])
@@ -215,8 +217,8 @@ def banner(name: str, arch: str, url: str, d: dict) -> str:
 
 
 def cmd_serve(args) -> int:
-    if args.max_batch < 1 or args.max_queue < 0:
-        raise FreeTokenError("--max-batch must be >= 1 and --max-queue >= 0")
+    if args.max_batch < 1 or args.max_queue < 0 or args.responses_store < 0:
+        raise FreeTokenError("--max-batch must be >= 1, --max-queue and --responses-store >= 0")
     socks = bind_sockets(args.host, args.port)
     try:
         return _serve(args, socks)
@@ -245,7 +247,7 @@ def _serve(args, socks: list[socket.socket]) -> int:
                             kv_tokens=args.prefix_cache_tokens)
     try:
         ctx = ServerContext(serving, eng.tokenizer, template, [name], eng.cfg.vocab_size, api_key=args.api_key,
-                            metrics=metrics)
+                            metrics=metrics, responses_store=args.responses_store)
         app = build_app(ctx)
         host = socks[0].getsockname()[0]
         host = f"[{host}]" if ":" in host else host
@@ -318,6 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "(default: no key)")
     s.add_argument("--max-batch", type=int, default=8, help="requests decoded together (continuous batching)")
     s.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch; more get 429")
+    s.add_argument("--responses-store", type=int, default=256,
+                   help="Responses API: stored responses kept in memory for previous_response_id "
+                        "(least recently used evicted first; also bounded to 64 MiB)")
     s.add_argument("--max-new-tokens", type=int, default=0,
                    help="cap on tokens generated per request, whatever the client asks (0: no cap)")
     s.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt in full")

@@ -28,15 +28,8 @@ STORE = 6  # the server under test keeps this many stored responses
 
 @pytest.fixture(scope="module")
 def server():
-    old = os.environ.get("FREETOKEN_RESPONSES_STORE")
-    os.environ["FREETOKEN_RESPONSES_STORE"] = str(STORE)
-    try:
-        s = Server("--api-key", API_KEY, "--max-batch", "2", "--max-queue", "1", "--max-seq-len", str(CTX))
-    finally:
-        if old is None:
-            os.environ.pop("FREETOKEN_RESPONSES_STORE")
-        else:
-            os.environ["FREETOKEN_RESPONSES_STORE"] = old
+    s = Server("--api-key", API_KEY, "--max-batch", "2", "--max-queue", "1", "--max-seq-len", str(CTX),
+               "--responses-store", str(STORE))
     yield s
     s.stop()
 

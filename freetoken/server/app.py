@@ -32,6 +32,7 @@ class ServerContext:
     metrics: Metrics = field(default_factory=Metrics)
     started: int = field(default_factory=lambda: int(time.time()))
     token_text: TokenText | None = None  # token spellings for logprobs (set by build_app)
+    responses_store: int = 256  # Responses API: stored responses kept (LRU)
 
 
 def _api_of(request: Request) -> str:

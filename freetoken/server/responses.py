@@ -12,15 +12,14 @@ Codex shows the summary and, when it replays the conversation (`store: false`), 
 summary back without the content, so either is read back as the turn's reasoning_content.
 
 Stored responses (`store`, default true) live in memory, least recently used evicted first,
-bounded by count and by size (FREETOKEN_RESPONSES_STORE, default 256 responses, and
-FREETOKEN_RESPONSES_STORE_BYTES, default 64 MiB of JSON: each entry counts the whole
+bounded by count and by size (`ft serve --responses-store`, default 256 responses, and
+STORE_BYTES, 64 MiB of JSON: each entry counts the whole
 conversation it can replay).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 import uuid
 from collections import OrderedDict
@@ -81,12 +80,13 @@ class Store:
         return old is not None
 
 
+STORE_BYTES = 64 << 20  # JSON bytes the stored responses may take
+
+
 def store_of(ctx) -> Store:
     store = ctx.__dict__.get("_responses_store")
     if store is None:
-        store = ctx.__dict__["_responses_store"] = Store(
-            int(os.environ.get("FREETOKEN_RESPONSES_STORE", "256")),
-            int(os.environ.get("FREETOKEN_RESPONSES_STORE_BYTES", str(64 << 20))))
+        store = ctx.__dict__["_responses_store"] = Store(ctx.responses_store, STORE_BYTES)
     return store
 
 
