@@ -252,11 +252,15 @@ def test_completions_logprobs_match_the_model(oai, reference):
     assert sum((s.token_logprobs for s in streamed), []) == pytest.approx(lp.token_logprobs, abs=1e-3)
 
 
-def test_response_format_is_refused_until_constrained_decoding(oai, server):
+def test_response_format_shapes(oai, server):
+    """json_object / json_schema are constrained (tests/test_structured_output.py); malformed
+    formats are a 400 naming response_format."""
+    r = oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=2, response_format={"type": "json_object"})
+    assert (r.choices[0].message.content or "").startswith("{")
     with pytest.raises(openai.BadRequestError) as e:
-        oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=2, response_format={"type": "json_object"})
-    assert "response_format" in str(e.value) and "json_object" in str(e.value)
-    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+        oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=2, response_format={"type": "xml"})
+    assert "response_format" in str(e.value) and "xml" in str(e.value)
+    schema = {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}  # no name
     r = post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "response_format": schema})
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
     r = post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 21})
@@ -273,7 +277,7 @@ def test_response_format_is_refused_until_constrained_decoding(oai, server):
     ({"model": MODEL, "messages": USER, "top_logprobs": 3}, 400, "logprobs: true"),
     ({"model": MODEL, "messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ({"model": MODEL, "messages": USER, "logprobs": True, "top_logprobs": "3"}, 400, "top_logprobs"),
-    ({"model": MODEL, "messages": USER, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"model": MODEL, "messages": USER, "response_format": {"type": "regex"}}, 400, "response_format"),
     ({"model": MODEL}, 400, "messages"),
     ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
     ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},

@@ -23,6 +23,7 @@ from ..errors import FreeTokenError
 from ..model.state import DecodeState, slot_state_bytes
 from .budget import plan_memory
 from .decode_runner import DecodeRunner
+from .grammar import GrammarRunner
 from .request import Request, TokenEvent
 from .sampler import SamplingParams, greedy_rows, sample, top_entries
 from .scheduler import Scheduler
@@ -85,6 +86,8 @@ class EngineLoop:
         self._costs: deque[tuple[int, float]] = deque(maxlen=32)  # (tokens, seconds) of recent forwards
         self._lock = threading.Lock()  # the scheduler's queues are shared with the submitting thread
         self._gens: dict[int, torch.Generator | None] = {}
+        # constrained decoding (structured output); builds nothing until a request needs it
+        self.grammar = GrammarRunner(engine.tokenizer, cfg.vocab_size, engine.eos_ids, engine.device)
 
     def _decode_runner(self, engine) -> DecodeRunner:
         ex = engine.executor
@@ -239,6 +242,8 @@ class EngineLoop:
         eng, t0 = self.engine, time.perf_counter()
         segs = []
         for req, start, end in group:
+            if req.sampling.grammar is not None and req.grammar is None:
+                self.grammar.begin(req)  # compiled on the grammar worker while this forward runs
             toks = req.tokens(0, req.prefill_end)
             cuts = self.cache.positions(toks, start, end) if self.cache is not None else []
             # checkpoints inside the chunk are taken by the DeltaNet layers in the same pass
@@ -253,7 +258,8 @@ class EngineLoop:
         else:
             dec_logits, pre_logits = None, eng.prefill_batch(self.state, segs)  # [finishing, V] or None
         # greedy rows are decided on the device: only the others copy their logits over
-        picks = self._device_picks(decode, dec_logits, [r.slot for r in decode]) if decode else {}
+        # (constrained rows are masked first, on the device)
+        picks, norms = self._device_picks(decode, dec_logits, [r.slot for r in decode]) if decode else ({}, None)
         host = dec_logits.cpu() if decode and (self.record_logits or len(picks) < len(decode)) else None
         eng.sync()
         dt, n_pre = time.perf_counter() - t0, sum(e - s for _, s, e in group)
@@ -269,16 +275,24 @@ class EngineLoop:
             self._costs.append((n_pre + len(tokens), dt))
         for r in decode:
             r.computed += 1
-            self._guarded([r], self._accept, r, host[r.slot] if host is not None else None, picks.get(r.id))
+            self._guarded([r], self._accept, r, host[r.slot] if host is not None else None, picks.get(r.id),
+                          _norm(norms, r, picks))
         row = 0
         for req, _, end in group:
             req.computed = end
             if end == req.prefill_end:  # the prompt is in: its last logits give the first token
                 lg = pre_logits[row:row + 1]  # [1, V]
                 row += 1
-                pk = self._device_picks([req], lg, [0])
+                pk, nm = self._device_picks([req], lg, [0])
                 self._guarded([req], self._accept, req,
-                              lg[0].cpu() if self.record_logits or req.id not in pk else None, pk.get(req.id))
+                              lg[0].cpu() if self.record_logits or req.id not in pk else None, pk.get(req.id),
+                              _norm(nm, req, pk))
+        # constrained requests: their next masks are computed on the grammar worker while the
+        # engine goes on to the next forward (joined just before that forward's sampling)
+        cons = [r for r in decode if r.grammar is not None] + \
+            [r for r, _, end in group if r.grammar is not None and end == r.prefill_end]
+        if cons:
+            self.grammar.prefetch(cons)
 
     def _decode_rows(self, reqs: list[Request]):
         n = max(r.slot for r in reqs) + 1  # rows [0, n): the decoding slots and any holes
@@ -296,14 +310,31 @@ class EngineLoop:
                 if req.finished_at is None:
                     self._finish(req, "error", error=f"{type(e).__name__}: {e}")
 
-    def _device_picks(self, reqs: list[Request], logits: torch.Tensor, rows: list[int]) -> dict:
-        """Greedy rows are decided where the logits are; only the others copy theirs over."""
+    def _device_picks(self, reqs: list[Request], logits: torch.Tensor, rows: list[int]):
+        """Greedy rows are decided where the logits are; only the others copy theirs over.
+        Constrained rows are masked in place first (their grammar's mask, on the device).
+        -> (picks by request id, None or (the masked rows' model log-normalizers [R] on the
+        device, their index by request id))."""
+        norms = None
+        if any(r.grammar is not None for r in reqs):  # unconstrained batches skip all of this
+            pairs = self.grammar.rows(reqs, rows)
+            if pairs:
+                at = {st: k for k, (st, _) in enumerate(pairs)}
+                norms = (self.grammar.apply(logits, pairs), {r.id: at[r.grammar] for r in reqs if r.grammar in at})
         greedy = [(r, row) for r, row in zip(reqs, rows) if r.sampling.temperature == 0 and not r.forcing()]
         if not greedy:
-            return {}
+            return {}, norms
         top = max(r.sampling.top_logprobs for r, _ in greedy)
-        picks = greedy_rows(logits, [row for _, row in greedy], top)
-        return {r.id: (tok, lp, tops[:r.sampling.top_logprobs]) for (r, _), (tok, lp, tops) in zip(greedy, picks)}
+        norm, pos = None, None
+        if norms is not None:  # masked greedy rows: their model log-normalizers
+            lse, at = norms
+            pos = [j for j, (r, _) in enumerate(greedy) if r.id in at]
+            ks = [at[greedy[j][0].id] for j in pos]
+            if pos:
+                norm = lse if ks == list(range(len(lse))) else lse[torch.tensor(ks, device=lse.device)]
+        picks = greedy_rows(logits, [row for _, row in greedy], top, norm, pos)
+        return {r.id: (tok, lp, tops[:r.sampling.top_logprobs])
+                for (r, _), (tok, lp, tops) in zip(greedy, picks)}, norms
 
     # ---- pages and preemption -------------------------------------------------------------------
     def _room(self, req: Request, tokens: int) -> bool:
@@ -341,9 +372,11 @@ class EngineLoop:
             self.sched.preempt(req)
 
     # ---- update -------------------------------------------------------------------------------
-    def _accept(self, req: Request, logits: torch.Tensor | None, pick: tuple | None = None) -> None:
+    def _accept(self, req: Request, logits: torch.Tensor | None, pick: tuple | None = None,
+                norm: float | None = None) -> None:
         """Sample the next token of `req` (or take `pick`, chosen on the device), emit it,
-        finish the request if it is done."""
+        finish the request if it is done. norm: the model's log-normalizer of logits that a
+        grammar masked."""
         s = req.sampling
         if req.forcing():  # a forced token, with its log-probability under the model
             tok = s.forced[req.forced_next]
@@ -352,8 +385,9 @@ class EngineLoop:
             pick = tok, float(lsm[tok]), top_entries(lsm, s.top_logprobs)
         elif pick is None:
             pick = sample(logits, SamplingParams(s.temperature, s.top_p, s.top_k), self._gens.get(req.id),
-                          s.top_logprobs)
+                          s.top_logprobs, norm)
         tok, lp, tops = pick
+        complete = req.grammar is not None and self.grammar.accept(req, tok)  # raises if tok breaks it
         if tok == s.forced_after:
             req.forced_armed = True
         if req.first_token_at is None:
@@ -370,8 +404,8 @@ class EngineLoop:
             if self.cache.positions(seq, c - 1, c):
                 self.cache.save(req.tokens(0, c), req.slot)
         reason = None
-        if (not s.ignore_eos and tok in self.engine.eos_ids) or tok in s.stop_token_ids:
-            reason = "stop"
+        if (not s.ignore_eos and tok in self.engine.eos_ids) or tok in s.stop_token_ids or complete:
+            reason = "stop"  # complete: the grammar admits nothing more
         elif len(req.output_ids) >= s.max_tokens or req.length >= self.max_len:
             reason = "length"
         self.emit(req, TokenEvent(req.id, [tok], [lp]))
@@ -391,8 +425,18 @@ class EngineLoop:
             req.finished_at = time.monotonic()
             self.emit(req, TokenEvent(req.id, [], [], finish_reason=req.finish_reason, error=req.error))
             self._gens.pop(req.id, None)
+            if req.grammar is not None:
+                self.grammar.release(req)
             if self.metrics:
                 self.metrics.finished(req)
+
+
+def _norm(norms, req: Request, picks: dict) -> float | None:
+    """The model's log-normalizer of a masked row sampled on the host (None: not masked)."""
+    if norms is None or req.id in picks or req.id not in norms[1]:
+        return None
+    lse, at = norms
+    return float(lse[at[req.id]])
 
 
 class _Joined:

@@ -5,10 +5,65 @@ Plain Python (no torch): the scheduler and the server both use it.
 from __future__ import annotations
 
 import itertools
+import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 _ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class ToolSchema:
+    """A tool a constrained call may name, with the JSON schema of its arguments."""
+    name: str
+    parameters: dict  # JSON schema of the arguments (an object)
+    strict: bool = True  # schema keywords the engine cannot enforce are an error (False: ignored)
+
+
+@dataclass(frozen=True)
+class CallSyntax:
+    r"""How the chat template writes one tool call, as literal pieces (probed from the template by
+    server.tool_choice). json: HEAD name TAIL ARGS arguments-object CLOSE, e.g.
+    `<tool_call>\n{"name": "` X `"` `, "arguments": ` {...} `}\n</tool_call>`; xml: HEAD name TAIL
+    (PARAM key MID value END_PARAM)* CLOSE, e.g. `<tool_call>\n<function=` X `>`
+    `\n<parameter=` k `>\n` v `\n</parameter>` `\n</function>\n</tool_call>`."""
+    style: str  # "json" | "xml"
+    head: str
+    tail: str
+    close: str
+    args: str = ""  # json: between the name's tail and the arguments object
+    param: str = ""  # xml: before a parameter's name
+    mid: str = ""  # xml: between a parameter's name and its value
+    end_param: str = ""  # xml: after a parameter's value
+    sep: str = "\n"  # between two calls
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What constrained decoding must produce (runtime.grammar compiles it).
+
+    kind: "json_object" (any JSON object), "json_schema" (`schema`; `strict` refuses schema
+    keywords the engine cannot enforce, otherwise they are ignored), "regex" (`pattern`), or
+    "tool_call": `lead` then one call (several with `multiple`) to one of `tools` in the
+    template's `syntax`, or, with `text`, free text in which every call that opens follows its
+    tool's schema. The grammar applies from the first output token, or from the token after
+    `after` (the end of thinking) when that is set."""
+    kind: str
+    schema: dict | None = None
+    strict: bool = False
+    pattern: str | None = None
+    tools: tuple[ToolSchema, ...] = ()
+    syntax: CallSyntax | None = None
+    lead: str = ""
+    text: bool = False
+    multiple: bool = False
+    after: int | None = None
+
+    def key(self) -> str:
+        """Identity of the compiled grammar (`after` is not part of it)."""
+        d = asdict(self)
+        d.pop("after")
+        return json.dumps(d, sort_keys=True, ensure_ascii=False, default=str)
 
 
 @dataclass
@@ -27,6 +82,8 @@ class SamplingOptions:
     forced_after: int | None = None
     # most likely alternatives reported with each output token (OpenAI top_logprobs; 0: none)
     top_logprobs: int = 0
+    # constrained decoding: what the output (from grammar.after on) must match; None: free
+    grammar: GrammarSpec | None = None
 
 
 @dataclass
@@ -59,6 +116,7 @@ class Request:
     logits: list = field(default_factory=list)  # logits behind each sampled token (tests only)
     forced_next: int = 0  # how many of sampling.forced have been emitted
     forced_armed: bool = False  # sampling.forced_after has been generated
+    grammar: object = None  # the engine's matcher state when sampling.grammar is set (runtime.grammar)
 
     def __post_init__(self):
         if self.prefill_end < 0:

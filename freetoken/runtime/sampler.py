@@ -26,10 +26,13 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None, top_n: int = 0):
+def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None, top_n: int = 0,
+           norm: float | None = None):
     """logits: [V] float -> (token id, its log-probability under the model, the top_n most
-    likely [(id, logprob)], most likely first; [] when top_n is 0)."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    likely [(id, logprob)], most likely first; [] when top_n is 0). norm: the model's
+    log-normalizer when the logits were masked (constrained decoding: -inf where forbidden), so
+    log-probabilities stay the model's."""
+    logprobs = logits.float() - norm if norm is not None else torch.log_softmax(logits.float(), dim=-1)
     if params.temperature == 0:
         tok = int(torch.argmax(logits))
     else:
@@ -55,18 +58,30 @@ def top_entries(logprobs: torch.Tensor, n: int) -> list[tuple[int, float]]:
     if n <= 0:
         return []
     v, i = torch.topk(logprobs, min(n, logprobs.numel()))
-    return list(zip(i.tolist(), v.tolist()))
+    # tokens a grammar masked out (-inf) are no alternatives
+    return [(a, b) for a, b in zip(i.tolist(), v.tolist()) if b != float("-inf")]
 
 
-def greedy_rows(logits: torch.Tensor, rows: list[int], top_n: int = 0):
+def greedy_rows(logits: torch.Tensor, rows: list[int], top_n: int = 0, norm: torch.Tensor | None = None,
+                norm_rows: list[int] | None = None):
     """Greedy picks for `rows` of logits [B, V], computed where the logits are (one batched
     argmax and log_softmax on the GPU) so only a few numbers per row cross to the host, in one
-    transfer. -> [(token id, logprob, top_n most likely [(id, logprob)])] per row."""
+    transfer. -> [(token id, logprob, top_n most likely [(id, logprob)])] per row.
+    norm: the model's log-normalizers [len(norm_rows)] (on the logits' device) of the rows whose
+    logits a grammar masked, norm_rows their positions in `rows`: log-probabilities stay the
+    model's (the masked rows' own normalizer would inflate them)."""
     if rows == list(range(rows[0], rows[0] + len(rows))):
         sel = logits[rows[0]:rows[0] + len(rows)].float()  # [R, V] a view: no index upload
     else:
         sel = logits[torch.tensor(rows, device=logits.device)].float()
-    lsm = torch.log_softmax(sel, -1)  # [R, V]
+    if norm is None:
+        lsm = torch.log_softmax(sel, -1)  # [R, V]
+    elif len(norm_rows) == len(rows):  # every row masked: one pass
+        lsm = sel - norm.unsqueeze(1)
+    else:
+        lsm = torch.log_softmax(sel, -1)
+        at = torch.tensor(norm_rows, device=sel.device)
+        lsm[at] = sel[at] - norm.unsqueeze(1)
     tok = sel.argmax(-1, keepdim=True)  # [R, 1]
     parts = [tok.double(), lsm.gather(1, tok).double()]  # ids < 2^53 are exact in float64
     if top_n > 0:
@@ -76,5 +91,6 @@ def greedy_rows(logits: torch.Tensor, rows: list[int], top_n: int = 0):
     out = []
     for row in host:
         n = (len(row) - 2) // 2
-        out.append((int(row[0]), row[1], [(int(a), b) for a, b in zip(row[2:2 + n], row[2 + n:])]))
+        tops = [(int(a), b) for a, b in zip(row[2:2 + n], row[2 + n:]) if b != float("-inf")]  # masked: none
+        out.append((int(row[0]), row[1], tops))
     return out

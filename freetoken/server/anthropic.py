@@ -1,7 +1,9 @@
 """Anthropic-compatible API: /v1/messages (streaming and not) and /v1/messages/count_tokens.
 
-Fields the engine does not use (thinking, context_management, output_config, metadata,
-cache_control, anthropic-beta headers, ...) are accepted and ignored.
+Fields the engine does not use (thinking, context_management, output_config's effort, metadata,
+cache_control, anthropic-beta headers, ...) are accepted and ignored. Structured outputs are
+honoured: output_config.format (and the beta's top-level output_format) json_schema, tools with
+`strict: true`, and tool_choice any / tool with arguments held to the tool's input_schema.
 """
 from __future__ import annotations
 
@@ -13,8 +15,8 @@ import uuid
 
 from starlette.responses import JSONResponse, StreamingResponse
 
-from .common import ApiError, build_prompt, field, json_args, render, sampling_from, text_of
-from .tool_choice import forced_opening, wanted
+from .common import ApiError, build_prompt, constrain, field, grammar_for, json_args, render, sampling_from, text_of
+from .tool_choice import call_grammar, forced_opening, strict_grammar, wanted
 from .generation import Done, Ping, collect, events
 from .openai import submit
 from .parser import Event
@@ -106,8 +108,10 @@ def tools_of(body: dict):
             raise ApiError(400, "each tool needs a name")
         if "input_schema" not in t:  # server tools (web search, ...): not ours to run
             continue
-        out.append({"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
-                                                     "parameters": t["input_schema"]}})
+        fn = {"name": t["name"], "description": t.get("description", ""), "parameters": t["input_schema"]}
+        if t.get("strict") is True:
+            fn["strict"] = True
+        out.append({"type": "function", "function": fn})
     return out or None
 
 
@@ -118,19 +122,47 @@ def check_model(ctx, body: dict) -> str:
     return model
 
 
+def output_format(body: dict):
+    """output_config.format (or the beta's top-level output_format): {"type": "json_schema",
+    "schema": {...}} -> a GrammarSpec (Anthropic's structured outputs are strict), or None."""
+    config = field(body, "output_config", "object") or {}
+    fmt, param = config.get("format"), "output_config.format"
+    if fmt is None:
+        fmt, param = field(body, "output_format", "object"), "output_format"
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise ApiError(400, f"{param} must be {{'type': 'json_schema', 'schema': {{...}}}}")
+    return grammar_for({"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"],
+                                                               "strict": True}}, param)
+
+
 def prepare(ctx, body: dict):
-    """-> (rendered prompt, tools, how to force a tool call or None)."""
+    """-> (rendered prompt, tools, constrain(sampling, in_reasoning): forces a demanded tool call
+    and sets the grammar of the call, of the output format or of strict tools)."""
     messages = normalize(body)
     tools = tools_of(body)
+    spec = output_format(body)
     thinking = body.get("thinking")
     kwargs = {}
     if isinstance(thinking, dict) and thinking.get("type") == "disabled":
         kwargs["enable_thinking"] = False
     text = render(ctx, messages, tools, **kwargs)
-    must, name = wanted(body.get("tool_choice"), [t["function"]["name"] for t in tools or []], "anthropic") \
+    choice = body.get("tool_choice")
+    must, name = wanted(choice, [t["function"]["name"] for t in tools or []], "anthropic") \
         if tools else (False, None)
-    force = (lambda in_reasoning: forced_opening(ctx, name, in_reasoning, **kwargs)) if must else None
-    return text, tools, force
+    parallel = not (isinstance(choice, dict) and choice.get("disable_parallel_tool_use") is True)
+
+    def constrain_output(sampling, in_reasoning: bool) -> None:
+        if must:  # open the call by forced tokens; the grammar holds the rest to the input_schema
+            f = forced_opening(ctx, name, in_reasoning, **kwargs)
+            sampling.forced, sampling.forced_after = f.tokens, f.after
+            sampling.grammar = call_grammar(ctx, tools, name, f, parallel, **kwargs)
+        elif spec is not None:
+            constrain(ctx, sampling, spec, in_reasoning)
+        else:
+            sampling.grammar = strict_grammar(ctx, tools, in_reasoning, **kwargs)
+    return text, tools, constrain_output
 
 
 async def count_tokens(ctx, body: dict, request):
@@ -143,11 +175,9 @@ async def messages(ctx, body: dict, request):
     model = check_model(ctx, body)
     max_tokens = field(body, "max_tokens", "integer", required=True)
     sampling = sampling_from(body, max_tokens, field(body, "stop_sequences", "array"), ctx.serving.max_len)
-    text, tools, force = prepare(ctx, body)
+    text, tools, constrain_output = prepare(ctx, body)
     prompt = build_prompt(ctx, text, sampling)
-    if force is not None:
-        f = force(prompt.in_reasoning)
-        sampling.forced, sampling.forced_after = f.tokens, f.after
+    constrain_output(sampling, prompt.in_reasoning)
     stream = field(body, "stream", "boolean", False)
     req, queue = submit(ctx, prompt.ids, sampling)
     gen = events(ctx, req, queue, tools is not None, prompt.in_reasoning, request.is_disconnected)

@@ -1,11 +1,14 @@
 """What both API adapters share: request validation, errors, prompt building."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from dataclasses import dataclass
 
 from ..errors import FreeTokenError
-from ..runtime.request import SamplingOptions
+from ..runtime.grammar import GrammarError, check
+from ..runtime.request import GrammarSpec, SamplingOptions
 
 
 class ApiError(Exception):
@@ -72,15 +75,56 @@ def sampling_from(body: dict, max_tokens: int | None, stop, default_max: int) ->
                            ignore_eos=field(body, "ignore_eos", "boolean", False))  # vLLM's extension
 
 
-def check_response_format(body: dict) -> None:
-    """Only plain text can be honoured until grammar-constrained decoding exists: a JSON mode
-    or schema that was silently ignored would hand the client output it trusts to parse."""
-    fmt = field(body, "response_format", "object")
-    if fmt is None or fmt.get("type", "text") == "text":
+_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def grammar_for(response_format, param: str = "response_format") -> GrammarSpec | None:
+    """OpenAI's response_format -> what constrained decoding must produce; None for plain text.
+    {"type": "text"}, {"type": "json_object"} (any JSON object) or {"type": "json_schema",
+    "json_schema": {"name", "schema", "strict", "description"}}; a malformed one, or a schema
+    the engine cannot enforce (strict: any keyword it cannot; otherwise only errors), is a 400.
+    param: the field named in errors (Responses' text.format calls this with the same shape)."""
+    if response_format is None:
+        return None
+    if not isinstance(response_format, dict):
+        raise ApiError(400, f"{param} must be an object", param=param)
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec("json_object")
+    if kind != "json_schema":
+        raise ApiError(400, f"{param}.type must be 'text', 'json_object' or 'json_schema', got {kind!r}", param=param)
+    js = response_format.get("json_schema")
+    if not isinstance(js, dict):
+        raise ApiError(400, f"{param}.json_schema must be an object with a name and a schema", param=param)
+    name = js.get("name")
+    if not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
+        raise ApiError(400, f"{param}.json_schema.name must be 1-64 letters, digits, '_' or '-', got {name!r}",
+                       param=param)
+    schema, strict = js.get("schema", {"type": "object"}), js.get("strict")
+    if not isinstance(schema, dict):
+        raise ApiError(400, f"{param}.json_schema.schema must be a JSON schema object", param=param)
+    if strict is not None and not isinstance(strict, bool):
+        raise ApiError(400, f"{param}.json_schema.strict must be a boolean", param=param)
+    spec = GrammarSpec("json_schema", schema=schema, strict=bool(strict))
+    try:
+        check(spec)
+    except GrammarError as e:
+        raise ApiError(400, f"{param}.json_schema.schema cannot be enforced: {e}", param=param) from None
+    return spec
+
+
+def constrain(ctx, sampling: SamplingOptions, spec: GrammarSpec | None, in_reasoning: bool) -> None:
+    """Set a response format's grammar; when the prompt leaves the model thinking, the format
+    holds from the end of thinking (`</think>`) on."""
+    if spec is None:
         return
-    raise ApiError(400, f"response_format type {fmt.get('type')!r} is not supported: this server has no "
-                        "grammar-constrained decoding yet; only {'type': 'text'} is accepted",
-                   param="response_format")
+    if in_reasoning:
+        close = ctx.tokenizer.token_id("</think>")
+        if close is not None:
+            spec = dataclasses.replace(spec, after=close)
+    sampling.grammar = spec
 
 
 @dataclass

@@ -9,12 +9,12 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from ..runtime.scheduler import QueueFull
 from ..runtime.serving import ShuttingDown
-from .common import (ApiError, build_prompt, check_response_format, field, fit_prompt, json_args, render,
+from .common import (ApiError, build_prompt, constrain, field, fit_prompt, grammar_for, json_args, render,
                      sampling_from, text_of)
 from .generation import Done, Ping, Tokens, collect, events, start
 from .logprobs import TokenText, chat_entries, chat_options, completion_logprobs, completion_options
 from .parser import Event
-from .tool_choice import forced_opening, wanted
+from .tool_choice import call_grammar, forced_opening, strict_grammar, wanted
 
 ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 
@@ -90,7 +90,8 @@ def _check_n(body):
 async def chat_completions(ctx, body: dict, request):
     model = check_model(ctx, body)
     _check_n(body)
-    check_response_format(body)
+    spec = grammar_for(field(body, "response_format", "object"))
+    parallel = field(body, "parallel_tool_calls", "boolean", True)
     messages = normalize_messages(body.get("messages"))
     tools = normalize_tools(body)
     stream = field(body, "stream", "boolean", False)
@@ -104,9 +105,14 @@ async def chat_completions(ctx, body: dict, request):
     if choice not in (None, "none", "auto") and not tools:
         raise ApiError(400, "tool_choice other than 'none'/'auto' needs tools", param="tool_choice")
     must, name = wanted(choice, [t["function"]["name"] for t in tools or []], "openai")
-    if must:  # open the call by forced tokens; the model writes the rest
+    if must:  # open the call by forced tokens; the grammar holds the rest to the tool's schema
         f = forced_opening(ctx, name, prompt.in_reasoning, **kwargs)
         sampling.forced, sampling.forced_after = f.tokens, f.after
+        sampling.grammar = call_grammar(ctx, tools, name, f, parallel, **kwargs)
+    elif spec is not None:  # the answer in the response format (no room left for tool calls)
+        constrain(ctx, sampling, spec, prompt.in_reasoning)
+    else:  # strict tools: any call the model opens follows its tool's schema
+        sampling.grammar = strict_grammar(ctx, tools, prompt.in_reasoning, **kwargs)
     req, queue = submit(ctx, prompt.ids, sampling)
     gen = events(ctx, req, queue, tools is not None, prompt.in_reasoning, request.is_disconnected,
                  tokens=stream and want_logprobs)
@@ -214,7 +220,7 @@ async def _chat_stream(gen, cid, created, model, include_usage, text_of_token: T
 async def completions(ctx, body: dict, request):
     model = check_model(ctx, body)
     _check_n(body)
-    check_response_format(body)
+    spec = grammar_for(field(body, "response_format", "object"))
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
@@ -229,6 +235,7 @@ async def completions(ctx, body: dict, request):
     sampling = sampling_from(body, field(body, "max_tokens", "integer"), body.get("stop"), default_max=16)
     want_logprobs = completion_options(body, sampling)
     fit_prompt(ctx, ids, sampling)
+    sampling.grammar = spec  # a raw completion: the format holds from the first token
     stream = field(body, "stream", "boolean", False)
     include_usage = bool((field(body, "stream_options", "object") or {}).get("include_usage"))
     req, queue = submit(ctx, ids, sampling)
