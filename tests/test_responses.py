@@ -259,6 +259,20 @@ def test_tools_forced_call(oai, server):
     assert none.usage.input_tokens == count(server, messages=msgs)
 
 
+def test_forced_call_arguments_follow_the_schema(oai):
+    """A forced call's arguments are held to the tool's schema by the grammar (a bounded schema:
+    the random model would not close an open string on its own)."""
+    schema = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "days": {"enum": [1, 2, 3]}},
+              "required": ["unit", "days"], "additionalProperties": False}
+    tools = [{"type": "function", "name": "forecast", "parameters": schema, "strict": True}]
+    r = oai.responses.create(model=MODEL, input="Forecast?", tools=tools, tool_choice={"type": "function", "name": "forecast"},
+                             max_output_tokens=64, temperature=0)
+    calls = [i for i in r.output if i.type == "function_call"]
+    assert r.status == "completed" and len(calls) == 1 and calls[0].name == "forecast", r.output
+    args = json.loads(calls[0].arguments)
+    assert args["unit"] in ("celsius", "fahrenheit") and args["days"] in (1, 2, 3) and set(args) == {"unit", "days"}
+
+
 def test_function_call_output_round_trip(oai, server):
     items = [{"role": "user", "content": "Weather in Paris?"},
              {"type": "function_call", "call_id": "call_7", "name": "get_weather", "arguments": '{"city": "Paris"}'},

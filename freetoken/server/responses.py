@@ -32,7 +32,7 @@ from .common import ApiError, Prompt, field, fit_prompt, json_args, sampling_fro
 from .generation import Done, Ping, collect, events
 from .openai import check_model, submit
 from .parser import Event
-from .tool_choice import forced_opening, wanted
+from .tool_choice import call_grammar, forced_opening, strict_grammar, wanted
 
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 SUMMARIES = ("auto", "concise", "detailed")
@@ -267,6 +267,8 @@ def _tools(body: dict) -> tuple[list[dict], list[dict]]:
         if desc:
             fn["description"] = desc
         fn["parameters"] = params if params is not None else {"type": "object", "properties": {}}
+        if t.get("strict") is not None:  # as chat passes it: strict tools' calls follow their schema
+            fn["strict"] = t["strict"]
         out.append({"type": "function", "function": fn})
         echo.append({"type": "function", "name": name, "description": desc, "parameters": params,
                      "strict": t.get("strict")})
@@ -441,9 +443,12 @@ def plan(ctx, body: dict) -> Plan:
         close = ctx.tokenizer.token_id("</think>")  # the format holds from the end of thinking on
         if close is not None:
             sampling.grammar = dataclasses.replace(spec, after=close)
-    if must:  # open the call by forced tokens; the model writes the rest
+    if must:  # open the call by forced tokens; the grammar holds the rest to the tool's schema
         f = forced_opening(ctx, name, prompt.in_reasoning, **kwargs)
         sampling.forced, sampling.forced_after = f.tokens, f.after
+        sampling.grammar = call_grammar(ctx, tools, name, f, parallel, **kwargs)
+    elif spec is None:  # strict tools: any call the model opens follows its tool's schema
+        sampling.grammar = strict_grammar(ctx, tools, prompt.in_reasoning, **kwargs)
     echo = {"instructions": instructions, "max_output_tokens": max_out, "metadata": _metadata(body),
             "parallel_tool_calls": parallel, "previous_response_id": prev_id, "reasoning": reasoning_echo,
             "temperature": field(body, "temperature", "number", 1.0), "text": text_echo, "tool_choice": choice_echo,
