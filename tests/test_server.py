@@ -109,6 +109,15 @@ def test_chat_non_streaming(oai):
     assert r.usage.prompt_tokens > 5 and r.usage.prompt_tokens_details.cached_tokens == 0  # first chat request
 
 
+def test_template_kwargs_the_renderer_owns_are_dropped(oai):
+    """chat_template_kwargs may not override what the renderer sets itself (it was a 500)."""
+    plain = oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=1, temperature=0)
+    r = oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=1, temperature=0,
+                                    extra_body={"chat_template_kwargs": {"add_generation_prompt": False,
+                                                                         "bos_token": "x", "eos_token": "y"}})
+    assert r.usage.prompt_tokens == plain.usage.prompt_tokens
+
+
 def test_chat_streaming_with_usage(oai):
     chunks = list(oai.chat.completions.create(model=MODEL, messages=USER, max_completion_tokens=5, temperature=0,
                                               stream=True, stream_options={"include_usage": True}))

@@ -151,7 +151,13 @@ def fit_prompt(ctx, ids: list[int], sampling: SamplingOptions) -> None:
     sampling.max_tokens = min(sampling.max_tokens, limit - len(ids))
 
 
+RENDER_OWNS = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+
+
 def render(ctx, messages: list[dict], tools: list[dict] | None, **kwargs) -> str:
+    """The prompt in the model's chat template. kwargs: chat_template_kwargs; the keys the
+    renderer sets itself (RENDER_OWNS) are not the client's to pass and are dropped."""
+    kwargs = {k: v for k, v in kwargs.items() if k not in RENDER_OWNS}
     try:
         return ctx.template.render(messages, tools, add_generation_prompt=True, **kwargs)
     except FreeTokenError as e:
