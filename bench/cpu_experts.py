@@ -4,7 +4,13 @@ Full-size Qwen3.6-35B-A3B expert shape (hidden 2048, moe_intermediate 512, BF16 
 expert), top-8 routing over a bank much larger than the last-level cache, so every call
 reads its experts from DRAM. Reports, per batch size: the C++ executor, the torch reference
 (per-expert loop), and the host's read bandwidth measured on the same bank (torch sum).
-    python -m bench.cpu_experts [--experts 512] [--threads 0] [--batches 1,2,4,8,32]
+`--format` picks the banks: bf16 (the default), or random quantized banks as experts/banks.py
+keeps them (fp8_block: e4m3 + an fp32 scale per 128x128 block, 3.2 MB per expert; mxfp4: e2m1 +
+e8m0 per 32, 1.67 MB; nvfp4: e2m1 + e4m3 per 16 + scale_2, 1.77 MB), read in place by the C++
+kernels; GB/s then counts the quantized bytes (values and scales) of the distinct experts read.
+Results go to cpu_experts (bf16) or cpu_experts-FORMAT.
+    python -m bench.cpu_experts [--format bf16|fp8_block|mxfp4|nvfp4] [--experts 512]
+                                [--threads 0] [--batches 1,2,4,8,32]
 """
 from __future__ import annotations
 
@@ -14,8 +20,11 @@ import time
 import torch
 
 from bench.common import timeit, write_result
+from freetoken.experts.banks import ExpertBanks, QuantBank
 from freetoken.experts.cpu import CpuExpertExecutor, physical_cores
 from freetoken.experts.executor import reference_experts
+
+FORMATS = ("bf16", "fp8_block", "mxfp4", "nvfp4")
 
 
 def read_bandwidth(t: torch.Tensor, threads: int) -> float:
@@ -30,8 +39,30 @@ def read_bandwidth(t: torch.Tensor, threads: int) -> float:
     return t.numel() * t.element_size() / s / 1e9
 
 
+def quantized_banks(fmt: str, n: int, h: int, i: int, g: torch.Generator) -> ExpertBanks:
+    """Random banks in the layout experts/banks.py documents: every byte pattern of an e2m1 pair
+    is a valid weight pair; e4m3 values without the NaN code; scales of the size a real
+    checkpoint has (weights around 0.02)."""
+    def bank(rows: int, cols: int, halves: int) -> QuantBank:
+        if fmt == "fp8_block":
+            v = torch.randint(0, 256, (n, rows, cols), generator=g, dtype=torch.uint8)
+            v[(v & 0x7F) == 0x7F] = 0x7E  # no NaN
+            per = -(-(rows // halves) // 128)
+            s = torch.rand(n, halves * per, -(-cols // 128), generator=g) * 1e-4 + 5e-5
+            return QuantBank(fmt, v.view(torch.float8_e4m3fn), s, None, halves)
+        v = torch.randint(0, 256, (n, rows, cols // 2), generator=g, dtype=torch.uint8)
+        if fmt == "mxfp4":
+            return QuantBank(fmt, v, torch.randint(118, 122, (n, rows, cols // 32), generator=g, dtype=torch.uint8),
+                             None, halves)
+        s = torch.randint(0x30, 0x60, (n, rows, cols // 16), generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        return QuantBank(fmt, v, s, torch.rand(n, halves, generator=g) * 1e-3 + 1e-3, halves)
+    return ExpertBanks(fmt, bank(2 * i, h, 2), bank(h, i, 1))
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--format", default="bf16", choices=FORMATS,
+                    help="expert banks: bf16, or quantized as published (read in place by the C++ kernels)")
     ap.add_argument("--experts", type=int, default=512, help="experts in the bank (6.3 MB each)")
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--inter", type=int, default=512)
@@ -43,13 +74,21 @@ def main():
     n, h, i, k = a.experts, a.hidden, a.inter, a.top_k
     g = torch.Generator().manual_seed(0)
     t0 = time.perf_counter()
-    gu = (torch.randn(n, 2 * i, h, generator=g) * 0.02).bfloat16()
-    dn = (torch.randn(n, h, i, generator=g) * 0.02).bfloat16()
+    if a.format == "bf16":
+        gu = (torch.randn(n, 2 * i, h, generator=g) * 0.02).bfloat16()
+        dn = (torch.randn(n, h, i, generator=g) * 0.02).bfloat16()
+        per_expert = 3 * h * i * gu.element_size()
+        probe = gu  # the read-bandwidth probe's bytes
+    else:
+        banks = quantized_banks(a.format, n, h, i, g)
+        gu, dn = banks.gate_up, banks.down
+        per_expert = banks.expert_bytes  # values and scales: what one expert's call reads
+        probe = gu.values
     gen_s = time.perf_counter() - t0
     ex = CpuExpertExecutor(gu, dn, threads=a.threads)
     threads = ex.threads
-    per_expert = 3 * h * i * gu.element_size()
-    res = {"isa": ex.isa, "threads": threads, "physical_cores": len(physical_cores()),
+    res = {"format": a.format, "isa": ex.isa, "threads": threads, "physical_cores": len(physical_cores()),
+           "shape": [h, i], "top_k": k,
            "bank_gb": round(n * per_expert / 1e9, 2), "expert_mb": round(per_expert / 1e6, 2),
            "gen_s": round(gen_s, 1), "batches": []}
     for b in [int(x) for x in a.batches.split(",")]:
@@ -71,17 +110,19 @@ def main():
                "cpp_ms": round(t_cpp * 1e3, 3), "cpp_gbs": round(distinct * per_expert / t_cpp / 1e9, 1),
                "cpp_bf16act_ms": round(t_bf * 1e3, 3),
                "cpp_bf16act_gbs": round(distinct * per_expert / t_bf / 1e9, 1)}
-        if b <= 32:
+        if b <= (32 if a.format == "bf16" else 8):  # the quantized reference dequantizes each expert in torch
             t_ref = run(lambda x, ids, w: reference_experts(x.bfloat16(), ids, w, gu, dn))
             row.update(torch_ms=round(t_ref * 1e3, 3), torch_gbs=round(distinct * per_expert / t_ref / 1e9, 1))
         res["batches"].append(row)
         print(row, flush=True)
     # measured last: torch's OpenMP threads keep spinning after a parallel region and would
     # compete with the executor's pinned threads
-    res["host_read_gbs"] = round(read_bandwidth(gu, threads), 1)
+    res["host_read_gbs"] = round(read_bandwidth(probe, threads), 1)
     best1 = max(res["batches"][0]["cpp_gbs"], res["batches"][0]["cpp_bf16act_gbs"])
     res["cpp_vs_read_bw_batch1"] = round(best1 / res["host_read_gbs"], 2)
-    write_result("cpu_experts", res)
+    for row in res["batches"]:  # each batch's best C++ path against the same probe
+        row["cpp_vs_read_bw"] = round(max(row["cpp_gbs"], row["cpp_bf16act_gbs"]) / res["host_read_gbs"], 2)
+    write_result("cpu_experts" if a.format == "bf16" else f"cpu_experts-{a.format}", res)
 
 
 if __name__ == "__main__":

@@ -20,13 +20,21 @@ ARCH_ALIASES = {
     "qwen3_5_moe": "qwen3_5_moe",
     "qwen3_5_moe_text": "qwen3_5_moe",
     "qwen3_moe": "qwen3_moe",
+    "GptOssForCausalLM": "gpt_oss",
+    "gpt_oss": "gpt_oss",
 }
+ARCHS = ("qwen3_5_moe", "qwen3_moe", "gpt_oss")
+# per layer: softmax attention over the whole context, over the last `sliding_window` keys, or
+# gated DeltaNet (linear attention)
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
+ROPE_TYPES = ("default", "yarn")
+EXPERT_ACTIVATIONS = ("silu", "swiglu_clamp")
 SUPPORTED = sorted(set(k for k in ARCH_ALIASES if k[0].isupper()))
 
 
 @dataclass
 class ModelConfig:
-    arch: str  # "qwen3_5_moe" | "qwen3_moe"
+    arch: str  # "qwen3_5_moe" | "qwen3_moe" | "gpt_oss"
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -35,12 +43,17 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    # rope_parameters / rope_scaling of config.json beyond theta (None: plain RoPE); "yarn":
+    # factor, original_max_position_embeddings, beta_fast, beta_slow, truncate, attention_factor,
+    # mscale, mscale_all_dim, as transformers reads them (model/layers.py rope_frequencies)
+    rope_scaling: dict | None = None
     partial_rotary_factor: float = 1.0  # fraction of head_dim that RoPE rotates
     max_position_embeddings: int = 32768
     tie_word_embeddings: bool = False
     attention_bias: bool = False
-    sliding_window: int | None = None  # None: every attention layer sees the whole context
-    # per layer: "full_attention" | "linear_attention" (gated DeltaNet)
+    attention_sinks: bool = False  # a learned logit per head joins each softmax's denominator
+    sliding_window: int | None = None  # keys a "sliding_attention" layer sees (the query's included)
+    # per layer: one of LAYER_TYPES
     layer_types: list[str] = field(default_factory=list)
     # gated DeltaNet (linear attention) shape
     linear_num_key_heads: int = 0
@@ -53,6 +66,17 @@ class ModelConfig:
     top_k: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    # "softmax_topk": softmax over every expert, then top-k (renormalised if norm_topk_prob);
+    # "topk_softmax": top-k of the logits, then softmax over those k (GPT-OSS)
+    router: str = "softmax_topk"
+    router_bias: bool = False
+    # the routed experts' function (experts/executor.py Activation): "silu" = silu(g) * u;
+    # "swiglu_clamp" (GPT-OSS) = (clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g'),
+    # g' = min(g, limit); expert_bias: gate_up and down projections have biases
+    expert_activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    expert_bias: bool = False
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     moe_layers: list[int] = field(default_factory=list)  # layers with routed experts
     intermediate_size: int = 0  # dense MLP of the non-MoE layers
@@ -60,7 +84,7 @@ class ModelConfig:
     raw: dict[str, Any] = field(default_factory=dict, repr=False)  # the text config as read
 
     def __post_init__(self):
-        if self.arch not in ("qwen3_5_moe", "qwen3_moe"):
+        if self.arch not in ARCHS:
             raise UnsupportedModelError(f"unsupported architecture {self.arch!r}")
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
@@ -69,9 +93,15 @@ class ModelConfig:
         if len(self.layer_types) != self.num_layers:
             raise UnsupportedModelError(
                 f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
-        bad = set(self.layer_types) - {"full_attention", "linear_attention"}
+        bad = set(self.layer_types) - set(LAYER_TYPES)
         if bad:
             raise UnsupportedModelError(f"unsupported layer types {sorted(bad)}")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise UnsupportedModelError("sliding_attention layers need a sliding_window")
+        if self.expert_activation not in EXPERT_ACTIVATIONS:
+            raise UnsupportedModelError(f"unsupported expert activation {self.expert_activation!r}")
+        if self.router not in ("softmax_topk", "topk_softmax"):
+            raise UnsupportedModelError(f"unsupported router {self.router!r}")
         if self.num_experts and not 0 < self.top_k <= self.num_experts:
             raise UnsupportedModelError(
                 f"num_experts_per_tok={self.top_k} must be in [1, num_experts={self.num_experts}]")
@@ -83,7 +113,12 @@ class ModelConfig:
 
     @property
     def attention_layers(self) -> list[int]:
-        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+        """Softmax attention layers (full or sliding): the ones with K/V pages."""
+        return [i for i, t in enumerate(self.layer_types) if t != "linear_attention"]
+
+    def window(self, layer: int) -> int | None:
+        """Keys the attention layer `layer` sees (None: the whole context)."""
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
     @property
     def linear_layers(self) -> list[int]:
@@ -130,10 +165,22 @@ class ModelConfig:
     @classmethod
     def _from_text(cls, arch: str, t: dict) -> "ModelConfig":
         rope = dict(t.get("rope_parameters") or t.get("rope_scaling") or {})
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
+        rope_type = rope.get("rope_type", rope.get("type")) or "default"
+        if rope_type not in ROPE_TYPES:
             raise UnsupportedModelError(f"rope type {rope_type!r} is not supported yet")
-        theta = rope.get("rope_theta", t.get("rope_theta", 10000.0))
+        theta = rope.get("rope_theta", t.get("rope_theta", 150000.0 if arch == "gpt_oss" else 10000.0))
+        scaling = None
+        if rope_type == "yarn" and arch != "gpt_oss":  # model/base.py builds plain RoPE tables
+            raise UnsupportedModelError(f"rope type 'yarn' is supported for GPT-OSS only so far, not {arch}")
+        if rope_type == "yarn":
+            if not rope.get("original_max_position_embeddings"):
+                raise UnsupportedModelError("yarn rope scaling needs original_max_position_embeddings")
+            keep = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate",
+                    "attention_factor", "mscale", "mscale_all_dim")
+            scaling = {"rope_type": "yarn", **{k: rope[k] for k in keep if rope.get(k) is not None}}
+            if scaling.get("factor") is None:  # as transformers: the context's stretch
+                orig = scaling["original_max_position_embeddings"]
+                scaling["factor"] = t.get("max_position_embeddings", 32768) / orig
         num_layers = t["num_hidden_layers"]
         head_dim = t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"]
         eos = t.get("eos_token_id")
@@ -146,12 +193,24 @@ class ModelConfig:
             head_dim=head_dim, rms_norm_eps=t.get("rms_norm_eps", 1e-6), rope_theta=theta,
             max_position_embeddings=t.get("max_position_embeddings", 32768),
             tie_word_embeddings=bool(t.get("tie_word_embeddings", False)),
-            attention_bias=bool(t.get("attention_bias", False)),
+            attention_bias=bool(t.get("attention_bias", arch == "gpt_oss")),
             num_experts=num_experts, top_k=t.get("num_experts_per_tok", 0),
-            moe_intermediate_size=t.get("moe_intermediate_size", 0),
+            moe_intermediate_size=t.get("moe_intermediate_size", 0), rope_scaling=scaling,
             eos_token_ids=eos, raw=t)
         if t.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"hidden_act {t['hidden_act']!r} is not supported")
+        if arch == "gpt_oss":
+            # alternating sliding-window and full attention with sinks; every layer routed
+            # experts of `intermediate_size`, biased, with the clamped SwiGLU; no dense MLP
+            types = t.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                             for i in range(num_layers)]
+            common["moe_intermediate_size"] = t["intermediate_size"]
+            return cls(
+                **common, layer_types=list(types), sliding_window=t.get("sliding_window", 128),
+                partial_rotary_factor=rope.get("partial_rotary_factor", 1.0), attention_sinks=True,
+                router="topk_softmax", router_bias=True, expert_activation="swiglu_clamp",
+                swiglu_alpha=float(t.get("swiglu_alpha", 1.702)), swiglu_limit=float(t.get("swiglu_limit", 7.0)),
+                expert_bias=True, moe_layers=list(range(num_layers)))
         if arch == "qwen3_5_moe":
             types = t.get("layer_types")
             if types is None:
@@ -178,7 +237,7 @@ class ModelConfig:
                       if i not in only and num_experts > 0 and (i + 1) % step == 0]
         window = t.get("sliding_window") if t.get("use_sliding_window") else None
         return cls(
-            **common, layer_types=["full_attention"] * num_layers,
+            **common, layer_types=["sliding_attention" if window else "full_attention"] * num_layers,
             partial_rotary_factor=rope.get("partial_rotary_factor", 1.0),
             norm_topk_prob=bool(t.get("norm_topk_prob", False)),
             moe_layers=moe_layers, intermediate_size=t.get("intermediate_size", 0),

@@ -56,6 +56,23 @@ def qwen3_moe(seed: int, **kw):
     return m
 
 
+def gpt_oss(seed: int, **kw):
+    """GptOssForCausalLM: sliding (window 8, so short prompts pass it) and full attention in
+    turn, GQA, YaRN stretching a 64-token original context 4x (rope_parameters={"rope_type":
+    "default", ...} turns it off)."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+    args = dict(vocab_size=320, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, num_local_experts=16, num_experts_per_tok=4, sliding_window=8,
+                max_position_embeddings=256,
+                rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
+                                     original_max_position_embeddings=64, truncate=False))
+    args.update(kw)
+    torch.manual_seed(seed)
+    m = GptOssForCausalLM(GptOssConfig(**args)).eval()
+    _perturb(m, seed)
+    return m
+
+
 def _perturb(m, seed: int) -> None:
     """Fresh random values everywhere (HF init leaves norms at 0/1 and biases at 0), so that
     every parameter influences the output and none sits at a special value."""

@@ -3,8 +3,8 @@ reference (torch) paths: `ft convert` keeps the published bytes bit for bit in t
 (read back and compared), and the engine's logits equal the transformers model run on the
 dequantized weights within 1e-4 relative (float32) at prefill and over 32 greedy decode steps
 with identical tokens, for every format, experts-only and experts+dense, on the CPU with the
-torch executor (resident banks) and with the CPU executor's fallback (what `--experts cpu` runs
-until the C++ kernels read these formats)."""
+torch executor (resident banks), the C++ executor reading the quantized banks in place (what
+`--experts cpu` runs) and its torch fallback (when the extension cannot be built)."""
 import json
 import subprocess
 import sys
@@ -15,6 +15,7 @@ import torch
 import hf_models
 import quant_models
 from freetoken.experts.banks import ExpertBanks, QuantBank, take
+from freetoken.experts.cpu import CpuExpertExecutor
 from freetoken.experts.executor import QuantizedHostExecutor, TorchExpertExecutor
 from freetoken.model.moe import MoE
 from freetoken.runtime.engine import Engine, EngineConfig
@@ -46,7 +47,8 @@ CASES = {
     "nvfp4-all-q3moe-config-json": (hf_models.qwen3_moe, 45, Q3, "nvfp4", "all",
                                     dict(nv_config_json=True, nv_shared_amax=False, layout="sharded")),
 }
-EXECUTORS = ["torch", "cpu-fallback"]
+EXECUTORS = ["torch", "cpu-fallback", "cpp"]
+BACKENDS = {"torch": "torch", "cpu-fallback": "torch-fallback", "cpp": "cpp"}
 
 
 @pytest.fixture(scope="module")
@@ -122,12 +124,14 @@ def test_ftw_keeps_the_published_bytes(built, name):
 
 
 def with_executor(eng: Engine, kind: str) -> Engine:
-    """kind "torch": the expert banks resident under TorchExpertExecutor (its static decode path);
-    "cpu-fallback": what the engine builds for --experts cpu (the CPU executor's torch path)."""
-    if kind == "torch":
-        old = eng.executor
-        assert isinstance(old, QuantizedHostExecutor)
-        ex = TorchExpertExecutor(old.gate_up, old.down, layer_experts=eng.cfg.num_experts)
+    """kind "cpp": what the engine builds for --experts cpu (the C++ executor on the quantized
+    banks); "torch": the expert banks resident under TorchExpertExecutor (its static decode path);
+    "cpu-fallback": the torch path the engine builds when the C++ executor cannot be built."""
+    old = eng.executor
+    assert isinstance(old, CpuExpertExecutor) and old.quantized
+    if kind != "cpp":
+        ex = (TorchExpertExecutor if kind == "torch" else QuantizedHostExecutor)(
+            old.gate_up, old.down, layer_experts=eng.cfg.num_experts)
         for _, mlp, _, _ in eng.model.layers:
             if isinstance(mlp, MoE):
                 mlp.executor = ex
@@ -141,7 +145,7 @@ def test_logits_and_greedy_match_transformers_on_dequantized_weights(built, name
     model, _, _, path = built[name]
     eng = with_executor(Engine(path, EngineConfig(device="cpu", dtype="float32")), kind)
     assert eng.describe()["expert_format"] == CASES[name][3]
-    assert eng.describe()["expert_backend"] == ("torch" if kind == "torch" else "torch-fallback")
+    assert eng.describe()["expert_backend"] == BACKENDS[kind]
     prompt = prompt_for(CASES[name][1])
     pre, toks, steps = engine_greedy(eng, prompt, STEPS)
     ref = hf_models.reference_logits(model, prompt + toks)
@@ -255,5 +259,4 @@ def test_cli_convert_says_the_format_and_generate_reports_it(built, tmp_path):
                         "--ignore-eos", "--json"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
-    assert res["expert_format"] == "nvfp4" and res["expert_backend"] == "torch-fallback"
-    assert "C++ quantized expert kernels are not built yet" in r.stderr
+    assert res["expert_format"] == "nvfp4" and res["expert_backend"] == "cpp" and res["expert_isa"] != "torch"

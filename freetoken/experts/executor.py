@@ -4,7 +4,11 @@ The MoE layer hands over activations, flat expert ids (moe_layer * E + e) and ga
 the executor returns the gate-weighted sum of the selected experts' outputs. Banks:
     gate_up: [N, 2I, H]  rows [0, I) are the gate projection, [I, 2I) the up projection
     down:    [N, H, I]
-with N = moe_layers * E, shared by every executor whatever the physical format. A bank is a
+with N = moe_layers * E, shared by every executor whatever the physical format. What an expert
+computes between the two projections is data too: an `Activation` (SiLU-gated for Qwen, the
+clamped SwiGLU for GPT-OSS), and optional bias banks gate_up_bias [N, 2I] (gate then up, as the
+rows) and down_bias [N, H], given to the executor when it is built; the MoE layer checks that its
+executor computes the model's function (model/moe.py). A bank is a
 float tensor of that shape (bf16/f16/f32), or a banks.QuantBank (fp8_block, mxfp4, nvfp4: the
 published bytes and their scales) whose `shape` is that shape: the torch paths below dequantize
 just the selected experts with quant.py's reference (banks.take); the Triton kernels and the C++
@@ -30,6 +34,57 @@ from ..kernels import use_triton
 from .banks import take
 
 NO_EXPERT = -1  # routed id of a pair that runs nowhere (a batch row that is not running)
+ACTIVATIONS = ("silu", "swiglu_clamp")
+
+
+@dataclass(frozen=True)
+class Activation:
+    """What a routed expert computes from gu = x Wgu^T (+ gate_up bias) [.., 2I], gate half g then
+    up half u, before the down projection:
+        silu          silu(g) * u                                             (Qwen, DeepSeek, ...)
+        swiglu_clamp  g' = min(g, limit), u' = clamp(u, -limit, limit):
+                      (u' + 1) * g' * sigmoid(alpha * g')                     (GPT-OSS)
+    alpha and limit only mean something for swiglu_clamp."""
+    kind: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __post_init__(self):
+        if self.kind not in ACTIVATIONS:
+            raise ValueError(f"unknown expert activation {self.kind!r}; known: {', '.join(ACTIVATIONS)}")
+
+    @classmethod
+    def of(cls, cfg) -> "Activation":
+        """The activation a ModelConfig's experts use."""
+        if cfg.expert_activation == "silu":
+            return SILU
+        return cls(cfg.expert_activation, float(cfg.swiglu_alpha), float(cfg.swiglu_limit))
+
+    @property
+    def code(self) -> int:
+        """The kernels' constexpr for it."""
+        return ACTIVATIONS.index(self.kind)
+
+    def __call__(self, gu: torch.Tensor) -> torch.Tensor:
+        """The torch reference: gu [..., 2I] -> [..., I] in gu's dtype, op by op as transformers
+        computes it (each op rounded to the dtype)."""
+        inter = gu.shape[-1] // 2
+        g, u = gu[..., :inter], gu[..., inter:]
+        if self.kind == "silu":
+            return F.silu(g) * u
+        g = g.clamp(max=self.limit)
+        u = u.clamp(min=-self.limit, max=self.limit)
+        return (u + 1) * (g * torch.sigmoid(g * self.alpha))
+
+
+SILU = Activation()
+
+
+def expert_bias_banks(meta: dict, tensors: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(gate_up_bias [N, 2I], down_bias [N, H]) of an FTW file (meta["banks"] names them), or
+    (None, None) for experts without biases."""
+    b = meta.get("banks") or {}
+    return tensors.get(b.get("gate_up_bias") or ""), tensors.get(b.get("down_bias") or "")
 
 
 @dataclass
@@ -47,6 +102,12 @@ class ExpertExecutor:
     backend = "abstract"  # what computes the experts, as reported in /health and /metrics
     capturable = False  # launch + finish may be recorded into a CUDA graph
     needs_pinned_staging = False  # inputs and outputs cross the PCIe link each call
+    # the expert function this executor computes; executors that take another one (the torch
+    # paths) set these when built. The C++ executor and the GPU expert cache compute SiLU-gated
+    # experts without biases for now
+    activation: Activation = SILU
+    gate_up_bias: torch.Tensor | None = None  # [N, 2I]
+    down_bias: torch.Tensor | None = None  # [N, H]
 
     def launch(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, layer: int = 0,
                phase: str = "decode") -> Pending:
@@ -67,17 +128,18 @@ class ExpertExecutor:
         return {}
 
 
-def reference_experts(x, ids, weights, gate_up, down):
+def reference_experts(x, ids, weights, gate_up, down, activation: Activation = SILU, gate_up_bias=None,
+                      down_bias=None):
     """Pure-torch reference: loop over the distinct selected experts (as transformers does).
 
     Data-dependent (host sync per call); used for tests and as the large-batch CPU path.
     Computes in x's dtype; accumulates into a buffer of x's dtype in expert order. Pairs with
     the id NO_EXPERT are skipped. Quantized banks (QuantBank): each selected expert is
-    dequantized to x's dtype once per call.
+    dequantized to x's dtype once per call. Biases are added after each projection's product
+    (rounded in between, as `x @ W + b` is).
     """
     quantized = not isinstance(gate_up, torch.Tensor)
     out = torch.zeros_like(x)
-    inter = gate_up.shape[1] // 2
     flat_ids = ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
     sorted_ids = flat_ids[order]
@@ -94,8 +156,12 @@ def reference_experts(x, ids, weights, gate_up, down):
         else:
             w_gu, w_dn = gate_up[e].to(x.dtype), down[e].to(x.dtype)
         gu = F.linear(xs, w_gu)  # [n, 2I]
-        h = F.silu(gu[:, :inter]) * gu[:, inter:]
+        if gate_up_bias is not None:
+            gu = gu + gate_up_bias[e].to(x.dtype)
+        h = activation(gu)  # [n, I]
         y = F.linear(h, w_dn)  # [n, H]
+        if down_bias is not None:
+            y = y + down_bias[e].to(x.dtype)
         y = y * weights.reshape(-1)[pair, None].to(x.dtype)
         out.index_add_(0, tok, y)
     return out
@@ -114,17 +180,24 @@ class TorchExpertExecutor(ExpertExecutor):
     selected experts dequantized in place of the gather (no Triton kernel reads them yet). Not
     captured in CUDA graphs for now (quant.py's fp4 unpacking builds its lookup table on the
     device each call, a host copy a capture refuses): decode runs eagerly until the kernels come.
+
+    Every path takes the expert function as data: `activation` (an Activation) and the optional
+    bias banks gate_up_bias [N, 2I] and down_bias [N, H] (moved to the banks' device).
     """
 
     name = "torch"
     capturable = True
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, static_max_pairs: int = 64,
-                 layer_experts: int | None = None):
+                 layer_experts: int | None = None, activation: Activation = SILU,
+                 gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None):
         self.gate_up, self.down = gate_up, down
         self.static_max_pairs = static_max_pairs
         self.layer_experts = layer_experts  # experts one call can route to (bounds the tile grid)
         self.device = gate_up.device
+        self.activation = activation
+        self.gate_up_bias = gate_up_bias.to(self.device) if gate_up_bias is not None else None
+        self.down_bias = down_bias.to(self.device) if down_bias is not None else None
         self.quantized = not isinstance(gate_up, torch.Tensor)  # banks.QuantBank
         if self.quantized:
             self.capturable = False
@@ -136,26 +209,26 @@ class TorchExpertExecutor(ExpertExecutor):
     def run(self, x, ids, weights, phase):
         src = x.device
         x, ids, weights = (t.to(self.device) for t in (x, ids, weights))
+        fn = dict(activation=self.activation, gate_up_bias=self.gate_up_bias, down_bias=self.down_bias)
         if use_triton(x) and not self.quantized:
             if phase == "decode" and ids.numel() <= self.static_max_pairs:
                 from ..kernels.moe_decode import moe_decode_triton
-                out = moe_decode_triton(x, ids, weights, self.gate_up, self.down)
+                out = moe_decode_triton(x, ids, weights, self.gate_up, self.down, **fn)
             else:
                 from ..kernels.moe_grouped import moe_grouped_triton
-                out = moe_grouped_triton(x, ids, weights, self.gate_up, self.down, self.layer_experts)
+                out = moe_grouped_triton(x, ids, weights, self.gate_up, self.down, self.layer_experts, **fn)
         elif phase == "decode" and ids.numel() <= self.static_max_pairs:
             out = self._static(x, ids, weights)
         elif x.is_cuda:
             out = self._grouped(x, ids, weights)
         else:
-            out = reference_experts(x, ids, weights, self.gate_up, self.down)
+            out = reference_experts(x, ids, weights, self.gate_up, self.down, **fn)
         return out.to(src)
 
     def _grouped(self, x, ids, weights):
         """Tokens grouped by expert, padded to the largest group: one bmm per projection and
         one host sync per call, instead of a kernel chain per expert."""
         t, k = ids.shape
-        inter = self.gate_up.shape[1] // 2
         flat = ids.reshape(-1)
         experts, slot_of, counts = torch.unique(flat, return_inverse=True, return_counts=True)
         order = torch.argsort(slot_of, stable=True)
@@ -166,8 +239,12 @@ class TorchExpertExecutor(ExpertExecutor):
         xs[slot_of[order], rank] = x[order // k]  # [G, W, H]
         sel = experts.clamp(min=0)
         gu = torch.bmm(xs, take(self.gate_up, sel, x.dtype).transpose(1, 2))  # [G, W, 2I]
-        h = F.silu(gu[..., :inter]) * gu[..., inter:]
+        if self.gate_up_bias is not None:
+            gu = gu + self.gate_up_bias[sel, None].to(x.dtype)
+        h = self.activation(gu)  # [G, W, I]
         y = torch.bmm(h, take(self.down, sel, x.dtype).transpose(1, 2))  # [G, W, H]
+        if self.down_bias is not None:
+            y = y + self.down_bias[sel, None].to(x.dtype)
         keep = (flat[order] >= 0).to(x.dtype)[:, None]  # NO_EXPERT pairs add nothing
         y = y[slot_of[order], rank] * weights.reshape(-1)[order, None].to(x.dtype) * keep  # [P, H]
         out = torch.zeros_like(x)
@@ -175,31 +252,37 @@ class TorchExpertExecutor(ExpertExecutor):
 
     def _static(self, x, ids, weights):
         t, k = ids.shape
-        inter = self.gate_up.shape[1] // 2
         flat = ids.reshape(-1)
         keep = (flat >= 0).to(x.dtype)[:, None]  # [T*k, 1]: NO_EXPERT pairs add nothing
         flat = flat.clamp(min=0)
         xs = x.repeat_interleave(k, dim=0)[:, :, None]  # [T*k, H, 1]
         gu = torch.bmm(take(self.gate_up, flat, x.dtype), xs)[..., 0]  # [T*k, 2I]
-        h = F.silu(gu[:, :inter]) * gu[:, inter:]
+        if self.gate_up_bias is not None:
+            gu = gu + self.gate_up_bias[flat].to(x.dtype)
+        h = self.activation(gu)  # [T*k, I]
         y = torch.bmm(take(self.down, flat, x.dtype), h[:, :, None])[..., 0]  # [T*k, H]
+        if self.down_bias is not None:
+            y = y + self.down_bias[flat].to(x.dtype)
         y = y * weights.reshape(-1, 1).to(x.dtype) * keep
         return y.view(t, k, -1).sum(1)
 
 
 class QuantizedHostExecutor(TorchExpertExecutor):
-    """`--experts cpu` with quantized banks, until the C++ executor reads them: the torch path
-    over the host banks, as the CPU executor's own fallback runs it (reference_experts for every
-    call: each distinct expert dequantized once), reported as "torch-fallback". On CUDA the
-    activations cross to the host and back, as with the C++ executor."""
+    """`--experts cpu` with experts the C++ executor does not compute yet (quantized banks, or an
+    activation other than SiLU / biases: GPT-OSS): the torch path over the host banks, as the CPU
+    executor's own fallback runs it (reference_experts for every call: each distinct expert
+    dequantized once), reported as "torch-fallback". On CUDA the activations cross to the host
+    and back, as with the C++ executor."""
 
     name = "cpu"
     backend = "torch-fallback"
     capturable = False
     needs_pinned_staging = True
 
-    def __init__(self, gate_up, down, layer_experts: int | None = None):
-        super().__init__(gate_up, down, static_max_pairs=0, layer_experts=layer_experts)
+    def __init__(self, gate_up, down, layer_experts: int | None = None, activation: Activation = SILU,
+                 gate_up_bias=None, down_bias=None):
+        super().__init__(gate_up, down, static_max_pairs=0, layer_experts=layer_experts, activation=activation,
+                         gate_up_bias=gate_up_bias, down_bias=down_bias)
         self.threads = torch.get_num_threads()
         self.isa = "torch"
         self.calls = self.pairs = 0
@@ -209,7 +292,7 @@ class QuantizedHostExecutor(TorchExpertExecutor):
         self.pairs += ids.numel()
         src = x.device
         out = reference_experts(x.to(self.device), ids.to(self.device), weights.to(self.device),
-                                self.gate_up, self.down)
+                                self.gate_up, self.down, self.activation, self.gate_up_bias, self.down_bias)
         return out.to(src)
 
     def stats(self) -> dict:

@@ -1,9 +1,11 @@
 """Fused routed-expert GEMV for small batches: experts read in place by flat id, no gather.
 
-  gate_up_act:  grid (pair, block of intermediate rows): h = silu(x Wg^T) * (x Wu^T)
-  down:         grid (pair, block of hidden rows):        y = (h Wd^T) * gate weight
+  gate_up_act:  grid (pair, block of intermediate rows): h = act(x Wg^T + bg, x Wu^T + bu)
+  down:         grid (pair, block of hidden rows):        y = (h Wd^T + bd) * gate weight
 then the k pairs of each token are summed (in slot order, deterministic). Pairs routed to
-NO_EXPERT (-1, rows that are not running) read no weights and add zero. Reference:
+NO_EXPERT (-1, rows that are not running) read no weights and add zero. The activation is a
+constexpr (experts.executor.Activation: 0 silu(g) * u, 1 GPT-OSS's clamped SwiGLU) and the
+biases are optional (BIAS constexpr; gate_up_bias [N, 2I], down_bias [N, H]). Reference:
 experts.executor.TorchExpertExecutor._static, with the same roundings to the activation dtype.
 """
 from __future__ import annotations
@@ -23,11 +25,32 @@ def _configs(block_rows: str, block_k: str, rows, ks, warps):
     return [triton.Config({block_rows: r, block_k: k}, num_warps=w) for r, k, w in shapes]
 
 
+@triton.jit
+def _round(v, DTYPE: tl.constexpr):
+    """v rounded to the activation dtype, kept in fp32 (what each torch op of the reference does)."""
+    return v.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _activate(g, u, alpha, limit, ACT: tl.constexpr, DTYPE: tl.constexpr):
+    """The expert activation of gate and up values (fp32 holding DTYPE values), rounded op by op
+    as experts.executor.Activation computes it in torch; returns fp32 (the caller rounds)."""
+    if ACT == 0:  # silu(g) * u
+        h = _round(g / (1.0 + tl.exp(-g)), DTYPE) * u
+    else:  # (clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g'), g' = min(g, limit)
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        sig = _round(1.0 / (1.0 + tl.exp(-_round(g * alpha, DTYPE))), DTYPE)
+        h = _round(u + 1.0, DTYPE) * _round(g * sig, DTYPE)
+    return h
+
+
 # GEMV at batch 1 needs many programs in flight to saturate HBM: few rows per program
 @triton.autotune(configs=_configs("BLOCK_I", "BLOCK_H", [4, 8, 16], [256, 512], [4]), key=["H", "I"])
 @triton.jit
-def _gate_up_act_kernel(x_ptr, ids_ptr, gu_ptr, h_ptr, H, I, K,
-                        BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, DTYPE: tl.constexpr):
+def _gate_up_act_kernel(x_ptr, ids_ptr, gu_ptr, h_ptr, b_ptr, H, I, K, alpha, limit,
+                        BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, DTYPE: tl.constexpr,
+                        ACT: tl.constexpr, BIAS: tl.constexpr):
     p = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     rm = rows < I
@@ -46,16 +69,19 @@ def _gate_up_act_kernel(x_ptr, ids_ptr, gu_ptr, h_ptr, H, I, K,
         wu = tl.load(base + (rows[:, None] + I) * H + cols[None, :], mask=m2, other=0.0).to(tl.float32)
         acc_g += tl.sum(wg * x[None, :], axis=1)
         acc_u += tl.sum(wu * x[None, :], axis=1)
-    g = acc_g.to(DTYPE).to(tl.float32)
-    u = acc_u.to(DTYPE).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(DTYPE).to(tl.float32)
-    tl.store(h_ptr + p * I + rows, (act * u).to(DTYPE), mask=rm)
+    g = _round(acc_g, DTYPE)
+    u = _round(acc_u, DTYPE)
+    if BIAS:  # a NO_EXPERT pair reads expert 0's bias: finite, and its down row is zeroed
+        bias = b_ptr + tl.maximum(e, 0) * (2 * I)
+        g = _round(g + tl.load(bias + rows, mask=rm, other=0.0).to(tl.float32), DTYPE)
+        u = _round(u + tl.load(bias + I + rows, mask=rm, other=0.0).to(tl.float32), DTYPE)
+    tl.store(h_ptr + p * I + rows, _activate(g, u, alpha, limit, ACT, DTYPE).to(DTYPE), mask=rm)
 
 
 @triton.autotune(configs=_configs("BLOCK_N", "BLOCK_I", [8, 16, 32], [128, 256], [4]), key=["H", "I"])
 @triton.jit
-def _down_kernel(h_ptr, ids_ptr, w_ptr, dn_ptr, y_ptr, H, I,
-                 BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, DTYPE: tl.constexpr):
+def _down_kernel(h_ptr, ids_ptr, w_ptr, dn_ptr, b_ptr, y_ptr, H, I,
+                 BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, DTYPE: tl.constexpr, BIAS: tl.constexpr):
     p = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = rows < H
@@ -70,13 +96,19 @@ def _down_kernel(h_ptr, ids_ptr, w_ptr, dn_ptr, y_ptr, H, I,
         wd = tl.load(base + rows[:, None] * I + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0)
         acc += tl.sum(wd.to(tl.float32) * hv[None, :], axis=1)
     gate = tl.where(live, tl.load(w_ptr + p).to(tl.float32), 0.0)
-    y = (acc.to(DTYPE).to(tl.float32) * gate).to(DTYPE)
+    acc = _round(acc, DTYPE)
+    if BIAS:
+        acc = _round(acc + tl.load(b_ptr + tl.maximum(e, 0) * H + rows, mask=rm, other=0.0).to(tl.float32), DTYPE)
+    y = (acc * gate).to(DTYPE)
     tl.store(y_ptr + p * H + rows, y, mask=rm)
 
 
 def moe_decode_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                      gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """x: [T, H]; ids, weights: [T, k]; gate_up: [N, 2I, H]; down: [N, H, I] -> [T, H]."""
+                      gate_up: torch.Tensor, down: torch.Tensor, activation=None,
+                      gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [T, H]; ids, weights: [T, k]; gate_up: [N, 2I, H]; down: [N, H, I]; activation: an
+    experts.executor.Activation (None: SiLU); gate_up_bias [N, 2I], down_bias [N, H] or None
+    -> [T, H]."""
     t, k = ids.shape
     n_h = x.shape[1]
     n_i = down.shape[2]
@@ -87,6 +119,18 @@ def moe_decode_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     h = torch.empty(pairs, n_i, dtype=x.dtype, device=x.device)
     y = torch.empty(pairs, n_h, dtype=x.dtype, device=x.device)
     dt = tl_dtype(x.dtype)
-    _gate_up_act_kernel[lambda m: (pairs, triton.cdiv(n_i, m["BLOCK_I"]))](x, flat, gate_up, h, n_h, n_i, k, DTYPE=dt)
-    _down_kernel[lambda m: (pairs, triton.cdiv(n_h, m["BLOCK_N"]))](h, flat, w, down, y, n_h, n_i, DTYPE=dt)
+    act, alpha, limit = act_args(activation)
+    gub = gate_up_bias.contiguous() if gate_up_bias is not None else flat  # unread without BIAS
+    db = down_bias.contiguous() if down_bias is not None else flat
+    _gate_up_act_kernel[lambda m: (pairs, triton.cdiv(n_i, m["BLOCK_I"]))](
+        x, flat, gate_up, h, gub, n_h, n_i, k, alpha, limit, DTYPE=dt, ACT=act, BIAS=gate_up_bias is not None)
+    _down_kernel[lambda m: (pairs, triton.cdiv(n_h, m["BLOCK_N"]))](
+        h, flat, w, down, db, y, n_h, n_i, DTYPE=dt, BIAS=down_bias is not None)
     return y.view(t, k, n_h).sum(1)
+
+
+def act_args(activation) -> tuple[int, float, float]:
+    """(ACT constexpr, alpha, limit) of an experts.executor.Activation (None: SiLU)."""
+    if activation is None:
+        return 0, 1.0, 0.0
+    return activation.code, float(activation.alpha), float(activation.limit)

@@ -6,10 +6,11 @@ the whole layer's experts every chunk. Here the (token, expert) pairs are sorted
 padded to tiles of BLOCK_M pairs that share one expert; each program multiplies one tile of
 pairs by one expert's weights where they lie:
 
-  gate_up_act:  grid (tile, block of intermediate cols): h = silu(x Wg^T) * (x Wu^T)
-  down:         grid (tile, block of hidden cols):       y = (h Wd^T) * gate weight
+  gate_up_act:  grid (tile, block of intermediate cols): h = act(x Wg^T + bg, x Wu^T + bu)
+  down:         grid (tile, block of hidden cols):       y = (h Wd^T + bd) * gate weight
 writing each pair's row at its place in [T, k, H], then each token sums its k rows (no atomics). The tiling is computed on the device with no
-host sync (a static upper bound on tiles; tiles past the real count exit at once).
+host sync (a static upper bound on tiles; tiles past the real count exit at once). The
+activation and the optional biases as in moe_decode.py (ACT, BIAS constexprs).
 Reference: experts.executor.reference_experts.
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ import triton
 import triton.language as tl
 
 from . import INTERPRET, tl_dtype
+from .moe_decode import _activate, _round, act_args
 
 
 def _configs():
@@ -28,9 +30,9 @@ def _configs():
 
 @triton.autotune(configs=_configs(), key=["H", "I", "BLOCK_M"])
 @triton.jit
-def _grouped_gate_up_kernel(x_ptr, tok_ptr, tile_expert_ptr, gu_ptr, h_ptr, H, I,
+def _grouped_gate_up_kernel(x_ptr, tok_ptr, tile_expert_ptr, gu_ptr, h_ptr, b_ptr, H, I, alpha, limit,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            DTYPE: tl.constexpr, IEEE: tl.constexpr):
+                            DTYPE: tl.constexpr, IEEE: tl.constexpr, ACT: tl.constexpr, BIAS: tl.constexpr):
     tile = tl.program_id(0)
     e = tl.load(tile_expert_ptr + tile).to(tl.int64)
     if e >= 0:
@@ -57,18 +59,21 @@ def _grouped_gate_up_kernel(x_ptr, tok_ptr, tile_expert_ptr, gu_ptr, h_ptr, H, I
             else:
                 acc_g += tl.dot(a, wg)
                 acc_u += tl.dot(a, wu)
-        g = acc_g.to(DTYPE).to(tl.float32)  # the reference rounds each GEMM to the activation dtype
-        u = acc_u.to(DTYPE).to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(DTYPE).to(tl.float32)
-        tl.store(h_ptr + rows[:, None].to(tl.int64) * I + cols[None, :], (act * u).to(DTYPE),
-                 mask=valid[:, None] & cm[None, :])
+        g = _round(acc_g, DTYPE)  # the reference rounds each GEMM to the activation dtype
+        u = _round(acc_u, DTYPE)
+        if BIAS:
+            bias = b_ptr + e * (2 * I)
+            g = _round(g + tl.load(bias + cols, mask=cm, other=0.0).to(tl.float32)[None, :], DTYPE)
+            u = _round(u + tl.load(bias + I + cols, mask=cm, other=0.0).to(tl.float32)[None, :], DTYPE)
+        tl.store(h_ptr + rows[:, None].to(tl.int64) * I + cols[None, :],
+                 _activate(g, u, alpha, limit, ACT, DTYPE).to(DTYPE), mask=valid[:, None] & cm[None, :])
 
 
 @triton.autotune(configs=_configs(), key=["H", "I", "BLOCK_M"])
 @triton.jit
-def _grouped_down_kernel(h_ptr, tok_ptr, dest_ptr, w_ptr, tile_expert_ptr, dn_ptr, y_ptr, H, I,
+def _grouped_down_kernel(h_ptr, tok_ptr, dest_ptr, w_ptr, tile_expert_ptr, dn_ptr, b_ptr, y_ptr, H, I,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         DTYPE: tl.constexpr, IEEE: tl.constexpr):
+                         DTYPE: tl.constexpr, IEEE: tl.constexpr, BIAS: tl.constexpr):
     tile = tl.program_id(0)
     e = tl.load(tile_expert_ptr + tile).to(tl.int64)
     if e >= 0:
@@ -89,7 +94,10 @@ def _grouped_down_kernel(h_ptr, tok_ptr, dest_ptr, w_ptr, tile_expert_ptr, dn_pt
             else:
                 acc += tl.dot(a, w)
         gate = tl.load(w_ptr + rows, mask=valid, other=0.0).to(tl.float32)
-        y = (acc.to(DTYPE).to(tl.float32) * gate[:, None]).to(DTYPE)
+        acc = _round(acc, DTYPE)
+        if BIAS:
+            acc = _round(acc + tl.load(b_ptr + e * H + cols, mask=cm, other=0.0).to(tl.float32)[None, :], DTYPE)
+        y = (acc * gate[:, None]).to(DTYPE)
         dest = tl.load(dest_ptr + rows, mask=valid, other=0).to(tl.int64)  # the pair's row in [T*k, H]
         tl.store(y_ptr + dest[:, None] * H + cols[None, :], y, mask=valid[:, None] & cm[None, :])
 
@@ -126,10 +134,12 @@ def tile_pairs(ids: torch.Tensor, weights: torch.Tensor, n_experts: int, block_m
 
 
 def moe_grouped_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                       down: torch.Tensor, max_experts: int | None = None) -> torch.Tensor:
+                       down: torch.Tensor, max_experts: int | None = None, activation=None,
+                       gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None) -> torch.Tensor:
     """x: [T, H]; ids, weights: [T, k]; gate_up: [N, 2I, H]; down: [N, H, I] -> [T, H].
     max_experts: how many distinct experts one call can route to (a layer's count), a bound
-    that keeps the tile grid small; default all N."""
+    that keeps the tile grid small; default all N. activation, gate_up_bias [N, 2I], down_bias
+    [N, H]: the expert function, as moe_decode_triton takes it."""
     t, k = ids.shape
     n, n_h, n_i = down.shape
     block_m = 16 if t * k <= 16 * min(n, max_experts or n) else 64  # ~pairs per expert
@@ -140,8 +150,13 @@ def moe_grouped_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     y = torch.zeros(t * k, n_h, dtype=x.dtype, device=x.device)  # each live pair's row is written once
     dt, ieee = tl_dtype(x.dtype), x.dtype == torch.float32 or INTERPRET
     n_tiles = tile_expert.numel()
+    act, alpha, limit = act_args(activation)
+    gub = gate_up_bias.contiguous() if gate_up_bias is not None else tok  # unread without BIAS
+    db = down_bias.contiguous() if down_bias is not None else tok
     _grouped_gate_up_kernel[lambda m: (n_tiles, triton.cdiv(n_i, m["BLOCK_N"]))](
-        x, tok, tile_expert, gate_up, h, n_h, n_i, BLOCK_M=block_m, DTYPE=dt, IEEE=ieee)
+        x, tok, tile_expert, gate_up, h, gub, n_h, n_i, alpha, limit, BLOCK_M=block_m, DTYPE=dt, IEEE=ieee,
+        ACT=act, BIAS=gate_up_bias is not None)
     _grouped_down_kernel[lambda m: (n_tiles, triton.cdiv(n_h, m["BLOCK_N"]))](
-        h, tok, dest, gate, tile_expert, down, y, n_h, n_i, BLOCK_M=block_m, DTYPE=dt, IEEE=ieee)
+        h, tok, dest, gate, tile_expert, down, db, y, n_h, n_i, BLOCK_M=block_m, DTYPE=dt, IEEE=ieee,
+        BIAS=down_bias is not None)
     return y.view(t, k, n_h).sum(1)

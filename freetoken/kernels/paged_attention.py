@@ -12,6 +12,10 @@ anything, and recycled pages may hold anything (NaN included).
   decode reduce:  grid (B, nh): merges the partials of the splits that saw keys.
   prefill:        grid (query tiles, kvh): flash-attention forward, a tile's rows being
                   (query position, head of the group) pairs, causal (and windowed) over pages.
+Attention sinks (GPT-OSS): an optional learned logit per query head, sinks [nh], joins each
+softmax's denominator (a key whose value is zero): out = sum_j e^(s_j) v_j / (e^sink + sum_j
+e^(s_j)); the kernels fold it in once, after the keys (decode: in the reduce, or in the split
+kernel when there is one split). sinks=None leaves every path as it was.
 Lengths are read inside the kernels and the split ranges are computed there, so the decode is
 CUDA-graph capturable: one graph per (B, W) serves every length (lens[b] <= W * P, unchecked:
 checking would need a host sync). Any head dim works: tiles pad it to a power of two >= 16 and
@@ -92,8 +96,8 @@ def _gather(pages: torch.Tensor, ids: torch.Tensor, length: int) -> torch.Tensor
     return x.reshape(*x.shape[:-3], x.shape[-3] * x.shape[-2], x.shape[-1])[..., :length, :]
 
 
-def paged_decode_attention_torch(q, k_pages, v_pages, block_table, lens, scale, window=None):
-    """q [B, nh, hd]; block_table [B, W]; lens [B] -> [B, nh, hd] in q's dtype.
+def paged_decode_attention_torch(q, k_pages, v_pages, block_table, lens, scale, window=None, sinks=None):
+    """q [B, nh, hd]; block_table [B, W]; lens [B]; sinks [nh] or None -> [B, nh, hd] in q's dtype.
 
     Eager: reads max(lens) back to the host (the CPU path and the tests' reference). Table
     entries past a row's length are gathered (they are valid page ids) but zeroed before use,
@@ -118,26 +122,33 @@ def paged_decode_attention_torch(q, k_pages, v_pages, block_table, lens, scale, 
     qg = q.float().view(b, kvh, nh // kvh, hd)  # [B, kvh, g, hd]
     s = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [B, kvh, g, L]
     s = s.masked_fill(~mask[:, None, None, :], float("-inf"))
-    pr = torch.softmax(s, dim=-1)
-    pr = torch.where(mask.any(-1)[:, None, None, None], pr, 0.0)  # idle rows: all -inf -> NaN -> 0
+    if sinks is not None:  # the sink's column joins the softmax, then is dropped (its value is 0)
+        sk = sinks.float().view(1, kvh, nh // kvh, 1).expand(b, -1, -1, 1)
+        pr = torch.softmax(torch.cat([s, sk], dim=-1), dim=-1)[..., :-1]  # idle rows: all on the sink
+    else:
+        pr = torch.softmax(s, dim=-1)
+        pr = torch.where(mask.any(-1)[:, None, None, None], pr, 0.0)  # idle rows: all -inf -> NaN -> 0
     return torch.matmul(pr, v).reshape(b, nh, hd).to(q.dtype)
 
 
-def paged_prefill_attention_torch(q, k_pages, v_pages, block_table_row, start, scale, window=None):
+def paged_prefill_attention_torch(q, k_pages, v_pages, block_table_row, start, scale, window=None, sinks=None):
     """q [T, nh, hd] at positions start..start+T-1 (their K/V already in the pages);
-    block_table_row [W] -> [T, nh, hd]. Gathers keys 0..start+T-1 and calls prefill_attention."""
+    block_table_row [W]; sinks [nh] or None -> [T, nh, hd]. Gathers the keys the chunk can see
+    (0..start+T-1; with a window, from the page of the first query's first key on) and calls
+    prefill_attention."""
     kvh, p, hd, nh = _check(q, k_pages, v_pages, block_table_row)
     t = q.shape[0]
     s = start + t
-    ids = block_table_row[:_cdiv(s, p)]
-    k = _gather(k_pages, ids, s)  # [kvh, S, hd]
-    v = _gather(v_pages, ids, s)
+    first = max(0, start - window + 1) // p if window else 0  # no key before this page is visible
+    ids = block_table_row[first:_cdiv(s, p)]
+    k = _gather(k_pages, ids, s - first * p)  # [kvh, S', hd]: keys first*p .. s-1
+    v = _gather(v_pages, ids, s - first * p)
     mask = None
     if window:
         qp = torch.arange(start, s, device=q.device)[:, None]
-        j = torch.arange(s, device=q.device)[None]
-        mask = (j <= qp) & (j > qp - window)  # [T, S]
-    o = prefill_attention(q.transpose(0, 1), k, v, mask, scale)  # [nh, T, hd]
+        j = torch.arange(first * p, s, device=q.device)[None]
+        mask = (j <= qp) & (j > qp - window)  # [T, S']
+    o = prefill_attention(q.transpose(0, 1), k, v, mask, scale, sinks)  # [nh, T, hd]
     return o.transpose(0, 1).contiguous()
 
 
@@ -175,13 +186,14 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, m_ptr, l_ptr, acc_ptr, o_ptr,
+def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, m_ptr, l_ptr, acc_ptr, o_ptr, sinks_ptr,
                          qk_scale, window, n_splits,
                          stride_qb, stride_qh, stride_kp, stride_kh, stride_kt, stride_vp, stride_vh, stride_vt,
                          stride_bt, stride_ob, stride_oh,
                          NH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr,
                          BLOCK_D: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
-                         MIN_TILES: tl.constexpr, IEEE: tl.constexpr, DTYPE: tl.constexpr):
+                         MIN_TILES: tl.constexpr, IEEE: tl.constexpr, DTYPE: tl.constexpr,
+                         SINKS: tl.constexpr):
     b = tl.program_id(0)
     kh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -229,6 +241,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, m_ptr, l_ptr, ac
         m_i = m_new
     sm = gm[:, None] & dm[None, :]
     if DIRECT:  # one split: the whole range was ours: normalize and write the output, no reduce
+        if SINKS:
+            m_i, l_i, acc = _fold_sink(sinks_ptr, heads, gm, m_i, l_i, acc)
         den = tl.where(l_i > 0, l_i, 1.0)  # idle rows (length 0): acc is 0, output 0
         tl.store(o_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
                  (acc / den[:, None]).to(DTYPE), mask=sm)
@@ -240,9 +254,20 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, m_ptr, l_ptr, ac
 
 
 @triton.jit
-def _decode_reduce_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, stride_ob, stride_oh, n_splits,
+def _fold_sink(sinks_ptr, heads, hm, m_i, l_i, acc):
+    """The sink logit of each row's head joins its running softmax (log2 domain, like the
+    scores): a term e^sink in the denominator, nothing in the numerator."""
+    sk = tl.load(sinks_ptr + heads, mask=hm, other=0.0).to(tl.float32) * 1.4426950408889634
+    m_new = tl.maximum(m_i, sk)
+    alpha = tl.math.exp2(m_i - m_new)
+    return m_new, l_i * alpha + tl.math.exp2(sk - m_new), acc * alpha[:, None]
+
+
+@triton.jit
+def _decode_reduce_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, sinks_ptr, stride_ob, stride_oh, n_splits,
                           NH: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr,
-                          SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr, DTYPE: tl.constexpr):
+                          SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr, DTYPE: tl.constexpr,
+                          SINKS: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     base = (b * NH + h) * n_splits
@@ -250,6 +275,9 @@ def _decode_reduce_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, stride_ob, stride_oh, n_
     l_all = tl.load(l_ptr + base + s_all, mask=s_all < n_splits, other=0.0)
     m_all = tl.load(m_ptr + base + s_all, mask=s_all < n_splits, other=NEG)
     m_max = tl.max(tl.where(l_all > 0, m_all, NEG), 0)
+    if SINKS:
+        sk = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+        m_max = tl.maximum(m_max, sk)
     d = tl.arange(0, BLOCK_D)
     dm = d < HD
     num = tl.zeros([BLOCK_D], tl.float32)
@@ -263,16 +291,20 @@ def _decode_reduce_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, stride_ob, stride_oh, n_
         a = tl.load(acc_ptr + (base + s)[:, None] * HD + d[None, :], mask=live[:, None] & dm[None, :], other=0.0)
         num += tl.sum(a * w[:, None], 0)
         den += tl.sum(w * l, 0)
+    if SINKS:
+        den += tl.math.exp2(sk - m_max)
     den = tl.where(den > 0, den, 1.0)  # idle rows: num is 0, output 0
     tl.store(o_ptr + b * stride_ob + h * stride_oh + d, (num / den).to(DTYPE), mask=dm)
 
 
 def paged_decode_attention_triton(q, k_pages, v_pages, block_table, lens, scale, window=None, splits=None,
                                   block_n: int | None = None, num_warps: int | None = None,
-                                  num_stages: int | None = None, min_split_keys: int = MIN_SPLIT_KEYS):
+                                  num_stages: int | None = None, min_split_keys: int = MIN_SPLIT_KEYS,
+                                  sinks=None):
     """q [B, nh, hd]; k/v_pages [num_pages, kvh, P, hd]; block_table [B, W]; lens [B] on the
-    device -> [B, nh, hd] in q's dtype. Shapes fix the launch; lengths only steer it inside the
-    kernels (no host sync). block_n/num_warps/num_stages/min_split_keys are tuning knobs."""
+    device; sinks [nh] or None -> [B, nh, hd] in q's dtype. Shapes fix the launch; lengths only
+    steer it inside the kernels (no host sync). block_n/num_warps/num_stages/min_split_keys are
+    tuning knobs."""
     kvh, p, hd, nh = _check(q, k_pages, v_pages, block_table)
     b, w = block_table.shape
     if q.shape[0] != b or lens.shape != (b,):
@@ -310,43 +342,48 @@ def paged_decode_attention_triton(q, k_pages, v_pages, block_table, lens, scale,
         # unused by the single-split kernel; not `out` itself: the CPU interpreter copies every
         # argument back after the launch, and an alias of `out` would overwrite the result
         m = l = acc = torch.empty(1, dtype=torch.float32, device=q.device)
+    if sinks is not None and sinks.shape != (nh,):
+        raise ValueError(f"sinks {tuple(sinks.shape)}: one per query head ({nh})")
+    sk = sinks.contiguous() if sinks is not None else lens  # unread without sinks
     _decode_split_kernel[(b, kvh, splits)](
-        q, k_pages, v_pages, block_table, lens, m, l, acc, out,
+        q, k_pages, v_pages, block_table, lens, m, l, acc, out, sk,
         scale * LOG2E, int(window) if window else NO_WINDOW, splits,
         q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1),
         NH=nh, G=g, G_PAD=g_pad, HD=hd, BLOCK_D=block_d, P=p, BLOCK_N=block_n, DIRECT=splits == 1,
-        MIN_TILES=min_tiles, IEEE=q.dtype == torch.float32 or INTERPRET, DTYPE=dt,
+        MIN_TILES=min_tiles, IEEE=q.dtype == torch.float32 or INTERPRET, DTYPE=dt, SINKS=sinks is not None,
         num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         chunk = min(REDUCE_CHUNK, _pow2(splits))
         # splits are a runtime argument (one compiled kernel serves every table width); only
         # their power-of-two bound is compiled in
-        _decode_reduce_kernel[(b, nh)](m, l, acc, out, out.stride(0), out.stride(1), splits,
+        _decode_reduce_kernel[(b, nh)](m, l, acc, out, sk, out.stride(0), out.stride(1), splits,
                                        NH=nh, HD=hd, BLOCK_D=block_d, SPLITS_PAD=_pow2(splits),
-                                       CHUNK=chunk, DTYPE=dt, num_warps=4 if block_d >= 128 else 2)
+                                       CHUNK=chunk, DTYPE=dt, SINKS=sinks is not None,
+                                       num_warps=4 if block_d >= 128 else 2)
     return out
 
 
-def paged_decode_attention(q, k_pages, v_pages, block_table, lens, scale, window=None, splits=None):
+def paged_decode_attention(q, k_pages, v_pages, block_table, lens, scale, window=None, splits=None, sinks=None):
     """Decode attention over the page pool: the Triton kernel for CUDA tensors, the torch
     reference otherwise. See paged_decode_attention_triton for shapes."""
     if use_triton(q):
-        return paged_decode_attention_triton(q, k_pages, v_pages, block_table, lens, scale, window, splits)
-    return paged_decode_attention_torch(q, k_pages, v_pages, block_table, lens, scale, window)
+        return paged_decode_attention_triton(q, k_pages, v_pages, block_table, lens, scale, window, splits,
+                                             sinks=sinks)
+    return paged_decode_attention_torch(q, k_pages, v_pages, block_table, lens, scale, window, sinks)
 
 
 # --------------------------------------------------------------------------- prefill kernel
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, o_ptr, start, T, qk_scale, window,
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, o_ptr, sinks_ptr, start, T, qk_scale, window,
                     stride_qt, stride_qh, stride_kp, stride_kh, stride_kt, stride_vp, stride_vh, stride_vt,
                     stride_ot, stride_oh,
                     G: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr,
                     P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                    IEEE: tl.constexpr, DTYPE: tl.constexpr):
+                    IEEE: tl.constexpr, DTYPE: tl.constexpr, SINKS: tl.constexpr):
     pid = tl.program_id(0)
     kh = tl.program_id(1)
     # rows are (query, head of the group) pairs: one K/V tile serves BLOCK_T queries x G heads
@@ -386,6 +423,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, o_ptr, start, T, qk_scale, wind
         pv = _dot(p.to(v.dtype), v, IEEE)  # p rounded to the K/V dtype, as flash attention does
         acc = acc * alpha[:, None] + pv
         m_i = m_new
+    if SINKS:
+        m_i, l_i, acc = _fold_sink(sinks_ptr, heads, rm, m_i, l_i, acc)
     den = tl.where(l_i > 0, l_i, 1.0)  # only padding rows (never stored) can see no key
     tl.store(o_ptr + t[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              (acc / den[:, None]).to(DTYPE), mask=rm[:, None] & dm[None, :])
@@ -393,8 +432,9 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, o_ptr, start, T, qk_scale, wind
 
 def paged_prefill_attention_triton(q, k_pages, v_pages, block_table_row, start, scale, window=None,
                                    block_m: int | None = None, block_n: int | None = None,
-                                   num_warps: int | None = None, num_stages: int | None = None):
-    """q [T, nh, hd] at positions start..start+T-1; block_table_row [W] -> [T, nh, hd].
+                                   num_warps: int | None = None, num_stages: int | None = None, sinks=None):
+    """q [T, nh, hd] at positions start..start+T-1; block_table_row [W]; sinks [nh] or None
+    -> [T, nh, hd].
     block_m (rows per tile: queries x padded group), block_n, num_warps, num_stages: tuning."""
     kvh, p, hd, nh = _check(q, k_pages, v_pages, block_table_row)
     t = q.shape[0]
@@ -418,20 +458,31 @@ def paged_prefill_attention_triton(q, k_pages, v_pages, block_table_row, start, 
         num_warps = 8 if block_t * g_pad * block_d >= 128 * 128 else 4
     if num_stages is None:
         num_stages = 2
+    if sinks is not None and sinks.shape != (nh,):
+        raise ValueError(f"sinks {tuple(sinks.shape)}: one per query head ({nh})")
     _prefill_kernel[(triton.cdiv(t, block_t), kvh)](
-        q, k_pages, v_pages, block_table_row, out, int(start), t, scale * LOG2E,
+        q, k_pages, v_pages, block_table_row, out, sinks.contiguous() if sinks is not None else block_table_row,
+        int(start), t, scale * LOG2E,
         int(window) if window else NO_WINDOW,
         q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), out.stride(0), out.stride(1),
         G=g, G_PAD=g_pad, HD=hd, BLOCK_D=block_d, P=p, BLOCK_T=block_t, BLOCK_N=block_n,
-        IEEE=q.dtype == torch.float32 or INTERPRET, DTYPE=tl_dtype(q.dtype), num_warps=num_warps, num_stages=num_stages)
+        IEEE=q.dtype == torch.float32 or INTERPRET, DTYPE=tl_dtype(q.dtype), SINKS=sinks is not None,
+        num_warps=num_warps, num_stages=num_stages)
     return out
 
 
-def paged_prefill_attention(q, k_pages, v_pages, block_table_row, start, scale, window=None):
+def paged_prefill_attention(q, k_pages, v_pages, block_table_row, start, scale, window=None, sinks=None):
     """A prefill chunk over the page pool. Gathering the pages and running SDPA's flash kernel
     beats the Triton kernel above on the H200 (2048-token chunk: 93 us against 321 us from an
     empty cache, 3.6 ms against 9.9 ms after 32k tokens; benchmarks/results/paged_attention-gpu.json),
     and the gather is a small copy next to it, so that is the path on every device; the Triton
-    kernel stays, tested, for when it is tuned."""
-    return paged_prefill_attention_torch(q, k_pages, v_pages, block_table_row, start, scale, window)
+    kernel stays, tested, for when it is tuned.
+
+    With sinks, SDPA has no way to add the sink to its denominator: on CUDA the Triton kernel runs
+    (in place, reading only the window's keys; not yet measured on a GPU), on the CPU the written-
+    out reference (model.attention.prefill_attention)."""
+    if sinks is not None and use_triton(q):
+        return paged_prefill_attention_triton(q, k_pages, v_pages, block_table_row, start, scale, window,
+                                              sinks=sinks)
+    return paged_prefill_attention_torch(q, k_pages, v_pages, block_table_row, start, scale, window, sinks)

@@ -1,4 +1,5 @@
-"""Full (softmax) attention over the paged KV pool; optional output gate (Qwen3.5)."""
+"""Softmax attention over the paged KV pool, full or sliding-window; optional q/k norms (Qwen3),
+output gate (Qwen3.5), q/k/v/o biases and per-head attention sinks (GPT-OSS)."""
 from __future__ import annotations
 
 import torch
@@ -11,15 +12,19 @@ from .state import DecodeState
 
 
 class Attention:
+    """Parameters by checkpoint name; those a family lacks are absent from `w` (no q/k norm in
+    GPT-OSS, no biases or sinks in Qwen). The layer's window comes from cfg.layer_types."""
+
     def __init__(self, cfg, w: dict, layer: int, rope: Rope, gated: bool, one_centered: bool):
         p = f"model.layers.{layer}.self_attn."
         self.layer, self.rope, self.gated, self.one_centered = layer, rope, gated, one_centered
         self.nh, self.kvh, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.eps, self.window = cfg.rms_norm_eps, cfg.sliding_window
+        self.eps, self.window = cfg.rms_norm_eps, cfg.window(layer)
         qkv = ("q_proj", "k_proj", "v_proj")
         self.qkv = FusedLinear([w[p + n + ".weight"] for n in qkv], [w.get(p + n + ".bias") for n in qkv])
         self.wo, self.bo = w[p + "o_proj.weight"], w.get(p + "o_proj.bias")
-        self.q_norm, self.k_norm = w[p + "q_norm.weight"], w[p + "k_norm.weight"]
+        self.q_norm, self.k_norm = w.get(p + "q_norm.weight"), w.get(p + "k_norm.weight")
+        self.sinks = w[p + "sinks"] if cfg.attention_sinks else None  # [nh]
 
     def _project(self, x: torch.Tensor, positions: torch.Tensor):
         """x: [N, H], positions: [N] -> q [N, nh, hd], k/v [N, kvh, hd], gate [N, nh*hd] or None."""
@@ -29,9 +34,12 @@ class Attention:
         if self.gated:  # q_proj emits [query | gate] per head
             q, gate = q.view(n, self.nh, 2 * self.hd).chunk(2, dim=-1)
             gate = gate.reshape(n, self.nh * self.hd)
-        q = rms_norm(q.reshape(n, self.nh, self.hd), self.q_norm, self.eps, self.one_centered)
-        k = rms_norm(k.view(n, self.kvh, self.hd), self.k_norm, self.eps, self.one_centered)
-        v = v.view(n, self.kvh, self.hd)
+        q = q.reshape(n, self.nh, self.hd)
+        k = k.reshape(n, self.kvh, self.hd)
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm, self.eps, self.one_centered)
+            k = rms_norm(k, self.k_norm, self.eps, self.one_centered)
+        v = v.reshape(n, self.kvh, self.hd)
         return self.rope(q, positions), self.rope(k, positions), v, gate
 
     def _output(self, o: torch.Tensor, gate) -> torch.Tensor:
@@ -51,7 +59,7 @@ class Attention:
         table = st.block_table[slot]  # [W]
         write_kv(st.k[self.layer], st.v[self.layer], k, v, table[pos // st.page_size], pos % st.page_size)
         o = paged_prefill_attention(q, st.k[self.layer], st.v[self.layer], table, start, self.hd ** -0.5,
-                                    self.window)  # [T, nh, hd]
+                                    self.window, self.sinks)  # [T, nh, hd]
         return self._output(o.reshape(t, self.nh * self.hd), gate)
 
     def decode(self, x: torch.Tensor, st: DecodeState, pos: torch.Tensor,
@@ -72,22 +80,54 @@ class Attention:
             lens = torch.where(active, lens, 0)
         write_kv(st.k[self.layer], st.v[self.layer], k, v, page, off)
         o = paged_decode_attention(q, st.k[self.layer], st.v[self.layer], table, lens.to(torch.int32),
-                                   self.hd ** -0.5, self.window)  # [B, nh, hd]
+                                   self.hd ** -0.5, self.window, sinks=self.sinks)  # [B, nh, hd]
         return self._output(o.reshape(b, self.nh * self.hd), gate)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                      scale: float) -> torch.Tensor:
+                      scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """A chunk's T queries over S >= T keys, the chunk being the last T of them.
-    q: [nh, T, hd]; k, v: [kvh, S, hd]; mask: [T, S] bool or None for plain causal -> [nh, T, hd].
+    q: [nh, T, hd]; k, v: [kvh, S, hd]; mask: [T, S] bool or None for plain causal; sinks: [nh]
+    or None -> [nh, T, hd].
 
     Plain causal goes in as a bottom-right-aligned causal bias: SDPA runs it on the flash
     kernel with no [T, S] mask in memory (an explicit mask sent each new chunk shape down a
-    path that cost ~20 ms of host time per call on the H200)."""
+    path that cost ~20 ms of host time per call on the H200). SDPA cannot add a sink to its
+    denominator: with sinks the softmax is written out (sinks_attention)."""
     t, s = q.shape[1], k.shape[1]
+    if sinks is not None:
+        return sinks_attention(q, k, v, mask, scale, sinks)
     bias = mask if mask is not None else causal_lower_right(t, s)
     return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=bias, scale=scale,
                                           enable_gqa=True)[0]
+
+
+def sinks_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                    scale: float, sinks: torch.Tensor, max_scores: int = 1 << 24) -> torch.Tensor:
+    """prefill_attention with a learned sink logit per head in each softmax (GPT-OSS), as the
+    reference computes it: scores in fp32, the sink's column appended, softmax, column dropped.
+    Query rows go in blocks of at most `max_scores` scores (64 MiB of fp32) at a time."""
+    nh, t, hd = q.shape
+    kvh, s = k.shape[0], k.shape[1]
+    g = nh // kvh
+    out = torch.empty_like(q)
+    kt = k.float().transpose(-1, -2)  # [kvh, hd, S]
+    vf = v.float()
+    sk = sinks.float().view(kvh, g, 1, 1)
+    rows = max(1, max_scores // (nh * s))
+    for a in range(0, t, rows):
+        b = min(t, a + rows)
+        qg = q[:, a:b].float().reshape(kvh, g * (b - a), hd)  # heads of a group share K/V
+        sc = torch.matmul(qg, kt).view(kvh, g, b - a, s) * scale  # [kvh, g, Tb, S]
+        if mask is not None:
+            vis = mask[a:b]
+        else:  # causal, the chunk being the last t keys
+            vis = torch.arange(s, device=q.device)[None] <= torch.arange(s - t + a, s - t + b, device=q.device)[:, None]
+        sc = sc.masked_fill(~vis, float("-inf"))
+        pr = torch.softmax(torch.cat([sc, sk.expand(-1, -1, b - a, 1)], dim=-1), dim=-1)[..., :-1]
+        o = torch.matmul(pr.reshape(kvh, g * (b - a), s), vf)  # [kvh, g*Tb, hd]
+        out[:, a:b] = o.view(nh, b - a, hd).to(q.dtype)
+    return out
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

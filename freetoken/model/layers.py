@@ -4,6 +4,8 @@ Functions over plain tensors; parameters are looked up by their checkpoint names
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -50,16 +52,56 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return (out * F.silu(gate.float())).to(dtype)
 
 
-class Rope:
-    """cos/sin tables for partial rotary embedding, indexed by position (static shapes)."""
+def rope_frequencies(rotary_dim: int, theta: float, scaling: dict | None = None) -> tuple[torch.Tensor, float]:
+    """(inv_freq [rd/2], attention factor that scales cos and sin), as transformers computes them
+    (modeling_rope_utils): plain RoPE, or YaRN (scaling["rope_type"] == "yarn": NTK-by-parts
+    interpolation between the original and the `factor`-stretched frequencies over the dims whose
+    wavelengths lie between beta_fast and beta_slow rotations of the original context, and
+    attention factor 0.1 ln(factor) + 1 unless the config gives one or mscale / mscale_all_dim)."""
+    pos_freqs = theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim)  # [rd/2]
+    if not scaling or scaling.get("rope_type", "default") == "default":
+        return 1.0 / pos_freqs, 1.0
+    if scaling["rope_type"] != "yarn":
+        raise ValueError(f"rope type {scaling['rope_type']!r}")
+    orig = scaling["original_max_position_embeddings"]
+    factor = scaling["factor"]
 
-    def __init__(self, rotary_dim: int, theta: float, max_pos: int, device, dtype):
-        inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    attn = scaling.get("attention_factor")
+    if attn is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attn = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dim_of(rotations):  # the dim whose wavelength makes `rotations` turns over the original context
+        return rotary_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # as the reference: no division by zero
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # 1: the original frequency, 0: the interpolated one
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, attn
+
+
+class Rope:
+    """cos/sin tables for partial rotary embedding, indexed by position (static shapes).
+    scaling: ModelConfig.rope_scaling (YaRN), None for plain RoPE."""
+
+    def __init__(self, rotary_dim: int, theta: float, max_pos: int, device, dtype, scaling: dict | None = None):
+        inv_freq, attn = rope_frequencies(rotary_dim, theta, scaling)
         pos = torch.arange(max_pos, dtype=torch.float)
         freqs = pos[:, None] * inv_freq[None, :]  # [P, rd/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, rd]
-        self.cos = emb.cos().to(device=device, dtype=dtype)
-        self.sin = emb.sin().to(device=device, dtype=dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if attn != 1.0:  # YaRN: scaled in fp32, then cast, as the reference does
+            cos, sin = cos * attn, sin * attn
+        self.cos = cos.to(device=device, dtype=dtype)
+        self.sin = sin.to(device=device, dtype=dtype)
         self.rotary_dim = rotary_dim
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

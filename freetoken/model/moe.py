@@ -1,41 +1,75 @@
-"""MoE block: softmax top-k router, routed experts through the executor, shared expert.
+"""MoE block: router, routed experts through the executor, shared expert.
 
 Placement is data: this file computes routing and hands flat expert ids (ordinal * E + e)
-and gate weights to an ExpertExecutor; it never touches expert weights itself.
+and gate weights to an ExpertExecutor; it never touches expert weights itself. What an expert
+computes (its activation, its biases) is the executor's data too; the layer only checks, once,
+that its executor computes the model's function.
+
+Routers (cfg.router): "softmax_topk" (Qwen: softmax over every expert, top-k, optionally
+renormalised) and "topk_softmax" (GPT-OSS: top-k of the logits, softmax over those k; a biased
+linear). The two pick the same experts and, renormalised, the same weights up to rounding, so
+on CUDA both go through the fused softmax-top-k kernel (kernels/router.py).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from ..experts.executor import NO_EXPERT
+from ..errors import UnsupportedModelError
+from ..experts.executor import NO_EXPERT, Activation
 from ..kernels import use_triton
 from .layers import FusedLinear, swiglu_mlp
 
 
+def check_executor(cfg, executor) -> None:
+    """Refuse an executor that does not compute the model's experts (a clear error at load, not
+    wrong logits): its activation and whether it has the bias banks."""
+    if executor is None:
+        return
+    want = Activation.of(cfg)
+    has_bias = executor.gate_up_bias is not None and executor.down_bias is not None
+    if executor.activation != want or has_bias != cfg.expert_bias:
+        got = executor.activation.kind + (" with biases" if has_bias else "")
+        need = want.kind + (" with biases" if cfg.expert_bias else "")
+        raise UnsupportedModelError(
+            f"the {executor.backend} expert executor computes {got} experts; this model's experts are {need} "
+            "(the C++ executor and the GPU expert cache compute SiLU experts without biases for now: run "
+            "these experts on the torch path)")
+
+
 class MoE:
-    def __init__(self, cfg, w: dict, layer: int, ordinal: int, executor):
+    """router: the checkpoint's name of the router linear ("gate" for Qwen, "router" for GPT-OSS);
+    its bias is read when cfg.router_bias."""
+
+    def __init__(self, cfg, w: dict, layer: int, ordinal: int, executor, router: str = "gate"):
         p = f"model.layers.{layer}.mlp."
         self.top_k, self.num_experts = cfg.top_k, cfg.num_experts
         self.norm_topk = cfg.norm_topk_prob
+        self.topk_first = cfg.router == "topk_softmax"
         self.base = ordinal * cfg.num_experts  # first flat id of this layer
         self.executor = executor
+        if ordinal == 0:
+            check_executor(cfg, executor)
         self.shared = cfg.shared_expert_intermediate_size > 0
         # router, shared expert gate/up and its sigmoid gate all read x: one GEMM
-        names = ["gate.weight"]
+        names = [router + ".weight"]
         if self.shared:
             names += ["shared_expert.gate_proj.weight", "shared_expert.up_proj.weight", "shared_expert_gate.weight"]
             self.shared_down = w[p + "shared_expert.down_proj.weight"]
-        self.in_proj = FusedLinear([w[p + n] for n in names])
+        bias = [w[p + router + ".bias"] if cfg.router_bias else None] + [None] * (len(names) - 1)
+        self.in_proj = FusedLinear([w[p + n] for n in names], bias)
 
     def route(self, logits: torch.Tensor, dtype):
         """router logits [T, E] -> flat ids [T, k] int64, weights [T, k] in the activation dtype."""
         if use_triton(logits) and logits.shape[0] <= 64 and self.top_k & (self.top_k - 1) == 0:
             from ..kernels.router import route_triton
-            return route_triton(logits, self.top_k, self.norm_topk, self.base, dtype)
+            return route_triton(logits, self.top_k, self.norm_topk or self.topk_first, self.base, dtype)
         return self.route_torch(logits, dtype)
 
     def route_torch(self, logits: torch.Tensor, dtype):
+        if getattr(self, "topk_first", False):  # GPT-OSS: top-k logits, softmax over them
+            top, idx = torch.topk(logits, self.top_k, dim=-1)
+            return idx + self.base, torch.softmax(top.float(), dim=-1).to(dtype)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)
         top, idx = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk:

@@ -1,8 +1,9 @@
 """Architecture name -> model class."""
+from .gpt_oss import GptOssModel
 from .qwen3_5_moe import Qwen3_5MoeModel
 from .qwen3_moe import Qwen3MoeModel
 
-MODELS = {"qwen3_5_moe": Qwen3_5MoeModel, "qwen3_moe": Qwen3MoeModel}
+MODELS = {"qwen3_5_moe": Qwen3_5MoeModel, "qwen3_moe": Qwen3MoeModel, "gpt_oss": GptOssModel}
 
 
 def model_class(arch: str):

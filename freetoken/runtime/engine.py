@@ -19,7 +19,7 @@ import torch
 from ..config import ModelConfig
 from ..errors import ContextOverflowError, FreeTokenError
 from ..experts.banks import ExpertBanks
-from ..experts.executor import QuantizedHostExecutor, TorchExpertExecutor
+from ..experts.executor import SILU, Activation, QuantizedHostExecutor, TorchExpertExecutor, expert_bias_banks
 from ..model.registry import model_class
 from ..model.state import DecodeState, state_bytes
 from ..tokenizer import Tokenizer, load_json
@@ -143,6 +143,11 @@ class Engine:
         self.eos_ids = self._eos_ids(files)
         banks = ExpertBanks.from_ftw(meta, w)  # None without experts; quantized banks keep their bytes
         self.expert_format = banks.label if banks is not None else "none"
+        # what an expert computes (data for the executor): its activation and optional bias banks
+        gu_bias, dn_bias = expert_bias_banks(meta, w)
+        self.expert_fn = dict(activation=Activation.of(self.cfg), gate_up_bias=gu_bias, down_bias=dn_bias)
+        # the C++ executor and the GPU expert cache compute SiLU-gated experts without biases only
+        self.plain_experts = self.expert_fn["activation"] == SILU and gu_bias is None and dn_bias is None
         if banks is not None and banks.quantized:
             self.executor = self._quantized_executor(banks)
         else:
@@ -194,25 +199,40 @@ class Engine:
                 "expert_format": self.expert_format, "context": self.max_len}
 
     def _quantized_executor(self, banks: ExpertBanks):
-        """Quantized expert banks run on the torch path, which dequantizes the selected experts
-        with quant.py's reference: resident on the device (--moe resident), or on the host, the
-        CPU executor's torch fallback, until the C++ and Triton kernels read these formats."""
+        """Quantized expert banks keep their bytes. Resident on the device (--moe resident): the
+        torch path, which dequantizes the selected experts with quant.py's reference (no Triton
+        kernel reads these formats yet). On the host: the C++ executor, which reads the banks in
+        place and dequantizes in its kernels (SiLU experts without biases); the torch path there
+        ("torch-fallback") when the extension cannot be built or the experts compute another
+        function."""
         if self.experts_on == "gpu":
             b = banks.to(self.device)
-            return TorchExpertExecutor(b.gate_up, b.down, layer_experts=self.cfg.num_experts)
+            return TorchExpertExecutor(b.gate_up, b.down, layer_experts=self.cfg.num_experts, **self.expert_fn)
         if self.experts_on == "cache":
             log.warning("the GPU expert cache does not take %s experts yet; they stay on the host", banks.format)
             self.experts_on = "cpu"
-        log.warning("%s experts: the C++ quantized expert kernels are not built yet; the experts run on the "
-                    "torch path on the host (the CPU executor's fallback; slower)", banks.format)
-        return QuantizedHostExecutor(banks.gate_up, banks.down, layer_experts=self.cfg.num_experts)
+        from ..experts.cpu import CpuExpertExecutor, extension
+        if self.plain_experts and extension() is not None:
+            return CpuExpertExecutor(banks, threads=self.ecfg.cpu_threads)
+        log.warning("%s experts: %s; the experts run on the torch path on the host (slower)", banks.format,
+                    "the C++ expert executor could not be built" if self.plain_experts else
+                    "the C++ expert executor computes SiLU experts without biases only")
+        return QuantizedHostExecutor(banks.gate_up, banks.down, layer_experts=self.cfg.num_experts, **self.expert_fn)
 
     def _executor(self, gate_up, down):
         if gate_up is None:
             return None
         if self.experts_on == "gpu":
             return TorchExpertExecutor(gate_up.to(self.device, self.dtype), down.to(self.device, self.dtype),
-                                       layer_experts=self.cfg.num_experts)
+                                       layer_experts=self.cfg.num_experts, **self.expert_fn)
+        if not self.plain_experts:  # GPT-OSS on the host: the torch path until the C++ kernels take it
+            if self.experts_on == "cache":
+                log.warning("the GPU expert cache computes SiLU experts without biases only; the experts stay "
+                            "on the host")
+                self.experts_on = "cpu"
+            log.warning("%s experts on the host run on the torch path (the C++ executor computes SiLU experts "
+                        "without biases only; slower)", self.expert_fn["activation"].kind)
+            return QuantizedHostExecutor(gate_up, down, layer_experts=self.cfg.num_experts, **self.expert_fn)
         from ..experts.cpu import CpuExpertExecutor
         cpu = CpuExpertExecutor(gate_up, down, threads=self.ecfg.cpu_threads)
         if self.experts_on != "cache":

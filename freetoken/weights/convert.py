@@ -12,6 +12,10 @@ the layouts are in hf.py's docstring) keep their published bytes, bit for bit:
     header's meta["banks"] records the format and the scale entries' names;
   - dense (non-expert) quantized weights: their tensors as published, under their names, listed
     in meta["quant"]["dense"]; the engine dequantizes them when it loads (quant.py reference).
+Expert biases (GPT-OSS: `mlp.experts.gate_up_proj_bias` [E, 2I] interleaved like the gate_up
+rows, `down_proj_bias` [E, H]) become two more banks, `experts.gate_up.bias` [N, 2I] (gate then
+up, de-interleaved) and `experts.down.bias` [N, H], in the checkpoint's dtype; meta["banks"]
+names them ("gate_up_bias", "down_bias").
 `ft convert` prints the format it found and the resulting sizes.
 
 Refused with one line, before anything is written: other quantizations (GPTQ/AWQ, bitsandbytes,
@@ -39,6 +43,7 @@ REQUIRED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
 OPTIONAL_FILES = ("generation_config.json", "chat_template.jinja", "chat_template.json",
                   "special_tokens_map.json")
 BANKS = ("experts.gate_up", "experts.down")
+BIAS_BANKS = ("experts.gate_up.bias", "experts.down.bias")
 COMPONENT_SUFFIX = {"values": "", "scale": ".scale", "scale_2": ".scale_2"}
 
 
@@ -54,12 +59,20 @@ class ExpertReader:
     scales beside it), fused per layer in float (`experts.gate_up_proj` [E, 2I, H] or [E, H, 2I],
     `experts.down_proj`), fused MXFP4 as GPT-OSS publishes it (`experts.gate_up_proj_blocks`,
     interleaved gate/up rows) or with gate and up apart (`experts.gate_proj_blocks`,
-    `experts.up_proj_blocks`), `experts.down_proj_blocks`."""
+    `experts.up_proj_blocks`), `experts.down_proj_blocks`.
+
+    GPT-OSS (cfg.arch "gpt_oss") as transformers saves it in float: `experts.gate_up_proj`
+    [E, H, 2I] (input first) whose columns interleave gate and up (2j gate j, 2j+1 up j), and
+    `experts.down_proj` [E, I, H]; the orientation comes from the architecture, never from the
+    shapes (H == 2I or H == I happen in real configs); and its biases (`bias()`)."""
 
     def __init__(self, ck: Checkpoint, cfg: ModelConfig, layer: int):
         self.ck, self.layer = ck, layer
         p = f"model.layers.{layer}.mlp.experts."
         self.p, self.h, self.i, self.e = p, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+        self.gptoss = cfg.arch == "gpt_oss"
+        n = 2 * self.i
+        interleave = torch.cat([torch.arange(0, n, 2), torch.arange(1, n, 2)])  # row 2j gate j, 2j+1 up j
         self.perm = None  # row permutation of a fused gate_up (GPT-OSS interleave)
         self.fused_gu = self._fused("gate_up_proj", [self.e, 2 * self.i, self.h])
         self.fused_g = self.fused_u = None
@@ -68,10 +81,12 @@ class ExpertReader:
             u = self._fused("up_proj", [self.e, self.i, self.h])
             if g is not None and u is not None:
                 self.fused_g, self.fused_u = g, u
-        elif self.fused_gu.format == "mxfp4":  # GPT-OSS: row 2j is gate j, row 2j+1 is up j
-            n = 2 * self.i
-            self.perm = torch.cat([torch.arange(0, n, 2), torch.arange(1, n, 2)])
+        elif self.fused_gu.format == "mxfp4" or self.gptoss:
+            self.perm = interleave
         self.fused_down = self._fused("down_proj", [self.e, self.h, self.i])
+        # biases (cfg.expert_bias): GPT-OSS's gate_up bias interleaves as its rows do
+        self.bias_names = {"gate_up": p + "gate_up_proj_bias", "down": p + "down_proj_bias"} if cfg.expert_bias else {}
+        self.bias_perm = interleave if self.gptoss else None
 
     def _fused(self, leaf: str, shape: list[int]) -> Weight | None:
         w = self.ck.weight(self.p + leaf)
@@ -82,10 +97,15 @@ class ExpertReader:
                 f"{self.ck.path}: {w.values} holds every expert of a layer in {w.format}; FreeToken reads "
                 f"{w.format} experts one tensor per expert, as the releases publish them")
         got = w.shape
-        if got != shape and not (w.format == "dense" and got == [shape[0], shape[2], shape[1]]):
+        transposed = [shape[0], shape[2], shape[1]]
+        if self.gptoss and w.format == "dense":
+            ok, want = got == transposed, transposed  # [E, in, out], whatever the sizes
+        else:
+            ok, want = got == shape or (w.format == "dense" and got == transposed), shape
+        if not ok:
             s = self.ck.tensors[w.values]
             raise FreeTokenError(f"{s.file}: {w.values} has shape {s.shape}, expected "
-                                 f"{shape if w.format == 'dense' else shape[:2] + [shape[2] // MX_BLOCK, MX_BLOCK // 2]}")
+                                 f"{want if w.format == 'dense' else shape[:2] + [shape[2] // MX_BLOCK, MX_BLOCK // 2]}")
         return w
 
     def _one(self, e: int, proj: str) -> Weight | None:
@@ -108,14 +128,30 @@ class ExpertReader:
         """Every weight this expert needs (for the missing-tensor and format checks)."""
         return [(w, n) for part in ("gate_up", "down") for w, _, n in self.pieces(part, e)]
 
+    def missing_biases(self) -> list[str]:
+        return [n for n in self.bias_names.values() if n not in self.ck.tensors]
+
+    def bias(self, part: str, e: int) -> torch.Tensor:
+        """Expert e's bias of a part in bank layout: gate_up [2I] (gate then up), down [H]."""
+        name = self.bias_names[part]
+        want = [self.e, 2 * self.i if part == "gate_up" else self.h]
+        s = self.ck.tensors[name]
+        if s.shape != want:
+            raise FreeTokenError(f"{s.file}: {name} has shape {s.shape}, expected {want}")
+        t = self.ck.get(name, e)
+        return t[self.bias_perm] if part == "gate_up" and self.bias_perm is not None else t
+
     def read(self, part: str, e: int, comp: str = "values") -> torch.Tensor:
-        """One component ("values", "scale", "scale_2") of expert e's part, in bank layout."""
+        """One component ("values", "scale", "scale_2", "bias") of expert e's part, in bank layout."""
+        if comp == "bias":
+            return self.bias(part, e)
         out = []
         for w, row, _ in self.pieces(part, e):
             t = self.ck.read(w, comp, row)
             if w.format == "dense" and row is not None:
                 rows = 2 * self.i if part == "gate_up" else self.h
-                t = t if t.shape[0] == rows else t.t().contiguous()  # [E, H, 2I] layouts transpose
+                if self.gptoss or t.shape[0] != rows:  # [E, H, 2I] layouts transpose
+                    t = t.t().contiguous()
             out.append(t)
         t = out[0] if len(out) == 1 else torch.cat(out, dim=0)
         if self.perm is not None and part == "gate_up":
@@ -126,7 +162,7 @@ class ExpertReader:
 def bank_entries(fmt: str, n: int, i: int, h: int, dtypes: dict) -> list[tuple[str, str, list[int], str, str]]:
     """(entry name, dtype name, shape, part, component) of every expert bank, in file order;
     dtypes: component -> dtype name (the published ones: bf16/f16/f32 values, fp8 scales as
-    published)."""
+    published; "bias" when the experts have biases)."""
     out = []
     for part, rows, cols, halves in (("gate_up", 2 * i, h, 2), ("down", h, i, 1)):
         name = BANKS[0] if part == "gate_up" else BANKS[1]
@@ -145,12 +181,18 @@ def bank_entries(fmt: str, n: int, i: int, h: int, dtypes: dict) -> list[tuple[s
                     (name + ".scale_2", "float32", [n, halves], part, "scale_2")]
         else:
             raise ValueError(fmt)
+    if "bias" in dtypes:
+        out += [(BIAS_BANKS[0], dtypes["bias"], [n, 2 * i], "gate_up", "bias"),
+                (BIAS_BANKS[1], dtypes["bias"], [n, h], "down", "bias")]
     return out
 
 
-def banks_meta(fmt: str) -> dict:
-    """meta["banks"]: the value banks' names (as before), the format, and the scale entries."""
+def banks_meta(fmt: str, bias: bool = False) -> dict:
+    """meta["banks"]: the value banks' names (as before), the format, the scale entries and the
+    bias banks."""
     m = {"gate_up": BANKS[0], "down": BANKS[1], "format": fmt}
+    if bias:
+        m["gate_up_bias"], m["down_bias"] = BIAS_BANKS
     for part, name in zip(("gate_up", "down"), BANKS):
         if fmt in ("fp8_block", "mxfp4", "nvfp4"):
             m[part + "_scale"] = name + ".scale"
@@ -228,6 +270,18 @@ def plan(src: str) -> Plan:
             if len(seen) > 1:
                 raise FreeTokenError(f"{src}: the routed experts' {comp} tensors mix dtypes ({', '.join(sorted(seen))})")
             expert_dtypes[comp] = DTYPE_NAMES.get(ck.tensors[getattr(first, comp)].dtype, "uint8")
+    if cfg.expert_bias and experts:
+        missing = [n for r in experts for n in r.missing_biases()]
+        if missing:
+            raise FreeTokenError(
+                f"{src}: checkpoint is missing {len(missing)} expert bias tensor(s), first {missing[0]}")
+        biases = [n for r in experts for n in r.bias_names.values()]
+        for n in biases:
+            _check_dense_dtype(src, ck, n)
+        seen = {ck.tensors[n].st_dtype for n in biases}
+        if len(seen) > 1:
+            raise FreeTokenError(f"{src}: the routed experts' biases mix dtypes ({', '.join(sorted(seen))})")
+        expert_dtypes["bias"] = DTYPE_NAMES[ck.tensors[biases[0]].dtype]
     with open(os.path.join(src, "tokenizer.json"), "rb") as f:
         tk = Tokenizer(f.read(), source=os.path.join(src, "tokenizer.json"))
     tk.check_fits(cfg.vocab_size, src)
@@ -281,7 +335,7 @@ def convert(src: str, out: str, progress: bool = True) -> str:
                              cfg.hidden_size, pl.expert_dtypes)
         entries += [Entry(name, dt, shape) for name, dt, shape, _, _ in banks]
     meta = {"arch": cfg.arch, "model": cfg.to_dict(), "config": pl.raw,
-            "banks": banks_meta(pl.expert_format) if pl.experts else {},
+            "banks": banks_meta(pl.expert_format, "bias" in pl.expert_dtypes) if pl.experts else {},
             "source": os.path.basename(os.path.abspath(src))}
     if pl.scheme is not None:
         qd = {n: {"format": w.format, "values": w.values, "scale": w.scale, "scale_2": w.scale_2,

@@ -31,7 +31,10 @@ mxfp4      openai/gpt-oss-20b/120b (`quant_method: "mxfp4"`, modules_to_not_conv
            published as P_blocks + P_scales), one tensor per expert or dense Linear weights as
            `X.weight_blocks` [R, C/32, 16] + `X.weight_scales` [R, C/32]. A fused
            `gate_up_proj_blocks` is always read as GPT-OSS-interleaved. Scales may be U8 or
-           F8_E8M0. No expert biases (GPT-OSS's `*_bias` belong to its own architecture).
+           F8_E8M0. GPT-OSS's expert biases, `mlp.experts.gate_up_proj_bias` [E, 2I] (interleaved
+           as the rows) and `down_proj_bias` [E, H], are BF16 tensors beside them, read by
+           convert.py's ExpertReader for that architecture (the BF16 layout too: `gate_up_proj`
+           [E, H, 2I] with interleaved columns, `down_proj` [E, I, H]).
 nvfp4      nvidia/Qwen3-30B-A3B-FP4 (NVIDIA ModelOpt export): `hf_quant_config.json` {producer:
            {name: "modelopt"}, quantization: {quant_algo: "NVFP4", group_size: 16,
            exclude_modules: [...]}} and/or config.json `quantization_config` {quant_method:

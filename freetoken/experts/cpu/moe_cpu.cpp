@@ -6,8 +6,9 @@
 //   1. gate_up: work units = (expert, block of intermediate rows); h = silu(x Wg^T) * (x Wu^T)
 //   2. down:    work units = blocks of output rows; a thread owns out[:, rows] outright and
 //               adds every expert's contribution there, so no atomics and a fixed sum order.
-// Weights are BF16 or FP32; accumulation is FP32. SIMD: AVX-512 (+VNNI-BF16 when the
-// activations are themselves BF16), AVX2+FMA, or scalar, chosen at run time.
+// Weights are BF16 or FP32, or quantized as published (fp8_block, mxfp4, nvfp4: see
+// "quantized banks" below), dequantized in registers; accumulation is FP32. SIMD: AVX-512
+// (+VNNI-BF16 when the activations are themselves BF16), AVX2+FMA, or scalar, chosen at run time.
 #include <torch/extension.h>
 
 #include <immintrin.h>
@@ -19,6 +20,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <mutex>
@@ -192,13 +194,14 @@ enum Isa { SCALAR = 0, AVX2 = 1, AVX512 = 2, AVX512_BF16 = 3 };
 
 Isa detect() {
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) {
+  // every AVX-512 CPU but Xeon Phi has BW; every AVX2 one F16C (the quantized kernels use both)
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("f16c")) {
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 10
     if (__builtin_cpu_supports("avx512bf16")) return AVX512_BF16;
 #endif
     return AVX512;
   }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return AVX2;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return AVX2;
   return SCALAR;
 }
 
@@ -211,6 +214,414 @@ inline void dot4(Isa isa, const W* w, int64_t stride, const float* x, int len, f
 }
 
 inline float silu(float v) { return v / (1.f + std::exp(-v)); }
+
+// ---------------------------------------------------------------- quantized banks
+// The published bytes are read in place (experts/banks.py): no copy, no dequantized buffer.
+// Every kernel computes four rows per pass against one activation row (each activation load
+// feeds the four rows), dequantizing in registers:
+//   fp8_block  e4m3 -> f16 bits by a shift and a mask (the value times 2^-8, exact, e4m3
+//              subnormals as f16 subnormals) -> f32 by vcvtph2ps (F16C); the 128x128 block's
+//              scale (times 2^8) multiplies the partial sum of each 128 columns. (Building f32
+//              bits directly needs an f32 subnormal times 2^120 for e4m3 subnormals, a slow
+//              path in hardware: 2.3x slower on random bytes on the dev machine's AMD EPYC.)
+//   mxfp4 / nvfp4  e2m1 codes -> f32 through a 16-entry table in a register (vpermps;
+//              AVX2: an 8-entry magnitude table and the sign bit xor-ed in), or -> bf16 through
+//              vpermw for VDPBF16PS when the activations are bf16. The packed bytes are loaded
+//              64 (AVX2: 32) at a time and shifted by 4j: vector j holds the codes of columns
+//              8k + j (bf16: 4k + j) in lane k, so the activation row is stored once per call in
+//              that order ("layout" below). Lane k then always sums columns [8k, 8k + 8) of its
+//              chunk, inside one scale block (32 or 16 columns), so the per-lane partial sums
+//              are multiplied by a vector of block scales (e8m0: 2^(s-127); e4m3 * scale_2) once
+//              per chunk.
+// Results are the fp32 sums over the exact dequantized weights, in a fixed order per row; the
+// work split, the phases and the order of the sums are run()'s, so the thread count changes
+// nothing. bf16 activations use VDPBF16PS for the fp4 formats only (fp8 takes the f32 path:
+// its e4m3 -> bf16 conversion would need the same subnormal handling for no gain).
+enum Fmt { FMT_FP8 = 1, FMT_MXFP4 = 2, FMT_NVFP4 = 3 };
+
+struct QBank {  // one projection of every expert; logical matrix [R, C] per expert
+  const uint8_t* v = nullptr;  // values [N, R, vrow] (e4m3 bytes or packed e2m1 pairs)
+  const uint8_t* s = nullptr;  // scales: fp8 [N, sR, srow] in sdt; mxfp4 e8m0 / nvfp4 e4m3 [N, R, srow]
+  const float* s2 = nullptr;   // nvfp4: [N, halves]
+  int64_t R = 0, C = 0, vrow = 0, srow = 0, sR = 0;
+  int sdt = 0;  // fp8 scale dtype: 0 f32, 1 bf16, 2 f16
+  int halves = 1;
+  int fmt = 0;
+};
+
+struct QRow {
+  const uint8_t* v;  // the row's values
+  const uint8_t* s;  // its scales (fp8: the scale row of its 128-row block)
+  float s2;          // nvfp4 scale_2 of its half (1 otherwise)
+};
+
+inline QRow qrow(const QBank& b, int64_t e, int64_t r) {
+  QRow q;
+  q.v = b.v + (e * b.R + r) * b.vrow;
+  const int64_t half = (b.halves == 2 && r >= b.R / 2) ? 1 : 0;
+  if (b.fmt == FMT_FP8) {
+    const int64_t hr = b.R / b.halves, per = (hr + 127) / 128;  // block rows per half
+    const int64_t br = half * per + (r - half * hr) / 128;
+    const int es = b.sdt == 0 ? 4 : 2;
+    q.s = b.s + ((e * b.sR + br) * b.srow) * es;
+  } else {
+    q.s = b.s + (e * b.R + r) * b.srow;
+  }
+  q.s2 = b.fmt == FMT_NVFP4 ? b.s2[e * b.halves + half] : 1.f;
+  return q;
+}
+
+alignas(64) const float E2M1_F32[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
+                                        -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+alignas(64) const uint16_t E2M1_BF16[32] = {  // twice: vpermw reads 5 index bits
+    0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
+    0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0,
+    0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
+    0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
+
+inline float bits_f32(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+// e4m3 (float8_e4m3fn) -> f32, exact (subnormals too); 0x7f/0xff (NaN) are not expected
+inline float e4m3_f32(uint8_t b) {
+  const uint32_t e = (b >> 3) & 15, m = b & 7;
+  const float f = e ? bits_f32(((e + 120) << 23) | (m << 20)) : float(m) * 0x1p-9f;
+  return (b & 0x80) ? -f : f;
+}
+inline float e8m0_f32(uint8_t s) { return s ? bits_f32(uint32_t(s) << 23) : 0x1p-127f; }  // 255: not expected
+inline float f16_f32(uint16_t h) {
+  const float f = bits_f32(uint32_t(h & 0x7FFF) << 13) * 0x1p112f;
+  return (h & 0x8000) ? -f : f;
+}
+inline float fp8_scale(const uint8_t* s, int sdt, int64_t cb) {
+  if (sdt == 0) {
+    float f;
+    std::memcpy(&f, s + 4 * cb, 4);
+    return f;
+  }
+  uint16_t h;
+  std::memcpy(&h, s + 2 * cb, 2);
+  return sdt == 1 ? bf16_to_f32(h) : f16_f32(h);
+}
+inline uint64_t load_bytes(const uint8_t* p, int n) {  // n <= 8 bytes, zero-filled above
+  uint64_t u = 0;
+  std::memcpy(&u, p, n);
+  return u;
+}
+// a chunk's scale bytes: a fixed-size load for a full chunk (a variable memcpy there would
+// store byte by byte and stall the vector load that follows), exact bytes for the last one
+template <int FULL>
+inline uint64_t chunk_scales(const uint8_t* p, int n) {
+  if (n == FULL) {
+    uint64_t u = 0;
+    std::memcpy(&u, p, FULL);
+    return u;
+  }
+  return load_bytes(p, n);
+}
+
+// Software prefetch of the bank bytes a fixed distance ahead of the ones being read: the rows of
+// one expert's bank are read in address order (4-row blocks, then the next block or work unit),
+// and the dequantizing kernels spend more time per byte than the bf16 one, so the hardware
+// prefetchers alone leave much of the DRAM latency exposed (on the 2-core dev machine, one
+// thread: mxfp4 7.6 -> 18.8 GB/s). 8 KiB ahead is two 4-row blocks of a 2048-wide fp4 bank, one
+// of fp8 (there, 2 threads: fp8 26-28 GB/s at 4 KiB, 33-40 at 8 KiB; fp4 the same at both).
+// A constant, not a setting: retune it here from bench/cpu_experts.py on a new machine class.
+constexpr int g_pf = 8192;
+inline void prefetch_ahead(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p + g_pf), _MM_HINT_T0); }
+inline void prefetch_scales(const QRow* rows, int bytes) {  // each row's scales, g_pf / 16 ahead
+  for (int p = 0; p < 4; ++p)
+    for (int o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(rows[p].s + o + g_pf / 16), _MM_HINT_T0);
+}
+
+// Activation layouts. A row of C values is stored in chunks of g*L columns (the last chunk
+// may be shorter: nl = its columns / g lanes); inside a chunk, column 8k+j (g = 8) or 4k+j
+// (g = 4, bf16 words) goes to position j*nl + k. g = 1: the natural order.
+struct Layout {
+  int g = 1, L = 1;
+  int pos(int c, int C) const {
+    if (g == 1) return c;
+    const int w = g * L, base = c / w * w, nl = std::min(L, (C - base) / g), o = c - base;
+    return base + (o % g) * nl + o / g;
+  }
+};
+
+// --- scalar: the reference's arithmetic, weight by weight (w exactly as quant.py builds it)
+template <int FMT>
+void qdot4_scalar(const QRow* rows, const float* x, int C, int sdt, float* out) {
+  for (int p = 0; p < 4; ++p) {
+    const QRow& q = rows[p];
+    float acc = 0.f;
+    for (int c = 0; c < C; ++c) {
+      float w;
+      if (FMT == FMT_FP8) {
+        w = e4m3_f32(q.v[c]) * fp8_scale(q.s, sdt, c / 128);
+      } else {
+        const float e = E2M1_F32[(q.v[c >> 1] >> ((c & 1) * 4)) & 15];
+        w = FMT == FMT_MXFP4 ? e * e8m0_f32(q.s[c / 32]) : (e * e4m3_f32(q.s[c / 16])) * q.s2;
+      }
+      acc += w * x[c];
+    }
+    out[p] = acc;
+  }
+}
+
+// --- AVX2 + FMA
+__attribute__((target("avx2,fma,f16c"))) inline __m256 fp4_scales_avx2(int fmt, const QRow& q, int base, int nl) {
+  // lane k of a chunk sums columns [8k, 8k + 8): block k/4 (mxfp4, 32) or k/2 (nvfp4, 16)
+  if (fmt == FMT_MXFP4) {
+    const __m128i b = _mm_cvtsi32_si128(int(chunk_scales<2>(q.s + base / 32, nl / 4)));
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_shuffle_epi8(b, _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)));
+    const __m256i zero = _mm256_and_si256(_mm256_cmpeq_epi32(e, _mm256_setzero_si256()), _mm256_set1_epi32(0x00400000));
+    return _mm256_castsi256_ps(_mm256_or_si256(_mm256_slli_epi32(e, 23), zero));
+  }
+  // e4m3 -> f16 bits (value * 2^-8) -> f32, as the fp8 kernels convert (no f32 subnormal)
+  const __m128i b = _mm_cvtsi32_si128(int(chunk_scales<4>(q.s + base / 16, nl / 2)));
+  const __m128i e = _mm_cvtepi8_epi16(_mm_shuffle_epi8(b, _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 0, 0, 0, 0, 0, 0, 0, 0)));
+  const __m256 f = _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(e, 7), _mm_set1_epi16(short(0xBF80))));
+  return _mm256_mul_ps(_mm256_mul_ps(f, _mm256_set1_ps(256.f)), _mm256_set1_ps(q.s2));
+}
+
+template <int FMT>
+__attribute__((target("avx2,fma,f16c"))) void qdot4_fp4_avx2(const QRow* rows, const float* x, int C, float* out) {
+  // 8 magnitudes, each xor-ed with its own index << 28: c = code >> 4j has the sign in bit 3,
+  // so (c << 28) is the sign at bit 31 plus the index at bits 28-30, which the table cancels
+  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 mag = _mm256_castsi256_ps(_mm256_xor_si256(
+      _mm256_castps_si256(_mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f)), _mm256_slli_epi32(idx, 28)));
+  __m256 acc[4];
+  #pragma GCC unroll 4
+  for (int p = 0; p < 4; ++p) acc[p] = _mm256_setzero_ps();
+  prefetch_scales(rows, FMT == FMT_MXFP4 ? C / 32 : C / 16);
+  for (int base = 0; base < C; base += 64) {
+    const int nl = std::min(8, (C - base) / 8);
+    const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(nl), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    __m256i v[4];
+    __m256 t[4];
+    #pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      prefetch_ahead(rows[p].v + base / 2);
+      v[p] = nl == 8 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[p].v + base / 2))
+                     : _mm256_maskload_epi32(reinterpret_cast<const int*>(rows[p].v + base / 2), lanes);
+      t[p] = _mm256_setzero_ps();
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const __m256 xj = nl == 8 ? _mm256_loadu_ps(x + base + 8 * j) : _mm256_maskload_ps(x + base + j * nl, lanes);
+      #pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {
+        const __m256i c = _mm256_srli_epi32(v[p], 4 * j);
+        const __m256 m = _mm256_permutevar8x32_ps(mag, c);
+        t[p] = _mm256_fmadd_ps(_mm256_xor_ps(m, _mm256_castsi256_ps(_mm256_slli_epi32(c, 28))), xj, t[p]);
+      }
+    }
+    #pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) acc[p] = _mm256_fmadd_ps(t[p], fp4_scales_avx2(FMT, rows[p], base, nl), acc[p]);
+  }
+  #pragma GCC unroll 4
+  for (int p = 0; p < 4; ++p) out[p] = hsum8(acc[p]);
+}
+
+__attribute__((target("avx2,fma,f16c"))) void qdot4_fp8_avx2(const QRow* rows, const float* x, int C, int sdt, float* out) {
+  // e4m3 -> f16 bits (sign-extended byte << 7, masked): the value times 2^-8, exact (e4m3
+  // subnormals become f16 subnormals, which vcvtph2ps converts without a slow path; an f32
+  // subnormal times 2^120 takes one); the 2^8 goes into the block scale.
+  const __m256i mask = _mm256_set1_epi16(short(0xBF80));
+  __m256 acc[4];
+  float rest[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma GCC unroll 4
+  for (int p = 0; p < 4; ++p) acc[p] = _mm256_setzero_ps();
+  for (int base = 0, cb = 0; base < C; base += 128, ++cb) {
+    const int end = std::min(C, base + 128);
+    __m256 t[4];
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) t[p] = _mm256_setzero_ps();
+    int c = base;
+    for (; c + 16 <= end; c += 16) {
+      const __m256 x0 = _mm256_loadu_ps(x + c), x1 = _mm256_loadu_ps(x + c + 8);
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {
+        prefetch_ahead(rows[p].v + c);
+        const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[p].v + c)));
+        const __m256i h = _mm256_and_si256(_mm256_slli_epi16(b, 7), mask);
+        t[p] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), x0, t[p]);
+        t[p] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), x1, t[p]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      const float sc = fp8_scale(rows[p].s, sdt, cb);
+      float r = 0.f;
+      for (int k = c; k < end; ++k) r += e4m3_f32(rows[p].v[k]) * x[k];
+      acc[p] = _mm256_fmadd_ps(t[p], _mm256_set1_ps(sc * 256.f), acc[p]);
+      rest[p] += r * sc;
+    }
+  }
+#pragma GCC unroll 4
+  for (int p = 0; p < 4; ++p) out[p] = hsum8(acc[p]) + rest[p];
+}
+
+// --- AVX-512 (F; the bf16 path also BW and BF16)
+__attribute__((target("avx512f,avx2,fma,f16c"))) inline __m512 fp4_scales_avx512(int fmt, const QRow& q, int base, int nl) {
+  if (fmt == FMT_MXFP4) {
+    const __m128i b = _mm_cvtsi32_si128(int(chunk_scales<4>(q.s + base / 32, nl / 4)));
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(b, _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)));
+    const __mmask16 z = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
+    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(_mm512_slli_epi32(e, 23), z, _mm512_set1_epi32(0x00400000)));
+  }
+  const __m128i b = _mm_cvtsi64_si128(int64_t(chunk_scales<8>(q.s + base / 16, nl / 2)));
+  const __m256i e = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(b, _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7)));
+  const __m512 f = _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(e, 7), _mm256_set1_epi16(short(0xBF80))));
+  return _mm512_mul_ps(_mm512_mul_ps(f, _mm512_set1_ps(256.f)), _mm512_set1_ps(q.s2));
+}
+
+template <int FMT>
+__attribute__((target("avx512f,avx2,fma,f16c"))) void qdot4_fp4_avx512(const QRow* rows, const float* x, int C, float* out) {
+  const __m512 table = _mm512_load_ps(E2M1_F32);
+  __m512 acc[4];
+  #pragma GCC unroll 4
+  for (int p = 0; p < 4; ++p) acc[p] = _mm512_setzero_ps();
+  prefetch_scales(rows, FMT == FMT_MXFP4 ? C / 32 : C / 16);
+  for (int base = 0; base < C; base += 128) {
+    const int nl = std::min(16, (C - base) / 8);
+    const __mmask16 m = __mmask16((1u << nl) - 1);
+    __m512i v[4];
+    __m512 t0[4], t1[4];
+    #pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      prefetch_ahead(rows[p].v + base / 2);
+      v[p] = nl == 16 ? _mm512_loadu_si512(rows[p].v + base / 2) : _mm512_maskz_loadu_epi32(m, rows[p].v + base / 2);
+      t0[p] = t1[p] = _mm512_setzero_ps();
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j += 2) {
+      const __m512 x0 = nl == 16 ? _mm512_loadu_ps(x + base + 16 * j) : _mm512_maskz_loadu_ps(m, x + base + j * nl);
+      const __m512 x1 = nl == 16 ? _mm512_loadu_ps(x + base + 16 * j + 16) : _mm512_maskz_loadu_ps(m, x + base + (j + 1) * nl);
+      #pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {
+        t0[p] = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v[p], 4 * j), table), x0, t0[p]);
+        t1[p] = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v[p], 4 * j + 4), table), x1, t1[p]);
+      }
+    }
+    #pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p)
+      acc[p] = _mm512_fmadd_ps(_mm512_add_ps(t0[p], t1[p]), fp4_scales_avx512(FMT, rows[p], base, nl), acc[p]);
+  }
+  #pragma GCC unroll 4
+  for (int p = 0; p < 4; ++p) out[p] = _mm512_reduce_add_ps(acc[p]);
+}
+
+// bf16 activations (a bf16 model): e2m1 -> bf16 by vpermw, 32 products per VDPBF16PS. Word k
+// of vector j is column 4k + j; a dot pair (2k', 2k'+1) lands in f32 lane k' = columns
+// [8k', 8k' + 8) of the chunk, the same lane -> scale-block map as the f32 kernel.
+template <int FMT>
+__attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c"))) void qdot4_fp4_bf16dp(const QRow* rows, const uint16_t* xb,
+                                                                                     int C, float* out) {
+  const __m512i table = _mm512_load_si512(E2M1_BF16);
+  __m512 acc[4];
+  #pragma GCC unroll 4
+  for (int p = 0; p < 4; ++p) acc[p] = _mm512_setzero_ps();
+  prefetch_scales(rows, FMT == FMT_MXFP4 ? C / 32 : C / 16);
+  for (int base = 0; base < C; base += 128) {
+    const int nl = std::min(16, (C - base) / 8), nw = 2 * nl;
+    const __mmask16 m = __mmask16((1u << nl) - 1);
+    __m512i v[4];
+    __m512 t[4];
+    #pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      prefetch_ahead(rows[p].v + base / 2);
+      v[p] = nl == 16 ? _mm512_loadu_si512(rows[p].v + base / 2) : _mm512_maskz_loadu_epi32(m, rows[p].v + base / 2);
+      t[p] = _mm512_setzero_ps();
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m512i xj = nl == 16 ? _mm512_loadu_si512(xb + base + 32 * j) : _mm512_maskz_loadu_epi32(m, xb + base + j * nw);
+      #pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {
+        const __m512i w = _mm512_permutexvar_epi16(_mm512_srli_epi16(v[p], 4 * j), table);
+        t[p] = _mm512_dpbf16_ps(t[p], (__m512bh)w, (__m512bh)xj);
+      }
+    }
+    #pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) acc[p] = _mm512_fmadd_ps(t[p], fp4_scales_avx512(FMT, rows[p], base, nl), acc[p]);
+  }
+  #pragma GCC unroll 4
+  for (int p = 0; p < 4; ++p) out[p] = _mm512_reduce_add_ps(acc[p]);
+}
+
+__attribute__((target("avx512f,avx512bw,avx2,fma,f16c"))) void qdot4_fp8_avx512(const QRow* rows, const float* x, int C,
+                                                                                 int sdt, float* out) {
+  // as qdot4_fp8_avx2: e4m3 -> f16 bits (value * 2^-8, exact) -> vcvtph2ps; 2^8 in the block scale
+  const __m512i mask = _mm512_set1_epi16(short(0xBF80));
+  __m512 acc[4];
+  float rest[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma GCC unroll 4
+  for (int p = 0; p < 4; ++p) acc[p] = _mm512_setzero_ps();
+  for (int base = 0, cb = 0; base < C; base += 128, ++cb) {
+    const int end = std::min(C, base + 128);
+    __m512 t[4];
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) t[p] = _mm512_setzero_ps();
+    int c = base;
+    for (; c + 32 <= end; c += 32) {
+      const __m512 x0 = _mm512_loadu_ps(x + c), x1 = _mm512_loadu_ps(x + c + 16);
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {
+        prefetch_ahead(rows[p].v + c);
+        const __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[p].v + c)));
+        const __m512i h = _mm512_and_si512(_mm512_slli_epi16(b, 7), mask);
+        t[p] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), x0, t[p]);
+        t[p] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), x1, t[p]);
+      }
+    }
+    if (c + 16 <= end) {
+      const __m512 x0 = _mm512_loadu_ps(x + c);
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {
+        const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[p].v + c)));
+        const __m256i h = _mm256_and_si256(_mm256_slli_epi16(b, 7), _mm512_castsi512_si256(mask));
+        t[p] = _mm512_fmadd_ps(_mm512_cvtph_ps(h), x0, t[p]);
+      }
+      c += 16;
+    }
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      const float sc = fp8_scale(rows[p].s, sdt, cb);
+      float r = 0.f;
+      for (int k = c; k < end; ++k) r += e4m3_f32(rows[p].v[k]) * x[k];
+      acc[p] = _mm512_fmadd_ps(t[p], _mm512_set1_ps(sc * 256.f), acc[p]);
+      rest[p] += r * sc;
+    }
+  }
+#pragma GCC unroll 4
+  for (int p = 0; p < 4; ++p) out[p] = _mm512_reduce_add_ps(acc[p]) + rest[p];
+}
+
+// The activation layout each (format, ISA, bf16-dot) kernel reads.
+inline Layout layout_for(int fmt, Isa isa, bool dp) {
+  Layout l;
+  if (fmt == FMT_FP8 || isa == SCALAR) return l;
+  if (dp) l.g = 4, l.L = 32;
+  else l.g = 8, l.L = isa >= AVX512 ? 16 : 8;
+  return l;
+}
+
+// Four rows of a quantized bank against one activation row in its layout (x f32; xb bf16 for dp).
+inline void qdot4(Isa isa, int fmt, bool dp, const QRow* rows, const float* x, const uint16_t* xb, int C, int sdt,
+                  float* out) {
+  if (fmt == FMT_FP8) {
+    if (isa >= AVX512) return qdot4_fp8_avx512(rows, x, C, sdt, out);
+    if (isa == AVX2) return qdot4_fp8_avx2(rows, x, C, sdt, out);
+    return qdot4_scalar<FMT_FP8>(rows, x, C, sdt, out);
+  }
+  const bool mx = fmt == FMT_MXFP4;
+  if (dp) return mx ? qdot4_fp4_bf16dp<FMT_MXFP4>(rows, xb, C, out) : qdot4_fp4_bf16dp<FMT_NVFP4>(rows, xb, C, out);
+  if (isa >= AVX512) return mx ? qdot4_fp4_avx512<FMT_MXFP4>(rows, x, C, out) : qdot4_fp4_avx512<FMT_NVFP4>(rows, x, C, out);
+  if (isa == AVX2) return mx ? qdot4_fp4_avx2<FMT_MXFP4>(rows, x, C, out) : qdot4_fp4_avx2<FMT_NVFP4>(rows, x, C, out);
+  return mx ? qdot4_scalar<FMT_MXFP4>(rows, x, C, sdt, out) : qdot4_scalar<FMT_NVFP4>(rows, x, C, sdt, out);
+}
 
 // ---------------------------------------------------------------- executor
 struct Executor {
@@ -322,6 +733,101 @@ struct Executor {
       }
     });
   }
+  // Quantized banks: the same two phases, work split and summation order as run(); each
+  // 4-row block is dequantized in registers by qdot4 for every pair routed to the expert.
+  void run_q(const float* x, const int64_t* ids, const float* gw, int T, int K, const QBank& gu, const QBank& dn,
+             int H, int I, float* out, bool bf16_act) {
+    const int fmt = gu.fmt;
+    const int P = T * K;
+    std::vector<int> order(P);
+    for (int p = 0; p < P; ++p) order[p] = p;
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return ids[a] < ids[b]; });
+    std::vector<int> starts;
+    int first = 0;  // NO_EXPERT (-1) pairs sort first: skipped
+    while (first < P && ids[order[first]] < 0) ++first;
+    for (int p = first; p < P; ++p)
+      if (p == first || ids[order[p]] != ids[order[p - 1]]) starts.push_back(p);
+    starts.push_back(P);
+    const int G = int(starts.size()) - 1;
+    const bool dp = bf16_act && isa == AVX512_BF16 && fmt != FMT_FP8;
+    const Layout lay = layout_for(fmt, isa, dp);
+    std::vector<int> posH(H), posI(I);
+    for (int c = 0; c < H; ++c) posH[c] = lay.pos(c, H);
+    for (int c = 0; c < I; ++c) posI[c] = lay.pos(c, I);
+    // activations in the kernel's layout (bf16 for the dot-product path); h rows likewise
+    std::vector<float> xl, hl;
+    std::vector<uint16_t> xb, hb;
+    if (dp) {
+      xb.resize(size_t(T) * H);
+      hb.resize(size_t(P) * I);
+      for (int t = 0; t < T; ++t)
+        for (int c = 0; c < H; ++c) xb[size_t(t) * H + posH[c]] = f32_to_bf16(x[size_t(t) * H + c]);
+    } else {
+      xl.resize(size_t(T) * H);
+      hl.resize(size_t(P) * I);
+      for (int t = 0; t < T; ++t)
+        for (int c = 0; c < H; ++c) xl[size_t(t) * H + posH[c]] = x[size_t(t) * H + c];
+    }
+    const int nt = pool.size();
+    constexpr int RB = 16;  // rows per work unit
+    const int ib = (I + RB - 1) / RB;
+    pool.run([&](int tid) {
+      const int units = G * ib, u0 = int(int64_t(units) * tid / nt), u1 = int(int64_t(units) * (tid + 1) / nt);
+      float g4[4], v4[4];
+      QRow rg[4], ru[4];
+      for (int u = u0; u < u1; ++u) {
+        const int g = u / ib, r0 = (u % ib) * RB, r1 = std::min(I, r0 + RB);
+        const int64_t e = ids[order[starts[g]]];
+        for (int r = r0; r < r1; r += 4) {
+          const int nr = std::min(4, r1 - r);
+          for (int j = 0; j < 4; ++j) {  // a short block repeats its last row
+            rg[j] = qrow(gu, e, r + std::min(j, nr - 1));
+            ru[j] = qrow(gu, e, I + r + std::min(j, nr - 1));
+          }
+          for (int q = starts[g]; q < starts[g + 1]; ++q) {
+            const int tok = order[q] / K;
+            const float* xr = dp ? nullptr : xl.data() + size_t(tok) * H;
+            const uint16_t* xbr = dp ? xb.data() + size_t(tok) * H : nullptr;
+            qdot4(isa, fmt, dp, rg, xr, xbr, H, gu.sdt, g4);
+            qdot4(isa, fmt, dp, ru, xr, xbr, H, gu.sdt, v4);
+            for (int j = 0; j < nr; ++j) {
+              const float hv = silu(g4[j]) * v4[j];
+              if (dp) hb[size_t(q) * I + posI[r + j]] = f32_to_bf16(hv);
+              else hl[size_t(q) * I + posI[r + j]] = hv;
+            }
+          }
+        }
+      }
+    });
+    const int hb_blocks = (H + RB - 1) / RB;
+    pool.run([&](int tid) {
+      const int b0 = int(int64_t(hb_blocks) * tid / nt), b1 = int(int64_t(hb_blocks) * (tid + 1) / nt);
+      float d4[4];
+      QRow rd[4];
+      for (int t = 0; t < T; ++t)
+        for (int r = b0 * RB; r < std::min(H, b1 * RB); ++r) out[int64_t(t) * H + r] = 0.f;
+      // expert by expert over the thread's whole row range, so each expert's down rows are one
+      // contiguous stretch (block by block, a 4-bit bank gives 4 KB per expert, too short to
+      // stream); every output still adds the experts in ascending order, as block by block
+      for (int g = 0; g < G; ++g) {
+        const int64_t e = ids[order[starts[g]]];
+        for (int blk = b0; blk < b1; ++blk) {
+          const int r0 = blk * RB, r1 = std::min(H, r0 + RB);
+          for (int r = r0; r < r1; r += 4) {
+            const int nr = std::min(4, r1 - r);
+            for (int j = 0; j < 4; ++j) rd[j] = qrow(dn, e, r + std::min(j, nr - 1));
+            for (int q = starts[g]; q < starts[g + 1]; ++q) {
+              const int tok = order[q] / K;
+              const float wq = gw[order[q]];
+              qdot4(isa, fmt, dp, rd, dp ? nullptr : hl.data() + size_t(q) * I, dp ? hb.data() + size_t(q) * I : nullptr,
+                    I, dn.sdt, d4);
+              for (int j = 0; j < nr; ++j) out[int64_t(tok) * H + r + j] += wq * d4[j];
+            }
+          }
+        }
+      }
+    });
+  }
 };
 
 std::vector<std::unique_ptr<Executor>> g_execs;
@@ -363,10 +869,72 @@ torch::Tensor forward(int64_t handle, torch::Tensor x, torch::Tensor ids, torch:
   return out;
 }
 
+// One quantized bank from its tensors (values, scale, scale_2 or an empty tensor), checked
+// against the logical shape [N, R, C] and the format's layout (weights/quant.py).
+QBank make_bank(int fmt, const torch::Tensor& v, const torch::Tensor& s, const torch::Tensor& s2, int64_t N,
+                int64_t R, int64_t C, int halves, const char* name) {
+  TORCH_CHECK(v.is_contiguous() && s.is_contiguous(), name, ": values and scales must be contiguous");
+  TORCH_CHECK(v.element_size() == 1 && v.dim() == 3 && v.size(0) == N && v.size(1) == R, name, ": values shape");
+  QBank b;
+  b.fmt = fmt, b.R = R, b.C = C, b.halves = halves;
+  b.v = reinterpret_cast<const uint8_t*>(v.data_ptr());
+  b.s = reinterpret_cast<const uint8_t*>(s.data_ptr());
+  TORCH_CHECK(s.dim() == 3 && s.size(0) == N, name, ": scale shape");
+  if (fmt == FMT_FP8) {
+    TORCH_CHECK(v.size(2) == C, name, ": fp8 values [N, R, C]");
+    const int64_t per = (R / halves + 127) / 128;
+    TORCH_CHECK(R % halves == 0 && s.size(1) == halves * per && s.size(2) == (C + 127) / 128, name,
+                ": fp8 scale must be [N, ", halves * per, ", ", (C + 127) / 128, "]");
+    const auto dt = s.scalar_type();
+    TORCH_CHECK(dt == torch::kFloat32 || dt == torch::kBFloat16 || dt == torch::kFloat16, name,
+                ": fp8 scale dtype must be float32, bfloat16 or float16");
+    b.sdt = dt == torch::kFloat32 ? 0 : dt == torch::kBFloat16 ? 1 : 2;
+    b.vrow = C, b.srow = s.size(2), b.sR = s.size(1);
+  } else {
+    const int blk = fmt == FMT_MXFP4 ? 32 : 16;
+    TORCH_CHECK(C % blk == 0 && v.size(2) * 2 == C, name, ": fp4 values [N, R, C/2] with C a multiple of ", blk);
+    TORCH_CHECK(s.element_size() == 1 && s.size(1) == R && s.size(2) == C / blk, name, ": fp4 scale [N, R, C/", blk, "]");
+    b.vrow = C / 2, b.srow = C / blk, b.sR = R;
+    if (fmt == FMT_NVFP4) {
+      TORCH_CHECK(s2.defined() && s2.scalar_type() == torch::kFloat32 && s2.is_contiguous() && s2.numel() == N * halves,
+                  name, ": nvfp4 scale_2 must be float32 [N, ", halves, "]");
+      b.s2 = s2.data_ptr<float>();
+    }
+  }
+  return b;
+}
+
+// x [T, H] f32, ids [T, K] i64, w [T, K] f32; fmt 1 fp8_block, 2 mxfp4, 3 nvfp4; gate_up banks
+// (values [N, 2I, *], scale, scale_2) and down banks ([N, H, *]) as experts/banks.py keeps them,
+// the 1-byte tensors (e4m3, packed e2m1, e8m0) viewed as uint8 -> out [T, H] f32.
+torch::Tensor forward_q(int64_t handle, torch::Tensor x, torch::Tensor ids, torch::Tensor w, int64_t fmt,
+                        torch::Tensor gu_v, torch::Tensor gu_s, torch::Tensor gu_s2, torch::Tensor dn_v,
+                        torch::Tensor dn_s, torch::Tensor dn_s2, bool bf16_act) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && ids.dtype() == torch::kInt64 && w.dtype() == torch::kFloat32,
+              "moe_cpu.forward_q: x f32, ids i64, w f32 expected");
+  TORCH_CHECK(fmt >= FMT_FP8 && fmt <= FMT_NVFP4, "unknown quantized format code ", fmt);
+  x = x.contiguous(), ids = ids.contiguous(), w = w.contiguous();
+  const int T = x.size(0), H = x.size(1), K = ids.size(1);
+  const int64_t N = gu_v.size(0);
+  TORCH_CHECK(dn_v.dim() == 3 && dn_v.size(0) == N && dn_v.size(1) == H, "down bank must be [N, H, *]");
+  const int I = int(fmt == FMT_FP8 ? dn_v.size(2) : dn_v.size(2) * 2);
+  const QBank gu = make_bank(int(fmt), gu_v, gu_s, gu_s2, N, 2 * I, H, 2, "gate_up");
+  const QBank dn = make_bank(int(fmt), dn_v, dn_s, dn_s2, N, H, I, 1, "down");
+  auto idp = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < ids.numel(); ++i) TORCH_CHECK(idp[i] >= -1 && idp[i] < N, "expert id out of range");
+  auto out = torch::empty({T, H}, x.options());
+  Executor& ex = *g_execs.at(handle);
+  std::lock_guard<std::mutex> g(ex.call_mutex);
+  ex.run_q(x.data_ptr<float>(), idp, w.data_ptr<float>(), T, K, gu, dn, H, I, out.data_ptr<float>(), bf16_act);
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("create", &create, "create an executor with a pinned thread pool");
   m.def("isa", &isa_of, "ISA level in use: 0 scalar, 1 avx2, 2 avx512, 3 avx512-bf16");
   m.def("forward", &forward, "routed experts on the CPU", py::call_guard<py::gil_scoped_release>());
+  m.def("forward_q", &forward_q, "routed experts from quantized banks (fp8_block, mxfp4, nvfp4) on the CPU",
+        py::call_guard<py::gil_scoped_release>());
 }

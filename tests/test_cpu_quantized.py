@@ -1,0 +1,226 @@
+"""The C++ CPU expert executor on quantized banks (fp8_block, mxfp4, nvfp4), read in place and
+dequantized in the kernels, against the reference: ExpertBanks.dequant (quant.py's bit-exact
+fp32 dequantization) and the torch reference experts on those float banks.
+
+Every format (fp8 with each published scale dtype) x every ISA this CPU has (capped from
+above: scalar, avx2, avx512, avx512-bf16) x batch 1..17 and 31 x fp32 / bf16 activations x 1
+and 2 threads. fp32 activations: within 1e-5 relative (the weights are exact in fp32, only the
+summation order differs); bf16 activations on the VDPBF16PS path (fp4 formats, avx512-bf16:
+the weights exact in bf16, the activations and h rounded to bf16) within 2e-2, as the bf16
+kernel's test; elsewhere bf16 activations are exact in fp32 and held to 1e-5 too. The
+thread count never changes a bit. Shapes leave tails: columns past the last full 128 (or 64)
+column chunk, partial 128-row fp8 blocks in each half of gate_up, 4-row blocks cut short.
+"""
+import pytest
+import torch
+
+from freetoken.experts.banks import ExpertBanks, QuantBank
+from freetoken.experts.cpu import ISA_NAMES, CpuExpertExecutor, extension
+from freetoken.experts.executor import NO_EXPERT, reference_experts
+
+N, K = 24, 4
+BATCHES = list(range(1, 18)) + [31]
+# (format, fp8 scale dtype) -> (hidden, intermediate)
+CASES = {
+    "fp8_block-f32": ("fp8_block", torch.float32, 202, 70),  # DeepSeek's scale dtype; rows 202 = 50 blocks of 4 + 2
+    "fp8_block-bf16": ("fp8_block", torch.bfloat16, 328, 136),  # Qwen3.6-FP8's
+    "fp8_block-f16": ("fp8_block", torch.float16, 160, 200),
+    "mxfp4": ("mxfp4", None, 288, 96),  # 2 full 128-column chunks + 32; I: a 96-column tail chunk only
+    "nvfp4": ("nvfp4", None, 272, 176),  # H: 2 chunks + 16; I: 128 + 48
+}
+
+pytestmark = pytest.mark.skipif(extension() is None, reason="the C++ executor could not be built")
+
+
+def rel(a, b):
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+def fp8_values(shape, g):
+    """Random e4m3 bytes over every code but NaN: +-448 (0x7e/0xfe), subnormals, +-0."""
+    v = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    v[(v & 0x7F) == 0x7F] = 0x7E
+    return v.view(torch.float8_e4m3fn)
+
+
+def random_banks(fmt, scale_dtype, n, h, i, seed) -> ExpertBanks:
+    """Random banks in every format's layout, with edge values: every e2m1 code (+-6, -0),
+    e8m0 scales from 2^-127 (0) up, e4m3 scales 0, subnormal and 448, whole zero blocks."""
+    g = torch.Generator().manual_seed(seed)
+
+    def pick(t, p):
+        return torch.rand(t.shape, generator=g) < p
+
+    def bank(rows, cols, halves):
+        if fmt == "fp8_block":
+            v = fp8_values((n, rows, cols), g)
+            per = -(-(rows // halves) // 128)
+            s = torch.rand(n, halves * per, -(-cols // 128), generator=g) * 0.02 + 0.002
+            s[pick(s, 0.05)] = 0.0  # zero blocks
+            return QuantBank(fmt, v, s.to(scale_dtype), None, halves)
+        v = torch.randint(0, 256, (n, rows, cols // 2), generator=g, dtype=torch.uint8)
+        blk = 32 if fmt == "mxfp4" else 16
+        zero = pick(torch.empty(n, rows, cols // blk), 0.03).repeat_interleave(blk // 2, -1)
+        v[zero] = 0  # whole blocks of +0
+        six = pick(torch.empty(n, rows, cols // blk), 0.03).repeat_interleave(blk // 2, -1)
+        v[six] = 0xF7  # +6, -6 pairs
+        if fmt == "mxfp4":
+            s = torch.randint(118, 124, (n, rows, cols // 32), generator=g, dtype=torch.uint8)
+            s[pick(s, 0.03)] = 0  # 2^-127 (subnormal scale)
+            s[pick(s, 0.03)] = 1
+            return QuantBank(fmt, v, s, None, halves)
+        s = torch.randint(0x28, 0x50, (n, rows, cols // 16), generator=g, dtype=torch.uint8)
+        s[pick(s, 0.02)] = 0x00  # zero scale
+        s[pick(s, 0.02)] = 0x03  # subnormal e4m3
+        s[pick(s, 0.01)] = 0x7E  # 448, the e4m3 maximum
+        s2 = torch.rand(n, halves, generator=g) * 0.02 + 1e-3  # gate's and up's differ
+        return QuantBank(fmt, v, s.view(torch.float8_e4m3fn), s2, halves)
+
+    return ExpertBanks(fmt, bank(2 * i, h, 2), bank(h, i, 1))
+
+
+def inputs(t, h, seed, n=N, k=K):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=g)
+    ids = torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(t)])
+    if t > 2:
+        ids[1] = NO_EXPERT  # a row that is not running
+        ids[t - 1, 0] = NO_EXPERT
+    w = torch.softmax(torch.randn(t, k, generator=g), -1)
+    return x, ids, w
+
+
+@pytest.fixture(scope="module")
+def case_data():
+    """Per case: the banks, their dequantized float banks, and the reference outputs (computed
+    once, shared by every ISA)."""
+    out = {}
+    for name, (fmt, sdt, h, i) in CASES.items():
+        b = random_banks(fmt, sdt, N, h, i, seed=len(out) + 1)
+        gu, dn = b.dequant(torch.arange(N))
+        assert torch.isfinite(gu).all() and torch.isfinite(dn).all()
+        refs = {}
+        for t in BATCHES:
+            x, ids, w = inputs(t, h, seed=t)
+            refs[t] = (x, ids, w, reference_experts(x, ids, w, gu, dn),
+                       reference_experts(x.bfloat16().float(), ids, w, gu, dn))
+        out[name] = (b, refs)
+    return out
+
+
+@pytest.mark.parametrize("isa", [0, 1, 2, 3], ids=ISA_NAMES)
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernels_match_reference(case_data, name, isa):
+    banks, refs = case_data[name]
+    exs = [CpuExpertExecutor(banks, threads=n, isa_cap=isa) for n in (1, 2)]
+    if exs[0].isa != ISA_NAMES[isa]:
+        pytest.skip(f"this CPU has no {ISA_NAMES[isa]}")
+    assert exs[0].backend == "cpp" and exs[0].quantized and exs[1].threads == 2
+    dp = isa == 3 and banks.format != "fp8_block"  # bf16 activations take VDPBF16PS
+    for t in BATCHES:
+        x, ids, w, ref, ref_b = refs[t]
+        one, two = (ex.kernel(x, ids, w) for ex in exs)
+        assert torch.equal(one, two), (t, "thread count changed the result")
+        assert torch.isfinite(one).all()
+        assert rel(one, ref) < 1e-5, (t, rel(one, ref))
+        if t > 2:
+            assert not one[1].any(), "a NO_EXPERT row gets nothing"
+        one_b, two_b = (ex.kernel(x.bfloat16(), ids, w) for ex in exs)
+        assert torch.equal(one_b, two_b), t
+        assert rel(one_b, ref_b) < (2e-2 if dp else 1e-5), (t, rel(one_b, ref_b))
+
+
+def extreme_mx_banks(n, h, i, gu_scales, dn_scales, dn_max_code=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def bank(rows, cols, halves, scales, max_code):
+        codes = torch.randint(0, max_code + 1, (n, rows, cols), generator=g, dtype=torch.uint8)
+        codes |= (torch.rand(n, rows, cols, generator=g) < 0.5).to(torch.uint8) << 3  # signs
+        v = codes[..., 0::2] | (codes[..., 1::2] << 4)
+        s = torch.tensor(scales, dtype=torch.uint8)[torch.randint(0, len(scales), (n, rows, cols // 32), generator=g)]
+        return QuantBank("mxfp4", v, s, None, halves)
+
+    return ExpertBanks("mxfp4", bank(2 * i, h, 2, gu_scales, 7), bank(h, i, 1, dn_scales, dn_max_code))
+
+
+@pytest.mark.parametrize("isa", [0, 1, 2, 3], ids=ISA_NAMES)
+@pytest.mark.parametrize("case", ["large-then-subnormal", "small-then-254"])
+def test_mxfp4_extreme_scales(case, isa):
+    """e8m0 scales at both ends where they decide the result: gate_up at 2^33..2^43 then down at
+    2^-127..2^-124 (subnormal weights); gate_up at 2^-67..2^-57 then down at 2^123..2^127 (254,
+    the largest finite scale, with codes up to 1.5 so the weights stay finite)."""
+    h, i = 160, 96
+    if case == "large-then-subnormal":
+        b = extreme_mx_banks(8, h, i, [160, 165, 170], [0, 1, 2, 3])
+    else:
+        b = extreme_mx_banks(8, h, i, [60, 65, 70], [250, 252, 254], dn_max_code=3)
+    ex = CpuExpertExecutor(b, isa_cap=isa)
+    if ex.isa != ISA_NAMES[isa]:
+        pytest.skip(f"this CPU has no {ISA_NAMES[isa]}")
+    gu, dn = b.dequant(torch.arange(8))
+    assert torch.isfinite(gu).all() and torch.isfinite(dn).all()
+    for t in (1, 5):
+        x, ids, w = inputs(t, h, seed=t, n=8, k=2)
+        ref = reference_experts(x, ids, w, gu, dn)
+        out = ex.kernel(x, ids, w)
+        assert torch.isfinite(ref).all() and ref.abs().max() > 0
+        assert rel(out, ref) < 1e-5, rel(out, ref)
+        if isa == 3:
+            ref_b = reference_experts(x.bfloat16().float(), ids, w, gu, dn)
+            assert rel(ex.kernel(x.bfloat16(), ids, w), ref_b) < 2e-2
+
+
+@pytest.mark.parametrize("sdt", [torch.float32, torch.bfloat16, torch.float16])
+def test_fp8_scale_extremes(sdt):
+    """fp8 block scales far from 1 in every published dtype (f16: subnormal 2^-20 and 2^15;
+    bf16 / f32: 2^-40 then 2^40), and all e4m3 codes, on every ISA."""
+    h, i, n = 256, 128, 6
+    g = torch.Generator().manual_seed(7)
+    lo, hi = (2.0 ** -20, 2.0 ** 15) if sdt == torch.float16 else (2.0 ** -40, 2.0 ** 40)
+
+    def bank(rows, cols, halves, s):
+        per = -(-(rows // halves) // 128)
+        scale = torch.full((n, halves * per, -(-cols // 128)), s) * (1 + torch.rand(n, halves * per, -(-cols // 128), generator=g))
+        return QuantBank("fp8_block", fp8_values((n, rows, cols), g), scale.to(sdt), None, halves)
+
+    b = ExpertBanks("fp8_block", bank(2 * i, h, 2, lo), bank(h, i, 1, hi))
+    gu, dn = b.dequant(torch.arange(n))
+    x, ids, w = inputs(3, h, seed=3, n=n, k=2)
+    x = x * 1e3
+    ref = reference_experts(x, ids, w, gu, dn)
+    assert torch.isfinite(ref).all() and ref.abs().max() > 0
+    for isa in range(4):
+        ex = CpuExpertExecutor(b, isa_cap=isa)
+        assert rel(ex.kernel(x, ids, w), ref) < 1e-5, ex.isa
+
+
+def test_executor_takes_banks_in_every_form_and_big_batches_go_to_torch():
+    b = random_banks("nvfp4", None, 10, 64, 32, seed=11)
+    x, ids, w = inputs(5, 64, seed=5, n=10)
+    gu, dn = b.dequant(torch.arange(10))
+    ref = reference_experts(x, ids, w, gu, dn)
+    a = CpuExpertExecutor(b)
+    p = CpuExpertExecutor(b.gate_up, b.down, torch_batch_threshold=4)
+    assert a.format == p.format == "nvfp4" and a.isa in ISA_NAMES
+    assert a.torch_batch_threshold == 4096  # prefill chunks too: the torch path dequantizes first
+    assert torch.equal(a.kernel(x, ids, w), p.kernel(x, ids, w))
+    assert rel(a(x, ids, w), ref) < 1e-5  # 5 tokens: the C++ kernel
+    out = p(x.double(), ids, w)  # above the threshold: the torch reference, in x's dtype
+    assert out.dtype == torch.float64 and rel(out, ref) < 1e-5
+    # the bank tensors are used in place, never copied
+    assert a._qargs[1].data_ptr() == b.gate_up.values.data_ptr()
+    assert a._qargs[5].data_ptr() == b.down.scale.data_ptr()
+    with pytest.raises(TypeError):
+        CpuExpertExecutor(b.gate_up, gu)
+    with pytest.raises(TypeError):
+        CpuExpertExecutor(b, b.down)
+
+
+def test_bad_expert_id_and_bad_bank_shapes_are_rejected():
+    b = random_banks("mxfp4", None, 4, 64, 32, seed=12)
+    ex = CpuExpertExecutor(b)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ex.kernel(torch.randn(1, 64), torch.tensor([[4]]), torch.ones(1, 1))
+    bad = ExpertBanks("mxfp4", b.gate_up, QuantBank("mxfp4", b.down.values, b.down.scale[..., :0], None, 1))
+    with pytest.raises(RuntimeError, match="scale"):
+        CpuExpertExecutor(bad).kernel(torch.randn(1, 64), torch.tensor([[0]]), torch.ones(1, 1))
