@@ -22,8 +22,10 @@ ARCH_ALIASES = {
     "qwen3_moe": "qwen3_moe",
     "GptOssForCausalLM": "gpt_oss",
     "gpt_oss": "gpt_oss",
+    "GlmMoeDsaForCausalLM": "glm_moe_dsa",
+    "glm_moe_dsa": "glm_moe_dsa",
 }
-ARCHS = ("qwen3_5_moe", "qwen3_moe", "gpt_oss")
+ARCHS = ("qwen3_5_moe", "qwen3_moe", "gpt_oss", "glm_moe_dsa")
 # per layer: softmax attention over the whole context, over the last `sliding_window` keys, or
 # gated DeltaNet (linear attention)
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
@@ -34,7 +36,7 @@ SUPPORTED = sorted(set(k for k in ARCH_ALIASES if k[0].isupper()))
 
 @dataclass
 class ModelConfig:
-    arch: str  # "qwen3_5_moe" | "qwen3_moe" | "gpt_oss"
+    arch: str  # "qwen3_5_moe" | "qwen3_moe" | "gpt_oss" | "glm_moe_dsa"
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -82,6 +84,29 @@ class ModelConfig:
     intermediate_size: int = 0  # dense MLP of the non-MoE layers
     eos_token_ids: list[int] = field(default_factory=list)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)  # the text config as read
+    # ---- multi-head latent attention with the DSA indexer (glm_moe_dsa: model/mla.py) ----
+    # kv_lora_rank 0: no latent attention. Queries go through a q_lora_rank bottleneck; each
+    # head's query/key is qk_nope_head_dim without RoPE + qk_rope_head_dim with it (head_dim
+    # is their sum), values v_head_dim; keys and values come from one cached latent per token
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # the indexer: its own heads score every earlier key, each query attends to its index_topk best
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
+    # per layer: "full" runs its indexer, "shared" reuses the selection of the last full layer
+    indexer_types: list[str] = field(default_factory=list)
+    # router "sigmoid_group" (DeepSeek-V3 / GLM-5): sigmoid scores, a correction bias that steers
+    # only the choice, the experts in n_group groups of which the topk_group best (by the sum of
+    # their two best scores) are eligible, weights times routed_scaling_factor; n_shared_experts
+    # plain SwiGLU shared experts of moe_intermediate_size each, fused into one
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
 
     def __post_init__(self):
         if self.arch not in ARCHS:
@@ -100,11 +125,37 @@ class ModelConfig:
             raise UnsupportedModelError("sliding_attention layers need a sliding_window")
         if self.expert_activation not in EXPERT_ACTIVATIONS:
             raise UnsupportedModelError(f"unsupported expert activation {self.expert_activation!r}")
-        if self.router not in ("softmax_topk", "topk_softmax"):
+        if self.router not in ("softmax_topk", "topk_softmax", "sigmoid_group"):
             raise UnsupportedModelError(f"unsupported router {self.router!r}")
         if self.num_experts and not 0 < self.top_k <= self.num_experts:
             raise UnsupportedModelError(
                 f"num_experts_per_tok={self.top_k} must be in [1, num_experts={self.num_experts}]")
+        if self.router == "sigmoid_group":
+            self._check_groups()
+        if self.kv_lora_rank:
+            self._check_latent()
+
+    def _check_groups(self) -> None:
+        e, g, tg = self.num_experts, self.n_group, self.topk_group
+        if g < 1 or e % g or e // g < 2:  # a group's score is the sum of its two best experts
+            raise UnsupportedModelError(f"n_group={g} must divide n_routed_experts={e} into groups of 2 or more")
+        if not 1 <= tg <= g or self.top_k > tg * (e // g):
+            raise UnsupportedModelError(
+                f"topk_group={tg} groups of {e // g} experts cannot hold num_experts_per_tok={self.top_k}")
+
+    def _check_latent(self) -> None:
+        if not self.q_lora_rank:
+            raise UnsupportedModelError("latent attention without q_lora_rank (uncompressed queries) is not supported")
+        if self.qk_rope_head_dim % 2 or self.index_head_dim < self.qk_rope_head_dim:
+            raise UnsupportedModelError(
+                f"qk_rope_head_dim={self.qk_rope_head_dim} must be even and fit index_head_dim={self.index_head_dim}")
+        if len(self.indexer_types) != self.num_layers or set(self.indexer_types) - {"full", "shared"}:
+            raise UnsupportedModelError(
+                f"indexer_types must give 'full' or 'shared' for each of {self.num_layers} layers")
+        if self.indexer_types and self.indexer_types[0] != "full":
+            raise UnsupportedModelError("the first layer's indexer cannot be 'shared': no earlier layer selects for it")
+        if self.index_topk < 1:
+            raise UnsupportedModelError(f"index_topk={self.index_topk} must be positive")
 
     # ---- derived shapes -------------------------------------------------------------
     @property
@@ -229,6 +280,8 @@ class ModelConfig:
                 norm_topk_prob=True,
                 shared_expert_intermediate_size=t.get("shared_expert_intermediate_size", 0),
                 moe_layers=list(range(num_layers)))
+        if arch == "glm_moe_dsa":
+            return cls._glm_moe_dsa(common, t)
         # qwen3_moe: every layer full attention; MoE where the sparse step and
         # mlp_only_layers say so, a dense MLP elsewhere
         only = set(t.get("mlp_only_layers") or [])
@@ -242,3 +295,39 @@ class ModelConfig:
             norm_topk_prob=bool(t.get("norm_topk_prob", False)),
             moe_layers=moe_layers, intermediate_size=t.get("intermediate_size", 0),
             sliding_window=window)
+
+    @classmethod
+    def _glm_moe_dsa(cls, common: dict, t: dict) -> "ModelConfig":
+        """GLM-5 (transformers GlmMoeDsaConfig): every layer latent attention with the DSA indexer
+        ("full_attention" for the cache: paged, the whole context), the first
+        first_k_dense_replace layers (or mlp_layer_types) a dense MLP, the rest routed experts
+        behind the sigmoid group-limited router, plus shared experts. The MTP layers a release
+        ships past num_hidden_layers are not read (weights/convert.py says so)."""
+        n = common["num_layers"]
+        mlp = t.get("mlp_layer_types")
+        if mlp is None:
+            dense = min(t.get("first_k_dense_replace", 3), n)
+            mlp = ["dense"] * dense + ["sparse"] * (n - dense)
+        idx = t.get("indexer_types")
+        if idx is None:  # as transformers derives it: a pattern, or a frequency with an offset
+            pattern = t.get("index_topk_pattern")
+            if pattern is not None:
+                idx = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern]
+            else:
+                freq, off = max(t.get("index_topk_freq", 1), 1), t.get("index_skip_topk_offset", 2)
+                idx = ["full" if max(i - off + 1, 0) % freq == 0 else "shared" for i in range(n)]
+        nope, rope = t["qk_nope_head_dim"], t["qk_rope_head_dim"]
+        shared = t.get("n_shared_experts", 1) or 0  # defaults as transformers' GlmMoeDsaConfig
+        common.update(head_dim=nope + rope, num_kv_heads=t["num_attention_heads"],
+                      num_experts=t.get("n_routed_experts", common["num_experts"]),
+                      rms_norm_eps=t.get("rms_norm_eps", 1e-5))
+        return cls(
+            **common, layer_types=["full_attention"] * n, intermediate_size=t.get("intermediate_size", 0),
+            moe_layers=[i for i, k in enumerate(mlp) if k == "sparse"],
+            norm_topk_prob=bool(t.get("norm_topk_prob", True)), router="sigmoid_group",
+            n_group=t.get("n_group", 1) or 1, topk_group=t.get("topk_group", 1) or 1,
+            routed_scaling_factor=float(t.get("routed_scaling_factor", 2.5)), n_shared_experts=shared,
+            shared_expert_intermediate_size=common["moe_intermediate_size"] * shared,
+            q_lora_rank=t.get("q_lora_rank") or 0, kv_lora_rank=t["kv_lora_rank"], qk_nope_head_dim=nope,
+            qk_rope_head_dim=rope, v_head_dim=t["v_head_dim"], index_n_heads=t["index_n_heads"],
+            index_head_dim=t["index_head_dim"], index_topk=t["index_topk"], indexer_types=list(idx))

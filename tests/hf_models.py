@@ -73,6 +73,31 @@ def gpt_oss(seed: int, **kw):
     return m
 
 
+def glm_moe_dsa(seed: int, **kw):
+    """GlmMoeDsaForCausalLM (GLM-5): latent attention with the DSA indexer keeping 8 keys per
+    query (prompts pass it), 8 indexer heads (so that a key the relu zeroes in every head, a
+    tie at 0, is rare), a dense first layer, 16 experts in 4 groups of which 2 are eligible,
+    top-4, a shared expert, routed scaling 2.5. The correction bias is made random (HF inits it
+    to 0) and large enough to change which experts are chosen."""
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+    args = dict(vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+                n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
+                index_topk=8, index_head_dim=16, index_n_heads=8, first_k_dense_replace=1,
+                max_position_embeddings=512, rope_parameters=dict(rope_type="default", rope_theta=10000.0))
+    args.update(kw)
+    torch.manual_seed(seed)
+    m = GlmMoeDsaForCausalLM(GlmMoeDsaConfig(**args)).eval()
+    _perturb(m, seed)
+    g = torch.Generator().manual_seed(seed + 2000)
+    with torch.no_grad():
+        for name, b in m.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=g) * 0.2)
+    return m
+
+
 def _perturb(m, seed: int) -> None:
     """Fresh random values everywhere (HF init leaves norms at 0/1 and biases at 0), so that
     every parameter influences the output and none sits at a special value."""

@@ -5,9 +5,11 @@ Full-attention K/V live in pages of `page_size` tokens ([pages, kv_heads, page_s
 per attention layer); a sequence's block table (one row per batch slot, on the device) lists
 its pages in order, so key j of slot s sits in page block_table[s, j // P] at offset j % P.
 Pages are handed out as tokens arrive (cache/pages.py) and a cached prefix is shared in place
-by every sequence that reuses it. Gated DeltaNet layers keep their causal-conv window and
-recurrent matrix per slot. Nothing here grows during decode: a CUDA graph can capture a step
-over these buffers, and one graph serves every length (lengths are device data).
+by every sequence that reuses it. Latent-attention layers (model/mla.py) keep their compressed
+KV and indexer keys in the same pages (kv_dims), so prefix reuse shares them alike. Gated
+DeltaNet layers keep their causal-conv window and recurrent matrix per slot. Nothing here grows
+during decode: a CUDA graph can capture a step over these buffers, and one graph serves every
+length (lengths are device data).
 """
 from __future__ import annotations
 
@@ -17,10 +19,20 @@ from ..cache.pages import SCRATCH, PageAllocator
 from ..config import ModelConfig
 
 
+def kv_dims(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(heads, K width, V width) of one token in one layer's pages. Softmax attention: its K and V
+    heads. Latent attention (model/mla.py): one row, the K pages holding the compressed KV
+    [latent | rotated key] and the V pages the DSA indexer's key."""
+    if cfg.kv_lora_rank:
+        return 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.index_head_dim
+    return cfg.num_kv_heads, cfg.head_dim, cfg.head_dim
+
+
 def kv_page_bytes(cfg: ModelConfig, page_size: int, dtype) -> int:
     """Bytes of one KV page across every attention layer (K and V)."""
     el = torch.empty((), dtype=dtype).element_size()
-    return 2 * len(cfg.attention_layers) * cfg.num_kv_heads * page_size * cfg.head_dim * el
+    heads, kd, vd = kv_dims(cfg)
+    return len(cfg.attention_layers) * heads * page_size * (kd + vd) * el
 
 
 def slot_state_bytes(cfg: ModelConfig, dtype) -> int:
@@ -44,11 +56,13 @@ class DecodeState:
         self.width = -(-max_len // page_size)  # block-table entries per slot
         kv_pages = kv_pages or slots * self.width + 1
         self.pages = PageAllocator(kv_pages, page_size)
-        shape = (kv_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
+        heads, kd, vd = kv_dims(cfg)
         # empty, not zeros: host memory is committed only as pages are written, and no page is
         # read before it is written (lengths mask the rest)
-        self.k = {i: torch.empty(shape, device=device, dtype=dtype) for i in cfg.attention_layers}
-        self.v = {i: torch.empty(shape, device=device, dtype=dtype) for i in cfg.attention_layers}
+        self.k = {i: torch.empty((kv_pages, heads, page_size, kd), device=device, dtype=dtype)
+                  for i in cfg.attention_layers}
+        self.v = {i: torch.empty((kv_pages, heads, page_size, vd), device=device, dtype=dtype)
+                  for i in cfg.attention_layers}
         for t in (*self.k.values(), *self.v.values()):
             t[SCRATCH].zero_()
         self.block_table = torch.full((slots, self.width), SCRATCH, dtype=torch.int32, device=device)

@@ -1,9 +1,11 @@
-"""Model output -> thinking, text and tool calls, incrementally (Qwen3.x formats).
+"""Model output -> thinking, text and tool calls, incrementally (Qwen3.x and GLM formats).
 
 Thinking sits between <think> and </think> (the prompt may already have opened it);
 tool calls between <tool_call> and </tool_call>, either as JSON
-({"name": ..., "arguments": {...}}) or in the XML form
-(<function=NAME><parameter=P>value</parameter></function>). Text is emitted as soon as it
+({"name": ..., "arguments": {...}}), in the XML form
+(<function=NAME><parameter=P>value</parameter></function>), or in GLM's (4.5 to 5)
+NAME<arg_key>K</arg_key><arg_value>V</arg_value>... (newlines between the parts or not; string
+values raw, others as JSON; at least one argument). Text is emitted as soon as it
 cannot be the start of a tag, so a stream split at any boundary gives the same result.
 """
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 
 
 @dataclass
@@ -56,6 +59,17 @@ def parse_tool_call(body: str) -> ToolCall | None:
             except ValueError:
                 args[pm.group(1).strip()] = raw
         return ToolCall(cid, m.group(1).strip(), json.dumps(args, ensure_ascii=False))
+    # GLM: the name, then key/value pairs. A call without arguments (the bare name) is not told
+    # apart from stray text here: it stays text
+    name, key, rest = body.partition("<arg_key>")
+    if key and re.fullmatch(r"[\w.:/-]+", name.strip()):
+        args = {}
+        for k, v in GLM_ARG.findall(key + rest):
+            try:  # strings are written raw, other values as JSON
+                args[k.strip()] = json.loads(v)
+            except ValueError:
+                args[k.strip()] = v
+        return ToolCall(cid, name.strip(), json.dumps(args, ensure_ascii=False))
     return None
 
 

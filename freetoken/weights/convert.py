@@ -35,7 +35,8 @@ from ..errors import FreeTokenError, UnsupportedModelError, notice
 from ..model.registry import model_class
 from ..tokenizer import Tokenizer
 from .ftw import DTYPE_NAMES, Entry
-from .hf import FORMAT_NAMES, WEIGHT_DTYPES, Checkpoint, QuantScheme, Weight, quant_scheme, read_config
+from .hf import (FORMAT_NAMES, WEIGHT_DTYPES, Checkpoint, QuantScheme, Weight, layers_past, quant_scheme,
+                 read_config)
 from .quant import FP8_BLOCK, MX_BLOCK, NV_BLOCK
 from .writer import FTWWriter
 
@@ -232,6 +233,10 @@ def plan(src: str) -> Plan:
     ck = Checkpoint(src)
     if scheme is None:
         scheme = quant_scheme(src, raw, ck)  # quantized tensors that no config declares
+    past, n_past = layers_past(ck, cfg.num_layers)
+    if past:
+        notice(f"{src}: skipping layer(s) {', '.join(map(str, past))} past num_hidden_layers={cfg.num_layers} "
+               f"({n_past} tensors: multi-token-prediction heads, not used for serving)")
     names = model_class(cfg.arch).expected_tensors(cfg)
     experts = [ExpertReader(ck, cfg, l) for l in cfg.moe_layers]
     dense_w = {n: ck.weight(n) for n in names}

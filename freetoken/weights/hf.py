@@ -167,6 +167,17 @@ class Checkpoint:
             raise FreeTokenError(f"{s.file}: cannot read tensor {s.name} ({e})") from None
 
 
+LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def layers_past(ck: "Checkpoint", num_layers: int) -> tuple[list[int], int]:
+    """Layers the checkpoint holds past num_hidden_layers, and how many tensors they have: the
+    multi-token-prediction layers GLM-5 and DeepSeek-V3 publish as `model.layers.{N}.*` (N =
+    num_hidden_layers), which serving does not use."""
+    found = [int(m.group(1)) for m in map(LAYER.match, ck.tensors) if m and int(m.group(1)) >= num_layers]
+    return sorted(set(found)), len(found)
+
+
 ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
              "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}

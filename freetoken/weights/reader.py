@@ -179,5 +179,14 @@ def dense_weights(meta: dict, tensors: dict, device, dtype) -> dict:
     for k, v in tensors.items():
         if k.startswith(("file/", "experts.")) or k in consumed:
             continue
+        if k.endswith(KEEP_STORED_DTYPE) and v.is_floating_point():  # routing-precision tensors
+            out[k] = v.to(device)
+            continue
         out[k] = v.to(device, dtype) if v.is_floating_point() else v.to(device)
     return out
+
+
+# Tensors kept in the dtype they were stored in, whatever the compute dtype: the sigmoid
+# routers' correction bias (DeepSeek-V3/V4, GLM-5) is an fp32 buffer in transformers and is
+# added to fp32 scores; rounded to bf16 it can change which experts are chosen
+KEEP_STORED_DTYPE = ("e_score_correction_bias",)
