@@ -11,8 +11,8 @@ rows) and down_bias [N, H], given to the executor when it is built; the MoE laye
 executor computes the model's function (model/moe.py). A bank is a
 float tensor of that shape (bf16/f16/f32), or a banks.QuantBank (fp8_block, mxfp4, nvfp4: the
 published bytes and their scales) whose `shape` is that shape: the torch paths below dequantize
-just the selected experts with quant.py's reference (banks.take); the Triton kernels and the C++
-executor read float banks only for now.
+just the selected experts with quant.py's reference (banks.take); on CUDA the Triton kernels of
+kernels/moe_quant.py read the quantized bytes in place.
 
 The call is split in two phases so that the MoE layer can compute its shared expert while the
 routed experts run elsewhere (the CPU pool, later a PCIe fill): `launch` starts the work and
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..kernels import use_triton
+from ..kernels import HAS_TRITON, use_triton
 from .banks import take
 
 NO_EXPERT = -1  # routed id of a pair that runs nowhere (a batch row that is not running)
@@ -176,10 +176,11 @@ class TorchExpertExecutor(ExpertExecutor):
     chunks group tokens by expert: on CUDA the grouped Triton GEMM, on the CPU a loop over the
     experts present. Synchronous: launch computes, finish returns it.
 
-    Quantized banks (QuantBank) take the same static decode / grouped / reference paths with the
-    selected experts dequantized in place of the gather (no Triton kernel reads them yet). Not
-    captured in CUDA graphs for now (quant.py's fp4 unpacking builds its lookup table on the
-    device each call, a host copy a capture refuses): decode runs eagerly until the kernels come.
+    Quantized banks (QuantBank): on CUDA the kernels of kernels/moe_quant.py (decode GEMV and
+    grouped GEMM, dequantizing in registers), captured like the bf16 ones; elsewhere the same
+    static decode / reference paths with the selected experts dequantized in place of the gather,
+    not capturable (quant.py's fp4 unpacking builds its lookup table on the device each call, a
+    host copy a capture refuses).
 
     Every path takes the expert function as data: `activation` (an Activation) and the optional
     bias banks gate_up_bias [N, 2I] and down_bias [N, H] (moved to the banks' device).
@@ -199,8 +200,8 @@ class TorchExpertExecutor(ExpertExecutor):
         self.gate_up_bias = gate_up_bias.to(self.device) if gate_up_bias is not None else None
         self.down_bias = down_bias.to(self.device) if down_bias is not None else None
         self.quantized = not isinstance(gate_up, torch.Tensor)  # banks.QuantBank
-        if self.quantized:
-            self.capturable = False
+        if self.quantized and not (HAS_TRITON and self.device.type == "cuda"):
+            self.capturable = False  # the torch dequantization path (see above)
 
     @property
     def backend(self) -> str:
@@ -210,13 +211,17 @@ class TorchExpertExecutor(ExpertExecutor):
         src = x.device
         x, ids, weights = (t.to(self.device) for t in (x, ids, weights))
         fn = dict(activation=self.activation, gate_up_bias=self.gate_up_bias, down_bias=self.down_bias)
-        if use_triton(x) and not self.quantized:
-            if phase == "decode" and ids.numel() <= self.static_max_pairs:
-                from ..kernels.moe_decode import moe_decode_triton
-                out = moe_decode_triton(x, ids, weights, self.gate_up, self.down, **fn)
+        if use_triton(x):
+            if self.quantized:  # QuantBanks: the kernels that dequantize in registers
+                from ..kernels.moe_quant import moe_quant_decode_triton as decode
+                from ..kernels.moe_quant import moe_quant_grouped_triton as grouped
             else:
-                from ..kernels.moe_grouped import moe_grouped_triton
-                out = moe_grouped_triton(x, ids, weights, self.gate_up, self.down, self.layer_experts, **fn)
+                from ..kernels.moe_decode import moe_decode_triton as decode
+                from ..kernels.moe_grouped import moe_grouped_triton as grouped
+            if phase == "decode" and ids.numel() <= self.static_max_pairs:
+                out = decode(x, ids, weights, self.gate_up, self.down, **fn)
+            else:
+                out = grouped(x, ids, weights, self.gate_up, self.down, self.layer_experts, **fn)
         elif phase == "decode" and ids.numel() <= self.static_max_pairs:
             out = self._static(x, ids, weights)
         elif x.is_cuda:
