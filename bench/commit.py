@@ -83,16 +83,22 @@ def stamp(root: str = ROOT, path: str = STAMP) -> dict:
 
 
 def commit_info(root: str = ROOT, path: str = STAMP) -> dict:
-    """{"commit", "source": "git" | "stamp" | "none", "changed"?}: git when it works on `root`,
-    else the stamp (checked against the tree here), else "unknown"."""
-    g = from_git(root)
-    if g is not None:
-        return dict(g, source="git")
+    """{"commit", "source": "git" | "stamp" | "none", "changed"?}: the stamp when it matches the
+    tree here, else git when it works on `root`, else the stamp marked stale, else "unknown"."""
     try:
         with open(path) as f:
             doc = json.load(f)
         label, files, tree = doc["commit"], doc["files"], doc["tree"]
     except (OSError, ValueError, KeyError, TypeError):
+        doc = None
+    # a stamp that matches this tree wins: the GPU machine's copy may carry a stale .git of an
+    # earlier call, whose HEAD is not the commit the tree came from
+    if doc is not None and fingerprint(files, root) == tree:
+        return {"commit": label, "source": "stamp", "changed": doc.get("changed", [])}
+    g = from_git(root)
+    if g is not None:
+        return dict(g, source="git")
+    if doc is None:
         return {"commit": "unknown", "source": "none"}
     info = {"commit": label, "source": "stamp", "changed": doc.get("changed", [])}
     if fingerprint(files, root) != tree:

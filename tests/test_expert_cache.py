@@ -107,3 +107,75 @@ def test_plan_sizes_the_cache(tmp_path):
         ServingEngine(eng2, max_batch=1, start=False)
     with pytest.raises(FreeTokenError, match="contradicts"):
         EngineConfig(moe="cache", experts="gpu")
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                    (torch.bfloat16, torch.float32)])
+def test_fused_transfer_equals_reference(dtypes):
+    """The fused transfer kernel (Triton; the interpreter on the CPU) copies exactly the listed
+    experts, every bank, and stops at the first -1 of the fill list; rows not listed stay."""
+    pytest.importorskip("triton")
+    from freetoken.kernels.expert_transfer import transfer_reference, transfer_triton
+    host_dt, slot_dt = dtypes
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(11)
+    n, s, h, i = 20, 7, 40, 24  # rows of 1920 and 960 elements: partial last blocks
+    host = [torch.randn(n, 2 * i, h, generator=g).to(host_dt), torch.randn(n, h, i, generator=g).to(host_dt)]
+    if dev == "cuda":
+        host = [t.pin_memory() for t in host]
+    fill_src = torch.tensor([5, 17, 0, -1, -1], dtype=torch.int32, device=dev)
+    fill_dst = torch.tensor([6, 1, 3, -1, -1], dtype=torch.int32, device=dev)
+    first = [torch.randn(s, *t.shape[1:], generator=g).to(dev, slot_dt) for t in host]
+    slots = [first, [t.clone() for t in first]]
+    transfer_triton(host, slots[0], fill_src, fill_dst)
+    assert transfer_reference(host, slots[1], fill_src, fill_dst) == 3
+    for got, ref, hb in zip(slots[0], slots[1], host):
+        assert torch.equal(got, ref)
+        assert torch.equal(got[6].cpu(), hb[5].to(slot_dt)) and torch.equal(got[1].cpu(), hb[17].to(slot_dt))
+
+
+def test_fill_only_runs_nothing_on_the_cpu():
+    """r = 1 with a pool that holds a call's distinct experts: no pair reaches the CPU executor
+    (the step can then be captured in a CUDA graph), and the output is still exact."""
+    layers, e, h, i, k = 2, 16, 32, 16, 4
+
+    class NoCpu(CpuExpertExecutor):
+        def launch(self, *a, **kw):
+            raise AssertionError("the CPU branch ran in fill-only mode")
+
+    gu, dn = banks(layers * e, h, i, seed=5)
+    ex = CachedExpertExecutor(gu, dn, 8, "cpu", torch.float32, NoCpu(gu, dn), 1.0, "recent", layer_experts=e)
+    g = torch.Generator().manual_seed(2)
+    for step in range(10):
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(2)]) + (step % layers) * e
+        x, w = torch.randn(2, h, generator=g), torch.softmax(torch.randn(2, k, generator=g), -1)
+        assert rel(ex(x, ids, w), reference_experts(x, ids, w, gu, dn)) < 1e-5
+    st = ex.stats()
+    assert st["cpu_experts"] == 0 and st["calls"] == 10 and st["pairs"] == 80
+    assert st["hits"] + st["fills"] > 0 and 0 <= st["hit_rate"] <= 1
+
+
+def test_share_tuner_finds_the_fastest_split():
+    """The adaptive split climbs from fill-only to the fastest r of measured step times (noisy,
+    with a transient after each change), holds it, starts over when the batch size changes, and
+    re-checks after the hold."""
+    import random
+    from freetoken.experts.share import ShareTuner
+    rng = random.Random(0)
+    cost = {1.0: 10.0, 0.9: 9.0, 0.8: 8.5, 0.7: 8.9, 0.6: 9.5, 0.5: 11.0}  # ms per step, best 0.8
+    t = ShareTuner(probe=20, settle=5, hold=100)
+    r, since = 1.0, 0
+    for _ in range(400):
+        ms = cost[r] * (1 + 0.01 * rng.random()) + (30.0 if since < 3 else 0.0)  # cache transient
+        new = t.observe(1, ms / 1e3)
+        since += 1
+        if new is not None:
+            r, since = new, 0
+        if t.decisions:
+            break
+    assert r == 0.8 and t.share == 0.8 and not t.climbing
+    assert t.observe(4, 0.01) == 1.0 and t.climbing  # another batch size: measure again from the top
+    slow = ShareTuner(probe=10, settle=2, hold=5)  # the CPU never helps: stays fill-only
+    for _ in range(30):
+        assert slow.observe(1, 0.010 if slow.share == 1.0 else 0.020) in (None, 1.0, 0.9)
+    assert slow.share == 1.0 and slow.decisions >= 1

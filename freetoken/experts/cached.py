@@ -12,10 +12,11 @@ Per MoE layer call (mechanisms 3-5 of the design):
   5. the two partial sums are added in one fixed order (CPU part, then GPU part).
 The result equals the all-resident one up to the order of the sum, for any residency and any r.
 
-What is still to come (the expert-cache issue): the fused zero-copy transfer kernel driven by
-the device-side fill list (today the copy syncs once per layer to read the fill count), the
-CPU branch inside the decode graph, and r adapted to bandwidths measured while serving; until
-then r is fixed (`--fill-share`) and decode runs eagerly with this executor.
+Decode needs no host sync: the control kernel, the fused zero-copy transfer kernel driven by
+the device-side fill list (kernels/expert_transfer.py) and the CPU branch in stream order
+(a host-function node calling the C++ executor, experts/cpu/hostcall.py) are all recorded in
+the step's CUDA graph. Still to come (the expert-cache issue): r adapted to bandwidths
+measured while serving; until then r is fixed (`--fill-share`, default 1: fill-only).
 Prefill chunks go through the same steps in slices of at most MAX_PAIRS routed pairs, fill-only
 (r = 1): a chunk touches most experts of a layer, and the CPU would be far slower on it.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.expert_transfer import transfer_reference, transfer_triton, zero_copy_ok
 from .control import CPU, MAX_PAIRS, POLICIES, Residency, control
 from .executor import NO_EXPERT, ExpertExecutor, Pending, TorchExpertExecutor
 
@@ -40,38 +42,40 @@ class SlotPool:
         self.down = torch.zeros(slots, h, host_down.shape[2], dtype=dtype, device=device)  # [S, H, I]
         self.res = Residency.empty(n, slots, device)
         self.slot_bytes = (self.gate_up[0].numel() + self.down[0].numel()) * self.gate_up.element_size()
-        self.bytes_moved = 0
+        # the fused zero-copy kernel reads pinned host banks in place from a CUDA device
+        self.zero_copy = (self.gate_up.is_cuda and zero_copy_ok(host_gate_up) and zero_copy_ok(host_down)
+                          and host_gate_up.is_contiguous() and host_down.is_contiguous())
 
     @property
     def slots(self) -> int:
         return self.gate_up.shape[0]
 
-    def transfer(self, fill_src: torch.Tensor, fill_dst: torch.Tensor, n_fill: torch.Tensor) -> int:
-        """Copy host rows fill_src[:n] into slots fill_dst[:n], every bank. Reads the count (one
-        sync per layer); the device-list-driven copy kernel removes it."""
-        n = int(n_fill)
-        if n == 0:
-            return 0
-        src = fill_src[:n].long().cpu()
-        dst = fill_dst[:n].long()
-        dev = self.gate_up.device
-        for host, slot in ((self.host_gu, self.gate_up), (self.host_dn, self.down)):
-            rows = host.index_select(0, src)  # [n, ...] on the host (pinned banks: a DMA-able source)
-            slot[dst] = rows.to(dev, slot.dtype, non_blocking=True)
-        self.bytes_moved += n * self.slot_bytes
-        return n
+    def transfer(self, fill_src: torch.Tensor, fill_dst: torch.Tensor) -> None:
+        """Copy host rows fill_src[j] into slots fill_dst[j], every bank, for the entries before
+        the first -1. The fused kernel when the device can read the host banks in place (one
+        launch, no sync: capturable); else the reference copy (reads the count: one sync)."""
+        banks_host, banks_slot = [self.host_gu, self.host_dn], [self.gate_up, self.down]
+        if self.zero_copy:
+            transfer_triton(banks_host, banks_slot, fill_src, fill_dst)
+        else:
+            transfer_reference(banks_host, banks_slot, fill_src, fill_dst)
 
 
 class CachedExpertExecutor(ExpertExecutor):
     name = "cache"
     backend = "gpu-cache"
-    capturable = False  # the transfer reads its count on the host; the CPU branch is eager
 
     def __init__(self, host_gate_up: torch.Tensor, host_down: torch.Tensor, slots: int | None, device, dtype,
-                 cpu: ExpertExecutor, fill_share: float = 1.0, policy: str = "recent"):
-        """slots None: allocated later (`allocate`), once the memory plan has sized the pool."""
+                 cpu: ExpertExecutor, fill_share: float | None = 1.0, policy: str = "recent",
+                 layer_experts: int | None = None):
+        """slots None: allocated later (`allocate`), once the memory plan has sized the pool.
+        layer_experts: experts per MoE layer (bounds the distinct experts of one call)."""
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        self.tuner = None
+        if fill_share is None:  # adaptive: chosen from measured decode steps (experts/share.py)
+            from .share import ShareTuner
+            self.tuner, fill_share = ShareTuner(), 1.0
         if not 0.0 <= fill_share <= 1.0:
             raise ValueError(f"the fill share must be in [0, 1], got {fill_share}")
         self.host_gate_up, self.host_down, self.dtype = host_gate_up, host_down, dtype
@@ -79,13 +83,51 @@ class CachedExpertExecutor(ExpertExecutor):
         self.cpu = cpu
         self.device = torch.device(device)
         self.policy = policy
+        self.layer_experts = layer_experts
+        # fill-only (r = 1): every miss is copied into a slot, none runs on the CPU, as long as
+        # the pool holds one call's distinct experts (checked per call from static shapes)
+        self.fill_only = fill_share >= 1.0 and self.tuner is None
+        # whether decode steps carry the CPU branch: off at r = 1 (an empty branch still costs its
+        # copies and host node per layer, ~10% of a step measured on the H200); the adaptive
+        # split turns it on while r < 1, and the decode runner keeps a graph for each variant
+        self.branch_on = fill_share < 1.0
         self.fill_share = torch.tensor([fill_share], dtype=torch.float32, device=device)  # r
         self._fill_only = torch.ones(1, dtype=torch.float32, device=device)
+        if self.tuner is not None and not (self.device.type == "cuda" and self._host_ok(cpu)):
+            # without the CPU branch in stream order, a split costs a host sync per layer: keep
+            # fill-only rather than adapt (said once)
+            import logging
+            logging.getLogger("freetoken.experts").info(
+                "expert cache: fill-only (the CPU branch cannot run in stream order here)")
+            self.tuner, self.fill_only, self.branch_on = None, True, False
+        # the CPU branch in stream order (capturable) where the C++ executor allows it
+        from .cpu.hostcall import HostBranch
+        self.host = HostBranch(cpu, device) if self.device.type == "cuda" and self._host_ok(cpu) else None
         self.threads = getattr(cpu, "threads", None)
         self.isa = getattr(cpu, "isa", None)
-        self.counts = {"calls": 0, "pairs": 0, "hits": 0, "fills": 0, "cpu_experts": 0}
+        # telemetry on the device (no sync per call; read by stats()):
+        # calls, pairs, hits, fills, cpu_experts (distinct experts per call, summed)
+        self._acc = torch.zeros(5, dtype=torch.int64, device=device)
         if slots is not None:
             self.allocate(slots)
+
+    @staticmethod
+    def _host_ok(cpu) -> bool:
+        from .cpu.hostcall import host_branch_ok
+        return host_branch_ok(cpu)
+
+    def observe_step(self, batch: int, seconds: float) -> None:
+        """A decode step's measured wall time (the serving loop reports each one): the adaptive
+        split updates r, a device scalar, so no graph is re-captured."""
+        if self.tuner is not None:
+            r = self.tuner.observe(batch, seconds)
+            if r is not None:
+                self.fill_share.fill_(r)
+                self.branch_on = r < 1.0
+
+    def graph_variant(self) -> str:
+        """Which decode graph the current split needs (the decode runner keys graphs by it)."""
+        return "split" if self.branch_on else "fill-only"
 
     @property
     def num_experts(self) -> int:
@@ -96,6 +138,13 @@ class CachedExpertExecutor(ExpertExecutor):
         """Bytes of one slot (one expert, every bank) in the compute dtype."""
         el = torch.empty((), dtype=self.dtype).element_size()
         return (self.host_gate_up[0].numel() + self.host_down[0].numel()) * el
+
+    @property
+    def capturable(self) -> bool:
+        """A decode step records into a CUDA graph when nothing in it syncs: the transfer kernel
+        reads the host banks in place, and the CPU branch (if any) runs in stream order through a
+        host-function node (experts/cpu/hostcall.py)."""
+        return self.pool is not None and self.pool.zero_copy and (self.fill_only or self.host is not None)
 
     def allocate(self, slots: int) -> None:
         """The slot pool (once): `slots` experts, at most all of them."""
@@ -110,34 +159,59 @@ class CachedExpertExecutor(ExpertExecutor):
         t, k = ids.shape
         step = max(1, MAX_PAIRS // k)  # tokens per control call
         share = self.fill_share if phase == "decode" else self._fill_only
-        outs = [self._call(x[s:s + step], ids[s:s + step], weights[s:s + step], layer, phase, share)
+        fill_only = not self.branch_on or phase != "decode"
+        outs = [self._call(x[s:s + step], ids[s:s + step], weights[s:s + step], layer, phase, share, fill_only)
                 for s in range(0, t, step)]
         return Pending(out=outs[0] if len(outs) == 1 else torch.cat(outs))
 
-    def _call(self, x, ids, weights, layer, phase, share) -> torch.Tensor:
+    def _call(self, x, ids, weights, layer, phase, share, fill_only) -> torch.Tensor:
         ids = ids.to(self.device)
         weights = weights.to(self.device)
         ctl = control(ids, weights, self.pool.res, share, ids.numel(), self.policy)
-        cpu_ids = torch.where(ctl.route == CPU, ids, torch.full_like(ids, NO_EXPERT))
-        cpu = self.cpu.launch(x, cpu_ids, weights, layer, phase)  # the CPU branch first
-        self.pool.transfer(ctl.fill_src, ctl.fill_dst, ctl.n_fill)
+        # at r = 1 a miss runs on the CPU only when the pool cannot hold the call's distinct
+        # experts (fewer slots than pairs, a tiny pool): then the CPU branch must run
+        cpu_branch = not fill_only or self.pool.slots < min(ids.numel(), self.layer_experts or ids.numel())
+        staged = forked = None
+        if cpu_branch and self.host is not None and phase == "decode":  # in stream order (graph-capturable)
+            cpu_ids = torch.where(ctl.route == CPU, ids, torch.full_like(ids, NO_EXPERT))
+            forked = self.host.enqueue(x, cpu_ids, weights)
+        elif cpu_branch:  # the CPU branch's inputs cross first, so its work overlaps the GPU's
+            cpu_ids = torch.where(ctl.route == CPU, ids, torch.full_like(ids, NO_EXPERT))
+            staged = [t.to("cpu", non_blocking=True) for t in (x, cpu_ids, weights)]
+            ready = torch.cuda.Event() if self.device.type == "cuda" else None
+            if ready is not None:
+                ready.record()
+        self.pool.transfer(ctl.fill_src, ctl.fill_dst)
         gpu = self.gpu.run(x.to(self.device), ctl.route.long(), weights, phase)  # CPU / NO_EXPERT pairs skipped
-        out = self.cpu.finish(cpu).to(gpu.device, gpu.dtype) + gpu  # one fixed order
+        if forked is not None:
+            self.host.join()
+            gpu = forked.to(gpu.dtype) + gpu  # one fixed order: CPU part first
+        if staged is not None:
+            if ready is not None:
+                ready.synchronize()  # inputs on the host; the transfer and GPU experts run meanwhile
+            part = self.cpu.finish(self.cpu.launch(*staged, layer, phase))
+            gpu = part.to(gpu.device, gpu.dtype, non_blocking=True) + gpu  # one fixed order: CPU part first
         self._count(ctl, ids)
-        return out.to(x.device)
+        return gpu.to(x.device)
 
     def _count(self, ctl, ids) -> None:
-        n_fill, n_cpu, n_hit = ctl.counts.tolist()
-        c = self.counts
-        c["calls"] += 1
-        c["pairs"] += int((ids >= 0).sum())
-        c["hits"] += n_hit
-        c["fills"] += n_fill
-        c["cpu_experts"] += n_cpu
+        """Device-side accumulation: capturable, no sync."""
+        one = torch.ones(1, dtype=torch.int64, device=self.device)
+        live = (ids >= 0).sum().reshape(1)
+        c = ctl.counts.to(torch.int64)  # n_fill, n_cpu, n_hit
+        self._acc.add_(torch.cat([one, live, c[2:3], c[0:1], c[1:2]]))
 
     def stats(self) -> dict:
+        calls, pairs, hits, fills, cpu_experts = self._acc.tolist()
+        out = {"calls": calls, "pairs": pairs, "hits": hits, "fills": fills, "cpu_experts": cpu_experts}
         if self.pool is None:
-            return dict(self.counts)
+            return out
         res = self.pool.res
-        return {**self.counts, "slots": self.pool.slots, "slots_used": int((res.id_of >= 0).sum()),
-                "bytes_moved": self.pool.bytes_moved, "fill_share": float(self.fill_share)}
+        return {**out, "slots": self.pool.slots, "slots_used": int((res.id_of >= 0).sum()),
+                "bytes_moved": fills * self.pool.slot_bytes, "fill_share": float(self.fill_share),
+                "fill_share_adaptive": int(self.tuner is not None),
+                "fill_share_decisions": self.tuner.decisions if self.tuner is not None else 0,
+                "transfer": "zero-copy kernel" if self.pool.zero_copy else "copy (one sync per layer)",
+                "cpu_branch": "stream-ordered host node" if self.host is not None else "eager (one sync per layer)",
+                **(self.host.stats() if self.host is not None else {}),
+                "hit_rate": round(hits / max(1, hits + fills + cpu_experts), 4)}

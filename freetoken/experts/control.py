@@ -266,8 +266,8 @@ if HAS_TRITON:
     @triton.jit
     def _smallest(x, N: tl.constexpr, TOPK: tl.constexpr):
         """The N smallest of x [M] (M >= N, powers of two), ascending -> [N]."""
-        if TOPK:
-            r = tl.topk(x, N, descending=False)
+        if TOPK:  # the largest of -x, largest first (older tl.topk has no `descending`)
+            r = -tl.topk(-x, N)
         else:  # Triton without tl.topk: sort, then row 0 of the [M / N, N] view is the answer
             r = tl.min(tl.reshape(tl.sort(x), [x.shape[0] // N, N]), axis=0)
         return r

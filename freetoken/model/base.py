@@ -67,14 +67,17 @@ class DecoderModel:
                 names += [m + n + ".weight" for n in ("gate_proj", "up_proj", "down_proj")]
         return names
 
-    def _stack(self, x: torch.Tensor, mix, phase: str, active=None) -> torch.Tensor:
+    def _stack(self, x: torch.Tensor, mix, phase: str, active=None, hook=None) -> torch.Tensor:
         """Embeddings [N, H] through every layer -> final-normed hidden states [N, H].
 
         Each residual add is fused with the norm that follows it (the next sub-layer's input
-        norm, or the final norm): pre-norm blocks, the same arithmetic as the reference."""
+        norm, or the final norm): pre-norm blocks, the same arithmetic as the reference.
+        hook(i), if given, runs before layer i (the prefill expert loader's schedule)."""
         eps, oc = self.cfg.rms_norm_eps, self.one_centered_norm
         normed = rms_norm(x, self.layers[0][2], eps, oc)
         for i, (mixer, mlp, _, ln2) in enumerate(self.layers):
+            if hook is not None:
+                hook(i)
             x, normed = add_rms_norm(x, mix(mixer, normed), ln2, eps, oc)
             nxt = self.layers[i + 1][2] if i + 1 < len(self.layers) else self.norm
             x, normed = add_rms_norm(x, mlp(normed, phase, active), nxt, eps, oc)
@@ -94,11 +97,13 @@ class DecoderModel:
         return lm_head(h if all_logits else h[-1:], self.lm_head).float()
 
     @torch.inference_mode()
-    def prefill_batch(self, tokens: torch.Tensor, st: DecodeState, segs: list) -> torch.Tensor | None:
+    def prefill_batch(self, tokens: torch.Tensor, st: DecodeState, segs: list, hook=None) -> torch.Tensor | None:
         """Prompt chunks of several sequences as one varlen forward: the dense layers and the
-        experts see every token at once, attention and DeltaNet run per sequence.
-        tokens: [N] (the chunks back to back); segs: [(slot, start, length, capture, logits)]
-        -> logits [S, V] of the last token of each segment with logits=True, or None."""
+        experts see every token at once, attention and DeltaNet run per segment, in order
+        (consecutive segments of one sequence: a layer-major pass, runtime/prefill_stream.py).
+        tokens: [N] (the chunks back to back); segs: [(slot, start, length, capture, logits)];
+        hook(i): called before layer i -> logits [S, V] of the last token of each segment with
+        logits=True, or None."""
         x = self.embed[tokens].to(self.dtype)  # [N, H]
         ends = torch.tensor([s[2] for s in segs]).cumsum(0).tolist()
         bounds = list(zip([0] + ends[:-1], ends))
@@ -109,7 +114,7 @@ class DecoderModel:
                 return m.prefill(h, st, slot, start, capture)
             return torch.cat([m.prefill(h[a:b], st, slot, start, capture)
                               for (a, b), (slot, start, _, capture, _) in zip(bounds, segs)])
-        h = self._stack(x, mix, "prefill")
+        h = self._stack(x, mix, "prefill", hook=hook)
         rows = [b - 1 for (_, b), seg in zip(bounds, segs) if seg[4]]
         if not rows:
             return None

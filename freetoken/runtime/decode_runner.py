@@ -35,7 +35,7 @@ def batch_sizes(rows: int) -> list[int]:
 
 
 class DecodeRunner:
-    def __init__(self, model, state: DecodeState, graphs: bool):
+    def __init__(self, model, state: DecodeState, graphs: bool, variant=None):
         self.model, self.state = model, state
         rows = state.slots
         dev = model.device
@@ -44,7 +44,12 @@ class DecodeRunner:
         # static inputs, one upload per step: token, position and running flag of each row
         self.inputs = torch.zeros(3, rows, dtype=torch.long, device=dev)  # [3, rows]
         self._host = torch.zeros(3, rows, dtype=torch.long, pin_memory=dev.type == "cuda")
-        self._captured: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # graphs by (variant, batch size): an executor whose step can take two shapes (the expert
+        # cache with or without its CPU branch) says which one it needs now (graph_variant());
+        # a variant is captured the first time it is needed, then kept
+        self._captured: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._variant = variant or (lambda: None)
+        self._pool = None
 
     @property
     def path(self) -> str:
@@ -52,10 +57,14 @@ class DecodeRunner:
 
     def capture(self) -> None:
         """Warm up and capture every batch size (largest first: smaller graphs reuse its
-        memory pool). Raises FreeTokenError if a capture fails."""
+        memory pool) for the executor's current variant. Raises FreeTokenError if a capture
+        fails."""
         if not self.graphs:
             return
-        pool = torch.cuda.graph_pool_handle()
+        variant = self._variant()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        pool = self._pool
         self.inputs.zero_()  # every row idle: warm-up and capture change no state
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -71,13 +80,13 @@ class DecodeRunner:
                 with torch.cuda.graph(g, pool=pool):
                     out = self._eager(b)
             except Exception as e:  # noqa: BLE001 - something in the step cannot be captured
-                self._captured.clear()
+                self._captured = {k: v for k, v in self._captured.items() if k[0] != variant}
                 raise FreeTokenError(f"CUDA graph capture of the decode step failed at batch size {b} "
                                      f"({type(e).__name__}: {e}); pass --allow-eager to decode without "
                                      "graphs (several times slower)") from None
-            self._captured[b] = (g, out)
+            self._captured[(variant, b)] = (g, out)
         torch.cuda.synchronize()
-        log.info("captured decode graphs for batch sizes %s", self.sizes)
+        log.info("captured decode graphs for batch sizes %s%s", self.sizes, f" ({variant})" if variant else "")
 
     def _eager(self, b: int) -> torch.Tensor:
         x = self.inputs[:, :b]
@@ -89,10 +98,13 @@ class DecodeRunner:
         overwritten by the next call; the caller reads it (a sync) before the next one."""
         n = len(tokens)
         b = next(s for s in self.sizes if s >= n)
+        key = (self._variant(), b)
+        if self.graphs and self._captured and key not in self._captured:
+            self.capture()  # a new variant (the expert cache's split turned on or off): once
         self._host[:, :b].zero_()
         self._host[:, :n] = torch.tensor([tokens, pos, active], dtype=torch.long)
         self.inputs[:, :b].copy_(self._host[:, :b], non_blocking=True)
-        hit = self._captured.get(b)
+        hit = self._captured.get(key)
         if hit is not None:
             hit[0].replay()
             return hit[1]

@@ -5,7 +5,7 @@ weights to the compute device, and gives the expert banks to an ExpertExecutor: 
 they stay in host memory for the C++ executor; on CUDA with experts="gpu" all experts are
 resident in VRAM (the full-VRAM baseline); experts="cpu" on CUDA is the CPU-only MoE backend.
 Quantized checkpoints (fp8_block, mxfp4, nvfp4): the expert banks keep their bytes (an
-experts.banks.ExpertBanks) and run on the torch path, which dequantizes the selected experts;
+experts.banks.ExpertBanks) and the kernels dequantize the selected experts in place;
 quantized dense weights are dequantized to the compute dtype here, at load.
 """
 from __future__ import annotations
@@ -49,13 +49,15 @@ class EngineConfig:
         "help": "with --moe cache: VRAM for expert slots, a size (8GiB) or a fraction (0.5) of what is left "
                 "after the weights and buffers (default: all of it but one full context of KV, at most "
                 "every expert)"})
-    fill_share: float = field(default=1.0, metadata={
+    fill_share: str = field(default="auto", metadata={
         "help": "with --moe cache: the share of a step's misses copied to the GPU (the rest run on the "
-                "CPU); 1 = fill-only. Fixed for now: adapting it to measured bandwidths is to come"})
+                "CPU); 1 = fill-only; auto = chosen from decode step times measured while serving"})
     cache_policy: str = field(default="recent", metadata={
         "help": "with --moe cache: which misses are filled first: recent (routed most recently) or gate "
                 "(largest gate weight)", "choices": ["recent", "gate"]})
-    cpu_threads: int = field(default=0, metadata={"help": "CPU expert threads (0: physical cores)"})
+    cpu_threads: int = field(default=0, metadata={
+        "help": "CPU expert threads (0: the physical cores; on CUDA all but two, left to the thread that "
+                "launches the GPU work and the one that runs the CPU branch of a decode step)"})
     prefill_chunk: int = field(default=2048, metadata={"help": "tokens per prefill chunk"})
     max_seq_len: int = field(default=0, metadata={"help": "context limit (0: the model's)"})
     verify: bool = field(default=True, metadata={"help": "check FTW block checksums while loading"})
@@ -85,11 +87,23 @@ class EngineConfig:
             raise FreeTokenError(f"--decode-slowdown must be 0 (off) or >= 1, got {self.decode_slowdown}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise FreeTokenError("--device cuda: no CUDA device is available")
-        if not 0 <= self.fill_share <= 1:
-            raise FreeTokenError(f"--fill-share must be in [0, 1], got {self.fill_share}")
+        self.fill_share_value()  # refuses a bad value now
         if self.moe != "auto" and self.experts != "auto" and \
                 {"gpu": "resident", "cpu": "cpu"}[self.experts] != self.moe:
             raise FreeTokenError(f"--experts {self.experts} contradicts --moe {self.moe}; give one")
+
+    def fill_share_value(self) -> float | None:
+        """--fill-share as a number in [0, 1], or None for auto (adaptive)."""
+        v = str(self.fill_share).strip().lower()
+        if v == "auto":
+            return None
+        try:
+            r = float(v)
+        except ValueError:
+            r = -1.0
+        if not 0 <= r <= 1:
+            raise FreeTokenError(f"--fill-share must be auto or a number in [0, 1], got {self.fill_share!r}")
+        return r
 
     def resolved(self):
         """(device, dtype, where the experts run: "gpu" (resident), "cache", "cpu", or "auto"
@@ -117,6 +131,8 @@ class Generation:
 
 
 class Engine:
+    prefill_stream = None  # issue 11: layer-major prefill passes streaming the experts (--moe cache)
+
     def __init__(self, path: str, ecfg: EngineConfig | None = None, progress: bool = False):
         self.path = path
         self.ecfg = ecfg or EngineConfig()
@@ -157,6 +173,9 @@ class Engine:
         self.model = model_class(self.cfg.arch)(self.cfg, dense, self.executor, self.device,
                                                 self.dtype, self.max_len)
         self._runner = None  # the one-request serving loop behind generate()
+        if self.experts_on == "cache":  # issue 11: prefill in layer-major passes, experts streamed per layer
+            from .prefill_stream import PrefillStream
+            self.prefill_stream = PrefillStream.for_engine(self)
 
     def _weight_bytes(self, path: str) -> int:
         """Bytes of weights that will live on the compute device (on the CPU: all of them)."""
@@ -200,11 +219,11 @@ class Engine:
 
     def _quantized_executor(self, banks: ExpertBanks):
         """Quantized expert banks keep their bytes. Resident on the device (--moe resident): the
-        torch path, which dequantizes the selected experts with quant.py's reference (no Triton
-        kernel reads these formats yet). On the host: the C++ executor, which reads the banks in
-        place and dequantizes in its kernels (SiLU experts without biases); the torch path there
-        ("torch-fallback") when the extension cannot be built or the experts compute another
-        function."""
+        Triton kernels that dequantize in registers (kernels/moe_quant.py; the torch path on the
+        CPU). On the host: the C++ executor, which reads the banks in place and dequantizes in
+        its kernels (SiLU experts without biases); the torch path there ("torch-fallback") when
+        the extension cannot be built or the experts compute another function. The GPU expert
+        cache does not take quantized banks yet."""
         if self.experts_on == "gpu":
             b = banks.to(self.device)
             return TorchExpertExecutor(b.gate_up, b.down, layer_experts=self.cfg.num_experts, **self.expert_fn)
@@ -213,7 +232,7 @@ class Engine:
             self.experts_on = "cpu"
         from ..experts.cpu import CpuExpertExecutor, extension
         if self.plain_experts and extension() is not None:
-            return CpuExpertExecutor(banks, threads=self.ecfg.cpu_threads)
+            return CpuExpertExecutor(banks, threads=self._cpu_threads())
         log.warning("%s experts: %s; the experts run on the torch path on the host (slower)", banks.format,
                     "the C++ expert executor could not be built" if self.plain_experts else
                     "the C++ expert executor computes SiLU experts without biases only")
@@ -234,15 +253,27 @@ class Engine:
                         "without biases only; slower)", self.expert_fn["activation"].kind)
             return QuantizedHostExecutor(gate_up, down, layer_experts=self.cfg.num_experts, **self.expert_fn)
         from ..experts.cpu import CpuExpertExecutor
-        cpu = CpuExpertExecutor(gate_up, down, threads=self.ecfg.cpu_threads)
+        cpu = CpuExpertExecutor(gate_up, down, threads=self._cpu_threads())
         if self.experts_on != "cache":
+            from ..experts.cpu.hostcall import StreamedCpuExecutor, host_branch_ok
+            if self.device.type == "cuda" and host_branch_ok(cpu):  # decode steps in stream order: one graph
+                return StreamedCpuExecutor(cpu, self.device)
             return cpu
         from ..experts.cached import CachedExpertExecutor
         if self.device.type != "cuda":
             log.warning("--moe cache without CUDA: the expert slots are host memory (a functional test "
                         "of the cache, not a speed-up)")
         return CachedExpertExecutor(gate_up, down, None, self.device, self.dtype, cpu,
-                                    self.ecfg.fill_share, self.ecfg.cache_policy)
+                                    self.ecfg.fill_share_value(), self.ecfg.cache_policy, self.cfg.num_experts)
+
+    def _cpu_threads(self) -> int:
+        """--cpu-threads, or its default: every physical core on a CPU-only machine; on CUDA two
+        fewer (measured on the H200 host, 16 cores: a CPU branch on all 16 ran 2-3x slower than
+        on 6, its pinned workers competing with the launching and callback threads)."""
+        if self.ecfg.cpu_threads or self.device.type != "cuda":
+            return self.ecfg.cpu_threads
+        from ..experts.cpu import physical_cores
+        return max(1, len(physical_cores()) - 2)
 
     def _eos_ids(self, files) -> set[int]:
         ids = set(self.cfg.eos_token_ids)
@@ -284,6 +315,8 @@ class Engine:
                 all_logits: bool = False, logits: bool = True, capture=None) -> torch.Tensor | None:
         """Chunked prefill of ids at positions start..; returns logits of the last (or all),
         or None with logits=False. capture: recurrent-state checkpoints to take on the way."""
+        if self.prefill_stream is not None and not all_logits:  # issue 11: passes, experts streamed
+            return self.prefill_stream.prefill(ids, st, slot, start, logits, capture)
         tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
         outs = []
         n = self.ecfg.prefill_chunk
@@ -297,6 +330,8 @@ class Engine:
     def prefill_batch(self, st: DecodeState, segs: list) -> torch.Tensor | None:
         """segs: [(tokens, slot, start, capture, logits)] -> logits of the segments asking
         for them ([S, V]) or None (model.prefill_batch)."""
+        if self.prefill_stream is not None:  # issue 11: passes, experts streamed
+            return self.prefill_stream.prefill_batch(st, segs)
         tokens = torch.tensor([t for seg in segs for t in seg[0]], dtype=torch.long, device=self.device)
         return self.model.prefill_batch(tokens, st, [(slot, start, len(toks), cap, want)
                                                      for toks, slot, start, cap, want in segs])

@@ -80,7 +80,15 @@ class EngineLoop:
         self.decode = self._decode_runner(engine)
         self.mixed = self.decode.path == "eager"  # decode rows and prompt chunks share a forward
         step_tokens = ecfg.max_step_tokens or (2048 if engine.device.type == "cuda" else 512)
-        self.sched = Scheduler(max_batch, max_queue, ecfg.prefill_chunk, step_tokens)
+        chunk = ecfg.prefill_chunk
+        # ---- issue 11: with the experts streamed per pass (--moe cache), a prompt's chunk is a whole
+        # pass, and it runs alone (a mixed forward would run its mixers over the pass at once)
+        if engine.prefill_stream is not None:
+            chunk = engine.prefill_stream.pass_tokens()
+            step_tokens = max(step_tokens, chunk)
+            self.mixed = False
+        # ---- end issue 11
+        self.sched = Scheduler(max_batch, max_queue, chunk, step_tokens)
         self.slowdown = ecfg.decode_slowdown
         self._decode_s = None  # decode step time (EMA)
         self._costs: deque[tuple[int, float]] = deque(maxlen=32)  # (tokens, seconds) of recent forwards
@@ -100,7 +108,8 @@ class EngineLoop:
         elif not capturable:
             self.eager_reason = f"the {ex.backend} expert backend cannot be captured in a graph yet"
             log.warning("decode runs eagerly: %s", self.eager_reason)
-        runner = DecodeRunner(engine.model, self.state, engine.ecfg.cuda_graphs and capturable)
+        runner = DecodeRunner(engine.model, self.state, engine.ecfg.cuda_graphs and capturable,
+                              getattr(ex, "graph_variant", None))
         try:
             runner.capture()
         except FreeTokenError as e:
@@ -120,7 +129,13 @@ class EngineLoop:
     def stats(self) -> dict:
         out = {**self.kv.stats(), **(self.cache.stats() if self.cache is not None else {})}
         ex = self.engine.executor
-        return {**out, **({f"experts_{k}": v for k, v in ex.stats().items()} if ex is not None else {})}
+        ps = self.engine.prefill_stream  # issue 11: passes by buffering, experts copied / in place / skipped
+        if ps is not None:
+            out.update({f"experts_prefill_{k}": v for k, v in ps.stats().items() if isinstance(v, (int, float))})
+        # numbers only: /metrics exports each as a gauge (the executor's labels, such as how
+        # it transfers, are in describe() and /health)
+        ex_stats = ex.stats() if ex is not None else {}
+        return {**out, **{f"experts_{k}": v for k, v in ex_stats.items() if isinstance(v, (int, float))}}
 
     # ---- hooks ------------------------------------------------------------------------------
     def emit(self, req: Request, ev: TokenEvent) -> None:
@@ -266,6 +281,9 @@ class EngineLoop:
         if decode:
             if not group:
                 self._decode_s = dt if self._decode_s is None else (1 - EMA) * self._decode_s + EMA * dt
+                observe = getattr(eng.executor, "observe_step", None)
+                if observe is not None:  # the expert cache's adaptive split learns from real steps
+                    observe(len(decode), dt)
             if self.metrics:
                 self.metrics.decode_step(len(decode), dt)
         if group:

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
@@ -869,6 +870,59 @@ torch::Tensor forward(int64_t handle, torch::Tensor x, torch::Tensor ids, torch:
   return out;
 }
 
+// ---------------------------------------------------------------- calls from inside a CUDA graph
+// The GPU hands a decode step's CPU share to this executor in stream order: a host-function
+// node (cuLaunchHostFunc, recorded in the graph) calls host_call(desc) once the step's
+// inputs have landed in pinned buffers, and the device copies `out` back after it returns. The
+// descriptor and buffers are fixed per batch shape (experts/cpu/hostcall.py), so one graph
+// replays every step. No CUDA call happens here; an error cannot be thrown across the driver
+// thread, so it is recorded in the descriptor and raised by Python at the next check.
+struct HostCall {
+  int64_t handle;
+  const float* x;       // [T, H] f32
+  const int64_t* ids;   // [T, K] flat ids, -1 = nothing on the CPU
+  const float* w;       // [T, K] f32 gate weights
+  float* out;           // [T, H] f32
+  const void* gate_up;  // [N, 2I, H]
+  const void* down;     // [N, H, I]
+  int64_t n;            // N, for the id check
+  int32_t T, K, H, I;
+  int32_t bank_bf16;    // banks: 1 bf16, 0 f32
+  int32_t bf16_act;     // x holds bf16-exact values
+  int32_t error;        // set when a call failed (ids out of range, an exception)
+  int64_t calls;        // calls made (telemetry)
+  int64_t busy_ns;      // time spent computing (telemetry: the CPU branch's busy time)
+};
+
+void host_call(void* p) {
+  HostCall* c = static_cast<HostCall*>(p);
+  try {
+    const auto t0 = std::chrono::steady_clock::now();
+    bool any = false;
+    for (int64_t i = 0; i < int64_t(c->T) * c->K; ++i) {
+      if (c->ids[i] < -1 || c->ids[i] >= c->n) { c->error = 1; return; }
+      any |= c->ids[i] >= 0;
+    }
+    if (!any) {  // nothing on the CPU this call (fill-only moments of an adaptive split): no pool wake-up
+      std::memset(c->out, 0, sizeof(float) * size_t(c->T) * c->H);
+      c->calls += 1;
+      return;
+    }
+    Executor& ex = *g_execs.at(c->handle);
+    std::lock_guard<std::mutex> g(ex.call_mutex);
+    if (c->bank_bf16)
+      ex.run<uint16_t>(c->x, c->ids, c->w, c->T, c->K, static_cast<const uint16_t*>(c->gate_up),
+                       static_cast<const uint16_t*>(c->down), c->H, c->I, c->out, c->bf16_act != 0);
+    else
+      ex.run<float>(c->x, c->ids, c->w, c->T, c->K, static_cast<const float*>(c->gate_up),
+                    static_cast<const float*>(c->down), c->H, c->I, c->out, false);
+    c->calls += 1;
+    c->busy_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+  } catch (...) {
+    c->error = 2;
+  }
+}
+
 // One quantized bank from its tensors (values, scale, scale_2 or an empty tensor), checked
 // against the logical shape [N, R, C] and the format's layout (weights/quant.py).
 QBank make_bank(int fmt, const torch::Tensor& v, const torch::Tensor& s, const torch::Tensor& s2, int64_t N,
@@ -929,9 +983,14 @@ torch::Tensor forward_q(int64_t handle, torch::Tensor x, torch::Tensor ids, torc
   return out;
 }
 
+int64_t host_call_address() { return reinterpret_cast<int64_t>(&host_call); }
+int64_t host_call_size() { return int64_t(sizeof(HostCall)); }
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("host_call_address", &host_call_address, "address of the host-function entry (a CUhostFn)");
+  m.def("host_call_size", &host_call_size, "sizeof the HostCall descriptor (checked against hostcall.py)");
   m.def("create", &create, "create an executor with a pinned thread pool");
   m.def("isa", &isa_of, "ISA level in use: 0 scalar, 1 avx2, 2 avx512, 3 avx512-bf16");
   m.def("forward", &forward, "routed experts on the CPU", py::call_guard<py::gil_scoped_release>());

@@ -1,0 +1,310 @@
+"""Decode tok/s with the routed experts offloaded to host memory: the GPU expert cache (a pool
+of VRAM slots that follows the router) against CPU-only and all-resident, on random BF16
+weights of a real model shape made in place (no file).
+
+Modes (the `mode` field of each row):
+  resident   every expert in VRAM (the upper bound), one CUDA graph per step
+  fill-only  the cache with r = 1: every miss copied into a slot by the fused zero-copy
+             transfer kernel; the whole step is one CUDA graph
+  cache      what users get by default: the adaptive split (experts/share.py) choosing r from
+             the measured step times during the warm-up (`--cache-warmup` steps), then timed
+  split      the cache with a fixed fill share r < 1 (`--fill-shares`): the other misses run
+             on the C++ CPU executor, called from a host-function node on a side stream while
+             the GPU copies and computes; one CUDA graph
+  cpu-only   every routed expert on the C++ CPU executor (the same host node), the rest on
+             the GPU; one CUDA graph
+Routing (`--routing`): `model` (the random router's own choices: near-uniform, the hardest
+case for a cache), `trace:FILE` (a routing trace in the formats of experts/traces.py; its
+shape must be the model's: `--shape mixtral` for the Mixtral-8x7B traces), or
+`synthetic[:key=value,...]` (SYNTHETIC skewed routing, labelled so). Replayed routes replace
+the router's ids (its gate weights are kept); the tokens still come from the model.
+
+Also measured in the same run: B_P, expert-sized copies from pinned host banks into slots
+(the fused kernel, and one copy-engine copy per expert), and B_H, the CPU executor's read rate
+on the model's expert shape at each thread count; the analytic floor of each row is the
+resident step plus the step's miss bytes over B_P (fill-only) or B_P + B_H (cache, split).
+Each step is synchronised and its tokens read, as the serving loop does.
+    python -m bench.expert_cache [--shape qwen36] [--layers 12] [--capacity 0.33]
+        [--batch 1,4] [--threads 6,16] [--modes resident,fill-only,cache,cpu-only]
+        [--fill-shares 0.75] [--routing model] [--tokens 64] [--warmup 48] [--cache-warmup 200]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from bench.common import write_result
+from bench.decode import QWEN36_35B_A3B
+from freetoken.config import ModelConfig
+from freetoken.demo import random_tensor, weight_shapes
+from freetoken.experts.cached import CachedExpertExecutor
+from freetoken.experts.executor import ExpertExecutor, TorchExpertExecutor
+from freetoken.experts.traces import parse_routing
+from freetoken.model.registry import model_class
+from freetoken.model.state import DecodeState
+
+# Mixtral-8x7B's MoE dimensions on our hybrid architecture (the non-expert layers are not
+# Mixtral's; only the experts matter to the cache): for replaying the Mixtral routing traces
+MIXTRAL_MOE = dict(QWEN36_35B_A3B, vocab_size=32000, hidden_size=4096, num_attention_heads=32,
+                   num_key_value_heads=8, head_dim=128, num_experts=8, num_experts_per_tok=2,
+                   moe_intermediate_size=14336, num_hidden_layers=32)
+SHAPES = {"qwen36": QWEN36_35B_A3B, "mixtral": MIXTRAL_MOE}
+
+
+class ReplayRouting(ExpertExecutor):
+    """Replaces the router's expert ids of decode steps with a trace's, read from a device
+    buffer [L, B, k] (flat ids) the driver fills before each step: graph-capturable."""
+
+    def __init__(self, inner: ExpertExecutor, buf: torch.Tensor):
+        self.inner, self.buf = inner, buf
+        self.name, self.backend = inner.name, inner.backend
+        self.capturable = inner.capturable
+        self.threads, self.isa = getattr(inner, "threads", None), getattr(inner, "isa", None)
+
+    def launch(self, x, ids, weights, layer: int = 0, phase: str = "decode"):
+        if phase == "decode" and ids.shape[0] == self.buf.shape[1]:
+            ids = self.buf[layer]  # [B, k]
+        return self.inner.launch(x, ids, weights, layer, phase)
+
+    def finish(self, pending):
+        return self.inner.finish(pending)
+
+    def stats(self):
+        return self.inner.stats()
+
+
+def make_experts(mc, dev, seed: int = 0):
+    """Random BF16 expert banks in pinned host memory, made layer by layer on the device."""
+    n, i, h, e = mc.num_flat_experts, mc.moe_intermediate_size, mc.hidden_size, mc.num_experts
+    gu = torch.empty(n, 2 * i, h, dtype=torch.bfloat16, pin_memory=dev.type == "cuda")  # [N, 2I, H]
+    dn = torch.empty(n, h, i, dtype=torch.bfloat16, pin_memory=dev.type == "cuda")  # [N, H, I]
+    g = torch.Generator(device=dev).manual_seed(seed)
+    for s in range(0, n, e):
+        gu[s:s + e].copy_(torch.randn(e, 2 * i, h, generator=g, device=dev, dtype=torch.bfloat16).mul_(h ** -0.5))
+        dn[s:s + e].copy_(torch.randn(e, h, i, generator=g, device=dev, dtype=torch.bfloat16).mul_(i ** -0.5))
+    return gu, dn
+
+
+def measure_bp(gu, dn, dev, experts: int = 64) -> dict:
+    """Pinned host -> VRAM slots, expert-sized: the fused zero-copy kernel over a fill list,
+    and one copy-engine copy per bank row."""
+    from freetoken.kernels.expert_transfer import transfer_triton
+    if dev.type != "cuda":
+        return {}
+    k = min(experts, gu.shape[0])
+    slots = [torch.empty(k, *gu.shape[1:], dtype=gu.dtype, device=dev), torch.empty(k, *dn.shape[1:], dtype=dn.dtype,
+                                                                                    device=dev)]
+    src = torch.randperm(gu.shape[0])[:k].to(torch.int32).to(dev)
+    dst = torch.arange(k, dtype=torch.int32, device=dev)
+    nbytes = k * (gu[0].numel() + dn[0].numel()) * gu.element_size()
+
+    def kernel():
+        transfer_triton([gu, dn], slots, src, dst)
+
+    def engine():
+        for j, e in enumerate(src.tolist()):
+            slots[0][j].copy_(gu[e], non_blocking=True)
+            slots[1][j].copy_(dn[e], non_blocking=True)
+    out = {}
+    for name, fn in (("kernel", kernel), ("copy_engine", engine)):
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        out[f"bp_{name}_gbs"] = round(5 * nbytes / (time.perf_counter() - t0) / 1e9, 1)
+    return out
+
+
+def measure_bh(cpu, mc, dev, pairs: int = 64) -> float:
+    """GB/s the CPU executor reads on the model's expert shape (batch 1, `pairs` experts)."""
+    h = mc.hidden_size
+    x = torch.randn(1, h, dtype=torch.bfloat16)
+    ids = torch.randperm(cpu.gate_up.shape[0])[:pairs][None]  # [1, pairs] distinct experts
+    w = torch.full((1, pairs), 1.0 / pairs)
+    cpu.run(x, ids, w, "decode")
+    t0 = time.perf_counter()
+    reps = 5
+    for _ in range(reps):
+        cpu.run(x, ids, w, "decode")
+    per_expert = (cpu.gate_up[0].numel() + cpu.down[0].numel()) * cpu.gate_up.element_size()
+    return reps * pairs * per_expert / (time.perf_counter() - t0) / 1e9
+
+
+def replay_steps(spec: str, mc, batch: int, dev):
+    """The trace's decode steps as flat ids [S, L, B, k] on the device (missing rows -1), or None."""
+    trace = parse_routing(spec, num_layers=len(mc.moe_layers), num_experts=mc.num_experts, top_k=mc.top_k)
+    if trace is None:
+        return None, None
+    steps = []
+    for st in trace.decode_steps(batch):  # [L, b, k], b <= batch
+        a = torch.full((len(mc.moe_layers), batch, mc.top_k), -1, dtype=torch.int64)
+        t = torch.as_tensor(st, dtype=torch.int64)
+        a[:, :t.shape[1]] = t
+        steps.append(a)
+    ids = torch.stack(steps)  # [S, L, B, k] per-layer ids
+    offs = (torch.arange(ids.shape[1]) * mc.num_experts)[None, :, None, None]
+    ids = torch.where(ids >= 0, ids + offs, -1)  # flat ids
+    return ids.to(dev), {"name": trace.name, "synthetic": trace.synthetic, "steps": len(steps)}
+
+
+def capture(step, dev):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = step()
+    return lambda: (g.replay(), out)[1]
+
+
+def run_config(mc, w, ex, dev, batch: int, tokens: int, warmup: int, routes, prompt: int = 64) -> dict:
+    inner = ex
+    buf = None
+    if routes is not None:
+        buf = torch.full((len(mc.moe_layers), batch, mc.top_k), -1, dtype=torch.int64, device=dev)
+        ex = ReplayRouting(ex, buf)
+    model = model_class(mc.arch)(mc, w, ex, dev, torch.bfloat16, 4096)
+    ctx = prompt + warmup + tokens + 8
+    st = DecodeState(mc, batch, ctx, dev, torch.bfloat16)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    tok = torch.zeros(batch, dtype=torch.long, device=dev)
+    for b in range(batch):
+        st.reserve(b, ctx)
+        p = torch.randint(0, mc.vocab_size, (prompt,), generator=g).to(dev)
+        tok[b] = model.prefill(p, st, b, 0)[-1].argmax()
+    pos = torch.full((batch,), prompt, dtype=torch.long, device=dev)
+    step = lambda: model.decode(tok, st, pos)  # noqa: E731
+    graph = dev.type == "cuda" and ex.capturable
+    variant = getattr(inner, "graph_variant", None)  # the cache's step with or without its CPU branch
+    graphs = {}
+
+    def fn():
+        if not graph:
+            return step()
+        v = variant() if variant is not None else None
+        if v not in graphs:  # captured the first time the split needs it, as the decode runner does
+            graphs[v] = capture(step, dev)
+        return graphs[v]()
+    n_routes = routes.shape[0] if routes is not None else 0
+
+    observe = getattr(inner, "observe_step", None)
+
+    def advance(k):
+        t0 = time.perf_counter()
+        if buf is not None:
+            buf.copy_(routes[k % n_routes])
+        pos.fill_(prompt + k)
+        tok.copy_(fn().argmax(-1))
+        tok.tolist()  # the serving loop reads each step's tokens: a sync per step
+        if observe is not None:
+            observe(batch, time.perf_counter() - t0)
+    for k in range(warmup):  # the cache reaches its steady state
+        advance(k)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    sync()
+    before = ex.stats()
+    t0 = time.perf_counter()
+    for k in range(warmup, warmup + tokens):
+        advance(k)
+    sync()
+    dt = (time.perf_counter() - t0) / tokens
+    after = ex.stats()
+    row = {"batch": batch, "graph": graph, "ms_per_step": round(dt * 1e3, 3), "tok_s": round(batch / dt, 1)}
+    if getattr(inner, "tuner", None) is not None:
+        row["fill_share_chosen"] = inner.tuner.share
+    if "hits" in after:
+        d = {k: after[k] - before[k] for k in ("hits", "fills", "cpu_experts")}
+        seen = d["hits"] + d["fills"] + d["cpu_experts"]
+        row.update(miss_rate=round((d["fills"] + d["cpu_experts"]) / max(1, seen), 4),
+                   fills_per_step=round(d["fills"] / tokens, 2), cpu_experts_per_step=round(d["cpu_experts"] / tokens, 2),
+                   transfer=after.get("transfer"))
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="qwen36", choices=sorted(SHAPES))
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--capacity", type=float, default=0.33, help="slots as a fraction of all experts")
+    ap.add_argument("--batch", default="1,4")
+    ap.add_argument("--threads", default="6,14", help="CPU threads of the rows that use the CPU (16-core host: 14 leaves two cores to the launching and callback threads)")
+    ap.add_argument("--modes", default="resident,fill-only,cache,split,cpu-only")
+    ap.add_argument("--fill-shares", default="0.75", help="fixed r of the `split` rows")
+    ap.add_argument("--cache-warmup", type=int, default=200, help="warm-up steps of `cache` rows (the split adapts)")
+    ap.add_argument("--policy", default="recent", choices=["recent", "gate"])
+    ap.add_argument("--routing", default="model")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--warmup", type=int, default=48)
+    ap.add_argument("--name", default="expert_cache", help="result file name (before -gpu.json)")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.expert_cache needs a CUDA device (the cache's slots live in VRAM)")
+    dev = torch.device("cuda")
+    cfg = dict(SHAPES[a.shape], num_hidden_layers=a.layers)
+    mc = ModelConfig.from_hf(cfg)
+    g = torch.Generator(device=dev).manual_seed(0)
+    w = {n: random_tensor(n, s, g, device=dev, embed_std=0.02) for n, s in weight_shapes(mc, experts=False).items()}
+    t0 = time.perf_counter()
+    gu, dn = make_experts(mc, dev)
+    expert_bytes = (gu[0].numel() + dn[0].numel()) * 2
+    slots = max(1, int(a.capacity * mc.num_flat_experts))
+    res = {"model": f"{a.shape} shape, random BF16, {a.layers} layers", "config": cfg,
+           "pool_gb": round(gu.shape[0] * expert_bytes / 1e9, 2), "expert_mb": round(expert_bytes / 1e6, 2),
+           "capacity": a.capacity, "slots": slots, "policy": a.policy, "routing": a.routing,
+           "setup_s": round(time.perf_counter() - t0, 1), **measure_bp(gu, dn, dev), "runs": []}
+    from freetoken.experts.cpu import CpuExpertExecutor
+    resident = None
+    for batch in [int(b) for b in a.batch.split(",")]:
+        routes, rinfo = replay_steps(a.routing, mc, batch, dev)
+        res["routing_trace"] = rinfo
+        for mode in a.modes.split(","):
+            thread_list = [int(t) for t in a.threads.split(",")]
+            if mode in ("resident", "fill-only"):  # the CPU computes no expert: one row
+                thread_list = [0] if mode == "resident" else thread_list[:1]
+            shares = [float(r) for r in a.fill_shares.split(",")] if mode == "split" else [None if mode == "cache" else 1.0]
+            for threads in thread_list:
+                for r in shares:
+                    if mode == "resident":
+                        ex = TorchExpertExecutor(gu.to(dev), dn.to(dev), layer_experts=mc.num_experts)
+                    else:
+                        cpu = CpuExpertExecutor(gu, dn, threads=threads)
+                        if f"bh_{threads}_gbs" not in res:
+                            res[f"bh_{threads}_gbs"] = round(measure_bh(cpu, mc, dev), 1)
+                        if mode == "cpu-only":  # decode steps in stream order (one graph) where it can
+                            from freetoken.experts.cpu.hostcall import StreamedCpuExecutor, host_branch_ok
+                            ex = StreamedCpuExecutor(cpu, dev) if host_branch_ok(cpu) else cpu
+                        else:
+                            ex = CachedExpertExecutor(
+                                gu, dn, slots, dev, torch.bfloat16, cpu, r, a.policy, mc.num_experts)
+                    row = {"mode": mode, "threads": threads or None, "fill_share": r if mode == "split" else None,
+                           "capacity": a.capacity if mode in ("cache", "split", "fill-only") else None,
+                           "routing": a.routing}
+                    warm = a.cache_warmup if mode == "cache" else a.warmup
+                    try:
+                        row.update(run_config(mc, w, ex, dev, batch, a.tokens, warm, routes))
+                    except Exception as e:  # one failed configuration does not lose the others
+                        row["error"] = f"{type(e).__name__}: {e}"[:300]
+                    if mode == "resident":
+                        resident = row.get("ms_per_step")
+                    if resident and "miss_rate" in row:
+                        bw = res["bp_kernel_gbs"] + (res[f"bh_{threads}_gbs"] if mode in ("cache", "split") else 0)
+                        miss = (row["fills_per_step"] + row["cpu_experts_per_step"]) * expert_bytes
+                        row["floor_ms"] = round(resident + miss / (bw * 1e9) * 1e3, 3)
+                        row["floor_tok_s"] = round(batch / row["floor_ms"] * 1e3, 1)
+                        row["of_floor"] = round(row["floor_ms"] / row["ms_per_step"], 3)
+                    row["llamacpp_tok_s"] = None  # not run in this call (see benchmarks/README.md)
+                    print(row, flush=True)
+                    res["runs"].append(row)
+                    del ex
+                    torch.cuda.empty_cache()
+    write_result(a.name, res)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""Prefill tok/s with the routed experts offloaded to pinned host memory and streamed per layer in
+layer-major passes (runtime/prefill_stream.py, experts/stream.py), on a Qwen3.6-35B-A3B-shaped
+model with random BF16 weights made in place (no file). GPU only.
+
+Rows (`runs`), per --layers (12: the slice; 40: the full model), buffering and prompt length:
+  buffering      double / single / on-demand (asked; `mode_ran` is what the pool allowed), or
+                 `resident` (every expert in VRAM, chunked prefill: the compute-bound ceiling)
+  tok_s, pass_s  prompt tokens per second; mean seconds of one pass (ceil(n / pass_tokens) passes)
+  floor_s        the transfer floor of one pass: pool_bytes / B_P, B_P measured in this run with
+                 expert-sized copies from the pinned banks (one copy-engine copy per expert and
+                 bank); floor_bulk_s with whole-layer copies (what a full layer load issues)
+  of_floor       floor_s / pass_s (1.0: transfer-bound at line rate)
+  llamacpp_tok_s null: llama.cpp is not run by this script (same VRAM: see the issue)
+Each streamed run starts cold (an empty slot pool), the pool holding `--slots` experts (default
+two layers: what double buffering needs, the consumer-card case). A warm-up pass per mode
+compiles and autotunes first.
+    python -m bench.prefill_stream [--layers 12,40] [--lengths 1024,2048,4096,8192,16384,32768]
+        [--buffering double,single,on-demand] [--pass-tokens 32768] [--slots 512] [--no-resident]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from bench.common import write_result
+from bench.decode import QWEN36_35B_A3B
+from freetoken.config import ModelConfig
+from freetoken.demo import random_tensor, weight_shapes
+from freetoken.experts.cached import CachedExpertExecutor
+from freetoken.experts.executor import TorchExpertExecutor
+from freetoken.model.registry import model_class
+from freetoken.model.state import DecodeState
+from freetoken.runtime.prefill_stream import PrefillStream
+from freetoken.weights.ftw import ALIGN
+from freetoken.weights.reader import pin_in_place
+
+SUB = 2048  # the engine's default --prefill-chunk: pieces of a pass, and the resident baseline's chunks
+
+
+def host_bank(shape, dtype) -> torch.Tensor:
+    """A host tensor on page boundaries with a page of its own past the end, for pin_in_place
+    (cudaHostRegister, exact size: the caching pinned allocator rounds each allocation up to a
+    power of two, 64 GiB for the 40-layer gate_up bank's 43 GB)."""
+    el = torch.empty((), dtype=dtype).element_size()
+    n = 1
+    for d in shape:
+        n *= d
+    raw = torch.empty(n + 2 * ALIGN // el, dtype=dtype)
+    off = (-raw.data_ptr() % ALIGN) // el
+    return raw[off:off + n].view(shape)
+
+
+def make_experts(mc, dev, seed: int = 0):
+    """Random BF16 expert banks in registered host memory, made layer by layer on the device."""
+    n, i, h, e = mc.num_flat_experts, mc.moe_intermediate_size, mc.hidden_size, mc.num_experts
+    gu, dn = host_bank((n, 2 * i, h), torch.bfloat16), host_bank((n, h, i), torch.bfloat16)  # [N, 2I, H], [N, H, I]
+    g = torch.Generator(device=dev).manual_seed(seed)
+    for s in range(0, n, e):
+        gu[s:s + e].copy_(torch.randn(e, 2 * i, h, generator=g, device=dev, dtype=torch.bfloat16).mul_(h ** -0.5))
+        dn[s:s + e].copy_(torch.randn(e, h, i, generator=g, device=dev, dtype=torch.bfloat16).mul_(i ** -0.5))
+    if not pin_in_place([gu, dn]) or not (gu.is_pinned() and dn.is_pinned()):
+        raise SystemExit("could not register the expert banks for DMA (cudaHostRegister): the numbers would be "
+                         "pageable-copy numbers")
+    return gu, dn
+
+
+def measure_bp(gu, dn, dev, experts: int = 64) -> dict:
+    """GB/s from the pinned banks into VRAM: expert-sized copies (one per expert and bank), and
+    bulk (one layer's experts per bank in one copy)."""
+    e = min(experts, gu.shape[0])
+    dst = [torch.empty(e, *gu.shape[1:], dtype=gu.dtype, device=dev), torch.empty(e, *dn.shape[1:], dtype=dn.dtype,
+                                                                                  device=dev)]
+    src = torch.randperm(gu.shape[0])[:e].tolist()
+    nbytes = e * (gu[0].numel() + dn[0].numel()) * gu.element_size()
+
+    def per_expert():
+        for j, f in enumerate(src):
+            dst[0][j].copy_(gu[f], non_blocking=True)
+            dst[1][j].copy_(dn[f], non_blocking=True)
+
+    def bulk():
+        dst[0].copy_(gu[:e], non_blocking=True)
+        dst[1].copy_(dn[:e], non_blocking=True)
+    out = {}
+    for name, fn in (("expert", per_expert), ("bulk", bulk)):
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        out[name] = 5 * nbytes / (time.perf_counter() - t0)
+    return out
+
+
+def cold(cache) -> None:
+    """An empty pool: every run streams from scratch (no experts left by the previous run)."""
+    res = cache.pool.res
+    res.slot_of.fill_(-1)
+    res.id_of.fill_(-1)
+
+
+def run_layers(layers: int, a, dev, res: dict) -> None:
+    cfg = dict(QWEN36_35B_A3B, num_hidden_layers=layers)
+    mc = ModelConfig.from_hf(cfg)
+    lengths = [int(x) for x in a.lengths.split(",")]
+    max_len = max(lengths) + 64
+    g = torch.Generator(device=dev).manual_seed(0)
+    w = {n: random_tensor(n, s, g, device=dev, embed_std=0.02) for n, s in weight_shapes(mc, experts=False).items()}
+    t0 = time.perf_counter()
+    gu, dn = make_experts(mc, dev)  # pinned host banks [N, 2I, H], [N, H, I]
+    setup_s = time.perf_counter() - t0
+    e = mc.num_experts
+    slot_bytes = (gu[0].numel() + dn[0].numel()) * gu.element_size()
+    pool_bytes = gu.shape[0] * slot_bytes
+    bp = measure_bp(gu, dn, dev)
+    floor_s, floor_bulk_s = pool_bytes / bp["expert"], pool_bytes / bp["bulk"]
+    slots = a.slots or 2 * e
+    res["sections"].append({"layers": layers, "pool_gb": round(pool_bytes / 1e9, 2), "slots": slots,
+                            "slots_gb": round(slots * slot_bytes / 1e9, 2), "bp_expert_gbs": round(bp["expert"] / 1e9, 1),
+                            "bp_bulk_gbs": round(bp["bulk"] / 1e9, 1), "setup_s": round(setup_s, 1)})
+    print(res["sections"][-1], flush=True)
+    st = DecodeState(mc, 1, max_len, dev, torch.bfloat16)
+    st.reserve(0, max_len)
+    prompt = torch.randint(0, mc.vocab_size, (max(lengths),)).tolist()
+    # the cache's CPU branch never runs in a prefill pass: the host torch path stands in for it
+    cache = CachedExpertExecutor(gu, dn, slots, dev, torch.bfloat16, TorchExpertExecutor(gu, dn), 1.0, "recent",
+                                 layer_experts=e)
+    model = model_class(mc.arch)(mc, w, cache, dev, torch.bfloat16, max_len)
+    for buffering in a.buffering.split(","):
+        ps = PrefillStream(model, mc, cache, SUB, max_pass_tokens=a.pass_tokens, buffering=buffering)
+
+        def prefill(n):
+            st.reset(0)
+            cold(cache)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            ps.prefill(prompt[:n], st, 0, 0)
+            torch.cuda.synchronize()
+            return time.perf_counter() - t
+        prefill(min(SUB, max(lengths)))  # compile and autotune
+        prefill(min(a.pass_tokens, max(lengths)))
+        for n in lengths:
+            reps = 1 if n >= 8192 else 2  # short runs are noisier: the better of two
+            before = dict(ps.loader.counts)
+            wall = min(prefill(n) for _ in range(reps))
+            after = ps.loader.counts
+            d = {k: (after[k] - before[k]) // reps for k in ("layers_full", "layers_routed", "experts_h2d",
+                                                             "experts_skipped", "passes")}
+            passes = max(1, d["passes"])
+            row = {"layers": layers, "prompt_tokens": n, "buffering": buffering, "mode_ran": ps.loader.mode,
+                   "tok_s": round(n / wall, 1), "pass_s": round(wall / passes, 4), "passes": passes,
+                   "floor_s": round(floor_s, 4), "floor_bulk_s": round(floor_bulk_s, 4),
+                   "of_floor": round(floor_s / (wall / passes), 3), "pass_tokens": ps.pass_tokens(), **d,
+                   "llamacpp_tok_s": None}
+            print(row, flush=True)
+            res["runs"].append(row)
+        del ps
+    del model, cache
+    torch.cuda.empty_cache()
+    if a.resident:
+        ex = TorchExpertExecutor(gu.to(dev), dn.to(dev), layer_experts=e)
+        model = model_class(mc.arch)(mc, w, ex, dev, torch.bfloat16, max_len)
+        tokens = torch.tensor(prompt, device=dev)
+
+        def chunked(n):
+            st.reset(0)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for s in range(0, n, SUB):
+                model.prefill(tokens[s:min(n, s + SUB)], st, 0, s, logits=s + SUB >= n)
+            torch.cuda.synchronize()
+            return time.perf_counter() - t
+        chunked(min(SUB, max(lengths)))
+        for n in lengths:
+            wall = chunked(n)
+            row = {"layers": layers, "prompt_tokens": n, "buffering": "resident", "tok_s": round(n / wall, 1),
+                   "pass_s": None, "floor_s": None, "llamacpp_tok_s": None}
+            print(row, flush=True)
+            res["runs"].append(row)
+        del ex, model
+    del gu, dn, st, w
+    torch.cuda.empty_cache()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", default="12,40")
+    ap.add_argument("--lengths", default="1024,2048,4096,8192,16384,32768")
+    ap.add_argument("--buffering", default="double,single,on-demand")
+    ap.add_argument("--pass-tokens", type=int, default=32768, help="most tokens one pass takes")
+    ap.add_argument("--slots", type=int, default=0, help="expert slots in VRAM (0: two layers' worth)")
+    ap.add_argument("--no-resident", dest="resident", action="store_false",
+                    help="skip the all-experts-in-VRAM chunked prefill rows")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.prefill_stream needs a CUDA device: it streams experts from pinned host memory "
+                         "into VRAM slots (run it on the GPU machine)")
+    dev = torch.device("cuda")
+    res = {"model": "Qwen3.6-35B-A3B shape, random BF16, experts in pinned host memory",
+           "config": QWEN36_35B_A3B, "sub_chunk": SUB, "pass_tokens": a.pass_tokens, "sections": [], "runs": []}
+    for layers in [int(x) for x in a.layers.split(",")]:
+        run_layers(layers, a, dev, res)
+    write_result("prefill_stream", res)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,280 @@
+"""Streamed expert loading for layer-major prefill passes (mechanism 1 of the design).
+
+A prefill pass (runtime/prefill_stream.py) runs each layer once over many tokens, so each MoE
+layer's experts must be on the device once per pass. This loader stages them in the GPU expert
+cache's own slots (experts/cached.py SlotPool): no second allocation, so a pass never takes more
+memory than the pool the memory plan sized.
+
+The pool's S slots during a pass:
+  keep     [0, S - R)  the decode cache's experts, never overwritten by the pass; an expert of
+                       the layer found there is used where it lies (no copy at all, not even
+                       D2D). Free ones take the pass's copies first (kept: they seed the cache)
+  regions  [S - R, S)  R = 2E (double), E (single) or min(S, E) (on-demand) slots; layer j's
+                       experts go to region j % regions, expert e to slot base + e (with a
+                       region of E slots: a full layer is two bulk copies, one per bank)
+Buffering (chosen per pass from the pool's size; a mode that does not fit falls back, never
+oversubscribing):
+  double     S >= 2E: while layer j computes from one region, a copy stream loads layer j+1
+             into the other, starting before j+1's routing is known (at the hook before layer
+             j, once layer j-1's experts, the region's previous tenant, are done)
+  single     S >= E: layer j loads at the hook before layer j (overlapping its token mixer only)
+  on-demand  layer j loads only the experts its tokens route to, once the router has run; with
+             fewer than E slots, in groups of R experts, each computed before the next is loaded
+Sparse passes: double and single load a full layer only while routing is dense. The coverage
+of the next layer is predicted from the last one measured (the distinct experts the pass
+routed to, over E; before any, from the pass length under uniform routing); below
+`dense_share` the layer is loaded on demand, so a short prompt pays for its routed experts
+only, never a full-pool stream.
+
+Residency (control.Residency) is read to the host once at the start of a pass, followed there
+(slots evicted and filled), and written back at the end, stamped with a new clock: what the
+regions hold after the pass (the last layers' experts) seeds the decode cache. Nothing else
+touches the residency during a pass (the model runs one forward at a time).
+On CUDA the copies are copy-engine transfers from the pinned host banks on a copy stream of
+their own, ordered by events: a region is written only after the compute stream is past its
+previous tenant, and a layer's experts compute only after their copy landed. On the CPU the
+same code runs synchronously.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from .executor import NO_EXPERT, ExpertExecutor, Pending, TorchExpertExecutor
+
+log = logging.getLogger("freetoken.experts")
+MODES = ("double", "single", "on-demand")
+BUFFERING = ("auto",) + MODES
+# a full layer is loaded while the predicted share of a layer's experts routed to is at least
+# this: loading it all overlaps the compute, loading the routed ones only does not, so skipping
+# pays when few are left out and little compute hides the transfer (short passes)
+DENSE_SHARE = 0.9
+
+
+def pick_mode(requested: str, slots: int, experts: int) -> str:
+    """The buffering a pool of `slots` slots can hold: the requested one, or the next smaller."""
+    if requested not in BUFFERING:
+        raise ValueError(f"buffering must be one of {BUFFERING}, got {requested!r}")
+    fits = "double" if slots >= 2 * experts else "single" if slots >= experts else "on-demand"
+    if requested == "auto":
+        return fits
+    return MODES[max(MODES.index(requested), MODES.index(fits))]
+
+
+def uniform_coverage(tokens: int, top_k: int, experts: int) -> float:
+    """Expected share of a layer's experts that `tokens` tokens route to, routing uniform."""
+    return 1.0 - (1.0 - min(top_k, experts) / experts) ** max(tokens, 0)
+
+
+class LayerStreamer(ExpertExecutor):
+    """The pass's expert executor: begin(tokens) -> per MoE layer j: before_layer(j) (the hook
+    before its token mixer), launch(x, ids, weights, layer=j) -> end(). Not for decode."""
+
+    name = "stream"
+    backend = "gpu-cache"
+
+    def __init__(self, cache, moe_layers: int, experts: int, top_k: int, buffering: str = "auto",
+                 dense_share: float = DENSE_SHARE, sub_tokens: int = 2048):
+        """cache: the CachedExpertExecutor whose slot pool holds the regions (its public parts:
+        pool.gate_up / down / res / slots, host_gate_up / host_down, device); sub_tokens: tokens
+        per expert computation (bounds the pairs' activations)."""
+        pick_mode(buffering, 0, 1)  # validates
+        self.cache, self.layers, self.experts, self.top_k = cache, moe_layers, experts, top_k
+        self.buffering, self.dense_share, self.sub = buffering, dense_share, max(1, sub_tokens)
+        self.device = torch.device(cache.device)
+        self._copy = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._gpu = None  # TorchExpertExecutor over the pool's banks (slot ids), at the first pass
+        self._warned = False
+        self.mode = None  # the running (or last) pass's buffering
+        self.counts = {"passes": 0, "passes_double": 0, "passes_single": 0, "passes_on_demand": 0, "tokens": 0,
+                       "layers_full": 0, "layers_routed": 0, "experts_h2d": 0, "experts_resident": 0,
+                       "experts_skipped": 0, "bytes_h2d": 0}
+        self.last = {}  # the last pass: tokens, seconds, layers loaded full / routed
+
+    # ---- the pass ---------------------------------------------------------------------------
+    def begin(self, tokens: int) -> str:
+        """Start a pass of `tokens` tokens; returns its buffering."""
+        pool = self.cache.pool
+        if pool is None:
+            raise RuntimeError("the expert cache has no slots yet: allocate() comes with the memory plan")
+        if self._gpu is None or self._gpu.gate_up is not pool.gate_up:
+            self._gpu = TorchExpertExecutor(pool.gate_up, pool.down, layer_experts=self.experts)
+        e, s = self.experts, pool.slots
+        self.mode = pick_mode(self.buffering, s, e)
+        if self.mode != self.buffering and self.buffering != "auto" and not self._warned:
+            log.warning("prefill buffering %s needs %d expert slots, the pool has %d: %s instead", self.buffering,
+                        2 * e if self.buffering == "double" else e, s, self.mode)
+            self._warned = True
+        self.regions = 2 if self.mode == "double" else 1
+        self.width = e if self.mode != "on-demand" else min(s, e)  # slots per region
+        self.base = s - self.regions * self.width
+        res = pool.res
+        self._slot_of = res.slot_of.to("cpu", torch.int64)  # [N] host mirror for the pass
+        self._id_of = res.id_of.to("cpu", torch.int64)  # [S]
+        for r in range(self.regions):  # the regions start empty: only this pass's layers live there
+            self._evict(self.base + r * self.width, self.width)
+        # free keep slots take copies before the regions: nothing overwrites them in the pass
+        self._free = (self._id_of[:self.base] < 0).nonzero()[:, 0].tolist()
+        self._free.reverse()  # popped from the end: lowest slot first, so runs stay contiguous
+        self._used = torch.zeros(s, dtype=torch.bool)  # slots read this pass (stamped at the end)
+        self._staged = {}  # layer -> (table [E] on the device, copy-done event or None)
+        self._share = uniform_coverage(tokens, self.top_k, e)
+        self.last = {"mode": self.mode, "tokens": tokens, "layers_full": 0, "layers_routed": 0}
+        self._t0 = time.perf_counter()
+        return self.mode
+
+    def before_layer(self, j: int) -> None:
+        """The hook before MoE layer j's token mixer: start the loads this mode runs ahead."""
+        if self.mode == "double":
+            if j == 0:
+                self._prefetch(0)
+            if j + 1 < self.layers:
+                self._prefetch(j + 1)  # into the region layer j-1 leaves, while layer j computes
+        elif self.mode == "single":
+            self._prefetch(j)
+
+    def launch(self, x, ids, weights, layer: int = 0, phase: str = "prefill") -> Pending:
+        """x [T, H], ids [T, k] flat ids of MoE layer `layer`, weights [T, k] -> Pending([T, H])."""
+        e = self.experts
+        live = ids >= 0
+        local = torch.where(live, ids - layer * e, 0)  # [T, k] expert within the layer
+        routed = torch.unique(torch.where(live, local, -1)).cpu()  # the one host sync per layer: the routed set
+        routed = routed[routed >= 0]
+        self._share = routed.numel() / e  # predicts the next layer's coverage
+        staged = self._staged.pop(layer, None)
+        if staged is not None:
+            return Pending(out=self._compute(x, local, live, weights, *staged))
+        self.counts["layers_routed"] += 1
+        self.last["layers_routed"] += 1
+        self.counts["experts_skipped"] += e - routed.numel()
+        hits, misses = self._split(layer, routed)
+        out = None
+        # with fewer slots than misses, groups of `width` experts, each computed before the
+        # next overwrites the region (the copy stream waits for the compute stream)
+        for g in range(0, max(len(misses), 1), self.width):
+            part = self._compute(x, local, live, weights, *self._stage(layer, hits if g == 0 else [],
+                                                                      misses[g:g + self.width]))
+            out = part if out is None else out + part
+        return Pending(out=out)
+
+    def end(self) -> dict:
+        """Finish the pass (also after a failure: the regions' contents changed): wait for the
+        copies, write the residency back with a new clock. Returns the pass's summary."""
+        if self._copy is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._copy)
+        res = self.cache.pool.res
+        dev = res.slot_of.device
+        res.slot_of.copy_(self._slot_of.to(dev, res.slot_of.dtype))
+        res.id_of.copy_(self._id_of.to(dev, res.id_of.dtype))
+        res.clock.add_(1)
+        held = self._used & (self._id_of >= 0)  # slots read this pass that still hold their expert
+        if bool(held.any()):
+            idx = held.nonzero()[:, 0].to(dev)
+            res.stamp[idx] = res.clock  # refreshed: the most recently used experts of the cache
+            res.seen[self._id_of[held].to(dev)] = res.clock
+        if self._copy is not None:
+            torch.cuda.current_stream(self.device).synchronize()  # the pass's time, and the logits it made
+        self._staged = {}
+        self.last["seconds"] = time.perf_counter() - self._t0
+        c = self.counts
+        c["passes"] += 1
+        c[f"passes_{self.mode.replace('-', '_')}"] += 1
+        c["tokens"] += self.last["tokens"]
+        return dict(self.last)
+
+    # ---- loading ----------------------------------------------------------------------------
+    def _prefetch(self, j: int) -> None:
+        """Load all of layer j now (copies queued) unless routing looks sparse, in which case
+        it loads at launch from its routed set."""
+        if j in self._staged or self._share < self.dense_share:
+            return
+        hits, misses = self._split(j, torch.arange(self.experts))
+        self._staged[j] = self._stage(j, hits, misses)
+        self.counts["layers_full"] += 1
+        self.last["layers_full"] += 1
+
+    def _split(self, j: int, experts: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Layer j's experts (local ids) -> (resident in a keep slot, to copy)."""
+        slots = self._slot_of[experts + j * self.experts]  # [n]
+        return experts[slots >= 0].tolist(), experts[slots < 0].tolist()
+
+    def _stage(self, j: int, hits: list[int], misses: list[int]):
+        """Copy `misses` of layer j into its region (evicting the region's previous tenant),
+        -> (slot table [E] on the device, -1 where not loaded; the copies' event or None)."""
+        e, flat = self.experts, j * self.experts
+        base = self.base + (j % self.regions) * self.width
+        self._evict(base, self.width)
+        table = torch.full((e,), -1, dtype=torch.int64)  # [E]
+        if hits:
+            h = torch.tensor(hits)
+            table[h] = self._slot_of[h + flat]
+        copies = []
+        for n, x in enumerate(misses):
+            s = self._free.pop() if self._free else base + (x if self.width == e else n)
+            self._slot_of[flat + x], self._id_of[s] = s, flat + x
+            table[x] = s
+            copies.append((flat + x, s))
+        self._used[table[table >= 0]] = True
+        self.counts["experts_resident"] += len(hits)
+        self.counts["experts_h2d"] += len(copies)
+        if self._copy is not None:  # from pinned memory: the upload does not wait for the compute stream
+            table = table.pin_memory()
+        return table.to(self.device, non_blocking=True), self._issue(copies)
+
+    def _evict(self, base: int, width: int) -> None:
+        held = self._id_of[base:base + width]
+        self._slot_of[held[held >= 0]] = -1
+        held.fill_(-1)
+
+    def _issue(self, copies: list[tuple[int, int]]):
+        """Copy host rows -> slots, runs of consecutive ids and slots as one copy per bank; on
+        CUDA on the copy stream once the compute stream is past what it has queued (the
+        region's previous tenant). -> the event the compute waits for, or None."""
+        if not copies:
+            return None
+        pool, cache = self.cache.pool, self.cache
+        runs, (f0, s0), n = [], copies[0], 1
+        for f, s in copies[1:]:
+            if f == f0 + n and s == s0 + n:
+                n += 1
+            else:
+                runs.append((f0, s0, n))
+                (f0, s0), n = (f, s), 1
+        runs.append((f0, s0, n))
+
+        def copy():
+            for f, s, n in runs:
+                pool.gate_up[s:s + n].copy_(cache.host_gate_up[f:f + n], non_blocking=True)  # [n, 2I, H]
+                pool.down[s:s + n].copy_(cache.host_down[f:f + n], non_blocking=True)  # [n, H, I]
+        self.counts["bytes_h2d"] += len(copies) * pool.slot_bytes
+        if self._copy is None:
+            copy()
+            return None
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._copy):
+            self._copy.wait_event(ready)
+            copy()
+            done = torch.cuda.Event()
+            done.record(self._copy)
+        return done
+
+    # ---- computing --------------------------------------------------------------------------
+    def _compute(self, x, local, live, weights, table, event) -> torch.Tensor:
+        """The routed experts of pairs whose expert the table holds, in sub-chunks of tokens.
+        Pairs outside it (another group's, or NO_EXPERT) add nothing."""
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+        route = torch.where(live, table[local], NO_EXPERT)  # [T, k] slot ids
+        out = torch.empty_like(x)  # [T, H]
+        for a in range(0, x.shape[0], self.sub):
+            b = a + self.sub
+            out[a:b] = self._gpu.run(x[a:b], route[a:b], weights[a:b], "prefill")
+        return out
+
+    def stats(self) -> dict:
+        """Counters since start, and the last pass (mode, tokens, seconds)."""
+        last = {f"last_{k}": (round(v, 4) if isinstance(v, float) else v) for k, v in self.last.items()}
+        return {**self.counts, "buffering": self.buffering, **last}

@@ -1,0 +1,159 @@
+"""Layer-major prefill passes with the routed experts streamed per layer (issue 11, mechanism 1).
+
+With the experts offloaded (--moe cache), a prompt prefilled the usual way (chunks of
+--prefill-chunk tokens, the model looping over layers inside each chunk) needs every expert of
+every layer on the device once per chunk: a long prompt streams the whole pool over PCIe once
+per chunk. A pass here takes as many tokens as the memory budget allows (`pass_tokens`) and runs
+embed -> layer 0..L-1 -> head over all of them, so the pool crosses once per pass, each layer's
+experts loaded by the expert loader (experts/stream.py) from the hook before that layer.
+
+Inside a layer the work stays in sub-chunks of --prefill-chunk tokens, the size the memory
+plan's work buffers are made for: the token mixers run piece by piece in order, exactly the
+calls chunked prefill makes (attention writes each piece's K/V before the next reads them,
+DeltaNet carries its state from piece to piece), so KV, recurrent state and prefix-cache
+checkpoints are written as today. Checkpoints never force a boundary: the DeltaNet layers take
+them inside whichever piece crosses an anchor (cache/prefix.py StateCapture), whatever the
+chunking. The experts see the whole pass's routing at once (the loader's routed set of the
+layer) and compute it in sub-chunks. Only the residual stream lives for the whole pass: a few
+[P, H] tensors (PASS_ACTS), which is what bounds the pass.
+
+The model runs the pass through its own varlen prefill (DecoderModel.prefill_batch with one
+segment per piece and a per-layer hook); its MoE layers are pointed at the loader for the
+pass and back at the cache's executor after it.
+"""
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+
+import torch
+
+from ..experts.stream import DENSE_SHARE, LayerStreamer
+from .budget import work_bytes
+
+log = logging.getLogger("freetoken.engine")
+MAX_PASS_TOKENS = 32768  # past this a pass is compute-bound on the GPU machine: longer ones gain nothing
+PASS_ACTS = 6  # [P, H] tensors alive at once: residual, its norm, the mixer's output, the next two, the embedding
+
+
+def pass_bytes_per_token(cfg, dtype) -> int:
+    """Device bytes a pass holds per token beyond one sub-chunk's work: PASS_ACTS [P, H]
+    tensors, the MoE's router logits and shared-expert rows over the whole pass ([P, E + 3 Is
+    + 1]), the routed ids and weights and the loader's per-pair indices ([P, k])."""
+    el = torch.empty((), dtype=dtype).element_size()
+    moe = cfg.num_experts + 3 * cfg.shared_expert_intermediate_size + 1
+    return (PASS_ACTS * cfg.hidden_size + moe) * el + cfg.top_k * (8 + el + 8 + 1 + 8)
+
+
+class PrefillStream:
+    def __init__(self, model, cfg, cache_executor, sub_tokens: int, max_pass_tokens: int = MAX_PASS_TOKENS,
+                 buffering: str = "auto", budget: int | None = None, dense_share: float = DENSE_SHARE):
+        """model: the DecoderModel whose MoE layers call `cache_executor` (a
+        CachedExpertExecutor); sub_tokens: tokens per mixer call and expert computation;
+        budget: bytes the engine may hold on a CUDA device (the pass takes what is left of it)."""
+        self.model, self.cfg, self.sub = model, cfg, max(1, sub_tokens)
+        self.max_pass_tokens, self.budget = max_pass_tokens, budget
+        self.loader = LayerStreamer(cache_executor, len(cfg.moe_layers), cfg.num_experts, cfg.top_k, buffering,
+                                    dense_share, self.sub)
+        self.ordinal = {layer: j for j, layer in enumerate(cfg.moe_layers)}
+        self._limited = None  # the budget-limited pass size last logged
+
+    @classmethod
+    def for_engine(cls, engine, **kw) -> "PrefillStream":
+        return cls(engine.model, engine.cfg, engine.executor, engine.ecfg.prefill_chunk, budget=engine.budget, **kw)
+
+    def pass_tokens(self) -> int:
+        """Tokens one pass may take: max_pass_tokens, less on CUDA when the budget's free part
+        cannot hold the pass beside one sub-chunk's work; a multiple of the sub-chunk (pieces
+        then fall where chunked prefill puts its chunks), at least one. The memory plan does not
+        reserve room for a pass yet: with the KV pool sized to fill the budget, a pass may be a
+        single sub-chunk (said once in the log)."""
+        cap = self.max_pass_tokens
+        dev = self.model.device
+        if self.budget is not None and torch.device(dev).type == "cuda":
+            dt = self.model.dtype
+            room = max(self.budget - torch.cuda.memory_allocated(dev) - work_bytes(self.cfg, self.sub, 1, dt), 0)
+            cap = min(cap, room // pass_bytes_per_token(self.cfg, dt))
+            n = max(self.sub, cap // self.sub * self.sub)
+            if cap < self.max_pass_tokens and n != self._limited:
+                self._limited = n
+                log.warning("prefill passes are limited to %d tokens by the memory budget (%.2f GB of it free); "
+                            "each pass streams every expert once: leave room (a smaller KV pool or expert cache) "
+                            "for longer passes", n, room / 1e9)
+        return max(self.sub, cap // self.sub * self.sub)
+
+    # ---- entry points (Engine.prefill / prefill_batch) -----------------------------------------
+    def prefill(self, ids: list[int], st, slot: int = 0, start: int = 0, logits: bool = True,
+                capture=None) -> torch.Tensor | None:
+        """One sequence's tokens at positions start.. in passes -> last logits [1, V] or None."""
+        n, out = self.pass_tokens(), None
+        for s in range(0, len(ids), n):
+            last = s + n >= len(ids)
+            out = self._pass(st, [(ids[s:s + n], slot, start + s, capture, logits and last)])
+        return out
+
+    def prefill_batch(self, st, segs: list) -> torch.Tensor | None:
+        """segs [(tokens, slot, start, capture, logits)] as Engine.prefill_batch, in passes of
+        at most pass_tokens() tokens (a segment crossing a pass's end is split there) ->
+        logits [S, V] of the segments asking for them, or None."""
+        cap, rows, batch, used = self.pass_tokens(), [], [], 0
+
+        def flush():
+            lg = self._pass(st, batch)
+            if lg is not None:
+                rows.append(lg)
+        for toks, slot, start, capture, want in segs:
+            a = 0
+            while a < len(toks):
+                n = min(len(toks) - a, cap - used)
+                batch.append((toks[a:a + n], slot, start + a, capture, want and a + n == len(toks)))
+                used, a = used + n, a + n
+                if used == cap:
+                    flush()
+                    batch, used = [], 0
+        if batch:
+            flush()
+        return torch.cat(rows) if rows else None
+
+    # ---- one pass ----------------------------------------------------------------------------
+    def _pass(self, st, segs: list) -> torch.Tensor | None:
+        """One layer-major pass over segments -> logits of those asking, or None."""
+        pieces, flat = [], []
+        for toks, slot, start, capture, want in segs:
+            for a in range(0, len(toks), self.sub):
+                b = min(a + self.sub, len(toks))
+                pieces.append((slot, start + a, b - a, capture, want and b == len(toks)))
+            flat += list(toks)
+        tokens = torch.tensor(flat, dtype=torch.long, device=self.model.device)  # [P]
+        mode = self.loader.begin(len(flat))
+        try:
+            with self._experts_streamed():
+                out = self.model.prefill_batch(tokens, st, pieces, hook=self._before_layer)
+        finally:
+            done = self.loader.end()
+        log.info("prefill pass: %d tokens, %s buffering, %d layers loaded whole, %d from their routed experts, "
+                 "%.3f s", len(flat), mode, done["layers_full"], done["layers_routed"], done["seconds"])
+        return out
+
+    def _before_layer(self, i: int) -> None:
+        j = self.ordinal.get(i)
+        if j is not None:
+            self.loader.before_layer(j)
+
+    @contextmanager
+    def _experts_streamed(self):
+        """The model's MoE layers call the loader for the pass, their executor again after it."""
+        moes = [mlp for _, mlp, _, _ in self.model.layers if hasattr(mlp, "executor")]
+        saved = [m.executor for m in moes]
+        for m in moes:
+            m.executor = self.loader
+        try:
+            yield
+        finally:
+            for m, ex in zip(moes, saved):
+                m.executor = ex
+
+    def stats(self) -> dict:
+        """The loader's counters (passes by buffering, layers loaded whole or routed, experts
+        copied / used in place / skipped, bytes copied) and the last pass; `pass_tokens`."""
+        return {**self.loader.stats(), "pass_tokens": self.pass_tokens()}

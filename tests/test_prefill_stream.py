@@ -1,0 +1,302 @@
+"""Layer-major prefill passes with the experts streamed per layer (runtime/prefill_stream.py,
+experts/stream.py): the logits, KV and recurrent state a streamed prefill leaves equal the
+regular chunked prefill's through the same expert cache, in every buffering mode and for prompts
+of one token to several passes; prefix-cache checkpoints taken inside a pass restore to the
+logits of a cold prefill; the loader loads only the routed experts of short prompts and whole
+layers for long ones, uses experts already in the cache where they lie, and leaves the residency
+consistent (its survivors seed the decode cache). On the CPU the slots are host memory and the
+copies synchronous: the same code as on CUDA, without the streams."""
+import pytest
+import torch
+
+import hf_models
+from drive import drive
+from freetoken.cache.config import CacheConfig
+from freetoken.experts.stream import pick_mode, uniform_coverage
+from freetoken.runtime.engine import Engine, EngineConfig
+from freetoken.runtime.budget import work_bytes
+from freetoken.runtime.prefill_stream import PrefillStream, pass_bytes_per_token
+from freetoken.runtime.request import Request, SamplingOptions
+from freetoken.runtime.serving import ServingEngine
+from freetoken.weights.convert import convert
+
+LAYERS, E, K, SUB = 4, 16, 4, 16  # every layer MoE: 64 flat experts; pieces of 16 tokens
+
+
+@pytest.fixture(scope="module")
+def ftw(tmp_path_factory):
+    d = tmp_path_factory.mktemp("stream")
+    model = hf_models.qwen3_5(41, num_hidden_layers=LAYERS, num_experts=E, num_experts_per_tok=K,
+                              max_position_embeddings=1024)
+    hf_models.save(model, str(d / "hf"))
+    convert(str(d / "hf"), str(d / "m.ftw"), progress=False)
+    return str(d / "m.ftw"), model
+
+
+def engine(path, stream: bool = True, slots: int | None = None, **kw) -> Engine:
+    eng = Engine(path, EngineConfig(device="cpu", dtype="float32", moe="cache", prefill_chunk=SUB))
+    if not stream:
+        eng.prefill_stream = None  # the regular chunked prefill through the cache
+    elif kw:
+        eng.prefill_stream = PrefillStream(eng.model, eng.cfg, eng.executor, SUB, **kw)
+    if slots is not None:
+        eng.executor.allocate(slots)
+    return eng
+
+
+def rel(a, b):
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def prompt(n, seed=0):
+    return torch.randint(0, 320, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def residency_ok(ex) -> bool:
+    res = ex.pool.res
+    slot_of, id_of = res.slot_of.long(), res.id_of.long()
+    held = (id_of >= 0).nonzero()[:, 0]
+    return bool((slot_of[id_of[held]] == held).all()) and int((slot_of >= 0).sum()) == held.numel()
+
+
+def check_same_state(ref, eng, a, b, n):
+    """Logits of a decode step after the prefill (through each engine's cache), the recurrent
+    state and the K/V of the prompt's pages."""
+    tok, pos = torch.tensor([7]), torch.tensor([n])
+    assert rel(eng.model.decode(tok, b, pos), ref.model.decode(tok, a, pos)) < 1e-5
+    for l in a.rec:
+        assert rel(b.rec[l], a.rec[l]) < 1e-5 and rel(b.conv[l], a.conv[l]) < 1e-5
+    p = torch.arange(n + 1)  # the prompt's positions and the decoded one
+    page, off = a.block_table[0, p // a.page_size].long(), p % a.page_size
+    assert torch.equal(page, b.block_table[0, p // b.page_size].long())
+    for l in a.k:
+        ka, kb = a.k[l][page, :, off], b.k[l][page, :, off]  # [n + 1, heads, hd]
+        va, vb = a.v[l][page, :, off], b.v[l][page, :, off]
+        assert rel(kb, ka) < 1e-5 and rel(vb, va) < 1e-5
+
+
+@pytest.mark.parametrize("buffering", ["double", "single", "on-demand"])
+def test_streamed_prefill_equals_regular(ftw, buffering):
+    """1 token, a few, one pass of several pieces, and three passes (48 tokens each, the last
+    short): the same logits, KV and recurrent state as chunked prefill through the cache."""
+    path, _ = ftw
+    ref = engine(path, stream=False)
+    eng = engine(path, max_pass_tokens=48, buffering=buffering)
+    for n in (1, 5, 37, 100):
+        ids = prompt(n, seed=n)
+        a, b = ref.new_state(128), eng.new_state(128)
+        la, lb = ref.prefill(ids, a), eng.prefill(ids, b)
+        assert lb.shape == la.shape == (1, 320) and rel(lb, la) < 1e-5, (buffering, n)
+        assert residency_ok(eng.executor)
+        check_same_state(ref, eng, a, b, n)
+    st = eng.prefill_stream.stats()
+    assert st[f"passes_{buffering.replace('-', '_')}"] == st["passes"] == 1 + 1 + 1 + 3
+    assert st["tokens"] == 1 + 5 + 37 + 100 and st["pass_tokens"] == 48
+
+
+def test_tiny_pool_loads_in_groups(ftw):
+    """10 slots, fewer than a layer's 16 experts: on-demand in groups of 10, whatever was asked
+    (a warning says so), still exact; the pool is never outgrown."""
+    path, _ = ftw
+    ref = engine(path, stream=False)
+    eng = engine(path, slots=10, max_pass_tokens=64, buffering="double")
+    ids = prompt(60, seed=3)
+    a, b = ref.new_state(128), eng.new_state(128)
+    assert rel(eng.prefill(ids, b), ref.prefill(ids, a)) < 1e-5
+    check_same_state(ref, eng, a, b, 60)
+    st = eng.prefill_stream.stats()
+    assert st["last_mode"] == "on-demand" and st["passes_on_demand"] == 1 and st["layers_routed"] == LAYERS
+    assert eng.executor.pool.slots == 10 and residency_ok(eng.executor)
+
+
+def test_short_prompts_load_routed_experts_long_ones_whole_layers(ftw):
+    path, _ = ftw
+    eng = engine(path, max_pass_tokens=64, buffering="double")
+    st = eng.new_state(128)
+    slot_bytes = eng.executor.pool.slot_bytes
+    eng.prefill(prompt(2, seed=1), st)  # 8 pairs per layer: at most 8 of 16 experts
+    s = eng.prefill_stream.stats()
+    assert s["layers_full"] == 0 and s["layers_routed"] == LAYERS
+    assert s["experts_skipped"] >= LAYERS * (E - 2 * K)
+    assert s["experts_h2d"] + s["experts_resident"] + s["experts_skipped"] == LAYERS * E
+    assert s["bytes_h2d"] == s["experts_h2d"] * slot_bytes
+    eng.prefill(prompt(64, seed=2), eng.new_state(128))  # 256 pairs per layer: every expert
+    s2 = eng.prefill_stream.stats()
+    assert s2["last_layers_full"] == LAYERS and s2["last_layers_routed"] == 0
+    assert s2["experts_skipped"] == s["experts_skipped"]
+    assert (s2["experts_h2d"] + s2["experts_resident"]) - (s["experts_h2d"] + s["experts_resident"]) == LAYERS * E
+
+
+def test_cached_experts_used_in_place_and_survivors_seed_the_cache(ftw):
+    """48 slots: 16 kept for the cache, two regions of 16. A cold pass fills the free kept slots
+    first (layer 0 stays there), the regions end holding layers 2 and 3; decoding hits all three
+    (the pass seeded the cache). The next pass uses what the cache holds where it lies and
+    copies only the rest."""
+    path, _ = ftw
+    ref = engine(path, stream=False)
+    eng = engine(path, slots=48, max_pass_tokens=64, buffering="double")
+    ids = prompt(64, seed=5)
+    a, b = ref.new_state(256), eng.new_state(256)
+    ref.prefill(ids, a)
+    eng.prefill(ids, b)
+    ex = eng.executor
+    s1 = eng.prefill_stream.stats()
+    assert s1["last_layers_full"] == LAYERS and s1["experts_h2d"] == LAYERS * E and s1["experts_resident"] == 0
+    id_of = ex.pool.res.id_of.long()
+    assert torch.equal(id_of, torch.cat([torch.arange(0, E), torch.arange(2 * E, 4 * E)])) and residency_ok(ex)
+    before = ex.stats()
+    tok, pos = torch.tensor([9]), torch.tensor([64])
+    assert rel(eng.model.decode(tok, b, pos), ref.model.decode(tok, a, pos)) < 1e-5
+    after = ex.stats()
+    assert after["hits"] - before["hits"] == 3 * K and after["fills"] - before["fills"] == K  # layer 1 missed
+    for step in (1, 2):
+        assert rel(eng.model.decode(tok, b, pos + step), ref.model.decode(tok, a, pos + step)) < 1e-5
+    kept = int((ex.pool.res.id_of[:E] >= 0).sum())
+    assert kept == E and residency_ok(ex)
+    more = prompt(64, seed=6)
+    ref.prefill(more, a, start=67)
+    eng.prefill(more, b, start=67)
+    s2 = eng.prefill_stream.stats()
+    assert s2["experts_resident"] - s1["experts_resident"] == kept
+    assert s2["experts_h2d"] - s1["experts_h2d"] == LAYERS * E - kept
+    check_same_state(ref, eng, a, b, 64 + 3 + 64)
+
+
+def test_checkpoints_in_streamed_passes_restore(ftw):
+    """A conversation served through streamed passes (two passes of 32 tokens each; checkpoints
+    at anchors inside them), then an edited one: it restores from a checkpoint taken during a
+    pass and gives the logits of a cold prefill."""
+    path, _ = ftw
+    eng = engine(path, max_pass_tokens=32)
+    tk = eng.tokenizer
+    sp = {t: tk.token_id(t) for t in ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>")}
+
+    def turn(role, *parts):
+        ids = [sp["<|im_start|>"]] + tk.encode(role + "\n")
+        for p in parts:
+            ids += [sp[p]] if p in sp else tk.encode(p)
+        return ids + [sp["<|im_end|>"]] + tk.encode("\n")
+    system = turn("system", "You are a careful agent. " * 3)
+    first = system + turn("user", "Read the file.") + turn("assistant", "<tool_call>", "read(x)", "</tool_call>")
+    second = system + turn("user", "Summarise the repository instead, briefly.")
+    warm = ServingEngine(eng, max_batch=2, max_queue=4, record_logits=True, start=False,
+                         cache=CacheConfig(page_size=4, checkpoint_policy="anchors", min_gap=8))
+    assert warm.sched.chunk == 32 and not warm.mixed  # a prompt's chunk is a pass, run alone
+    cold = ServingEngine(engine(path, stream=False), max_batch=2, max_queue=4, record_logits=True, start=False,
+                         cache=CacheConfig(enabled=False))
+    opts = dict(temperature=0, max_tokens=3, ignore_eos=True)
+    drive(warm, [Request(list(first), SamplingOptions(**opts))])
+    assert warm.cache.stats()["checkpoints"] > 0
+    got = drive(warm, [Request(list(second), SamplingOptions(**opts))])[0]
+    ref = drive(cold, [Request(list(second), SamplingOptions(**opts))])[0]
+    shared = next(i for i, (x, y) in enumerate(zip(first, second)) if x != y)
+    assert warm.cache.stats()["checkpoint_hits"] > 0 and len(system) - 8 <= got.cached_tokens <= shared
+    assert got.output_ids == ref.output_ids
+    for x, y in zip(got.logits, ref.logits):
+        assert rel(x, y) < 1e-4
+    st = warm.stats()
+    assert st["experts_prefill_passes"] >= 3 and st["experts_prefill_passes_double"] == st["experts_prefill_passes"]
+    assert all(isinstance(v, (int, float)) for k, v in st.items() if k.startswith("experts_prefill_"))
+
+
+def test_served_through_streamed_passes_equals_transformers(ftw):
+    """Two requests, the second arriving while the first decodes: prompt passes and decode
+    steps alternate (never one forward), the outputs are transformers'."""
+    path, model = ftw
+    eng = engine(path, max_pass_tokens=32)
+    srv = ServingEngine(eng, max_batch=2, max_queue=4, record_logits=True, start=False,
+                        cache=CacheConfig(enabled=False))
+    prompts = [prompt(45, seed=11), prompt(9, seed=12)]
+    reqs = drive(srv, [Request(p, SamplingOptions(temperature=0, max_tokens=6, ignore_eos=True)) for p in prompts],
+                 arrive=[0, 2])
+    for p, r in zip(prompts, reqs):
+        ref = hf_models.reference_logits(model, p + r.output_ids)
+        assert r.output_ids == ref[len(p) - 1:-1].argmax(-1).tolist()
+        for j, lg in enumerate(r.logits):
+            assert rel(lg, ref[len(p) - 1 + j]) < 1e-4
+    assert eng.prefill_stream.stats()["passes"] == 3  # 32 + 13 tokens, then 9
+
+
+def test_failed_pass_restores_the_model(ftw):
+    path, _ = ftw
+    eng = engine(path, max_pass_tokens=64)
+    st = eng.new_state(128)
+    ps = eng.prefill_stream
+    calls = []
+
+    def boom(j):
+        calls.append(j)
+        if j == 2:
+            raise RuntimeError("boom")
+    real = ps.loader.before_layer
+    ps.loader.before_layer = lambda j: (real(j), boom(j))
+    with pytest.raises(RuntimeError, match="boom"):
+        eng.prefill(prompt(40), st)
+    assert all(mlp.executor is eng.executor for _, mlp, _, _ in eng.model.layers)
+    assert residency_ok(eng.executor) and ps.stats()["passes"] == 1
+    ps.loader.before_layer = real
+    ref = engine(path, stream=False)
+    a, b = ref.new_state(128), eng.new_state(128)
+    assert rel(eng.prefill(prompt(40), b), ref.prefill(prompt(40), a)) < 1e-5
+
+
+def test_pass_size_follows_the_budget(ftw, monkeypatch, caplog):
+    """On CUDA a pass takes what the budget has left beside one sub-chunk's work (here the
+    allocator's reading is faked): a multiple of the sub-chunk, at least one, said in the log."""
+    from types import SimpleNamespace
+    path, _ = ftw
+    eng = engine(path)
+    ps = eng.prefill_stream
+    assert ps.pass_tokens() == 32768  # the CPU: the cap
+    ps.model = SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16, layers=[])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: 5 << 30)
+    fixed = (5 << 30) + work_bytes(eng.cfg, SUB, 1, torch.bfloat16)
+    per = pass_bytes_per_token(eng.cfg, torch.bfloat16)
+    ps.budget = fixed + 100 * per
+    assert ps.pass_tokens() == 96 and "limited to 96 tokens" in caplog.text
+    ps.budget = fixed + 3 * per
+    assert ps.pass_tokens() == SUB
+    ps.budget = fixed + 10 ** 6 * per
+    assert ps.pass_tokens() == 32768
+
+
+def test_mode_choice():
+    assert pick_mode("auto", 512, 256) == "double" and pick_mode("auto", 511, 256) == "single"
+    assert pick_mode("auto", 255, 256) == "on-demand" and pick_mode("double", 300, 256) == "single"
+    assert pick_mode("single", 600, 256) == "single" and pick_mode("on-demand", 600, 256) == "on-demand"
+    with pytest.raises(ValueError):
+        pick_mode("triple", 600, 256)
+    # 44 tokens of top-8 over 256 experts cover 75% under uniform routing, 72 tokens 90%
+    assert uniform_coverage(1, 8, 256) == 8 / 256 and 0.74 < uniform_coverage(44, 8, 256) < 0.76
+    assert uniform_coverage(72, 8, 256) > 0.89 and uniform_coverage(4096, 8, 256) > 0.999
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("buffering,pass_tokens", [("double", 32768), ("double", 2048), ("single", 4096),
+                                                   ("on-demand", 32768)])
+def test_cuda_streamed_prefill_equals_resident(tmp_path_factory, buffering, pass_tokens):
+    """On the GPU (copy stream, events, bf16): 1, 511 and 4096 tokens, one pass or several,
+    against the all-resident experts and the regular prefill through the cache, within bf16
+    rounding; then a decode step through the cache the pass left behind."""
+    d = tmp_path_factory.mktemp("cuda")
+    hf_models.save(hf_models.qwen3_5(43, num_hidden_layers=LAYERS, num_experts=E, num_experts_per_tok=K,
+                                     max_position_embeddings=8192), str(d / "hf"))
+    convert(str(d / "hf"), str(d / "m.ftw"), progress=False)
+
+    def make(moe):
+        return Engine(str(d / "m.ftw"), EngineConfig(device="cuda", dtype="bfloat16", moe=moe))
+    resident, regular, eng = make("resident"), make("cache"), make("cache")
+    regular.prefill_stream = None
+    eng.prefill_stream = PrefillStream(eng.model, eng.cfg, eng.executor, eng.ecfg.prefill_chunk,
+                                       max_pass_tokens=pass_tokens, buffering=buffering)
+    for n in (1, 511, 4096):
+        ids = prompt(n, seed=n)
+        states = [x.new_state(n + 8) for x in (resident, regular, eng)]
+        la, lr, lb = (x.prefill(ids, st) for x, st in zip((resident, regular, eng), states))
+        assert rel(lb.cpu(), la.cpu()) < 2e-2 and rel(lb.cpu(), lr.cpu()) < 2e-2, (buffering, n)
+        tok, pos = torch.tensor([7], device="cuda"), torch.tensor([n], device="cuda")
+        da = resident.model.decode(tok, states[0], pos)
+        db = eng.model.decode(tok, states[2], pos)
+        assert rel(db.cpu(), da.cpu()) < 2e-2
+        assert residency_ok(eng.executor)
+    assert eng.prefill_stream.stats()["passes"] == 2 + (-(-4096 // pass_tokens))
