@@ -60,7 +60,9 @@ def make_experts(mc, dev, seed: int = 0):
     for s in range(0, n, e):
         gu[s:s + e].copy_(torch.randn(e, 2 * i, h, generator=g, device=dev, dtype=torch.bfloat16).mul_(h ** -0.5))
         dn[s:s + e].copy_(torch.randn(e, h, i, generator=g, device=dev, dtype=torch.bfloat16).mul_(i ** -0.5))
-    if not pin_in_place([gu, dn]) or not (gu.is_pinned() and dn.is_pinned()):
+    from freetoken.kernels.expert_transfer import zero_copy_ok
+    # registered views: Tensor.is_pinned() looks at the storage's start, not these pages
+    if not pin_in_place([gu, dn]) or not (zero_copy_ok(gu) and zero_copy_ok(dn)):
         raise SystemExit("could not register the expert banks for DMA (cudaHostRegister): the numbers would be "
                          "pageable-copy numbers")
     return gu, dn

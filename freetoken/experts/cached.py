@@ -26,7 +26,7 @@ import torch
 
 from ..kernels.expert_transfer import transfer_reference, transfer_triton, zero_copy_ok
 from .control import CPU, MAX_PAIRS, POLICIES, Residency, control
-from .executor import NO_EXPERT, ExpertExecutor, Pending, TorchExpertExecutor
+from .executor import GRAPH_CAPTURE, NO_EXPERT, ExpertExecutor, Pending, TorchExpertExecutor
 
 
 class SlotPool:
@@ -117,8 +117,11 @@ class CachedExpertExecutor(ExpertExecutor):
         return host_branch_ok(cpu)
 
     def observe_step(self, batch: int, seconds: float) -> None:
-        """A decode step's measured wall time (the serving loop reports each one): the adaptive
-        split updates r, a device scalar, so no graph is re-captured."""
+        """A decode step's measured wall time (the serving loop reports each one): a failed CPU
+        call is raised here (a replayed graph cannot raise it); the adaptive split updates r,
+        a device scalar, and says which graph variant the next step needs."""
+        if self.host is not None:
+            self.host.check()
         if self.tuner is not None:
             r = self.tuner.observe(batch, seconds)
             if r is not None:
@@ -144,7 +147,13 @@ class CachedExpertExecutor(ExpertExecutor):
         """A decode step records into a CUDA graph when nothing in it syncs: the transfer kernel
         reads the host banks in place, and the CPU branch (if any) runs in stream order through a
         host-function node (experts/cpu/hostcall.py)."""
-        return self.pool is not None and self.pool.zero_copy and (self.fill_only or self.host is not None)
+        if self.pool is None or not self.pool.zero_copy:
+            return False
+        if self.host is not None:
+            return True
+        # fill-only without the stream-ordered branch: a pool too small for one call's distinct
+        # experts would send misses to the eager CPU path (a sync) inside the capture
+        return self.fill_only and self.pool.slots >= (self.layer_experts or self.pool.slots + 1)
 
     def allocate(self, slots: int) -> None:
         """The slot pool (once): `slots` experts, at most all of them."""
@@ -202,6 +211,10 @@ class CachedExpertExecutor(ExpertExecutor):
         self._acc.add_(torch.cat([one, live, c[2:3], c[0:1], c[1:2]]))
 
     def stats(self) -> dict:
+        with GRAPH_CAPTURE:  # reads device memory: never while another thread captures a graph
+            return self._stats()
+
+    def _stats(self) -> dict:
         calls, pairs, hits, fills, cpu_experts = self._acc.tolist()
         out = {"calls": calls, "pairs": pairs, "hits": hits, "fills": fills, "cpu_experts": cpu_experts}
         if self.pool is None:

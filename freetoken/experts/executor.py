@@ -24,6 +24,8 @@ shared expert) whatever the placement.
 """
 from __future__ import annotations
 
+import threading
+
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -34,6 +36,10 @@ from ..kernels import HAS_TRITON, use_triton
 from .banks import take
 
 NO_EXPERT = -1  # routed id of a pair that runs nowhere (a batch row that is not running)
+# Held while a CUDA graph is captured (runtime/decode_runner.py). Capture is global-mode: a
+# device sync from any other thread invalidates it, so code that reads device state from
+# another thread (an executor's stats() for /metrics) takes this lock first
+GRAPH_CAPTURE = threading.RLock()
 ACTIVATIONS = ("silu", "swiglu_clamp")
 
 

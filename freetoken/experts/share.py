@@ -14,7 +14,8 @@ Procedure (a hill climb from fill-only, re-checked periodically):
   climb   start at r = 1 (fill-only); step to the next smaller candidate while it is faster by
           more than MARGIN; stop at the first that is not (or at the end of the list);
   hold    keep the best for HOLD steps, then probe its neighbours again (conditions drift).
-Samples are compared only within one batch size: a change of batch size restarts the probe.
+Samples are compared only within one batch size: each size climbs on its own (continuous
+batching changes the number of decoding rows every few steps).
 r is a device scalar read by the control kernel, so changing it re-captures nothing.
 """
 from __future__ import annotations
@@ -28,56 +29,79 @@ CANDIDATES = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)
 PROBE, SETTLE, HOLD, MARGIN = 24, 8, 2048, 0.02
 
 
+class _Climb:
+    """The hill climb of one batch size (see the module doc)."""
+
+    def __init__(self, tuner: "ShareTuner"):
+        self.t = tuner
+        self.cur = 0  # index of the r in use
+        self.best: tuple[int, float] | None = None  # (index, median step seconds) of the best measured
+        self.samples: list[float] = []
+        self.held = 0
+        self.climbing = True
+
+    def observe(self, seconds: float, batch: int) -> None:
+        t = self.t
+        if not self.climbing:
+            self.held += 1
+            if self.held >= t.hold:  # re-check: climb again from the neighbour above (or the top)
+                self.climbing, self.best = True, None
+                self._go(max(0, self.cur - 1))
+            return
+        self.samples.append(seconds)
+        if len(self.samples) < t.probe:
+            return
+        med = statistics.median(self.samples[t.settle:])  # a one-off slow step (a capture) does not move it
+        if self.best is None or med < self.best[1] * (1 - t.margin):
+            self.best = (self.cur, med)
+            if self.cur + 1 < len(t.cands):
+                self._go(self.cur + 1)
+                return
+        i, m = self.best
+        self.climbing, self.held = False, 0
+        t.decisions += 1
+        log.info("expert cache: fill share r=%.2f at batch %d (decode step %.2f ms)", t.cands[i], batch, m * 1e3)
+        self._go(i)
+
+    def _go(self, i: int) -> None:
+        self.cur, self.samples = i, []
+
+
 class ShareTuner:
+    """r per batch size: continuous batching changes the number of decoding rows often, and
+    each size has its own best split; each keeps its own climb, so a size that comes back
+    resumes where it was instead of starting over."""
+
     def __init__(self, candidates=CANDIDATES, probe: int = PROBE, settle: int = SETTLE, hold: int = HOLD,
                  margin: float = MARGIN):
         assert candidates[0] == 1.0 and list(candidates) == sorted(candidates, reverse=True)
         self.cands, self.probe, self.settle, self.hold, self.margin = list(candidates), probe, settle, hold, margin
-        self.cur = 0  # index of the r in use
-        self.best: tuple[int, float] | None = None  # (index, median step seconds) of the best measured
-        self.samples: list[float] = []
-        self.batch = None
-        self.held = 0  # steps since the climb settled (None: climbing)
-        self.climbing = True
+        self.climbs: dict[int, _Climb] = {}
+        self.batch: int | None = None
         self.decisions = 0
 
     @property
     def share(self) -> float:
-        return self.cands[self.cur]
+        """The r in use (for the batch size of the last step; 1 before any)."""
+        c = self.climbs.get(self.batch)
+        return self.cands[c.cur] if c is not None else 1.0
+
+    @property
+    def climbing(self) -> bool:
+        c = self.climbs.get(self.batch)
+        return c is None or c.climbing
 
     def observe(self, batch: int, seconds: float) -> float | None:
-        """One decode step's wall time at the current r -> the r to use from now on if it
-        changes, else None."""
-        if batch != self.batch:  # times of different batch sizes do not compare: start over
-            self.batch, self.samples, self.best, self.climbing, self.held = batch, [], None, True, 0
-            return self._go(0) if self.cur != 0 else None
-        if not self.climbing:
-            self.held += 1
-            if self.held < self.hold:
-                return None
-            # re-check: climb again from the neighbour above (or from the top)
-            self.climbing, self.best, self.samples = True, None, []
-            return self._go(max(0, self.cur - 1))
-        self.samples.append(seconds)
-        if len(self.samples) < self.probe:
-            return None
-        t = statistics.median(self.samples[self.settle:])
-        if self.best is None or t < self.best[1] * (1 - self.margin):
-            self.best = (self.cur, t)
-            if self.cur + 1 < len(self.cands):
-                return self._go(self.cur + 1)
-        return self._settle()
-
-    def _go(self, i: int) -> float:
-        self.cur, self.samples = i, []
-        return self.cands[i]
-
-    def _settle(self) -> float | None:
-        i, t = self.best
-        self.climbing, self.held = False, 0
-        self.decisions += 1
-        log.info("expert cache: fill share r=%.2f (decode step %.2f ms at batch %d)", self.cands[i], t * 1e3,
-                 self.batch)
-        if i != self.cur:
-            return self._go(i)
-        return None
+        """One decode step's wall time at batch size `batch` -> the r for the next step if it
+        changes, else None (the next step is assumed to have the same batch size; a step of
+        another size is first measured at that size's own r)."""
+        before = self.share
+        self.batch = batch
+        c = self.climbs.get(batch)
+        if c is None:
+            c = self.climbs[batch] = _Climb(self)
+        if self.cands[c.cur] != before:  # this step ran at another size's r: not a sample of this one
+            return self.cands[c.cur]
+        c.observe(seconds, batch)
+        r = self.cands[c.cur]
+        return r if r != before else None

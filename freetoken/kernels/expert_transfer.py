@@ -84,11 +84,27 @@ def transfer_triton(banks_host: list[torch.Tensor], banks_slot: list[torch.Tenso
 
 
 def zero_copy_ok(t: torch.Tensor) -> bool:
-    """Whether the device can read host tensor t in place: pinned (allocated or registered)
-    host memory on a CUDA machine (unified addressing maps it into the device's space)."""
+    """Whether the device can read host tensor t in place: pinned host memory (allocated pinned,
+    or registered with cudaHostRegister: the FTW banks, views into page-aligned buffers) on a
+    CUDA machine with unified addressing, where its device address is its host address."""
     if not (HAS_TRITON and torch.cuda.is_available()) or t.device.type != "cpu":
         return False
-    try:
-        return t.is_pinned()
-    except RuntimeError:
-        return False
+    return device_address(t.data_ptr()) == t.data_ptr()
+
+
+def device_address(ptr: int) -> int | None:
+    """The device address of host address ptr, if the driver maps it (cuPointerGetAttribute,
+    CU_POINTER_ATTRIBUTE_DEVICE_POINTER), else None. Asked of the driver rather than through
+    Tensor.is_pinned(), which looks at the start of the tensor's storage: a registered view
+    into a larger buffer reads as not pinned there."""
+    import ctypes
+
+    from .cuda_driver import driver_fn
+    get_attr = driver_fn("cuPointerGetAttribute", [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64])
+    if get_attr is None:
+        return None
+    torch.cuda.init()  # the driver call needs the primary context current
+    torch.cuda.current_stream()
+    out = ctypes.c_uint64(0)
+    err = get_attr(ctypes.byref(out), 3, ptr)  # 3: CU_POINTER_ATTRIBUTE_DEVICE_POINTER
+    return int(out.value) if err == 0 else None

@@ -55,6 +55,7 @@ class MemoryPlan:
     left: int  # what is left over
     expert_cache: int = 0  # the GPU expert cache's slots (--moe cache)
     expert_slots: int = 0
+    prefill_pass: int = 0  # activations of a streamed prefill pass (--moe cache: runtime/prefill_stream.py)
 
     @property
     def kv_tokens(self) -> int:
@@ -62,6 +63,8 @@ class MemoryPlan:
 
     def summary(self) -> str:
         cache = f" + expert cache {gb(self.expert_cache)} ({self.expert_slots} slots)" if self.expert_slots else ""
+        if self.prefill_pass:
+            cache += f" + prefill pass {gb(self.prefill_pass)}"
         return (f"memory plan on {self.device}: budget {gb(self.budget)} = weights {gb(self.weights)} + work "
                 f"{gb(self.work)} + state {gb(self.state)} + checkpoints {gb(self.checkpoints)}{cache} + KV "
                 f"{gb(self.kv)} ({self.kv_tokens} tokens) + left {gb(self.left)}")
@@ -107,15 +110,21 @@ def work_bytes(cfg: ModelConfig, chunk: int, slots: int, dtype) -> int:
 
 def plan_memory(cfg: ModelConfig, device: torch.device, dtype, budget: int, weights: int, slots: int,
                 max_len: int, chunk: int, page_size: int, checkpoint_slots: int, kv_tokens: int = 0,
-                expert_slot_bytes: int = 0, num_experts: int = 0, expert_cache: str = "") -> MemoryPlan:
+                expert_slot_bytes: int = 0, num_experts: int = 0, expert_cache: str = "",
+                prefill_pass: int = 0) -> MemoryPlan:
     """Size everything before allocating any of it. kv_tokens 0: what is left, up to every
     slot's full context. expert_slot_bytes (the GPU expert cache): its slots come before the KV
-    pool (what `expert_cache` asks, else all but one full context of KV, at most num_experts)."""
+    pool (what `expert_cache` asks, else all but one full context of KV, at most num_experts).
+    prefill_pass: bytes reserved for a streamed prefill pass's activations, capped at a tenth of
+    what is left after the fixed parts (the pass then takes fewer tokens, never the KV's room)."""
     work = work_bytes(cfg, chunk, slots, dtype)
     state = slots * slot_state_bytes(cfg, dtype)
     ckpt = checkpoint_slots * slot_state_bytes(cfg, dtype)
     page = max(kv_page_bytes(cfg, page_size, dtype), 1)
     fixed = weights + work + state + ckpt
+    if prefill_pass and fixed < budget:
+        prefill_pass = min(prefill_pass, (budget - fixed) // 10)
+        fixed += prefill_pass
     if fixed > budget:
         raise FreeTokenError(
             f"the model does not fit in {gb(budget)} on {device}: weights {gb(weights)}, work buffers "
@@ -151,4 +160,4 @@ def plan_memory(cfg: ModelConfig, device: torch.device, dtype, budget: int, weig
             f"no room for KV pages: {gb(budget - fixed)} left after the weights and buffers; raise "
             "--vram-budget or lower --max-seq-len / --max-batch")
     return MemoryPlan(str(device), budget, weights, work, state, ckpt, pages * page, pages, page_size,
-                      budget - fixed - pages * page, cache_slots * expert_slot_bytes, cache_slots)
+                      budget - fixed - pages * page, cache_slots * expert_slot_bytes, cache_slots, prefill_pass)

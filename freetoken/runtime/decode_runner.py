@@ -20,6 +20,7 @@ import logging
 import torch
 
 from ..errors import FreeTokenError
+from ..experts.executor import GRAPH_CAPTURE
 from ..model.state import DecodeState
 
 log = logging.getLogger("freetoken.decode")
@@ -50,6 +51,7 @@ class DecodeRunner:
         self._captured: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._variant = variant or (lambda: None)
         self._pool = None
+        self._failed: set = set()  # variants whose capture failed while serving: eager
 
     @property
     def path(self) -> str:
@@ -61,7 +63,10 @@ class DecodeRunner:
         fails."""
         if not self.graphs:
             return
-        variant = self._variant()
+        with GRAPH_CAPTURE:  # no other thread syncs the device meanwhile (/metrics)
+            self._capture(self._variant())
+
+    def _capture(self, variant) -> None:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         pool = self._pool
@@ -99,8 +104,12 @@ class DecodeRunner:
         n = len(tokens)
         b = next(s for s in self.sizes if s >= n)
         key = (self._variant(), b)
-        if self.graphs and self._captured and key not in self._captured:
-            self.capture()  # a new variant (the expert cache's split turned on or off): once
+        if self.graphs and self._captured and key not in self._captured and key[0] not in self._failed:
+            try:  # a new variant (the expert cache's split turned on or off): captured once
+                self.capture()
+            except FreeTokenError as e:  # keep serving: that variant decodes eagerly
+                self._failed.add(key[0])
+                log.warning("%s; the %s variant decodes eagerly", e, key[0])
         self._host[:, :b].zero_()
         self._host[:, :n] = torch.tensor([tokens, pos, active], dtype=torch.long)
         self.inputs[:, :b].copy_(self._host[:, :b], non_blocking=True)

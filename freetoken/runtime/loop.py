@@ -65,7 +65,7 @@ class EngineLoop:
                                 engine.max_len, ecfg.prefill_chunk, page_size, ckpt,
                                 ecfg.kv_cache_tokens if kv_tokens is None else kv_tokens,
                                 slots.slot_bytes if slots else 0, slots.num_experts if slots else 0,
-                                ecfg.expert_cache)
+                                ecfg.expert_cache, self._pass_reserve(engine))
         if slots is not None:
             slots.allocate(self.plan.expert_slots)
         self.max_len = min(engine.max_len, self.plan.kv_tokens)
@@ -96,6 +96,15 @@ class EngineLoop:
         self._gens: dict[int, torch.Generator | None] = {}
         # constrained decoding (structured output); builds nothing until a request needs it
         self.grammar = GrammarRunner(engine.tokenizer, cfg.vocab_size, engine.eos_ids, engine.device)
+
+    @staticmethod
+    def _pass_reserve(engine) -> int:
+        """Bytes the plan keeps for a streamed prefill pass (--moe cache on CUDA): a pass of
+        up to MAX_PASS_TOKENS (or the context) streams every expert once for that many tokens."""
+        if getattr(engine, "prefill_stream", None) is None or engine.device.type != "cuda":
+            return 0
+        from .prefill_stream import MAX_PASS_TOKENS, pass_bytes_per_token
+        return min(MAX_PASS_TOKENS, engine.max_len) * pass_bytes_per_token(engine.cfg, engine.dtype)
 
     def _decode_runner(self, engine) -> DecodeRunner:
         ex = engine.executor

@@ -65,9 +65,9 @@ class PrefillStream:
     def pass_tokens(self) -> int:
         """Tokens one pass may take: max_pass_tokens, less on CUDA when the budget's free part
         cannot hold the pass beside one sub-chunk's work; a multiple of the sub-chunk (pieces
-        then fall where chunked prefill puts its chunks), at least one. The memory plan does not
-        reserve room for a pass yet: with the KV pool sized to fill the budget, a pass may be a
-        single sub-chunk (said once in the log)."""
+        then fall where chunked prefill puts its chunks), at least one. The memory plan reserves
+        room for a pass (runtime/budget.py, at most a tenth of what the fixed parts leave);
+        what the pass may take is measured here, and a limit is said once in the log."""
         cap = self.max_pass_tokens
         dev = self.model.device
         if self.budget is not None and torch.device(dev).type == "cuda":

@@ -30,29 +30,21 @@ log = logging.getLogger("freetoken.experts")
 
 
 class _Desc(ctypes.Structure):  # moe_cpu.cpp's HostCall, field for field
-    _fields_ = [("handle", ctypes.c_int64), ("x", ctypes.c_void_p), ("ids", ctypes.c_void_p),
+    _fields_ = [("executor", ctypes.c_int64), ("x", ctypes.c_void_p), ("ids", ctypes.c_void_p),
                 ("w", ctypes.c_void_p), ("out", ctypes.c_void_p), ("gate_up", ctypes.c_void_p),
                 ("down", ctypes.c_void_p), ("n", ctypes.c_int64), ("T", ctypes.c_int32), ("K", ctypes.c_int32),
                 ("H", ctypes.c_int32), ("I", ctypes.c_int32), ("bank_bf16", ctypes.c_int32),
                 ("bf16_act", ctypes.c_int32), ("error", ctypes.c_int32), ("calls", ctypes.c_int64),
-                ("busy_ns", ctypes.c_int64)]
-
-
-_launch = None
+                ("busy_ns", ctypes.c_int64),
+                # the expert function (CpuExpertExecutor.host_fn_fields; zero: SiLU without biases)
+                ("gate_up_bias", ctypes.c_void_p), ("down_bias", ctypes.c_void_p), ("act", ctypes.c_int32),
+                ("bias_bf16", ctypes.c_int32), ("alpha", ctypes.c_float), ("limit", ctypes.c_float)]
 
 
 def _launcher():
     """cuLaunchHostFunc from the driver library (present wherever CUDA runs), or None."""
-    global _launch
-    if _launch is None:
-        try:
-            f = ctypes.CDLL("libcuda.so.1").cuLaunchHostFunc
-            f.argtypes, f.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int
-            _launch = f
-        except (OSError, AttributeError) as e:
-            log.info("cuLaunchHostFunc unavailable (%s): the CPU branch stays eager", e)
-            _launch = False
-    return _launch or None
+    from ...kernels.cuda_driver import driver_fn
+    return driver_fn("cuLaunchHostFunc", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p])
 
 
 def host_branch_ok(cpu) -> bool:
@@ -75,6 +67,7 @@ class HostBranch:
             raise RuntimeError("moe_cpu.cpp's HostCall and hostcall.py's _Desc disagree")
         self.cpu, self.device = cpu, torch.device(device)
         self.fn = ext.host_call_address()
+        self.executor = ext.executor_address(cpu.handle)
         self.side = torch.cuda.Stream(self.device)
         self.shapes: dict[tuple, tuple] = {}
 
@@ -94,14 +87,16 @@ class HostBranch:
                      torch.empty(t, k, dtype=torch.int64, device=self.device),
                      torch.empty(t, k, dtype=torch.float32, device=self.device))
             gu, dn = self.cpu.gate_up, self.cpu.down
-            d = _Desc(handle=self.cpu.handle, x=x.data_ptr(), ids=ids.data_ptr(), w=w.data_ptr(), out=out.data_ptr(),
+            d = _Desc(executor=self.executor, x=x.data_ptr(), ids=ids.data_ptr(), w=w.data_ptr(), out=out.data_ptr(),
                       gate_up=gu.data_ptr(), down=dn.data_ptr(), n=gu.shape[0], T=t, K=k, H=h, I=dn.shape[2],
-                      bank_bf16=int(gu.dtype == torch.bfloat16), bf16_act=int(bf16_act), error=0, calls=0, busy_ns=0)
+                      bank_bf16=int(gu.dtype == torch.bfloat16), bf16_act=int(bf16_act), error=0, calls=0, busy_ns=0,
+                      **self.cpu.host_fn_fields())
             self.shapes[key] = (x, ids, w, out, dev_out, stage, d)
         return self.shapes[key]
 
     def check(self) -> None:
-        for *_, d in self.shapes.values():
+        """Raise if a call failed (the host node records it; the loop checks after each step)."""
+        for *_, d in list(self.shapes.values()):
             if d.error:
                 raise FreeTokenError("the CPU expert branch failed inside a decode step "
                                      f"({'an expert id out of range' if d.error == 1 else 'an exception'})")
@@ -131,8 +126,9 @@ class HostBranch:
         torch.cuda.current_stream(self.device).wait_stream(self.side)
 
     def stats(self) -> dict:
-        calls = sum(d.calls for *_, d in self.shapes.values())
-        busy = sum(d.busy_ns for *_, d in self.shapes.values())
+        descs = [v[-1] for v in list(self.shapes.values())]  # the loop thread may add a shape meanwhile
+        calls = sum(d.calls for d in descs)
+        busy = sum(d.busy_ns for d in descs)
         return {"cpu_branch_calls": calls, "cpu_busy_s": round(busy / 1e9, 3)}
 
 
@@ -146,8 +142,8 @@ class Forked(Pending):
 class StreamedCpuExecutor(ExpertExecutor):
     """The CPU-only MoE backend on a CUDA machine with decode steps in stream order: launch
     forks the CPU call (the shared expert then runs on the GPU while the host computes),
-    finish joins; capturable, so the whole decode step is one graph. Prefill chunks (more
-    tokens than the C++ kernel takes) go to the wrapped executor as before."""
+    finish joins; capturable, so the whole decode step is one graph, at any batch size.
+    Prefill chunks go to the wrapped executor as before (the torch path for large ones)."""
 
     name = "cpu"
     capturable = True
@@ -158,9 +154,11 @@ class StreamedCpuExecutor(ExpertExecutor):
         self.branch = HostBranch(cpu, device)
         self.backend, self.threads, self.isa = cpu.backend, cpu.threads, cpu.isa
         self.gate_up, self.down = cpu.gate_up, cpu.down
+        # the expert function the host calls compute (the descriptor's), checked by model/moe.py
+        self.activation, self.gate_up_bias, self.down_bias = cpu.activation, cpu.gate_up_bias, cpu.down_bias
 
     def launch(self, x, ids, weights, layer: int = 0, phase: str = "decode") -> Pending:
-        if phase != "decode" or x.shape[0] > self.inner.torch_batch_threshold or not x.is_cuda:
+        if phase != "decode" or not x.is_cuda:  # decode of any batch size: the C++ kernel takes it
             return self.inner.launch(x, ids, weights, layer, phase)
         return Forked(buffer=self.branch.enqueue(x, ids, weights), dtype=x.dtype)
 
@@ -169,6 +167,10 @@ class StreamedCpuExecutor(ExpertExecutor):
             return self.inner.finish(pending)
         self.branch.join()
         return pending.buffer.to(pending.dtype)
+
+    def observe_step(self, batch: int, seconds: float) -> None:
+        """After each decode step (the serving loop): surface a failed CPU call."""
+        self.branch.check()
 
     def stats(self) -> dict:
         return {**self.inner.stats(), **self.branch.stats()}

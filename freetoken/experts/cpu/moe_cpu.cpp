@@ -878,7 +878,7 @@ torch::Tensor forward(int64_t handle, torch::Tensor x, torch::Tensor ids, torch:
 // replays every step. No CUDA call happens here; an error cannot be thrown across the driver
 // thread, so it is recorded in the descriptor and raised by Python at the next check.
 struct HostCall {
-  int64_t handle;
+  int64_t executor;     // the Executor's address (executor_address): no registry lookup on this thread
   const float* x;       // [T, H] f32
   const int64_t* ids;   // [T, K] flat ids, -1 = nothing on the CPU
   const float* w;       // [T, K] f32 gate weights
@@ -900,7 +900,11 @@ void host_call(void* p) {
     const auto t0 = std::chrono::steady_clock::now();
     bool any = false;
     for (int64_t i = 0; i < int64_t(c->T) * c->K; ++i) {
-      if (c->ids[i] < -1 || c->ids[i] >= c->n) { c->error = 1; return; }
+      if (c->ids[i] < -1 || c->ids[i] >= c->n) {  // never leave the last call's result behind
+        std::memset(c->out, 0, sizeof(float) * size_t(c->T) * c->H);
+        c->error = 1;
+        return;
+      }
       any |= c->ids[i] >= 0;
     }
     if (!any) {  // nothing on the CPU this call (fill-only moments of an adaptive split): no pool wake-up
@@ -908,7 +912,7 @@ void host_call(void* p) {
       c->calls += 1;
       return;
     }
-    Executor& ex = *g_execs.at(c->handle);
+    Executor& ex = *reinterpret_cast<Executor*>(c->executor);
     std::lock_guard<std::mutex> g(ex.call_mutex);
     if (c->bank_bf16)
       ex.run<uint16_t>(c->x, c->ids, c->w, c->T, c->K, static_cast<const uint16_t*>(c->gate_up),
@@ -919,6 +923,7 @@ void host_call(void* p) {
     c->calls += 1;
     c->busy_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
   } catch (...) {
+    std::memset(c->out, 0, sizeof(float) * size_t(c->T) * c->H);
     c->error = 2;
   }
 }
@@ -984,12 +989,15 @@ torch::Tensor forward_q(int64_t handle, torch::Tensor x, torch::Tensor ids, torc
 }
 
 int64_t host_call_address() { return reinterpret_cast<int64_t>(&host_call); }
+// executors live as long as the process (g_execs never shrinks): their addresses stay valid
+int64_t executor_address(int64_t handle) { return reinterpret_cast<int64_t>(g_execs.at(handle).get()); }
 int64_t host_call_size() { return int64_t(sizeof(HostCall)); }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("host_call_address", &host_call_address, "address of the host-function entry (a CUhostFn)");
+  m.def("executor_address", &executor_address, "address of an executor, for HostCall.executor");
   m.def("host_call_size", &host_call_size, "sizeof the HostCall descriptor (checked against hostcall.py)");
   m.def("create", &create, "create an executor with a pinned thread pool");
   m.def("isa", &isa_of, "ISA level in use: 0 scalar, 1 avx2, 2 avx512, 3 avx512-bf16");
