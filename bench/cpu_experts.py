@@ -8,9 +8,12 @@ reads its experts from DRAM. Reports, per batch size: the C++ executor, the torc
 keeps them (fp8_block: e4m3 + an fp32 scale per 128x128 block, 3.2 MB per expert; mxfp4: e2m1 +
 e8m0 per 32, 1.67 MB; nvfp4: e2m1 + e4m3 per 16 + scale_2, 1.77 MB), read in place by the C++
 kernels; GB/s then counts the quantized bytes (values and scales) of the distinct experts read.
+`--activation swiglu_clamp` computes GPT-OSS's experts instead of SiLU ones (the clamped SwiGLU,
+alpha 1.702, limit 7, with random bf16 gate_up and down bias banks), to measure what the
+per-row epilogue and the bias reads cost; results then go to ...-swiglu_clamp.
 Results go to cpu_experts (bf16) or cpu_experts-FORMAT.
     python -m bench.cpu_experts [--format bf16|fp8_block|mxfp4|nvfp4] [--experts 512]
-                                [--threads 0] [--batches 1,2,4,8,32]
+                                [--threads 0] [--batches 1,2,4,8,32] [--activation silu|swiglu_clamp]
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import torch
 from bench.common import timeit, write_result
 from freetoken.experts.banks import ExpertBanks, QuantBank
 from freetoken.experts.cpu import CpuExpertExecutor, physical_cores
-from freetoken.experts.executor import reference_experts
+from freetoken.experts.executor import ACTIVATIONS, Activation, reference_experts
 
 FORMATS = ("bf16", "fp8_block", "mxfp4", "nvfp4")
 
@@ -70,6 +73,8 @@ def main():
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--batches", default="1,2,4,8,32")
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--activation", default="silu", choices=ACTIVATIONS,
+                    help="the expert function: silu (no biases), or GPT-OSS's swiglu_clamp with bias banks")
     a = ap.parse_args()
     n, h, i, k = a.experts, a.hidden, a.inter, a.top_k
     g = torch.Generator().manual_seed(0)
@@ -84,10 +89,15 @@ def main():
         gu, dn = banks.gate_up, banks.down
         per_expert = banks.expert_bytes  # values and scales: what one expert's call reads
         probe = gu.values
+    fn = {}
+    if a.activation != "silu":  # GPT-OSS: its constants, and bias banks as it publishes them (bf16)
+        fn = dict(activation=Activation(a.activation, 1.702, 7.0),
+                  gate_up_bias=(torch.randn(n, 2 * i, generator=g) * 0.1).bfloat16(),
+                  down_bias=(torch.randn(n, h, generator=g) * 0.1).bfloat16())
     gen_s = time.perf_counter() - t0
-    ex = CpuExpertExecutor(gu, dn, threads=a.threads)
+    ex = CpuExpertExecutor(gu, dn, threads=a.threads, **fn)
     threads = ex.threads
-    res = {"format": a.format, "isa": ex.isa, "threads": threads, "physical_cores": len(physical_cores()),
+    res = {"format": a.format, "activation": a.activation, "isa": ex.isa, "threads": threads, "physical_cores": len(physical_cores()),
            "shape": [h, i], "top_k": k,
            "bank_gb": round(n * per_expert / 1e9, 2), "expert_mb": round(per_expert / 1e6, 2),
            "gen_s": round(gen_s, 1), "batches": []}
@@ -111,7 +121,7 @@ def main():
                "cpp_bf16act_ms": round(t_bf * 1e3, 3),
                "cpp_bf16act_gbs": round(distinct * per_expert / t_bf / 1e9, 1)}
         if b <= (32 if a.format == "bf16" else 8):  # the quantized reference dequantizes each expert in torch
-            t_ref = run(lambda x, ids, w: reference_experts(x.bfloat16(), ids, w, gu, dn))
+            t_ref = run(lambda x, ids, w: reference_experts(x.bfloat16(), ids, w, gu, dn, **fn))
             row.update(torch_ms=round(t_ref * 1e3, 3), torch_gbs=round(distinct * per_expert / t_ref / 1e9, 1))
         res["batches"].append(row)
         print(row, flush=True)
@@ -122,7 +132,8 @@ def main():
     res["cpp_vs_read_bw_batch1"] = round(best1 / res["host_read_gbs"], 2)
     for row in res["batches"]:  # each batch's best C++ path against the same probe
         row["cpp_vs_read_bw"] = round(max(row["cpp_gbs"], row["cpp_bf16act_gbs"]) / res["host_read_gbs"], 2)
-    write_result("cpu_experts" if a.format == "bf16" else f"cpu_experts-{a.format}", res)
+    name = "cpu_experts" if a.format == "bf16" else f"cpu_experts-{a.format}"
+    write_result(name if a.activation == "silu" else f"{name}-{a.activation}", res)
 
 
 if __name__ == "__main__":

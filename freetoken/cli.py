@@ -283,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                         help="log what the engine does")
-    sub = p.add_subparsers(dest="cmd", metavar="{generate,serve,convert,launch}")
+    sub = p.add_subparsers(dest="cmd", metavar="{generate,serve,convert,launch,bench}")
 
     def command(name, help_):
         return sub.add_parser(name, help=help_, description=help_, parents=[common], formatter_class=HelpFormatter)
@@ -362,7 +362,51 @@ def build_parser() -> argparse.ArgumentParser:
                     help="more ft serve flags for a server ft launch starts, as one string "
                          "(e.g. '--max-batch 4 --experts cpu')")
     la.set_defaults(func=cmd_launch)
+
+    b = command("bench", "measure this machine")
+    bsub = b.add_subparsers(dest="bench", metavar="{bw}")
+    b.set_defaults(func=lambda _: (b.print_help(sys.stderr), 2)[1])  # `ft bench` alone: its help
+    bw = bsub.add_parser("bw", help="expert bandwidths: CPU executor (B_H), host -> GPU slots (B_P), both at once",
+                         description="Measure, on MODEL's expert shape (read from its header; the model is not "
+                                     "loaded), the GB/s the CPU expert executor reads (B_H), the GB/s the zero-copy "
+                                     "kernel copies from pinned host memory into GPU slots (B_P, CUDA only), both "
+                                     "while the other runs, and the CPU's fixed cost per call; saves a profile the "
+                                     "GPU expert cache can start its fill share from.",
+                         parents=[common], formatter_class=HelpFormatter)
+    bw.add_argument("model", nargs="?", help="FTW file or a folder holding one (default: the embedded demo model)")
+    bw.add_argument("--threads", type=int, default=0,
+                    help="CPU executor threads (0: as the engine, every physical core; on CUDA all but two)")
+    bw.add_argument("--seconds", type=float, default=2.0, help="seconds each measurement runs")
+    bw.add_argument("--json", action="store_true", help="print the profile as one JSON object")
+    bw.add_argument("--out", default=None, metavar="FILE",
+                    help="write the profile here (default: the cache folder, bw/<shape>.json, where the engine "
+                         "looks for it)")
+    bw.set_defaults(func=cmd_bench_bw)
     return p
+
+
+def cmd_bench_bw(args) -> int:
+    """Measure B_H, B_P and the CPU's fixed cost on the model's expert shape; save the profile."""
+    from .runtime import bandwidth
+    from .runtime.bw_measure import measure, table
+    if not 0 < args.seconds <= 600:  # nan and inf refused too (a loop that never ends)
+        raise FreeTokenError(f"--seconds must be in (0, 600], got {args.seconds:g}")
+    if args.threads < 0:
+        raise FreeTokenError(f"--threads must be >= 0 (0: the engine's default), got {args.threads}")
+    path = resolve_model(args.model)
+    prof, cfg = measure(path, args.threads, args.seconds)
+    out = args.out or bandwidth.profile_path(cfg, prof["model"]["format"], prof["threads"])
+    prof["predicted_fill_share"] = round(bandwidth.predicted_share(prof), 3)  # for people; the engine recomputes
+    try:
+        prof["profile"] = bandwidth.save_profile(prof, out)
+    except OSError as e:
+        raise FreeTokenError(f"cannot write the profile to {out}: {e.strerror or e}") from None
+    if args.json:
+        print(json.dumps(prof))
+    else:
+        print(table(prof))
+        print(f"saved {out}")
+    return 0
 
 
 def cmd_launch(args) -> int:

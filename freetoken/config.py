@@ -24,19 +24,21 @@ ARCH_ALIASES = {
     "gpt_oss": "gpt_oss",
     "GlmMoeDsaForCausalLM": "glm_moe_dsa",
     "glm_moe_dsa": "glm_moe_dsa",
+    "DeepseekV4ForCausalLM": "deepseek_v4",
+    "deepseek_v4": "deepseek_v4",
 }
-ARCHS = ("qwen3_5_moe", "qwen3_moe", "gpt_oss", "glm_moe_dsa")
+ARCHS = ("qwen3_5_moe", "qwen3_moe", "gpt_oss", "glm_moe_dsa", "deepseek_v4")
 # per layer: softmax attention over the whole context, over the last `sliding_window` keys, or
 # gated DeltaNet (linear attention)
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 ROPE_TYPES = ("default", "yarn")
-EXPERT_ACTIVATIONS = ("silu", "swiglu_clamp")
+EXPERT_ACTIVATIONS = ("silu", "swiglu_clamp", "silu_clamp")
 SUPPORTED = sorted(set(k for k in ARCH_ALIASES if k[0].isupper()))
 
 
 @dataclass
 class ModelConfig:
-    arch: str  # "qwen3_5_moe" | "qwen3_moe" | "gpt_oss" | "glm_moe_dsa"
+    arch: str  # "qwen3_5_moe" | "qwen3_moe" | "gpt_oss" | "glm_moe_dsa" | "deepseek_v4"
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -107,6 +109,24 @@ class ModelConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     n_shared_experts: int = 0
+    # ---- DeepSeek-V4 (deepseek_v4: model/deepseek_v4.py, model/csa.py, model/hyper.py) ----
+    # per layer: "none" (sliding window only), "csa" (+ entries compressed from overlapping windows
+    # of compress_rate_csa tokens, picked by the indexer: index_topk of them) or "hca" (+ every
+    # entry of non-overlapping windows of compress_rate_hca tokens); all keep the sliding window
+    compressed_attention: list[str] = field(default_factory=list)
+    compress_rate_csa: int = 4
+    compress_rate_hca: int = 128
+    compress_rope_theta: float = 160000.0  # the compressed layers' RoPE base (rope_scaling: its YaRN)
+    hc_mult: int = 1  # hyper-connection residual streams
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    o_groups: int = 1  # grouped low-rank output projection: groups, rank of each
+    o_lora_rank: int = 0
+    # router "noaux_topk": score_fn(x W^T) with score_fn scoring_func ("sigmoid" | "sqrtsoftplus"),
+    # top-k of score + correction bias, weights the chosen scores renormalised, times
+    # routed_scaling_factor; the hash_layers pick their experts by token id (gate.tid2eid)
+    scoring_func: str = "sigmoid"
+    hash_layers: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         if self.arch not in ARCHS:
@@ -125,7 +145,7 @@ class ModelConfig:
             raise UnsupportedModelError("sliding_attention layers need a sliding_window")
         if self.expert_activation not in EXPERT_ACTIVATIONS:
             raise UnsupportedModelError(f"unsupported expert activation {self.expert_activation!r}")
-        if self.router not in ("softmax_topk", "topk_softmax", "sigmoid_group"):
+        if self.router not in ("softmax_topk", "topk_softmax", "sigmoid_group", "noaux_topk"):
             raise UnsupportedModelError(f"unsupported router {self.router!r}")
         if self.num_experts and not 0 < self.top_k <= self.num_experts:
             raise UnsupportedModelError(
@@ -215,6 +235,8 @@ class ModelConfig:
 
     @classmethod
     def _from_text(cls, arch: str, t: dict) -> "ModelConfig":
+        if arch == "deepseek_v4":  # its rope parameters nest per rope kind: read apart
+            return cls._deepseek_v4(t)
         rope = dict(t.get("rope_parameters") or t.get("rope_scaling") or {})
         rope_type = rope.get("rope_type", rope.get("type")) or "default"
         if rope_type not in ROPE_TYPES:
@@ -331,3 +353,117 @@ class ModelConfig:
             q_lora_rank=t.get("q_lora_rank") or 0, kv_lora_rank=t["kv_lora_rank"], qk_nope_head_dim=nope,
             qk_rope_head_dim=rope, v_head_dim=t["v_head_dim"], index_n_heads=t["index_n_heads"],
             index_head_dim=t["index_head_dim"], index_topk=t["index_topk"], indexer_types=list(idx))
+
+    @classmethod
+    def _deepseek_v4(cls, t: dict) -> "ModelConfig":
+        """DeepSeek-V4 (transformers DeepseekV4Config), its defaults and its legacy keys
+        (compress_ratios, compress_rate_csa/_hca, num_hash_layers, qk_rope_head_dim, a flat
+        rope_scaling) read as transformers reads them. Every layer keeps a sliding window
+        ("sliding_attention" for the cache: every token's row in the pages); the compressed
+        branch per layer in compressed_attention. Every layer routed experts (the first
+        num_hash_layers by token id) plus one shared expert. The MTP layers are not read."""
+        n = t["num_hidden_layers"]
+        rates = dict(t.get("compress_rates") or {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128})
+        rates["compressed_sparse_attention"] = t.get("compress_rate_csa") or rates.get("compressed_sparse_attention", 4)
+        rates["heavily_compressed_attention"] = t.get("compress_rate_hca") or rates.get("heavily_compressed_attention", 128)
+        kinds = {"sliding_attention": "none", "compressed_sparse_attention": "csa", "heavily_compressed_attention": "hca"}
+        types = t.get("layer_types")
+        if types is None and t.get("compress_ratios") is not None:
+            by_ratio = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+            bad = sorted(set(t["compress_ratios"]) - set(by_ratio))
+            if bad:
+                raise UnsupportedModelError(f"compress_ratios {bad}: DeepSeek-V4 knows 0, 4 and 128")
+            types = [by_ratio[r] for r in t["compress_ratios"]]
+        if types is None:  # transformers' default: two HCA layers, then CSA and HCA in turn
+            types = ["heavily_compressed_attention"] * min(n, 2) + [
+                "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(max(n - 2, 0))]
+        types = list(types[:n])
+        if len(types) != n or set(types) - set(kinds):
+            raise UnsupportedModelError(f"layer_types must give one of {sorted(kinds)} for each of {n} layers")
+        mlp = t.get("mlp_layer_types")
+        if mlp is None:
+            hashed = t.get("num_hash_layers")
+            hashed = 3 if hashed is None else hashed
+            mlp = ["hash_moe"] * min(n, hashed) + ["moe"] * max(0, n - hashed)
+        mlp = list(mlp[:n])
+        if len(mlp) != n or set(mlp) - {"hash_moe", "moe"}:
+            raise UnsupportedModelError(f"mlp_layer_types must give 'hash_moe' or 'moe' for each of {n} layers")
+        head_dim = t.get("head_dim") or 512
+        prf = t.get("partial_rotary_factor")
+        if prf is None:
+            prf = t["qk_rope_head_dim"] / head_dim if t.get("qk_rope_head_dim") else 64 / 512
+        rd = int(head_dim * prf)
+        main, compress = cls._dsv4_rope(t)
+        scoring = t.get("scoring_func", "sqrtsoftplus")
+        if scoring not in ("sigmoid", "sqrtsoftplus"):
+            raise UnsupportedModelError(f"scoring_func {scoring!r} is not supported (sigmoid, sqrtsoftplus)")
+        for key in ("mlp_bias", "attention_bias"):
+            if t.get(key):
+                raise UnsupportedModelError(f"{key}=true is not supported for deepseek_v4")
+        if t.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"hidden_act {t['hidden_act']!r} is not supported")
+        eos = t.get("eos_token_id", 1)
+        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        experts = t.get("n_routed_experts", 256)
+        inter = t.get("moe_intermediate_size", 2048)
+        cfg = cls(
+            arch="deepseek_v4", vocab_size=t.get("vocab_size", 129280), hidden_size=t.get("hidden_size", 4096),
+            num_layers=n, num_heads=t.get("num_attention_heads", 64), num_kv_heads=1, head_dim=head_dim,
+            rms_norm_eps=t.get("rms_norm_eps", 1e-6), rope_theta=main, rope_scaling=compress[1],
+            partial_rotary_factor=prf, max_position_embeddings=t.get("max_position_embeddings", 1048576),
+            tie_word_embeddings=bool(t.get("tie_word_embeddings", False)),
+            sliding_window=t.get("sliding_window", 128), layer_types=["sliding_attention"] * n,
+            num_experts=experts, top_k=t.get("num_experts_per_tok", 6), moe_intermediate_size=inter,
+            norm_topk_prob=True,  # the V4 routers always renormalise (transformers ignores the key)
+            router="noaux_topk", scoring_func=scoring, routed_scaling_factor=float(t.get("routed_scaling_factor", 1.5)),
+            # routed and shared experts clamp gate and up at swiglu_limit before silu(g) * u
+            expert_activation="silu_clamp", swiglu_limit=float(t.get("swiglu_limit", 10.0)),
+            n_shared_experts=1, shared_expert_intermediate_size=inter,  # one shared MLP, as transformers builds
+            moe_layers=list(range(n)), hash_layers=[i for i, k in enumerate(mlp) if k == "hash_moe"],
+            eos_token_ids=eos, raw=t, q_lora_rank=t.get("q_lora_rank", 1024), qk_rope_head_dim=rd,
+            index_n_heads=t.get("index_n_heads", 64), index_head_dim=t.get("index_head_dim", 128),
+            index_topk=t.get("index_topk", 512), compressed_attention=[kinds[k] for k in types],
+            compress_rate_csa=rates["compressed_sparse_attention"],
+            compress_rate_hca=rates["heavily_compressed_attention"], compress_rope_theta=compress[0],
+            hc_mult=t.get("hc_mult", 4), hc_sinkhorn_iters=t.get("hc_sinkhorn_iters", 20),
+            hc_eps=float(t.get("hc_eps", 1e-6)), o_groups=t.get("o_groups", 8), o_lora_rank=t.get("o_lora_rank", 1024))
+        cfg._check_dsv4()
+        return cfg
+
+    @staticmethod
+    def _dsv4_rope(t: dict) -> tuple[float, tuple[float, dict | None]]:
+        """-> (main theta, (compress theta, compress YaRN or None)). Sliding-only layers rotate with
+        plain RoPE at rope_theta; compressed layers at compress_rope_theta with the config's YaRN,
+        whose cos/sin transformers leaves unscaled (attention_factor 1 unless given)."""
+        rp = dict(t.get("rope_parameters") or t.get("rope_scaling") or {})
+        if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
+            main, comp = rp["main"], dict(rp["compress"])
+        else:
+            main = {"rope_type": "default", "rope_theta": t.get("rope_theta", 10000.0)}
+            comp = {k: v for k, v in rp.items() if k not in ("main", "compress", "rope_theta")}
+            comp["rope_theta"] = t.get("compress_rope_theta", 160000.0)
+        if main.get("rope_type", main.get("type", "default")) != "default":
+            raise UnsupportedModelError("deepseek_v4: only plain RoPE is supported for the sliding layers ('main')")
+        kind = comp.get("rope_type", comp.get("type")) or "default"
+        if kind not in ROPE_TYPES:
+            raise UnsupportedModelError(f"rope type {kind!r} is not supported yet")
+        scaling = None
+        if kind == "yarn":
+            if not comp.get("original_max_position_embeddings") or comp.get("factor") is None:
+                raise UnsupportedModelError("yarn rope scaling needs factor and original_max_position_embeddings")
+            keep = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate", "mscale",
+                    "mscale_all_dim")
+            scaling = {"rope_type": "yarn", **{k: comp[k] for k in keep if comp.get(k) is not None},
+                       "attention_factor": comp.get("attention_factor", 1.0)}
+        return float(main.get("rope_theta", 10000.0)), (float(comp.get("rope_theta", 160000.0)), scaling)
+
+    def _check_dsv4(self) -> None:
+        if self.qk_rope_head_dim % 2 or not 0 < self.qk_rope_head_dim <= min(self.head_dim, self.index_head_dim):
+            raise UnsupportedModelError(
+                f"the rotary dims ({self.qk_rope_head_dim}) must be even and fit head_dim and index_head_dim")
+        if self.o_groups < 1 or (self.num_heads * self.head_dim) % self.o_groups or self.o_lora_rank < 1:
+            raise UnsupportedModelError(f"o_groups={self.o_groups} must divide the heads' output into groups")
+        if self.hc_mult < 1 or self.hc_sinkhorn_iters < 1:
+            raise UnsupportedModelError("hc_mult and hc_sinkhorn_iters must be positive")
+        if self.index_topk < 1 or self.compress_rate_csa < 1 or self.compress_rate_hca < 1 or not self.q_lora_rank:
+            raise UnsupportedModelError("index_topk, the compress rates and q_lora_rank must be positive")

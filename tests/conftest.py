@@ -1,5 +1,8 @@
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -15,25 +18,26 @@ except ImportError:
 sys.path.insert(0, os.path.dirname(__file__))
 
 
+# One cache folder for the whole run (the JIT-built C++ executor, the demo model), chosen here,
+# before any test module is imported: some call extension() at collection (skip marks), and
+# that first build must land where the `ft` subprocesses of later tests look for it. Per run,
+# not per machine: concurrent runs over different checkouts (worktrees, another engineer's
+# edits) would otherwise rebuild each other's executor mid-run. FREETOKEN_TEST_CACHE reuses one.
+TEST_CACHE = os.environ.get("FREETOKEN_TEST_CACHE") or tempfile.mkdtemp(prefix="ft-test-cache-")
+os.environ["XDG_CACHE_HOME"] = TEST_CACHE
+if not os.environ.get("FREETOKEN_TEST_CACHE"):
+    atexit.register(shutil.rmtree, TEST_CACHE, True)
+
+
 @pytest.fixture(autouse=True)
-def _isolated_cache(tmp_path_factory, monkeypatch):
-    """Keep the JIT build shared across tests but the demo model out of the user's cache."""
-    build = os.environ.get("FREETOKEN_TEST_CACHE") or str(tmp_path_factory.getbasetemp().parent / "ft-cache")
-    monkeypatch.setenv("XDG_CACHE_HOME", build)
+def _isolated_cache(monkeypatch):
+    """Every test sees the run's cache folder (a test may point XDG_CACHE_HOME elsewhere)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", TEST_CACHE)
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _cpp_executor_built(tmp_path_factory):
+def _cpp_executor_built():
     """Build the C++ expert executor once, before any test: otherwise the first test that starts
     `ft` in a subprocess pays for the build and sees its one-time notice on stderr."""
-    build = os.environ.get("FREETOKEN_TEST_CACHE") or str(tmp_path_factory.getbasetemp().parent / "ft-cache")
-    old = os.environ.get("XDG_CACHE_HOME")
-    os.environ["XDG_CACHE_HOME"] = build
-    try:
-        from freetoken.experts.cpu import extension
-        extension()
-    finally:
-        if old is None:
-            os.environ.pop("XDG_CACHE_HOME")
-        else:
-            os.environ["XDG_CACHE_HOME"] = old
+    from freetoken.experts.cpu import extension
+    extension()

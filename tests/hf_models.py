@@ -170,3 +170,32 @@ def _wrap_config(d: str) -> None:
 def reference_logits(model, ids: list[int]) -> torch.Tensor:
     """[len(ids), V] next-token logits of the full sequence, one forward, float32."""
     return model(torch.tensor([ids])).logits[0].float()
+
+
+def deepseek_v4(seed: int, **kw):
+    """DeepseekV4ForCausalLM: a sliding-only layer, CSA (windows of 4, overlapping; the indexer
+    keeps 3 entries, 8 heads so that an all-zero relu tie is rare) and HCA (windows of 8) layers,
+    a window of 8 keys, 4 hyper-connection streams, sqrt-softplus scores, the first layer hash
+    routed (a random token -> experts table, HF inits it to 0) and a random correction bias
+    large enough to change which experts are chosen; 8 experts, top-2, one shared expert."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+    args = dict(vocab_size=320, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+                head_dim=32, q_lora_rank=48, n_routed_experts=8, num_experts_per_tok=2, o_groups=2, o_lora_rank=16,
+                index_n_heads=8, index_head_dim=16, index_topk=3, sliding_window=8, partial_rotary_factor=0.25,
+                compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+                layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                             "compressed_sparse_attention"],
+                mlp_layer_types=["hash_moe", "moe", "moe", "moe"], max_position_embeddings=512)
+    args.update(kw)
+    torch.manual_seed(seed)
+    m = DeepseekV4ForCausalLM(DeepseekV4Config(**args)).eval()
+    _perturb(m, seed)
+    g = torch.Generator().manual_seed(seed + 2000)
+    e, k = m.config.n_routed_experts, m.config.num_experts_per_tok
+    with torch.no_grad():
+        for name, b in m.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=g) * 0.2)
+            elif name.endswith("tid2eid"):
+                b.copy_(torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(b.shape[0])]))
+    return m

@@ -202,3 +202,11 @@ def test_plan_reserves_a_prefill_pass():
     huge = plan_memory(**args, prefill_pass=1 << 40)
     fixed = base.weights + base.work + base.state + base.checkpoints
     assert huge.prefill_pass == ((1 << 30) - fixed) // 10 and huge.kv_pages >= 2
+
+
+def test_share_tuner_starts_from_a_prediction():
+    """With a predicted r (a bandwidth profile), the climb starts one candidate above it."""
+    from freetoken.experts.share import ShareTuner
+    t = ShareTuner(probe=4, settle=1, start=0.8)
+    assert t.share == 1.0 and t.observe(1, 0.01) == 0.9  # the first step ran at 1: move to the start
+    assert ShareTuner(start=1.0).start == 0 and ShareTuner(start=0.0).start == len(ShareTuner().cands) - 2

@@ -21,6 +21,7 @@ from freetoken.cache.config import CacheConfig
 from freetoken.config import ModelConfig
 from freetoken.errors import UnsupportedModelError
 from freetoken.experts.banks import ExpertBanks
+from freetoken.experts.cpu import extension
 from freetoken.experts.executor import (SILU, Activation, ExpertExecutor, TorchExpertExecutor, expert_bias_banks,
                                         reference_experts)
 from freetoken.model.moe import check_executor
@@ -72,7 +73,9 @@ def cpu_engine(ftw, **kw):
 def test_logits_and_greedy_match_transformers(built, name):
     model, ftw = built[name]
     eng = cpu_engine(ftw)
-    assert eng.describe()["expert_backend"] == "torch-fallback"  # not the C++ executor: SiLU only
+    if extension() is not None:  # the C++ executor computes the clamped SwiGLU with biases
+        assert eng.describe()["expert_backend"] == "cpp"
+        assert eng.executor.activation.kind == "swiglu_clamp" and eng.executor.down_bias is not None
     prompt = prompt_for(CASES[name][0])
     assert len(prompt) > model.config.sliding_window
     pre, toks, steps = engine_greedy(eng, prompt, STEPS)
@@ -246,6 +249,8 @@ def test_mxfp4_experts_match_dequantized_reference(mxfp4):
     ref_model, _, ftw = mxfp4
     eng = cpu_engine(ftw)
     assert eng.expert_format == "mxfp4"
+    if extension() is not None:  # the MXFP4 banks read in place by the C++ kernels
+        assert eng.describe()["expert_backend"] == "cpp" and eng.executor.quantized
     prompt = prompt_for(10)
     pre, toks, steps = engine_greedy(eng, prompt, STEPS)
     ref = hf_models.reference_logits(ref_model, prompt + toks)

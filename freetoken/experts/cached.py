@@ -67,15 +67,16 @@ class CachedExpertExecutor(ExpertExecutor):
 
     def __init__(self, host_gate_up: torch.Tensor, host_down: torch.Tensor, slots: int | None, device, dtype,
                  cpu: ExpertExecutor, fill_share: float | None = 1.0, policy: str = "recent",
-                 layer_experts: int | None = None):
+                 layer_experts: int | None = None, start_share: float = 1.0):
         """slots None: allocated later (`allocate`), once the memory plan has sized the pool.
-        layer_experts: experts per MoE layer (bounds the distinct experts of one call)."""
+        layer_experts: experts per MoE layer (bounds the distinct experts of one call);
+        start_share: where the adaptive split starts its climb (a measured profile's prediction)."""
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         self.tuner = None
         if fill_share is None:  # adaptive: chosen from measured decode steps (experts/share.py)
             from .share import ShareTuner
-            self.tuner, fill_share = ShareTuner(), 1.0
+            self.tuner, fill_share = ShareTuner(start=start_share), 1.0
         if not 0.0 <= fill_share <= 1.0:
             raise ValueError(f"the fill share must be in [0, 1], got {fill_share}")
         self.host_gate_up, self.host_down, self.dtype = host_gate_up, host_down, dtype

@@ -40,7 +40,7 @@ NO_EXPERT = -1  # routed id of a pair that runs nowhere (a batch row that is not
 # device sync from any other thread invalidates it, so code that reads device state from
 # another thread (an executor's stats() for /metrics) takes this lock first
 GRAPH_CAPTURE = threading.RLock()
-ACTIVATIONS = ("silu", "swiglu_clamp")
+ACTIVATIONS = ("silu", "swiglu_clamp", "silu_clamp")
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,8 @@ class Activation:
         silu          silu(g) * u                                             (Qwen, DeepSeek, ...)
         swiglu_clamp  g' = min(g, limit), u' = clamp(u, -limit, limit):
                       (u' + 1) * g' * sigmoid(alpha * g')                     (GPT-OSS)
-    alpha and limit only mean something for swiglu_clamp."""
+        silu_clamp    silu(g') * u', g' and u' as above                       (DeepSeek-V4)
+    alpha only means something for swiglu_clamp, limit for both clamped kinds."""
     kind: str = "silu"
     alpha: float = 1.702
     limit: float = 7.0
@@ -78,6 +79,8 @@ class Activation:
         g, u = gu[..., :inter], gu[..., inter:]
         if self.kind == "silu":
             return F.silu(g) * u
+        if self.kind == "silu_clamp":  # as transformers' DeepseekV4Experts: clamp, then act(g) * u
+            return F.silu(g.clamp(max=self.limit)) * u.clamp(min=-self.limit, max=self.limit)
         g = g.clamp(max=self.limit)
         u = u.clamp(min=-self.limit, max=self.limit)
         return (u + 1) * (g * torch.sigmoid(g * self.alpha))
@@ -109,8 +112,8 @@ class ExpertExecutor:
     capturable = False  # launch + finish may be recorded into a CUDA graph
     needs_pinned_staging = False  # inputs and outputs cross the PCIe link each call
     # the expert function this executor computes; executors that take another one (the torch
-    # paths) set these when built. The C++ executor and the GPU expert cache compute SiLU-gated
-    # experts without biases for now
+    # paths, the C++ executor) set these when built. The GPU expert cache computes SiLU-gated
+    # experts without biases only
     activation: Activation = SILU
     gate_up_bias: torch.Tensor | None = None  # [N, 2I]
     down_bias: torch.Tensor | None = None  # [N, H]
@@ -279,9 +282,8 @@ class TorchExpertExecutor(ExpertExecutor):
 
 
 class QuantizedHostExecutor(TorchExpertExecutor):
-    """`--experts cpu` with experts the C++ executor does not compute yet (quantized banks, or an
-    activation other than SiLU / biases: GPT-OSS): the torch path over the host banks, as the CPU
-    executor's own fallback runs it (reference_experts for every call: each distinct expert
+    """`--experts cpu` when the C++ executor cannot be built (quantized banks or any expert
+    function): the torch path over the host banks, as the CPU executor's own fallback runs it (reference_experts for every call: each distinct expert
     dequantized once), reported as "torch-fallback". On CUDA the activations cross to the host
     and back, as with the C++ executor."""
 

@@ -34,7 +34,7 @@ class _Climb:
 
     def __init__(self, tuner: "ShareTuner"):
         self.t = tuner
-        self.cur = 0  # index of the r in use
+        self.cur = tuner.start  # index of the r in use
         self.best: tuple[int, float] | None = None  # (index, median step seconds) of the best measured
         self.samples: list[float] = []
         self.held = 0
@@ -73,9 +73,14 @@ class ShareTuner:
     resumes where it was instead of starting over."""
 
     def __init__(self, candidates=CANDIDATES, probe: int = PROBE, settle: int = SETTLE, hold: int = HOLD,
-                 margin: float = MARGIN):
+                 margin: float = MARGIN, start: float = 1.0):
+        """start: a predicted r (`ft bench bw`'s profile, runtime/bandwidth.py): each climb
+        begins one candidate above it instead of at fill-only, so a good prediction is reached
+        in one probe and a bad one is still corrected by the climb."""
         assert candidates[0] == 1.0 and list(candidates) == sorted(candidates, reverse=True)
         self.cands, self.probe, self.settle, self.hold, self.margin = list(candidates), probe, settle, hold, margin
+        at = next((i for i, r in enumerate(self.cands) if r <= start + 1e-9), len(self.cands) - 1)
+        self.start = max(0, at - 1)
         self.climbs: dict[int, _Climb] = {}
         self.batch: int | None = None
         self.decisions = 0

@@ -37,6 +37,10 @@ def _activate(g, u, alpha, limit, ACT: tl.constexpr, DTYPE: tl.constexpr):
     as experts.executor.Activation computes it in torch; returns fp32 (the caller rounds)."""
     if ACT == 0:  # silu(g) * u
         h = _round(g / (1.0 + tl.exp(-g)), DTYPE) * u
+    elif ACT == 2:  # silu(min(g, limit)) * clamp(u, -limit, limit) (DeepSeek-V4)
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        h = _round(g / (1.0 + tl.exp(-g)), DTYPE) * u
     else:  # (clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g'), g' = min(g, limit)
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)

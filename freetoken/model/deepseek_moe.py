@@ -22,6 +22,8 @@ from .moe import check_executor
 
 
 class DeepseekMoE:
+    shared_limit = None  # DeepSeek-V4 (model/deepseek_v4.py) clamps its shared expert's gate and up
+
     def __init__(self, cfg, w: dict, layer: int, ordinal: int, executor):
         p = f"model.layers.{layer}.mlp."
         self.top_k, self.num_experts = cfg.top_k, cfg.num_experts
@@ -66,6 +68,8 @@ class DeepseekMoE:
         shared = None
         if self.shared is not None:  # computed while the routed experts run (on the CPU pool, say)
             g, u = self.shared(x)
+            if self.shared_limit is not None:
+                g, u = g.clamp(max=self.shared_limit), u.clamp(-self.shared_limit, self.shared_limit)
             shared = F.linear(F.silu(g) * u, self.shared_down)
         out = self.executor.finish(pending)
         return out if shared is None else out + shared  # one fixed merge order

@@ -33,8 +33,8 @@ def check_executor(cfg, executor) -> None:
         need = want.kind + (" with biases" if cfg.expert_bias else "")
         raise UnsupportedModelError(
             f"the {executor.backend} expert executor computes {got} experts; this model's experts are {need} "
-            "(the C++ executor and the GPU expert cache compute SiLU experts without biases for now: run "
-            "these experts on the torch path)")
+            "(the GPU expert cache computes SiLU experts without biases only: keep these experts on the "
+            "host, --moe cpu, or resident, --moe resident)")
 
 
 class MoE:

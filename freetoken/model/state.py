@@ -6,8 +6,10 @@ per attention layer); a sequence's block table (one row per batch slot, on the d
 its pages in order, so key j of slot s sits in page block_table[s, j // P] at offset j % P.
 Pages are handed out as tokens arrive (cache/pages.py) and a cached prefix is shared in place
 by every sequence that reuses it. Latent-attention layers (model/mla.py) keep their compressed
-KV and indexer keys in the same pages (kv_dims), so prefix reuse shares them alike. Gated
-DeltaNet layers keep their causal-conv window and recurrent matrix per slot. Nothing here grows
+KV and indexer keys in the same pages (kv_dims), so prefix reuse shares them alike; DeepSeek-V4
+layers (model/csa.py) their sliding keys, compressor projections and compressed entries, a row
+width per layer (dsv4_row). Gated DeltaNet layers keep their causal-conv window and recurrent
+matrix per slot. Nothing here grows
 during decode: a CUDA graph can capture a step over these buffers, and one graph serves every
 length (lengths are device data).
 """
@@ -28,11 +30,39 @@ def kv_dims(cfg: ModelConfig) -> tuple[int, int, int]:
     return cfg.num_kv_heads, cfg.head_dim, cfg.head_dim
 
 
+def dsv4_row(cfg: ModelConfig, layer: int) -> dict[str, slice]:
+    """DeepSeek-V4 (model/csa.py): the parts of one token's row in a layer's K pages. kv: the
+    sliding window's key (= value). A compressed layer adds the compressor's per-token projections
+    (ckv, and cgate with its position bias; two series for CSA's overlapping windows) and centry,
+    the compressed entry of the window this token closes (read only where it closes one); a CSA
+    layer the same for its indexer (ikv, igate, ientry). Memory heavy (the projections stay for
+    the whole context) but every cache in pages: prefix reuse shares them as they are."""
+    hd, idx, kind = cfg.head_dim, cfg.index_head_dim, cfg.compressed_attention[layer]
+    parts = [("kv", hd)]
+    if kind != "none":
+        o = 2 if kind == "csa" else 1  # CSA's windows overlap: two series per token
+        parts += [("ckv", o * hd), ("cgate", o * hd), ("centry", hd)]
+    if kind == "csa":
+        parts += [("ikv", 2 * idx), ("igate", 2 * idx), ("ientry", idx)]
+    out, at = {}, 0
+    for name, width in parts:
+        out[name] = slice(at, at + width)
+        at += width
+    return out
+
+
+def layer_kv_dims(cfg: ModelConfig, layer: int) -> tuple[int, int, int]:
+    """kv_dims of one layer: DeepSeek-V4's rows differ per layer (dsv4_row, no V pages)."""
+    if cfg.compressed_attention:
+        return 1, max(part.stop for part in dsv4_row(cfg, layer).values()), 0
+    return kv_dims(cfg)
+
+
 def kv_page_bytes(cfg: ModelConfig, page_size: int, dtype) -> int:
     """Bytes of one KV page across every attention layer (K and V)."""
     el = torch.empty((), dtype=dtype).element_size()
-    heads, kd, vd = kv_dims(cfg)
-    return len(cfg.attention_layers) * heads * page_size * (kd + vd) * el
+    dims = [layer_kv_dims(cfg, i) for i in cfg.attention_layers]
+    return sum(h * page_size * (kd + vd) * el for h, kd, vd in dims)
 
 
 def slot_state_bytes(cfg: ModelConfig, dtype) -> int:
@@ -56,13 +86,13 @@ class DecodeState:
         self.width = -(-max_len // page_size)  # block-table entries per slot
         kv_pages = kv_pages or slots * self.width + 1
         self.pages = PageAllocator(kv_pages, page_size)
-        heads, kd, vd = kv_dims(cfg)
+        dims = {i: layer_kv_dims(cfg, i) for i in cfg.attention_layers}  # (heads, K width, V width)
         # empty, not zeros: host memory is committed only as pages are written, and no page is
         # read before it is written (lengths mask the rest)
-        self.k = {i: torch.empty((kv_pages, heads, page_size, kd), device=device, dtype=dtype)
-                  for i in cfg.attention_layers}
-        self.v = {i: torch.empty((kv_pages, heads, page_size, vd), device=device, dtype=dtype)
-                  for i in cfg.attention_layers}
+        self.k = {i: torch.empty((kv_pages, h, page_size, kd), device=device, dtype=dtype)
+                  for i, (h, kd, _) in dims.items()}
+        self.v = {i: torch.empty((kv_pages, h, page_size, vd), device=device, dtype=dtype)
+                  for i, (h, _, vd) in dims.items()}
         for t in (*self.k.values(), *self.v.values()):
             t[SCRATCH].zero_()
         self.block_table = torch.full((slots, self.width), SCRATCH, dtype=torch.int32, device=device)

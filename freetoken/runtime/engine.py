@@ -162,7 +162,7 @@ class Engine:
         # what an expert computes (data for the executor): its activation and optional bias banks
         gu_bias, dn_bias = expert_bias_banks(meta, w)
         self.expert_fn = dict(activation=Activation.of(self.cfg), gate_up_bias=gu_bias, down_bias=dn_bias)
-        # the C++ executor and the GPU expert cache compute SiLU-gated experts without biases only
+        # the GPU expert cache computes SiLU-gated experts without biases only (the C++ executor any)
         self.plain_experts = self.expert_fn["activation"] == SILU and gu_bias is None and dn_bias is None
         if banks is not None and banks.quantized:
             self.executor = self._quantized_executor(banks)
@@ -221,9 +221,8 @@ class Engine:
         """Quantized expert banks keep their bytes. Resident on the device (--moe resident): the
         Triton kernels that dequantize in registers (kernels/moe_quant.py; the torch path on the
         CPU). On the host: the C++ executor, which reads the banks in place and dequantizes in
-        its kernels (SiLU experts without biases); the torch path there ("torch-fallback") when
-        the extension cannot be built or the experts compute another function. The GPU expert
-        cache does not take quantized banks yet."""
+        its kernels (any expert function: GPT-OSS's too); the torch path there ("torch-fallback")
+        when the extension cannot be built. The GPU expert cache does not take quantized banks yet."""
         if self.experts_on == "gpu":
             b = banks.to(self.device)
             return TorchExpertExecutor(b.gate_up, b.down, layer_experts=self.cfg.num_experts, **self.expert_fn)
@@ -231,11 +230,10 @@ class Engine:
             log.warning("the GPU expert cache does not take %s experts yet; they stay on the host", banks.format)
             self.experts_on = "cpu"
         from ..experts.cpu import CpuExpertExecutor, extension
-        if self.plain_experts and extension() is not None:
-            return CpuExpertExecutor(banks, threads=self._cpu_threads())
-        log.warning("%s experts: %s; the experts run on the torch path on the host (slower)", banks.format,
-                    "the C++ expert executor could not be built" if self.plain_experts else
-                    "the C++ expert executor computes SiLU experts without biases only")
+        if extension() is not None:
+            return CpuExpertExecutor(banks, threads=self._cpu_threads(), **self.expert_fn)
+        log.warning("%s experts: the C++ expert executor could not be built; the experts run on the torch "
+                    "path on the host (slower)", banks.format)
         return QuantizedHostExecutor(banks.gate_up, banks.down, layer_experts=self.cfg.num_experts, **self.expert_fn)
 
     def _executor(self, gate_up, down):
@@ -244,16 +242,17 @@ class Engine:
         if self.experts_on == "gpu":
             return TorchExpertExecutor(gate_up.to(self.device, self.dtype), down.to(self.device, self.dtype),
                                        layer_experts=self.cfg.num_experts, **self.expert_fn)
-        if not self.plain_experts:  # GPT-OSS on the host: the torch path until the C++ kernels take it
+        from ..experts.cpu import CpuExpertExecutor, extension
+        if not self.plain_experts:  # GPT-OSS: the C++ executor on the host, not the cache
             if self.experts_on == "cache":
                 log.warning("the GPU expert cache computes SiLU experts without biases only; the experts stay "
                             "on the host")
                 self.experts_on = "cpu"
-            log.warning("%s experts on the host run on the torch path (the C++ executor computes SiLU experts "
-                        "without biases only; slower)", self.expert_fn["activation"].kind)
-            return QuantizedHostExecutor(gate_up, down, layer_experts=self.cfg.num_experts, **self.expert_fn)
-        from ..experts.cpu import CpuExpertExecutor
-        cpu = CpuExpertExecutor(gate_up, down, threads=self._cpu_threads())
+            if extension() is None:
+                log.warning("%s experts on the host run on the torch path (the C++ expert executor could not be "
+                            "built; slower)", self.expert_fn["activation"].kind)
+                return QuantizedHostExecutor(gate_up, down, layer_experts=self.cfg.num_experts, **self.expert_fn)
+        cpu = CpuExpertExecutor(gate_up, down, threads=self._cpu_threads(), **self.expert_fn)
         if self.experts_on != "cache":
             from ..experts.cpu.hostcall import StreamedCpuExecutor, host_branch_ok
             if self.device.type == "cuda" and host_branch_ok(cpu):  # decode steps in stream order: one graph
@@ -263,8 +262,14 @@ class Engine:
         if self.device.type != "cuda":
             log.warning("--moe cache without CUDA: the expert slots are host memory (a functional test "
                         "of the cache, not a speed-up)")
+        start = 1.0
+        if self.ecfg.fill_share_value() is None:  # adaptive: start from `ft bench bw`'s profile if there is one
+            from .bandwidth import load_profile, predicted_share
+            prof = load_profile(self.cfg, cpu.threads, self.expert_format)
+            start = predicted_share(prof) if prof else 1.0
         return CachedExpertExecutor(gate_up, down, None, self.device, self.dtype, cpu,
-                                    self.ecfg.fill_share_value(), self.ecfg.cache_policy, self.cfg.num_experts)
+                                    self.ecfg.fill_share_value(), self.ecfg.cache_policy, self.cfg.num_experts,
+                                    start_share=start)
 
     def _cpu_threads(self) -> int:
         """--cpu-threads, or its default: every physical core on a CPU-only machine; on CUDA two

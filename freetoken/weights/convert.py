@@ -35,8 +35,8 @@ from ..errors import FreeTokenError, UnsupportedModelError, notice
 from ..model.registry import model_class
 from ..tokenizer import Tokenizer
 from .ftw import DTYPE_NAMES, Entry
-from .hf import (FORMAT_NAMES, WEIGHT_DTYPES, Checkpoint, QuantScheme, Weight, layers_past, quant_scheme,
-                 read_config)
+from .hf import (FORMAT_NAMES, WEIGHT_DTYPES, Checkpoint, QuantScheme, Weight, deepseek_v4_name, layers_past,
+                 quant_scheme, read_config)
 from .quant import FP8_BLOCK, MX_BLOCK, NV_BLOCK
 from .writer import FTWWriter
 
@@ -213,6 +213,17 @@ class Plan:
         self.expert_dtypes: dict = expert_dtypes
 
 
+# integer tables kept as they are: DeepSeek-V4's hash-routed layers' token -> experts map
+INTEGER_TENSORS = ("mlp.gate.tid2eid",)
+
+
+def _deepseek_v4_notices(src: str, cfg: ModelConfig, ck: Checkpoint) -> None:
+    """What FreeToken leaves out of a DeepSeek-V4 checkpoint, said once at convert."""
+    mtp = [n for n in ck.skipped if n.startswith(("mtp.", "model.mtp."))]
+    if mtp:
+        notice(f"{src}: skipping the multi-token-prediction head ({len(mtp)} mtp.* tensors, not used for serving)")
+
+
 def _check_dense_dtype(src: str, ck: Checkpoint, name: str) -> None:
     s = ck.tensors[name]
     if s.dtype not in WEIGHT_DTYPES:
@@ -230,7 +241,9 @@ def plan(src: str) -> Plan:
     for fn in REQUIRED_FILES:
         if not os.path.exists(os.path.join(src, fn)):
             raise FreeTokenError(f"{src}: {fn} is missing; FTW embeds the tokenizer, copy it from the model's release")
-    ck = Checkpoint(src)
+    ck = Checkpoint(src, deepseek_v4_name if cfg.arch == "deepseek_v4" else None)
+    if cfg.arch == "deepseek_v4":
+        _deepseek_v4_notices(src, cfg, ck)
     if scheme is None:
         scheme = quant_scheme(src, raw, ck)  # quantized tensors that no config declares
     past, n_past = layers_past(ck, cfg.num_layers)
@@ -256,7 +269,7 @@ def plan(src: str) -> Plan:
         raise FreeTokenError(f"{src}: the checkpoint's quantization ({scheme.description}) is on none of its "
                              "weights (no scale tensors); is this the right config for these weights?")
     for w in dense_w.values():
-        if w.format == "dense":
+        if w.format == "dense" and not w.values.endswith(INTEGER_TENSORS):
             _check_dense_dtype(src, ck, w.values)
     expert_fmt, expert_dtypes = None, {}
     if expert_w:

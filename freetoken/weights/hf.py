@@ -2,7 +2,8 @@
 
 Handles sharded safetensors (model.safetensors.index.json) or loose *.safetensors files, the
 multimodal wrapper's `model.language_model.` prefix (vision tower and MTP heads skipped), and
-routed experts stored one tensor per expert or fused per layer. Tensors are opened lazily
+routed experts stored one tensor per expert or fused per layer, and DeepSeek-V4's own tensor names
+(`deepseek_v4_name`, the MTP head skipped). Tensors are opened lazily
 (safetensors mmap) so a checkpoint larger than RAM streams through.
 
 Quantized checkpoints are recognised here, from their config and from their tensors. Three
@@ -91,19 +92,24 @@ class Source:
 class Checkpoint:
     """Lazy view of a checkpoint directory's tensors under canonical names."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, rename=None):
+        """rename: an architecture's names -> FreeToken's, after canonical() (deepseek_v4_name)."""
         self.path = path
         if not os.path.isdir(path):
             raise FreeTokenError(f"{path}: not a checkpoint directory")
         files = self._shard_files()
         self._handles: dict[str, object] = {}
         self.tensors: dict[str, Source] = {}
+        self.skipped: list[str] = []  # names canonical() drops (vision tower, MTP heads)
         for fn in files:
             h = self._open(fn)
             for key in h.keys():
                 c = canonical(key)
                 if c is None:
+                    self.skipped.append(key)
                     continue
+                if rename is not None:
+                    c = rename(c)
                 sl = h.get_slice(key)
                 st = sl.get_dtype()
                 self.tensors[c] = Source(fn, key, list(sl.get_shape()), ST_DTYPES.get(st), st)
@@ -169,6 +175,43 @@ class Checkpoint:
 
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
+# DeepSeek-V4 as published (DeepSeek's own names, with or without a `model.` prefix; transformers'
+# save_pretrained writes them back too) -> transformers' names, as its conversion mapping renames
+# them; transformers' own names pass unchanged. The MTP heads (`mtp.*`) are skipped by SKIP.
+DSV4_TOP = {"embed.weight": "model.embed_tokens.weight", "embed_tokens.weight": "model.embed_tokens.weight",
+            "head.weight": "lm_head.weight", "norm.weight": "model.norm.weight",
+            **{f"hc_head_{n}": f"model.hc_head.hc_{n}" for n in ("fn", "base", "scale")},
+            **{f"hc_head.hc_{n}": f"model.hc_head.hc_{n}" for n in ("fn", "base", "scale")}}
+DSV4_LAYER = [(re.compile(a), b) for a, b in (
+    (r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."),
+    (r"\.indexer\.compressor\.", ".compressor.indexer."),
+    (r"\.attn_norm\.", ".input_layernorm."), (r"\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"\.hc_(attn|ffn)_(fn|base|scale)$", r".\1_hc.\2"), (r"\.attn_sink$", ".sinks"),
+    (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
+    (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."),
+    (r"\.norm\.", ".kv_norm."), (r"\.ape$", ".position_bias"), (r"\.wq_a\.", ".q_a_proj."),
+    (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."), (r"\.wkv\.", ".kv_proj."), (r"\.wgate\.", ".gate_proj."),
+    (r"\.wo_a\.", ".o_a_proj."), (r"\.wo_b\.", ".o_b_proj."), (r"\.q_norm\.", ".q_a_norm."),
+    (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
+    (r"\.(shared_experts|experts\.\d+)\.w1\.", r".\1.gate_proj."),
+    (r"\.(shared_experts|experts\.\d+)\.w2\.", r".\1.down_proj."),
+    (r"\.(shared_experts|experts\.\d+)\.w3\.", r".\1.up_proj."))]
+DSV4_LAYER_NAME = re.compile(r"^(?:model\.)?layers\.(\d+)(\..*)$")
+
+
+def deepseek_v4_name(name: str) -> str:
+    """One DeepSeek-V4 tensor name -> transformers' (model.layers.N.self_attn..., lm_head...)."""
+    top = name[len("model."):] if name.startswith("model.") else name
+    if top in DSV4_TOP:
+        return DSV4_TOP[top]
+    m = DSV4_LAYER_NAME.match(name)
+    if m is None:
+        return name
+    rest = m.group(2)
+    for pattern, repl in DSV4_LAYER:
+        rest = pattern.sub(repl, rest)
+    return f"model.layers.{m.group(1)}{rest}"
+
 
 def layers_past(ck: "Checkpoint", num_layers: int) -> tuple[list[int], int]:
     """Layers the checkpoint holds past num_hidden_layers, and how many tensors they have: the
@@ -194,7 +237,14 @@ QUANT_LEAVES = {"qweight", "qzeros", "scales", "g_idx", "absmax", "quant_map", "
 QUANT_SUFFIXES = ("_scale", "_scale_inv", "_scale_2", "_scales", "_blocks", "_zero_point")
 
 
+# parameters whose names look like quantization scales but are not: DeepSeek-V4's hyper-connection
+# head scale (model.hc_head.hc_scale)
+NOT_QUANT = ("hc_head.hc_scale",)
+
+
 def is_quant_tensor(name: str) -> bool:
+    if name.endswith(NOT_QUANT):
+        return False
     leaf = name.rsplit(".", 1)[-1]
     return (leaf in QUANT_LEAVES or leaf.endswith(QUANT_SUFFIXES) or ".quant_state." in name
             or leaf.startswith("quant_state"))

@@ -10,6 +10,10 @@ Banks: bf16 / f32 tensors, or quantized (experts.banks: an ExpertBanks, or its Q
 in fp8_block, mxfp4 or nvfp4) read by the C++ kernels as published, dequantized in registers
 (no copy, no dequantized buffer), prefill chunks included (up to 4096 tokens; above, the torch
 reference dequantizes the selected experts, banks.take).
+
+The expert function is data, as for the torch executors: SiLU-gated experts without biases
+(Qwen, DeepSeek), or GPT-OSS's clamped SwiGLU with its gate_up / down bias banks, computed by the
+same C++ kernels (the activation and biases are applied per row between the projections).
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import time
 import torch
 
 from ..banks import ExpertBanks, QuantBank
-from ..executor import ExpertExecutor, Pending, reference_experts
+from ..executor import SILU, Activation, ExpertExecutor, Pending, reference_experts
 from ...errors import notice
 from ...paths import cache_dir, file_lock
 
@@ -112,10 +116,13 @@ class CpuExpertExecutor(ExpertExecutor):
     FORMAT_CODES = {"fp8_block": 1, "mxfp4": 2, "nvfp4": 3}  # moe_cpu.cpp's Fmt
 
     def __init__(self, gate_up, down=None, threads: int = 0,
-                 torch_batch_threshold: int | None = None, isa_cap: int = 3):
+                 torch_batch_threshold: int | None = None, isa_cap: int = 3, activation: Activation = SILU,
+                 gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None):
         """gate_up, down: float banks (bf16 / f32 tensors) or QuantBanks of one format; or
-        gate_up an ExpertBanks (down None). torch_batch_threshold: tokens above which a call
-        takes the torch path (default 32 for float banks, where BLAS wins on prefill chunks;
+        gate_up an ExpertBanks (down None). activation, gate_up_bias [N, 2I], down_bias [N, H]:
+        the expert function (executor.py), as TorchExpertExecutor takes it (GPT-OSS: the clamped
+        SwiGLU with both biases). torch_batch_threshold: tokens above which a call takes the
+        torch path (default 32 for float banks, where BLAS wins on prefill chunks;
         4096 for quantized ones, where the torch path dequantizes every selected expert first:
         on the 2-core dev machine the C++ kernel still takes 0.74 s against 1.19 s for a
         2048-token nvfp4 chunk over 128 experts of 2048 x 512)."""
@@ -140,6 +147,11 @@ class CpuExpertExecutor(ExpertExecutor):
         else:
             self.format = {torch.bfloat16: "bf16", torch.float32: "f32"}.get(gate_up.dtype, str(gate_up.dtype))
             self.gate_up, self.down = gate_up.contiguous(), down.contiguous()
+        self.activation = activation
+        self._fn = self._fn_args(activation, gate_up_bias, down_bias)
+        # the host copies serve the torch path too: the same values for bf16 / f16 / f32 biases
+        # (kept as given, or widened to f32 exactly)
+        self.gate_up_bias, self.down_bias = self._fn["gate_up_bias"], self._fn["down_bias"]
         if torch_batch_threshold is None:
             torch_batch_threshold = 4096 if self.quantized else 32
         self.torch_batch_threshold = torch_batch_threshold  # tokens; above: the torch path
@@ -154,6 +166,29 @@ class CpuExpertExecutor(ExpertExecutor):
         self.backend = "cpp" if ext is not None else "torch-fallback"
         self.calls = self.pairs = 0
 
+    @staticmethod
+    def _fn_args(activation: Activation, gate_up_bias, down_bias) -> dict:
+        """The C++ kernels' expert-function arguments: the activation's code and constants, and
+        the biases in host memory, both bf16 (GPT-OSS publishes them so) or else both f32 (the
+        kernels read one bias dtype; rounding to the model's dtype happens there)."""
+        biases = [b for b in (gate_up_bias, down_bias) if b is not None]
+        dt = torch.bfloat16 if biases and all(b.dtype == torch.bfloat16 for b in biases) else torch.float32
+
+        def host(b):
+            return None if b is None else b.to("cpu", dt).contiguous()
+        return dict(act=activation.code, alpha=float(activation.alpha), limit=float(activation.limit),
+                    gate_up_bias=host(gate_up_bias), down_bias=host(down_bias))
+
+    def host_fn_fields(self) -> dict:
+        """The expert function as the host-call descriptor's fields (hostcall.py's _Desc); the
+        bias tensors stay alive with this executor."""
+        f = self._fn
+        gb, db = f["gate_up_bias"], f["down_bias"]
+        return dict(act=f["act"], alpha=f["alpha"], limit=f["limit"],
+                    gate_up_bias=gb.data_ptr() if gb is not None else None,
+                    down_bias=db.data_ptr() if db is not None else None,
+                    bias_bf16=int(any(b is not None and b.dtype == torch.bfloat16 for b in (gb, db))))
+
     def launch(self, x, ids, weights, layer: int = 0, phase: str = "decode") -> Pending:
         # Synchronous for now: handing the call to a Python worker thread (the GIL-free C++
         # kernel would allow it) made the H200's CPU-only decode 2x and its prefill 12x slower
@@ -167,7 +202,8 @@ class CpuExpertExecutor(ExpertExecutor):
         src_dev, src_dtype = x.device, x.dtype
         x, ids, weights = x.cpu(), ids.cpu(), weights.cpu()
         if self.handle is None or x.shape[0] > self.torch_batch_threshold:
-            out = reference_experts(x, ids, weights, self.gate_up, self.down)
+            out = reference_experts(x, ids, weights, self.gate_up, self.down, self.activation, self.gate_up_bias,
+                                    self.down_bias)
         else:
             out = self.kernel(x, ids, weights).to(src_dtype)
         return out.to(src_dev)
@@ -176,9 +212,9 @@ class CpuExpertExecutor(ExpertExecutor):
         """The C++ path whatever the batch size; fp32 result."""
         if self.quantized:
             return extension().forward_q(self.handle, x.float(), ids.long(), weights.float(), *self._qargs,
-                                         x.dtype == torch.bfloat16)
+                                         x.dtype == torch.bfloat16, **self._fn)
         return extension().forward(self.handle, x.float(), ids.long(), weights.float(),
-                                   self.gate_up, self.down, x.dtype == torch.bfloat16)
+                                   self.gate_up, self.down, x.dtype == torch.bfloat16, **self._fn)
 
     def stats(self) -> dict:
         return {"calls": self.calls, "pairs": self.pairs}

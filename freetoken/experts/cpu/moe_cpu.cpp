@@ -3,7 +3,8 @@
 // Bandwidth-bound by design: each selected expert's weights stream from DRAM exactly once
 // per call, in 4-row blocks that are re-used from L1 for every token routed to the expert.
 // Two phases with one barrier between them (none per expert):
-//   1. gate_up: work units = (expert, block of intermediate rows); h = silu(x Wg^T) * (x Wu^T)
+//   1. gate_up: work units = (expert, block of intermediate rows); h = silu(x Wg^T) * (x Wu^T),
+//               or GPT-OSS's clamped SwiGLU over the biased products (ExpertFn below)
 //   2. down:    work units = blocks of output rows; a thread owns out[:, rows] outright and
 //               adds every expert's contribution there, so no atomics and a fixed sum order.
 // Weights are BF16 or FP32, or quantized as published (fp8_block, mxfp4, nvfp4: see
@@ -215,6 +216,46 @@ inline void dot4(Isa isa, const W* w, int64_t stride, const float* x, int len, f
 }
 
 inline float silu(float v) { return v / (1.f + std::exp(-v)); }
+
+// ---------------------------------------------------------------- the expert function
+// What an expert computes between its two projections (experts/executor.py's Activation) and
+// its optional bias banks. Plain (SiLU, no biases: Qwen, DeepSeek) takes the same code as before;
+// anything else costs a per-row epilogue (a branch that always goes the same way in a call, and a
+// few flops per intermediate row against the H multiply-adds of its dot products).
+enum Act { ACT_SILU = 0, ACT_SWIGLU_CLAMP = 1, ACT_SILU_CLAMP = 2 };  // Activation.code
+
+struct ExpertFn {
+  int act = ACT_SILU;
+  float alpha = 1.702f, limit = 7.f;  // swiglu_clamp only
+  const void* gu_bias = nullptr;  // [N, 2I]: gate rows then up rows, as gate_up's rows
+  const void* dn_bias = nullptr;  // [N, H]
+  bool bias_bf16 = false;         // both biases bf16 (else f32)
+  bool bias_round = false;        // f32 biases in a bf16 model: rounded to bf16 on load, as the
+                                  // reference's bias.to(x.dtype) does (arithmetic stays f32, as x's)
+  bool plain() const { return act == ACT_SILU && gu_bias == nullptr && dn_bias == nullptr; }
+  float bias(const void* b, int64_t i) const {
+    if (bias_bf16) return bf16_to_f32(static_cast<const uint16_t*>(b)[i]);
+    const float f = static_cast<const float*>(b)[i];
+    return bias_round ? bf16_to_f32(f32_to_bf16(f)) : f;
+  }
+  // h of intermediate row r of expert e from its gate and up products g, u
+  float h(int64_t e, int I, int r, float g, float u) const {
+    if (gu_bias != nullptr) {
+      g += bias(gu_bias, e * 2 * I + r);
+      u += bias(gu_bias, e * 2 * I + I + r);
+    }
+    if (act == ACT_SILU) return silu(g) * u;
+    if (act == ACT_SILU_CLAMP)  // DeepSeek-V4: silu(min(g, limit)) * clamp(u, -limit, limit)
+      return silu(std::min(g, limit)) * std::min(std::max(u, -limit), limit);
+    // min / max order as torch.clamp: a NaN stays NaN. sigmoid underflows to 0 for very negative
+    // g (exp overflows to inf), as torch.sigmoid does: h = -0, never NaN
+    g = std::min(g, limit);
+    u = std::min(std::max(u, -limit), limit);
+    return (u + 1.f) * (g * (1.f / (1.f + std::exp(-(g * alpha)))));
+  }
+  // the down product of output row r of expert e, with its bias
+  float y(int64_t e, int H, int r, float d) const { return dn_bias != nullptr ? d + bias(dn_bias, e * H + r) : d; }
+};
 
 // ---------------------------------------------------------------- quantized banks
 // The published bytes are read in place (experts/banks.py): no copy, no dequantized buffer.
@@ -633,7 +674,8 @@ struct Executor {
 
   template <typename W>
   void run(const float* x, const int64_t* ids, const float* gw, int T, int K, const W* gu, const W* dn,
-           int H, int I, float* out, bool bf16_act) {
+           int H, int I, float* out, bool bf16_act, const ExpertFn& fn = ExpertFn()) {
+    const bool plain = fn.plain();
     // group (token, slot) pairs by expert, in ascending expert id: a fixed summation order
     const int P = T * K;
     std::vector<int> order(P);
@@ -689,7 +731,7 @@ struct Executor {
               }
             }
             for (int j = 0; j < nr; ++j) {
-              const float hv = silu(g4[j]) * v4[j];
+              const float hv = plain ? silu(g4[j]) * v4[j] : fn.h(e, I, r + j, g4[j], v4[j]);
               h[size_t(q) * I + r + j] = hv;
               if (dp) hb[size_t(q) * I + r + j] = f32_to_bf16(hv);
             }
@@ -727,7 +769,10 @@ struct Executor {
                   d4[j] = s;
                 }
               }
-              for (int j = 0; j < nr; ++j) out[int64_t(tok) * H + r + j] += wq * d4[j];
+              if (plain)
+                for (int j = 0; j < nr; ++j) out[int64_t(tok) * H + r + j] += wq * d4[j];
+              else
+                for (int j = 0; j < nr; ++j) out[int64_t(tok) * H + r + j] += wq * fn.y(e, H, r + j, d4[j]);
             }
           }
         }
@@ -737,8 +782,9 @@ struct Executor {
   // Quantized banks: the same two phases, work split and summation order as run(); each
   // 4-row block is dequantized in registers by qdot4 for every pair routed to the expert.
   void run_q(const float* x, const int64_t* ids, const float* gw, int T, int K, const QBank& gu, const QBank& dn,
-             int H, int I, float* out, bool bf16_act) {
+             int H, int I, float* out, bool bf16_act, const ExpertFn& fn = ExpertFn()) {
     const int fmt = gu.fmt;
+    const bool plain = fn.plain();
     const int P = T * K;
     std::vector<int> order(P);
     for (int p = 0; p < P; ++p) order[p] = p;
@@ -792,7 +838,7 @@ struct Executor {
             qdot4(isa, fmt, dp, rg, xr, xbr, H, gu.sdt, g4);
             qdot4(isa, fmt, dp, ru, xr, xbr, H, gu.sdt, v4);
             for (int j = 0; j < nr; ++j) {
-              const float hv = silu(g4[j]) * v4[j];
+              const float hv = plain ? silu(g4[j]) * v4[j] : fn.h(e, I, r + j, g4[j], v4[j]);
               if (dp) hb[size_t(q) * I + posI[r + j]] = f32_to_bf16(hv);
               else hl[size_t(q) * I + posI[r + j]] = hv;
             }
@@ -822,7 +868,10 @@ struct Executor {
               const float wq = gw[order[q]];
               qdot4(isa, fmt, dp, rd, dp ? nullptr : hl.data() + size_t(q) * I, dp ? hb.data() + size_t(q) * I : nullptr,
                     I, dn.sdt, d4);
-              for (int j = 0; j < nr; ++j) out[int64_t(tok) * H + r + j] += wq * d4[j];
+              if (plain)
+                for (int j = 0; j < nr; ++j) out[int64_t(tok) * H + r + j] += wq * d4[j];
+              else
+                for (int j = 0; j < nr; ++j) out[int64_t(tok) * H + r + j] += wq * fn.y(e, H, r + j, d4[j]);
             }
           }
         }
@@ -841,10 +890,38 @@ int64_t create(std::vector<int64_t> cpus, int64_t isa_cap) {
 
 int64_t isa_of(int64_t handle) { return g_execs.at(handle)->isa; }
 
+// The expert function of a call from its Python arguments: act (Activation.code), alpha, limit,
+// and the bias banks gate_up_bias [N, 2I], down_bias [N, H] (None, or both bf16 or both f32).
+ExpertFn make_fn(int64_t act, double alpha, double limit, const c10::optional<torch::Tensor>& gu_bias,
+                 const c10::optional<torch::Tensor>& dn_bias, int64_t N, int H, int I, bool bf16_act) {
+  TORCH_CHECK(act >= ACT_SILU && act <= ACT_SILU_CLAMP, "unknown expert activation code ", act);
+  ExpertFn f;
+  f.act = int(act), f.alpha = float(alpha), f.limit = float(limit);
+  const torch::Tensor* first = nullptr;
+  auto take = [&](const c10::optional<torch::Tensor>& b, int64_t cols, const char* name) -> const void* {
+    if (!b.has_value() || !b->defined()) return nullptr;
+    const torch::Tensor& t = *b;
+    TORCH_CHECK(t.dim() == 2 && t.size(0) == N && t.size(1) == cols && t.is_contiguous() && t.device().is_cpu(),
+                name, " must be a contiguous host tensor [", N, ", ", cols, "]");
+    TORCH_CHECK(t.scalar_type() == torch::kBFloat16 || t.scalar_type() == torch::kFloat32, name,
+                " must be bfloat16 or float32");
+    TORCH_CHECK(first == nullptr || first->scalar_type() == t.scalar_type(), "the two bias banks must share a dtype");
+    first = &t;
+    return t.data_ptr();
+  };
+  f.gu_bias = take(gu_bias, 2 * int64_t(I), "gate_up_bias");
+  f.dn_bias = take(dn_bias, H, "down_bias");
+  f.bias_bf16 = first != nullptr && first->scalar_type() == torch::kBFloat16;
+  f.bias_round = bf16_act && !f.bias_bf16;
+  return f;
+}
+
 // x [T, H] f32, ids [T, K] i64 (flat expert ids), w [T, K] f32, gate_up [N, 2I, H], down [N, H, I]
 // (both bf16 or both f32) -> out [T, H] f32. bf16_act: x holds bf16-exact values (bf16 model).
+// act, alpha, limit, gate_up_bias, down_bias: the expert function (make_fn; default SiLU, no biases).
 torch::Tensor forward(int64_t handle, torch::Tensor x, torch::Tensor ids, torch::Tensor w,
-                      torch::Tensor gate_up, torch::Tensor down, bool bf16_act) {
+                      torch::Tensor gate_up, torch::Tensor down, bool bf16_act, int64_t act, double alpha,
+                      double limit, c10::optional<torch::Tensor> gate_up_bias, c10::optional<torch::Tensor> down_bias) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && ids.dtype() == torch::kInt64 && w.dtype() == torch::kFloat32,
               "moe_cpu.forward: x f32, ids i64, w f32 expected");
   TORCH_CHECK(gate_up.dtype() == down.dtype(), "gate_up and down banks must share a dtype");
@@ -855,17 +932,18 @@ torch::Tensor forward(int64_t handle, torch::Tensor x, torch::Tensor ids, torch:
   TORCH_CHECK(gate_up.size(1) == 2 * I && gate_up.size(2) == H && down.size(1) == H, "bank shapes");
   auto idp = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < ids.numel(); ++i) TORCH_CHECK(idp[i] >= -1 && idp[i] < N, "expert id out of range");
+  const ExpertFn fn = make_fn(act, alpha, limit, gate_up_bias, down_bias, N, H, I, bf16_act);
   auto out = torch::empty({T, H}, x.options());
   Executor& ex = *g_execs.at(handle);
   std::lock_guard<std::mutex> g(ex.call_mutex);
   if (gate_up.dtype() == torch::kBFloat16) {
     ex.run<uint16_t>(x.data_ptr<float>(), idp, w.data_ptr<float>(), T, K,
                      reinterpret_cast<const uint16_t*>(gate_up.data_ptr()),
-                     reinterpret_cast<const uint16_t*>(down.data_ptr()), H, I, out.data_ptr<float>(), bf16_act);
+                     reinterpret_cast<const uint16_t*>(down.data_ptr()), H, I, out.data_ptr<float>(), bf16_act, fn);
   } else {
     TORCH_CHECK(gate_up.dtype() == torch::kFloat32, "banks must be bf16 or f32");
     ex.run<float>(x.data_ptr<float>(), idp, w.data_ptr<float>(), T, K, gate_up.data_ptr<float>(),
-                  down.data_ptr<float>(), H, I, out.data_ptr<float>(), false);
+                  down.data_ptr<float>(), H, I, out.data_ptr<float>(), false, fn);
   }
   return out;
 }
@@ -892,6 +970,12 @@ struct HostCall {
   int32_t error;        // set when a call failed (ids out of range, an exception)
   int64_t calls;        // calls made (telemetry)
   int64_t busy_ns;      // time spent computing (telemetry: the CPU branch's busy time)
+  // the expert function (make_fn's; all zero = SiLU without biases, descriptors from before)
+  const void* gate_up_bias;  // [N, 2I] or null
+  const void* down_bias;     // [N, H] or null
+  int32_t act;               // Activation.code
+  int32_t bias_bf16;         // biases: 1 bf16, 0 f32
+  float alpha, limit;        // swiglu_clamp's
 };
 
 void host_call(void* p) {
@@ -912,14 +996,23 @@ void host_call(void* p) {
       c->calls += 1;
       return;
     }
+    ExpertFn fn;
+    fn.act = c->act, fn.alpha = c->alpha, fn.limit = c->limit;
+    fn.gu_bias = c->gate_up_bias, fn.dn_bias = c->down_bias;
+    fn.bias_bf16 = c->bias_bf16 != 0, fn.bias_round = c->bf16_act != 0 && c->bias_bf16 == 0;
+    if (fn.act < ACT_SILU || fn.act > ACT_SILU_CLAMP) {
+      std::memset(c->out, 0, sizeof(float) * size_t(c->T) * c->H);
+      c->error = 2;
+      return;
+    }
     Executor& ex = *reinterpret_cast<Executor*>(c->executor);
     std::lock_guard<std::mutex> g(ex.call_mutex);
     if (c->bank_bf16)
       ex.run<uint16_t>(c->x, c->ids, c->w, c->T, c->K, static_cast<const uint16_t*>(c->gate_up),
-                       static_cast<const uint16_t*>(c->down), c->H, c->I, c->out, c->bf16_act != 0);
+                       static_cast<const uint16_t*>(c->down), c->H, c->I, c->out, c->bf16_act != 0, fn);
     else
       ex.run<float>(c->x, c->ids, c->w, c->T, c->K, static_cast<const float*>(c->gate_up),
-                    static_cast<const float*>(c->down), c->H, c->I, c->out, false);
+                    static_cast<const float*>(c->down), c->H, c->I, c->out, false, fn);
     c->calls += 1;
     c->busy_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
   } catch (...) {
@@ -966,9 +1059,12 @@ QBank make_bank(int fmt, const torch::Tensor& v, const torch::Tensor& s, const t
 // x [T, H] f32, ids [T, K] i64, w [T, K] f32; fmt 1 fp8_block, 2 mxfp4, 3 nvfp4; gate_up banks
 // (values [N, 2I, *], scale, scale_2) and down banks ([N, H, *]) as experts/banks.py keeps them,
 // the 1-byte tensors (e4m3, packed e2m1, e8m0) viewed as uint8 -> out [T, H] f32.
+// act .. down_bias: the expert function, as forward's.
 torch::Tensor forward_q(int64_t handle, torch::Tensor x, torch::Tensor ids, torch::Tensor w, int64_t fmt,
                         torch::Tensor gu_v, torch::Tensor gu_s, torch::Tensor gu_s2, torch::Tensor dn_v,
-                        torch::Tensor dn_s, torch::Tensor dn_s2, bool bf16_act) {
+                        torch::Tensor dn_s, torch::Tensor dn_s2, bool bf16_act, int64_t act, double alpha,
+                        double limit, c10::optional<torch::Tensor> gate_up_bias,
+                        c10::optional<torch::Tensor> down_bias) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && ids.dtype() == torch::kInt64 && w.dtype() == torch::kFloat32,
               "moe_cpu.forward_q: x f32, ids i64, w f32 expected");
   TORCH_CHECK(fmt >= FMT_FP8 && fmt <= FMT_NVFP4, "unknown quantized format code ", fmt);
@@ -981,10 +1077,11 @@ torch::Tensor forward_q(int64_t handle, torch::Tensor x, torch::Tensor ids, torc
   const QBank dn = make_bank(int(fmt), dn_v, dn_s, dn_s2, N, H, I, 1, "down");
   auto idp = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < ids.numel(); ++i) TORCH_CHECK(idp[i] >= -1 && idp[i] < N, "expert id out of range");
+  const ExpertFn fn = make_fn(act, alpha, limit, gate_up_bias, down_bias, N, H, I, bf16_act);
   auto out = torch::empty({T, H}, x.options());
   Executor& ex = *g_execs.at(handle);
   std::lock_guard<std::mutex> g(ex.call_mutex);
-  ex.run_q(x.data_ptr<float>(), idp, w.data_ptr<float>(), T, K, gu, dn, H, I, out.data_ptr<float>(), bf16_act);
+  ex.run_q(x.data_ptr<float>(), idp, w.data_ptr<float>(), T, K, gu, dn, H, I, out.data_ptr<float>(), bf16_act, fn);
   return out;
 }
 
@@ -1001,7 +1098,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("host_call_size", &host_call_size, "sizeof the HostCall descriptor (checked against hostcall.py)");
   m.def("create", &create, "create an executor with a pinned thread pool");
   m.def("isa", &isa_of, "ISA level in use: 0 scalar, 1 avx2, 2 avx512, 3 avx512-bf16");
-  m.def("forward", &forward, "routed experts on the CPU", py::call_guard<py::gil_scoped_release>());
+  // the expert function's arguments default to SiLU without biases (callers from before them)
+  m.def("forward", &forward, "routed experts on the CPU", py::arg("handle"), py::arg("x"), py::arg("ids"),
+        py::arg("w"), py::arg("gate_up"), py::arg("down"), py::arg("bf16_act"), py::arg("act") = 0,
+        py::arg("alpha") = 1.702, py::arg("limit") = 7.0, py::arg("gate_up_bias") = py::none(),
+        py::arg("down_bias") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("forward_q", &forward_q, "routed experts from quantized banks (fp8_block, mxfp4, nvfp4) on the CPU",
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("handle"), py::arg("x"), py::arg("ids"), py::arg("w"), py::arg("fmt"), py::arg("gu_v"),
+        py::arg("gu_s"), py::arg("gu_s2"), py::arg("dn_v"), py::arg("dn_s"), py::arg("dn_s2"), py::arg("bf16_act"),
+        py::arg("act") = 0, py::arg("alpha") = 1.702, py::arg("limit") = 7.0, py::arg("gate_up_bias") = py::none(),
+        py::arg("down_bias") = py::none(), py::call_guard<py::gil_scoped_release>());
 }

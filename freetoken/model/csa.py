@@ -1,0 +1,284 @@
+"""DeepSeek-V4 attention (transformers DeepseekV4Attention, its CSA/HCA compressors and the
+Lightning indexer), over the paged KV pool.
+
+Every layer: queries through a q_lora_rank bottleneck (weighted RMSNorm), one RMS-normed
+shared key per token that is also the value (multi-query, one KV head), RoPE on the trailing
+qk_rope_head_dim dims of each head with adjacent pairs rotated in place (interleaved layout), a
+learned sink logit per head in each softmax, the conjugate rotation applied to the output's
+trailing dims at the query's position (the values carried rotated keys), then the grouped
+low-rank output projection (o_groups blocks of o_lora_rank, then o_b_proj). A query sees the
+last sliding_window keys (its own included) and, on compressed layers, compressed entries:
+  - HCA ("hca"): window w of compress_rate_hca tokens w*m .. w*m+m-1 gives entry w, a per-feature
+    softmax (gate + position bias) average of the tokens' kv projections, RMS-normed, rotated at
+    position w*m; a query at t sees the entries w < (t + 1) // m (the windows it has closed).
+  - CSA ("csa"): the same with two series per token; entry w averages the first series of window
+    w - 1 with the second of window w (2m slots; window 0 only its own). The indexer (its own
+    compressor at index_head_dim, queries from the query latent) scores each visible entry as
+    sum_h w_h(x) relu(q_h . k / sqrt(d)) and the query attends to its index_topk best.
+Sliding-only layers rotate with the "main" RoPE, compressed ones (entries, queries, keys and
+the indexer) with the "compress" RoPE (its own theta and YaRN).
+
+Caches (model/state.py dsv4_row): each token's row in the layer's K pages holds its sliding key,
+its compressor (and indexer) projections with the position bias added, and, for a token that
+closes a window, the window's entry; so chunked prefill, decode and prefix reuse all read one
+thing. Decode is static-shape under CUDA-graph capture: the window's keys are gathered by
+position, every row computes "the entry its token would close" (stored, read only where the
+token does close a window), entries are read at every closing position the block table can
+hold (eagerly: those the longest row has closed), the indexer's top-k of them gathered when
+there are more than index_topk. Torch references; a paged kernel is later work.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..cache.pages import SCRATCH
+from .layers import FusedLinear, rope_frequencies
+from .mla import _capturing, index_scores
+from .state import DecodeState, dsv4_row
+
+MAX_SCORES = 1 << 24  # fp32 scores live at once in a prefill block of queries (64 MiB)
+
+
+def rope_tables(rd: int, theta: float, scaling: dict | None, max_pos: int, device, dtype):
+    """(cos, sin) [P, rd/2]: one angle per rotary pair, as the reference computes them."""
+    inv_freq, attn = rope_frequencies(rd, theta, scaling)
+    freqs = torch.arange(max_pos, dtype=torch.float)[:, None] * inv_freq[None]  # [P, rd/2]
+    return (freqs.cos() * attn).to(device, dtype), (freqs.sin() * attn).to(device, dtype)
+
+
+def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., D] with cos, sin broadcastable to [..., rd/2]: the last rd dims rotated as adjacent
+    pairs (x0, x1), (x2, x3), ... in fp32, left in place; the leading D - rd dims untouched."""
+    rd = 2 * cos.shape[-1]
+    tail = x[..., -rd:].float()
+    a, b = tail[..., 0::2], tail[..., 1::2]  # [..., rd/2]
+    rot = torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2).to(x.dtype)
+    return torch.cat([x[..., :-rd], rot], dim=-1)
+
+
+def rms_weighted(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm scaled by an fp32 weight in fp32, cast once (the reference keeps these norms fp32)."""
+    xf = x.float()
+    return (w.float() * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps))).to(x.dtype)
+
+
+def rms_plain(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def sink_attention(q: torch.Tensor, keys: torch.Tensor, sel: torch.Tensor, sinks: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """q [N, nh, D]; keys (= values) [K, D] shared by the N queries or [N, K, D]; sel [N, K] bool;
+    sinks [nh] fp32 -> [N, nh, D]. The sink's logit joins the softmax and is dropped, so a row that
+    sees nothing (an idle decode row) gives zeros."""
+    s = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [N, nh, K]
+    s = s.masked_fill(~sel[:, None, :], float("-inf"))
+    sk = sinks[None, :, None].expand(s.shape[0], -1, 1)  # [N, nh, 1]
+    p = torch.softmax(torch.cat([s, sk], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(p.to(q.dtype), keys)  # [N, nh, D]
+
+
+class Compressor:
+    """The window compressor of one layer (the attention's, or its indexer's at index_head_dim):
+    row parts kv/gate/entry of dsv4_row, `o` series per token (2: CSA's overlapping windows)."""
+
+    def __init__(self, w: dict, p: str, m: int, o: int, dim: int, eps: float, parts: tuple[str, str, str]):
+        self.m, self.o, self.dim, self.eps = m, o, dim, eps
+        self.bias = w[p + "position_bias"].float()  # [m, o * dim]
+        self.norm = w[p + "kv_norm.weight"]  # [dim]
+        self.kv, self.gate, self.entry = parts
+
+    def entries(self, rows, ends: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype) -> torch.Tensor:
+        """The entries of the windows closing at positions ends [...]: rows(name, positions) gathers
+        that part of the tokens' rows; cos, sin: the compress rope [P, rd/2] -> [..., dim]."""
+        m, d = self.m, self.dim
+        span = torch.arange(-self.o * m + 1, 1, device=ends.device)  # the o*m tokens up to the end
+        pos = ends[..., None] + span  # [..., o*m]
+        ok = (pos >= 0)[..., None]
+        pos = pos.clamp(min=0)
+        kv, gate = rows(self.kv, pos), rows(self.gate, pos)  # [..., o*m, o*d]
+        if self.o == 2:  # window w-1's first series, then window w's second
+            kv = torch.cat([kv[..., :m, :d], kv[..., m:, d:]], dim=-2)  # [..., 2m, d]
+            gate = torch.cat([gate[..., :m, :d], gate[..., m:, d:]], dim=-2)
+        kv = torch.where(ok, kv, 0.0)  # before the sequence (window -1), or never written
+        gate = torch.where(ok, gate.float(), float("-inf"))
+        e = (kv * torch.softmax(gate, dim=-2).to(kv.dtype)).sum(-2)  # [..., d]
+        e = rms_weighted(e, self.norm, self.eps)
+        start = (ends - m + 1).clamp(min=0)  # the window's first position
+        return rope_tail(e, cos[start], sin[start]).to(dtype)
+
+    def projections(self, kv: torch.Tensor, gate: torch.Tensor, pos: torch.Tensor):
+        """What a token stores: its kv projection and its gate with the position bias added."""
+        return kv, (gate.float() + self.bias[pos % self.m]).to(kv.dtype)
+
+
+class CompressedAttention:
+    """One V4 attention layer, parameters by checkpoint name. ropes: {"main", "compress"} ->
+    (cos, sin) tables [P, rd/2]."""
+
+    def __init__(self, cfg, w: dict, layer: int, ropes: dict):
+        p = f"model.layers.{layer}.self_attn."
+        self.layer, self.kind = layer, cfg.compressed_attention[layer]
+        self.nh, self.hd, self.win, self.eps = cfg.num_heads, cfg.head_dim, cfg.sliding_window, cfg.rms_norm_eps
+        self.scale = self.hd ** -0.5
+        self.cos, self.sin = ropes["main" if self.kind == "none" else "compress"]
+        self.ccos, self.csin = ropes["compress"]
+        self.row = dsv4_row(cfg, layer)
+        c = p + "compressor."
+        names = ["q_a_proj", "kv_proj"]
+        if self.kind != "none":
+            names += ["compressor.kv_proj", "compressor.gate_proj"]
+        if self.kind == "csa":
+            names += ["compressor.indexer.kv_proj", "compressor.indexer.gate_proj",
+                      "compressor.indexer.scorer.weights_proj"]
+        # everything that reads the hidden state, in one GEMM
+        self.a_proj = FusedLinear([w[p + n + ".weight"] for n in names])
+        self.q_norm, self.kv_norm = w[p + "q_a_norm.weight"], w[p + "kv_norm.weight"]
+        self.q_b = w[p + "q_b_proj.weight"]  # [nh * hd, q_lora]
+        g = cfg.o_groups
+        self.o_a = w[p + "o_a_proj.weight"].view(g, cfg.o_lora_rank, -1)  # [g, olr, nh * hd / g]
+        self.o_b = w[p + "o_b_proj.weight"]  # [H, g * olr]
+        self.sinks = w[p + "sinks"].float()  # [nh]
+        self.comp = self.index = None
+        self.m = {"csa": cfg.compress_rate_csa, "hca": cfg.compress_rate_hca}.get(self.kind, 0)
+        if self.kind != "none":
+            o = 2 if self.kind == "csa" else 1
+            self.comp = Compressor(w, c, self.m, o, self.hd, self.eps, ("ckv", "cgate", "centry"))
+        if self.kind == "csa":
+            self.index = Compressor(w, c + "indexer.", self.m, 2, cfg.index_head_dim, self.eps,
+                                    ("ikv", "igate", "ientry"))
+            self.ih, self.id, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+            self.iq_b = w[c + "indexer.q_b_proj.weight"]  # [ih * id, q_lora]
+
+    # ------------------------------------------------------------------ pieces
+    def _project(self, x: torch.Tensor, pos: torch.Tensor):
+        """x [N, H], pos [N] -> q [N, nh, hd], the row parts to store {name: [N, width]}, the
+        query latent [N, q_lora] and the indexer's head weights [N, ih] fp32 (CSA) or None."""
+        n = x.shape[0]
+        parts = self.a_proj(x)
+        qr = rms_weighted(parts[0], self.q_norm, self.eps)  # [N, q_lora]
+        q = rms_plain(F.linear(qr, self.q_b).view(n, self.nh, self.hd), self.eps)  # [N, nh, hd]
+        cos, sin = self.cos[pos], self.sin[pos]  # [N, rd/2]
+        q = rope_tail(q, cos[:, None], sin[:, None])
+        store = {"kv": rope_tail(rms_weighted(parts[1], self.kv_norm, self.eps), cos, sin)}  # [N, hd]
+        hw = None
+        if self.comp is not None:
+            store["ckv"], store["cgate"] = self.comp.projections(parts[2], parts[3], pos)
+        if self.index is not None:
+            store["ikv"], store["igate"] = self.index.projections(parts[4], parts[5], pos)
+            hw = parts[6].float() * self.ih ** -0.5  # [N, ih]
+        return q, store, qr, hw
+
+    def _index_query(self, qr: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The indexer's queries [N, ih, id], rotated with the compress rope at their positions."""
+        iq = F.linear(qr, self.iq_b).view(qr.shape[0], self.ih, self.id)
+        return rope_tail(iq, self.ccos[pos][:, None], self.csin[pos][:, None])
+
+    def _write(self, st: DecodeState, page: torch.Tensor, off: torch.Tensor, store: dict) -> None:
+        k = st.k[self.layer][:, 0]  # [pages, P, width]
+        for name, val in store.items():
+            k[..., self.row[name]][page, off] = val
+
+    def _output(self, o: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """o [N, nh, hd] -> [N, H]: the values' rotation undone at the query's position, then the
+        grouped projection (each group of heads to o_lora_rank) and o_b_proj."""
+        n = o.shape[0]
+        o = rope_tail(o, self.cos[pos][:, None], -self.sin[pos][:, None])
+        g = self.o_a.shape[0]
+        y = torch.einsum("ngi,goi->ngo", o.reshape(n, g, -1), self.o_a)  # [N, g, olr]
+        return F.linear(y.reshape(n, -1), self.o_b)
+
+    # ------------------------------------------------------------------ prefill
+    def prefill(self, x: torch.Tensor, st: DecodeState, slot: int, start: int, capture=None) -> torch.Tensor:
+        """One chunk of one sequence. x: [T, H] at positions start..start+T-1, whose pages are
+        already in the slot's block table. (capture is for recurrent layers: this layer's state
+        is its pages.)"""
+        t, ps = x.shape[0], st.page_size
+        s_len = start + t
+        pos = torch.arange(start, s_len, device=x.device)
+        q, store, qr, hw = self._project(x, pos)
+        table = st.block_table[slot]  # [W]
+        kc = st.k[self.layer][:, 0]  # [pages, P, width]
+
+        def rows(name, p):  # that part of one sequence's rows at positions p [...]
+            return kc[..., self.row[name]][table[p // ps].long(), p % ps]
+
+        self._write(st, table[pos // ps].long(), pos % ps, store)
+        lo = max(0, start - self.win + 1)
+        kpos = torch.arange(lo, s_len, device=x.device)
+        keys = rows("kv", kpos)  # [S, hd]: the window's keys of every query in the chunk
+        sel = (kpos[None] <= pos[:, None]) & (pos[:, None] - kpos[None] < self.win)  # [T, S]
+        if self.comp is not None:
+            m = self.m
+            first = -(-(start + 1) // m) * m - 1  # the first closing position in the chunk
+            ends = torch.tensor(range(first, s_len, m), dtype=torch.long, device=x.device)
+            if len(ends):  # the windows this chunk closes: their entries into their closing rows
+                new = {"centry": self.comp.entries(rows, ends, self.ccos, self.csin, x.dtype)}
+                if self.index is not None:
+                    new["ientry"] = self.index.entries(rows, ends, self.ccos, self.csin, x.dtype)
+                self._write(st, table[ends // ps].long(), ends % ps, new)
+            n_ent = s_len // m
+            epos = torch.arange(n_ent, device=x.device) * m + m - 1  # closing positions
+            ent_sel = torch.arange(n_ent, device=x.device)[None] < ((pos + 1) // m)[:, None]  # [T, n]
+            if self.index is not None and n_ent:
+                sc = index_scores(self._index_query(qr, pos), hw, rows("ientry", epos), self.id ** -0.5)
+                sc = sc.masked_fill(~ent_sel, float("-inf"))  # [T, n]
+                top = sc.topk(min(self.topk, n_ent), dim=-1).indices
+                ent_sel = ent_sel & torch.zeros_like(ent_sel).scatter_(1, top, True)
+            keys = torch.cat([keys, rows("centry", epos)])  # [S + n, hd]
+            sel = torch.cat([sel, ent_sel], dim=1)
+        out = torch.empty_like(q)
+        step = max(1, MAX_SCORES // (self.nh * keys.shape[0]))
+        for a in range(0, t, step):
+            b = min(t, a + step)
+            out[a:b] = sink_attention(q[a:b], keys, sel[a:b], self.sinks, self.scale)
+        return self._output(out, pos)
+
+    # ------------------------------------------------------------------ decode
+    def decode(self, x: torch.Tensor, st: DecodeState, pos: torch.Tensor,
+               active: torch.Tensor | None = None) -> torch.Tensor:
+        """One token for each of B slots. x: [B, H], pos: [B] (device data). active: [B] bool;
+        rows that are not decoding write to the scratch page and attend to nothing."""
+        b, ps = x.shape[0], st.page_size
+        q, store, qr, hw = self._project(x, pos)
+        table = st.block_table[:b]  # [B, W]
+        page = table.gather(1, (pos // ps)[:, None])[:, 0]  # [B]
+        off = pos % ps
+        live = torch.ones_like(pos, dtype=torch.bool) if active is None else active
+        page = torch.where(live, page, SCRATCH).long()
+        off = torch.where(live, off, 0)
+        kc = st.k[self.layer][:, 0]  # [pages, P, width]
+
+        def rows(name, p):  # that part of each row's sequence at positions p [B, ...]
+            flat = p.reshape(b, -1)
+            pg = table.gather(1, flat // ps).long().view(p.shape)
+            return kc[..., self.row[name]][pg, p % ps]
+
+        self._write(st, page, off, store)
+        if self.comp is not None:  # the entry this token would close (read only if it does)
+            ends = torch.where(live, pos, 0)
+            new = {"centry": self.comp.entries(rows, ends, self.ccos, self.csin, x.dtype)}
+            if self.index is not None:
+                new["ientry"] = self.index.entries(rows, ends, self.ccos, self.csin, x.dtype)
+            self._write(st, page, off, new)
+        kpos = pos[:, None] - self.win + 1 + torch.arange(self.win, device=x.device)  # [B, win]
+        sel = (kpos >= 0) & live[:, None]
+        keys = torch.where(sel[..., None], rows("kv", kpos.clamp(min=0)), 0.0)  # [B, win, hd]
+        if self.comp is not None:
+            m = self.m
+            # the closing positions to read: all the table holds when captured (static), else
+            # those the longest row has closed
+            cap = table.shape[1] * ps // m
+            n = cap if _capturing(x) else max(1, min(cap, int(((pos + 1) // m).max())))
+            idx = torch.arange(n, device=x.device)
+            epos = (idx * m + m - 1)[None].expand(b, -1)  # [B, n]
+            ent_sel = (idx[None] < ((pos + 1) // m)[:, None]) & live[:, None]  # [B, n]
+            if self.index is not None and n > self.topk:  # a static choice, as in mla.py
+                sc = index_scores(self._index_query(qr, pos), hw, rows("ientry", epos), self.id ** -0.5)
+                top = sc.masked_fill(~ent_sel, float("-inf")).topk(self.topk, dim=-1).indices  # [B, k]
+                epos, ent_sel = epos.gather(1, top), ent_sel.gather(1, top)
+            ent = torch.where(ent_sel[..., None], rows("centry", epos), 0.0)  # unwritten rows may hold NaN
+            keys = torch.cat([keys, ent], dim=1)  # [B, win + n', hd]
+            sel = torch.cat([sel, ent_sel], dim=1)
+        return self._output(sink_attention(q, keys, sel, self.sinks, self.scale), pos)
