@@ -38,6 +38,9 @@ class ServingEngine(EngineLoop):
         self._thread = threading.Thread(target=self._loop, name="ft-engine", daemon=True)
         if start:  # tests drive step() themselves
             self._thread.start()
+            # the grammar engine's view of the vocabulary, built off the request path now, so the
+            # first structured-output request does not wait for it (a worker thread)
+            self.grammar.warm()
 
     # ---- called from the event loop ---------------------------------------------------
     def submit(self, req: Request) -> asyncio.Queue:
