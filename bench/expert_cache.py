@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from bench.common import write_result
+from bench.common import timeit, write_result
 from bench.decode import QWEN36_35B_A3B
 from freetoken.config import ModelConfig
 from freetoken.demo import random_tensor, weight_shapes
@@ -107,16 +107,8 @@ def measure_bp(gu, dn, dev, experts: int = 64) -> dict:
         for j, e in enumerate(src.tolist()):
             slots[0][j].copy_(gu[e], non_blocking=True)
             slots[1][j].copy_(dn[e], non_blocking=True)
-    out = {}
-    for name, fn in (("kernel", kernel), ("copy_engine", engine)):
-        fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(5):
-            fn()
-        torch.cuda.synchronize()
-        out[f"bp_{name}_gbs"] = round(5 * nbytes / (time.perf_counter() - t0) / 1e9, 1)
-    return out
+    return {f"bp_{name}_gbs": round(nbytes / timeit(fn, warmup=1, iters=5, sync=torch.cuda.synchronize) / 1e9, 1)
+            for name, fn in (("kernel", kernel), ("copy_engine", engine))}
 
 
 def measure_bh(cpu, mc, dev, pairs: int = 64) -> float:

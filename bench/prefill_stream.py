@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from bench.common import write_result
+from bench.common import timeit, write_result
 from bench.decode import QWEN36_35B_A3B
 from freetoken.config import ModelConfig
 from freetoken.demo import random_tensor, weight_shapes
@@ -85,16 +85,8 @@ def measure_bp(gu, dn, dev, experts: int = 64) -> dict:
     def bulk():
         dst[0].copy_(gu[:e], non_blocking=True)
         dst[1].copy_(dn[:e], non_blocking=True)
-    out = {}
-    for name, fn in (("expert", per_expert), ("bulk", bulk)):
-        fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(5):
-            fn()
-        torch.cuda.synchronize()
-        out[name] = 5 * nbytes / (time.perf_counter() - t0)
-    return out
+    return {name: nbytes / timeit(fn, warmup=1, iters=5, sync=torch.cuda.synchronize)
+            for name, fn in (("expert", per_expert), ("bulk", bulk))}
 
 
 def cold(cache) -> None:

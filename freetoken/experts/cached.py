@@ -22,11 +22,15 @@ Prefill chunks go through the same steps in slices of at most MAX_PAIRS routed p
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ..kernels.expert_transfer import transfer_reference, transfer_triton, zero_copy_ok
 from .control import CPU, MAX_PAIRS, POLICIES, Residency, control
 from .executor import GRAPH_CAPTURE, NO_EXPERT, ExpertExecutor, Pending, TorchExpertExecutor
+
+log = logging.getLogger("freetoken.experts")
 
 
 class SlotPool:
@@ -97,9 +101,7 @@ class CachedExpertExecutor(ExpertExecutor):
         if self.tuner is not None and not (self.device.type == "cuda" and self._host_ok(cpu)):
             # without the CPU branch in stream order, a split costs a host sync per layer: keep
             # fill-only rather than adapt (said once)
-            import logging
-            logging.getLogger("freetoken.experts").info(
-                "expert cache: fill-only (the CPU branch cannot run in stream order here)")
+            log.info("expert cache: fill-only (the CPU branch cannot run in stream order here)")
             self.tuner, self.fill_only, self.branch_on = None, True, False
         # the CPU branch in stream order (capturable) where the C++ executor allows it
         from .cpu.hostcall import HostBranch

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ...errors import FreeTokenError
+from ...kernels.cuda_driver import driver_fn
 from ..executor import ExpertExecutor, Pending
 
 log = logging.getLogger("freetoken.experts")
@@ -43,7 +44,6 @@ class _Desc(ctypes.Structure):  # moe_cpu.cpp's HostCall, field for field
 
 def _launcher():
     """cuLaunchHostFunc from the driver library (present wherever CUDA runs), or None."""
-    from ...kernels.cuda_driver import driver_fn
     return driver_fn("cuLaunchHostFunc", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p])
 
 
