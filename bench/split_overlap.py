@@ -5,6 +5,8 @@ repeated for `--layers` layers inside one CUDA graph (as a decode step runs it),
           result back) on c experts
   both    the CPU branch forked first, the fills on the main stream, joined: what a split layer
           does; ideal = max(fill, cpu)
+  pre     the fills launched first on a stream of their own, then the fork (is it the launch
+          order, or the host node itself, that serializes?)
   serial  the fills, then the CPU branch: the no-overlap bound
 and the same eagerly. Qwen3.6-35B-A3B expert shape, random bf16 scratch banks, pinned.
 
@@ -74,6 +76,16 @@ def main():
                     host.join()
                     out.add_(r)
 
+            def pre():  # the fills launched first, on their own stream, then the fork
+                for l in range(a.layers):
+                    ts.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(ts):
+                        transfer_triton(banks_host, slots, src[l], dst)
+                    r = host.enqueue(x, ids[l], w)
+                    torch.cuda.current_stream().wait_stream(ts)
+                    host.join()
+                    out.add_(r)
+
             def serial():
                 for l in range(a.layers):
                     transfer_triton(banks_host, slots, src[l], dst)
@@ -82,8 +94,9 @@ def main():
                     out.add_(r)
 
             banks_host = [banks.gate_up, banks.down]
+            ts = torch.cuda.Stream()
             row = {"q": q, "c": c, "layers": a.layers, "threads": cpu.threads}
-            for name, fn in (("fill", fill), ("cpu", cpu_only), ("both", both), ("serial", serial)):
+            for name, fn in (("fill", fill), ("cpu", cpu_only), ("both", both), ("pre", pre), ("serial", serial)):
                 eager = timeit(fn, warmup=3, iters=20, sync=torch.cuda.synchronize)
                 s = torch.cuda.Stream()
                 s.wait_stream(torch.cuda.current_stream())
