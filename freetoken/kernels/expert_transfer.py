@@ -108,3 +108,32 @@ def device_address(ptr: int) -> int | None:
     out = ctypes.c_uint64(0)
     err = get_attr(ctypes.byref(out), 3, ptr)  # 3: CU_POINTER_ATTRIBUTE_DEVICE_POINTER
     return int(out.value) if err == 0 else None
+
+
+def copy_flat_reference(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """dst <- src (same number of elements, cast to dst's dtype); the path without Triton."""
+    dst.view(-1).copy_(src.reshape(-1), non_blocking=True)
+
+
+COPY_BLOCK = 1024
+
+
+if HAS_TRITON:
+    @triton.jit
+    def _copy_flat_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+        m = offs < n
+        v = tl.load(src_ptr + offs, mask=m)
+        tl.store(dst_ptr + offs, v.to(dst_ptr.dtype.element_ty), mask=m)
+
+
+def copy_flat(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """dst <- src by the GPU's own loads and stores, where either side may be pinned host memory
+    read or written in place (zero-copy). Why not cudaMemcpyAsync: a copy-engine transfer
+    between host and device queues behind the zero-copy fill kernel's PCIe reads, so the CPU
+    expert branch's small staging copies waited for the whole fill, serializing the two
+    (bench/split_overlap.py); SM loads and stores interleave with it instead. Both contiguous,
+    same element count; capturable (no sync)."""
+    assert src.is_contiguous() and dst.is_contiguous() and src.numel() == dst.numel()
+    n = src.numel()
+    _copy_flat_kernel[(triton.cdiv(n, COPY_BLOCK),)](src, dst, n, BLOCK=COPY_BLOCK, num_warps=4)

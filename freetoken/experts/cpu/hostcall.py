@@ -25,6 +25,7 @@ import torch
 
 from ...errors import FreeTokenError
 from ...kernels.cuda_driver import driver_fn
+from ...kernels.expert_transfer import copy_flat
 from ..executor import ExpertExecutor, Pending
 
 log = logging.getLogger("freetoken.experts")
@@ -40,6 +41,20 @@ class _Desc(ctypes.Structure):  # moe_cpu.cpp's HostCall, field for field
                 # the expert function (CpuExpertExecutor.host_fn_fields; zero: SiLU without biases)
                 ("gate_up_bias", ctypes.c_void_p), ("down_bias", ctypes.c_void_p), ("act", ctypes.c_int32),
                 ("bias_bf16", ctypes.c_int32), ("alpha", ctypes.c_float), ("limit", ctypes.c_float)]
+
+
+def zero_copy_staging() -> bool:
+    """Whether the branch moves its inputs and result with the GPU's own loads and stores on
+    pinned memory (kernels/expert_transfer.copy_flat) rather than copy-engine memcpys, which
+    wait behind the fill kernel's PCIe reads (measured: the two serialized). Default on where
+    Triton and zero-copy work; FREETOKEN_HOSTCALL_COPY=memcpy picks the copy engine."""
+    import os
+
+    from ...kernels import HAS_TRITON
+    from ...kernels.expert_transfer import zero_copy_ok
+    if os.environ.get("FREETOKEN_HOSTCALL_COPY", "").lower() == "memcpy" or not (HAS_TRITON and torch.cuda.is_available()):
+        return False
+    return zero_copy_ok(torch.empty(16, pin_memory=True))
 
 
 def _launcher():
@@ -70,6 +85,7 @@ class HostBranch:
         self.executor = ext.executor_address(cpu.handle)
         self.side = torch.cuda.Stream(self.device)
         self.shapes: dict[tuple, tuple] = {}
+        self.zero_copy = zero_copy_staging()
 
     def _buffers(self, t: int, k: int, h: int, bf16_act: bool):
         key = (t, k, bf16_act)
@@ -107,6 +123,14 @@ class HostBranch:
         self.check()
         t, k = ids.shape
         xb, ib, wb, ob, dev_out, (xs, is_, ws), d = self._buffers(t, k, x.shape[1], x.dtype == torch.bfloat16)
+        if self.zero_copy:  # the GPU's own stores into the pinned buffers, on the main stream
+            for src, dst in ((x, xb), (ids, ib), (weights, wb)):
+                copy_flat(src.contiguous(), dst)
+            self.side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.side):
+                self._host_fn(d)
+                copy_flat(ob, dev_out)
+            return dev_out
         xs.copy_(x)  # on the main stream, into the persistent staging
         is_.copy_(ids)
         ws.copy_(weights)
@@ -116,11 +140,15 @@ class HostBranch:
             xb.copy_(xs, non_blocking=True)
             ib.copy_(is_, non_blocking=True)
             wb.copy_(ws, non_blocking=True)
-            err = _launcher()(self.side.cuda_stream, self.fn, ctypes.addressof(d))
-            if err:
-                raise FreeTokenError(f"cuLaunchHostFunc failed with CUDA error {err}")
+            self._host_fn(d)
             dev_out.copy_(ob, non_blocking=True)
         return dev_out
+
+    def _host_fn(self, d) -> None:
+        """The host-function node on the side stream (the current stream here)."""
+        err = _launcher()(self.side.cuda_stream, self.fn, ctypes.addressof(d))
+        if err:
+            raise FreeTokenError(f"cuLaunchHostFunc failed with CUDA error {err}")
 
     def join(self) -> None:
         torch.cuda.current_stream(self.device).wait_stream(self.side)
@@ -129,7 +157,8 @@ class HostBranch:
         descs = [v[-1] for v in list(self.shapes.values())]  # the loop thread may add a shape meanwhile
         calls = sum(d.calls for d in descs)
         busy = sum(d.busy_ns for d in descs)
-        return {"cpu_branch_calls": calls, "cpu_busy_s": round(busy / 1e9, 3)}
+        return {"cpu_branch_calls": calls, "cpu_busy_s": round(busy / 1e9, 3),
+                "cpu_branch_copies": "zero-copy kernels" if self.zero_copy else "copy engine"}
 
 
 @dataclass
