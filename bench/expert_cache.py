@@ -31,6 +31,7 @@ Each step is synchronised and its tokens read, as the serving loop does.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -155,7 +156,8 @@ def capture(step, dev):
     return lambda: (g.replay(), out)[1]
 
 
-def run_config(mc, w, ex, dev, batch: int, tokens: int, warmup: int, routes, prompt: int = 64) -> dict:
+def run_config(mc, w, ex, dev, batch: int, tokens: int, warmup: int, routes, prompt: int = 64,
+               trace: str | None = None) -> dict:
     inner = ex
     buf = None
     if routes is not None:
@@ -207,6 +209,13 @@ def run_config(mc, w, ex, dev, batch: int, tokens: int, warmup: int, routes, pro
     sync()
     dt = (time.perf_counter() - t0) / tokens
     after = ex.stats()
+    if trace:  # a timeline of a few steps (CUDA kernels with their streams, the host side) for chrome://tracing
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for k in range(warmup + tokens, warmup + tokens + 3):
+                advance(k)
+            sync()
+        prof.export_chrome_trace(trace)
     row = {"batch": batch, "graph": graph, "ms_per_step": round(dt * 1e3, 3), "tok_s": round(batch / dt, 1)}
     if getattr(inner, "tuner", None) is not None:
         row["fill_share_chosen"] = inner.tuner.share
@@ -234,6 +243,8 @@ def main():
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=48)
     ap.add_argument("--name", default="expert_cache", help="result file name (before -gpu.json)")
+    ap.add_argument("--trace", action="store_true", help="save a profiler timeline of 3 steps per row ($OUT or "
+                    "benchmarks/results, trace-<mode>-<r>-b<batch>-t<threads>.json)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.expert_cache needs a CUDA device (the cache's slots live in VRAM)")
@@ -279,7 +290,9 @@ def main():
                            "routing": a.routing}
                     warm = a.cache_warmup if mode == "cache" else a.warmup
                     try:
-                        row.update(run_config(mc, w, ex, dev, batch, a.tokens, warm, routes))
+                        trace = os.path.join(os.environ.get("OUT") or "benchmarks/results",
+                                             f"trace-{mode}-{r}-b{batch}-t{threads}.json") if a.trace else None
+                        row.update(run_config(mc, w, ex, dev, batch, a.tokens, warm, routes, trace=trace))
                     except Exception as e:  # one failed configuration does not lose the others
                         row["error"] = f"{type(e).__name__}: {e}"[:300]
                     if mode == "resident":
