@@ -217,6 +217,10 @@ def run_config(mc, w, ex, dev, batch: int, tokens: int, warmup: int, routes, pro
             sync()
         prof.export_chrome_trace(trace)
     row = {"batch": batch, "graph": graph, "ms_per_step": round(dt * 1e3, 3), "tok_s": round(batch / dt, 1)}
+    if after.get("cpu_branch_calls", 0) > before.get("cpu_branch_calls", 0):  # time inside the C++ call
+        calls = after["cpu_branch_calls"] - before["cpu_branch_calls"]
+        row["cpu_call_us"] = round((after["cpu_busy_s"] - before["cpu_busy_s"]) / calls * 1e6, 1)
+        row["cpu_calls_per_step"] = round(calls / tokens, 2)
     if getattr(inner, "tuner", None) is not None:
         row["fill_share_chosen"] = inner.tuner.share
     if "hits" in after:
