@@ -10,7 +10,7 @@
 # differed from HEAD when stamped, "-stale" if it changed after the stamp, "unknown" without one.
 # Results land in $OUT (JSON + pytest.log); copy them into benchmarks/results/ afterwards.
 # Steps can be skipped to fit the device time left: FT_SKIP_TESTS, FT_SKIP_SERVE, FT_SKIP_PAGED,
-# FT_SKIP_DECODE, FT_SKIP_AGENTIC, FT_SKIP_CPU, FT_SKIP_HTTP, FT_SKIP_CACHE (any value); FT_EXTRA_TESTS adds
+# FT_SKIP_DECODE, FT_SKIP_AGENTIC, FT_SKIP_CPU, FT_SKIP_HTTP, FT_SKIP_CACHE, FT_SKIP_SIGNAL (any value); FT_EXTRA_TESTS adds
 # test files; FT_CACHE_* set the expert-cache benchmark's arguments.
 set -uo pipefail
 [ -f .devcache/commit ] || echo "warning: no .devcache/commit: results will say commit unknown (run bench/stamp_commit.sh here first)"
@@ -28,8 +28,16 @@ step tests
   tests/test_gpu_production.py tests/test_paged_attention.py tests/test_kernels.py tests/test_attention.py \
   tests/test_reference.py tests/test_decode_runner.py tests/test_serving_engine.py tests/test_cpu_executor.py \
   tests/test_expert_cache.py tests/test_expert_cache_gpu.py tests/test_expert_control.py tests/test_gpt_oss.py \
-  tests/test_quantized_models.py tests/test_cpu_quantized.py ${FT_EXTRA_TESTS:-} \
+  tests/test_quantized_models.py tests/test_cpu_quantized.py tests/test_hostcall.py tests/test_prefill_stream.py \
+  ${FT_EXTRA_TESTS:-} \
   >> "$OUT/pytest.log" 2>&1; tail -30 "$OUT/pytest.log"
+step "CPU branch signal: host-function node vs doorbell (one layer's work; then the real split step)"
+if [ -z "${FT_SKIP_SIGNAL:-}" ]; then
+  timeout 150 python3 -m bench.split_overlap --q 2,4 --c 2,4 --name split_overlap-hostfn 2>&1 | grep "^{'q\|rror" | cut -c1-300
+  FREETOKEN_CPU_BRANCH=doorbell timeout 150 python3 -m bench.split_overlap --q 2,4 --c 2,4 --name split_overlap-doorbell 2>&1 | grep "^{'q\|rror" | cut -c1-300
+  FREETOKEN_CPU_BRANCH=doorbell timeout 200 python3 -m bench.expert_cache --layers 12 --modes split,cpu-only,cache \
+    --fill-shares 0.4 --threads 14 --name expert_cache-doorbell 2>&1 | grep "^{'mode\|rror" | cut -c1-300
+fi
 step expert_cache: 12-layer slice, a third of the experts in VRAM slots
 [ -n "${FT_SKIP_CACHE:-}" ] || timeout ${FT_CACHE_TIMEOUT:-300} python3 -m bench.expert_cache --layers ${FT_CACHE_LAYERS:-12} \
   --capacity ${FT_CACHE_CAPACITY:-0.33} --routing ${FT_CACHE_ROUTING:-model} ${FT_CACHE_ARGS:-} 2>&1 | grep -v '^ ' | tail -24

@@ -221,6 +221,7 @@ def run_config(mc, w, ex, dev, batch: int, tokens: int, warmup: int, routes, pro
         calls = after["cpu_branch_calls"] - before["cpu_branch_calls"]
         row["cpu_call_us"] = round((after["cpu_busy_s"] - before["cpu_busy_s"]) / calls * 1e6, 1)
         row["cpu_calls_per_step"] = round(calls / tokens, 2)
+        row["cpu_branch_signal"] = after.get("cpu_branch_signal")
     if getattr(inner, "tuner", None) is not None:
         row["fill_share_chosen"] = inner.tuner.share
     if "hits" in after:

@@ -10,7 +10,8 @@ repeated for `--layers` layers inside one CUDA graph (as a decode step runs it),
   serial  the fills, then the CPU branch: the no-overlap bound
 and the same eagerly. Qwen3.6-35B-A3B expert shape, random bf16 scratch banks, pinned.
 
-    python -m bench.split_overlap [--q 4] [--c 2,4] [--threads 14] [--layers 12]
+    python -m bench.split_overlap [--q 4] [--c 2,4] [--threads 14] [--layers 12] [--name NAME]
+    FREETOKEN_CPU_BRANCH=doorbell python -m bench.split_overlap ...   (the doorbell signal)
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ def main():
     ap.add_argument("--threads", type=int, default=14)
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--experts", type=int, default=1024, help="scratch bank size (read from DRAM, not cache)")
+    ap.add_argument("--name", default="split_overlap", help="result file name (before -gpu.json)")
     a = ap.parse_args()
     dev = torch.device("cuda")
     n = a.experts
@@ -95,7 +97,8 @@ def main():
 
             banks_host = [banks.gate_up, banks.down]
             ts = torch.cuda.Stream()
-            row = {"q": q, "c": c, "layers": a.layers, "threads": cpu.threads}
+            row = {"q": q, "c": c, "layers": a.layers, "threads": cpu.threads, "signal": host.signal,
+                   "copies": "zero-copy kernels" if host.zero_copy else "copy engine"}
             for name, fn in (("fill", fill), ("cpu", cpu_only), ("both", both), ("pre", pre), ("serial", serial)):
                 eager = timeit(fn, warmup=3, iters=20, sync=torch.cuda.synchronize)
                 s = torch.cuda.Stream()
@@ -114,7 +117,7 @@ def main():
             print(row, flush=True)
             results.append(row)
     host.check()
-    write_result("split_overlap", {"shape": {"hidden": H, "inter": I, "top_k": K}, "rows": results})
+    write_result(a.name, {"shape": {"hidden": H, "inter": I, "top_k": K}, "rows": results})
 
 
 if __name__ == "__main__":

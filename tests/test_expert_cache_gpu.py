@@ -103,12 +103,17 @@ def test_split_within_bf16_rounding():
     assert ex.stats()["cpu_experts"] > 0 and ex.stats()["fills"] > 0
 
 
+@pytest.mark.parametrize("signal", ["hostfn", "doorbell"])
 @pytest.mark.parametrize("mode", ["fill-only", "split", "cpu-only"])
-def test_graph_equals_eager(mode):
+def test_graph_equals_eager(mode, signal, monkeypatch):
     """The whole step replayed from one CUDA graph gives the eager step's logits: fill-only
     (control kernel, fused transfer from the host banks, slot experts), with a CPU share (the
     C++ executor called from a host-function node on a side stream), and CPU-only (the same
-    host node for every routed expert). Fill-only greedy decoding follows all-resident's tokens."""
+    host node for every routed expert). Fill-only greedy decoding follows all-resident's tokens.
+    Both ways of signalling the CPU branch: the host-function node and the doorbell."""
+    if mode == "fill-only" and signal == "doorbell":
+        pytest.skip("fill-only has no CPU branch")
+    monkeypatch.setenv("FREETOKEN_CPU_BRANCH", signal)
     from bench.expert_cache import capture
     from freetoken.experts.cached import CachedExpertExecutor
     from freetoken.experts.cpu import CpuExpertExecutor

@@ -51,3 +51,88 @@ def test_host_call_equals_forward(dtype, gpt_oss):
     ids[0, 0] = n  # out of range: flagged, nothing thrown across the caller, no stale result
     out, d = call(cpu, x, ids, w)
     assert d.error == 1 and d.calls == 0 and float(out.abs().max()) == 0.0
+
+
+# ---------------------------------------------------------------- the doorbell (CPU side of it)
+# The protocol runs here on plain host memory: the ring and wait kernels under the Triton
+# interpreter (the CPU's memory is the GPU's there), the C++ bell thread for real.
+
+def _bell_call(bell, cpu, buffers, x, ids, w):
+    xb, ib, wb, ob, d = buffers
+    out = torch.full((x.shape[0], x.shape[1]), float("nan"))
+    bell.ring(x, ids, w, xb, ib, wb, ctypes.addressof(d))
+    bell.wait(ob, out)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_doorbell_answers_each_ring_with_the_executors_result(dtype):
+    pytest.importorskip("triton")
+    from freetoken.experts.cpu.hostcall import Doorbell, call_buffers
+    g = torch.Generator().manual_seed(11)
+    n, h, i, k = 16, 64, 32, 4
+    gu = (torch.randn(n, 2 * i, h, generator=g) * h ** -0.5).to(dtype)
+    dn = (torch.randn(n, h, i, generator=g) * i ** -0.5).to(dtype)
+    cpu = CpuExpertExecutor(gu, dn, threads=2)
+    addr = extension().executor_address(cpu.handle)
+    bell = Doorbell("cpu")
+    try:
+        shapes = {t: call_buffers(cpu, addr, t, k, h, dtype == torch.bfloat16, pin=False) for t in (1, 3)}
+        for step in range(6):  # shapes interleaved through one bell, as batch sizes change
+            t = (1, 3)[step % 2]
+            x = torch.randn(t, h, generator=g).to(dtype)
+            ids = torch.randint(0, n, (t, k), generator=g)
+            ids[0, step % k] = -1  # a pair that runs on the GPU
+            w = torch.softmax(torch.randn(t, k, generator=g), -1).to(dtype)
+            got = _bell_call(bell, cpu, shapes[t], x, ids, w)
+            assert torch.equal(got, cpu.kernel(x, ids, w.float())), f"step {step}"
+        assert bell.calls() == 6 and int(bell.counter) == 6 and not bell.gave_up()
+        assert sum(s[-1].calls for s in shapes.values()) == 6
+    finally:
+        bell.close()
+
+
+def test_doorbell_wait_gives_up_when_nobody_answers():
+    """A stopped thread: the wait kernel stops polling after its limit and flags it, instead
+    of spinning forever (on a GPU: a hung device)."""
+    pytest.importorskip("triton")
+    from freetoken.experts.cpu.hostcall import Doorbell, call_buffers
+    from freetoken.kernels import doorbell as kd
+    n, h, i, k = 4, 32, 16, 2
+    cpu = CpuExpertExecutor(torch.randn(n, 2 * i, h), torch.randn(n, h, i), threads=1)
+    bell = Doorbell("cpu")
+    bell.close()
+    xb, ib, wb, ob, d = call_buffers(cpu, extension().executor_address(cpu.handle), 1, k, h, False, pin=False)
+    x, ids, w = torch.randn(1, h), torch.tensor([[1, 2]]), torch.tensor([[0.5, 0.5]])
+    import time
+    time.sleep(0.05)  # the thread has seen `stop`
+    bell.ring(x, ids, w, xb, ib, wb, ctypes.addressof(d))
+    out = torch.zeros(1, h)
+    kd.wait(bell.counter, bell.words, ob, out, limit=50)
+    assert bell.gave_up() and bell.calls() == 0 and d.calls == 0
+
+
+def test_doorbell_kernels_match_their_references():
+    pytest.importorskip("triton")
+    from freetoken.kernels import doorbell as kd
+    g = torch.Generator().manual_seed(5)
+    t, h, k = 3, 40, 4
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    ids = torch.randint(-1, 9, (t, k), generator=g)
+    w = torch.rand(t, k, generator=g)
+    runs = []
+    for fn in (kd.ring, kd.ring_reference):
+        bufs = (torch.zeros(t, h), torch.zeros(t, k, dtype=torch.int64), torch.zeros(t, k))
+        counter, bell = torch.tensor([7]), torch.zeros(8, dtype=torch.int64)
+        fn(x, ids, w, *bufs, counter, bell, 12345)
+        runs.append((*bufs, counter, bell))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    assert int(runs[0][3]) == 8 and int(runs[0][4][kd.SEQ]) == 8 and int(runs[0][4][kd.DESC]) == 12345
+    bell = runs[0][4]
+    bell[kd.DONE] = 8  # answered: the result comes back
+    ob = torch.randn(t, h, generator=g)
+    for fn in (kd.wait, kd.wait_reference):
+        out = torch.zeros(t, h)
+        fn(runs[0][3], bell, ob, out)
+        assert torch.equal(out, ob)

@@ -1,19 +1,26 @@
 """The CPU expert branch in stream order, so a decode step that runs experts on the host can be
 one CUDA graph.
 
-The GPU forks a side stream; on it the step's inputs go to pinned buffers, a host-function node
-(cuLaunchHostFunc, from the driver library) calls the C++ executor's `host_call` entry on a
-fixed descriptor, and the fp32 result comes back to a device buffer; the main stream meanwhile
-runs whatever does not depend on it (the GPU experts, the fills, the shared expert) and joins
-before the merge. No Python and no host sync on the way, eager or replayed: a captured graph
-holds the copies and the host node like any kernel. Buffers and descriptor are fixed per
-(tokens, k) shape, one set per executor: layers run one after the other, and each layer's
-reads of them are ordered before the next layer's writes by the streams.
+The GPU writes the step's inputs into pinned buffers with its own stores (copy_flat), forks a
+side stream on which the C++ executor's `host_call` runs on a fixed descriptor, and the fp32
+result comes back to a device buffer; the main stream meanwhile runs whatever does not depend
+on it (the fills, the GPU experts, the shared expert) and joins before the merge. No Python
+and no host sync on the way, eager or replayed. Buffers and descriptor are fixed per (tokens,
+k) shape, one set per executor: layers run one after the other, and each layer's reads of them
+are ordered before the next layer's writes by the streams.
 
-Measured on the GPU machine against the alternative of the design (a doorbell through stream
-memory operations to a polling thread): the host node costs ~20 us per call; see
-benchmarks/README.md. Host functions must make no CUDA call; the C++ side makes none and
-reports errors in the descriptor, raised here at the next call.
+Two ways to signal the CPU:
+- a host-function node (cuLaunchHostFunc, from the driver library), the default: ~20 us per
+  call in a replayed graph (benchmarks/README.md);
+- a doorbell (FREETOKEN_CPU_BRANCH=doorbell): a kernel rings a sequence number in mapped
+  pinned memory, a resident C++ thread answers, a one-program kernel spins until the answer
+  (kernels/doorbell.py). No driver thread in the loop.
+Measured on the H200 (bench/split_overlap.py, expert_cache_cpucall-gpu.json): copy-engine
+staging copies waited behind the zero-copy fill kernel, so branch and fills serialized; with
+the GPU's own loads and stores they overlap in isolation, but in a real split step the branch
+still took ~700 us per layer around a 268 us C++ call, which the doorbell is built to remove.
+Host functions must make no CUDA call; the C++ side makes none and reports errors in the
+descriptor, raised here after the step.
 """
 from __future__ import annotations
 
@@ -72,6 +79,79 @@ def host_branch_ok(cpu) -> bool:
             and cpu.gate_up.dtype in (torch.bfloat16, torch.float32) and _launcher() is not None)
 
 
+def call_buffers(cpu, executor: int, t: int, k: int, h: int, bf16_act: bool, pin: bool):
+    """The host buffers of one call shape and the descriptor that points at them:
+    (x [T, H] f32, ids [T, K] int64, w [T, K] f32, out [T, H] f32, _Desc). They must outlive
+    every graph that holds their addresses (HostBranch keeps them per shape)."""
+    x = torch.empty(t, h, dtype=torch.float32, pin_memory=pin)  # [T, H]
+    ids = torch.full((t, k), -1, dtype=torch.int64, pin_memory=pin)  # [T, K]
+    w = torch.zeros(t, k, dtype=torch.float32, pin_memory=pin)  # [T, K]
+    out = torch.zeros(t, h, dtype=torch.float32, pin_memory=pin)  # [T, H]
+    gu, dn = cpu.gate_up, cpu.down
+    d = _Desc(executor=executor, x=x.data_ptr(), ids=ids.data_ptr(), w=w.data_ptr(), out=out.data_ptr(),
+              gate_up=gu.data_ptr(), down=dn.data_ptr(), n=gu.shape[0], T=t, K=k, H=h, I=dn.shape[2],
+              bank_bf16=int(gu.dtype == torch.bfloat16), bf16_act=int(bf16_act), error=0, calls=0, busy_ns=0,
+              **cpu.host_fn_fields())
+    return x, ids, w, out, d
+
+
+def branch_signal() -> str:
+    """How the GPU hands the CPU its share: "hostfn" (a host-function node, the default) or
+    "doorbell" (kernels on mapped pinned memory and a resident C++ thread, no driver thread:
+    FREETOKEN_CPU_BRANCH=doorbell; not yet measured on the GPU machine, hence not the default)."""
+    import os
+    mode = os.environ.get("FREETOKEN_CPU_BRANCH", "hostfn").lower()
+    if mode not in ("hostfn", "doorbell"):
+        raise FreeTokenError(f"FREETOKEN_CPU_BRANCH must be hostfn or doorbell, got {mode!r}")
+    return mode
+
+
+class Doorbell:
+    """moe_cpu.cpp's Bell seen from here: a page of host memory, mapped for the GPU, and the
+    resident thread that answers each ring with host_call on the rung descriptor. The GPU side
+    is kernels/doorbell.py. On the CPU (tests) the same protocol runs on plain host memory with
+    the kernels under the Triton interpreter."""
+
+    def __init__(self, device):
+        from ...kernels import doorbell
+        from ...kernels.expert_transfer import zero_copy_ok
+        from . import extension
+        self.ext, self.k = extension(), doorbell
+        self.device = torch.device(device)
+        self.addr = self.ext.bell_create()
+        self.words = torch.frombuffer((ctypes.c_int64 * 512).from_address(self.addr), dtype=torch.int64)  # [512]
+        if self.device.type == "cuda":
+            err = torch.cuda.cudart().cudaHostRegister(self.addr, 4096, 0)
+            if int(err) != 0 or not zero_copy_ok(self.words):
+                self.close()
+                raise FreeTokenError(f"the CPU branch's doorbell page cannot be mapped for the GPU ({err}); "
+                                     "unset FREETOKEN_CPU_BRANCH to use the host-function node")
+        self.counter = torch.zeros(1, dtype=torch.int64, device=self.device)  # calls rung (device)
+
+    def ring(self, x, ids, w, xb, ib, wb, desc: int) -> None:
+        """The inputs into the pinned buffers, then the call: stream order, no sync."""
+        self.k.ring(x.contiguous(), ids.contiguous(), w.contiguous(), xb, ib, wb, self.counter, self.words, desc)
+
+    def wait(self, ob, out) -> None:
+        """Once the CPU answered the last ring: out <- ob."""
+        self.k.wait(self.counter, self.words, ob, out)
+
+    def gave_up(self) -> bool:
+        return bool(self.words[self.k.GAVE_UP])
+
+    def calls(self) -> int:
+        return int(self.words[self.k.CALLS])
+
+    def close(self) -> None:
+        """The thread returns; the page stays (the GPU may still hold its address)."""
+        if self.addr:
+            self.ext.bell_stop(self.addr)
+            self.addr = 0
+
+    def __del__(self):
+        self.close()
+
+
 class HostBranch:
     """Runs a CpuExpertExecutor's decode calls in stream order (see the module doc)."""
 
@@ -86,15 +166,13 @@ class HostBranch:
         self.side = torch.cuda.Stream(self.device)
         self.shapes: dict[tuple, tuple] = {}
         self.zero_copy = zero_copy_staging()
+        self.signal = branch_signal() if self.zero_copy else "hostfn"
+        self.bell = Doorbell(self.device) if self.signal == "doorbell" else None
 
     def _buffers(self, t: int, k: int, h: int, bf16_act: bool):
         key = (t, k, bf16_act)
         if key not in self.shapes:
-            pin = dict(pin_memory=True)
-            x = torch.empty(t, h, dtype=torch.float32, **pin)  # [T, H]
-            ids = torch.full((t, k), -1, dtype=torch.int64, **pin)  # [T, K]
-            w = torch.zeros(t, k, dtype=torch.float32, **pin)  # [T, K]
-            out = torch.zeros(t, h, dtype=torch.float32, **pin)  # [T, H]
+            x, ids, w, out, d = call_buffers(self.cpu, self.executor, t, k, h, bf16_act, pin=True)
             dev_out = torch.zeros(t, h, dtype=torch.float32, device=self.device)  # [T, H]
             # device staging the main stream writes and the side stream reads: persistent, so the
             # allocator cannot hand their memory to the main stream's next op while the side
@@ -102,16 +180,14 @@ class HostBranch:
             stage = (torch.empty(t, h, dtype=torch.float32, device=self.device),
                      torch.empty(t, k, dtype=torch.int64, device=self.device),
                      torch.empty(t, k, dtype=torch.float32, device=self.device))
-            gu, dn = self.cpu.gate_up, self.cpu.down
-            d = _Desc(executor=self.executor, x=x.data_ptr(), ids=ids.data_ptr(), w=w.data_ptr(), out=out.data_ptr(),
-                      gate_up=gu.data_ptr(), down=dn.data_ptr(), n=gu.shape[0], T=t, K=k, H=h, I=dn.shape[2],
-                      bank_bf16=int(gu.dtype == torch.bfloat16), bf16_act=int(bf16_act), error=0, calls=0, busy_ns=0,
-                      **self.cpu.host_fn_fields())
             self.shapes[key] = (x, ids, w, out, dev_out, stage, d)
         return self.shapes[key]
 
     def check(self) -> None:
         """Raise if a call failed (the host node records it; the loop checks after each step)."""
+        if self.bell is not None and self.bell.gave_up():
+            raise FreeTokenError("the CPU expert branch did not answer a decode step's doorbell in time "
+                                 "(its thread stopped?); unset FREETOKEN_CPU_BRANCH to use the host-function node")
         for *_, d in list(self.shapes.values()):
             if d.error:
                 raise FreeTokenError("the CPU expert branch failed inside a decode step "
@@ -123,6 +199,12 @@ class HostBranch:
         self.check()
         t, k = ids.shape
         xb, ib, wb, ob, dev_out, (xs, is_, ws), d = self._buffers(t, k, x.shape[1], x.dtype == torch.bfloat16)
+        if self.bell is not None:  # inputs and the ring on the main stream, the wait on the side stream
+            self.bell.ring(x, ids.long(), weights, xb, ib, wb, ctypes.addressof(d))
+            self.side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.side):
+                self.bell.wait(ob, dev_out)
+            return dev_out
         if self.zero_copy:  # the GPU's own stores into the pinned buffers, on the main stream
             for src, dst in ((x, xb), (ids, ib), (weights, wb)):
                 copy_flat(src.contiguous(), dst)
@@ -158,7 +240,8 @@ class HostBranch:
         calls = sum(d.calls for d in descs)
         busy = sum(d.busy_ns for d in descs)
         return {"cpu_branch_calls": calls, "cpu_busy_s": round(busy / 1e9, 3),
-                "cpu_branch_copies": "zero-copy kernels" if self.zero_copy else "copy engine"}
+                "cpu_branch_copies": "zero-copy kernels" if self.zero_copy else "copy engine",
+                "cpu_branch_signal": "doorbell" if self.bell is not None else "host-function node"}
 
 
 @dataclass

@@ -1085,6 +1085,61 @@ torch::Tensor forward_q(int64_t handle, torch::Tensor x, torch::Tensor ids, torc
   return out;
 }
 
+// ---------------------------------------------------------------- doorbell
+// The other way the GPU hands a decode step's CPU share over (hostcall.py, "doorbell"): no
+// host-function node and no driver thread. A GPU kernel writes the inputs into the pinned
+// buffers, the descriptor's address into bell->desc, a system-scope fence, then the call's
+// sequence number into bell->seq; a resident thread here, spinning on seq, runs host_call on
+// that descriptor and publishes seq in bell->done; a one-program GPU kernel spinning on done
+// then copies the result back. Every signal is an SM load or store on mapped pinned memory,
+// which interleaves with the zero-copy fill kernel's PCIe reads, where the host-function node
+// was measured waiting for them. The bell's memory is allocated here and never freed, so the
+// thread can outlive whatever Python tears down at exit.
+struct Bell {
+  int64_t seq;   // GPU -> CPU: the number of the call to run (monotonic)
+  int64_t desc;  // GPU -> CPU: that call's HostCall address
+  int64_t done;  // CPU -> GPU: the number of the last call whose result is in its `out`
+  int64_t stop;  // Python -> CPU: the thread returns
+  int64_t calls;    // calls answered (telemetry)
+  int64_t gave_up;  // GPU -> Python: a wait kernel stopped polling without an answer
+  int64_t pad[2];
+};
+
+void bell_loop(Bell* b) {
+  using clk = std::chrono::steady_clock;
+  int64_t seen = __atomic_load_n(&b->seq, __ATOMIC_ACQUIRE);
+  auto last = clk::now();
+  for (;;) {
+    const int64_t s = __atomic_load_n(&b->seq, __ATOMIC_ACQUIRE);
+    if (s != seen) {
+      host_call(reinterpret_cast<void*>(__atomic_load_n(&b->desc, __ATOMIC_ACQUIRE)));
+      seen = s;
+      b->calls += 1;
+      __atomic_store_n(&b->done, s, __ATOMIC_RELEASE);
+      last = clk::now();
+      continue;
+    }
+    if (__atomic_load_n(&b->stop, __ATOMIC_ACQUIRE)) return;
+    // spin while decode steps keep coming (a call every few hundred microseconds); after 5 ms
+    // without one, poll every 50 us so an idle server does not hold a core
+    if (clk::now() - last < std::chrono::milliseconds(5)) {
+      _mm_pause();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+}
+
+int64_t bell_create() {
+  void* p = nullptr;
+  TORCH_CHECK(posix_memalign(&p, 4096, 4096) == 0, "bell_create: out of memory");
+  std::memset(p, 0, 4096);
+  std::thread(bell_loop, static_cast<Bell*>(p)).detach();
+  return reinterpret_cast<int64_t>(p);
+}
+
+void bell_stop(int64_t addr) { __atomic_store_n(&reinterpret_cast<Bell*>(addr)->stop, int64_t(1), __ATOMIC_RELEASE); }
+
 int64_t host_call_address() { return reinterpret_cast<int64_t>(&host_call); }
 // executors live as long as the process (g_execs never shrinks): their addresses stay valid
 int64_t executor_address(int64_t handle) { return reinterpret_cast<int64_t>(g_execs.at(handle).get()); }
@@ -1095,6 +1150,8 @@ int64_t host_call_size() { return int64_t(sizeof(HostCall)); }
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("host_call_address", &host_call_address, "address of the host-function entry (a CUhostFn)");
   m.def("executor_address", &executor_address, "address of an executor, for HostCall.executor");
+  m.def("bell_create", &bell_create, "a doorbell (4 KiB, never freed) and its resident thread; returns its address");
+  m.def("bell_stop", &bell_stop, "the doorbell's thread returns (its memory stays)");
   m.def("host_call_size", &host_call_size, "sizeof the HostCall descriptor (checked against hostcall.py)");
   m.def("create", &create, "create an executor with a pinned thread pool");
   m.def("isa", &isa_of, "ISA level in use: 0 scalar, 1 avx2, 2 avx512, 3 avx512-bf16");
