@@ -10,7 +10,7 @@
 # differed from HEAD when stamped, "-stale" if it changed after the stamp, "unknown" without one.
 # Results land in $OUT (JSON + pytest.log); copy them into benchmarks/results/ afterwards.
 # Steps can be skipped to fit the device time left: FT_SKIP_TESTS, FT_SKIP_SERVE, FT_SKIP_PAGED,
-# FT_SKIP_DECODE, FT_SKIP_AGENTIC, FT_SKIP_CPU, FT_SKIP_HTTP, FT_SKIP_CACHE, FT_SKIP_SIGNAL (any value); FT_EXTRA_TESTS adds
+# FT_SKIP_DECODE, FT_SKIP_AGENTIC, FT_SKIP_CPU, FT_SKIP_HTTP, FT_SKIP_CACHE, FT_SKIP_SIGNAL, FT_SKIP_INTERFERENCE (any value); FT_EXTRA_TESTS adds
 # test files; FT_CACHE_* set the expert-cache benchmark's arguments.
 set -uo pipefail
 [ -f .devcache/commit ] || echo "warning: no .devcache/commit: results will say commit unknown (run bench/stamp_commit.sh here first)"
@@ -38,6 +38,9 @@ if [ -z "${FT_SKIP_SIGNAL:-}" ]; then
   FREETOKEN_CPU_BRANCH=doorbell timeout 200 python3 -m bench.expert_cache --layers 12 --modes split,cpu-only,cache \
     --fill-shares 0.4 --threads 14 --name expert_cache-doorbell 2>&1 | grep "^{'mode\|rror" | cut -c1-300
 fi
+step "interference: decoding streams while a 32k prompt prefills (token budget vs decode between layers)"
+[ -n "${FT_SKIP_INTERFERENCE:-}" ] || timeout 300 python3 -m bench.interference --full-size --long 32768 \
+  --settings budget,interleave 2>&1 | grep "^{'setting\|rror" | cut -c1-400
 step expert_cache: 12-layer slice, a third of the experts in VRAM slots
 [ -n "${FT_SKIP_CACHE:-}" ] || timeout ${FT_CACHE_TIMEOUT:-300} python3 -m bench.expert_cache --layers ${FT_CACHE_LAYERS:-12} \
   --capacity ${FT_CACHE_CAPACITY:-0.33} --routing ${FT_CACHE_ROUTING:-model} ${FT_CACHE_ARGS:-} 2>&1 | grep -v '^ ' | tail -24

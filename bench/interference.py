@@ -8,9 +8,10 @@ token as it is emitted. Per scheduler setting:
              one step later; gaps of the streams while the long prompt prefills, TTFT of the
              short one
 Settings compared in one run: `one-chunk` (one prompt chunk per step, arrival order, no latency
-budget: the scheduler before the token budget) and `budget` (the default: a token budget per
-step, shortest prompt first, prompt work sized so a step takes at most --decode-slowdown times
-a decode step).
+budget: the scheduler before the token budget), `budget` (a token budget per step, shortest
+prompt first, prompt work sized so a step takes at most --decode-slowdown times a decode step;
+the default on eager steps) and `interleave` (decode steps between the prompt forward's layers,
+runtime/interleave.py; the default where decode is its own forward, CUDA graphs).
     python -m bench.interference [--long 32768] [--short 200] [--streams 2] [--full-size]
 """
 from __future__ import annotations
@@ -25,12 +26,14 @@ from bench.common import write_result
 from bench.fullsize import full_size_engine
 from freetoken.demo import demo_path
 from freetoken.runtime.engine import Engine, EngineConfig
+from freetoken.runtime.interleave import Interleaver
 from freetoken.runtime.request import Request, SamplingOptions
 from freetoken.runtime.serving import ServingEngine
 
 SETTINGS = {
-    "one-chunk": dict(order="arrival", step_tokens=None, slowdown=0.0),
-    "budget": dict(order="shortest", step_tokens=0, slowdown=None),
+    "one-chunk": dict(order="arrival", step_tokens=None, slowdown=0.0, interleave=False),
+    "budget": dict(order="shortest", step_tokens=0, slowdown=None, interleave=False),
+    "interleave": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True),
 }
 
 
@@ -60,6 +63,9 @@ def run_setting(eng, name: str, a) -> dict:
         srv.sched.step_tokens = eng.ecfg.prefill_chunk
     if s["slowdown"] is not None:
         srv.slowdown = s["slowdown"]
+    if s["interleave"]:  # decode steps between the prompt forward's layers (the default where
+        srv.mixed = False  # decode is its own forward: CUDA graphs); on eager steps, instead of one mixed forward
+    srv.between = Interleaver(srv.slowdown if s["interleave"] else 0.0)
     vocab = eng.cfg.vocab_size
     opts = lambda n: SamplingOptions(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
 
@@ -110,7 +116,7 @@ def run_setting(eng, name: str, a) -> dict:
     run_until(lambda: not srv.sched.busy)
     ms = lambda x: round(x * 1e3, 2) if x is not None else None  # noqa: E731
     out = {"setting": name, "step_tokens": srv.sched.step_tokens, "order": srv.sched.order,
-           "decode_slowdown": srv.slowdown,
+           "decode_slowdown": srv.slowdown, "decode_steps_between_layers": srv.between.steps,
            "unloaded_gap_p50_ms": ms(quantile(unloaded, 0.5)), "unloaded_gap_p99_ms": ms(quantile(unloaded, 0.99)),
            "loaded_gap_p50_ms": ms(quantile(loaded, 0.5)), "loaded_gap_p99_ms": ms(quantile(loaded, 0.99)),
            "loaded_gaps": len(loaded), "loaded_gap_max5_ms": [ms(g) for g in sorted(loaded)[-5:]], "idle_short_ttft_s": round(idle_ttft, 3),
@@ -127,7 +133,7 @@ def main():
     ap.add_argument("--short", type=int, default=200, help="tokens of the short prompts")
     ap.add_argument("--streams", type=int, default=2, help="requests decoding meanwhile")
     ap.add_argument("--tokens", type=int, default=32, help="decode gaps measured unloaded, per stream")
-    ap.add_argument("--settings", default="one-chunk,budget")
+    ap.add_argument("--settings", default="one-chunk,budget,interleave")
     ap.add_argument("--full-size", action="store_true", help="Qwen3.6-35B-A3B shape, random weights (GPU machine)")
     ap.add_argument("--layers", type=int, default=40, help="with --full-size")
     a = ap.parse_args()

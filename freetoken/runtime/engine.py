@@ -332,14 +332,15 @@ class Engine:
             outs.append(out)
         return torch.cat(outs) if all_logits else outs[-1]
 
-    def prefill_batch(self, st: DecodeState, segs: list) -> torch.Tensor | None:
+    def prefill_batch(self, st: DecodeState, segs: list, between=None) -> torch.Tensor | None:
         """segs: [(tokens, slot, start, capture, logits)] -> logits of the segments asking
-        for them ([S, V]) or None (model.prefill_batch)."""
+        for them ([S, V]) or None (model.prefill_batch). between(i): called before layer i
+        (the serving loop's decode steps between layers)."""
         if self.prefill_stream is not None:  # issue 11: passes, experts streamed
-            return self.prefill_stream.prefill_batch(st, segs)
+            return self.prefill_stream.prefill_batch(st, segs, between=between)
         tokens = torch.tensor([t for seg in segs for t in seg[0]], dtype=torch.long, device=self.device)
         return self.model.prefill_batch(tokens, st, [(slot, start, len(toks), cap, want)
-                                                     for toks, slot, start, cap, want in segs])
+                                                     for toks, slot, start, cap, want in segs], hook=between)
 
     def forward_mixed(self, st: DecodeState, tokens: list[int], pos: list[int], active: list[bool],
                       segs: list) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -24,6 +24,7 @@ from ..model.state import DecodeState, slot_state_bytes
 from .budget import plan_memory
 from .decode_runner import DecodeRunner
 from .grammar import GrammarRunner
+from .interleave import Interleaver
 from .request import Request, TokenEvent
 from .sampler import SamplingParams, greedy_rows, sample, top_entries
 from .scheduler import Scheduler
@@ -90,6 +91,9 @@ class EngineLoop:
         # ---- end issue 11
         self.sched = Scheduler(max_batch, max_queue, chunk, step_tokens)
         self.slowdown = ecfg.decode_slowdown
+        # decode steps between a prefill forward's layers: where decode is its own forward
+        # (graphs, streamed passes); eager steps share one forward instead (self.mixed)
+        self.between = Interleaver(self.slowdown if not self.mixed else 0.0)
         self._decode_s = None  # decode step time (EMA)
         self._costs: deque[tuple[int, float]] = deque(maxlen=32)  # (tokens, seconds) of recent forwards
         self._lock = threading.Lock()  # the scheduler's queues are shared with the submitting thread
@@ -133,10 +137,12 @@ class EngineLoop:
         return {**self.engine.describe(), "context": self.max_len, "decode_path": self.decode.path,
                 "eager_reason": self.eager_reason, "max_batch": self.state.slots,
                 "max_step_tokens": self.sched.step_tokens, "prefix_cache": self.cache is not None,
+                "decode_between_layers": self.between.enabled,
                 "memory_plan": self.plan.to_dict()}
 
     def stats(self) -> dict:
-        out = {**self.kv.stats(), **(self.cache.stats() if self.cache is not None else {})}
+        out = {**self.kv.stats(), **(self.cache.stats() if self.cache is not None else {}),
+               "decode_steps_between_layers": self.between.steps}
         ex = self.engine.executor
         ps = self.engine.prefill_stream  # issue 11: passes by buffering, experts copied / in place / skipped
         if ps is not None:
@@ -181,6 +187,8 @@ class EngineLoop:
             groups, decode = groups[1:], []
         for group in groups:
             self._run(group, [])
+        if decode and groups and self.between.steps:  # rows may have decoded (or finished) between layers
+            decode = self._prepare_decode([r for r in decode if r.finished_at is None and r.slot is not None])
         if decode:
             self._run([], decode)
         return True
@@ -191,6 +199,8 @@ class EngineLoop:
         part (launches, weights read once, the DeltaNet chunk padding) plus a part per token,
         fitted to the recent forwards: a rate alone would read the fixed part of small chunks
         as slowness and shrink the budget to nothing."""
+        if self.between.enabled:  # decoding streams are served between the layers instead
+            return None
         if not self.slowdown or self._decode_s is None or len(self._costs) < 2:
             return None
         rows = sum(not r.prefilling for r in self.sched.running.values())
@@ -279,8 +289,9 @@ class EngineLoop:
             dec_logits, pre_logits = eng.forward_mixed(self.state, *rows, segs)
         elif decode:
             dec_logits, pre_logits = self.decode(tokens, pos, active), None  # [>= n, V] on the device
-        else:
-            dec_logits, pre_logits = None, eng.prefill_batch(self.state, segs)  # [finishing, V] or None
+        else:  # [finishing, V] or None; decode steps may run between its layers
+            kw = {"between": self._between_layers} if self.between.enabled else {}
+            dec_logits, pre_logits = None, eng.prefill_batch(self.state, segs, **kw)
         # greedy rows are decided on the device: only the others copy their logits over
         # (constrained rows are masked first, on the device)
         picks, norms = self._device_picks(decode, dec_logits, [r.slot for r in decode]) if decode else ({}, None)
@@ -288,11 +299,12 @@ class EngineLoop:
         eng.sync()
         dt, n_pre = time.perf_counter() - t0, sum(e - s for _, s, e in group)
         if decode:
-            if not group:
+            if not group and not self.between.running:  # a step between layers waited for them too
                 self._decode_s = dt if self._decode_s is None else (1 - EMA) * self._decode_s + EMA * dt
                 observe = getattr(eng.executor, "observe_step", None)
                 if observe is not None:  # the expert cache's adaptive split learns from real steps
                     observe(len(decode), dt)
+                self.between.decoded()
             if self.metrics:
                 self.metrics.decode_step(len(decode), dt)
         if group:
@@ -320,6 +332,31 @@ class EngineLoop:
             [r for r, _, end in group if r.grammar is not None and end == r.prefill_end]
         if cons:
             self.grammar.prefetch(cons)
+
+    def _between_layers(self, i: int) -> None:
+        """The prefill forward's hook before layer i: a decode step for the streams that are
+        decoding, when one is due (runtime/interleave.py). Rows that need a KV page the pool
+        cannot give without preempting wait for the step's own decode."""
+        if self.between.due(self._decode_s):
+            with self._lock:
+                rows = [r for r in self.sched.running.values()
+                        if not r.prefilling and not r.cancelled and r.finished_at is None and r.slot is not None]
+            rows = sorted((r for r in rows if self._grow_now(r)), key=lambda r: r.slot)
+            if rows:
+                self.between.running = True
+                try:
+                    self._run([], rows)
+                finally:
+                    self.between.running = False
+                self.between.cycle(self._decode_s)
+        self.between.layer_queued()
+
+    def _grow_now(self, req: Request) -> bool:
+        try:
+            self.kv.grow(req, req.computed + 1)
+            return True
+        except PagesExhausted:
+            return False
 
     def _decode_rows(self, reqs: list[Request]):
         n = max(r.slot for r in reqs) + 1  # rows [0, n): the decoding slots and any holes

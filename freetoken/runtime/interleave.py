@@ -1,0 +1,67 @@
+"""Decode steps between the layers of a prefill forward, so streams that are decoding keep their
+inter-token latency while a long prompt prefills.
+
+A prefill forward (a chunk of one or more prompts, or a streamed pass over every expert) can
+take far longer than a decode step: on the H200 a 2,048-token chunk of the full-size model is
+~150 ms against a 6.6 ms decode step, and its fixed part (40 layers of launches) does not shrink
+with the chunk, so a token budget per step alone left decoding streams stalled 39x their
+unloaded gap. Here the forward's per-layer hook (model/base.py `_stack`) asks, before each
+layer, whether a decode step is due; if so the loop runs one right there (a graph replay on the
+same stream, so it runs on the device after the layers already queued and before the next).
+The prompt's own rows are not in that step (mid-prefill rows are inactive), and nothing it
+has written is touched.
+
+When: the prompt work between two decode steps is kept near (slowdown - 1) x the plain decode
+step (--decode-slowdown), so a decoding stream's gap is about slowdown x its unloaded one and
+the prompt keeps the rest of the device. The host cannot see the device's progress without a
+sync, so the work queued since the last decode step is counted in layers, at a per-layer cost
+learned from the cycles themselves: a cycle (decode end to decode end) is the queued layers
+plus one decode step, and the decode step's own time is known from plain steps.
+"""
+from __future__ import annotations
+
+import time
+
+EMA = 0.3  # weight of the newest per-layer sample
+
+
+class Interleaver:
+    def __init__(self, slowdown: float):
+        """slowdown: --decode-slowdown (>= 1; 0 turns interleaving off)."""
+        self.slowdown = slowdown
+        self.last_decode: float | None = None  # perf_counter at the end of the last decode step
+        self.layers = 0  # layers queued since then
+        self.per_layer: float | None = None  # seconds of prompt work per layer (EMA; None: unknown)
+        self.steps = 0  # decode steps run between layers (telemetry)
+        self.running = False  # inside such a step (its own forward must not recurse)
+
+    @property
+    def enabled(self) -> bool:
+        return self.slowdown >= 1
+
+    def decoded(self) -> None:
+        """A decode step (plain or between layers) just ended."""
+        self.last_decode, self.layers = time.perf_counter(), 0
+
+    def due(self, decode_s: float | None) -> bool:
+        """Before a layer: is a decode step due? decode_s: the plain decode step's time."""
+        if not self.enabled or self.running or decode_s is None or self.last_decode is None:
+            return False
+        gap = (self.slowdown - 1) * decode_s
+        if self.per_layer is None:  # unknown cost: one layer at a time until a cycle is measured
+            return self.layers >= 1
+        queued = self.layers * self.per_layer
+        # the next layer would take the gap past its target by more than it would fall short
+        return queued + self.per_layer / 2 >= gap or time.perf_counter() - self.last_decode >= gap
+
+    def layer_queued(self) -> None:
+        self.layers += 1
+
+    def cycle(self, decode_s: float) -> None:
+        """A decode step between layers ended; the cycle since the previous decode step ran
+        `self.layers` layers of prompt work and that step."""
+        if self.last_decode is not None and self.layers:
+            sample = max(0.0, time.perf_counter() - self.last_decode - decode_s) / self.layers
+            self.per_layer = sample if self.per_layer is None else (1 - EMA) * self.per_layer + EMA * sample
+        self.steps += 1
+        self.decoded()

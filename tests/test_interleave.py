@@ -1,0 +1,81 @@
+"""Decode steps between the layers of a prefill forward (runtime/interleave.py): the streams
+that decode meanwhile get exactly the tokens they get without it, the prompt too, and the
+decision follows the layers queued at the cost it learns."""
+import pytest
+import torch
+
+import hf_models
+from drive import drive
+from freetoken.runtime.engine import Engine, EngineConfig
+from freetoken.runtime.interleave import Interleaver
+from freetoken.runtime.request import Request, SamplingOptions
+from freetoken.runtime.serving import ServingEngine
+from freetoken.weights.convert import convert
+
+
+@pytest.fixture(scope="module")
+def eng(tmp_path_factory):
+    d = tmp_path_factory.mktemp("interleave")
+    hf_models.save(hf_models.qwen3_5(43, num_hidden_layers=4, max_position_embeddings=1024), str(d / "hf"))
+    convert(str(d / "hf"), str(d / "m.ftw"), progress=False)
+    return Engine(str(d / "m.ftw"), EngineConfig(device="cpu", dtype="float32", prefill_chunk=32))
+
+
+def greedy(p, n):
+    return Request(list(p), SamplingOptions(temperature=0, max_tokens=n, ignore_eos=True))
+
+
+def serving(eng, interleave: bool, step_tokens: int = 96):
+    srv = ServingEngine(eng, max_batch=4, max_queue=8, start=False)
+    srv.sched.step_tokens = step_tokens  # a long prompt takes several steps of several chunks
+    srv.mixed = False  # decode rows in a forward of their own, as with CUDA graphs
+    srv.between = Interleaver(1.5 if interleave else 0.0)
+    return srv
+
+
+def test_streams_and_prompt_get_the_same_tokens_with_decode_between_layers(eng):
+    g = torch.Generator().manual_seed(7)
+    ps = [torch.randint(5, eng.cfg.vocab_size, (n,), generator=g).tolist() for n in (20, 33, 300, 9)]
+    runs = {}
+    for on in (False, True):
+        srv = serving(eng, on)
+        # two streams decode; a 300-token prompt and a short one arrive while they do
+        reqs = drive(srv, [greedy(ps[0], 40), greedy(ps[1], 40), greedy(ps[2], 5), greedy(ps[3], 5)],
+                     arrive=[0, 0, 3, 4])
+        runs[on] = ([r.output_ids for r in reqs], [r.logprobs for r in reqs], srv.between.steps)
+        assert all(r.finish_reason == "length" for r in reqs)
+        assert not srv.sched.running and srv.state.pages.used == 0
+    assert runs[False][2] == 0 and runs[True][2] > 0  # decode steps did run between layers
+    assert runs[True][0] == runs[False][0]
+    for a, b in zip(runs[True][1], runs[False][1]):
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4  # fp32; decode batches differ in shape
+
+
+def test_a_stream_that_finishes_between_layers_is_not_decoded_again(eng):
+    g = torch.Generator().manual_seed(8)
+    ps = [torch.randint(5, eng.cfg.vocab_size, (n,), generator=g).tolist() for n in (12, 400)]
+    ref = drive(serving(eng, False), [greedy(ps[0], 6), greedy(ps[1], 2)], arrive=[0, 2])
+    srv = serving(eng, True, step_tokens=400)  # the long prompt in one step: the stream ends inside it
+    reqs = drive(srv, [greedy(ps[0], 6), greedy(ps[1], 2)], arrive=[0, 2])
+    assert [r.output_ids for r in reqs] == [r.output_ids for r in ref]
+    assert len(reqs[0].output_ids) == 6 and srv.between.steps > 0
+
+
+def test_the_decision_counts_queued_layers_at_the_learned_cost(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr("freetoken.runtime.interleave.time.perf_counter", lambda: clock[0])
+    iv = Interleaver(2.0)  # prompt work between decode steps: about one decode step
+    assert not iv.due(0.010)  # no decode step yet
+    iv.decoded()
+    assert not iv.due(0.010)  # nothing queued since
+    iv.layer_queued()
+    assert iv.due(0.010)  # cost unknown: one layer at a time
+    clock[0] += 0.005 + 0.010  # the cycle: one layer of 5 ms, then the 10 ms decode step
+    iv.cycle(0.010)
+    assert iv.per_layer == pytest.approx(0.005) and iv.steps == 1 and iv.layers == 0
+    for n in range(1, 4):
+        iv.layer_queued()
+        assert iv.due(0.010) == (n >= 2)  # 1 layer and a half: 7.5 ms; 2 and a half: past the 10 ms gap
+    assert not Interleaver(0.0).enabled and not Interleaver(0.0).due(0.010)
+    iv.running = True  # never from inside its own decode step
+    assert not iv.due(0.010)
