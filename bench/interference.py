@@ -117,6 +117,7 @@ def run_setting(eng, name: str, a) -> dict:
     ms = lambda x: round(x * 1e3, 2) if x is not None else None  # noqa: E731
     out = {"setting": name, "step_tokens": srv.sched.step_tokens, "order": srv.sched.order,
            "decode_slowdown": srv.slowdown, "decode_steps_between_layers": srv.between.steps,
+           "prompt_ms_per_layer": ms(srv.between.per_layer),
            "unloaded_gap_p50_ms": ms(quantile(unloaded, 0.5)), "unloaded_gap_p99_ms": ms(quantile(unloaded, 0.99)),
            "loaded_gap_p50_ms": ms(quantile(loaded, 0.5)), "loaded_gap_p99_ms": ms(quantile(loaded, 0.99)),
            "loaded_gaps": len(loaded), "loaded_gap_max5_ms": [ms(g) for g in sorted(loaded)[-5:]], "idle_short_ttft_s": round(idle_ttft, 3),

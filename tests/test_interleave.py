@@ -79,3 +79,13 @@ def test_the_decision_counts_queued_layers_at_the_learned_cost(monkeypatch):
     assert not Interleaver(0.0).enabled and not Interleaver(0.0).due(0.010)
     iv.running = True  # never from inside its own decode step
     assert not iv.due(0.010)
+
+
+def test_the_chunk_is_sized_so_one_layer_fits_the_gap():
+    iv = Interleaver(2.0)
+    assert iv.budget(0.010) is None  # nothing measured yet: the step's own budget
+    for n in (64, 128, 256, 512):  # a layer: 2 ms fixed + 10 us a token
+        iv.samples.append((n, 0.002 + 1e-5 * n))
+    assert iv.budget(0.010) == pytest.approx(800, abs=1)  # (10 ms gap - 2 ms) / 10 us
+    assert iv.budget(0.0015) == pytest.approx(200, abs=1)  # gap below the fixed part: the chunk costing as much
+    assert Interleaver(0.0).budget(0.010) is None

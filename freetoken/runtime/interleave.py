@@ -21,8 +21,25 @@ plus one decode step, and the decode step's own time is known from plain steps.
 from __future__ import annotations
 
 import time
+from collections import deque
 
 EMA = 0.3  # weight of the newest per-layer sample
+MIN_PREFILL = 32  # prompt tokens a step takes at least, whatever the latency budget says
+
+
+def affine_fit(costs) -> tuple[float, float]:
+    """(fixed seconds, seconds per token) of forwards [(tokens, seconds)], least squares; with
+    too little spread in sizes, all of the time is charged per token (an upper bound)."""
+    n = [c[0] for c in costs]
+    t = [c[1] for c in costs]
+    mn, mt = sum(n) / len(n), sum(t) / len(t)
+    var = sum((x - mn) ** 2 for x in n)
+    if var > 0:
+        b = sum((x - mn) * (y - mt) for x, y in zip(n, t)) / var
+        a = mt - b * mn
+        if b > 0 and a >= 0:
+            return a, b
+    return 0.0, max(sum(t) / max(sum(n), 1), 1e-9)
 
 
 class Interleaver:
@@ -34,6 +51,8 @@ class Interleaver:
         self.per_layer: float | None = None  # seconds of prompt work per layer (EMA; None: unknown)
         self.steps = 0  # decode steps run between layers (telemetry)
         self.running = False  # inside such a step (its own forward must not recurse)
+        self.tokens = 0  # prompt tokens of the forward in flight (set by the loop)
+        self.samples: deque[tuple[int, float]] = deque(maxlen=32)  # (prompt tokens, seconds per layer)
 
     @property
     def enabled(self) -> bool:
@@ -63,5 +82,20 @@ class Interleaver:
         if self.last_decode is not None and self.layers:
             sample = max(0.0, time.perf_counter() - self.last_decode - decode_s) / self.layers
             self.per_layer = sample if self.per_layer is None else (1 - EMA) * self.per_layer + EMA * sample
+            if self.tokens:
+                self.samples.append((self.tokens, sample))
         self.steps += 1
         self.decoded()
+
+    def budget(self, decode_s: float | None) -> int | None:
+        """Prompt tokens for the next forward, so one of its layers fits the gap between decode
+        steps (a layer is the finest grain at which they can interleave); None: no limit. The
+        per-layer cost is fitted as a fixed part plus a part per token over the recent cycles;
+        never below the chunk whose per-token part equals the fixed part (smaller chunks would
+        slow the prompt without shortening the gap much)."""
+        if not self.enabled or decode_s is None or len(self.samples) < 2:
+            return None
+        fixed, per_token = affine_fit(self.samples)
+        gap = (self.slowdown - 1) * decode_s
+        floor = max(MIN_PREFILL, int(fixed / per_token))
+        return max(floor, int((gap - fixed) / per_token)) if gap > fixed else floor

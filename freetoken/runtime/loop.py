@@ -24,29 +24,13 @@ from ..model.state import DecodeState, slot_state_bytes
 from .budget import plan_memory
 from .decode_runner import DecodeRunner
 from .grammar import GrammarRunner
-from .interleave import Interleaver
+from .interleave import MIN_PREFILL, Interleaver, affine_fit
 from .request import Request, TokenEvent
 from .sampler import SamplingParams, greedy_rows, sample, top_entries
 from .scheduler import Scheduler
 
 log = logging.getLogger("freetoken.serving")
 EMA = 0.2  # weight of the newest step in the decode step-time average
-MIN_PREFILL = 32  # prompt tokens a step takes at least, whatever the latency budget says
-
-
-def affine_fit(costs) -> tuple[float, float]:
-    """(fixed seconds, seconds per token) of forwards [(tokens, seconds)], least squares; with
-    too little spread in sizes, all of the time is charged per token (an upper bound)."""
-    n = [c[0] for c in costs]
-    t = [c[1] for c in costs]
-    mn, mt = sum(n) / len(n), sum(t) / len(t)
-    var = sum((x - mn) ** 2 for x in n)
-    if var > 0:
-        b = sum((x - mn) * (y - mt) for x, y in zip(n, t)) / var
-        a = mt - b * mn
-        if b > 0 and a >= 0:
-            return a, b
-    return 0.0, max(sum(t) / max(sum(n), 1), 1e-9)
 
 
 class EngineLoop:
@@ -199,12 +183,12 @@ class EngineLoop:
         part (launches, weights read once, the DeltaNet chunk padding) plus a part per token,
         fitted to the recent forwards: a rate alone would read the fixed part of small chunks
         as slowness and shrink the budget to nothing."""
-        if self.between.enabled:  # decoding streams are served between the layers instead
-            return None
-        if not self.slowdown or self._decode_s is None or len(self._costs) < 2:
-            return None
         rows = sum(not r.prefilling for r in self.sched.running.values())
         if not rows:
+            return None
+        if self.between.enabled:  # decoding streams are served between the layers: a chunk whose
+            return self.between.budget(self._decode_s)  # one layer fits the gap between their steps
+        if not self.slowdown or self._decode_s is None or len(self._costs) < 2:
             return None
         fixed, per_token = affine_fit(self._costs)
         if self.mixed:  # one forward: decode rows and prompt tokens share the fixed part
@@ -290,6 +274,7 @@ class EngineLoop:
         elif decode:
             dec_logits, pre_logits = self.decode(tokens, pos, active), None  # [>= n, V] on the device
         else:  # [finishing, V] or None; decode steps may run between its layers
+            self.between.tokens = sum(e - s for _, s, e in group)
             kw = {"between": self._between_layers} if self.between.enabled else {}
             dec_logits, pre_logits = None, eng.prefill_batch(self.state, segs, **kw)
         # greedy rows are decided on the device: only the others copy their logits over
