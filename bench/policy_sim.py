@@ -19,6 +19,8 @@ Policies (names as in the JSON):
 - lfu_decay: LFU with exponential decay: each read adds 2^(step/H) to the expert's score
   (half-life H decode steps, --lfu-half-life), history kept for evicted experts; evict the
   lowest score (ties: least recent).
+- lfu_halving: lfu_decay in whole halvings (each read adds 2^floor(step/H)): sums of powers of
+  two, exact in float32 on any device, which the GPU cache's control kernel can keep.
 - static_first_layers / static_last_layers: every expert of floor(C/E) whole layers resident,
   nothing else; the first layers as the brief asks, the last layers as llama.cpp's
   `--n-cpu-moe N` actually does (it keeps the first N layers' experts on the CPU).
@@ -64,7 +66,7 @@ from freetoken.experts.traces import RoutingTrace, merge_traces, parse_routing
 
 QWEN36_SYNTHETIC = "synthetic:layers=40,experts=256,k=8,skew=1.1,steps=2000,seed=0"
 CAPACITIES = "0.1,0.25,0.37,0.5,0.75"
-POLICIES = ["lru", "lfu_decay", "static_first_layers", "static_last_layers", "hot_set",
+POLICIES = ["lru", "lfu_decay", "lfu_halving", "static_first_layers", "static_last_layers", "hot_set",
             "freq_oracle", "min", "min_bypass", "next_read_est", "arc", "lru2", "lfu_decay_gate"]
 STATIC = {"static_first_layers", "static_last_layers", "hot_set", "freq_oracle"}
 
@@ -269,6 +271,22 @@ def sim_lfu_decay(R: Reads, C: int, half_life: float = 64.0, gate_weighted: bool
             gw = gates[i]
             w *= gw if gw == gw else 1.0  # NaN: gate unknown
         s = score.get(x, 0.0) + w
+        score[x] = s
+        return (s, g)
+    return _sim_keyed(R, C, touch)
+
+
+def sim_lfu_halving(R: Reads, C: int, half_life: float = 64.0) -> int:
+    """lfu_decay with the decay applied in whole halvings: each read adds 2^floor(step / H), a
+    power of two, so a float32 score sums exactly the same way on any device (what the GPU
+    cache's control kernel can keep per expert, policy "lfu"). Kept in float64 here; the
+    device rescales before float32 runs out."""
+    score: dict[int, float] = {}
+    step = R.step
+    h = max(1, int(half_life))
+
+    def touch(x, i, g):
+        s = score.get(x, 0.0) + 2.0 ** (step[g] // h)
         score[x] = s
         return (s, g)
     return _sim_keyed(R, C, touch)
@@ -489,6 +507,8 @@ def run_policies(R: Reads, C: int, policies: list[str], *, half_life: float = 64
             out[p] = sim_lru(R, C)
         elif p == "lfu_decay":
             out[p] = sim_lfu_decay(R, C, half_life)
+        elif p == "lfu_halving":
+            out[p] = sim_lfu_halving(R, C, half_life)
         elif p == "lfu_decay_gate":
             if has_gates:
                 out[p] = sim_lfu_decay(R, C, half_life, gate_weighted=True)
