@@ -243,7 +243,7 @@ def main():
     ap.add_argument("--modes", default="resident,fill-only,cache,split,cpu-only")
     ap.add_argument("--fill-shares", default="0.75", help="fixed r of the `split` rows")
     ap.add_argument("--cache-warmup", type=int, default=200, help="warm-up steps of `cache` rows (the split adapts)")
-    ap.add_argument("--policy", default="recent", choices=["recent", "gate"])
+    ap.add_argument("--policy", default="recent", choices=["recent", "gate", "lfu"])
     ap.add_argument("--routing", default="model")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=48)

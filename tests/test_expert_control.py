@@ -17,7 +17,7 @@ triton = pytest.importorskip("triton")
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SHARES = (0.0, 0.3, 0.5, 1.0)
-FIELDS = ("slot_of", "id_of", "stamp", "seen", "clock")
+FIELDS = ("slot_of", "id_of", "stamp", "seen", "clock", "score", "base")
 
 
 
@@ -44,12 +44,17 @@ def random_residency(g, n, s):
     res.stamp.copy_(torch.randint(0, clock + 1, (s,), generator=g))
     res.seen.copy_(torch.randint(0, clock + 1, (n,), generator=g))
     res.clock.fill_(clock)
+    # "lfu": small whole counts (many ties), a halving period of 1-3 ticks, and sometimes a base
+    # that puts the exponent past the rescale threshold within the next calls
+    res.score.copy_(torch.randint(0, 4, (n,), generator=g).float() * 0.5)
+    res.half = int(torch.randint(1, 4, (1,), generator=g))
+    res.base.fill_(-60 if bool(torch.rand(1, generator=g) < 0.5) else 0)
     return to(res, DEV)
 
 
 def to(res, dev):
     """A copy on dev (never the same tensors)."""
-    return Residency(*(getattr(res, f).to(dev, copy=True) for f in FIELDS))
+    return Residency(*(getattr(res, f).to(dev, copy=True) for f in FIELDS), half=res.half)
 
 
 def random_route(g, layers, experts, t, k, res=None):
@@ -96,8 +101,28 @@ def expected_q(m, r, k_cap, evictable):
     return min(max(round(x), 1), m, k_cap, evictable)  # round: half to even, as torch.round
 
 
+def lfu_scores(pre, uniq, clock):
+    """"lfu": (scores before this call's counts, after the rescale if any; scores after them;
+    base after), from the spec in plain Python (float32 via numpy)."""
+    score = np.array(pre.score.cpu().numpy(), dtype=np.float32)
+    base = int(pre.base[0])
+    e = clock // pre.half - base
+    if e > 64:
+        score = (score * np.float32(2.0 ** -64)).astype(np.float32)
+        base, e = base + 64, e - 64
+    after = score.copy()
+    for x in uniq:
+        after[x] = np.float32(after[x] + np.float32(2.0 ** e))
+    return score, after, base
+
+
+def bits(x) -> int:
+    return int(np.array([x], dtype=np.float32).view(np.int32)[0])
+
+
 def check_step(pre, post, ids, weights, out, max_fill, r, policy):
     """Invariants of one step, re-derived from the spec with plain Python."""
+    res_pre = pre
     pre = {f: getattr(pre, f).cpu().tolist() for f in FIELDS}
     post = {f: getattr(post, f).cpu().tolist() for f in FIELDS}
     flat = ids.reshape(-1).cpu().tolist()
@@ -114,10 +139,15 @@ def check_step(pre, post, ids, weights, out, max_fill, r, policy):
     total = {e: sum(gv for f, gv in zip(flat, gate) if f == e) for e in uniq}
     hits = [e for e in uniq if pre["slot_of"][e] >= 0]
     misses = [e for e in uniq if pre["slot_of"][e] < 0]
-    prio = (lambda e: pre["seen"][e]) if policy == "recent" else (lambda e: total[e])
+    scaled, after, base = lfu_scores(res_pre, uniq, clock)
+    prio = {"recent": lambda e: pre["seen"][e], "gate": lambda e: total[e],
+            "lfu": lambda e: bits(after[e])}[policy]
     misses.sort(key=lambda e: (-prio(e), first[e]))
     hit_slots = {pre["slot_of"][e] for e in hits}
-    age = [pre["stamp"][i] + 1 if pre["id_of"][i] >= 0 else 0 for i in range(s)]
+    if policy == "lfu":  # the lowest decayed count first (held ids not routed: unchanged this call)
+        age = [bits(scaled[pre["id_of"][i]]) if pre["id_of"][i] >= 0 else 0 for i in range(s)]
+    else:
+        age = [pre["stamp"][i] + 1 if pre["id_of"][i] >= 0 else 0 for i in range(s)]
     oldest = sorted((i for i in range(s) if i not in hit_slots), key=lambda i: (age[i], i))
     q = expected_q(len(misses), r, max_fill, s - len(hit_slots))
 
@@ -142,6 +172,8 @@ def check_step(pre, post, ids, weights, out, max_fill, r, policy):
     for e in uniq:
         want["seen"][e] = clock
     want["clock"] = [clock]
+    if policy == "lfu":
+        want["score"], want["base"] = after.tolist(), [base]
     assert post == want
     held = [(i, e) for i, e in enumerate(post["id_of"]) if e >= 0]  # no slot holds two ids
     assert all(post["slot_of"][e] == i for i, e in held)
@@ -329,4 +361,4 @@ def test_control_dispatch_and_buffers_reused():
         assert same_out(out, want)
     assert same_out(control(ids, w, res.clone(), share(0.5), 4, "gate"), want)
     with pytest.raises(AssertionError):
-        control(ids, w, res, share(0.5), 4, "lfu")
+        control(ids, w, res, share(0.5), 4, "clairvoyant")  # not a policy

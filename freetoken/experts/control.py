@@ -9,12 +9,14 @@ layer call runs one control step (`control`) that, with no host sync:
   3. takes q = 0 if m == 0 else clamp(round(m * r), 1, m) misses to fill (r = the fill
      share, a device scalar, 1 = fill-only), capped by K (max_fill, the static size of the
      fill list) and by the number of slots holding no hit of this call;
-  4. finds the K least-recently-used slots among those holding no hit (free slots first,
-     ties by slot index) in one pass over the pool; the fill path consumes the first q;
+  4. finds K victims among the slots holding no hit (free slots first, then the least
+     recently used, or with policy "lfu" the lowest decayed routing count; ties by slot
+     index) in one pass over the pool; the fill path consumes the first q;
   5. F = the first q misses in policy order ("recent": routed most recently first, by
-     `seen`; "gate": largest summed gate weight in this batch first; ties by first
-     occurrence in the batch); F[j] goes to the j-th oldest victim: the victim's old id is
-     evicted, F admitted, hits and fills stamped with the new clock, `seen` set for all U;
+     `seen`; "gate": largest summed gate weight in this batch first; "lfu": highest decayed
+     routing count first; ties by first occurrence in the batch); F[j] goes to the j-th
+     victim: the victim's old id is evicted, F admitted, hits and fills stamped with the new
+     clock, `seen` set for all U;
   6. rewrites each routed pair to its physical slot (hit or fill), CPU (-2) for a miss that
      is not filled (run in place from the host banks), NO_EXPERT (-1) stays -1.
 
@@ -32,6 +34,12 @@ of the all-resident output. The fills must land before the GPU experts read thei
 and a later call (the next layer) may evict any slot not hit by that call: whatever reads a
 slot must be ordered before the next control call on the stream.
 
+Policy "lfu" (LFU with decay in whole halvings, bench/policy_sim.py `lfu_halving`: on the
+Mixtral traces it misses 0.47 where LRU misses 0.87 at batch 4 and half the experts cached):
+every call adds 2^e to the score of each routed expert, e = clock // half - base, a power of
+two built from its bits, so the float32 sums are exact and identical in both versions; when e
+would pass 64 every score is scaled by 2^-64 (exact) and base advances by 64.
+
 Exactness between the two: the fill count is computed in float32 (m * r, round half to
 even, as torch.round) with FMA contraction off in the kernel; gate weights are summed in
 fixed point (each weight truncated to a multiple of 2**-24, clamped to [0, 256]) so the sum,
@@ -47,7 +55,9 @@ from ..kernels import HAS_TRITON, use_triton
 from .executor import NO_EXPERT
 
 CPU = -2  # route of a pair whose expert runs on the CPU, in place from the host banks
-POLICIES = ("recent", "gate")
+POLICIES = ("recent", "gate", "lfu")
+HALVING_TICKS = 64 * 40  # default clock ticks per halving of "lfu": ~64 decode steps of 40 MoE layers
+RESCALE = 64  # "lfu": scores are scaled by 2^-RESCALE when the exponent would pass it
 GATE_ONE = 1 << 24  # fixed-point scale of a gate weight (exact in float32: a power of two)
 GATE_CAP = 256.0  # a weight counts at most this much (keeps the fixed-point sums in 44 bits)
 MAX_PAIRS = 4096  # pairs (T * k) per call the kernel's composite sort keys are sized for
@@ -63,6 +73,10 @@ class Residency:
                        any held one whatever its stamp
     seen    [N] int64  clock at which each flat id was last routed (resident or not)
     clock   [1] int64  advanced by one per control call
+    score   [N] float32  "lfu": decayed routing count of each flat id (resident or not)
+    base    [1] int64  "lfu": halvings already taken out of the scores
+    half    int        "lfu": clock ticks per halving (a decode step advances the clock once
+                       per MoE layer)
 
     Invariants kept by `control` (and assumed by it): slot_of and id_of are inverse
     (a slot holds at most one id, an id at most one slot); stamp <= clock and seen <= clock.
@@ -72,16 +86,21 @@ class Residency:
     stamp: torch.Tensor
     seen: torch.Tensor
     clock: torch.Tensor
+    score: torch.Tensor
+    base: torch.Tensor
+    half: int = HALVING_TICKS
 
     @classmethod
-    def empty(cls, num_flat_experts: int, num_slots: int, device) -> "Residency":
+    def empty(cls, num_flat_experts: int, num_slots: int, device, half: int = HALVING_TICKS) -> "Residency":
         """All slots free, nothing seen, clock 0."""
-        assert num_slots >= 1 and num_flat_experts >= 1
+        assert num_slots >= 1 and num_flat_experts >= 1 and half >= 1
         return cls(slot_of=torch.full((num_flat_experts,), -1, dtype=torch.int32, device=device),
                    id_of=torch.full((num_slots,), -1, dtype=torch.int32, device=device),
                    stamp=torch.zeros(num_slots, dtype=torch.int64, device=device),
                    seen=torch.zeros(num_flat_experts, dtype=torch.int64, device=device),
-                   clock=torch.zeros(1, dtype=torch.int64, device=device))
+                   clock=torch.zeros(1, dtype=torch.int64, device=device),
+                   score=torch.zeros(num_flat_experts, dtype=torch.float32, device=device),
+                   base=torch.zeros(1, dtype=torch.int64, device=device), half=half)
 
     @property
     def num_slots(self) -> int:
@@ -92,7 +111,8 @@ class Residency:
         return self.slot_of.numel()
 
     def clone(self) -> "Residency":
-        return Residency(*(t.clone() for t in (self.slot_of, self.id_of, self.stamp, self.seen, self.clock)))
+        return Residency(*(t.clone() for t in (self.slot_of, self.id_of, self.stamp, self.seen, self.clock,
+                                                self.score, self.base)), half=self.half)
 
 
 @dataclass
@@ -160,6 +180,11 @@ def _fixed_gate(w: torch.Tensor) -> torch.Tensor:
     return (w * GATE_ONE).to(torch.int64)
 
 
+def _score_bits(score: torch.Tensor) -> torch.Tensor:
+    """A non-negative float32 score -> int64 with the same order (its bit pattern)."""
+    return score.contiguous().view(torch.int32).to(torch.int64)
+
+
 def _fill_count(m: int, fill_share: torch.Tensor) -> int:
     """q before the caps: 0 if m == 0 else clamp(round(m * r), 1, m), r clamped to [0, 1]."""
     if m == 0:
@@ -190,16 +215,28 @@ def control_reference(ids, weights, res: Residency, fill_share, max_fill: int, p
     total = torch.zeros_like(uniq).index_add_(0, inv, gate[live])  # summed fixed-point gate
     old_slot = res.slot_of[uniq].long()
     hit = old_slot >= 0
+    if policy == "lfu":  # this call's reads counted: 2^e each, e in [0, RESCALE] after a rescale
+        e = int(clock) // res.half - int(res.base)
+        if e > RESCALE:
+            res.score.mul_(2.0 ** -RESCALE)
+            res.base += RESCALE
+            e -= RESCALE
+        res.score[uniq] = res.score[uniq] + torch.tensor(2.0 ** e, dtype=torch.float32, device=dev)
 
     # misses in policy order: priority descending, ties by first occurrence
-    prio = res.seen[uniq] if policy == "recent" else total
+    prio = {"recent": lambda: res.seen[uniq], "gate": lambda: total,
+            "lfu": lambda: _score_bits(res.score[uniq])}[policy]()
     order = torch.argsort(first)
     order = order[torch.argsort(prio[order], descending=True, stable=True)]
     misses = uniq[order[~hit[order]]]  # [m]
     m = misses.numel()
 
-    # victims: the least recently used slots holding no hit, free ones first, ties by index
-    age = torch.where(res.id_of >= 0, res.stamp + 1, 0)  # [S]
+    # victims: the least recently used slots holding no hit (or "lfu": the lowest scores),
+    # free ones first, ties by index
+    if policy == "lfu":
+        age = torch.where(res.id_of >= 0, _score_bits(res.score[res.id_of.long().clamp(min=0)]), 0)  # [S]
+    else:
+        age = torch.where(res.id_of >= 0, res.stamp + 1, 0)  # [S]
     evictable = torch.ones(res.num_slots, dtype=torch.bool, device=dev)
     evictable[old_slot[hit]] = False
     by_age = torch.argsort(age, stable=True)
@@ -275,11 +312,24 @@ if HAS_TRITON:
     @triton.jit
     def _control_kernel(ids_ptr, w_ptr, share_ptr,  # [P] int64, [P] gate weights, [1] float32
                         slot_of_ptr, id_of_ptr, stamp_ptr, seen_ptr, clock_ptr,  # residency (in place)
+                        score_ptr, base_ptr,  # residency, "lfu"
                         route_ptr, fill_src_ptr, fill_dst_ptr, cpu_ptr, counts_ptr,  # outputs
-                        P, S,
+                        P, S, N, HALF,
                         K: tl.constexpr, P_PAD: tl.constexpr, K_PAD: tl.constexpr,
-                        BLOCK_S: tl.constexpr, RECENT: tl.constexpr, TOPK: tl.constexpr):
+                        BLOCK_S: tl.constexpr, RECENT: tl.constexpr, LFU: tl.constexpr, TOPK: tl.constexpr):
         clock = tl.load(clock_ptr) + 1  # this call's stamp
+        if LFU:  # the exponent of this call's count; every score halved 64 times when it passes 64
+            base = tl.load(base_ptr)
+            e = clock // HALF - base
+            if e > 64:  # RESCALE
+                for n0 in range(0, N, BLOCK_S):
+                    n = n0 + tl.arange(0, BLOCK_S)  # [BLOCK_S]
+                    sc = tl.load(score_ptr + n, mask=n < N, other=0.0)
+                    tl.store(score_ptr + n, sc * 5.421010862427522e-20, mask=n < N)  # 2^-64
+                tl.store(base_ptr, base + 64)
+                e = e - 64
+            inc = ((e + 127).to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^e, exact
+            tl.debug_barrier()  # rescaled scores are in memory before they are read
 
         # ---- dedup: sort the pairs by (id, pair index); each run of one id is one expert of U
         p = tl.arange(0, P_PAD)  # [P_PAD]
@@ -305,7 +355,11 @@ if HAS_TRITON:
         tl.store(stamp_ptr + slot, clock, mask=hit)  # hits refreshed (and marked for the scan)
 
         # ---- policy order of the misses: smaller key first, ties by first occurrence
-        if RECENT:
+        if LFU:
+            sc_new = tl.load(score_ptr + uid, mask=rep, other=0.0) + inc  # one run start per id
+            tl.store(score_ptr + uid, sc_new, mask=rep)
+            prio = 2147483647 - sc_new.to(tl.int32, bitcast=True).to(tl.int64)  # highest count first
+        elif RECENT:
             prio = clock - seen_old  # routed most recently first
         else:
             prio = _GATE_MAX - tl.minimum(total, _GATE_MAX)  # largest summed gate first
@@ -331,7 +385,11 @@ if HAS_TRITON:
             s = s0 + tl.arange(0, BLOCK_S)  # [BLOCK_S]
             held = tl.load(id_of_ptr + s, mask=s < S, other=-1)
             st = tl.load(stamp_ptr + s, mask=s < S, other=0)
-            age = tl.where(held >= 0, st + 1, 0)  # a free slot is the oldest
+            if LFU:  # the lowest decayed count (a held id's score is not changed by this call)
+                hs = tl.load(score_ptr + tl.maximum(held, 0), mask=held >= 0, other=0.0)
+                age = tl.where(held >= 0, hs.to(tl.int32, bitcast=True).to(tl.int64), 0)
+            else:
+                age = tl.where(held >= 0, st + 1, 0)  # a free slot is the oldest
             usable = (s < S) & ((held < 0) | (st != clock))  # not holding a hit of this call
             key = tl.where(usable, age * S + s, _NONE)
             both = tl.reshape(tl.join(best, _smallest(key, K_PAD, TOPK)), [2 * K_PAD])
@@ -390,8 +448,8 @@ def control_triton(ids, weights, res: Residency, fill_share, max_fill: int, poli
         topk = hasattr(tl, "topk")
     _control_kernel[(1,)](
         ids.reshape(-1).to(torch.int64).contiguous(), weights.reshape(-1).contiguous(), fill_share,
-        res.slot_of, res.id_of, res.stamp, res.seen, res.clock,
+        res.slot_of, res.id_of, res.stamp, res.seen, res.clock, res.score, res.base,
         out.route, out.fill_src, out.fill_dst, out.cpu_ids, out.counts,
-        pairs, s, K=max_fill, P_PAD=p_pad, K_PAD=k_pad, BLOCK_S=block_s,
-        RECENT=policy == "recent", TOPK=topk, num_warps=4, enable_fp_fusion=False)
+        pairs, s, res.num_flat_experts, res.half, K=max_fill, P_PAD=p_pad, K_PAD=k_pad, BLOCK_S=block_s,
+        RECENT=policy == "recent", LFU=policy == "lfu", TOPK=topk, num_warps=4, enable_fp_fusion=False)
     return out
