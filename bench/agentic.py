@@ -9,7 +9,9 @@ history the way real clients do:
 For each policy (anchors, interval:N, none) at the same checkpoint budget: tokens prefilled per
 turn against the truly new tokens (those after the longest prefix shared with any earlier
 request), and TTFT (mean, worst).
-    python -m bench.agentic [--turns 6] [--system-words 1500] [--interval 512]
+    python -m bench.agentic [--turns 6] [--system-words 1500] [--interval 512] [--model FTW]
+--model runs another converted model (e.g. small random GLM-5 or DeepSeek-V4 configs, whose
+caches are all paged: the ratio shows what reuse gives them) with its own tokenizer.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from bench.common import write_result
 from bench.fullsize import full_size_engine
 from freetoken.cache.config import CacheConfig
 from freetoken.demo import demo_path
-from freetoken.runtime.engine import Engine
+from freetoken.runtime.engine import Engine, EngineConfig
 from freetoken.runtime.request import Request, SamplingOptions
 from freetoken.runtime.serving import ServingEngine
 from freetoken.server.template import ChatTemplate
@@ -118,8 +120,14 @@ def main():
     ap.add_argument("--full-size", action="store_true", help="Qwen3.6-35B-A3B shape, random weights (GPU machine)")
     ap.add_argument("--layers", type=int, default=40, help="with --full-size")
     ap.add_argument("--device", default="cuda", help="with --full-size")
+    ap.add_argument("--model", default=None, help="an FTW file instead of the demo model")
+    ap.add_argument("--styles-policies", default="anchors,interval,none",
+                    help="checkpoint policies to replay (anchors, interval, none)")
     a = ap.parse_args()
-    eng = full_size_engine(a.layers, a.device) if a.full_size else Engine(demo_path())
+    if a.full_size:
+        eng = full_size_engine(a.layers, a.device)
+    else:
+        eng = Engine(a.model or demo_path(), EngineConfig(dtype="float32") if a.model else None)
     template = ChatTemplate(None)
     # kernels compiled and autotuned, and the allocator grown, before any turn is timed: one
     # templated request longer than a prefill chunk, with anchors in it
@@ -130,16 +138,18 @@ def main():
     while req.finished_at is None:
         warm.step()
     del warm
-    res = {"model": f"Qwen3.6-35B-A3B shape, {a.layers} layers, random BF16" if a.full_size else "demo",
+    res = {"model": f"Qwen3.6-35B-A3B shape, {a.layers} layers, random BF16" if a.full_size else
+           (f"{eng.cfg.arch} ({a.model})" if a.model else "demo"),
            "config": {k: v for k, v in dataclasses.asdict(eng.cfg).items() if isinstance(v, (int, float, str, bool, list))},
            "device": str(eng.device), "checkpoint_budget": a.budget, "styles": {}}
     for style in a.styles.split(","):
         res["styles"][style] = {}
-        for policy in ("anchors", f"interval:{a.interval}", "none"):
+        names = {"anchors": "anchors", "interval": f"interval:{a.interval}", "none": "none"}
+        for policy in (names[p] for p in a.styles_policies.split(",")):
             r = replay(eng, template, policy, style, a)
             res["styles"][style][policy] = r
             print(style, policy, {k: v for k, v in r.items() if k != "turns"}, flush=True)
-    write_result("agentic-full" if a.full_size else "agentic", res)
+    write_result("agentic-full" if a.full_size else f"agentic-{eng.cfg.arch}" if a.model else "agentic", res)
 
 
 if __name__ == "__main__":

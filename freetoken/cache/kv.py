@@ -6,6 +6,8 @@ PagesExhausted, and the serving loop preempts a request to make room.
 """
 from __future__ import annotations
 
+from ..errors import FreeTokenError
+
 from ..model.state import DecodeState
 from .pages import PagesExhausted
 from .prefix import PrefixCache
@@ -32,6 +34,9 @@ class KVSpace:
 
     def grow(self, req, tokens: int) -> None:
         """Pages for positions [0, tokens) of `req`; PagesExhausted leaves it unchanged."""
+        if tokens > self.st.width * self.st.page_size:  # the block table's row: the context
+            raise FreeTokenError(f"the request reaches {tokens} tokens and the context holds {self.st.max_len}; "
+                                 "send a shorter prompt or fewer max_tokens, or serve with a longer context")
         need = self.st.pages.pages_for(tokens) - len(req.pages)
         if need > 0:
             start = len(req.pages)

@@ -76,8 +76,11 @@ class EngineLoop:
         self.sched = Scheduler(max_batch, max_queue, chunk, step_tokens)
         self.slowdown = ecfg.decode_slowdown
         # decode steps between a prefill forward's layers: where decode is its own forward
-        # (graphs, streamed passes); eager steps share one forward instead (self.mixed)
-        self.between = Interleaver(self.slowdown if not self.mixed else 0.0)
+        # (graphs); eager steps share one forward instead (self.mixed). Not inside a streamed
+        # pass: its layer buffers are slots of the same pool, and its residency is a host
+        # mirror written back at the end, so a decode step there would evict what the pass
+        # reads and be forgotten (experts/stream.py)
+        self.between = Interleaver(self.slowdown if not self.mixed and engine.prefill_stream is None else 0.0)
         self._decode_s = None  # decode step time (EMA)
         self._costs: deque[tuple[int, float]] = deque(maxlen=32)  # (tokens, seconds) of recent forwards
         self._lock = threading.Lock()  # the scheduler's queues are shared with the submitting thread

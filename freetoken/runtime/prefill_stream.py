@@ -57,7 +57,6 @@ class PrefillStream:
                                     dense_share, self.sub)
         self.ordinal = {layer: j for j, layer in enumerate(cfg.moe_layers)}
         self._limited = None  # the budget-limited pass size last logged
-        self._saved: list = []  # (MoE layer, its own executor) while a pass runs
 
     @classmethod
     def for_engine(cls, engine, **kw) -> "PrefillStream":
@@ -93,16 +92,14 @@ class PrefillStream:
             out = self._pass(st, [(ids[s:s + n], slot, start + s, capture, logits and last)])
         return out
 
-    def prefill_batch(self, st, segs: list, between=None) -> torch.Tensor | None:
+    def prefill_batch(self, st, segs: list) -> torch.Tensor | None:
         """segs [(tokens, slot, start, capture, logits)] as Engine.prefill_batch, in passes of
         at most pass_tokens() tokens (a segment crossing a pass's end is split there) ->
-        logits [S, V] of the segments asking for them, or None. between(i): called before
-        layer i of each pass, with the model's own expert executors in place (the serving
-        loop's decode steps between layers)."""
+        logits [S, V] of the segments asking for them, or None."""
         cap, rows, batch, used = self.pass_tokens(), [], [], 0
 
         def flush():
-            lg = self._pass(st, batch, between)
+            lg = self._pass(st, batch)
             if lg is not None:
                 rows.append(lg)
         for toks, slot, start, capture, want in segs:
@@ -119,7 +116,7 @@ class PrefillStream:
         return torch.cat(rows) if rows else None
 
     # ---- one pass ----------------------------------------------------------------------------
-    def _pass(self, st, segs: list, between=None) -> torch.Tensor | None:
+    def _pass(self, st, segs: list) -> torch.Tensor | None:
         """One layer-major pass over segments -> logits of those asking, or None."""
         pieces, flat = [], []
         for toks, slot, start, capture, want in segs:
@@ -131,22 +128,12 @@ class PrefillStream:
         mode = self.loader.begin(len(flat))
         try:
             with self._experts_streamed():
-                out = self.model.prefill_batch(tokens, st, pieces, hook=self._hook(between))
+                out = self.model.prefill_batch(tokens, st, pieces, hook=self._before_layer)
         finally:
             done = self.loader.end()
         log.info("prefill pass: %d tokens, %s buffering, %d layers loaded whole, %d from their routed experts, "
                  "%.3f s", len(flat), mode, done["layers_full"], done["layers_routed"], done["seconds"])
         return out
-
-    def _hook(self, between):
-        if between is None:
-            return self._before_layer
-
-        def hook(i: int) -> None:
-            with self._experts_restored():  # a decode step there runs the decode path's experts
-                between(i)
-            self._before_layer(i)
-        return hook
 
     def _before_layer(self, i: int) -> None:
         j = self.ordinal.get(i)
@@ -158,7 +145,6 @@ class PrefillStream:
         """The model's MoE layers call the loader for the pass, their executor again after it."""
         moes = [mlp for _, mlp, _, _ in self.model.layers if hasattr(mlp, "executor")]
         saved = [m.executor for m in moes]
-        self._saved = list(zip(moes, saved))
         for m in moes:
             m.executor = self.loader
         try:
@@ -166,18 +152,6 @@ class PrefillStream:
         finally:
             for m, ex in zip(moes, saved):
                 m.executor = ex
-            self._saved = []
-
-    @contextmanager
-    def _experts_restored(self):
-        """Inside a pass: the MoE layers' own executors back for a while (a decode step)."""
-        for m, ex in self._saved:
-            m.executor = ex
-        try:
-            yield
-        finally:
-            for m, _ in self._saved:
-                m.executor = self.loader
 
     def stats(self) -> dict:
         """The loader's counters (passes by buffering, layers loaded whole or routed, experts
