@@ -27,7 +27,7 @@ def rel(a, b):
 
 
 @pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
-@pytest.mark.parametrize("policy", ["recent", "gate"])
+@pytest.mark.parametrize("policy", ["recent", "gate", "lfu"])
 @pytest.mark.parametrize("slots", [3, 12, 64])
 def test_cached_output_equals_all_resident(share, policy, slots):
     layers, e, h, i, k = 3, 16, 48, 24, 4

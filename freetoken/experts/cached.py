@@ -12,6 +12,15 @@ Per MoE layer call (mechanisms 3-5 of the design):
   5. the two partial sums are added in one fixed order (CPU part, then GPU part).
 The result equals the all-resident one up to the order of the sum, for any residency and any r.
 
+A slot holds one expert in the form the host banks have it: dense banks in the compute dtype;
+quantized banks (banks.QuantBank: fp8_block, mxfp4, nvfp4) as their published bytes, values,
+scales and scale_2, a quarter of bf16's bytes for the 4-bit formats; the bias banks (GPT-OSS)
+beside them. A fill copies every one of these tensors (kernels/expert_transfer.py), and the GPU
+experts run the resident executor over the slots: for QuantBanks the kernels that dequantize
+in registers (kernels/moe_quant.py), as the all-resident quantized path. The CPU branch of
+quantized banks runs eagerly (one sync per layer): the stream-ordered host node takes float
+banks only (experts/cpu/hostcall.py host_branch_ok).
+
 Decode needs no host sync: the control kernel, the fused zero-copy transfer kernel driven by
 the device-side fill list (kernels/expert_transfer.py) and the CPU branch in stream order
 (a host-function node calling the C++ executor, experts/cpu/hostcall.py) are all recorded in
@@ -23,58 +32,107 @@ Prefill chunks go through the same steps in slices of at most MAX_PAIRS routed p
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 
 from ..kernels.expert_transfer import transfer_reference, transfer_triton, zero_copy_ok
 from .control import CPU, MAX_PAIRS, POLICIES, Residency, control
-from .executor import GRAPH_CAPTURE, NO_EXPERT, ExpertExecutor, Pending, TorchExpertExecutor
+from .executor import GRAPH_CAPTURE, NO_EXPERT, SILU, Activation, ExpertExecutor, Pending, TorchExpertExecutor
 
 log = logging.getLogger("freetoken.experts")
 
 
+def bank_parts(*banks) -> list[torch.Tensor]:
+    """Every tensor of the banks whose first dimension is the expert, in a fixed order: a dense
+    bank itself, a QuantBank's values, scale (and scale_2), a bias bank; None skipped."""
+    return [t for b in banks if b is not None for t in ([b] if isinstance(b, torch.Tensor) else b.tensors())]
+
+
+def slot_bytes(gate_up, down, gate_up_bias=None, down_bias=None, dtype=torch.float32) -> int:
+    """Bytes of one expert slot: dense gate_up and down rows in the compute dtype `dtype`, every
+    tensor of a quantized bank and the bias rows in their own dtypes (what the slots hold)."""
+    el = torch.empty((), dtype=dtype).element_size()
+
+    def row(t, size):
+        return t[0].numel() * size
+    banks = sum(row(b, el) if isinstance(b, torch.Tensor) else sum(row(t, t.element_size()) for t in b.tensors())
+                for b in (gate_up, down))
+    return banks + sum(row(b, b.element_size()) for b in (gate_up_bias, down_bias) if b is not None)
+
+
+def _slot_bank(host, slots: int, device, dtype):
+    """Empty slots for one host bank (None: none): a dense bank in `dtype`; a QuantBank in the
+    host's own dtypes, so that a fill copies its bytes unchanged."""
+    def alloc(t, dt):
+        return torch.zeros(slots, *t.shape[1:], dtype=dt, device=device)  # [S, ...]
+    if host is None or isinstance(host, torch.Tensor):
+        return None if host is None else alloc(host, dtype)
+    return replace(host, values=alloc(host.values, host.values.dtype), scale=alloc(host.scale, host.scale.dtype),
+                   scale_2=None if host.scale_2 is None else alloc(host.scale_2, host.scale_2.dtype))
+
+
 class SlotPool:
     """`slots` complete experts (every bank's rows of one flat id) on `device`, and where each
-    flat id lives (control.Residency)."""
+    flat id lives (control.Residency). Banks: dense tensors (slots in the compute dtype) or
+    banks.QuantBanks (slots hold the published bytes: values, scales, scale_2), and the bias
+    banks [N, 2I], [N, H] if the experts have them (slots in their dtype)."""
 
-    def __init__(self, host_gate_up: torch.Tensor, host_down: torch.Tensor, slots: int, device, dtype):
-        n, two_i, h = host_gate_up.shape
+    def __init__(self, host_gate_up, host_down, slots: int, device, dtype, gate_up_bias=None, down_bias=None):
+        n = host_gate_up.shape[0]
         if not 1 <= slots:
             raise ValueError("an expert cache needs at least one slot")
         self.host_gu, self.host_dn = host_gate_up, host_down
-        self.gate_up = torch.zeros(slots, two_i, h, dtype=dtype, device=device)  # [S, 2I, H]
-        self.down = torch.zeros(slots, h, host_down.shape[2], dtype=dtype, device=device)  # [S, H, I]
+        self.gate_up = _slot_bank(host_gate_up, slots, device, dtype)  # [S, 2I, H] (or a QuantBank of S)
+        self.down = _slot_bank(host_down, slots, device, dtype)  # [S, H, I]
+        # bias slots in the banks' own dtype, as the resident executor reads them
+        self.gate_up_bias = _slot_bank(gate_up_bias, slots, device, getattr(gate_up_bias, "dtype", None))  # [S, 2I]
+        self.down_bias = _slot_bank(down_bias, slots, device, getattr(down_bias, "dtype", None))  # [S, H]
+        # what a fill copies, host part -> slot part, every component of an expert
+        self.banks_host = bank_parts(host_gate_up, host_down, gate_up_bias, down_bias)
+        self.banks_slot = bank_parts(self.gate_up, self.down, self.gate_up_bias, self.down_bias)
         self.res = Residency.empty(n, slots, device)
-        self.slot_bytes = (self.gate_up[0].numel() + self.down[0].numel()) * self.gate_up.element_size()
+        self.slot_bytes = sum(t[0].numel() * t.element_size() for t in self.banks_slot)
         # the fused zero-copy kernel reads pinned host banks in place from a CUDA device
-        self.zero_copy = (self.gate_up.is_cuda and zero_copy_ok(host_gate_up) and zero_copy_ok(host_down)
-                          and host_gate_up.is_contiguous() and host_down.is_contiguous())
+        self.zero_copy = self.banks_slot[0].is_cuda and all(zero_copy_ok(h) and h.is_contiguous()
+                                                            for h in self.banks_host)
 
     @property
     def slots(self) -> int:
-        return self.gate_up.shape[0]
+        return self.banks_slot[0].shape[0]
 
     def transfer(self, fill_src: torch.Tensor, fill_dst: torch.Tensor) -> None:
         """Copy host rows fill_src[j] into slots fill_dst[j], every bank, for the entries before
         the first -1. The fused kernel when the device can read the host banks in place (one
         launch, no sync: capturable); else the reference copy (reads the count: one sync)."""
-        banks_host, banks_slot = [self.host_gu, self.host_dn], [self.gate_up, self.down]
         if self.zero_copy:
-            transfer_triton(banks_host, banks_slot, fill_src, fill_dst)
+            transfer_triton(self.banks_host, self.banks_slot, fill_src, fill_dst)
         else:
-            transfer_reference(banks_host, banks_slot, fill_src, fill_dst)
+            transfer_reference(self.banks_host, self.banks_slot, fill_src, fill_dst)
+
+    def copy_runs(self, runs: list[tuple[int, int, int]]) -> None:
+        """Copy host experts [f, f + n) into slots [s, s + n) for each run (f, s, n), every bank,
+        in the current stream (the streamed prefill's bulk copies)."""
+        for f, s, n in runs:
+            for host, slot in zip(self.banks_host, self.banks_slot):
+                slot[s:s + n].copy_(host[f:f + n], non_blocking=True)  # [n, ...]
 
 
 class CachedExpertExecutor(ExpertExecutor):
     name = "cache"
     backend = "gpu-cache"
 
-    def __init__(self, host_gate_up: torch.Tensor, host_down: torch.Tensor, slots: int | None, device, dtype,
+    def __init__(self, host_gate_up, host_down, slots: int | None, device, dtype,
                  cpu: ExpertExecutor, fill_share: float | None = 1.0, policy: str = "recent",
-                 layer_experts: int | None = None, start_share: float = 1.0):
-        """slots None: allocated later (`allocate`), once the memory plan has sized the pool.
+                 layer_experts: int | None = None, start_share: float = 1.0, activation: Activation = SILU,
+                 gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None):
+        """host_gate_up, host_down: the host banks, dense tensors or banks.QuantBanks of one format.
+        slots None: allocated later (`allocate`), once the memory plan has sized the pool.
         layer_experts: experts per MoE layer (bounds the distinct experts of one call);
-        start_share: where the adaptive split starts its climb (a measured profile's prediction)."""
+        start_share: where the adaptive split starts its climb (a measured profile's prediction).
+        activation, gate_up_bias [N, 2I], down_bias [N, H]: the expert function (executor.py);
+        the bias banks' rows travel into the slots with the rest of each expert. `cpu` runs the
+        CPU branch over the same host banks and must compute the same function."""
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         self.tuner = None
@@ -84,6 +142,8 @@ class CachedExpertExecutor(ExpertExecutor):
         if not 0.0 <= fill_share <= 1.0:
             raise ValueError(f"the fill share must be in [0, 1], got {fill_share}")
         self.host_gate_up, self.host_down, self.dtype = host_gate_up, host_down, dtype
+        self.quantized = not isinstance(host_gate_up, torch.Tensor)  # QuantBanks: slots hold their bytes
+        self.activation, self.gate_up_bias, self.down_bias = activation, gate_up_bias, down_bias
         self.pool = self.gpu = None
         self.cpu = cpu
         self.device = torch.device(device)
@@ -141,9 +201,9 @@ class CachedExpertExecutor(ExpertExecutor):
 
     @property
     def slot_bytes(self) -> int:
-        """Bytes of one slot (one expert, every bank) in the compute dtype."""
-        el = torch.empty((), dtype=self.dtype).element_size()
-        return (self.host_gate_up[0].numel() + self.host_down[0].numel()) * el
+        """Bytes of one slot (one expert, every bank: dense ones in the compute dtype, quantized
+        ones' values, scales and scale_2 and the bias rows as published): what the plan sizes."""
+        return slot_bytes(self.host_gate_up, self.host_down, self.gate_up_bias, self.down_bias, self.dtype)
 
     @property
     def capturable(self) -> bool:
@@ -162,8 +222,18 @@ class CachedExpertExecutor(ExpertExecutor):
         """The slot pool (once): `slots` experts, at most all of them."""
         if self.pool is None:
             self.pool = SlotPool(self.host_gate_up, self.host_down, min(slots, self.num_experts), self.device,
-                                 self.dtype)
-            self.gpu = TorchExpertExecutor(self.pool.gate_up, self.pool.down)  # expert ids = slot ids
+                                 self.dtype, self.gate_up_bias, self.down_bias)
+            if self.layer_experts:  # "lfu": a halving every 64 decode steps (one clock tick per MoE layer call)
+                self.pool.res.half = 64 * max(1, self.num_experts // self.layer_experts)
+            self.gpu = self.slot_executor()  # expert ids = slot ids
+
+    def slot_executor(self, layer_experts: int | None = None) -> TorchExpertExecutor:
+        """The resident executor over the slot banks (slot ids for expert ids): the bf16 kernels
+        for dense slots, the quantized ones (kernels/moe_quant.py) for QuantBank slots, the bias
+        slots beside them."""
+        p = self.pool
+        return TorchExpertExecutor(p.gate_up, p.down, layer_experts=layer_experts, activation=self.activation,
+                                   gate_up_bias=p.gate_up_bias, down_bias=p.down_bias)
 
     def launch(self, x, ids, weights, layer: int = 0, phase: str = "decode") -> Pending:
         if self.pool is None:

@@ -112,8 +112,7 @@ class ExpertExecutor:
     capturable = False  # launch + finish may be recorded into a CUDA graph
     needs_pinned_staging = False  # inputs and outputs cross the PCIe link each call
     # the expert function this executor computes; executors that take another one (the torch
-    # paths, the C++ executor) set these when built. The GPU expert cache computes SiLU-gated
-    # experts without biases only
+    # paths, the C++ executor, the GPU expert cache) set these when built
     activation: Activation = SILU
     gate_up_bias: torch.Tensor | None = None  # [N, 2I]
     down_bias: torch.Tensor | None = None  # [N, H]

@@ -11,7 +11,7 @@ The pool's S slots during a pass:
                        D2D). Free ones take the pass's copies first (kept: they seed the cache)
   regions  [S - R, S)  R = 2E (double), E (single) or min(S, E) (on-demand) slots; layer j's
                        experts go to region j % regions, expert e to slot base + e (with a
-                       region of E slots: a full layer is two bulk copies, one per bank)
+                       region of E slots: a full layer is one bulk copy per bank)
 Buffering (chosen per pass from the pool's size; a mode that does not fit falls back, never
 oversubscribing):
   double     S >= 2E: while layer j computes from one region, a copy stream loads layer j+1
@@ -42,7 +42,7 @@ import time
 
 import torch
 
-from .executor import NO_EXPERT, ExpertExecutor, Pending, TorchExpertExecutor
+from .executor import NO_EXPERT, ExpertExecutor, Pending
 
 log = logging.getLogger("freetoken.experts")
 MODES = ("double", "single", "on-demand")
@@ -78,14 +78,14 @@ class LayerStreamer(ExpertExecutor):
     def __init__(self, cache, moe_layers: int, experts: int, top_k: int, buffering: str = "auto",
                  dense_share: float = DENSE_SHARE, sub_tokens: int = 2048):
         """cache: the CachedExpertExecutor whose slot pool holds the regions (its public parts:
-        pool.gate_up / down / res / slots, host_gate_up / host_down, device); sub_tokens: tokens
+        pool.res / slots / copy_runs / slot_bytes, slot_executor, device); sub_tokens: tokens
         per expert computation (bounds the pairs' activations)."""
         pick_mode(buffering, 0, 1)  # validates
         self.cache, self.layers, self.experts, self.top_k = cache, moe_layers, experts, top_k
         self.buffering, self.dense_share, self.sub = buffering, dense_share, max(1, sub_tokens)
         self.device = torch.device(cache.device)
         self._copy = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._gpu = None  # TorchExpertExecutor over the pool's banks (slot ids), at the first pass
+        self._gpu = None  # the resident executor over the pool's banks (slot ids), at the first pass
         self._warned = False
         self.mode = None  # the running (or last) pass's buffering
         self.counts = {"passes": 0, "passes_double": 0, "passes_single": 0, "passes_on_demand": 0, "tokens": 0,
@@ -99,8 +99,8 @@ class LayerStreamer(ExpertExecutor):
         pool = self.cache.pool
         if pool is None:
             raise RuntimeError("the expert cache has no slots yet: allocate() comes with the memory plan")
-        if self._gpu is None or self._gpu.gate_up is not pool.gate_up:
-            self._gpu = TorchExpertExecutor(pool.gate_up, pool.down, layer_experts=self.experts)
+        if self._gpu is None or self._gpu.gate_up is not pool.gate_up:  # every bank of the slots, quantized too
+            self._gpu = self.cache.slot_executor(layer_experts=self.experts)
         e, s = self.experts, pool.slots
         self.mode = pick_mode(self.buffering, s, e)
         if self.mode != self.buffering and self.buffering != "auto" and not self._warned:
@@ -234,7 +234,7 @@ class LayerStreamer(ExpertExecutor):
         region's previous tenant). -> the event the compute waits for, or None."""
         if not copies:
             return None
-        pool, cache = self.cache.pool, self.cache
+        pool = self.cache.pool
         runs, (f0, s0), n = [], copies[0], 1
         for f, s in copies[1:]:
             if f == f0 + n and s == s0 + n:
@@ -245,9 +245,7 @@ class LayerStreamer(ExpertExecutor):
         runs.append((f0, s0, n))
 
         def copy():
-            for f, s, n in runs:
-                pool.gate_up[s:s + n].copy_(cache.host_gate_up[f:f + n], non_blocking=True)  # [n, 2I, H]
-                pool.down[s:s + n].copy_(cache.host_down[f:f + n], non_blocking=True)  # [n, H, I]
+            pool.copy_runs(runs)  # every bank of each run: gate_up, down (values, scales), biases
         self.counts["bytes_h2d"] += len(copies) * pool.slot_bytes
         if self._copy is None:
             copy()

@@ -185,13 +185,12 @@ def call_seconds(cpu, hidden: int, ids: torch.Tensor, seconds: float) -> float:
 
 class Transfer:
     """Fills as the cache makes them: the fused kernel, top-k experts per launch, from the
-    pinned bank (read in place) into VRAM slots. Quantized banks: the value banks only (the
-    scales are a few percent; the cache does not take quantized banks yet)."""
+    pinned bank (read in place) into VRAM slots. Quantized banks: every tensor a slot holds
+    (values, scales, NVFP4's scale_2), copied as bytes, as the cache's fills move them."""
 
     def __init__(self, banks, k: int, n: int, dev):
         from ..kernels.expert_transfer import zero_copy_ok
-        host = [banks.gate_up, banks.down] if not banks.quantized else [banks.gate_up.values, banks.down.values]
-        host = [h if h.element_size() > 1 else h.view(torch.uint8) for h in host]  # fp8: copied as bytes
+        host = banks.tensors()  # dense gate_up and down, or each bank's values, scale (, scale_2)
         if not all(zero_copy_ok(h) for h in host):
             raise FreeTokenError("the pinned scratch bank is not readable in place by the GPU (no unified "
                                  "addressing?): the cache would copy with a sync per layer; B_P not measured")

@@ -53,8 +53,10 @@ class EngineConfig:
         "help": "with --moe cache: the share of a step's misses copied to the GPU (the rest run on the "
                 "CPU); 1 = fill-only; auto = chosen from decode step times measured while serving"})
     cache_policy: str = field(default="recent", metadata={
-        "help": "with --moe cache: which misses are filled first: recent (routed most recently) or gate "
-                "(largest gate weight)", "choices": ["recent", "gate"]})
+        "help": "with --moe cache: which experts the slots keep and which misses are filled first: recent "
+                "(least recently used out; misses routed most recently in first), gate (misses with the largest "
+                "gate weight first) or lfu (the lowest decayed routing count out, the highest in)",
+        "choices": ["recent", "gate", "lfu"]})
     cpu_threads: int = field(default=0, metadata={
         "help": "CPU expert threads (0: the physical cores; on CUDA all but two, left to the thread that "
                 "launches the GPU work and the one that runs the CPU branch of a decode step)"})
@@ -71,8 +73,10 @@ class EngineConfig:
         "help": "tokens one engine step may process: decode rows plus prompt chunks of one or more "
                 "requests (0: 512 on the CPU, 2048 on CUDA)"})
     decode_slowdown: float = field(default=1.5, metadata={
-        "help": "while streams decode, a step's prompt work is sized so the step takes at most this "
-                "many times a plain decode step (0: no limit, prompts get --max-step-tokens)"})
+        "help": "while streams decode, prompt work is paced so their inter-token gap is at most about "
+                "this many times a plain decode step: decode steps run between a prompt forward's layers "
+                "where decode is its own forward (CUDA graphs), else a step's prompt chunk is sized for it "
+                "(0: no limit, prompts get --max-step-tokens)"})
     cuda_graphs: bool = field(default=True, metadata={
         "help": "replay decode steps from one CUDA graph per batch size (CUDA, experts in VRAM)"})
     allow_eager: bool = field(default=False, metadata={
@@ -162,7 +166,8 @@ class Engine:
         # what an expert computes (data for the executor): its activation and optional bias banks
         gu_bias, dn_bias = expert_bias_banks(meta, w)
         self.expert_fn = dict(activation=Activation.of(self.cfg), gate_up_bias=gu_bias, down_bias=dn_bias)
-        # the GPU expert cache computes SiLU-gated experts without biases only (the C++ executor any)
+        # dense banks go to the GPU expert cache for SiLU-gated experts without biases only (as before;
+        # the cache itself takes any function, and quantized banks with any: GPT-OSS's MXFP4)
         self.plain_experts = self.expert_fn["activation"] == SILU and gu_bias is None and dn_bias is None
         if banks is not None and banks.quantized:
             self.executor = self._quantized_executor(banks)
@@ -222,19 +227,21 @@ class Engine:
         Triton kernels that dequantize in registers (kernels/moe_quant.py; the torch path on the
         CPU). On the host: the C++ executor, which reads the banks in place and dequantizes in
         its kernels (any expert function: GPT-OSS's too); the torch path there ("torch-fallback")
-        when the extension cannot be built. The GPU expert cache does not take quantized banks yet."""
+        when the extension cannot be built. The GPU expert cache (--moe cache): slots holding the
+        quantized bytes (and bias rows), the quantized kernels over them, that host executor for
+        its CPU branch."""
         if self.experts_on == "gpu":
             b = banks.to(self.device)
             return TorchExpertExecutor(b.gate_up, b.down, layer_experts=self.cfg.num_experts, **self.expert_fn)
-        if self.experts_on == "cache":
-            log.warning("the GPU expert cache does not take %s experts yet; they stay on the host", banks.format)
-            self.experts_on = "cpu"
         from ..experts.cpu import CpuExpertExecutor, extension
         if extension() is not None:
-            return CpuExpertExecutor(banks, threads=self._cpu_threads(), **self.expert_fn)
-        log.warning("%s experts: the C++ expert executor could not be built; the experts run on the torch "
-                    "path on the host (slower)", banks.format)
-        return QuantizedHostExecutor(banks.gate_up, banks.down, layer_experts=self.cfg.num_experts, **self.expert_fn)
+            host = CpuExpertExecutor(banks, threads=self._cpu_threads(), **self.expert_fn)
+        else:
+            log.warning("%s experts: the C++ expert executor could not be built; the experts run on the torch "
+                        "path on the host (slower)", banks.format)
+            host = QuantizedHostExecutor(banks.gate_up, banks.down, layer_experts=self.cfg.num_experts,
+                                         **self.expert_fn)
+        return self._cache_executor(banks.gate_up, banks.down, host) if self.experts_on == "cache" else host
 
     def _executor(self, gate_up, down):
         if gate_up is None:
@@ -258,6 +265,11 @@ class Engine:
             if self.device.type == "cuda" and host_branch_ok(cpu):  # decode steps in stream order: one graph
                 return StreamedCpuExecutor(cpu, self.device)
             return cpu
+        return self._cache_executor(gate_up, down, cpu)
+
+    def _cache_executor(self, gate_up, down, cpu):
+        """The GPU expert cache over host banks (dense or QuantBanks) with `cpu` for its CPU
+        branch; its slots are sized later by the memory plan (slot_bytes counts every bank)."""
         from ..experts.cached import CachedExpertExecutor
         if self.device.type != "cuda":
             log.warning("--moe cache without CUDA: the expert slots are host memory (a functional test "
@@ -265,11 +277,11 @@ class Engine:
         start = 1.0
         if self.ecfg.fill_share_value() is None:  # adaptive: start from `ft bench bw`'s profile if there is one
             from .bandwidth import load_profile, predicted_share
-            prof = load_profile(self.cfg, cpu.threads, self.expert_format)
+            prof = load_profile(self.cfg, getattr(cpu, "threads", 0) or 0, self.expert_format)
             start = predicted_share(prof) if prof else 1.0
         return CachedExpertExecutor(gate_up, down, None, self.device, self.dtype, cpu,
                                     self.ecfg.fill_share_value(), self.ecfg.cache_policy, self.cfg.num_experts,
-                                    start_share=start)
+                                    start_share=start, **self.expert_fn)
 
     def _cpu_threads(self) -> int:
         """--cpu-threads, or its default: every physical core on a CPU-only machine; on CUDA two
@@ -335,9 +347,10 @@ class Engine:
     def prefill_batch(self, st: DecodeState, segs: list, between=None) -> torch.Tensor | None:
         """segs: [(tokens, slot, start, capture, logits)] -> logits of the segments asking
         for them ([S, V]) or None (model.prefill_batch). between(i): called before layer i
-        (the serving loop's decode steps between layers)."""
+        (the serving loop's decode steps between layers; not inside streamed passes)."""
         if self.prefill_stream is not None:  # issue 11: passes, experts streamed
-            return self.prefill_stream.prefill_batch(st, segs, between=between)
+            assert between is None, "decode steps cannot run inside a streamed pass (runtime/loop.py)"
+            return self.prefill_stream.prefill_batch(st, segs)
         tokens = torch.tensor([t for seg in segs for t in seg[0]], dtype=torch.long, device=self.device)
         return self.model.prefill_batch(tokens, st, [(slot, start, len(toks), cap, want)
                                                      for toks, slot, start, cap, want in segs], hook=between)
