@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from ..runtime.request import Request, SamplingOptions
 from .common import ClientGone
 from .parser import Event, OutputParser, merge
+from .tool_choice import parser_format
 
 PING_EVERY_S = 10.0  # keep-alive while a long prompt prefills
 
@@ -126,7 +127,9 @@ async def events(ctx, req: Request, queue, tools: bool, in_reasoning: bool, is_d
     sampling, prompt_ids = req.sampling, req.prompt_ids
     detok = Detokenizer(ctx.tokenizer)
     stops = StopMatcher(sampling.stop)
-    parser = RawParser() if raw else OutputParser(in_reasoning=in_reasoning, tools=tools)
+    # tool calls are read in the model's own format, probed from its chat template
+    fmt = parser_format(ctx.template) if tools and not raw else None
+    parser = RawParser() if raw else OutputParser(in_reasoning=in_reasoning, tools=tools, fmt=fmt)
     hidden = set(ctx.serving.engine.eos_ids) | set(sampling.stop_token_ids)
     stop_hit = None
     kept = Tokens()

@@ -1,12 +1,25 @@
-"""Model output -> thinking, text and tool calls, incrementally (Qwen3.x and GLM formats).
+"""Model output -> thinking, text and tool calls, incrementally.
 
-Thinking sits between <think> and </think> (the prompt may already have opened it);
-tool calls between <tool_call> and </tool_call>, either as JSON
-({"name": ..., "arguments": {...}}), in the XML form
-(<function=NAME><parameter=P>value</parameter></function>), or in GLM's (4.5 to 5)
-NAME<arg_key>K</arg_key><arg_value>V</arg_value>... (newlines between the parts or not; string
-values raw, others as JSON; at least one argument). Text is emitted as soon as it
-cannot be the start of a tag, so a stream split at any boundary gives the same result.
+Thinking sits between <think> and </think> (the prompt may already have opened it). Tool calls
+are read in the model's own format (FORMATS; tool_choice.parser_format picks it from the chat
+template):
+
+- "tool_call" (the default; Qwen3.x): between <tool_call> and </tool_call>, either JSON
+  ({"name": ..., "arguments": {...}}), the XML form
+  (<function=NAME><parameter=P>value</parameter></function>), or GLM's (4.5 to 5)
+  NAME<arg_key>K</arg_key><arg_value>V</arg_value>... (newlines between the parts or not; string
+  values raw, others as JSON; at least one argument: a bare word stays text).
+- "glm": the same, and a bare NAME is a call without arguments (as GLM's templates write one).
+- "dsml" (DeepSeek-V3.2 and V4): a block <｜DSML｜tool_calls> ... </｜DSML｜tool_calls> (V3.2:
+  function_calls) of one or more <｜DSML｜invoke name="NAME"> ... </｜DSML｜invoke>, each
+  parameter <｜DSML｜parameter name="P" string="true|false">V</｜DSML｜parameter>: V is raw text
+  with string="true", JSON with string="false".
+- "deepseek_v3" (DeepSeek-V3.1; V3 and R1): a block <｜tool▁calls▁begin｜> ... <｜tool▁calls▁end｜>
+  of <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{JSON}<｜tool▁call▁end｜> (V3 and R1:
+  function<｜tool▁sep｜>NAME, then the JSON in a ```json fence).
+
+A block that cannot be read as calls is kept as text. Text is emitted as soon as it cannot be
+the start of a tag, so a stream split at any boundary gives the same events.
 """
 from __future__ import annotations
 
@@ -14,10 +27,22 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
+from typing import Callable
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+NAME = re.compile(r"[\w.:/-]+")
+
+DSML = "｜DSML｜"
+DSML_BLOCKS = ("tool_calls", "function_calls")  # V4, V3.2
+DSML_INVOKE = re.compile(rf'<{DSML}invoke\s+name="([^"]*)"\s*>(.*?)(?:</{DSML}invoke>|\Z)', re.S)
+DSML_PARAM = re.compile(rf'<{DSML}parameter\s+name="([^"]*)"(?:\s+string="(true|false)")?\s*>(.*?)'
+                        rf'</{DSML}parameter>', re.S)
+
+V3_OPEN, V3_CLOSE = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+V3_CALL = re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)(?:<｜tool▁call▁end｜>|\Z)", re.S)
+V3_FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*(?:```)?$", re.S)
 
 
 @dataclass
@@ -34,49 +59,110 @@ class Event:
     tool: ToolCall | None = None
 
 
-def parse_tool_call(body: str) -> ToolCall | None:
+def _call(name: str, args) -> ToolCall:
+    return ToolCall("call_" + uuid.uuid4().hex[:24], name, json.dumps(args, ensure_ascii=False))
+
+
+def _loose(raw: str):
+    """A value written raw or as JSON: JSON when it parses, else the text itself."""
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
+def parse_tool_call(body: str, bare: bool = False) -> ToolCall | None:
+    """One call inside <tool_call>: JSON, XML or GLM. bare: a lone NAME is a call (GLM)."""
     body = body.strip()
-    cid = "call_" + uuid.uuid4().hex[:24]
     try:
         obj = json.loads(body)
         if isinstance(obj, dict) and isinstance(obj.get("name"), str):
             args = obj.get("arguments", obj.get("parameters", {}))
             if isinstance(args, str):
-                try:
-                    args = json.loads(args)
-                except ValueError:
-                    pass
-            return ToolCall(cid, obj["name"], json.dumps(args, ensure_ascii=False))
+                args = _loose(args)
+            return _call(obj["name"], args)
     except ValueError:
         pass
     m = re.search(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", body, re.S)
     if m:
         args = {}
         for pm in re.finditer(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", m.group(2), re.S):
-            raw = pm.group(2)
-            try:
-                args[pm.group(1).strip()] = json.loads(raw)
-            except ValueError:
-                args[pm.group(1).strip()] = raw
-        return ToolCall(cid, m.group(1).strip(), json.dumps(args, ensure_ascii=False))
-    # GLM: the name, then key/value pairs. A call without arguments (the bare name) is not told
-    # apart from stray text here: it stays text
+            args[pm.group(1).strip()] = _loose(pm.group(2))
+        return _call(m.group(1).strip(), args)
+    # GLM: the name, then key/value pairs (strings raw, other values as JSON). Without `bare`, a
+    # call without arguments (the bare name) is not told apart from stray text: it stays text
     name, key, rest = body.partition("<arg_key>")
-    if key and re.fullmatch(r"[\w.:/-]+", name.strip()):
-        args = {}
-        for k, v in GLM_ARG.findall(key + rest):
-            try:  # strings are written raw, other values as JSON
-                args[k.strip()] = json.loads(v)
-            except ValueError:
-                args[k.strip()] = v
-        return ToolCall(cid, name.strip(), json.dumps(args, ensure_ascii=False))
+    if NAME.fullmatch(name.strip()) and (key or bare):
+        args = {k.strip(): _loose(v) for k, v in GLM_ARG.findall(key + rest)}
+        return _call(name.strip(), args)
     return None
 
 
+def parse_dsml(body: str) -> list[ToolCall] | None:
+    """The inside of a DSML block: its invokes, in order (None: no call in it)."""
+    calls = []
+    for name, inner in DSML_INVOKE.findall(body):
+        if not NAME.fullmatch(name.strip()):
+            return None
+        args = {}
+        for key, string, value in DSML_PARAM.findall(inner):
+            args[key] = value if string == "true" else _loose(value)
+        calls.append(_call(name.strip(), args))
+    return calls or None
+
+
+def parse_deepseek_v3(body: str) -> list[ToolCall] | None:
+    """The inside of a <｜tool▁calls▁begin｜> block (None: no call, or one that does not read)."""
+    calls = []
+    for head, rest in V3_CALL.findall(body):
+        name, text = head.strip(), rest.strip()
+        if name == "function":  # V3 / R1: the type, then the name and the arguments in a fence
+            name, _, text = text.partition("\n")
+            fence = V3_FENCE.match(text.strip())
+            name, text = name.strip(), fence.group(1) if fence else text.strip()
+        args = _loose(text) if text else {}
+        if isinstance(args, str):
+            args = _loose(args)  # arguments written as a JSON string
+        if not NAME.fullmatch(name) or not isinstance(args, dict):
+            return None
+        calls.append(_call(name, args))
+    return calls or None
+
+
+@dataclass(frozen=True)
+class Block:
+    """A tool-call block: its opening and closing tags, and what reads the calls between them."""
+    open: str
+    close: str
+    read: Callable[[str], list[ToolCall] | None]
+
+
+def _single(bare: bool) -> Callable[[str], list[ToolCall] | None]:
+    def read(body: str) -> list[ToolCall] | None:
+        call = parse_tool_call(body, bare)
+        return None if call is None else [call]
+    return read
+
+
+FORMATS: dict[str, tuple[Block, ...]] = {
+    "tool_call": (Block(TOOL_OPEN, TOOL_CLOSE, _single(False)),),
+    "glm": (Block(TOOL_OPEN, TOOL_CLOSE, _single(True)),),
+    "dsml": tuple(Block(f"<{DSML}{b}>", f"</{DSML}{b}>", parse_dsml) for b in DSML_BLOCKS),
+    "deepseek_v3": (Block(V3_OPEN, V3_CLOSE, parse_deepseek_v3),),
+}
+
+
 class OutputParser:
-    def __init__(self, in_reasoning: bool = False, tools: bool = True):
+    """fmt: the model's tool-call format (a FORMATS key; None: "tool_call"). tools=False: no
+    tool calls are read, their text stays text."""
+
+    def __init__(self, in_reasoning: bool = False, tools: bool = True, fmt: str | None = None):
+        if (fmt or "tool_call") not in FORMATS:
+            raise ValueError(f"unknown tool-call format {fmt!r} (known: {', '.join(FORMATS)})")
         self.state = "reasoning" if in_reasoning else "content"
         self.tools = tools
+        self.blocks = {b.open: b for b in FORMATS[fmt or "tool_call"]} if tools else {}
+        self.block: Block | None = None  # the open tool-call block
         self.buf = ""
         self.tool_buf = ""
         self.strip_next = in_reasoning  # drop the newline(s) right after a tag
@@ -85,8 +171,8 @@ class OutputParser:
         if self.state == "reasoning":
             return [THINK_CLOSE]
         if self.state == "tool":
-            return [TOOL_CLOSE]
-        return [THINK_OPEN] + ([TOOL_OPEN] if self.tools else [])
+            return [self.block.close]
+        return [THINK_OPEN, *self.blocks]
 
     def _emit(self, text: str, out: list[Event]) -> None:
         if self.strip_next:
@@ -126,31 +212,30 @@ class OutputParser:
             return out
 
     def _switch(self, tag: str, out: list[Event]) -> None:
-        if tag == THINK_OPEN:
+        if self.state == "reasoning":  # </think>
+            self.state, self.strip_next = "content", True
+        elif self.state == "tool":  # the block's close
+            self._calls(self.block.read(self.tool_buf), tag, out)
+            self.state, self.strip_next = "content", True
+        elif tag == THINK_OPEN:
             self.state, self.strip_next = "reasoning", True
-        elif tag == THINK_CLOSE:
-            self.state, self.strip_next = "content", True
-        elif tag == TOOL_OPEN:
-            self.state, self.tool_buf = "tool", ""
-        elif tag == TOOL_CLOSE:
-            call = parse_tool_call(self.tool_buf)
-            self.state, self.strip_next = "content", True
-            if call is None:  # not a call we can read: keep the text rather than lose it
-                out.append(Event("content", TOOL_OPEN + self.tool_buf + TOOL_CLOSE))
-            else:
-                out.append(Event("tool_call", tool=call))
+        else:  # a block opens
+            self.state, self.block, self.tool_buf = "tool", self.blocks[tag], ""
+
+    def _calls(self, calls: list[ToolCall] | None, close: str, out: list[Event]) -> None:
+        if calls is None:  # not calls we can read: keep the text rather than lose it
+            self.state = "content"
+            out.append(Event("content", self.block.open + self.tool_buf + close))
+        else:
+            out += [Event("tool_call", tool=c) for c in calls]
 
     def finish(self) -> list[Event]:
-        """End of output: flush what was held back; an unterminated tool call is tried as is."""
+        """End of output: flush what was held back; an unterminated block is tried as is."""
         out: list[Event] = []
         rest, self.buf = self.buf, ""
         if self.state == "tool":
-            call = parse_tool_call(self.tool_buf + rest)
-            if call:
-                out.append(Event("tool_call", tool=call))
-            else:
-                self.state = "content"
-                self._emit(TOOL_OPEN + self.tool_buf + rest, out)
+            self.tool_buf += rest
+            self._calls(self.block.read(self.tool_buf), "", out)
         else:
             self._emit(rest, out)
         return out

@@ -1,9 +1,11 @@
 """Chat templates: the model's own jinja template (tokenizer_config.json / chat_template.jinja)
-rendered with the semantics transformers gives it, or a built-in Qwen3.x template.
+rendered with the semantics transformers gives it, or a built-in one: DeepSeek-V4's layout for a
+deepseek_v4 checkpoint (its release ships no jinja template, only a Python encoder), else Qwen3.x.
 
 Messages arrive already normalised by the API adapters: role, content as a string,
 assistant tool_calls as [{"id", "type": "function", "function": {"name", "arguments": dict}}],
-reasoning_content for the thinking part.
+reasoning_content for the thinking part. A call's arguments reach the template as a dict that
+also reads as its JSON text where a template treats them as a string (ToolArgs).
 """
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ For each function call, return a json object with function name and arguments wi
 
 {% endif %}{{ m.content or '' }}
 {%- for tc in m.tool_calls or [] %}
-{%- if loop.first and m.content %}{{ '\n' }}{% endif %}
+{%- if m.content or not loop.first %}{{ '\n' }}{% endif %}
 <tool_call>
 {"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}
 </tool_call>
@@ -75,6 +77,120 @@ For each function call, return a json object with function name and arguments wi
 """
 
 
+# DeepSeek-V4's chat format (its release's encoding/encoding_dsv4.py), written here as a
+# template: <｜begin▁of▁sentence｜>, the system text (and the tools), user turns after <｜User｜>
+# (tool results folded into them as <tool_result>...</tool_result>, parts a blank line apart),
+# the assistant turn after <｜Assistant｜> opened with <think> (thinking) or </think> (chat), its
+# reasoning closed by </think>, its calls in a DSML block, and <｜end▁of▁sentence｜>. Thinking is on
+# unless thinking_mode="chat", thinking=false or enable_thinking=false. Earlier turns' reasoning is
+# dropped unless tools are given or drop_thinking=false. Not rendered: the reasoning_effort="max"
+# preamble, response formats, the quick-instruction task tokens.
+DEEPSEEK_V4_TEMPLATE = r"""
+{%- set ds = '｜DSML｜' -%}
+{%- if thinking_mode is defined -%}{%- set think = thinking_mode == 'thinking' -%}
+{%- elif thinking is defined -%}{%- set think = thinking -%}
+{%- elif enable_thinking is defined -%}{%- set think = enable_thinking -%}
+{%- else -%}{%- set think = true -%}{%- endif -%}
+{%- set drop = (drop_thinking if drop_thinking is defined else true) and not tools -%}
+{%- set ns = namespace(last_user=-1) -%}
+{%- for m in messages -%}
+{%- if m.role in ('user', 'tool') -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}
+{%- endfor -%}
+{{- bos_token -}}
+{%- set system = messages[0].content if messages and messages[0].role == 'system' else '' -%}
+{{- system or '' -}}
+{%- if tools -%}
+{%- if system %}{{ '\n\n' }}{% endif -%}
+{{- '## Tools\n\nYou can call the tools below. To call one or more of them, write a block in this form:\n\n' -}}
+{{- '<' + ds + 'tool_calls>\n<' + ds + 'invoke name="TOOL_NAME">\n' -}}
+{{- '<' + ds + 'parameter name="PARAMETER_NAME" string="true|false">VALUE</' + ds + 'parameter>\n...\n' -}}
+{{- '</' + ds + 'invoke>\n...\n</' + ds + 'tool_calls>\n\n' -}}
+{{- 'Write a string value as it is, with string="true"; write any other value (number, boolean, '
+    'array, object, null) as JSON, with string="false".\n\n' -}}
+{{- 'When thinking is on (<think>), end your reasoning with </think> before any tool call or answer.\n\n' -}}
+{{- '### Tool schemas\n\n' -}}
+{%- for t in tools -%}{{ (t.function if t.function is defined else t) | tojson }}{{ '\n' }}{%- endfor -%}
+{{- '\nCall only the tools listed above, with their parameters as defined.\n' -}}
+{%- endif -%}
+{%- for m in messages -%}
+{%- set prev = messages[loop.index0 - 1].role if not loop.first else none -%}
+{%- set next = messages[loop.index0 + 1].role if not loop.last else none -%}
+{%- if m.role == 'system' -%}
+{%- if not loop.first %}{{ m.content or '' }}{% endif -%}
+{%- elif m.role in ('user', 'tool') -%}
+{%- if prev in ('user', 'tool') %}{{ '\n\n' }}{% else %}{{ '<｜User｜>' }}{% endif -%}
+{%- if m.role == 'tool' %}{{ '<tool_result>' + (m.content or '') + '</tool_result>' }}
+{%- else %}{{ m.content or '' }}{% endif -%}
+{%- if next == 'assistant' or (loop.last and add_generation_prompt) -%}
+{{- '<｜Assistant｜>' + ('<think>' if think and (not drop or loop.index0 >= ns.last_user) else '</think>') -}}
+{%- endif -%}
+{%- elif m.role == 'assistant' -%}
+{%- if think and (not drop or loop.index0 > ns.last_user) %}{{ (m.reasoning_content or '') + '</think>' }}{% endif -%}
+{{- m.content or '' -}}
+{%- if m.tool_calls -%}
+{{- '\n\n<' + ds + 'tool_calls>\n' -}}
+{%- for tc in m.tool_calls -%}
+{%- set f = tc.function if tc.function is defined else tc -%}
+{%- set args = f.arguments if f.arguments is mapping else {'arguments': f.arguments} -%}
+{{- '<' + ds + 'invoke name="' + f.name + '">\n' -}}
+{%- for k, v in args.items() -%}
+{{- '<' + ds + 'parameter name="' + k + '" string="' + ('true' if v is string else 'false') + '">' -}}
+{{- v if v is string else (v | tojson) -}}
+{{- '</' + ds + 'parameter>' -}}
+{%- if not loop.last %}{{ '\n' }}{% endif -%}
+{%- endfor -%}
+{{- '\n</' + ds + 'invoke>' -}}
+{%- if not loop.last %}{{ '\n' }}{% endif -%}
+{%- endfor -%}
+{{- '\n</' + ds + 'tool_calls>' -}}
+{%- endif -%}
+{{- eos_token -}}
+{%- endif -%}
+{%- endfor -%}
+"""
+BUILTIN = {"deepseek_v4": DEEPSEEK_V4_TEMPLATE}  # model_type -> template, for checkpoints without one
+BUILTIN_SPECIAL = {"deepseek_v4": {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>"}}
+
+
+class ToolArgs(dict):
+    """A tool call's arguments as templates get them: a dict (`.items()`, `tojson`, `is mapping`)
+    that prints as its JSON text and joins strings with `+` as that text (DeepSeek-V3.1's template
+    concatenates the arguments as a string)."""
+
+    def __str__(self) -> str:
+        return json.dumps(self, ensure_ascii=False)
+
+    def __add__(self, other):
+        return str(self) + other if isinstance(other, str) else NotImplemented
+
+    def __radd__(self, other):
+        return other + str(self) if isinstance(other, str) else NotImplemented
+
+
+def _with_tool_args(messages: list[dict]) -> list[dict]:
+    """Messages whose tool calls' dict arguments are ToolArgs (copies; the originals are kept)."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if isinstance(calls, list) and calls:
+            wrapped = []
+            for tc in calls:
+                fn = tc.get("function") if isinstance(tc, dict) else None
+                if isinstance(fn, dict) and isinstance(fn.get("arguments"), dict):
+                    tc = {**tc, "function": {**fn, "arguments": ToolArgs(fn["arguments"])}}
+                wrapped.append(tc)
+            m = {**m, "tool_calls": wrapped}
+        out.append(m)
+    return out
+
+
+def _token_text(v) -> str | None:
+    """A tokenizer_config token entry: a string, or an AddedToken object ({"content": ...})."""
+    if isinstance(v, dict):
+        v = v.get("content")
+    return v if isinstance(v, str) else None
+
+
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -91,8 +207,9 @@ class ChatTemplate:
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        self.source = source or QWEN3_TEMPLATE
         try:
-            self.template = env.from_string(source or QWEN3_TEMPLATE)
+            self.template = env.from_string(self.source)
         except jinja2.TemplateError as e:
             raise FreeTokenError(f"the model's chat template does not parse: {e}") from None
         self.special = special or {}
@@ -107,15 +224,25 @@ class ChatTemplate:
             src = files["chat_template.jinja"].decode()
         if not src and "chat_template.json" in files:
             src = json.loads(files["chat_template.json"]).get("chat_template")
-        special = {k: tokenizer_config.get(k) for k in ("bos_token", "eos_token") if isinstance(tokenizer_config.get(k), str)}
+        special = {k: v for k in ("bos_token", "eos_token") if (v := _token_text(tokenizer_config.get(k))) is not None}
+        if not src:  # a checkpoint without a template: the built-in one of its model type, if any
+            try:
+                model_type = json.loads(files.get("config.json") or b"{}").get("model_type")
+            except (ValueError, AttributeError):
+                model_type = None
+            if model_type in BUILTIN:
+                t = cls(BUILTIN[model_type], {**BUILTIN_SPECIAL.get(model_type, {}), **special})
+                t.builtin = True
+                return t
         return cls(src or None, special)
 
     def render(self, messages: list[dict], tools: list[dict] | None = None,
                add_generation_prompt: bool = True, **kwargs) -> str:
         try:
-            return self.template.render(messages=messages, tools=tools or None,
+            return self.template.render(messages=_with_tool_args(messages), tools=tools or None,
                                         add_generation_prompt=add_generation_prompt,
                                         bos_token=self.special.get("bos_token", ""),
                                         eos_token=self.special.get("eos_token", ""), **kwargs)
-        except jinja2.TemplateError as e:
+        except (jinja2.TemplateError, TypeError, ValueError, AttributeError, KeyError, IndexError) as e:
+            # a template that fails on these messages (e.g. `+` on a value of another type)
             raise FreeTokenError(f"chat template error: {e}") from None
