@@ -84,6 +84,9 @@ def test_the_decision_counts_queued_layers_at_the_learned_cost(monkeypatch):
 def test_the_chunk_is_sized_so_one_layer_fits_the_gap():
     iv = Interleaver(2.0)
     assert iv.budget(0.010) is None  # nothing measured yet: the step's own budget
+    # before two cycles: whole prompt forwards spread over their 4 layers stand in
+    assert iv.budget(0.010, [(64, 4 * (0.002 + 1e-5 * 64)), (512, 4 * (0.002 + 1e-5 * 512))], 4) == \
+        pytest.approx(800, abs=1)
     for n in (64, 128, 256, 512):  # a layer: 2 ms fixed + 10 us a token
         iv.samples.append((n, 0.002 + 1e-5 * n))
     assert iv.budget(0.010) == pytest.approx(800, abs=1)  # (10 ms gap - 2 ms) / 10 us

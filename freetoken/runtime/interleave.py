@@ -87,15 +87,19 @@ class Interleaver:
         self.steps += 1
         self.decoded()
 
-    def budget(self, decode_s: float | None) -> int | None:
+    def budget(self, decode_s: float | None, costs=(), layers: int = 1) -> int | None:
         """Prompt tokens for the next forward, so one of its layers fits the gap between decode
         steps (a layer is the finest grain at which they can interleave); None: no limit. The
         per-layer cost is fitted as a fixed part plus a part per token over the recent cycles;
         never below the chunk whose per-token part equals the fixed part (smaller chunks would
-        slow the prompt without shortening the gap much)."""
-        if not self.enabled or decode_s is None or len(self.samples) < 2:
+        slow the prompt without shortening the gap much). Before two cycles are measured, the
+        recent prompt forwards `costs` [(tokens, seconds)] spread over their `layers` stand in."""
+        if not self.enabled or decode_s is None:
             return None
-        fixed, per_token = affine_fit(self.samples)
+        samples = self.samples if len(self.samples) >= 2 else [(n, t / max(1, layers)) for n, t in costs]
+        if len(samples) < 2:
+            return None
+        fixed, per_token = affine_fit(samples)
         gap = (self.slowdown - 1) * decode_s
         floor = max(MIN_PREFILL, int(fixed / per_token))
         return max(floor, int((gap - fixed) / per_token)) if gap > fixed else floor

@@ -189,8 +189,8 @@ class EngineLoop:
         rows = sum(not r.prefilling for r in self.sched.running.values())
         if not rows:
             return None
-        if self.between.enabled:  # decoding streams are served between the layers: a chunk whose
-            return self.between.budget(self._decode_s)  # one layer fits the gap between their steps
+        if self.between.enabled:  # streams decode between the layers: a chunk one layer of which fits the gap
+            return self.between.budget(self._decode_s, self._costs, len(self.engine.model.layers))
         if not self.slowdown or self._decode_s is None or len(self._costs) < 2:
             return None
         fixed, per_token = affine_fit(self._costs)
