@@ -179,3 +179,16 @@ def test_decode_path_says_why_it_is_eager(eng):
     d = srv.describe()
     assert d["decode_path"] == "eager" and d["eager_reason"] == "no CUDA device"
     assert d["expert_backend"] in ("cpp", "torch-fallback") and d["memory_plan"]["kv_pages"] >= 2
+
+
+def test_a_request_past_the_context_fails_alone_with_a_clear_error(eng):
+    """The server checks prompt + max_tokens at the door; a request that reaches the loop past
+    the context anyway (an embedding caller, a bench) fails alone, saying why, and the loop
+    keeps serving the others."""
+    srv = ServingEngine(eng, max_batch=2, max_queue=4, start=False)
+    too_long = greedy(prompts(eng, (srv.max_len + 40,), seed=9)[0], n=2)
+    ok = greedy(prompts(eng, (12,), seed=10)[0], n=3)
+    drive(srv, [too_long, ok])
+    assert too_long.finish_reason == "error" and "context holds" in too_long.error
+    assert ok.finish_reason == "length" and len(ok.output_ids) == 3
+    assert srv.state.pages.used == 0

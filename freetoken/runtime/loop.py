@@ -221,6 +221,9 @@ class EngineLoop:
                     start, end = req.computed, min(req.prefill_end, req.computed + n)
                 if self._room(req, end):
                     ready.append((req, start, end))
+            except FreeTokenError as e:  # the request's own fault (past the context): one line
+                log.warning("request %s: %s", req.id, e)
+                self._finish(req, "error", error=str(e))
             except Exception as e:  # noqa: BLE001
                 log.exception("prefill set-up failed for request %s", req.id)
                 self._finish(req, "error", error=f"{type(e).__name__}: {e}")
