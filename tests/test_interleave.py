@@ -92,3 +92,24 @@ def test_the_chunk_is_sized_so_one_layer_fits_the_gap():
     assert iv.budget(0.010) == pytest.approx(800, abs=1)  # (10 ms gap - 2 ms) / 10 us
     assert iv.budget(0.0015) == pytest.approx(200, abs=1)  # gap below the fixed part: the chunk costing as much
     assert Interleaver(0.0).budget(0.010) is None
+
+
+def test_a_decode_step_comes_before_a_costly_layer(monkeypatch):
+    """Layers differ (full attention reads the whole context): costs are learned per layer,
+    and the decode step is taken before the costly one rather than after it."""
+    clock = [0.0]
+    monkeypatch.setattr("freetoken.runtime.interleave.time.perf_counter", lambda: clock[0])
+    iv = Interleaver(1.5)  # gap: half a 10 ms decode step
+    iv.decoded()
+    for i, ms in enumerate((1, 1, 1, 8)):  # learn: one layer at a time
+        iv.layer_queued(i)
+        assert iv.due(0.010, (i + 1) % 4)
+        clock[0] += ms / 1e3 + 0.010
+        iv.cycle(0.010)
+    assert [round(iv.cost[i] * 1e3, 3) for i in range(4)] == [1, 1, 1, 8]
+    iv.layer_queued(0)
+    assert not iv.due(0.010, 1)  # 1 ms queued, half the next: far from 5 ms
+    iv.layer_queued(1)
+    assert not iv.due(0.010, 2)
+    iv.layer_queued(2)
+    assert iv.due(0.010, 3)  # 3 ms queued + half of the 8 ms layer: past the gap

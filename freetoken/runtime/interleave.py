@@ -14,9 +14,11 @@ has written is touched.
 When: the prompt work between two decode steps is kept near (slowdown - 1) x the plain decode
 step (--decode-slowdown), so a decoding stream's gap is about slowdown x its unloaded one and
 the prompt keeps the rest of the device. The host cannot see the device's progress without a
-sync, so the work queued since the last decode step is counted in layers, at a per-layer cost
-learned from the cycles themselves: a cycle (decode end to decode end) is the queued layers
-plus one decode step, and the decode step's own time is known from plain steps.
+sync, so the work queued since the last decode step is counted in layers, at a cost per layer
+index learned from the cycles themselves (layers differ: a full-attention layer reads the whole
+context, a DeltaNet layer does not, so a decode step is taken before a costly layer rather than
+after it): a cycle (decode end to decode end) is the queued layers plus one decode step, and the
+decode step's own time is known from plain steps.
 """
 from __future__ import annotations
 
@@ -47,43 +49,60 @@ class Interleaver:
         """slowdown: --decode-slowdown (>= 1; 0 turns interleaving off)."""
         self.slowdown = slowdown
         self.last_decode: float | None = None  # perf_counter at the end of the last decode step
-        self.layers = 0  # layers queued since then
-        self.per_layer: float | None = None  # seconds of prompt work per layer (EMA; None: unknown)
+        self.queued: list[int] = []  # indices of the layers queued since then
+        self.cost: dict[int, float] = {}  # seconds of prompt work of layer i (EMA): layers differ
+        # (full attention reads the whole context, a DeltaNet layer does not)
         self.steps = 0  # decode steps run between layers (telemetry)
         self.running = False  # inside such a step (its own forward must not recurse)
         self.tokens = 0  # prompt tokens of the forward in flight (set by the loop)
-        self.samples: deque[tuple[int, float]] = deque(maxlen=32)  # (prompt tokens, seconds per layer)
+        # (prompt tokens, seconds) of the costliest layer, measured alone: what sizes the chunk
+        self.samples: deque[tuple[int, float]] = deque(maxlen=32)
 
     @property
     def enabled(self) -> bool:
         return self.slowdown >= 1
 
+    @property
+    def layers(self) -> int:
+        return len(self.queued)
+
+    @property
+    def per_layer(self) -> float | None:
+        """Mean seconds of a layer (telemetry)."""
+        return sum(self.cost.values()) / len(self.cost) if self.cost else None
+
     def decoded(self) -> None:
         """A decode step (plain or between layers) just ended."""
-        self.last_decode, self.layers = time.perf_counter(), 0
+        self.last_decode, self.queued = time.perf_counter(), []
 
-    def due(self, decode_s: float | None) -> bool:
-        """Before a layer: is a decode step due? decode_s: the plain decode step's time."""
-        if not self.enabled or self.running or decode_s is None or self.last_decode is None:
+    def due(self, decode_s: float | None, i: int = 0) -> bool:
+        """Before layer i: is a decode step due? decode_s: the plain decode step's time."""
+        if not self.enabled or self.running or decode_s is None or self.last_decode is None or not self.queued:
             return False
         gap = (self.slowdown - 1) * decode_s
-        if self.per_layer is None:  # unknown cost: one layer at a time until a cycle is measured
-            return self.layers >= 1
-        queued = self.layers * self.per_layer
+        if i not in self.cost or any(j not in self.cost for j in self.queued):
+            return True  # a cost not known yet: one layer at a time until each is measured
+        queued = sum(self.cost[j] for j in self.queued)
         # the next layer would take the gap past its target by more than it would fall short
-        return queued + self.per_layer / 2 >= gap or time.perf_counter() - self.last_decode >= gap
+        return queued + self.cost[i] / 2 >= gap or time.perf_counter() - self.last_decode >= gap
 
-    def layer_queued(self) -> None:
-        self.layers += 1
+    def layer_queued(self, i: int = 0) -> None:
+        self.queued.append(i)
 
     def cycle(self, decode_s: float) -> None:
-        """A decode step between layers ended; the cycle since the previous decode step ran
-        `self.layers` layers of prompt work and that step."""
-        if self.last_decode is not None and self.layers:
-            sample = max(0.0, time.perf_counter() - self.last_decode - decode_s) / self.layers
-            self.per_layer = sample if self.per_layer is None else (1 - EMA) * self.per_layer + EMA * sample
-            if self.tokens:
-                self.samples.append((self.tokens, sample))
+        """A decode step between layers ended; the cycle since the previous decode step ran the
+        queued layers of prompt work and that step: their time is shared among them in
+        proportion to what they are known to cost (equally while any is unknown)."""
+        if self.last_decode is not None and self.queued:
+            total = max(0.0, time.perf_counter() - self.last_decode - decode_s)
+            known = [self.cost.get(j) for j in self.queued]
+            weights = known if all(k for k in known) else [1.0] * len(known)
+            for j, wj in zip(self.queued, weights):
+                v = total * wj / sum(weights)
+                self.cost[j] = v if j not in self.cost else (1 - EMA) * self.cost[j] + EMA * v
+            j = self.queued[0]
+            if self.tokens and len(self.queued) == 1 and self.cost[j] >= max(self.cost.values()):
+                self.samples.append((self.tokens, total))  # the costliest layer, alone
         self.steps += 1
         self.decoded()
 

@@ -328,7 +328,7 @@ class EngineLoop:
         """The prefill forward's hook before layer i: a decode step for the streams that are
         decoding, when one is due (runtime/interleave.py). Rows that need a KV page the pool
         cannot give without preempting wait for the step's own decode."""
-        if self.between.due(self._decode_s):
+        if self.between.due(self._decode_s, i):
             with self._lock:
                 rows = [r for r in self.sched.running.values()
                         if not r.prefilling and not r.cancelled and r.finished_at is None and r.slot is not None]
@@ -340,7 +340,7 @@ class EngineLoop:
                 finally:
                     self.between.running = False
                 self.between.cycle(self._decode_s)
-        self.between.layer_queued()
+        self.between.layer_queued(i)
 
     def _grow_now(self, req: Request) -> bool:
         try:
