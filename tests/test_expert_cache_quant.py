@@ -215,12 +215,6 @@ def test_fused_transfer_moves_every_bank_as_bytes():
 # ------------------------------------------------------------------------ through the Engine
 
 DIMS = dict(hidden_size=128, moe_intermediate_size=64, head_dim=32, intermediate_size=96)
-# no decode steps between a streamed pass's layers (runtime/interleave.py): one run there moves the
-# cache's residency under the pass's own copy of it (wrong logits with dense banks too, as
-# test_expert_cache.py's served test shows); kept apart until that is resolved
-PACE = dict(decode_slowdown=0)
-
-
 @pytest.fixture(scope="module")
 def quant_ftw(tmp_path_factory):
     """Per format: a small Qwen3-MoE checkpoint with its routed experts quantized as published
@@ -280,14 +274,14 @@ def test_engine_serves_a_quantized_model_through_the_cache(quant_ftw, fmt, share
     12 slots of 48 experts (evictions every step; at r = 0.5 the CPU branch runs too)."""
     path = quant_ftw[fmt]
     eng = Engine(path, EngineConfig(device="cpu", dtype="float32", moe="cache", fill_share=share,
-                                    prefill_chunk=16, **PACE))
+                                    prefill_chunk=16))
     assert eng.experts_on == "cache" and eng.describe()["expert_backend"] == "gpu-cache"
     assert eng.describe()["expert_format"] == fmt and eng.executor.quantized
     banks = eng.executor
     want = host_expert_bytes(banks.host_gate_up, banks.host_down, {})
     meta_banks = ExpertBanks(fmt, banks.host_gate_up, banks.host_down)
     assert banks.slot_bytes == want == meta_banks.expert_bytes  # values + scales (+ scale_2), not bf16
-    ref = resident(Engine(path, EngineConfig(device="cpu", dtype="float32", moe="cpu", prefill_chunk=16, **PACE)))
+    ref = resident(Engine(path, EngineConfig(device="cpu", dtype="float32", moe="cpu", prefill_chunk=16)))
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (23, 9)]
     srv, st = check_served(eng, ref, prompts, slots=12)
@@ -323,14 +317,14 @@ def test_engine_serves_gpt_oss_mxfp4_through_the_cache(gptoss_ftw):
     """The clamped SwiGLU with bias banks: the bias rows travel into the slots with each expert,
     and the served logits equal the all-resident engine's (split r = 0.5, 10 slots of 64)."""
     eng = Engine(gptoss_ftw, EngineConfig(device="cpu", dtype="float32", moe="cache", fill_share="0.5",
-                                          prefill_chunk=16, **PACE))
+                                          prefill_chunk=16))
     ex = eng.executor
     assert eng.experts_on == "cache" and ex.quantized and ex.activation.kind == "swiglu_clamp"
     assert ex.gate_up_bias is not None and ex.down_bias is not None
     want = host_expert_bytes(ex.host_gate_up, ex.host_down,
                              {"gate_up_bias": ex.gate_up_bias, "down_bias": ex.down_bias})
     assert ex.slot_bytes == want
-    ref = resident(Engine(gptoss_ftw, EngineConfig(device="cpu", dtype="float32", moe="cpu", prefill_chunk=16, **PACE)))
+    ref = resident(Engine(gptoss_ftw, EngineConfig(device="cpu", dtype="float32", moe="cpu", prefill_chunk=16)))
     g = torch.Generator().manual_seed(8)
     prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (21, 11)]
     _, st = check_served(eng, ref, prompts, slots=10)
