@@ -80,6 +80,7 @@ def _serve(eng, graphs, prompts, arrive):
     assert srv.decode.path == ("cuda-graphs" if graphs else "eager")
     # the same forwards in both: no merged prompt+decode steps, no timing-dependent prompt budget
     srv.mixed, srv.slowdown = False, 0.0
+    srv.between.slowdown = 0.0  # nor decode steps between a prompt forward's layers (graphs only)
     reqs = [Request(p, SamplingOptions(temperature=0, max_tokens=STEPS, ignore_eos=True)) for p in prompts]
     return srv, drive(srv, reqs, arrive)
 

@@ -25,7 +25,9 @@ import statistics
 
 log = logging.getLogger("freetoken.experts")
 
-CANDIDATES = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)
+# down to 0.1: with the doorbell the CPU branch overlaps the fills, and on the H200 r=0.4 beat
+# 0.5 (expert_cache-doorbell-gpu.json); 0 (no fills at all) is --moe cpu's business
+CANDIDATES = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
 PROBE, SETTLE, HOLD, MARGIN = 24, 8, 2048, 0.02
 
 

@@ -10,15 +10,17 @@ k) shape, one set per executor: layers run one after the other, and each layer's
 are ordered before the next layer's writes by the streams.
 
 Two ways to signal the CPU:
-- a host-function node (cuLaunchHostFunc, from the driver library), the default: ~20 us per
-  call in a replayed graph (benchmarks/README.md);
-- a doorbell (FREETOKEN_CPU_BRANCH=doorbell): a kernel rings a sequence number in mapped
-  pinned memory, a resident C++ thread answers, a one-program kernel spins until the answer
-  (kernels/doorbell.py). No driver thread in the loop.
-Measured on the H200 (bench/split_overlap.py, expert_cache_cpucall-gpu.json): copy-engine
-staging copies waited behind the zero-copy fill kernel, so branch and fills serialized; with
-the GPU's own loads and stores they overlap in isolation, but in a real split step the branch
-still took ~700 us per layer around a 268 us C++ call, which the doorbell is built to remove.
+- a doorbell, the default: a kernel rings a sequence number in mapped pinned memory, a
+  resident C++ thread answers, a one-program kernel spins until the answer
+  (kernels/doorbell.py). No driver thread in the loop;
+- a host-function node (cuLaunchHostFunc, from the driver library; FREETOKEN_CPU_BRANCH=hostfn,
+  and the fallback where the doorbell page cannot be mapped): ~20 us per call in a replayed graph.
+Measured on the H200 (bench/split_overlap.py, bench/expert_cache.py; benchmarks/README.md):
+copy-engine staging copies waited behind the zero-copy fill kernel, so branch and fills
+serialized (fixed by the GPU's own loads and stores, copy_flat); then, in a real split step, the
+host-function node still took ~700 us per layer around a 268 us C++ call. With the doorbell the
+same batch-1 split step runs at 179.9 tok/s against 109.5 (12-layer slice, r=0.4;
+expert_cache-doorbell-gpu.json against expert_cache-gpu.json).
 Host functions must make no CUDA call; the C++ side makes none and reports errors in the
 descriptor, raised here after the step.
 """
@@ -95,15 +97,18 @@ def call_buffers(cpu, executor: int, t: int, k: int, h: int, bf16_act: bool, pin
     return x, ids, w, out, d
 
 
-def branch_signal() -> str:
-    """How the GPU hands the CPU its share: "hostfn" (a host-function node, the default) or
-    "doorbell" (kernels on mapped pinned memory and a resident C++ thread, no driver thread:
-    FREETOKEN_CPU_BRANCH=doorbell; not yet measured on the GPU machine, hence not the default)."""
+def branch_signal() -> tuple[str, bool]:
+    """How the GPU hands the CPU its share -> (signal, asked): "doorbell" (kernels on mapped
+    pinned memory and a resident C++ thread, no driver thread: the default) or "hostfn" (a
+    host-function node), from FREETOKEN_CPU_BRANCH; asked says whether the variable chose it
+    (a default doorbell that cannot be set up falls back to the host-function node, an asked
+    one is an error)."""
     import os
-    mode = os.environ.get("FREETOKEN_CPU_BRANCH", "hostfn").lower()
+    raw = os.environ.get("FREETOKEN_CPU_BRANCH", "")
+    mode = (raw or "doorbell").lower()
     if mode not in ("hostfn", "doorbell"):
         raise FreeTokenError(f"FREETOKEN_CPU_BRANCH must be hostfn or doorbell, got {mode!r}")
-    return mode
+    return mode, bool(raw)
 
 
 class Doorbell:
@@ -125,7 +130,7 @@ class Doorbell:
             if int(err) != 0 or not zero_copy_ok(self.words):
                 self.close()
                 raise FreeTokenError(f"the CPU branch's doorbell page cannot be mapped for the GPU ({err}); "
-                                     "unset FREETOKEN_CPU_BRANCH to use the host-function node")
+                                     "set FREETOKEN_CPU_BRANCH=hostfn to use the host-function node")
         self.counter = torch.zeros(1, dtype=torch.int64, device=self.device)  # calls rung (device)
 
     def ring(self, x, ids, w, xb, ib, wb, desc: int) -> None:
@@ -166,8 +171,16 @@ class HostBranch:
         self.side = torch.cuda.Stream(self.device)
         self.shapes: dict[tuple, tuple] = {}
         self.zero_copy = zero_copy_staging()
-        self.signal = branch_signal() if self.zero_copy else "hostfn"
-        self.bell = Doorbell(self.device) if self.signal == "doorbell" else None
+        self.signal, asked = branch_signal() if self.zero_copy else ("hostfn", False)
+        self.bell = None
+        if self.signal == "doorbell":
+            try:
+                self.bell = Doorbell(self.device)
+            except FreeTokenError as e:
+                if asked:
+                    raise
+                log.warning("%s: the CPU branch falls back to the host-function node", e)
+                self.signal = "hostfn"
 
     def _buffers(self, t: int, k: int, h: int, bf16_act: bool):
         key = (t, k, bf16_act)
@@ -187,7 +200,7 @@ class HostBranch:
         """Raise if a call failed (the host node records it; the loop checks after each step)."""
         if self.bell is not None and self.bell.gave_up():
             raise FreeTokenError("the CPU expert branch did not answer a decode step's doorbell in time "
-                                 "(its thread stopped?); unset FREETOKEN_CPU_BRANCH to use the host-function node")
+                                 "(its thread stopped?); FREETOKEN_CPU_BRANCH=hostfn uses the host-function node")
         for *_, d in list(self.shapes.values()):
             if d.error:
                 raise FreeTokenError("the CPU expert branch failed inside a decode step "
