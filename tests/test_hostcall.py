@@ -11,6 +11,9 @@ from freetoken.experts.cpu.hostcall import _Desc
 from freetoken.experts.executor import Activation
 
 pytestmark = pytest.mark.skipif(extension() is None, reason="the C++ executor could not be built")
+# the doorbell's kernels run on the GPU where there is one (mapped pinned memory, the real
+# protocol), else under the Triton interpreter on plain host memory (conftest sets it)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def call(cpu, x, ids, w):
@@ -59,10 +62,10 @@ def test_host_call_equals_forward(dtype, gpt_oss):
 
 def _bell_call(bell, cpu, buffers, x, ids, w):
     xb, ib, wb, ob, d = buffers
-    out = torch.full((x.shape[0], x.shape[1]), float("nan"))
-    bell.ring(x, ids, w, xb, ib, wb, ctypes.addressof(d))
+    out = torch.full((x.shape[0], x.shape[1]), float("nan"), device=DEV)
+    bell.ring(x.to(DEV), ids.to(DEV), w.to(DEV), xb, ib, wb, ctypes.addressof(d))
     bell.wait(ob, out)
-    return out
+    return out.cpu()  # a sync on the GPU
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -75,9 +78,9 @@ def test_doorbell_answers_each_ring_with_the_executors_result(dtype):
     dn = (torch.randn(n, h, i, generator=g) * i ** -0.5).to(dtype)
     cpu = CpuExpertExecutor(gu, dn, threads=2)
     addr = extension().executor_address(cpu.handle)
-    bell = Doorbell("cpu")
+    bell = Doorbell(DEV)
     try:
-        shapes = {t: call_buffers(cpu, addr, t, k, h, dtype == torch.bfloat16, pin=False) for t in (1, 3)}
+        shapes = {t: call_buffers(cpu, addr, t, k, h, dtype == torch.bfloat16, pin=DEV == "cuda") for t in (1, 3)}
         for step in range(6):  # shapes interleaved through one bell, as batch sizes change
             t = (1, 3)[step % 2]
             x = torch.randn(t, h, generator=g).to(dtype)
@@ -100,15 +103,18 @@ def test_doorbell_wait_gives_up_when_nobody_answers():
     from freetoken.kernels import doorbell as kd
     n, h, i, k = 4, 32, 16, 2
     cpu = CpuExpertExecutor(torch.randn(n, 2 * i, h), torch.randn(n, h, i), threads=1)
-    bell = Doorbell("cpu")
+    bell = Doorbell(DEV)
     bell.close()
-    xb, ib, wb, ob, d = call_buffers(cpu, extension().executor_address(cpu.handle), 1, k, h, False, pin=False)
+    xb, ib, wb, ob, d = call_buffers(cpu, extension().executor_address(cpu.handle), 1, k, h, False,
+                                     pin=DEV == "cuda")
     x, ids, w = torch.randn(1, h), torch.tensor([[1, 2]]), torch.tensor([[0.5, 0.5]])
     import time
     time.sleep(0.05)  # the thread has seen `stop`
-    bell.ring(x, ids, w, xb, ib, wb, ctypes.addressof(d))
-    out = torch.zeros(1, h)
+    bell.ring(x.to(DEV), ids.to(DEV), w.to(DEV), xb, ib, wb, ctypes.addressof(d))
+    out = torch.zeros(1, h, device=DEV)
     kd.wait(bell.counter, bell.words, ob, out, limit=50)
+    if DEV == "cuda":
+        torch.cuda.synchronize()
     assert bell.gave_up() and bell.calls() == 0 and d.calls == 0
 
 
@@ -117,13 +123,14 @@ def test_doorbell_kernels_match_their_references():
     from freetoken.kernels import doorbell as kd
     g = torch.Generator().manual_seed(5)
     t, h, k = 3, 40, 4
-    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
-    ids = torch.randint(-1, 9, (t, k), generator=g)
-    w = torch.rand(t, k, generator=g)
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16).to(DEV)
+    ids = torch.randint(-1, 9, (t, k), generator=g).to(DEV)
+    w = torch.rand(t, k, generator=g).to(DEV)
     runs = []
     for fn in (kd.ring, kd.ring_reference):
-        bufs = (torch.zeros(t, h), torch.zeros(t, k, dtype=torch.int64), torch.zeros(t, k))
-        counter, bell = torch.tensor([7]), torch.zeros(8, dtype=torch.int64)
+        z = lambda *shape, dtype=torch.float32: torch.zeros(*shape, dtype=dtype, device=DEV)  # noqa: E731
+        bufs = (z(t, h), z(t, k, dtype=torch.int64), z(t, k))
+        counter, bell = torch.tensor([7], device=DEV), z(8, dtype=torch.int64)
         fn(x, ids, w, *bufs, counter, bell, 12345)
         runs.append((*bufs, counter, bell))
     for a, b in zip(*runs):
@@ -131,8 +138,8 @@ def test_doorbell_kernels_match_their_references():
     assert int(runs[0][3]) == 8 and int(runs[0][4][kd.SEQ]) == 8 and int(runs[0][4][kd.DESC]) == 12345
     bell = runs[0][4]
     bell[kd.DONE] = 8  # answered: the result comes back
-    ob = torch.randn(t, h, generator=g)
+    ob = torch.randn(t, h, generator=g).to(DEV)
     for fn in (kd.wait, kd.wait_reference):
-        out = torch.zeros(t, h)
+        out = torch.zeros(t, h, device=DEV)
         fn(runs[0][3], bell, ob, out)
         assert torch.equal(out, ob)
