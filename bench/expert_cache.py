@@ -127,15 +127,18 @@ def measure_bh(cpu, mc, dev, pairs: int = 64) -> float:
     return reps * pairs * per_expert / (time.perf_counter() - t0) / 1e9
 
 
-def replay_steps(spec: str, mc, batch: int, dev):
-    """The trace's decode steps as flat ids [S, L, B, k] on the device (missing rows -1), or None."""
-    trace = parse_routing(spec, num_layers=len(mc.moe_layers), num_experts=mc.num_experts, top_k=mc.top_k)
+def replay_steps(spec: str, mc, batch: int, dev, trace_layers: int | None = None):
+    """The trace's decode steps as flat ids [S, L, B, k] on the device (missing rows -1), or None.
+    trace_layers: the MoE layers of the model the trace was taken from (a slice of --layers
+    replays its first layers' routes)."""
+    L = len(mc.moe_layers)
+    trace = parse_routing(spec, num_layers=max(L, trace_layers or L), num_experts=mc.num_experts, top_k=mc.top_k)
     if trace is None:
         return None, None
     steps = []
-    for st in trace.decode_steps(batch):  # [L, b, k], b <= batch
-        a = torch.full((len(mc.moe_layers), batch, mc.top_k), -1, dtype=torch.int64)
-        t = torch.as_tensor(st, dtype=torch.int64)
+    for st in trace.decode_steps(batch):  # [L_trace, b, k], b <= batch
+        a = torch.full((L, batch, mc.top_k), -1, dtype=torch.int64)
+        t = torch.as_tensor(st, dtype=torch.int64)[:L]
         a[:, :t.shape[1]] = t
         steps.append(a)
     ids = torch.stack(steps)  # [S, L, B, k] per-layer ids
@@ -269,7 +272,7 @@ def main():
     from freetoken.experts.cpu import CpuExpertExecutor
     resident = None
     for batch in [int(b) for b in a.batch.split(",")]:
-        routes, rinfo = replay_steps(a.routing, mc, batch, dev)
+        routes, rinfo = replay_steps(a.routing, mc, batch, dev, SHAPES[a.shape]["num_hidden_layers"])
         res["routing_trace"] = rinfo
         for mode in a.modes.split(","):
             thread_list = [int(t) for t in a.threads.split(",")]

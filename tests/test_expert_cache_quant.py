@@ -148,6 +148,11 @@ def test_cache_equals_resident_quantized(case, share):
     assert (st["cpu_experts"] == 0) if fill_only else (st["cpu_experts"] > 0)
 
 
+INTERPRETER_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="runs the Triton kernels on host tensors "
+                                      "(interpreter); on a GPU test_gpu_engine_serves_a_quantized_model covers them")
+
+
+@INTERPRETER_ONLY
 @pytest.mark.parametrize("case", CASES)
 def test_quantized_kernels_on_the_slots(case, monkeypatch):
     """The Triton dispatch forced on (the CUDA path, under the interpreter): the decode and
@@ -180,6 +185,7 @@ def test_quantized_kernels_on_the_slots(case, monkeypatch):
     assert ran["decode"] == 2 * 2 * 6 and ran["grouped"] == 2 * 2  # cache and resident, both shares
 
 
+@INTERPRETER_ONLY
 def test_fused_transfer_moves_every_bank_as_bytes():
     """The fused transfer kernel (Triton interpreter) over a quantized pool's banks and over more
     banks than one launch takes (11, of every dtype): exactly the listed experts' bytes land in
@@ -288,6 +294,31 @@ def test_engine_serves_a_quantized_model_through_the_cache(quant_ftw, fmt, share
     assert srv.plan.expert_slots == 3 * 16 and srv.plan.expert_cache == 3 * 16 * want  # the plan: every expert
     assert (st["cpu_experts"] > 0) == (share == "0.5")
     assert eng.prefill_stream.stats()["bytes_h2d"] == eng.prefill_stream.stats()["experts_h2d"] * want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("share", ["1", "0.5"])
+@pytest.mark.parametrize("fmt", ["fp8_block", "mxfp4", "nvfp4"])
+def test_gpu_engine_serves_a_quantized_model(quant_ftw, fmt, share):
+    """On the GPU, the real path: slots in VRAM filled by the fused transfer kernel from pinned
+    host banks, the quantized Triton kernels over the slots, decode steps replayed from CUDA
+    graphs (with the CPU branch in them at r = 0.5): the same greedy tokens as every expert
+    resident in VRAM, logits within bf16 rounding."""
+    path = quant_ftw[fmt]
+    eng = Engine(path, EngineConfig(device="cuda", dtype="bfloat16", moe="cache", fill_share=share, prefill_chunk=16))
+    assert eng.experts_on == "cache" and eng.executor.quantized
+    ref = Engine(path, EngineConfig(device="cuda", dtype="bfloat16", moe="resident", prefill_chunk=16))
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (23, 9)]
+    srv, got = serve(eng, prompts, slots=12)
+    _, want = serve(ref, prompts)
+    assert srv.decode.path == "cuda-graphs"
+    for a, b in zip(got, want):
+        assert a.output_ids == b.output_ids
+        for la, lb in zip(a.logits, b.logits):
+            assert rel(la, lb) < 2e-2
+    st = eng.executor.stats()
+    assert st["fills"] > 12 and (st["cpu_experts"] > 0) == (share == "0.5")
 
 
 def test_plan_sizes_a_quantized_cache_by_its_bytes(quant_ftw):
