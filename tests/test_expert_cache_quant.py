@@ -305,13 +305,17 @@ def test_gpu_engine_serves_a_quantized_model(quant_ftw, fmt, share):
     graphs (with the CPU branch in them at r = 0.5): the same greedy tokens as every expert
     resident in VRAM, logits within bf16 rounding."""
     path = quant_ftw[fmt]
-    eng = Engine(path, EngineConfig(device="cuda", dtype="bfloat16", moe="cache", fill_share=share, prefill_chunk=16))
+    cfg = dict(device="cuda", dtype="bfloat16", moe="cache", fill_share=share, prefill_chunk=16)
+    slot = Engine(path, EngineConfig(**cfg)).executor.slot_bytes
+    # 12 slots of 48 experts, sized by the plan before the decode graphs are captured
+    eng = Engine(path, EngineConfig(**cfg, expert_cache=str(12 * slot)))
     assert eng.experts_on == "cache" and eng.executor.quantized
     ref = Engine(path, EngineConfig(device="cuda", dtype="bfloat16", moe="resident", prefill_chunk=16))
     g = torch.Generator().manual_seed(9)
     prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (23, 9)]
-    srv, got = serve(eng, prompts, slots=12)
+    srv, got = serve(eng, prompts)
     _, want = serve(ref, prompts)
+    assert eng.executor.pool.zero_copy and eng.executor.pool.slots == 12  # banks registered, however small
     assert srv.decode.path == "cuda-graphs"
     for a, b in zip(got, want):
         assert a.output_ids == b.output_ids

@@ -123,12 +123,15 @@ def load_ftw(path: str, names=None, *, verify: bool = True, threads: int | None 
     return meta, tensors
 
 
-def pin_in_place(tensors, min_bytes: int = 1 << 20) -> bool:
+def pin_in_place(tensors, min_bytes: int = 4096) -> bool:
     """Register host tensors for DMA without copying them (cudaHostRegister).
 
     Only whole pages that belong to the tensor are registered (FTW buffers start on a page and
-    own their padding), so neighbouring allocations never overlap a registered range. Small
-    tensors are not worth it. A refused registration is cleared so no later CUDA call sees it.
+    own their padding), so neighbouring allocations never overlap a registered range. Every
+    tensor of a page or more: a bank the GPU expert cache reads in place must be registered
+    whatever its size (a small model's or a quantized model's scale bank can be well under a
+    MiB), else its fills take a sync and the decode step cannot be one CUDA graph. A refused
+    registration is cleared so no later CUDA call sees it.
     """
     if not torch.cuda.is_available():
         return False
