@@ -11,7 +11,8 @@ repeated for `--layers` layers inside one CUDA graph (as a decode step runs it),
 and the same eagerly. Qwen3.6-35B-A3B expert shape, random bf16 scratch banks, pinned.
 
     python -m bench.split_overlap [--q 4] [--c 2,4] [--threads 14] [--layers 12] [--name NAME]
-    FREETOKEN_CPU_BRANCH=doorbell python -m bench.split_overlap ...   (the doorbell signal)
+    FREETOKEN_CPU_BRANCH=hostfn python -m bench.split_overlap ...   (the host-function node; the
+                                                                     doorbell is the default)
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ triton = pytest.importorskip("triton")
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SHARES = (0.0, 0.3, 0.5, 1.0)
-FIELDS = ("slot_of", "id_of", "stamp", "seen", "clock", "score", "base")
+FIELDS = ("slot_of", "id_of", "stamp", "seen", "clock", "score", "base", "credit")
 
 
 
@@ -49,6 +49,7 @@ def random_residency(g, n, s):
     res.score.copy_(torch.randint(0, 4, (n,), generator=g).float() * 0.5)
     res.half = int(torch.randint(1, 4, (1,), generator=g))
     res.base.fill_(-60 if bool(torch.rand(1, generator=g) < 0.5) else 0)
+    res.credit.fill_(int(torch.randint(0, 1024, (1,), generator=g)))  # a fill share's carried remainder
     return to(res, DEV)
 
 
@@ -94,11 +95,11 @@ def same_res(a, b):
 
 # ---------------------------------------------------------------------------- the oracle
 
-def expected_q(m, r, k_cap, evictable):
-    if m == 0:
-        return 0
-    x = float(np.float32(m) * np.float32(min(max(r, 0.0), 1.0)))
-    return min(max(round(x), 1), m, k_cap, evictable)  # round: half to even, as torch.round
+def expected_q(m, r, k_cap, evictable, credit=0):
+    """(q, credit after): the share in 1/1024 of a fill, its remainder carried (control.py step 3)."""
+    rq = int(np.floor(np.float32(min(max(r, 0.0), 1.0)) * np.float32(1024) + np.float32(0.5)))
+    x = credit + m * rq
+    return min(x // 1024, k_cap, evictable), x % 1024
 
 
 def lfu_scores(pre, uniq, clock):
@@ -149,11 +150,12 @@ def check_step(pre, post, ids, weights, out, max_fill, r, policy):
     else:
         age = [pre["stamp"][i] + 1 if pre["id_of"][i] >= 0 else 0 for i in range(s)]
     oldest = sorted((i for i in range(s) if i not in hit_slots), key=lambda i: (age[i], i))
-    q = expected_q(len(misses), r, max_fill, s - len(hit_slots))
+    q, credit = expected_q(len(misses), r, max_fill, s - len(hit_slots), int(res_pre.credit[0]))
+    assert post["credit"] == [credit]
 
     assert n_hit == len(hits) and n_fill == q and n_cpu == len(misses) - q
     assert n_fill <= min(max_fill, len(misses))
-    if misses and s > len(hit_slots):  # at least one fill whenever a slot can be evicted
+    if misses and s > len(hit_slots) and r >= 1:  # fill-only: a fill whenever a slot can be evicted
         assert n_fill >= 1
     fills, victims = misses[:q], oldest[:q]  # the victims are the oldest non-hit slots
     assert fill_src == fills + [-1] * (max_fill - q)
@@ -171,7 +173,7 @@ def check_step(pre, post, ids, weights, out, max_fill, r, policy):
         want["stamp"][pre["slot_of"][e]] = clock  # hits refreshed
     for e in uniq:
         want["seen"][e] = clock
-    want["clock"] = [clock]
+    want["clock"], want["credit"] = [clock], [credit]
     if policy == "lfu":
         want["score"], want["base"] = after.tolist(), [base]
     assert post == want
@@ -222,15 +224,24 @@ def test_kernel_equals_reference_fuzzed(policy, seed):
             check_step(pre, ref, ids, w, a, max_fill, r, policy)
 
 
-def test_fill_count_rounding():
-    """q = clamp(round(m * r), 1, m), half to even (2.5 -> 2, 1.5 -> 2), r clamped to [0, 1]."""
-    for m in (1, 3, 5, 8):
+def test_fill_share_is_kept_on_average():
+    """q = (credit + m * r') // 1024, r' = r in 1/1024 (r clamped to [0, 1]), the remainder
+    carried to the next call: fill-only fills every miss, r = 0 none, and over many calls with
+    one or a few misses each the fills are the share of the misses (one miss a call at r = 0.3:
+    about one call in three fills it; per-call rounding filled it every time)."""
+    for m in (1, 3, 5):
         for r in (0.0, 0.3, 0.5, 1.0, 1.5, -0.5):
-            res = Residency.empty(m, 16, DEV)  # all misses, every slot free
-            ids = torch.arange(m, device=DEV)[:, None]
-            w = torch.rand(m, 1).to(DEV) + 0.1
-            q = expected_q(m, r, 16, 16)
-            assert control_triton(ids, w, res, share(r), 16, "gate").counts.tolist() == [q, m - q, 0], (m, r)
+            res = Residency.empty(m * 40, 16 * 40, DEV)  # every slot free: nothing caps q
+            credit, fills = 0, 0
+            for call in range(40):
+                ids = torch.arange(call * m, (call + 1) * m, device=DEV)[:, None]  # m new misses
+                w = torch.rand(m, 1).to(DEV) + 0.1
+                q, credit = expected_q(m, r, 16, 16, credit)
+                got = control_triton(ids, w, res, share(r), 16, "gate").counts.tolist()
+                assert got == [q, m - q, 0] and int(res.credit[0]) == credit, (m, r, call)
+                fills += q
+            rc = min(max(r, 0.0), 1.0)
+            assert abs(fills - rc * m * 40) <= 1, (m, r, fills)
 
 
 def test_caps_full_pool_and_one_slot():

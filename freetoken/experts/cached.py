@@ -3,7 +3,8 @@ split between copies into slots (fills) and in-place computation from the host b
 
 Per MoE layer call (mechanisms 3-5 of the design):
   1. `control` (experts/control.py): dedup the routed experts, classify hits and misses, take
-     q = clamp(round(m * r), 1, m) misses to fill (r: the fill share, a device scalar), pick
+     q of the m misses to fill, r * m on average (r: the fill share, a device scalar; the
+     fraction is carried between calls), pick
      the least-recently-used victims, rewrite each pair to its slot or to the CPU;
   2. the CPU branch is launched first: the pairs routed to the CPU run in place from the host
      banks on the C++ executor;

@@ -6,8 +6,11 @@ layer call runs one control step (`control`) that, with no host sync:
 
   1. dedups the routed experts of the whole batch: U (pairs with NO_EXPERT are ignored);
   2. classifies them: hits (resident) and misses M, m = |M|;
-  3. takes q = 0 if m == 0 else clamp(round(m * r), 1, m) misses to fill (r = the fill
-     share, a device scalar, 1 = fill-only), capped by K (max_fill, the static size of the
+  3. takes q = floor((c + m * r') / 1024) misses to fill, r' = round(r * 1024) (r = the fill
+     share, a device scalar, 1 = fill-only) and c the credit carried from the calls before
+     (then c = the remainder, in [0, 1024)): the share is kept exactly on average however few
+     misses a call has (a call with one miss at r = 0.3 fills it about one time in three, where
+     rounding per call would always fill it); capped by K (max_fill, the static size of the
      fill list) and by the number of slots holding no hit of this call;
   4. finds K victims among the slots holding no hit (free slots first, then the least
      recently used, or with policy "lfu" the lowest decayed routing count; ties by slot
@@ -75,6 +78,7 @@ class Residency:
     clock   [1] int64  advanced by one per control call
     score   [N] float32  "lfu": decayed routing count of each flat id (resident or not)
     base    [1] int64  "lfu": halvings already taken out of the scores
+    credit  [1] int64  fill share carried between calls, in 1/1024 of a fill (step 3)
     half    int        "lfu": clock ticks per halving (a decode step advances the clock once
                        per MoE layer)
 
@@ -88,6 +92,7 @@ class Residency:
     clock: torch.Tensor
     score: torch.Tensor
     base: torch.Tensor
+    credit: torch.Tensor
     half: int = HALVING_TICKS
 
     @classmethod
@@ -100,7 +105,8 @@ class Residency:
                    seen=torch.zeros(num_flat_experts, dtype=torch.int64, device=device),
                    clock=torch.zeros(1, dtype=torch.int64, device=device),
                    score=torch.zeros(num_flat_experts, dtype=torch.float32, device=device),
-                   base=torch.zeros(1, dtype=torch.int64, device=device), half=half)
+                   base=torch.zeros(1, dtype=torch.int64, device=device),
+                   credit=torch.zeros(1, dtype=torch.int64, device=device), half=half)
 
     @property
     def num_slots(self) -> int:
@@ -112,7 +118,7 @@ class Residency:
 
     def clone(self) -> "Residency":
         return Residency(*(t.clone() for t in (self.slot_of, self.id_of, self.stamp, self.seen, self.clock,
-                                                self.score, self.base)), half=self.half)
+                                                self.score, self.base, self.credit)), half=self.half)
 
 
 @dataclass
@@ -185,15 +191,19 @@ def _score_bits(score: torch.Tensor) -> torch.Tensor:
     return score.contiguous().view(torch.int32).to(torch.int64)
 
 
-def _fill_count(m: int, fill_share: torch.Tensor) -> int:
-    """q before the caps: 0 if m == 0 else clamp(round(m * r), 1, m), r clamped to [0, 1]."""
-    if m == 0:
-        return 0
+SHARE_ONE = 1024  # fixed-point unit of the fill share and of its carried credit
+
+
+def _fill_count(m: int, fill_share: torch.Tensor, credit: int) -> tuple[int, int]:
+    """(q before the caps, the credit after): r' = floor(clamp(r, 0, 1) * 1024 + 0.5) (float32,
+    as the kernel), x = credit + m * r', q = x // 1024, credit = x % 1024. Integer arithmetic
+    from r' on, so kernel and reference agree exactly."""
     r = fill_share.reshape(1).float()
     r = torch.where(r > 0, r, 0.0)
     r = torch.where(r < 1, r, 1.0)
-    x = torch.full_like(r, float(m)) * r  # float32, as the kernel
-    return min(max(int(torch.round(x).item()), 1), m)
+    rq = int(torch.floor(r * SHARE_ONE + 0.5).item())
+    x = credit + m * rq
+    return x // SHARE_ONE, x % SHARE_ONE
 
 
 def control_reference(ids, weights, res: Residency, fill_share, max_fill: int, policy: str = "recent",
@@ -241,7 +251,9 @@ def control_reference(ids, weights, res: Residency, fill_share, max_fill: int, p
     evictable[old_slot[hit]] = False
     by_age = torch.argsort(age, stable=True)
     cand = by_age[evictable[by_age]][:kf]  # the K oldest candidates
-    q = min(_fill_count(m, fill_share), kf, cand.numel())
+    q0, credit = _fill_count(m, fill_share, int(res.credit))
+    q = min(q0, kf, cand.numel())
+    res.credit.fill_(credit)
 
     fills, victims = misses[:q], cand[:q]
     old = res.id_of[victims].long()
@@ -312,7 +324,7 @@ if HAS_TRITON:
     @triton.jit
     def _control_kernel(ids_ptr, w_ptr, share_ptr,  # [P] int64, [P] gate weights, [1] float32
                         slot_of_ptr, id_of_ptr, stamp_ptr, seen_ptr, clock_ptr,  # residency (in place)
-                        score_ptr, base_ptr,  # residency, "lfu"
+                        score_ptr, base_ptr, credit_ptr,  # residency: "lfu", the fill share's credit
                         route_ptr, fill_src_ptr, fill_dst_ptr, cpu_ptr, counts_ptr,  # outputs
                         P, S, N, HALF,
                         K: tl.constexpr, P_PAD: tl.constexpr, K_PAD: tl.constexpr,
@@ -366,16 +378,14 @@ if HAS_TRITON:
         mk = tl.sort(tl.where(miss, prio * P_PAD + first, _NONE))  # [P_PAD] rank order
         mid = tl.load(ids_ptr + mk % P_PAD, mask=mk != _NONE, other=-1)  # flat id of each rank
 
-        # ---- q = clamp(round(m * r), 1, m), round half to even as torch.round
+        # ---- q = (credit + m * r') // 1024, r' = floor(r * 1024 + 0.5); credit = the remainder
         r = tl.load(share_ptr).to(tl.float32)
         r = tl.where(r > 0, r, 0.0)
         r = tl.where(r < 1, r, 1.0)
-        x = m.to(tl.float32) * r
-        fl = tl.floor(x)
-        d = x - fl
-        fl_i = fl.to(tl.int32)
-        q = fl_i + ((d > 0.5) | ((d == 0.5) & (fl_i % 2 == 1))).to(tl.int32)
-        q = tl.where(m > 0, tl.minimum(tl.maximum(q, 1), m), 0)
+        rq = tl.floor(r * 1024.0 + 0.5).to(tl.int64)  # SHARE_ONE
+        xq = tl.load(credit_ptr) + m.to(tl.int64) * rq
+        q = (xq // 1024).to(tl.int32)
+        tl.store(credit_ptr, xq % 1024)
 
         tl.debug_barrier()  # the hits' stamps are in memory before the scan reads them
 
@@ -448,7 +458,7 @@ def control_triton(ids, weights, res: Residency, fill_share, max_fill: int, poli
         topk = hasattr(tl, "topk")
     _control_kernel[(1,)](
         ids.reshape(-1).to(torch.int64).contiguous(), weights.reshape(-1).contiguous(), fill_share,
-        res.slot_of, res.id_of, res.stamp, res.seen, res.clock, res.score, res.base,
+        res.slot_of, res.id_of, res.stamp, res.seen, res.clock, res.score, res.base, res.credit,
         out.route, out.fill_src, out.fill_dst, out.cpu_ids, out.counts,
         pairs, s, res.num_flat_experts, res.half, K=max_fill, P_PAD=p_pad, K_PAD=k_pad, BLOCK_S=block_s,
         RECENT=policy == "recent", LFU=policy == "lfu", TOPK=topk, num_warps=4, enable_fp_fusion=False)

@@ -12,7 +12,9 @@ Procedure (a hill climb from fill-only, re-checked periodically):
   probe   run PROBE steps at a candidate, drop the first SETTLE (the cache's contents adjust
           to the new split), keep the median of the rest;
   climb   start at r = 1 (fill-only); step to the next smaller candidate while it is faster by
-          more than MARGIN; stop at the first that is not (or at the end of the list);
+          more than MARGIN than the best so far; past one that is not, probe PATIENCE more
+          (a candidate can tie its neighbour: with one or two misses per layer call, nearby
+          shares move the same experts; and a probe is noisy), then keep the best measured;
   hold    keep the best for HOLD steps, then probe its neighbours again (conditions drift).
 Samples are compared only within one batch size: each size climbs on its own (continuous
 batching changes the number of decoding rows every few steps).
@@ -28,7 +30,7 @@ log = logging.getLogger("freetoken.experts")
 # down to 0.1: with the doorbell the CPU branch overlaps the fills, and on the H200 r=0.4 beat
 # 0.5 (expert_cache-doorbell-gpu.json); 0 (no fills at all) is --moe cpu's business
 CANDIDATES = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
-PROBE, SETTLE, HOLD, MARGIN = 24, 8, 2048, 0.02
+PROBE, SETTLE, HOLD, MARGIN, PATIENCE = 24, 8, 2048, 0.02, 1
 
 
 class _Climb:
@@ -41,13 +43,14 @@ class _Climb:
         self.samples: list[float] = []
         self.held = 0
         self.climbing = True
+        self.misses = 0  # probes in a row not better than the best
 
     def observe(self, seconds: float, batch: int) -> None:
         t = self.t
         if not self.climbing:
             self.held += 1
             if self.held >= t.hold:  # re-check: climb again from the neighbour above (or the top)
-                self.climbing, self.best = True, None
+                self.climbing, self.best, self.misses = True, None, 0
                 self._go(max(0, self.cur - 1))
             return
         self.samples.append(seconds)
@@ -55,10 +58,12 @@ class _Climb:
             return
         med = statistics.median(self.samples[t.settle:])  # a one-off slow step (a capture) does not move it
         if self.best is None or med < self.best[1] * (1 - t.margin):
-            self.best = (self.cur, med)
-            if self.cur + 1 < len(t.cands):
-                self._go(self.cur + 1)
-                return
+            self.best, self.misses = (self.cur, med), 0
+        else:
+            self.misses += 1
+        if self.cur + 1 < len(t.cands) and self.misses <= t.patience:
+            self._go(self.cur + 1)
+            return
         i, m = self.best
         self.climbing, self.held = False, 0
         t.decisions += 1
@@ -75,12 +80,13 @@ class ShareTuner:
     resumes where it was instead of starting over."""
 
     def __init__(self, candidates=CANDIDATES, probe: int = PROBE, settle: int = SETTLE, hold: int = HOLD,
-                 margin: float = MARGIN, start: float = 1.0):
+                 margin: float = MARGIN, start: float = 1.0, patience: int = PATIENCE):
         """start: a predicted r (`ft bench bw`'s profile, runtime/bandwidth.py): each climb
         begins one candidate above it instead of at fill-only, so a good prediction is reached
         in one probe and a bad one is still corrected by the climb."""
         assert candidates[0] == 1.0 and list(candidates) == sorted(candidates, reverse=True)
         self.cands, self.probe, self.settle, self.hold, self.margin = list(candidates), probe, settle, hold, margin
+        self.patience = patience
         at = next((i for i, r in enumerate(self.cands) if r <= start + 1e-9), len(self.cands) - 1)
         self.start = max(0, at - 1)
         self.climbs: dict[int, _Climb] = {}
