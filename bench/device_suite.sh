@@ -42,9 +42,9 @@ if [ -z "${FT_SKIP_SIGNAL:-}" ]; then
   timeout 200 python3 -m bench.expert_cache --layers 12 --modes split,cpu-only,cache \
     --fill-shares 0.3,0.4 --threads 14 --cache-warmup 400 --name expert_cache-doorbell 2>&1 | grep "^{'mode\|rror" | cut -c1-300
 fi
-step "interference: decoding streams while a 32k prompt prefills (token budget vs decode between layers)"
+step "interference: decoding streams while a 32k prompt prefills (decode between layers vs alongside)"
 [ -n "${FT_SKIP_INTERFERENCE:-}" ] || timeout 300 python3 -m bench.interference --full-size --long 32768 \
-  --settings budget,interleave 2>&1 | grep "^{'setting\|rror" | cut -c1-400
+  --settings interleave,overlap 2>&1 | grep "^{'setting\|rror" | cut -c1-400
 step expert_cache: 12-layer slice, a third of the experts in VRAM slots
 [ -n "${FT_SKIP_CACHE:-}" ] || timeout ${FT_CACHE_TIMEOUT:-300} python3 -m bench.expert_cache --layers ${FT_CACHE_LAYERS:-12} \
   --capacity ${FT_CACHE_CAPACITY:-0.33} --routing ${FT_CACHE_ROUTING:-model} ${FT_CACHE_ARGS:-} 2>&1 | grep -v '^ ' | tail -24

@@ -11,7 +11,9 @@ Settings compared in one run: `one-chunk` (one prompt chunk per step, arrival or
 budget: the scheduler before the token budget), `budget` (a token budget per step, shortest
 prompt first, prompt work sized so a step takes at most --decode-slowdown times a decode step;
 the default on eager steps) and `interleave` (decode steps between the prompt forward's layers,
-runtime/interleave.py; the default where decode is its own forward, CUDA graphs).
+runtime/interleave.py; the default where decode is its own forward, CUDA graphs) and `overlap`
+(decode steps on a high-priority stream alongside the prompt forward, runtime/overlap.py,
+--decode-overlap; experts in VRAM only).
     python -m bench.interference [--long 32768] [--short 200] [--streams 2] [--full-size]
 """
 from __future__ import annotations
@@ -27,6 +29,7 @@ from bench.fullsize import full_size_engine
 from freetoken.demo import demo_path
 from freetoken.runtime.engine import Engine, EngineConfig
 from freetoken.runtime.interleave import Interleaver
+from freetoken.runtime.overlap import DecodeOverlap, eligible
 from freetoken.runtime.request import Request, SamplingOptions
 from freetoken.runtime.serving import ServingEngine
 
@@ -34,6 +37,7 @@ SETTINGS = {
     "one-chunk": dict(order="arrival", step_tokens=None, slowdown=0.0, interleave=False),
     "budget": dict(order="shortest", step_tokens=0, slowdown=None, interleave=False),
     "interleave": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True),
+    "overlap": dict(order="shortest", step_tokens=0, slowdown=None, interleave=False, overlap=True),
 }
 
 
@@ -66,6 +70,12 @@ def run_setting(eng, name: str, a) -> dict:
     if s["interleave"]:  # decode steps between the prompt forward's layers (the default where
         srv.mixed = False  # decode is its own forward: CUDA graphs); on eager steps, instead of one mixed forward
     srv.between = Interleaver(srv.slowdown if s["interleave"] else 0.0)
+    srv.overlap = None
+    if s.get("overlap"):
+        why = eligible(eng, srv.decode)
+        if why is not None:
+            return {"setting": name, "skipped": why}
+        srv.overlap, srv.mixed = DecodeOverlap(eng.device), False
     vocab = eng.cfg.vocab_size
     opts = lambda n: SamplingOptions(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
 
@@ -117,6 +127,7 @@ def run_setting(eng, name: str, a) -> dict:
     ms = lambda x: round(x * 1e3, 2) if x is not None else None  # noqa: E731
     out = {"setting": name, "step_tokens": srv.sched.step_tokens, "order": srv.sched.order,
            "decode_slowdown": srv.slowdown, "decode_steps_between_layers": srv.between.steps,
+           "decode_steps_alongside_prompts": srv.overlap.steps if srv.overlap is not None else 0,
            "prompt_ms_per_layer": ms(srv.between.per_layer),
            "unloaded_gap_p50_ms": ms(quantile(unloaded, 0.5)), "unloaded_gap_p99_ms": ms(quantile(unloaded, 0.99)),
            "loaded_gap_p50_ms": ms(quantile(loaded, 0.5)), "loaded_gap_p99_ms": ms(quantile(loaded, 0.99)),

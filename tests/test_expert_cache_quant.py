@@ -13,14 +13,13 @@ import torch
 
 import hf_models
 import quant_models
-from drive import drive
+from drive import drive, torch_experts
 from freetoken.cache.config import CacheConfig
 from freetoken.experts import executor as executor_mod
 from freetoken.experts.banks import ExpertBanks, QuantBank
 from freetoken.experts.cached import CachedExpertExecutor, SlotPool
 from freetoken.experts.cpu import CpuExpertExecutor
 from freetoken.experts.executor import NO_EXPERT, Activation, TorchExpertExecutor
-from freetoken.model.moe import MoE
 from freetoken.runtime.engine import Engine, EngineConfig
 from freetoken.runtime.request import Request, SamplingOptions
 from freetoken.runtime.serving import ServingEngine
@@ -235,18 +234,6 @@ def quant_ftw(tmp_path_factory):
     return out
 
 
-def resident(eng: Engine) -> Engine:
-    """The engine with every expert resident (TorchExpertExecutor over the quantized banks)."""
-    old = eng.executor
-    ex = TorchExpertExecutor(old.gate_up, old.down, layer_experts=eng.cfg.num_experts, activation=old.activation,
-                             gate_up_bias=old.gate_up_bias, down_bias=old.down_bias)
-    for _, mlp, _, _ in eng.model.layers:
-        if isinstance(mlp, MoE):
-            mlp.executor = ex
-    eng.executor = ex
-    return eng
-
-
 def serve(eng: Engine, prompts, slots: int | None = None):
     """Greedy requests through the serving loop (streamed prefill passes with the cache);
     `slots`: the cache re-sized to that many slots after the plan sized it."""
@@ -287,7 +274,7 @@ def test_engine_serves_a_quantized_model_through_the_cache(quant_ftw, fmt, share
     want = host_expert_bytes(banks.host_gate_up, banks.host_down, {})
     meta_banks = ExpertBanks(fmt, banks.host_gate_up, banks.host_down)
     assert banks.slot_bytes == want == meta_banks.expert_bytes  # values + scales (+ scale_2), not bf16
-    ref = resident(Engine(path, EngineConfig(device="cpu", dtype="float32", moe="cpu", prefill_chunk=16)))
+    ref = torch_experts(Engine(path, EngineConfig(device="cpu", dtype="float32", moe="cpu", prefill_chunk=16)))
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (23, 9)]
     srv, st = check_served(eng, ref, prompts, slots=12)
@@ -359,7 +346,7 @@ def test_engine_serves_gpt_oss_mxfp4_through_the_cache(gptoss_ftw):
     want = host_expert_bytes(ex.host_gate_up, ex.host_down,
                              {"gate_up_bias": ex.gate_up_bias, "down_bias": ex.down_bias})
     assert ex.slot_bytes == want
-    ref = resident(Engine(gptoss_ftw, EngineConfig(device="cpu", dtype="float32", moe="cpu", prefill_chunk=16)))
+    ref = torch_experts(Engine(gptoss_ftw, EngineConfig(device="cpu", dtype="float32", moe="cpu", prefill_chunk=16)))
     g = torch.Generator().manual_seed(8)
     prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (21, 11)]
     _, st = check_served(eng, ref, prompts, slots=10)

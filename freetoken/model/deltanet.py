@@ -198,8 +198,12 @@ class GatedDeltaNet:
         if active is None:
             conv_state.copy_(window[..., 1:])
             rec.copy_(new)
-        else:
+        elif x.is_cuda:  # no host sync: the step may be captured in a graph
             keep = active[:, None, None]
             conv_state.copy_(torch.where(keep, window[..., 1:], conv_state))
             rec.copy_(torch.where(keep[..., None], new, rec))
+        else:  # the decoding rows only: a slot mid-prefill may be written meanwhile by a prompt
+            rows = active.nonzero()[:, 0]  # forward on another thread (runtime/overlap.py)
+            conv_state[rows] = window[rows, :, 1:]
+            rec[rows] = new[rows].to(rec.dtype)
         return self._finish(core, z, x.dtype)

@@ -77,6 +77,10 @@ class EngineConfig:
                 "this many times a plain decode step: decode steps run between a prompt forward's layers "
                 "where decode is its own forward (CUDA graphs), else a step's prompt chunk is sized for it "
                 "(0: no limit, prompts get --max-step-tokens)"})
+    decode_overlap: bool = field(default=False, metadata={
+        "help": "decoding streams step on a second, high-priority CUDA stream while a prompt forward "
+                "runs, instead of between its layers (experts in VRAM, decode graphs; experimental, "
+                "not yet measured on a GPU)"})
     cuda_graphs: bool = field(default=True, metadata={
         "help": "replay decode steps from one CUDA graph per batch size (CUDA, experts in VRAM)"})
     allow_eager: bool = field(default=False, metadata={

@@ -25,6 +25,7 @@ from .budget import plan_memory
 from .decode_runner import DecodeRunner
 from .grammar import GrammarRunner
 from .interleave import MIN_PREFILL, Interleaver, affine_fit
+from .overlap import DecodeOverlap, eligible as overlap_eligible
 from .request import Request, TokenEvent
 from .sampler import SamplingParams, greedy_rows, sample, top_entries
 from .scheduler import Scheduler
@@ -81,6 +82,15 @@ class EngineLoop:
         # mirror written back at the end, so a decode step there would evict what the pass
         # reads and be forgotten (experts/stream.py)
         self.between = Interleaver(self.slowdown if not self.mixed and engine.prefill_stream is None else 0.0)
+        # or, with --decode-overlap, decode steps alongside the prompt forward (runtime/overlap.py)
+        self.overlap = None
+        if ecfg.decode_overlap:
+            why = overlap_eligible(engine, self.decode)
+            if why is None:
+                self.overlap = DecodeOverlap(engine.device)
+                self.mixed, self.between = False, Interleaver(0.0)  # decode is its own forward
+            else:
+                log.warning("--decode-overlap is off: %s", why)
         self._decode_s = None  # decode step time (EMA)
         self._costs: deque[tuple[int, float]] = deque(maxlen=32)  # (tokens, seconds) of recent forwards
         self._lock = threading.Lock()  # the scheduler's queues are shared with the submitting thread
@@ -124,12 +134,13 @@ class EngineLoop:
         return {**self.engine.describe(), "context": self.max_len, "decode_path": self.decode.path,
                 "eager_reason": self.eager_reason, "max_batch": self.state.slots,
                 "max_step_tokens": self.sched.step_tokens, "prefix_cache": self.cache is not None,
-                "decode_between_layers": self.between.enabled,
+                "decode_between_layers": self.between.enabled, "decode_overlap": self.overlap is not None,
                 "memory_plan": self.plan.to_dict()}
 
     def stats(self) -> dict:
         out = {**self.kv.stats(), **(self.cache.stats() if self.cache is not None else {}),
-               "decode_steps_between_layers": self.between.steps}
+               "decode_steps_between_layers": self.between.steps,
+               "decode_steps_alongside_prompts": self.overlap.steps if self.overlap is not None else 0}
         ex = self.engine.executor
         ps = self.engine.prefill_stream  # issue 11: passes by buffering, experts copied / in place / skipped
         if ps is not None:
@@ -174,7 +185,8 @@ class EngineLoop:
             groups, decode = groups[1:], []
         for group in groups:
             self._run(group, [])
-        if decode and groups and self.between.steps:  # rows may have decoded (or finished) between layers
+        if decode and groups and (self.between.steps or self.overlap is not None):  # rows may have decoded
+            # (or finished) between the layers or alongside the prompt forward
             decode = self._prepare_decode([r for r in decode if r.finished_at is None and r.slot is not None])
         if decode:
             self._run([], decode)
@@ -187,7 +199,7 @@ class EngineLoop:
         fitted to the recent forwards: a rate alone would read the fixed part of small chunks
         as slowness and shrink the budget to nothing."""
         rows = sum(not r.prefilling for r in self.sched.running.values())
-        if not rows:
+        if not rows or self.overlap is not None:  # overlapped: streams decode while the prompt runs
             return None
         if self.between.enabled:  # streams decode between the layers: a chunk one layer of which fits the gap
             return self.between.budget(self._decode_s, self._costs, len(self.engine.model.layers))
@@ -282,15 +294,20 @@ class EngineLoop:
         else:  # [finishing, V] or None; decode steps may run between its layers
             self.between.tokens = sum(e - s for _, s, e in group)
             kw = {"between": self._between_layers} if self.between.enabled else {}
-            dec_logits, pre_logits = None, eng.prefill_batch(self.state, segs, **kw)
+            if self.overlap is not None:
+                dec_logits, pre_logits = None, self._prefill_alongside(segs)
+            else:
+                dec_logits, pre_logits = None, eng.prefill_batch(self.state, segs, **kw)
         # greedy rows are decided on the device: only the others copy their logits over
         # (constrained rows are masked first, on the device)
         picks, norms = self._device_picks(decode, dec_logits, [r.slot for r in decode]) if decode else ({}, None)
         host = dec_logits.cpu() if decode and (self.record_logits or len(picks) < len(decode)) else None
-        eng.sync()
+        worker = self.overlap is not None and self.overlap.in_worker
+        self.overlap.sync() if worker else eng.sync()
         dt, n_pre = time.perf_counter() - t0, sum(e - s for _, s, e in group)
         if decode:
-            if not group and not self.between.running:  # a step between layers waited for them too
+            # a step between layers waited for them too; one alongside a prompt shared the device
+            if not group and not self.between.running and not worker:
                 self._decode_s = dt if self._decode_s is None else (1 - EMA) * self._decode_s + EMA * dt
                 observe = getattr(eng.executor, "observe_step", None)
                 if observe is not None:  # the expert cache's adaptive split learns from real steps
@@ -341,6 +358,35 @@ class EngineLoop:
                     self.between.running = False
                 self.between.cycle(self._decode_s)
         self.between.layer_queued(i)
+
+    def _prefill_alongside(self, segs):
+        """The prompt forward with the decoding streams stepping on the worker meanwhile, until
+        the prompt's work is done on the device (runtime/overlap.py); requests that finished
+        on the worker are finished here, after it."""
+        ov = self.overlap
+        try:
+            with ov.alongside(self._overlap_step):
+                logits = self.engine.prefill_batch(self.state, segs)
+                if self.engine.device.type == "cuda":
+                    torch.cuda.current_stream(self.engine.device).synchronize()  # this stream only
+        finally:
+            done, ov.deferred = ov.deferred, []
+            for args in done:
+                self._finish(*args)
+        return logits
+
+    def _overlap_step(self) -> bool:
+        """On the worker: one decode step of the streams decoding now (False: none)."""
+        held = {id(r) for r, _, _ in self.overlap.deferred}
+        with self._lock:
+            rows = [r for r in self.sched.running.values()
+                    if not r.prefilling and not r.cancelled and r.finished_at is None and r.slot is not None
+                    and id(r) not in held]
+        rows = sorted((r for r in rows if self._grow_now(r)), key=lambda r: r.slot)
+        if not rows:
+            return False
+        self._run([], rows)
+        return True
 
     def _grow_now(self, req: Request) -> bool:
         try:
@@ -468,6 +514,9 @@ class EngineLoop:
             self._finish(req, reason)
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        if self.overlap is not None and self.overlap.in_worker:  # pages and prefix cache: after the
+            self.overlap.deferred.append((req, reason, error))  # prompt forward, on the loop's thread
+            return
         ok = error is None and reason != "error" and req.slot is not None
         try:
             # the pages hold K/V of tokens [0, computed) unless something failed midway

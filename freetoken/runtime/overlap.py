@@ -1,0 +1,105 @@
+"""Decode steps that run *while* a prompt forward runs, instead of between its layers.
+
+runtime/interleave.py bounds a decoding stream's gap by stopping the prompt for a decode step
+every few layers: on the H200 (full-size shape, 32k prompt, benchmarks/README.md) the p99 gap
+came to 2.19x the unloaded one, but the prompt took 2.9x as long, because every decode step
+and the layer it waited behind run one after the other. Here they run side by side: a worker
+thread replays the decode graphs on a high-priority CUDA stream, back to back, for as long as
+the prompt's forward runs on the main stream. A decode step at batch 1-8 leaves most of the
+device idle (it is bound by latency, not by compute or HBM), so the prompt loses little and a
+stream's gap is about one decode step under contention.
+
+Why it is safe: the decode step touches only the decoding rows' state. Rows that are not
+decoding (the prompt's own slot among them) are inactive in the graph: their K/V writes go to
+the scratch page, they route to no expert, and the recurrent-state kernels mask their stores
+(on the CPU the torch path writes the active rows only). The prompt forward writes only its
+own slot and pages, allocated before it starts. What the worker must not do meanwhile, it
+leaves to the main thread: it grows a row's KV only when a free page is at hand (no
+preemption: the victim could be the prompt in flight), and a request that finishes in it has
+its pages released after the forward (the prefix cache is not touched from two threads).
+The worker's steps wait for the main stream's work queued before the forward, and the main
+stream waits for the worker's before anything after it.
+
+Where: CUDA with decode graphs captured at start-up (a capture while another thread runs
+would fail), experts resident in VRAM (the C++ CPU executor and the expert cache's slots are
+one per process and not reentrant), no streamed prefill passes. Opt-in (--decode-overlap):
+not yet measured on the GPU machine. The CPU runs the same code for the tests (the torch
+expert path).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+
+import torch
+
+log = logging.getLogger("freetoken.serving")
+
+
+def eligible(engine, runner) -> str | None:
+    """None if decode steps can overlap a prompt forward with this engine, else why not."""
+    ex = engine.executor
+    backend = getattr(ex, "backend", None) if ex is not None else None
+    if getattr(engine, "prefill_stream", None) is not None:
+        return "prompts run as streamed passes (--moe cache)"
+    if engine.device.type == "cuda":
+        if runner.path != "cuda-graphs":
+            return "decode steps are not CUDA graphs"
+        if ex is not None and backend != "gpu-resident":
+            return f"the {backend} expert backend is not reentrant"
+    elif ex is not None and backend != "torch":
+        return f"the {backend} expert backend is not reentrant"
+    return None
+
+
+class DecodeOverlap:
+    """Runs `step()` (one decode step of the rows decoding now; False when there are none)
+    on a worker thread, back to back, while a prompt forward runs on the caller's thread."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        # high priority: its kernels are scheduled ahead of the prompt's as SMs free up
+        self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
+        self.local = threading.local()  # .worker: True on the worker thread
+        self.steps = 0  # decode steps run alongside a prompt forward (telemetry)
+        self.deferred: list = []  # (request, reason, error) finished on the worker
+
+    @property
+    def in_worker(self) -> bool:
+        return getattr(self.local, "worker", False)
+
+    def sync(self) -> None:
+        """The worker's own stream only (a device-wide sync would wait for the prompt too)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    @contextlib.contextmanager
+    def alongside(self, step):
+        """Within the block (the prompt forward), `step` runs repeatedly on the worker."""
+        stop = threading.Event()
+        errors: list[BaseException] = []
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))  # what came before
+
+        def work():
+            self.local.worker = True
+            ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+            try:
+                with ctx:
+                    while not stop.is_set() and step():
+                        self.steps += 1
+            except BaseException as e:  # noqa: BLE001 - raised on the caller's thread
+                errors.append(e)
+
+        worker = threading.Thread(target=work, name="ft-decode-overlap", daemon=True)
+        worker.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            worker.join()
+            if self.stream is not None:
+                torch.cuda.current_stream(self.device).wait_stream(self.stream)  # what comes after
+        if errors:
+            raise errors[0]

@@ -1,0 +1,90 @@
+"""Decode steps alongside a prompt forward (runtime/overlap.py, --decode-overlap): a worker thread
+steps the decoding streams while the loop's thread runs the prompt, on the CPU here (the same
+code as on the GPU, with the torch expert path). The streams and the prompts get exactly the
+tokens they get without it, a stream that finishes on the worker is finished after the prompt
+forward, and engines where it would be unsafe refuse it with a reason."""
+import pytest
+import torch
+
+import hf_models
+from drive import drive, torch_experts
+from freetoken.runtime import overlap
+from freetoken.runtime.engine import Engine, EngineConfig
+from freetoken.runtime.request import Request, SamplingOptions
+from freetoken.runtime.serving import ServingEngine
+from freetoken.weights.convert import convert
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    d = tmp_path_factory.mktemp("overlap")
+    hf_models.save(hf_models.qwen3_5(47, num_hidden_layers=4, max_position_embeddings=1024), str(d / "hf"))
+    convert(str(d / "hf"), str(d / "m.ftw"), progress=False)
+    return str(d / "m.ftw")
+
+
+def engine(path, on: bool) -> Engine:
+    eng = Engine(path, EngineConfig(device="cpu", dtype="float32", prefill_chunk=32, decode_overlap=on))
+    return torch_experts(eng)
+
+
+def greedy(p, n):
+    return Request(list(p), SamplingOptions(temperature=0, max_tokens=n, ignore_eos=True))
+
+
+def serving(eng, step_tokens=96):
+    srv = ServingEngine(eng, max_batch=4, max_queue=8, start=False)
+    srv.sched.step_tokens = step_tokens  # a long prompt takes several steps of several chunks
+    srv.mixed = False  # decode rows in a forward of their own (graphs); overlap sets it too
+    return srv
+
+
+def test_streams_and_prompts_get_the_same_tokens_alongside(path):
+    g = torch.Generator().manual_seed(9)
+    vocab = 320
+    ps = [torch.randint(5, vocab, (n,), generator=g).tolist() for n in (21, 34, 300, 9)]
+    runs = {}
+    for on in (False, True):
+        srv = serving(engine(path, on))
+        assert srv.describe()["decode_overlap"] is on
+        # two streams decode; a 300-token prompt and a short one arrive while they do
+        reqs = drive(srv, [greedy(ps[0], 40), greedy(ps[1], 40), greedy(ps[2], 5), greedy(ps[3], 5)],
+                     arrive=[0, 0, 3, 4])
+        runs[on] = ([r.output_ids for r in reqs], [r.logprobs for r in reqs], srv.stats())
+        assert all(r.finish_reason == "length" for r in reqs)
+        assert not srv.sched.running and srv.state.pages.used == 0
+    assert runs[True][2]["decode_steps_alongside_prompts"] > 0  # the streams did step on the worker
+    assert runs[False][2]["decode_steps_alongside_prompts"] == 0
+    assert runs[True][0] == runs[False][0]
+    for a, b in zip(runs[True][1], runs[False][1]):
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4  # fp32; decode batches differ in shape
+
+
+def test_a_stream_that_finishes_alongside_is_finished_after_the_prompt(path):
+    g = torch.Generator().manual_seed(10)
+    ps = [torch.randint(5, 320, (n,), generator=g).tolist() for n in (12, 400)]
+    ref = drive(serving(engine(path, False)), [greedy(ps[0], 6), greedy(ps[1], 2)], arrive=[0, 2])
+    srv = serving(engine(path, True), step_tokens=400)  # the long prompt in one step: the stream ends in it
+    finished_during = []
+    real = srv._prefill_alongside
+
+    def spy(segs):
+        out = real(segs)
+        finished_during.append(srv.stats()["decode_steps_alongside_prompts"])
+        return out
+    srv._prefill_alongside = spy
+    reqs = drive(srv, [greedy(ps[0], 6), greedy(ps[1], 2)], arrive=[0, 2])
+    assert [r.output_ids for r in reqs] == [r.output_ids for r in ref]
+    assert len(reqs[0].output_ids) == 6 and reqs[0].finish_reason == "length"
+    assert finished_during and max(finished_during) > 0
+    assert srv.overlap.deferred == [] and not srv.sched.running and srv.state.pages.used == 0
+
+
+def test_engines_where_it_is_unsafe_refuse_it(path, caplog):
+    eng = Engine(path, EngineConfig(device="cpu", dtype="float32", decode_overlap=True))
+    if eng.executor is not None and eng.executor.backend == "torch":
+        pytest.skip("the C++ executor was not built: the experts are on the torch path")
+    srv = ServingEngine(eng, max_batch=2, max_queue=2, start=False)
+    assert srv.overlap is None and srv.describe()["decode_overlap"] is False
+    assert "--decode-overlap is off" in caplog.text and "not reentrant" in caplog.text
+    assert overlap.eligible(torch_experts(eng), srv.decode) is None
