@@ -88,3 +88,22 @@ def test_engines_where_it_is_unsafe_refuse_it(path, caplog):
     assert srv.overlap is None and srv.describe()["decode_overlap"] is False
     assert "--decode-overlap is off" in caplog.text and "not reentrant" in caplog.text
     assert overlap.eligible(torch_experts(eng), srv.decode) is None
+
+
+def test_eligibility_reasons():
+    """Models that keep a forward's data in state their layers share (GLM-DSA, DeepSeek-V4)
+    cannot run two eager forwards at once; streamed passes and non-reentrant experts refuse."""
+    from types import SimpleNamespace as NS
+    from freetoken.model.deepseek_v4 import DeepseekV4Model
+    from freetoken.model.glm_moe_dsa import GlmMoeDsaModel
+    runner = NS(path="eager")
+    eng = lambda model, backend="torch", stream=None: NS(  # noqa: E731
+        device=torch.device("cpu"), executor=NS(backend=backend), model=model, prefill_stream=stream)
+    plain = NS(layers=[], per_forward_state=False)
+    assert overlap.eligible(eng(plain), runner) is None
+    for cls in (GlmMoeDsaModel, DeepseekV4Model):
+        assert cls.per_forward_state
+        model = NS(layers=[], per_forward_state=cls.per_forward_state)
+        assert "layers share" in overlap.eligible(eng(model), runner)
+    assert "not reentrant" in overlap.eligible(eng(plain, "cpu"), runner)
+    assert "streamed passes" in overlap.eligible(eng(plain, stream=object()), runner)

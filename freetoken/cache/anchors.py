@@ -106,13 +106,14 @@ class CheckpointStore:
             self.hits += 1
         return best
 
-    def reserve(self, prefix: list[int]) -> int | None:
-        """A slot to save the state after `prefix` into (evicting the LRU one if full)."""
+    def reserve(self, prefix: list[int], evict: bool = True) -> int | None:
+        """A slot to save the state after `prefix` into (evicting the LRU one if full, unless
+        evict is False: then None)."""
         key = tuple(prefix)
         if key in self.entries:
             self.entries.move_to_end(key)
             return self.entries[key]
-        if self.capacity == 0:
+        if self.capacity == 0 or (not self.free and not evict):
             return None
         if not self.free:
             _, slot = self.entries.popitem(last=False)

@@ -84,9 +84,11 @@ class PrefixCache:
                 where[s] = c  # a later reservation that evicted an earlier one of these takes its slot
         return StateCapture(self, prompt, {c: s for s, c in where.items()}) if where else None
 
-    def save(self, prefix: list[int], slot: int) -> None:
-        """Checkpoint the recurrent state of `slot`, which has consumed exactly `prefix`."""
-        s = self.ckpt.reserve(prefix)
+    def save(self, prefix: list[int], slot: int, evict: bool = True) -> None:
+        """Checkpoint the recurrent state of `slot`, which has consumed exactly `prefix`.
+        evict False: only into a free checkpoint slot (a prompt forward in flight may be
+        writing the others: runtime/overlap.py)."""
+        s = self.ckpt.reserve(prefix, evict)
         if s is None:
             return
         for l in self.conv:

@@ -19,6 +19,9 @@ from .state import DecodeState
 class DecoderModel:
     one_centered_norm = False  # Qwen3.5 norms scale by (1 + w)
     gated_attention = False  # Qwen3.5 attention has a sigmoid output gate
+    # True where a forward keeps its data in Python state its layers share (GLM-DSA's indexer
+    # selections, DeepSeek-V4's token ids): two eager forwards at once would mix it
+    per_forward_state = False
 
     def __init__(self, cfg: ModelConfig, w: dict, executor, device, dtype, max_pos: int):
         self.cfg, self.device, self.dtype = cfg, device, dtype

@@ -66,6 +66,7 @@ class DeepseekV4MoE(DeepseekMoE):
 
 
 class DeepseekV4Model(DecoderModel):
+    per_forward_state = True  # self.ids: the running forward's tokens (runtime/overlap.py)
     def __init__(self, cfg: ModelConfig, w: dict, executor, device, dtype, max_pos: int):
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.embed = w["model.embed_tokens.weight"]

@@ -12,6 +12,7 @@ from .moe import DenseMLP
 
 
 class GlmMoeDsaModel(DecoderModel):
+    per_forward_state = True  # self.share: one forward's indexer selections (runtime/overlap.py)
     one_centered_norm = False
     gated_attention = False
 

@@ -502,8 +502,9 @@ class EngineLoop:
         if self.cache is not None:  # the state holds tokens [0, computed): checkpoint that boundary?
             seq = _Joined(req.prompt_ids, req.output_ids)  # no per-token copy of the whole context
             c = req.computed
-            if self.cache.positions(seq, c - 1, c):
-                self.cache.save(req.tokens(0, c), req.slot)
+            if self.cache.positions(seq, c - 1, c):  # alongside a prompt forward: no eviction (its
+                # capture may be writing the slot evicted)
+                self.cache.save(req.tokens(0, c), req.slot, evict=not (self.overlap and self.overlap.in_worker))
         reason = None
         if (not s.ignore_eos and tok in self.engine.eos_ids) or tok in s.stop_token_ids or complete:
             reason = "stop"  # complete: the grammar admits nothing more
@@ -515,7 +516,10 @@ class EngineLoop:
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
         if self.overlap is not None and self.overlap.in_worker:  # pages and prefix cache: after the
-            self.overlap.deferred.append((req, reason, error))  # prompt forward, on the loop's thread
+            if all(r is not req for r, _, _ in self.overlap.deferred):  # prompt forward, on the loop's thread
+                self.overlap.deferred.append((req, reason, error))
+            return
+        if req.finished_at is not None:  # already finished (a deferred finish met a later failure)
             return
         ok = error is None and reason != "error" and req.slot is not None
         try:

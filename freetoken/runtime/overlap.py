@@ -14,11 +14,15 @@ decoding (the prompt's own slot among them) are inactive in the graph: their K/V
 the scratch page, they route to no expert, and the recurrent-state kernels mask their stores
 (on the CPU the torch path writes the active rows only). The prompt forward writes only its
 own slot and pages, allocated before it starts. What the worker must not do meanwhile, it
-leaves to the main thread: it grows a row's KV only when a free page is at hand (no
-preemption: the victim could be the prompt in flight), and a request that finishes in it has
-its pages released after the forward (the prefix cache is not touched from two threads).
-The worker's steps wait for the main stream's work queued before the forward, and the main
-stream waits for the worker's before anything after it.
+leaves to the main thread: it grows a row's KV only when a page is at hand (no preemption:
+the victim could be the prompt in flight), and a request that finishes in it is finished after
+the forward (its pages and prefix handed to the cache on the loop's thread; its last token is
+streamed at once, its finish event waits for the prompt forward).
+Growing a row's KV may evict cached prefix pages, never one the prompt holds (held pages are
+not evictable); a recurrent-state checkpoint is saved on the worker only into a free
+checkpoint slot (evicting one could hand it the slot the prompt's capture is writing). The
+worker's steps wait for the main stream's work queued before the forward, and the main stream
+waits for the worker's before anything after it.
 
 Where: CUDA with decode graphs captured at start-up (a capture while another thread runs
 would fail), experts resident in VRAM (the C++ CPU executor and the expert cache's slots are
@@ -39,8 +43,11 @@ log = logging.getLogger("freetoken.serving")
 
 def eligible(engine, runner) -> str | None:
     """None if decode steps can overlap a prompt forward with this engine, else why not."""
+    from ..kernels import HAS_TRITON
+    from ..model.deltanet import GatedDeltaNet
     ex = engine.executor
     backend = getattr(ex, "backend", None) if ex is not None else None
+    model = engine.model
     if getattr(engine, "prefill_stream", None) is not None:
         return "prompts run as streamed passes (--moe cache)"
     if engine.device.type == "cuda":
@@ -48,8 +55,15 @@ def eligible(engine, runner) -> str | None:
             return "decode steps are not CUDA graphs"
         if ex is not None and backend != "gpu-resident":
             return f"the {backend} expert backend is not reentrant"
-    elif ex is not None and backend != "torch":
-        return f"the {backend} expert backend is not reentrant"
+        # the torch fallback of a DeltaNet decode writes every row back (torch.where, no sync in
+        # a graph), the prompt's slot among them: only the Triton kernels mask inactive rows
+        if any(isinstance(m, GatedDeltaNet) and not (m.fusable and HAS_TRITON) for m, *_ in model.layers):
+            return "a DeltaNet layer decodes on its torch path, which rewrites idle rows' state"
+    else:
+        if ex is not None and backend != "torch":
+            return f"the {backend} expert backend is not reentrant"
+        if getattr(model, "per_forward_state", False):  # eager decode runs that Python too
+            return f"{type(model).__name__} keeps a forward's data in state its layers share"
     return None
 
 
@@ -64,6 +78,7 @@ class DecodeOverlap:
         self.local = threading.local()  # .worker: True on the worker thread
         self.steps = 0  # decode steps run alongside a prompt forward (telemetry)
         self.deferred: list = []  # (request, reason, error) finished on the worker
+        self.failures = 0  # worker loops ended by an unexpected error (logged)
 
     @property
     def in_worker(self) -> bool:
@@ -89,8 +104,9 @@ class DecodeOverlap:
                 with ctx:
                     while not stop.is_set() and step():
                         self.steps += 1
-            except BaseException as e:  # noqa: BLE001 - raised on the caller's thread
-                errors.append(e)
+            except Exception:  # noqa: BLE001 - _run fails its own rows; anything else is a bug
+                log.exception("a decode step alongside a prompt forward failed; the streams decode after it")
+                errors.append(True)
 
         worker = threading.Thread(target=work, name="ft-decode-overlap", daemon=True)
         worker.start()
@@ -101,5 +117,4 @@ class DecodeOverlap:
             worker.join()
             if self.stream is not None:
                 torch.cuda.current_stream(self.device).wait_stream(self.stream)  # what comes after
-        if errors:
-            raise errors[0]
+        self.failures += len(errors)  # not the prompt's fault: it is not failed for it
