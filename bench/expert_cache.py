@@ -227,6 +227,8 @@ def run_config(mc, w, ex, dev, batch: int, tokens: int, warmup: int, routes, pro
         row["cpu_branch_signal"] = after.get("cpu_branch_signal")
     if getattr(inner, "tuner", None) is not None:
         row["fill_share_chosen"] = inner.tuner.share
+        # the climb's probes at this batch size: (r, median ms of a step) in the order taken
+        row["fill_share_probes"] = [(r, round(s * 1e3, 3)) for b, r, s in inner.tuner.history if b == batch]
     if "hits" in after:
         d = {k: after[k] - before[k] for k in ("hits", "fills", "cpu_experts")}
         seen = d["hits"] + d["fills"] + d["cpu_experts"]

@@ -184,6 +184,8 @@ def test_share_tuner_finds_the_fastest_split():
     for _ in range(200):
         plateau.observe(1, {1.0: 0.010, 0.9: 0.010, 0.8: 0.008}.get(plateau.share, 0.012))
     assert plateau.share == 0.8 and not plateau.climbing
+    # each probe recorded: fill-only, the tie at 0.9, 0.8, then 0.7 (slower) and one more before settling
+    assert [(b, r) for b, r, _ in plateau.history] == [(1, 1.0), (1, 0.9), (1, 0.8), (1, 0.7), (1, 0.6)]
     slow = ShareTuner(probe=10, settle=2, hold=5)  # the CPU never helps: stays fill-only
     for _ in range(80):
         slow.observe(1, 0.010 if slow.share == 1.0 else 0.020)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+from collections import deque
 
 log = logging.getLogger("freetoken.experts")
 
@@ -57,6 +58,7 @@ class _Climb:
         if len(self.samples) < t.probe:
             return
         med = statistics.median(self.samples[t.settle:])  # a one-off slow step (a capture) does not move it
+        t.history.append((batch, t.cands[self.cur], med))
         if self.best is None or med < self.best[1] * (1 - t.margin):
             self.best, self.misses = (self.cur, med), 0
         else:
@@ -92,6 +94,7 @@ class ShareTuner:
         self.climbs: dict[int, _Climb] = {}
         self.batch: int | None = None
         self.decisions = 0
+        self.history: deque[tuple[int, float, float]] = deque(maxlen=256)  # (batch, r, median s) per probe
 
     @property
     def share(self) -> float:
