@@ -27,6 +27,7 @@ from freetoken.server.parser import FORMATS, OutputParser, merge
 from freetoken.server.template import DEEPSEEK_V4_TEMPLATE, QWEN3_TEMPLATE, ChatTemplate, ToolArgs
 from freetoken.server.tool_choice import call_format, call_grammar, forced_opening, parser_format, strict_grammar
 from freetoken.tokenizer import Tokenizer
+from test_structured_output import SCHEMAS, TOOLS  # the same two strict tools
 
 D = "｜DSML｜"
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
@@ -260,19 +261,6 @@ XML_TEMPLATE = QWEN3_TEMPLATE.replace(
     '<tool_call>\n<function={{ tc.function.name }}>\n{% for k, v in tc.function.arguments.items() %}'
     '<parameter={{ k }}>\n{{ v if v is string else v | tojson }}\n</parameter>\n{% endfor %}</function>\n</tool_call>')
 
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
-                                         "days": {"type": "integer", "minimum": 1, "maximum": 7},
-                                         "unit": {"enum": ["celsius", "fahrenheit"]}},
-        "required": ["city", "days", "unit"], "additionalProperties": False}}},
-    {"type": "function", "function": {"name": "search", "strict": True, "parameters": {
-        "type": "object", "properties": {"query": {"type": "string", "maxLength": 8},
-                                         "exact": {"type": "boolean"},
-                                         "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
-        "required": ["query", "exact"], "additionalProperties": False}}},
-]
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
 def template(name: str) -> ChatTemplate:

@@ -303,7 +303,10 @@ class EngineLoop:
         picks, norms = self._device_picks(decode, dec_logits, [r.slot for r in decode]) if decode else ({}, None)
         host = dec_logits.cpu() if decode and (self.record_logits or len(picks) < len(decode)) else None
         worker = self.overlap is not None and self.overlap.in_worker
-        self.overlap.sync() if worker else eng.sync()
+        if worker:
+            self.overlap.sync()  # its own stream: a device-wide sync would wait for the prompt too
+        else:
+            eng.sync()
         dt, n_pre = time.perf_counter() - t0, sum(e - s for _, s, e in group)
         if decode:
             # a step between layers waited for them too; one alongside a prompt shared the device
