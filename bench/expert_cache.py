@@ -238,6 +238,44 @@ def run_config(mc, w, ex, dev, batch: int, tokens: int, warmup: int, routes, pro
     return row
 
 
+def side_by_side(a, cfg, mc, w, gu, dn, res) -> dict:
+    """llama.cpp on the same weights, before our rows (nothing of ours runs meanwhile):
+    {(threads, capacity, resident): tok/s}; res gains the runs and the export/build times."""
+    from pathlib import Path
+
+    from bench import llamacpp
+    out = {}
+    try:
+        t0 = time.perf_counter()
+        binary = llamacpp.build(llamacpp.source(), Path(a.llamacpp_build), cuda=True)
+        res["llamacpp_build_s"] = round(time.perf_counter() - t0, 1)
+        t0 = time.perf_counter()
+        tensors = dict(w)
+        e = mc.num_experts
+        for j, l in enumerate(mc.moe_layers):  # the banks' rows of layer l, as published (fused)
+            tensors[f"model.layers.{l}.mlp.experts.gate_up_proj"] = gu[j * e:(j + 1) * e]  # [E, 2I, H]
+            tensors[f"model.layers.{l}.mlp.experts.down_proj"] = dn[j * e:(j + 1) * e]  # [E, H, I]
+        gguf = llamacpp.export_gguf(cfg, tensors, Path(a.gguf), llamacpp.source())
+        res["gguf_export_s"] = round(time.perf_counter() - t0, 1)
+        layers = len(mc.moe_layers)
+        runs = []
+        threads = sorted({int(t) for t in a.threads.split(",")})
+        plans = [(t, a.capacity, False) for t in threads] if {"cache", "split", "fill-only"} & set(a.modes.split(",")) else []
+        plans += [(t, 0.0, False) for t in threads] if "cpu-only" in a.modes else []
+        plans += [(None, 1.0, True)] if "resident" in a.modes else []
+        for t, cap, resident in plans:
+            ncmoe = 0 if resident else llamacpp.n_cpu_moe_for(cap, layers)
+            r = llamacpp.bench_decode(binary, gguf, threads=t or max(threads), n_cpu_moe=ncmoe, n_gen=a.tokens)
+            runs.append(dict(r, capacity=cap))
+            out[(t, None if resident else cap, resident)] = r["tok_s"]
+            print("llama.cpp", runs[-1], flush=True)
+        res["llamacpp"] = runs
+    except Exception as e:  # our rows still run
+        res["llamacpp_error"] = f"{type(e).__name__}: {e}"[:600]
+        print("llama.cpp side by side failed:", res["llamacpp_error"], flush=True)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="qwen36", choices=sorted(SHAPES))
@@ -253,6 +291,11 @@ def main():
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=48)
     ap.add_argument("--name", default="expert_cache", help="result file name (before -gpu.json)")
+    ap.add_argument("--llamacpp", action="store_true", help="llama.cpp side by side (bench/llamacpp.py): build it "
+                    "from .llama/ if needed, write the same weights as a GGUF, time llama-bench at each thread count "
+                    "with -ncmoe giving it the same share of the experts in VRAM; fills llamacpp_tok_s of batch-1 rows")
+    ap.add_argument("--llamacpp-build", default="/tmp/ft-llama-build", help="llama.cpp CUDA build folder (reused)")
+    ap.add_argument("--gguf", default="/tmp/ft-expert-cache.gguf", help="where the GGUF of the slice is written")
     ap.add_argument("--trace", action="store_true", help="save a profiler timeline of 3 steps per row ($OUT or "
                     "benchmarks/results, trace-<mode>-<r>-b<batch>-t<threads>.json)")
     a = ap.parse_args()
@@ -271,6 +314,7 @@ def main():
            "pool_gb": round(gu.shape[0] * expert_bytes / 1e9, 2), "expert_mb": round(expert_bytes / 1e6, 2),
            "capacity": a.capacity, "slots": slots, "policy": a.policy, "routing": a.routing,
            "setup_s": round(time.perf_counter() - t0, 1), **measure_bp(gu, dn, dev), "runs": []}
+    llama = side_by_side(a, cfg, mc, w, gu, dn, res) if a.llamacpp else {}
     from freetoken.experts.cpu import CpuExpertExecutor
     resident = None
     for batch in [int(b) for b in a.batch.split(",")]:
@@ -313,7 +357,9 @@ def main():
                         row["floor_ms"] = round(resident + miss / (bw * 1e9) * 1e3, 3)
                         row["floor_tok_s"] = round(batch / row["floor_ms"] * 1e3, 1)
                         row["of_floor"] = round(row["floor_ms"] / row["ms_per_step"], 3)
-                    row["llamacpp_tok_s"] = None  # not run in this call (see benchmarks/README.md)
+                    # llama.cpp's equivalent: same threads, same share of the experts in VRAM, batch 1
+                    row["llamacpp_tok_s"] = llama.get((threads or None, row["capacity"] if mode != "cpu-only" else 0.0,
+                                                       mode == "resident")) if batch == 1 else None
                     print(row, flush=True)
                     res["runs"].append(row)
                     del ex

@@ -1,0 +1,221 @@
+"""llama.cpp side by side, on the same machine and the same weights.
+
+llama.cpp is built from the source vendored in the llama-cpp-python sdist (`bench/fetch_llamacpp.sh`
+puts a stripped copy in the git-ignored .llama/, which the device tool carries); the weights a
+benchmark made in memory are written as a GGUF by llama.cpp's own converter (its
+`conversion` package, fed our tensors under their published transformers names instead of
+reading safetensors files), and decode is timed with `llama-bench`.
+
+Used by bench.expert_cache (`--llamacpp`) to fill each row's `llamacpp_tok_s`; run alone it
+checks the export on a tiny random model: llama.cpp's logits against FreeToken's engine on the
+same weights and tokens (CPU build):
+    python -m bench.llamacpp --check [--build-dir .llama/build-cpu]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(".llama")
+
+
+def source(root: Path = ROOT) -> Path:
+    """The llama.cpp source tree, unpacked from .llama/llama.cpp.tar.xz on first use."""
+    src = root / "llama.cpp"
+    if not (src / "CMakeLists.txt").exists():
+        tar = root / "llama.cpp.tar.xz"
+        if not tar.exists():
+            raise SystemExit(f"no llama.cpp source in {root}/: run `bash bench/fetch_llamacpp.sh` from the repo root first")
+        with tarfile.open(tar) as t:
+            t.extractall(root)
+    return src
+
+
+def build(src: Path, out: Path, cuda: bool, jobs: int | None = None, log=None, shared: bool | None = None) -> Path:
+    """llama-bench (and its libraries) built into `out` once; the path of the binary.
+    CUDA builds target sm_90 only (the H200): one architecture keeps the build to minutes; they
+    link llama.cpp statically (one file to bring back from the GPU machine). The CPU build is
+    shared: --check loads libllama.so through ctypes."""
+    shared = (not cuda) if shared is None else shared
+    binary = out / "bin" / "llama-bench"
+    if binary.exists():
+        return binary
+    cfg = ["cmake", "-S", str(src), "-B", str(out), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_OPENSSL=OFF",
+           "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+           "-DLLAMA_BUILD_APP=OFF", "-DGGML_NATIVE=ON", f"-DGGML_CUDA={'ON' if cuda else 'OFF'}",
+           f"-DBUILD_SHARED_LIBS={'ON' if shared else 'OFF'}"]
+    if cuda:
+        cfg.append("-DCMAKE_CUDA_ARCHITECTURES=90")
+    t0 = time.perf_counter()
+    subprocess.run(cfg, check=True, stdout=log, stderr=subprocess.STDOUT)
+    subprocess.run(["cmake", "--build", str(out), "--target", "llama-bench", "-j", str(jobs or os.cpu_count())],
+                   check=True, stdout=log, stderr=subprocess.STDOUT)
+    print(f"llama.cpp built in {time.perf_counter() - t0:.0f} s: {binary}", flush=True)
+    return binary
+
+
+def _converter(src: Path):
+    """llama.cpp's converter package (and the gguf-py it was written against)."""
+    for p in (src / "gguf-py", src):
+        if str(p) not in sys.path:
+            sys.path.insert(0, str(p))
+    import gguf
+    from conversion import get_model_class
+    from conversion.base import LazyTorchTensor
+    return gguf, get_model_class, LazyTorchTensor
+
+
+def export_gguf(config: dict, tensors: dict[str, torch.Tensor], out: Path, src: Path) -> Path:
+    """Write `tensors` (transformers names and layouts, as published; any device) as a BF16 GGUF
+    with llama.cpp's converter for config["architectures"][0]. The converter streams: each
+    tensor is moved to the CPU, transformed and written one at a time. No tokenizer: the file
+    says `none` with vocab_size dummy tokens, which is all llama-bench needs."""
+    gguf, get_model_class, Lazy = _converter(src)
+    base = get_model_class(config["architectures"][0])
+
+    class FromMemory(base):  # type: ignore[misc, valid-type]
+        model_arch = base.model_arch
+        no_mtp = True  # a benchmark slice has no multi-token-prediction head
+
+        def index_tensors(self, remote_hf_model_id=None):
+            type(self)._original_block_count = self.hparams["num_hidden_layers"]  # read by Qwen's name filter
+            items = ((n, lambda t=t: Lazy.from_eager(t.detach().to("cpu"))) for n, t in tensors.items())
+            return dict(it for it in map(self.filter_tensors, items) if it is not None)
+
+        def set_vocab(self):
+            self.gguf_writer.add_tokenizer_model("none")
+            self.gguf_writer.add_vocab_size(self.hparams["vocab_size"])
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as d:  # the converter looks for model-card files here
+        (Path(d) / "config.json").write_text(json.dumps(config))
+        model = FromMemory(Path(d), gguf.LlamaFileType.MOSTLY_BF16, out, hparams=dict(config))
+        model.write()
+    return out
+
+
+def bench_decode(binary: Path, model: Path, *, threads: int, n_cpu_moe: int, n_gen: int = 64,
+                 reps: int = 3, gpu: bool = True) -> dict:
+    """llama-bench decode (tg, batch 1) with the experts of the first n_cpu_moe layers kept on
+    the CPU (`-ncmoe`): tok/s mean and standard deviation over `reps` runs."""
+    cmd = [str(binary), "-m", str(model), "-p", "0", "-n", str(n_gen), "-r", str(reps), "-t", str(threads),
+           "-ngl", "99" if gpu else "0", "-fa", "1" if gpu else "0", "-o", "json"]
+    if gpu:
+        cmd += ["-ncmoe", str(n_cpu_moe)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if p.returncode != 0:
+        raise RuntimeError(f"llama-bench failed ({p.returncode}): {p.stderr[-600:]}")
+    row = json.loads(p.stdout)[0]
+    return {"tok_s": round(row["avg_ts"], 1), "stddev": round(row["stddev_ts"], 1), "threads": threads,
+            "n_cpu_moe": n_cpu_moe if gpu else None, "command": " ".join(cmd[1:])}
+
+
+def n_cpu_moe_for(capacity: float, layers: int) -> int:
+    """The `-ncmoe` giving llama.cpp the same share of the experts in VRAM as a cache of
+    `capacity` (llama.cpp keeps whole layers' experts on the CPU)."""
+    return max(0, min(layers, round(layers * (1.0 - capacity))))
+
+
+# ------------------------------------------------------------------ export check (tiny model)
+
+TINY = {
+    "architectures": ["Qwen3_5MoeForCausalLM"], "vocab_size": 512, "hidden_size": 256,
+    "num_hidden_layers": 4, "full_attention_interval": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 64, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+    "linear_key_head_dim": 32, "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4,
+    "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+    "shared_expert_intermediate_size": 128, "max_position_embeddings": 4096,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    "tie_word_embeddings": False, "rms_norm_eps": 1e-6,
+}
+
+
+def llama_logits(lib_dir: Path, model: Path, tokens: list[int], n_vocab: int) -> torch.Tensor:
+    """Logits of every position from libllama through llama-cpp-python's ctypes bindings (the
+    sdist's `llama_cpp` package, pointed at our build with LLAMA_CPP_LIB_PATH)."""
+    os.environ["LLAMA_CPP_LIB_PATH"] = str(lib_dir)
+    sys.path.insert(0, str(ROOT / "llama_cpp_python"))
+    import types
+    sys.modules.setdefault("diskcache", types.ModuleType("diskcache"))  # only its high-level cache imports it
+    import llama_cpp.llama_cpp as ll
+    ll.llama_backend_init()
+    mp = ll.llama_model_default_params()
+    mp.n_gpu_layers = 0
+    m = ll.llama_model_load_from_file(str(model).encode(), mp)
+    if not m:
+        raise RuntimeError(f"llama.cpp could not load {model}")
+    cp = ll.llama_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_threads, cp.n_threads_batch = 256, 256, 256, 2, 2
+    ctx = ll.llama_init_from_model(m, cp)
+    b = ll.llama_batch_init(len(tokens), 0, 1)
+    for i, t in enumerate(tokens):
+        b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = t, i, 1, True
+        b.seq_id[i][0] = 0
+    b.n_tokens = len(tokens)
+    if ll.llama_decode(ctx, b) != 0:
+        raise RuntimeError("llama_decode failed")
+    out = torch.tensor([[ll.llama_get_logits_ith(ctx, i)[j] for j in range(n_vocab)] for i in range(len(tokens))])
+    ll.llama_batch_free(b)
+    ll.llama_free(ctx)
+    ll.llama_model_free(m)
+    return out  # [T, V]
+
+
+def check(build_dir: Path) -> dict:
+    """A tiny random Qwen3.5-MoE: FreeToken's prefill logits against llama.cpp's (CPU) on the
+    GGUF written by export_gguf from the same tensors."""
+    from freetoken.config import ModelConfig
+    from freetoken.demo import random_tensor, weight_shapes
+    from freetoken.experts.executor import TorchExpertExecutor
+    from freetoken.model.registry import model_class
+    from freetoken.model.state import DecodeState
+    src = source()
+    mc = ModelConfig.from_hf(TINY)
+    g = torch.Generator().manual_seed(0)
+    w = {n: random_tensor(n, s, g, embed_std=0.5) for n, s in weight_shapes(mc).items()}
+    with tempfile.TemporaryDirectory() as d:
+        path = export_gguf(TINY, w, Path(d) / "tiny.gguf", src)
+        w = {n: t.float() for n, t in w.items()}  # ours in FP32 on the same BF16 values
+        gu = torch.cat([w.pop(f"model.layers.{l}.mlp.experts.gate_up_proj") for l in mc.moe_layers])  # [N, 2I, H]
+        dn = torch.cat([w.pop(f"model.layers.{l}.mlp.experts.down_proj") for l in mc.moe_layers])  # [N, H, I]
+        ex = TorchExpertExecutor(gu, dn, layer_experts=mc.num_experts)
+        model = model_class(mc.arch)(mc, w, ex, torch.device("cpu"), torch.float32, 256)
+        tokens = torch.randint(0, TINY["vocab_size"], (24,), generator=g)
+        st = DecodeState(mc, 1, 64, torch.device("cpu"), torch.float32)
+        st.reserve(0, 64)
+        ours = model.prefill(tokens, st, 0, 0, all_logits=True).float()  # [T, V]
+        theirs = llama_logits(build_dir / "bin", path, tokens.tolist(), TINY["vocab_size"])
+    per_pos = (ours - theirs).abs().max(-1).values  # [T]
+    agree = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
+    # llama.cpp's BF16 dot products round the activations to BF16 too: ~0.03 of a 3.7 logit
+    # scale; a position whose top-8 choice flips on that rounding differs more
+    return {"median_pos_max_abs_diff": round(per_pos.median().item(), 4), "max_abs_diff": round(per_pos.max().item(), 4),
+            "logit_scale": round(ours.abs().max().item(), 3), "argmax_agreement": round(agree, 3)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="compare llama.cpp's logits with ours on a tiny model")
+    ap.add_argument("--build-dir", default=str(ROOT / "build-cpu"))
+    ap.add_argument("--build-only", action="store_true", help="build llama-bench and stop")
+    ap.add_argument("--cuda", action="store_true")
+    ap.add_argument("--jobs", type=int, default=None)
+    a = ap.parse_args()
+    binary = build(source(), Path(a.build_dir), a.cuda, a.jobs)
+    if a.check:
+        print(check(Path(a.build_dir)))
+    elif not a.build_only:
+        print(binary)
+
+
+if __name__ == "__main__":
+    main()
