@@ -19,6 +19,12 @@ shape must be the model's: `--shape mixtral` for the Mixtral-8x7B traces), or
 `synthetic[:key=value,...]` (SYNTHETIC skewed routing, labelled so). Replayed routes replace
 the router's ids (its gate weights are kept); the tokens still come from the model.
 
+`--llamacpp`: llama.cpp side by side (bench/llamacpp.py), before our rows: the same weights
+written as a GGUF by llama.cpp's own converter, llama-bench decode (batch 1) at each thread count
+with `-ncmoe` keeping the experts of round(L x (1 - capacity)) layers on the CPU (the same share
+of experts in VRAM as the cache), all of them (cpu-only) and none (resident); each batch-1 row's
+`llamacpp_tok_s` is its equivalent's. llama.cpp's source: bash bench/fetch_llamacpp.sh.
+
 Also measured in the same run: B_P, expert-sized copies from pinned host banks into slots
 (the fused kernel, and one copy-engine copy per expert), and B_H, the CPU executor's read rate
 on the model's expert shape at each thread count; the analytic floor of each row is the
@@ -316,7 +322,7 @@ def main():
            "setup_s": round(time.perf_counter() - t0, 1), **measure_bp(gu, dn, dev), "runs": []}
     llama = side_by_side(a, cfg, mc, w, gu, dn, res) if a.llamacpp else {}
     from freetoken.experts.cpu import CpuExpertExecutor
-    resident = None
+    resident = {}  # batch -> resident ms per step
     for batch in [int(b) for b in a.batch.split(",")]:
         routes, rinfo = replay_steps(a.routing, mc, batch, dev, SHAPES[a.shape]["num_hidden_layers"])
         res["routing_trace"] = rinfo
@@ -350,13 +356,7 @@ def main():
                     except Exception as e:  # one failed configuration does not lose the others
                         row["error"] = f"{type(e).__name__}: {e}"[:300]
                     if mode == "resident":
-                        resident = row.get("ms_per_step")
-                    if resident and "miss_rate" in row:
-                        bw = res["bp_kernel_gbs"] + (res[f"bh_{threads}_gbs"] if mode in ("cache", "split") else 0)
-                        miss = (row["fills_per_step"] + row["cpu_experts_per_step"]) * expert_bytes
-                        row["floor_ms"] = round(resident + miss / (bw * 1e9) * 1e3, 3)
-                        row["floor_tok_s"] = round(batch / row["floor_ms"] * 1e3, 1)
-                        row["of_floor"] = round(row["floor_ms"] / row["ms_per_step"], 3)
+                        resident[batch] = row.get("ms_per_step")
                     # llama.cpp's equivalent: same threads, same share of the experts in VRAM, batch 1
                     row["llamacpp_tok_s"] = llama.get((threads or None, row["capacity"] if mode != "cpu-only" else 0.0,
                                                        mode == "resident")) if batch == 1 else None
@@ -364,6 +364,13 @@ def main():
                     res["runs"].append(row)
                     del ex
                     torch.cuda.empty_cache()
+    for row in res["runs"]:  # the analytic floor, once the resident step of the batch size is known
+        if resident.get(row["batch"]) and "miss_rate" in row:
+            bw = res["bp_kernel_gbs"] + (res[f"bh_{row['threads']}_gbs"] if row["mode"] in ("cache", "split") else 0)
+            miss = (row["fills_per_step"] + row["cpu_experts_per_step"]) * expert_bytes
+            row["floor_ms"] = round(resident[row["batch"]] + miss / (bw * 1e9) * 1e3, 3)
+            row["floor_tok_s"] = round(row["batch"] / row["floor_ms"] * 1e3, 1)
+            row["of_floor"] = round(row["floor_ms"] / row["ms_per_step"], 3)
     write_result(a.name, res)
 
 

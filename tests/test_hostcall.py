@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from freetoken.experts.cpu import CpuExpertExecutor, extension
-from freetoken.experts.cpu.hostcall import _Desc
+from freetoken.experts.cpu.hostcall import _Desc, bank_fields
 from freetoken.experts.executor import Activation
 
 pytestmark = pytest.mark.skipif(extension() is None, reason="the C++ executor could not be built")
@@ -20,10 +20,9 @@ def call(cpu, x, ids, w):
     t, k = ids.shape
     out = torch.full((t, x.shape[1]), float("nan"))
     xf, il, wf = x.float().contiguous(), ids.long().contiguous(), w.float().contiguous()
-    d = _Desc(executor=extension().executor_address(cpu.handle), x=xf.data_ptr(), ids=il.data_ptr(), w=wf.data_ptr(), out=out.data_ptr(),
-              gate_up=cpu.gate_up.data_ptr(), down=cpu.down.data_ptr(), n=cpu.gate_up.shape[0], T=t, K=k,
-              H=x.shape[1], I=cpu.down.shape[2], bank_bf16=int(cpu.gate_up.dtype == torch.bfloat16),
-              bf16_act=int(x.dtype == torch.bfloat16), error=0, calls=0, busy_ns=0, **cpu.host_fn_fields())
+    d = _Desc(executor=extension().executor_address(cpu.handle), x=xf.data_ptr(), ids=il.data_ptr(), w=wf.data_ptr(),
+              out=out.data_ptr(), T=t, K=k, H=x.shape[1], bf16_act=int(x.dtype == torch.bfloat16), error=0, calls=0,
+              busy_ns=0, **bank_fields(cpu), **cpu.host_fn_fields())
     fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(extension().host_call_address())
     fn(ctypes.addressof(d))
     return out, d
@@ -54,6 +53,24 @@ def test_host_call_equals_forward(dtype, gpt_oss):
     ids[0, 0] = n  # out of range: flagged, nothing thrown across the caller, no stale result
     out, d = call(cpu, x, ids, w)
     assert d.error == 1 and d.calls == 0 and float(out.abs().max()) == 0.0
+
+
+@pytest.mark.parametrize("fmt", ["fp8_block", "mxfp4", "nvfp4"])
+def test_host_call_runs_quantized_banks(fmt):
+    """Quantized banks through the descriptor (its QPair): forward_q's result, so a quantized
+    model's CPU branch can run inside a decode graph too."""
+    from tests.test_cpu_quantized import random_banks
+    n, h, i, t, k = 12, 256, 128, 2, 4
+    cpu = CpuExpertExecutor(random_banks(fmt, torch.bfloat16, n, h, i, seed=5), threads=2)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    ids = torch.randint(0, n, (t, k), generator=g)
+    ids[0, 1] = -1
+    w = torch.softmax(torch.randn(t, k, generator=g), -1)
+    out, d = call(cpu, x, ids, w)
+    assert d.error == 0 and d.calls == 1 and cpu.qbanks_address() == d.qbanks
+    assert torch.equal(out, cpu.kernel(x, ids, w))
+    assert float(out.abs().max()) > 0
 
 
 # ---------------------------------------------------------------- the doorbell (CPU side of it)

@@ -73,6 +73,19 @@ def _slot_bank(host, slots: int, device, dtype):
                    scale_2=None if host.scale_2 is None else alloc(host.scale_2, host.scale_2.dtype))
 
 
+SMALL_BANK = 16 << 20  # bytes: a bank under this is copied into pinned memory if it must be
+
+
+def _readable_in_place(h: torch.Tensor) -> torch.Tensor:
+    """h, or a pinned copy of it when the device cannot read it in place and it is small: pages
+    are registered whole, so a bank under a page or not page-aligned (a quantized model's
+    scale_2 bank is a few hundred bytes) stays unpinned, and one such bank would cost every
+    fill a sync and the decode step its CUDA graph. A large unpinned bank is left as it is."""
+    if zero_copy_ok(h) or h.numel() * h.element_size() > SMALL_BANK:
+        return h
+    return torch.empty(h.shape, dtype=h.dtype, pin_memory=True).copy_(h)
+
+
 class SlotPool:
     """`slots` complete experts (every bank's rows of one flat id) on `device`, and where each
     flat id lives (control.Residency). Banks: dense tensors (slots in the compute dtype) or
@@ -92,6 +105,8 @@ class SlotPool:
         # what a fill copies, host part -> slot part, every component of an expert
         self.banks_host = bank_parts(host_gate_up, host_down, gate_up_bias, down_bias)
         self.banks_slot = bank_parts(self.gate_up, self.down, self.gate_up_bias, self.down_bias)
+        if self.banks_slot[0].is_cuda:  # small banks that could not be registered where they lie
+            self.banks_host = [_readable_in_place(h) for h in self.banks_host]
         self.res = Residency.empty(n, slots, device)
         self.slot_bytes = sum(t[0].numel() * t.element_size() for t in self.banks_slot)
         # the fused zero-copy kernel reads pinned host banks in place from a CUDA device

@@ -15,6 +15,10 @@ Procedure (a hill climb from fill-only, re-checked periodically):
           more than MARGIN than the best so far; past one that is not, probe PATIENCE more
           (a candidate can tie its neighbour: with one or two misses per layer call, nearby
           shares move the same experts; and a probe is noisy), then keep the best measured;
+  confirm probe the best and its two neighbours once more and keep the one with the lowest
+          mean of its probes: one probe's median varies by several percent from run to run
+          (the cache's contents, the host), enough to stop a climb one candidate early or late
+          (measured on the H200 at 6 threads: a single unlucky probe at 0.5 left r at 0.6);
   hold    keep the best for HOLD steps, then probe its neighbours again (conditions drift).
 Samples are compared only within one batch size: each size climbs on its own (continuous
 batching changes the number of decoding rows every few steps).
@@ -45,13 +49,15 @@ class _Climb:
         self.held = 0
         self.climbing = True
         self.misses = 0  # probes in a row not better than the best
+        self.meds: dict[int, list[float]] = {}  # every probe's median, per candidate index
+        self.confirm: list[int] | None = None  # the confirmation round's candidates still to probe
 
     def observe(self, seconds: float, batch: int) -> None:
         t = self.t
         if not self.climbing:
             self.held += 1
             if self.held >= t.hold:  # re-check: climb again from the neighbour above (or the top)
-                self.climbing, self.best, self.misses = True, None, 0
+                self.climbing, self.best, self.misses, self.meds, self.confirm = True, None, 0, {}, None
                 self._go(max(0, self.cur - 1))
             return
         self.samples.append(seconds)
@@ -59,6 +65,13 @@ class _Climb:
             return
         med = statistics.median(self.samples[t.settle:])  # a one-off slow step (a capture) does not move it
         t.history.append((batch, t.cands[self.cur], med))
+        self.meds.setdefault(self.cur, []).append(med)
+        if self.confirm is not None:  # the confirmation round
+            if self.confirm:
+                self._go(self.confirm.pop(0))
+                return
+            i = min(self.meds, key=lambda j: statistics.fmean(self.meds[j]))
+            return self._decide(i, statistics.fmean(self.meds[i]), batch)
         if self.best is None or med < self.best[1] * (1 - t.margin):
             self.best, self.misses = (self.cur, med), 0
         else:
@@ -66,10 +79,18 @@ class _Climb:
         if self.cur + 1 < len(t.cands) and self.misses <= t.patience:
             self._go(self.cur + 1)
             return
-        i, m = self.best
+        b = self.best[0]
+        # the best and its measured neighbours once more, the best last (it is kept next)
+        self.confirm = [j for j in (b - 1, b + 1, b) if j in self.meds]
+        self.meds = {j: self.meds[j] for j in self.confirm}  # the decision is among these
+        self._go(self.confirm.pop(0))
+
+    def _decide(self, i: int, m: float, batch: int) -> None:
+        t = self.t
         self.climbing, self.held = False, 0
         t.decisions += 1
-        log.info("expert cache: fill share r=%.2f at batch %d (decode step %.2f ms)", t.cands[i], batch, m * 1e3)
+        log.info("expert cache: fill share r=%.2f at batch %d (decode step %.2f ms, mean of %d probes)",
+                 t.cands[i], batch, m * 1e3, len(self.meds[i]))
         self._go(i)
 
     def _go(self, i: int) -> None:

@@ -179,6 +179,16 @@ class CpuExpertExecutor(ExpertExecutor):
         return dict(act=activation.code, alpha=float(activation.alpha), limit=float(activation.limit),
                     gate_up_bias=host(gate_up_bias), down_bias=host(down_bias))
 
+    def qbanks_address(self) -> int:
+        """The C++ side's view of the quantized banks for host-call descriptors (made once, freed
+        with this executor, which keeps the bank tensors it points into alive)."""
+        if getattr(self, "_qbanks", None) is None:
+            import weakref
+            ext = extension()
+            self._qbanks = ext.qbanks_create(*self._qargs)
+            weakref.finalize(self, ext.qbanks_free, self._qbanks)
+        return self._qbanks
+
     def host_fn_fields(self) -> dict:
         """The expert function as the host-call descriptor's fields (hostcall.py's _Desc); the
         bias tensors stay alive with this executor."""

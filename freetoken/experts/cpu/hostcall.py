@@ -49,7 +49,9 @@ class _Desc(ctypes.Structure):  # moe_cpu.cpp's HostCall, field for field
                 ("busy_ns", ctypes.c_int64),
                 # the expert function (CpuExpertExecutor.host_fn_fields; zero: SiLU without biases)
                 ("gate_up_bias", ctypes.c_void_p), ("down_bias", ctypes.c_void_p), ("act", ctypes.c_int32),
-                ("bias_bf16", ctypes.c_int32), ("alpha", ctypes.c_float), ("limit", ctypes.c_float)]
+                ("bias_bf16", ctypes.c_int32), ("alpha", ctypes.c_float), ("limit", ctypes.c_float),
+                # quantized banks (CpuExpertExecutor.qbanks_address); null: gate_up / down above
+                ("qbanks", ctypes.c_void_p)]
 
 
 def zero_copy_staging() -> bool:
@@ -73,12 +75,12 @@ def _launcher():
 
 def host_branch_ok(cpu) -> bool:
     """Whether `cpu` (a CpuExpertExecutor) can run in stream order: CUDA, the C++ extension with
-    its host-call entry, float banks (the quantized kernels are not wired to it yet)."""
+    its host-call entry, bf16 / f32 banks or quantized ones (fp8_block, mxfp4, nvfp4)."""
     from . import extension
     ext = extension()
+    banks_ok = getattr(cpu, "quantized", False) or getattr(cpu.gate_up, "dtype", None) in (torch.bfloat16, torch.float32)
     return (torch.cuda.is_available() and ext is not None and hasattr(ext, "host_call_address")
-            and getattr(cpu, "handle", None) is not None and not getattr(cpu, "quantized", False)
-            and cpu.gate_up.dtype in (torch.bfloat16, torch.float32) and _launcher() is not None)
+            and getattr(cpu, "handle", None) is not None and banks_ok and _launcher() is not None)
 
 
 def call_buffers(cpu, executor: int, t: int, k: int, h: int, bf16_act: bool, pin: bool):
@@ -89,12 +91,20 @@ def call_buffers(cpu, executor: int, t: int, k: int, h: int, bf16_act: bool, pin
     ids = torch.full((t, k), -1, dtype=torch.int64, pin_memory=pin)  # [T, K]
     w = torch.zeros(t, k, dtype=torch.float32, pin_memory=pin)  # [T, K]
     out = torch.zeros(t, h, dtype=torch.float32, pin_memory=pin)  # [T, H]
-    gu, dn = cpu.gate_up, cpu.down
     d = _Desc(executor=executor, x=x.data_ptr(), ids=ids.data_ptr(), w=w.data_ptr(), out=out.data_ptr(),
-              gate_up=gu.data_ptr(), down=dn.data_ptr(), n=gu.shape[0], T=t, K=k, H=h, I=dn.shape[2],
-              bank_bf16=int(gu.dtype == torch.bfloat16), bf16_act=int(bf16_act), error=0, calls=0, busy_ns=0,
-              **cpu.host_fn_fields())
+              T=t, K=k, H=h, bf16_act=int(bf16_act), error=0, calls=0, busy_ns=0,
+              **bank_fields(cpu), **cpu.host_fn_fields())
     return x, ids, w, out, d
+
+
+def bank_fields(cpu) -> dict:
+    """The descriptor's bank fields for cpu's banks: float tensors by address, or quantized ones
+    through the QPair the executor keeps (shapes: QuantBank.shape is the float bank's)."""
+    gu, dn = cpu.gate_up, cpu.down
+    if getattr(cpu, "quantized", False):
+        return dict(gate_up=None, down=None, qbanks=cpu.qbanks_address(), n=gu.shape[0], I=dn.shape[2], bank_bf16=0)
+    return dict(gate_up=gu.data_ptr(), down=dn.data_ptr(), qbanks=None, n=gu.shape[0], I=dn.shape[2],
+                bank_bf16=int(gu.dtype == torch.bfloat16))
 
 
 def branch_signal() -> tuple[str, bool]:

@@ -155,12 +155,26 @@ __attribute__((target("avx512f"))) inline __m512 load16(const uint16_t* p) {
   __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
 }
+// next: the 4-row block (same stride) this thread reads after this one, or null. Its lines are
+// prefetched in step with the ones being read: each row is one 4 KiB page of a 2048-wide bf16
+// bank, where the hardware prefetchers stop, so without this every row starts cold.
+// FREETOKEN_CPU_PREFETCH=0 turns it off (for an A/B run of bench/cpu_experts.py in one call).
+static const bool g_block_prefetch = [] {
+  const char* v = std::getenv("FREETOKEN_CPU_PREFETCH");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}();
+template <typename W>
+inline void prefetch4(const W* next, int64_t stride, int i) {
+  if (next && g_block_prefetch)
+    for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + j * stride + i), _MM_HINT_T0);
+}
 template <typename W>
 __attribute__((target("avx512f"))) void dot4_avx512(const W* w, int64_t stride, const float* x, int len,
-                                                    float* out) {
+                                                    float* out, const W* next = nullptr) {
   __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   int i = 0;
   for (; i + 16 <= len; i += 16) {
+    if (sizeof(W) == 4 || (i & 31) == 0) prefetch4(next, stride, i);  // one line per row
     __m512 xv = _mm512_loadu_ps(x + i);
     a0 = _mm512_fmadd_ps(load16(w + i), xv, a0);
     a1 = _mm512_fmadd_ps(load16(w + stride + i), xv, a1);
@@ -176,10 +190,12 @@ __attribute__((target("avx512f"))) void dot4_avx512(const W* w, int64_t stride, 
 // BF16 x BF16 -> FP32 with VDPBF16PS: 32 products per instruction, no conversions.
 // xb is the activation row already in bf16 (exact when the model runs in bf16).
 __attribute__((target("avx512f,avx512bf16"))) void dot4_bf16dp(const uint16_t* w, int64_t stride,
-                                                              const uint16_t* xb, int len, float* out) {
+                                                              const uint16_t* xb, int len, float* out,
+                                                              const uint16_t* next = nullptr) {
   __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   int i = 0;
   for (; i + 32 <= len; i += 32) {
+    prefetch4(next, stride, i);
     __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + i);
     a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w + i), xv);
     a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(w + stride + i), xv);
@@ -209,8 +225,8 @@ Isa detect() {
 
 // One row-dot over float activations, dispatched by ISA (the bf16-dp path is handled apart).
 template <typename W>
-inline void dot4(Isa isa, const W* w, int64_t stride, const float* x, int len, float* out) {
-  if (isa >= AVX512) return dot4_avx512(w, stride, x, len, out);
+inline void dot4(Isa isa, const W* w, int64_t stride, const float* x, int len, float* out, const W* next = nullptr) {
+  if (isa >= AVX512) return dot4_avx512(w, stride, x, len, out, next);
   if (isa == AVX2) return dot4_avx2(w, stride, x, len, out);
   dot4_scalar(w, stride, x, len, out);
 }
@@ -703,21 +719,28 @@ struct Executor {
     pool.run([&](int tid) {
       const int units = G * ib, u0 = int(int64_t(units) * tid / nt), u1 = int(int64_t(units) * (tid + 1) / nt);
       float g4[4], v4[4];
+      auto gate_rows = [&](int u) -> const W* {  // first gate row of work unit u (its up rows: + I * H)
+        return gu + ids[order[starts[u / ib]]] * int64_t(2 * I) * H + int64_t((u % ib) * RB) * H;
+      };
       for (int u = u0; u < u1; ++u) {
         const int g = u / ib, r0 = (u % ib) * RB, r1 = std::min(I, r0 + RB);
         const int64_t e = ids[order[starts[g]]];
         const W* wg = gu + e * int64_t(2 * I) * H;
         for (int r = r0; r < r1; r += 4) {
           const int nr = std::min(4, r1 - r);
+          // the gate (and up) block read next: 4 rows on, or the next unit's first
+          const W* nx = r + 4 < r1 ? wg + int64_t(r + 4) * H : (u + 1 < u1 ? gate_rows(u + 1) : nullptr);
           for (int q = starts[g]; q < starts[g + 1]; ++q) {
             const int tok = order[q] / K;
             if (nr == 4) {
               if (dp) {
-                dot4_bf16dp(reinterpret_cast<const uint16_t*>(wg) + int64_t(r) * H, H, xb.data() + int64_t(tok) * H, H, g4);
-                dot4_bf16dp(reinterpret_cast<const uint16_t*>(wg) + int64_t(I + r) * H, H, xb.data() + int64_t(tok) * H, H, v4);
+                auto nb = reinterpret_cast<const uint16_t*>(nx);
+                dot4_bf16dp(reinterpret_cast<const uint16_t*>(wg) + int64_t(r) * H, H, xb.data() + int64_t(tok) * H, H, g4, nb);
+                dot4_bf16dp(reinterpret_cast<const uint16_t*>(wg) + int64_t(I + r) * H, H, xb.data() + int64_t(tok) * H, H, v4,
+                            nb ? nb + int64_t(I) * H : nullptr);
               } else {
-                dot4(isa, wg + int64_t(r) * H, H, x + int64_t(tok) * H, H, g4);
-                dot4(isa, wg + int64_t(I + r) * H, H, x + int64_t(tok) * H, H, v4);
+                dot4(isa, wg + int64_t(r) * H, H, x + int64_t(tok) * H, H, g4, nx);
+                dot4(isa, wg + int64_t(I + r) * H, H, x + int64_t(tok) * H, H, v4, nx ? nx + int64_t(I) * H : nullptr);
               }
             } else {
               for (int j = 0; j < nr; ++j) {
@@ -753,14 +776,19 @@ struct Executor {
           const W* wd = dn + e * int64_t(H) * I;
           for (int r = r0; r < r1; r += 4) {
             const int nr = std::min(4, r1 - r);
+            // the block read next: 4 rows on, the next expert's rows r0.., or the next row block's
+            const W* nx = r + 4 < r1 ? wd + int64_t(r + 4) * I
+                          : g + 1 < G ? dn + ids[order[starts[g + 1]]] * int64_t(H) * I + int64_t(r0) * I
+                          : blk + 1 < b1 ? dn + ids[order[starts[0]]] * int64_t(H) * I + int64_t(r1) * I : nullptr;
             for (int q = starts[g]; q < starts[g + 1]; ++q) {
               const int tok = order[q] / K;
               const float wq = gw[order[q]];
               if (nr == 4) {
                 if (dp)
-                  dot4_bf16dp(reinterpret_cast<const uint16_t*>(wd) + int64_t(r) * I, I, hb.data() + size_t(q) * I, I, d4);
+                  dot4_bf16dp(reinterpret_cast<const uint16_t*>(wd) + int64_t(r) * I, I, hb.data() + size_t(q) * I, I, d4,
+                              reinterpret_cast<const uint16_t*>(nx));
                 else
-                  dot4(isa, wd + int64_t(r) * I, I, h.data() + size_t(q) * I, I, d4);
+                  dot4(isa, wd + int64_t(r) * I, I, h.data() + size_t(q) * I, I, d4, nx);
               } else {
                 for (int j = 0; j < nr; ++j) {
                   float s = 0.f;
@@ -976,6 +1004,13 @@ struct HostCall {
   int32_t act;               // Activation.code
   int32_t bias_bf16;         // biases: 1 bf16, 0 f32
   float alpha, limit;        // swiglu_clamp's
+  const void* qbanks;        // a QPair (qbanks_create) for quantized banks, else null (gate_up/down)
+};
+
+// Quantized banks for HostCall.qbanks: checked once by make_bank, kept until qbanks_free (the
+// tensors they point into belong to the CpuExpertExecutor, which outlives its descriptors).
+struct QPair {
+  QBank gu, dn;
 };
 
 void host_call(void* p) {
@@ -1007,7 +1042,10 @@ void host_call(void* p) {
     }
     Executor& ex = *reinterpret_cast<Executor*>(c->executor);
     std::lock_guard<std::mutex> g(ex.call_mutex);
-    if (c->bank_bf16)
+    if (c->qbanks) {
+      const QPair& q = *static_cast<const QPair*>(c->qbanks);
+      ex.run_q(c->x, c->ids, c->w, c->T, c->K, q.gu, q.dn, c->H, c->I, c->out, c->bf16_act != 0, fn);
+    } else if (c->bank_bf16)
       ex.run<uint16_t>(c->x, c->ids, c->w, c->T, c->K, static_cast<const uint16_t*>(c->gate_up),
                        static_cast<const uint16_t*>(c->down), c->H, c->I, c->out, c->bf16_act != 0, fn);
     else
@@ -1056,6 +1094,25 @@ QBank make_bank(int fmt, const torch::Tensor& v, const torch::Tensor& s, const t
   return b;
 }
 
+// The gate_up and down QBanks of forward_q's bank arguments (I from the down values).
+std::pair<QBank, QBank> make_banks(int64_t fmt, const torch::Tensor& gu_v, const torch::Tensor& gu_s,
+                                   const torch::Tensor& gu_s2, const torch::Tensor& dn_v, const torch::Tensor& dn_s,
+                                   const torch::Tensor& dn_s2, int64_t H) {
+  TORCH_CHECK(fmt >= FMT_FP8 && fmt <= FMT_NVFP4, "unknown quantized format code ", fmt);
+  const int64_t N = gu_v.size(0);
+  TORCH_CHECK(dn_v.dim() == 3 && dn_v.size(0) == N && dn_v.size(1) == H, "down bank must be [N, H, *]");
+  const int64_t I = fmt == FMT_FP8 ? dn_v.size(2) : dn_v.size(2) * 2;
+  return {make_bank(int(fmt), gu_v, gu_s, gu_s2, N, 2 * I, H, 2, "gate_up"),
+          make_bank(int(fmt), dn_v, dn_s, dn_s2, N, H, I, 1, "down")};
+}
+
+int64_t qbanks_create(int64_t fmt, torch::Tensor gu_v, torch::Tensor gu_s, torch::Tensor gu_s2, torch::Tensor dn_v,
+                      torch::Tensor dn_s, torch::Tensor dn_s2) {
+  auto banks = make_banks(fmt, gu_v, gu_s, gu_s2, dn_v, dn_s, dn_s2, dn_v.size(1));
+  return reinterpret_cast<int64_t>(new QPair{banks.first, banks.second});
+}
+void qbanks_free(int64_t addr) { delete reinterpret_cast<QPair*>(addr); }
+
 // x [T, H] f32, ids [T, K] i64, w [T, K] f32; fmt 1 fp8_block, 2 mxfp4, 3 nvfp4; gate_up banks
 // (values [N, 2I, *], scale, scale_2) and down banks ([N, H, *]) as experts/banks.py keeps them,
 // the 1-byte tensors (e4m3, packed e2m1, e8m0) viewed as uint8 -> out [T, H] f32.
@@ -1067,14 +1124,11 @@ torch::Tensor forward_q(int64_t handle, torch::Tensor x, torch::Tensor ids, torc
                         c10::optional<torch::Tensor> down_bias) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && ids.dtype() == torch::kInt64 && w.dtype() == torch::kFloat32,
               "moe_cpu.forward_q: x f32, ids i64, w f32 expected");
-  TORCH_CHECK(fmt >= FMT_FP8 && fmt <= FMT_NVFP4, "unknown quantized format code ", fmt);
   x = x.contiguous(), ids = ids.contiguous(), w = w.contiguous();
   const int T = x.size(0), H = x.size(1), K = ids.size(1);
   const int64_t N = gu_v.size(0);
-  TORCH_CHECK(dn_v.dim() == 3 && dn_v.size(0) == N && dn_v.size(1) == H, "down bank must be [N, H, *]");
-  const int I = int(fmt == FMT_FP8 ? dn_v.size(2) : dn_v.size(2) * 2);
-  const QBank gu = make_bank(int(fmt), gu_v, gu_s, gu_s2, N, 2 * I, H, 2, "gate_up");
-  const QBank dn = make_bank(int(fmt), dn_v, dn_s, dn_s2, N, H, I, 1, "down");
+  const auto [gu, dn] = make_banks(fmt, gu_v, gu_s, gu_s2, dn_v, dn_s, dn_s2, H);
+  const int I = int(dn.C);
   auto idp = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < ids.numel(); ++i) TORCH_CHECK(idp[i] >= -1 && idp[i] < N, "expert id out of range");
   const ExpertFn fn = make_fn(act, alpha, limit, gate_up_bias, down_bias, N, H, I, bf16_act);
@@ -1149,6 +1203,8 @@ int64_t host_call_size() { return int64_t(sizeof(HostCall)); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("host_call_address", &host_call_address, "address of the host-function entry (a CUhostFn)");
+  m.def("qbanks_create", &qbanks_create, "quantized banks for HostCall.qbanks (forward_q's bank arguments); returns its address");
+  m.def("qbanks_free", &qbanks_free, "free a qbanks_create result");
   m.def("executor_address", &executor_address, "address of an executor, for HostCall.executor");
   m.def("bell_create", &bell_create, "a doorbell (4 KiB, never freed) and its resident thread; returns its address");
   m.def("bell_stop", &bell_stop, "the doorbell's thread returns (its memory stays)");
