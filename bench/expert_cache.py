@@ -365,8 +365,9 @@ def main():
                     del ex
                     torch.cuda.empty_cache()
     for row in res["runs"]:  # the analytic floor, once the resident step of the batch size is known
-        if resident.get(row["batch"]) and "miss_rate" in row:
-            bw = res["bp_kernel_gbs"] + (res[f"bh_{row['threads']}_gbs"] if row["mode"] in ("cache", "split") else 0)
+        bh = res.get(f"bh_{row['threads'] or 0}_gbs")
+        if resident.get(row["batch"]) and "miss_rate" in row and bh is not None:
+            bw = res["bp_kernel_gbs"] + (bh if row["mode"] in ("cache", "split") else 0)
             miss = (row["fills_per_step"] + row["cpu_experts_per_step"]) * expert_bytes
             row["floor_ms"] = round(resident[row["batch"]] + miss / (bw * 1e9) * 1e3, 3)
             row["floor_tok_s"] = round(row["batch"] / row["floor_ms"] * 1e3, 1)

@@ -34,9 +34,9 @@ def source(root: Path = ROOT) -> Path:
     if not (src / "CMakeLists.txt").exists():
         tar = root / "llama.cpp.tar.xz"
         if not tar.exists():
-            raise SystemExit(f"no llama.cpp source in {root}/: run `bash bench/fetch_llamacpp.sh` from the repo root first")
+            raise FileNotFoundError(f"no llama.cpp source in {root}/: run `bash bench/fetch_llamacpp.sh` from the repo root first")
         with tarfile.open(tar) as t:
-            t.extractall(root)
+            t.extractall(root, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
     return src
 
 
@@ -121,7 +121,8 @@ def bench_decode(binary: Path, model: Path, *, threads: int, n_cpu_moe: int, n_g
 
 def n_cpu_moe_for(capacity: float, layers: int) -> int:
     """The `-ncmoe` giving llama.cpp the same share of the experts in VRAM as a cache of
-    `capacity` (llama.cpp keeps whole layers' experts on the CPU)."""
+    `capacity` (llama.cpp keeps whole layers' experts on the CPU; -ncmoe counts blocks, so this
+    holds for models whose every layer is MoE, as both benchmark shapes are)."""
     return max(0, min(layers, round(layers * (1.0 - capacity))))
 
 

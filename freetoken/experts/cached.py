@@ -18,15 +18,14 @@ quantized banks (banks.QuantBank: fp8_block, mxfp4, nvfp4) as their published by
 scales and scale_2, a quarter of bf16's bytes for the 4-bit formats; the bias banks (GPT-OSS)
 beside them. A fill copies every one of these tensors (kernels/expert_transfer.py), and the GPU
 experts run the resident executor over the slots: for QuantBanks the kernels that dequantize
-in registers (kernels/moe_quant.py), as the all-resident quantized path. The CPU branch of
-quantized banks runs eagerly (one sync per layer): the stream-ordered host node takes float
-banks only (experts/cpu/hostcall.py host_branch_ok).
+in registers (kernels/moe_quant.py), as the all-resident quantized path. The CPU branch reads
+quantized banks in place too (the C++ kernels, through the descriptor's QPair).
 
 Decode needs no host sync: the control kernel, the fused zero-copy transfer kernel driven by
 the device-side fill list (kernels/expert_transfer.py) and the CPU branch in stream order
-(a host-function node calling the C++ executor, experts/cpu/hostcall.py) are all recorded in
-the step's CUDA graph. Still to come (the expert-cache issue): r adapted to bandwidths
-measured while serving; until then r is fixed (`--fill-share`, default 1: fill-only).
+(the doorbell or a host-function node calling the C++ executor, experts/cpu/hostcall.py) are
+all recorded in the step's CUDA graph. r is a device scalar: fixed with `--fill-share`, or
+chosen from measured step times while serving (experts/share.py).
 Prefill chunks go through the same steps in slices of at most MAX_PAIRS routed pairs, fill-only
 (r = 1): a chunk touches most experts of a layer, and the CPU would be far slower on it.
 """
@@ -81,7 +80,7 @@ def _readable_in_place(h: torch.Tensor) -> torch.Tensor:
     are registered whole, so a bank under a page or not page-aligned (a quantized model's
     scale_2 bank is a few hundred bytes) stays unpinned, and one such bank would cost every
     fill a sync and the decode step its CUDA graph. A large unpinned bank is left as it is."""
-    if zero_copy_ok(h) or h.numel() * h.element_size() > SMALL_BANK:
+    if h.device.type != "cpu" or (zero_copy_ok(h) and h.is_contiguous()) or h.numel() * h.element_size() > SMALL_BANK:
         return h
     return torch.empty(h.shape, dtype=h.dtype, pin_memory=True).copy_(h)
 

@@ -16,7 +16,7 @@ Procedure (a hill climb from fill-only, re-checked periodically):
           (a candidate can tie its neighbour: with one or two misses per layer call, nearby
           shares move the same experts; and a probe is noisy), then keep the best measured;
   confirm probe the best and its two neighbours once more and keep the one with the lowest
-          mean of its probes: one probe's median varies by several percent from run to run
+          mean of its probes if it beats the best's mean by MARGIN: one probe's median varies by several percent from run to run
           (the cache's contents, the host), enough to stop a climb one candidate early or late
           (measured on the H200 at 6 threads: a single unlucky probe at 0.5 left r at 0.6);
   hold    keep the best for HOLD steps, then probe its neighbours again (conditions drift).
@@ -70,8 +70,11 @@ class _Climb:
             if self.confirm:
                 self._go(self.confirm.pop(0))
                 return
-            i = min(self.meds, key=lambda j: statistics.fmean(self.meds[j]))
-            return self._decide(i, statistics.fmean(self.meds[i]), batch)
+            mean = {j: statistics.fmean(m) for j, m in self.meds.items()}
+            i, b = min(mean, key=mean.get), self.best[0]
+            if mean[i] >= mean[b] * (1 - t.margin):  # a neighbour must win by the margin, as in the climb
+                i = b
+            return self._decide(i, mean[i], batch)
         if self.best is None or med < self.best[1] * (1 - t.margin):
             self.best, self.misses = (self.cur, med), 0
         else:

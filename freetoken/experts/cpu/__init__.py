@@ -186,7 +186,8 @@ class CpuExpertExecutor(ExpertExecutor):
             import weakref
             ext = extension()
             self._qbanks = ext.qbanks_create(*self._qargs)
-            weakref.finalize(self, ext.qbanks_free, self._qbanks)
+            # not at interpreter exit: a graph or the doorbell thread may still call in then
+            weakref.finalize(self, ext.qbanks_free, self._qbanks).atexit = False
         return self._qbanks
 
     def host_fn_fields(self) -> dict:

@@ -729,10 +729,12 @@ struct Executor {
         for (int r = r0; r < r1; r += 4) {
           const int nr = std::min(4, r1 - r);
           // the gate (and up) block read next: 4 rows on, or the next unit's first
-          const W* nx = r + 4 < r1 ? wg + int64_t(r + 4) * H : (u + 1 < u1 ? gate_rows(u + 1) : nullptr);
+          const W* nx_ = r + 4 < r1 ? wg + int64_t(r + 4) * H : (u + 1 < u1 ? gate_rows(u + 1) : nullptr);
           for (int q = starts[g]; q < starts[g + 1]; ++q) {
             const int tok = order[q] / K;
             if (nr == 4) {
+              // the next block once per group: later tokens re-read this one from L1
+              const W* nx = q == starts[g] ? nx_ : nullptr;
               if (dp) {
                 auto nb = reinterpret_cast<const uint16_t*>(nx);
                 dot4_bf16dp(reinterpret_cast<const uint16_t*>(wg) + int64_t(r) * H, H, xb.data() + int64_t(tok) * H, H, g4, nb);
@@ -777,13 +779,14 @@ struct Executor {
           for (int r = r0; r < r1; r += 4) {
             const int nr = std::min(4, r1 - r);
             // the block read next: 4 rows on, the next expert's rows r0.., or the next row block's
-            const W* nx = r + 4 < r1 ? wd + int64_t(r + 4) * I
-                          : g + 1 < G ? dn + ids[order[starts[g + 1]]] * int64_t(H) * I + int64_t(r0) * I
-                          : blk + 1 < b1 ? dn + ids[order[starts[0]]] * int64_t(H) * I + int64_t(r1) * I : nullptr;
+            const W* nx_ = r + 4 < r1 ? wd + int64_t(r + 4) * I
+                           : g + 1 < G ? dn + ids[order[starts[g + 1]]] * int64_t(H) * I + int64_t(r0) * I
+                           : blk + 1 < b1 ? dn + ids[order[starts[0]]] * int64_t(H) * I + int64_t(r1) * I : nullptr;
             for (int q = starts[g]; q < starts[g + 1]; ++q) {
               const int tok = order[q] / K;
               const float wq = gw[order[q]];
               if (nr == 4) {
+                const W* nx = q == starts[g] ? nx_ : nullptr;  // once per group, as in phase 1
                 if (dp)
                   dot4_bf16dp(reinterpret_cast<const uint16_t*>(wd) + int64_t(r) * I, I, hb.data() + size_t(q) * I, I, d4,
                               reinterpret_cast<const uint16_t*>(nx));
@@ -961,15 +964,18 @@ torch::Tensor forward(int64_t handle, torch::Tensor x, torch::Tensor ids, torch:
   auto idp = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < ids.numel(); ++i) TORCH_CHECK(idp[i] >= -1 && idp[i] < N, "expert id out of range");
   const ExpertFn fn = make_fn(act, alpha, limit, gate_up_bias, down_bias, N, H, I, bf16_act);
+  TORCH_CHECK(gate_up.dtype() == torch::kBFloat16 || gate_up.dtype() == torch::kFloat32, "banks must be bf16 or f32");
   auto out = torch::empty({T, H}, x.options());
   Executor& ex = *g_execs.at(handle);
+  // every check above throws with the GIL held (an error raised with it released crashed the
+  // process on the GPU machine's torch 2.11 / Python 3.12); only the compute runs without it
+  py::gil_scoped_release nogil;
   std::lock_guard<std::mutex> g(ex.call_mutex);
   if (gate_up.dtype() == torch::kBFloat16) {
     ex.run<uint16_t>(x.data_ptr<float>(), idp, w.data_ptr<float>(), T, K,
                      reinterpret_cast<const uint16_t*>(gate_up.data_ptr()),
                      reinterpret_cast<const uint16_t*>(down.data_ptr()), H, I, out.data_ptr<float>(), bf16_act, fn);
   } else {
-    TORCH_CHECK(gate_up.dtype() == torch::kFloat32, "banks must be bf16 or f32");
     ex.run<float>(x.data_ptr<float>(), idp, w.data_ptr<float>(), T, K, gate_up.data_ptr<float>(),
                   down.data_ptr<float>(), H, I, out.data_ptr<float>(), false, fn);
   }
@@ -1044,6 +1050,11 @@ void host_call(void* p) {
     std::lock_guard<std::mutex> g(ex.call_mutex);
     if (c->qbanks) {
       const QPair& q = *static_cast<const QPair*>(c->qbanks);
+      if (q.gu.R != 2 * int64_t(c->I) || q.gu.C != c->H || q.dn.R != c->H || q.dn.C != c->I) {  // not this call's banks
+        std::memset(c->out, 0, sizeof(float) * size_t(c->T) * c->H);
+        c->error = 2;
+        return;
+      }
       ex.run_q(c->x, c->ids, c->w, c->T, c->K, q.gu, q.dn, c->H, c->I, c->out, c->bf16_act != 0, fn);
     } else if (c->bank_bf16)
       ex.run<uint16_t>(c->x, c->ids, c->w, c->T, c->K, static_cast<const uint16_t*>(c->gate_up),
@@ -1134,6 +1145,7 @@ torch::Tensor forward_q(int64_t handle, torch::Tensor x, torch::Tensor ids, torc
   const ExpertFn fn = make_fn(act, alpha, limit, gate_up_bias, down_bias, N, H, I, bf16_act);
   auto out = torch::empty({T, H}, x.options());
   Executor& ex = *g_execs.at(handle);
+  py::gil_scoped_release nogil;  // after every check, as forward's
   std::lock_guard<std::mutex> g(ex.call_mutex);
   ex.run_q(x.data_ptr<float>(), idp, w.data_ptr<float>(), T, K, gu, dn, H, I, out.data_ptr<float>(), bf16_act, fn);
   return out;
@@ -1215,10 +1227,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "routed experts on the CPU", py::arg("handle"), py::arg("x"), py::arg("ids"),
         py::arg("w"), py::arg("gate_up"), py::arg("down"), py::arg("bf16_act"), py::arg("act") = 0,
         py::arg("alpha") = 1.702, py::arg("limit") = 7.0, py::arg("gate_up_bias") = py::none(),
-        py::arg("down_bias") = py::none(), py::call_guard<py::gil_scoped_release>());
+        py::arg("down_bias") = py::none());
   m.def("forward_q", &forward_q, "routed experts from quantized banks (fp8_block, mxfp4, nvfp4) on the CPU",
         py::arg("handle"), py::arg("x"), py::arg("ids"), py::arg("w"), py::arg("fmt"), py::arg("gu_v"),
         py::arg("gu_s"), py::arg("gu_s2"), py::arg("dn_v"), py::arg("dn_s"), py::arg("dn_s2"), py::arg("bf16_act"),
         py::arg("act") = 0, py::arg("alpha") = 1.702, py::arg("limit") = 7.0, py::arg("gate_up_bias") = py::none(),
-        py::arg("down_bias") = py::none(), py::call_guard<py::gil_scoped_release>());
+        py::arg("down_bias") = py::none());
 }
