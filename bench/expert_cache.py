@@ -19,6 +19,11 @@ shape must be the model's: `--shape mixtral` for the Mixtral-8x7B traces), or
 `synthetic[:key=value,...]` (SYNTHETIC skewed routing, labelled so). Replayed routes replace
 the router's ids (its gate weights are kept); the tokens still come from the model.
 
+`--hog N`: a concurrent host-memory hog (bench/hog.py, N threads) runs while each row is measured,
+llama.cpp's included (`hog_gbs`: what it moved meanwhile); with `--threads 2` the two configurations
+the issue asks the adaptive split to survive. `adaptive_vs_fixed`: each `cache` row against the
+better of fill-only and the best fixed split of the same run.
+
 `--llamacpp`: llama.cpp side by side (bench/llamacpp.py), before our rows: the same weights
 written as a GGUF by llama.cpp's own converter, llama-bench decode (batch 1) at each thread count
 with `-ncmoe` keeping the experts of round(L x (1 - capacity)) layers on the CPU (the same share
@@ -37,6 +42,7 @@ Each step is synchronised and its tokens read, as the serving loop does.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 
@@ -244,6 +250,34 @@ def run_config(mc, w, ex, dev, batch: int, tokens: int, warmup: int, routes, pro
     return row
 
 
+def hog(a):
+    """The memory hog of --hog around one measurement (or nothing)."""
+    import contextlib
+
+    from bench.hog import MemoryHog
+    if not a.hog:
+        return contextlib.nullcontext()
+    cpus = [int(c) for c in a.hog_cpus.split(",") if c] or list(range(os.cpu_count()))[-a.hog:]
+    return MemoryHog(a.hog, cpus)
+
+
+def adaptive_vs_fixed(runs: list[dict]) -> list[dict]:
+    """Per batch size and thread count: the adaptive split (`cache`) against the better of
+    fill-only and the best fixed split measured in the same run (the issue's 5% criterion)."""
+    out = []
+    for row in runs:
+        if row["mode"] != "cache" or "tok_s" not in row:
+            continue
+        same = [x for x in runs if x["batch"] == row["batch"] and "tok_s" in x and
+                (x["mode"] == "split" and x["threads"] == row["threads"] or x["mode"] == "fill-only")]
+        if same:
+            best = max(same, key=lambda x: x["tok_s"])
+            out.append({"batch": row["batch"], "threads": row["threads"], "cache_tok_s": row["tok_s"],
+                        "best_fixed": best["mode"] if best["mode"] == "fill-only" else f"split r={best['fill_share']}",
+                        "best_fixed_tok_s": best["tok_s"], "ratio": round(row["tok_s"] / best["tok_s"], 3)})
+    return out
+
+
 def side_by_side(a, cfg, mc, w, gu, dn, res) -> dict:
     """llama.cpp on the same weights, before our rows (nothing of ours runs meanwhile):
     {(threads, capacity, resident): tok/s}; res gains the runs and the export/build times."""
@@ -256,13 +290,20 @@ def side_by_side(a, cfg, mc, w, gu, dn, res) -> dict:
         binary = llamacpp.build(llamacpp.source(), Path(a.llamacpp_build), cuda=True)
         res["llamacpp_build_s"] = round(time.perf_counter() - t0, 1)
         t0 = time.perf_counter()
-        tensors = dict(w)
-        e = mc.num_experts
-        for j, l in enumerate(mc.moe_layers):  # the banks' rows of layer l, as published (fused)
-            tensors[f"model.layers.{l}.mlp.experts.gate_up_proj"] = gu[j * e:(j + 1) * e]  # [E, 2I, H]
-            tensors[f"model.layers.{l}.mlp.experts.down_proj"] = dn[j * e:(j + 1) * e]  # [E, H, I]
-        gguf = llamacpp.export_gguf(cfg, tensors, Path(a.gguf), llamacpp.source())
-        res["gguf_export_s"] = round(time.perf_counter() - t0, 1)
+        gguf, stamp = Path(a.gguf), Path(a.gguf + ".json")
+        # the weights are a function of the config (fixed seeds): a GGUF written for the same one
+        # on this machine is reused (a later call on a still-warm machine skips the export)
+        want = json.dumps({"config": cfg, "seed": 0}, sort_keys=True)
+        if not (gguf.exists() and stamp.exists() and stamp.read_text() == want):
+            tensors = dict(w)
+            e = mc.num_experts
+            for j, l in enumerate(mc.moe_layers):  # the banks' rows of layer l, as published (fused)
+                tensors[f"model.layers.{l}.mlp.experts.gate_up_proj"] = gu[j * e:(j + 1) * e]  # [E, 2I, H]
+                tensors[f"model.layers.{l}.mlp.experts.down_proj"] = dn[j * e:(j + 1) * e]  # [E, H, I]
+            stamp.unlink(missing_ok=True)
+            llamacpp.export_gguf(cfg, tensors, gguf, llamacpp.source())
+            stamp.write_text(want)
+            res["gguf_export_s"] = round(time.perf_counter() - t0, 1)
         layers = len(mc.moe_layers)
         runs = []
         threads = sorted({int(t) for t in a.threads.split(",")})
@@ -271,8 +312,9 @@ def side_by_side(a, cfg, mc, w, gu, dn, res) -> dict:
         plans += [(None, 1.0, True)] if "resident" in a.modes else []
         for t, cap, resident in plans:
             ncmoe = 0 if resident else llamacpp.n_cpu_moe_for(cap, layers)
-            r = llamacpp.bench_decode(binary, gguf, threads=t or max(threads), n_cpu_moe=ncmoe, n_gen=a.tokens)
-            runs.append(dict(r, capacity=cap))
+            with hog(a) as h:
+                r = llamacpp.bench_decode(binary, gguf, threads=t or max(threads), n_cpu_moe=ncmoe, n_gen=a.tokens)
+            runs.append(dict(r, capacity=cap, **({"hog_gbs": h.gbs} if h is not None else {})))
             out[(t, None if resident else cap, resident)] = r["tok_s"]
             print("llama.cpp", runs[-1], flush=True)
         res["llamacpp"] = runs
@@ -302,6 +344,9 @@ def main():
                     "with -ncmoe giving it the same share of the experts in VRAM; fills llamacpp_tok_s of batch-1 rows")
     ap.add_argument("--llamacpp-build", default="/tmp/ft-llama-build", help="llama.cpp CUDA build folder (reused)")
     ap.add_argument("--gguf", default="/tmp/ft-expert-cache.gguf", help="where the GGUF of the slice is written")
+    ap.add_argument("--hog", type=int, default=0, help="threads of a concurrent host-memory hog (bench/hog.py) "
+                    "running while every row (and llama.cpp's) is measured; 0: none")
+    ap.add_argument("--hog-cpus", default="", help="CPUs the hog runs on (default: the last --hog CPUs)")
     ap.add_argument("--trace", action="store_true", help="save a profiler timeline of 3 steps per row ($OUT or "
                     "benchmarks/results, trace-<mode>-<r>-b<batch>-t<threads>.json)")
     a = ap.parse_args()
@@ -352,7 +397,10 @@ def main():
                     try:
                         trace = os.path.join(os.environ.get("OUT") or "benchmarks/results",
                                              f"trace-{mode}-{r}-b{batch}-t{threads}.json") if a.trace else None
-                        row.update(run_config(mc, w, ex, dev, batch, a.tokens, warm, routes, trace=trace))
+                        with hog(a) as h:
+                            row.update(run_config(mc, w, ex, dev, batch, a.tokens, warm, routes, trace=trace))
+                        if h is not None:
+                            row["hog_gbs"] = h.gbs
                     except Exception as e:  # one failed configuration does not lose the others
                         row["error"] = f"{type(e).__name__}: {e}"[:300]
                     if mode == "resident":
@@ -372,6 +420,9 @@ def main():
             row["floor_ms"] = round(resident[row["batch"]] + miss / (bw * 1e9) * 1e3, 3)
             row["floor_tok_s"] = round(row["batch"] / row["floor_ms"] * 1e3, 1)
             row["of_floor"] = round(row["floor_ms"] / row["ms_per_step"], 3)
+    res["adaptive_vs_fixed"] = adaptive_vs_fixed(res["runs"])
+    if a.hog:
+        res["hog"] = {"threads": a.hog, "cpus": a.hog_cpus or f"the last {a.hog}"}
     write_result(a.name, res)
 
 
