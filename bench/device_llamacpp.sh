@@ -8,6 +8,8 @@
 #   bash bench/device_llamacpp.sh run [bench.expert_cache args]   restores the binary from
 #       .llama/llama-bench.xz.* when the build folder is gone, then runs bench.expert_cache
 #       --llamacpp (the same weights written as a GGUF, llama-bench before our rows)
+#   bash bench/device_llamacpp.sh prefill [bench.prefill_stream args]   the same for prefill
+#       (bench.prefill_stream --llamacpp; the slice's GGUF is shared with `run`)
 set -uo pipefail
 OUT=${OUT:-/tmp/ft-device-out}
 B=/tmp/ft-llama-build
@@ -19,11 +21,14 @@ case "${1:-}" in
     while pgrep -f "bench.llamacpp --build-only" > /dev/null; do sleep 5; done
     tail -3 "$OUT/llama-build.log"
     [ -f $B/bin/llama-bench ] && xz -T0 -6 -c $B/bin/llama-bench | split -b 15M - "$OUT/llama-bench.xz." && ls -la "$OUT" ;;
-  run)
+  run|prefill)
+    what=$1
     shift
+    while pgrep -f "bench.llamacpp --build-only" > /dev/null; do sleep 5; done  # a build still running
     if [ ! -x $B/bin/llama-bench ] && ls .llama/llama-bench.xz.* > /dev/null 2>&1; then
       mkdir -p $B/bin && cat .llama/llama-bench.xz.* | xz -d > $B/bin/llama-bench && chmod +x $B/bin/llama-bench
     fi
-    python3 -m bench.expert_cache --llamacpp --llamacpp-build $B "$@" ;;
-  *) echo "usage: $0 build|wait|run [args]"; exit 2 ;;
+    if [ "$what" = run ]; then python3 -m bench.expert_cache --llamacpp --llamacpp-build $B "$@"
+    else python3 -m bench.prefill_stream --llamacpp --llamacpp-build $B "$@"; fi ;;
+  *) echo "usage: $0 build|wait|run|prefill [args]"; exit 2 ;;
 esac

@@ -42,7 +42,6 @@ Each step is synchronised and its tokens read, as the serving loop does.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
@@ -289,21 +288,8 @@ def side_by_side(a, cfg, mc, w, gu, dn, res) -> dict:
         t0 = time.perf_counter()
         binary = llamacpp.build(llamacpp.source(), Path(a.llamacpp_build), cuda=True)
         res["llamacpp_build_s"] = round(time.perf_counter() - t0, 1)
-        t0 = time.perf_counter()
-        gguf, stamp = Path(a.gguf), Path(a.gguf + ".json")
-        # the weights are a function of the config (fixed seeds): a GGUF written for the same one
-        # on this machine is reused (a later call on a still-warm machine skips the export)
-        want = json.dumps({"config": cfg, "seed": 0}, sort_keys=True)
-        if not (gguf.exists() and stamp.exists() and stamp.read_text() == want):
-            tensors = dict(w)
-            e = mc.num_experts
-            for j, l in enumerate(mc.moe_layers):  # the banks' rows of layer l, as published (fused)
-                tensors[f"model.layers.{l}.mlp.experts.gate_up_proj"] = gu[j * e:(j + 1) * e]  # [E, 2I, H]
-                tensors[f"model.layers.{l}.mlp.experts.down_proj"] = dn[j * e:(j + 1) * e]  # [E, H, I]
-            stamp.unlink(missing_ok=True)
-            llamacpp.export_gguf(cfg, tensors, gguf, llamacpp.source())
-            stamp.write_text(want)
-            res["gguf_export_s"] = round(time.perf_counter() - t0, 1)
+        gguf, took = llamacpp.slice_gguf(cfg, mc, w, gu, dn, a.gguf, llamacpp.source())
+        res["gguf_export_s"] = round(took, 1) if took is not None else "reused"
         layers = len(mc.moe_layers)
         runs = []
         threads = sorted({int(t) for t in a.threads.split(",")})

@@ -103,6 +103,36 @@ def export_gguf(config: dict, tensors: dict[str, torch.Tensor], out: Path, src: 
     return out
 
 
+def slice_gguf(cfg: dict, mc, w: dict, gu: torch.Tensor, dn: torch.Tensor, path: str, src: Path) -> tuple[Path, float | None]:
+    """The GGUF of a benchmark slice (dense weights `w` by their published names, expert banks
+    gu [N, 2I, H] and dn [N, H, I] with N = layers x experts), written once per config: the
+    benchmarks make their weights from the config with fixed seeds, so a file written for the
+    same config on this machine (a warm GPU machine between calls) is reused. -> (path, export
+    seconds or None when reused)."""
+    gguf, stamp = Path(path), Path(path + ".json")
+    want = json.dumps({"config": cfg, "seed": 0}, sort_keys=True)
+    if gguf.exists() and stamp.exists() and stamp.read_text() == want:
+        return gguf, None
+    t0 = time.perf_counter()
+    tensors = dict(w)
+    e = mc.num_experts
+    for j, l in enumerate(mc.moe_layers):  # the banks' rows of layer l, as published (fused)
+        tensors[f"model.layers.{l}.mlp.experts.gate_up_proj"] = gu[j * e:(j + 1) * e]  # [E, 2I, H]
+        tensors[f"model.layers.{l}.mlp.experts.down_proj"] = dn[j * e:(j + 1) * e]  # [E, H, I]
+    stamp.unlink(missing_ok=True)
+    export_gguf(cfg, tensors, gguf, src)
+    stamp.write_text(want)
+    return gguf, time.perf_counter() - t0
+
+
+def _llama_bench(cmd: list[str]) -> dict:
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if p.returncode != 0:
+        raise RuntimeError(f"llama-bench failed ({p.returncode}): {p.stderr[-600:]}")
+    row = json.loads(p.stdout)[0]
+    return {"tok_s": round(row["avg_ts"], 1), "stddev": round(row["stddev_ts"], 1), "command": " ".join(cmd[1:])}
+
+
 def bench_decode(binary: Path, model: Path, *, threads: int, n_cpu_moe: int, n_gen: int = 64,
                  reps: int = 3, gpu: bool = True) -> dict:
     """llama-bench decode (tg, batch 1) with the experts of the first n_cpu_moe layers kept on
@@ -111,12 +141,19 @@ def bench_decode(binary: Path, model: Path, *, threads: int, n_cpu_moe: int, n_g
            "-ngl", "99" if gpu else "0", "-fa", "1" if gpu else "0", "-o", "json"]
     if gpu:
         cmd += ["-ncmoe", str(n_cpu_moe)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    if p.returncode != 0:
-        raise RuntimeError(f"llama-bench failed ({p.returncode}): {p.stderr[-600:]}")
-    row = json.loads(p.stdout)[0]
-    return {"tok_s": round(row["avg_ts"], 1), "stddev": round(row["stddev_ts"], 1), "threads": threads,
-            "n_cpu_moe": n_cpu_moe if gpu else None, "command": " ".join(cmd[1:])}
+    return dict(_llama_bench(cmd), threads=threads, n_cpu_moe=n_cpu_moe if gpu else None)
+
+
+def bench_prefill(binary: Path, model: Path, *, tokens: int, n_cpu_moe: int, threads: int, ubatch: int | None = None,
+                  reps: int = 1) -> dict:
+    """llama-bench prompt processing (pp) of `tokens` tokens, experts of the first n_cpu_moe
+    layers in host memory (llama.cpp copies them to the GPU for each micro-batch of `ubatch`
+    tokens: its default 512, or larger with -ub; the batch -b follows)."""
+    cmd = [str(binary), "-m", str(model), "-p", str(tokens), "-n", "0", "-r", str(reps), "-t", str(threads),
+           "-ngl", "99", "-fa", "1", "-ncmoe", str(n_cpu_moe), "-o", "json"]
+    if ubatch:
+        cmd += ["-ub", str(ubatch), "-b", str(max(ubatch, 2048))]
+    return dict(_llama_bench(cmd), tokens=tokens, ubatch=ubatch or 512, n_cpu_moe=n_cpu_moe, threads=threads)
 
 
 def n_cpu_moe_for(capacity: float, layers: int) -> int:

@@ -10,7 +10,13 @@ Rows (`runs`), per --layers (12: the slice; 40: the full model), buffering and p
                  expert-sized copies from the pinned banks (one copy-engine copy per expert and
                  bank); floor_bulk_s with whole-layer copies (what a full layer load issues)
   of_floor       floor_s / pass_s (1.0: transfer-bound at line rate)
-  llamacpp_tok_s null: llama.cpp is not run by this script (same VRAM: see the issue)
+  llamacpp_tok_s with --llamacpp: llama.cpp's prompt processing of the same weights (a GGUF written
+                 by its converter, bench/llamacpp.py) and length in the same run, before our rows:
+                 on the streamed rows with the experts of all but two layers in host memory
+                 (`-ncmoe L-2`: the two layers' worth of VRAM our pool has) and its default
+                 512-token micro-batch, `llamacpp_ub4096_tok_s` with `-ub 4096`; on the resident
+                 rows all in VRAM. Null without it, or past --llamacpp-max-layers (a 40-layer GGUF
+                 is 64 GB: more than the GPU machine's disk holds beside the system)
 Each streamed run starts cold (an empty slot pool), the pool holding `--slots` experts (default
 two layers: what double buffering needs, the consumer-card case). A warm-up pass per mode
 compiles and autotunes first.
@@ -116,6 +122,8 @@ def run_layers(layers: int, a, dev, res: dict) -> None:
                             "slots_gb": round(slots * slot_bytes / 1e9, 2), "bp_expert_gbs": round(bp["expert"] / 1e9, 1),
                             "bp_bulk_gbs": round(bp["bulk"] / 1e9, 1), "setup_s": round(setup_s, 1)})
     print(res["sections"][-1], flush=True)
+    llama = side_by_side(a, cfg, mc, w, gu, dn, lengths, slots, res["sections"][-1]) \
+        if a.llamacpp and layers <= a.llamacpp_max_layers else {}
     st = DecodeState(mc, 1, max_len, dev, torch.bfloat16)
     st.reserve(0, max_len)
     prompt = torch.randint(0, mc.vocab_size, (max(lengths),)).tolist()
@@ -148,7 +156,9 @@ def run_layers(layers: int, a, dev, res: dict) -> None:
                    "tok_s": round(n / wall, 1), "pass_s": round(wall / passes, 4), "passes": passes,
                    "floor_s": round(floor_s, 4), "floor_bulk_s": round(floor_bulk_s, 4),
                    "of_floor": round(floor_s / (wall / passes), 3), "pass_tokens": ps.pass_tokens(), **d,
-                   "llamacpp_tok_s": None}
+                   "llamacpp_tok_s": llama.get((n, "offloaded")) if buffering == "double" else None}
+            if buffering == "double" and llama:
+                row["llamacpp_ub4096_tok_s"] = llama.get((n, "offloaded-ub4096"))
             print(row, flush=True)
             res["runs"].append(row)
         del ps
@@ -171,12 +181,41 @@ def run_layers(layers: int, a, dev, res: dict) -> None:
         for n in lengths:
             wall = chunked(n)
             row = {"layers": layers, "prompt_tokens": n, "buffering": "resident", "tok_s": round(n / wall, 1),
-                   "pass_s": None, "floor_s": None, "llamacpp_tok_s": None}
+                   "pass_s": None, "floor_s": None, "llamacpp_tok_s": llama.get((n, "resident"))}
             print(row, flush=True)
             res["runs"].append(row)
         del ex, model
     del gu, dn, st, w
     torch.cuda.empty_cache()
+
+
+def side_by_side(a, cfg, mc, w, gu, dn, lengths, slots, section) -> dict:
+    """llama.cpp's prompt processing on the same weights, before our rows: {(tokens, setting):
+    tok/s}, settings "offloaded" (default micro-batch), "offloaded-ub4096", "resident"; the
+    runs go into the section."""
+    from pathlib import Path
+
+    from bench import llamacpp
+    out, runs = {}, []
+    try:
+        binary = llamacpp.build(llamacpp.source(), Path(a.llamacpp_build), cuda=True)
+        gguf, took = llamacpp.slice_gguf(cfg, mc, w, gu, dn, a.gguf, llamacpp.source())
+        section["gguf_export_s"] = round(took, 1) if took is not None else "reused"
+        layers = len(mc.moe_layers)
+        on_cpu = max(0, layers - slots // mc.num_experts)  # whole layers of experts in VRAM: as many as our slots
+        for n in lengths:
+            plans = [("offloaded", on_cpu, None), ("offloaded-ub4096", on_cpu, min(4096, n))]
+            plans += [("resident", 0, None)] if a.resident else []
+            for name, ncmoe, ub in plans:
+                r = llamacpp.bench_prefill(binary, gguf, tokens=n, n_cpu_moe=ncmoe, threads=a.llamacpp_threads, ubatch=ub)
+                out[(n, name)] = r["tok_s"]
+                runs.append(dict(r, setting=name))
+                print("llama.cpp", runs[-1], flush=True)
+    except Exception as e:  # our rows still run
+        section["llamacpp_error"] = f"{type(e).__name__}: {e}"[:600]
+        print("llama.cpp side by side failed:", section["llamacpp_error"], flush=True)
+    section["llamacpp"] = runs
+    return out
 
 
 def main():
@@ -188,6 +227,11 @@ def main():
     ap.add_argument("--slots", type=int, default=0, help="expert slots in VRAM (0: two layers' worth)")
     ap.add_argument("--no-resident", dest="resident", action="store_false",
                     help="skip the all-experts-in-VRAM chunked prefill rows")
+    ap.add_argument("--llamacpp", action="store_true", help="llama.cpp side by side (see llamacpp_tok_s above)")
+    ap.add_argument("--llamacpp-build", default="/tmp/ft-llama-build", help="llama.cpp CUDA build folder (reused)")
+    ap.add_argument("--llamacpp-threads", type=int, default=14)
+    ap.add_argument("--llamacpp-max-layers", type=int, default=24, help="sections with more layers get no llama.cpp rows")
+    ap.add_argument("--gguf", default="/tmp/ft-expert-cache.gguf", help="the slice's GGUF (shared with bench.expert_cache)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.prefill_stream needs a CUDA device: it streams experts from pinned host memory "
