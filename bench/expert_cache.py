@@ -88,15 +88,14 @@ class ReplayRouting(ExpertExecutor):
 
 
 def make_experts(mc, dev, seed: int = 0):
-    """Random BF16 expert banks in pinned host memory, made layer by layer on the device."""
-    n, i, h, e = mc.num_flat_experts, mc.moe_intermediate_size, mc.hidden_size, mc.num_experts
-    gu = torch.empty(n, 2 * i, h, dtype=torch.bfloat16, pin_memory=dev.type == "cuda")  # [N, 2I, H]
-    dn = torch.empty(n, h, i, dtype=torch.bfloat16, pin_memory=dev.type == "cuda")  # [N, H, I]
-    g = torch.Generator(device=dev).manual_seed(seed)
-    for s in range(0, n, e):
-        gu[s:s + e].copy_(torch.randn(e, 2 * i, h, generator=g, device=dev, dtype=torch.bfloat16).mul_(h ** -0.5))
-        dn[s:s + e].copy_(torch.randn(e, h, i, generator=g, device=dev, dtype=torch.bfloat16).mul_(i ** -0.5))
-    return gu, dn
+    """Random BF16 expert banks in host memory registered in place (cudaHostRegister), made layer
+    by layer on the device: the engine's own path (FTW banks read into ordinary page-aligned host
+    buffers, then registered: weights/reader.py), not cudaHostAlloc'd memory. Before this change the
+    benchmark used pin_memory=True buffers, where the CPU executor read 36 GB/s at 6 threads
+    against 50 in bench.cpu_experts on ordinary memory (expert_cache-confirm-gpu.json,
+    cpu_experts-t6-prefetch1-gpu.json)."""
+    from bench.prefill_stream import make_experts as registered
+    return registered(mc, dev, seed)
 
 
 def measure_bp(gu, dn, dev, experts: int = 64) -> dict:
