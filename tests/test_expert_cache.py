@@ -200,7 +200,9 @@ def test_share_tuner_finds_the_fastest_split():
         noisy.observe(1, ms / 1e3)
     assert noisy.share == 0.7 and not noisy.climbing
     slow = ShareTuner(probe=10, settle=2, hold=5)  # the CPU never helps: stays fill-only
-    for _ in range(140):  # a climb with its confirmation round: 5 probes of 10 steps, then the hold
+    # a climb with its confirmation round (5 probes of 10 steps), the hold (4x the climb's 50
+    # steps, over hold=5), then the re-check's climb
+    for _ in range(320):
         slow.observe(1, 0.010 if slow.share == 1.0 else 0.020)
     assert slow.decisions >= 2 and slow.climbs[1].cur in (0, 1)
     for _ in range(12):  # whatever the re-check probes, it comes back to fill-only
@@ -232,3 +234,24 @@ def test_share_tuner_starts_from_a_prediction():
     t = ShareTuner(probe=4, settle=1, start=0.8)
     assert t.share == 1.0 and t.observe(1, 0.01) == 0.9  # the first step ran at 1: move to the start
     assert ShareTuner(start=1.0).start == 0 and ShareTuner(start=0.0).start == len(ShareTuner().cands) - 2
+
+
+def test_share_tuner_probes_noisy_steps_longer():
+    """Step times that swing by +-30% from step to step (replayed routing: each token misses a
+    different number of experts) with candidates 4-5% apart: probes extended until their medians
+    can be ranked land within 5% of the best r on every seed; fixed 24-step probes do not."""
+    import random
+    from freetoken.experts.share import ShareTuner
+    cost = {1.0: 10.0, 0.9: 9.6, 0.8: 9.2, 0.7: 8.8, 0.6: 8.4, 0.5: 8.0, 0.4: 8.5, 0.3: 9.0, 0.2: 9.5, 0.1: 10.0}
+
+    def chosen(extend: int, seed: int) -> float:
+        rng = random.Random(seed)
+        t = ShareTuner(hold=1_000_000, extend=extend)
+        for _ in range(20_000):
+            t.observe(1, cost[t.share] * (1 + 0.3 * (2 * rng.random() - 1)) / 1e3)
+            if not t.climbing:
+                return t.share
+        raise AssertionError("the climb did not end")
+    seeds = range(8)
+    assert all(cost[chosen(8, s)] <= 1.05 * 8.0 for s in seeds)
+    assert any(cost[chosen(1, s)] > 1.05 * 8.0 for s in seeds)

@@ -10,7 +10,8 @@ candidate r, and keeps the fastest.
 
 Procedure (a hill climb from fill-only, re-checked periodically):
   probe   run PROBE steps at a candidate, drop the first SETTLE (the cache's contents adjust
-          to the new split), keep the median of the rest;
+          to the new split), keep the median of the rest; a probe too noisy to rank candidates
+          MARGIN apart runs on, up to EXTEND x PROBE steps;
   climb   start at r = 1 (fill-only); step to the next smaller candidate while it is faster by
           more than MARGIN than the best so far; past one that is not, probe PATIENCE more
           (a candidate can tie its neighbour: with one or two misses per layer call, nearby
@@ -19,7 +20,8 @@ Procedure (a hill climb from fill-only, re-checked periodically):
           mean of its probes if it beats the best's mean by MARGIN: one probe's median varies by several percent from run to run
           (the cache's contents, the host), enough to stop a climb one candidate early or late
           (measured on the H200 at 6 threads: a single unlucky probe at 0.5 left r at 0.6);
-  hold    keep the best for HOLD steps, then probe its neighbours again (conditions drift).
+  hold    keep the best for HOLD steps (at least 4x the steps the climb took), then probe its
+          neighbours again (conditions drift).
 Samples are compared only within one batch size: each size climbs on its own (continuous
 batching changes the number of decoding rows every few steps).
 r is a device scalar read by the control kernel, so changing it re-captures nothing.
@@ -36,6 +38,19 @@ log = logging.getLogger("freetoken.experts")
 # 0.5 (expert_cache-doorbell-gpu.json); 0 (no fills at all) is --moe cpu's business
 CANDIDATES = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
 PROBE, SETTLE, HOLD, MARGIN, PATIENCE = 24, 8, 2048, 0.02, 1
+# a probe whose median is too uncertain to rank candidates MARGIN apart (its standard error,
+# from the samples' spread, over MARGIN / 2) goes on collecting, up to EXTEND x PROBE steps:
+# replayed real routing makes step times swing by 30% with each token's misses (the Mixtral
+# HumanEval trace on the H200), where a 16-sample median cannot tell r = 0.8 from 0.4
+EXTEND = 8
+
+
+def _uncertain(samples: list[float], margin: float) -> bool:
+    """Whether the median of `samples` is known to worse than margin / 2 (relative): its
+    standard error ~ 1.25 sigma / sqrt(n), sigma from the median absolute deviation."""
+    med = statistics.median(samples)
+    mad = statistics.median(abs(s - med) for s in samples)
+    return med > 0 and 1.25 * 1.4826 * mad / len(samples) ** 0.5 > med * margin / 2
 
 
 class _Climb:
@@ -50,19 +65,26 @@ class _Climb:
         self.climbing = True
         self.misses = 0  # probes in a row not better than the best
         self.meds: dict[int, list[float]] = {}  # every probe's median, per candidate index
+        self.climb_steps = 0  # steps the current (or last) climb has taken
         self.confirm: list[int] | None = None  # the confirmation round's candidates still to probe
 
     def observe(self, seconds: float, batch: int) -> None:
         t = self.t
         if not self.climbing:
             self.held += 1
-            if self.held >= t.hold:  # re-check: climb again from the neighbour above (or the top)
+            # re-check: climb again from the neighbour above (or the top), after HOLD steps and at
+            # least 4x the steps the last climb took (noisy probes are long: probing stays <= 1/5)
+            if self.held >= max(t.hold, 4 * self.climb_steps):
                 self.climbing, self.best, self.misses, self.meds, self.confirm = True, None, 0, {}, None
+                self.climb_steps = 0
                 self._go(max(0, self.cur - 1))
             return
         self.samples.append(seconds)
+        self.climb_steps += 1
         if len(self.samples) < t.probe:
             return
+        if len(self.samples) < t.probe * t.extend and _uncertain(self.samples[t.settle:], t.margin):
+            return  # a noisy probe: more samples before it is ranked
         med = statistics.median(self.samples[t.settle:])  # a one-off slow step (a capture) does not move it
         t.history.append((batch, t.cands[self.cur], med))
         self.meds.setdefault(self.cur, []).append(med)
@@ -106,13 +128,13 @@ class ShareTuner:
     resumes where it was instead of starting over."""
 
     def __init__(self, candidates=CANDIDATES, probe: int = PROBE, settle: int = SETTLE, hold: int = HOLD,
-                 margin: float = MARGIN, start: float = 1.0, patience: int = PATIENCE):
+                 margin: float = MARGIN, start: float = 1.0, patience: int = PATIENCE, extend: int = EXTEND):
         """start: a predicted r (`ft bench bw`'s profile, runtime/bandwidth.py): each climb
         begins one candidate above it instead of at fill-only, so a good prediction is reached
         in one probe and a bad one is still corrected by the climb."""
         assert candidates[0] == 1.0 and list(candidates) == sorted(candidates, reverse=True)
         self.cands, self.probe, self.settle, self.hold, self.margin = list(candidates), probe, settle, hold, margin
-        self.patience = patience
+        self.patience, self.extend = patience, max(1, extend)
         at = next((i for i, r in enumerate(self.cands) if r <= start + 1e-9), len(self.cands) - 1)
         self.start = max(0, at - 1)
         self.climbs: dict[int, _Climb] = {}
