@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from bench.decode import QWEN36_35B_A3B
+
 ROOT = Path(".llama")
 
 
@@ -165,16 +167,11 @@ def n_cpu_moe_for(capacity: float, layers: int) -> int:
 
 # ------------------------------------------------------------------ export check (tiny model)
 
-TINY = {
-    "architectures": ["Qwen3_5MoeForCausalLM"], "vocab_size": 512, "hidden_size": 256,
-    "num_hidden_layers": 4, "full_attention_interval": 4, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 64, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-    "linear_key_head_dim": 32, "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4,
-    "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
-    "shared_expert_intermediate_size": 128, "max_position_embeddings": 4096,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
-    "tie_word_embeddings": False, "rms_norm_eps": 1e-6,
-}
+# the full-size shape's config, made tiny (same architecture and options)
+TINY = dict(QWEN36_35B_A3B, vocab_size=512, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+            head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+            linear_value_head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+            shared_expert_intermediate_size=128, max_position_embeddings=4096)
 
 
 def llama_logits(lib_dir: Path, model: Path, tokens: list[int], n_vocab: int) -> torch.Tensor:
@@ -250,7 +247,10 @@ def main():
     a = ap.parse_args()
     binary = build(source(), Path(a.build_dir), a.cuda, a.jobs)
     if a.check:
-        print(check(Path(a.build_dir)))
+        from bench.common import write_result
+        write_result("llamacpp-check", {"model": "tiny random Qwen3.5-MoE (TINY), BF16 values, 24 tokens",
+                                        "ours": "fp32 on the same bf16 values", "llamacpp": "CPU build, BF16 GGUF",
+                                        **check(Path(a.build_dir))})
     elif not a.build_only:
         print(binary)
 
