@@ -282,3 +282,74 @@ def reference_model(model, ref: dict):
     assert not unexpected, unexpected
     assert all("rotary" in k or "inv_freq" in k for k in missing), missing
     return m.eval()
+
+
+# ----------------------------------------------------------------- DeepSeek-V4 as published
+
+# the Linear weights DeepSeek-V4 ships in FP8 (DeepSeek's names; transformers keeps the attention
+# compressor and indexer projections BF16, `_keep_in_fp32_modules` of DeepseekV4ForCausalLM);
+# wo_a, a block-diagonal grouped Linear, is left in BF16 here
+DSV4_FP8 = (".attn.wq_a.weight", ".attn.wq_b.weight", ".attn.wkv.weight", ".attn.wo_b.weight",
+            ".ffn.shared_experts.w1.weight", ".ffn.shared_experts.w2.weight", ".ffn.shared_experts.w3.weight")
+
+
+def quant_fp8_ue8m0(w: torch.Tensor, block: int = 128):
+    """[R, C] -> (e4m3 [R, C], F8_E8M0 [ceil(R/b), ceil(C/b)]): one power-of-two scale per block,
+    the smallest 2^k >= amax / 448 (scale_fmt "ue8m0"), w = q * scale."""
+    r, c = w.shape
+    gr, gc = -(-r // block), -(-c // block)
+    pad = torch.zeros(gr * block, gc * block)
+    pad[:r, :c] = w.float()
+    amax = pad.view(gr, block, gc, block).abs().amax(dim=(1, 3))
+    exp = torch.where(amax > 0, torch.ceil(torch.log2(amax / FP8_MAX)), torch.zeros_like(amax)).clamp(-127, 127)
+    scale = torch.ldexp(torch.ones_like(exp), exp.int())
+    s = scale.repeat_interleave(block, 0)[:r].repeat_interleave(block, 1)[:, :c]
+    q = (w.float() / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, (exp + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def quant_fp4_e8m0(w: torch.Tensor):
+    """[R, C] -> (I8 [R, C/2]: e2m1 codes two a byte, low nibble first; F8_E8M0 [R, C/32]): the
+    routed experts of DeepSeek-V4 (expert_dtype "fp4"), MXFP4's values and scales."""
+    r, c = w.shape
+    blocks, scales = quant_mxfp4(w)  # [R, C/32, 16], [R, C/32]
+    return blocks.reshape(r, c // 2).view(torch.int8), scales.view(torch.float8_e8m0fnu)
+
+
+def write_deepseek_v4(model, d: str) -> tuple[str, str]:
+    """`model` (DeepseekV4ForCausalLM) as DeepSeek-V4-Flash publishes it: DeepSeek's tensor names,
+    the attention and shared-expert Linears FP8 e4m3 with ue8m0 128x128 block scales
+    (`X.weight_scale_inv` F8_E8M0), the routed experts FP4 (`experts.E.w{1,2,3}.weight` I8 +
+    `weight_scale_inv` F8_E8M0 per 32), config.json's quantization_config {quant_method: "fp8",
+    fmt: "e4m3", weight_block_size: [128, 128], scale_fmt: "ue8m0", expert_dtype: "fp4"}; in
+    d/ref the same checkpoint with the weights it stands for (dequantized, float32), for
+    transformers. Returns (checkpoint folder, reference folder)."""
+    from freetoken.weights.hf import e8m0_f32
+    q, ref = os.path.join(d, "fp4"), os.path.join(d, "ref")
+    hf_models.save(model, q)
+    hf_models.save(model, ref)
+    fn = os.path.join(q, "model.safetensors")
+    src = load_file(fn)
+    out, deq = {}, {}
+    for n, t in src.items():
+        if t.dim() == 2 and ".ffn.experts." in n and n.endswith(".weight"):
+            v, s = quant_fp4_e8m0(t.float())
+            out[n], out[n + "_scale_inv"] = v, s
+            deq[n] = dequant_mxfp4(v.view(torch.uint8), s.view(torch.uint8))
+        elif t.dim() == 2 and n.endswith(DSV4_FP8):
+            v, s = quant_fp8_ue8m0(t.float())
+            out[n], out[n + "_scale_inv"] = v, s
+            deq[n] = dequant_fp8_block(v, e8m0_f32(s))
+        else:
+            out[n] = t
+            deq[n] = t.float()
+    save_file(out, fn, metadata={"format": "pt"})
+    save_file(deq, os.path.join(ref, "model.safetensors"), metadata={"format": "pt"})
+    cfg_path = os.path.join(q, "config.json")
+    with open(cfg_path) as f:
+        cj = json.load(f)
+    cj["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                 "weight_block_size": [128, 128], "scale_fmt": "ue8m0", "expert_dtype": "fp4"}
+    with open(cfg_path, "w") as f:
+        json.dump(cj, f, indent=2)
+    return q, ref

@@ -260,11 +260,14 @@ def plan(src: str) -> Plan:
     quantized = [w for w in dense_w.values() if w.format != "dense"] + [w for w, _ in expert_w if w.format != "dense"]
     if scheme is None and quantized:  # cannot happen: quant_scheme saw these tensors
         raise FreeTokenError(f"{src}: tensor {quantized[0].values} is quantized but no format was recognised")
+    expert_names = {w.name for w, _ in expert_w if w is not None}
     for w in quantized:
-        if w.format != scheme.format:
+        want = scheme.experts if w.name in expert_names else scheme.format
+        if w.format != want:
             raise UnsupportedModelError(
-                f"{src}: the checkpoint is {scheme.format} ({scheme.where}) but {w.name} is stored as "
-                f"{w.format} ({', '.join(w.parts())}); mixed formats are not supported")
+                f"{src}: the checkpoint's {'routed experts are' if w.name in expert_names else 'weights are'} "
+                f"{want} ({scheme.where}) but {w.name} is stored as {w.format} ({', '.join(w.parts())}); "
+                "mixed formats are not supported")
     if scheme is not None and not quantized:
         raise FreeTokenError(f"{src}: the checkpoint's quantization ({scheme.description}) is on none of its "
                              "weights (no scale tensors); is this the right config for these weights?")
@@ -288,6 +291,10 @@ def plan(src: str) -> Plan:
             if len(seen) > 1:
                 raise FreeTokenError(f"{src}: the routed experts' {comp} tensors mix dtypes ({', '.join(sorted(seen))})")
             expert_dtypes[comp] = DTYPE_NAMES.get(ck.tensors[getattr(first, comp)].dtype, "uint8")
+            if comp == "values" and expert_fmt == "mxfp4":
+                expert_dtypes[comp] = "uint8"  # packed e2m1 bytes (V4 publishes them as int8)
+            elif comp == "scale" and expert_fmt == "fp8_block" and ck.tensors[first.scale].st_dtype == "F8_E8M0":
+                expert_dtypes[comp] = DTYPE_NAMES[torch.float32]  # ue8m0 scales read as f32 (Checkpoint.read)
     if cfg.expert_bias and experts:
         missing = [n for r in experts for n in r.missing_biases()]
         if missing:
@@ -358,7 +365,8 @@ def convert(src: str, out: str, progress: bool = True) -> str:
     if pl.scheme is not None:
         qd = {n: {"format": w.format, "values": w.values, "scale": w.scale, "scale_2": w.scale_2,
                   "shape": w.shape} for n, w in pl.dense_w.items() if w.format != "dense"}
-        meta["quant"] = {"format": pl.scheme.format, "declared": pl.scheme.where,
+        meta["quant"] = {"format": pl.scheme.format, "experts": pl.expert_format or pl.scheme.experts,
+                         "declared": pl.scheme.where,
                          "description": pl.scheme.description, "dense": qd}
     if os.path.isdir(out):
         raise FreeTokenError(f"{out}: is a directory; give the output file name, e.g. {out}/model.ftw")

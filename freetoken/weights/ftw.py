@@ -14,9 +14,11 @@ meta["banks"] names the expert banks: "gate_up" and "down" (the value banks), "f
 FORMATS: "dense" for BF16/F16/F32, "fp8_block", "mxfp4", "nvfp4"; absent in files written before
 quantized formats: "dense"), and for quantized formats the scale banks "gate_up_scale" /
 "down_scale" and, for NVFP4, "gate_up_scale_2" / "down_scale_2", in quant.py's layout.
-meta["quant"] (quantized checkpoints only): "format", "declared" (where), "description", and
-"dense": {weight name: {"format", "values", "scale", "scale_2", "shape"}} for the non-expert
-weights stored as published (entries named as in the checkpoint), dequantized at load.
+meta["quant"] (quantized checkpoints only): "format", "experts" (the routed experts' format: the
+same, or mxfp4 for DeepSeek-V4's FP4 experts beside FP8 weights), "declared" (where),
+"description", and "dense": {weight name: {"format", "values", "scale", "scale_2", "shape"}} for
+the non-expert weights stored as published (entries named as in the checkpoint; FP8 ue8m0 scales
+as their bytes), dequantized at load.
 """
 from __future__ import annotations
 

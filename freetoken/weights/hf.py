@@ -21,6 +21,11 @@ fp8_block  Qwen/Qwen3-30B-A3B-FP8 (Qwen3-MoE), Qwen/Qwen3.6-35B-A3B-FP8 (Qwen3.5
            or BF16 / F16 (Qwen); routed experts one tensor per expert
            (`mlp.experts.{e}.{gate,up,down}_proj.weight` + `.weight_scale_inv`). Other block
            sizes, per-tensor or per-channel fp8 are refused.
+           DeepSeek-V4 (-Flash): the same config with `scale_fmt: "ue8m0"` (scale_inv F8_E8M0,
+           powers of two) and `expert_dtype: "fp4"`: the routed experts `experts.{e}.w{1,2,3}.weight`
+           I8 [R, C/2] (two e2m1 codes a byte, low nibble first) + `.weight_scale_inv` F8_E8M0
+           [R, C/32], MXFP4's values and scales under V4's names (read as an mxfp4 bank), the
+           FP8 Linears beside them (their e8m0 scales kept as bytes, dequantized at load).
 mxfp4      openai/gpt-oss-20b/120b (`quant_method: "mxfp4"`, modules_to_not_convert): routed
            experts fused per layer, `mlp.experts.gate_up_proj_blocks` U8 [E, 2I, H/32, 16] +
            `mlp.experts.gate_up_proj_scales` U8 (e8m0) [E, 2I, H/32], whose rows INTERLEAVE gate
@@ -153,7 +158,10 @@ class Checkpoint:
         e8m0 scales as uint8, NVFP4 scale_2 as float32 [1]."""
         t = self.get(getattr(w, part), index)
         if part == "values" and w.format == "mxfp4":
-            t = t.flatten(-2)
+            # GPT-OSS blocks [.., R, C/32, 16]; DeepSeek-V4's experts already [.., R, C/2] (int8)
+            t = (t.flatten(-2) if w.values.endswith("_blocks") else t).view(torch.uint8)
+        elif part == "scale" and w.format == "fp8_block" and t.dtype == E8M0:
+            t = e8m0_f32(t)  # DeepSeek-V4's ue8m0 block scales, as f32: the same values (powers of two)
         elif part == "scale" and t.dtype not in (torch.uint8, torch.float8_e4m3fn, torch.float32,
                                                   torch.bfloat16, torch.float16):
             t = t.view(torch.uint8)  # float8_e8m0fnu: the e8m0 bytes
@@ -282,9 +290,11 @@ def describe_quant(qc: dict) -> str:
         details.append(str(qc.get("fmt") or "e4m3"))
         bs = qc.get("weight_block_size")
         if isinstance(bs, (list, tuple)) and len(bs) == 2:
-            details.append(f"{bs[0]}x{bs[1]} block scales")
+            details.append(f"{bs[0]}x{bs[1]} block scales" + (" (ue8m0)" if qc.get("scale_fmt") == "ue8m0" else ""))
         else:
             details.append("per-tensor scales")
+        if qc.get("expert_dtype") not in (None, "fp8"):
+            details.append(f"{qc['expert_dtype']} experts")
     elif m == "mxfp4":
         details.append("4-bit blocks with shared e8m0 scales")
     elif m in ("gptq", "awq", "auto-round", "autoround", "hqq", "eetq", "quanto", "higgs", "vptq", "aqlm"):
@@ -372,7 +382,7 @@ def read_config(path: str) -> dict:
 QUANT_FORMATS = ("fp8_block", "mxfp4", "nvfp4")
 FORMAT_NAMES = {"fp8_block": "FP8 e4m3, one scale per 128x128 block", "mxfp4": "e2m1, one e8m0 scale per 32",
                 "nvfp4": "e2m1, one e4m3 scale per 16 and an fp32 scale per tensor", "dense": "unquantized"}
-FP8_SCALE_DTYPES = ("F32", "BF16", "F16")  # DeepSeek publishes F32 scales, Qwen BF16 (some F16)
+FP8_SCALE_DTYPES = ("F32", "BF16", "F16", "F8_E8M0")  # DeepSeek publishes F32 scales, Qwen BF16 (some F16)
 
 
 @dataclass
@@ -401,10 +411,21 @@ def _bad(ck: Checkpoint, name: str, what: str) -> FreeTokenError:
     return FreeTokenError(f"{ck.path}: tensor {name} (in {where}) {what}")
 
 
+E8M0 = getattr(torch, "float8_e8m0fnu", None)
+
+
+def e8m0_f32(t: torch.Tensor) -> torch.Tensor:
+    """e8m0 scales (float8_e8m0fnu or their bytes) -> float32 2^(b - 127), exactly."""
+    b = t.view(torch.uint8).to(torch.int32)
+    return torch.ldexp(torch.ones_like(b, dtype=torch.float32), b - 127)
+
+
 def resolve_weight(ck: Checkpoint, name: str) -> Weight | None:
     t = ck.tensors
     if name in t:
         s = t[name]
+        if name + "_scale_inv" in t and s.st_dtype in ("I8", "U8"):
+            return _fp4_e8m0_weight(ck, name)
         if name + "_scale_inv" in t:
             return _fp8_weight(ck, name)
         if name + "_scale" in t and s.st_dtype == "U8":
@@ -433,8 +454,23 @@ def _fp8_weight(ck: Checkpoint, name: str) -> Weight:
         raise _bad(ck, name + "_scale_inv", f"has shape {sc.shape}; a {v.shape} weight with 128x128 "
                    f"block scales has {grid} (other block sizes are not supported)")
     if sc.st_dtype not in FP8_SCALE_DTYPES:
-        raise _bad(ck, name + "_scale_inv", f"is {sc.st_dtype}; FP8 block scales are F32, BF16 or F16")
+        raise _bad(ck, name + "_scale_inv", f"is {sc.st_dtype}; FP8 block scales are F32, BF16, F16 or "
+                   "F8_E8M0 (ue8m0)")
     return Weight(name, "fp8_block", name, list(v.shape), scale=name + "_scale_inv")
+
+
+def _fp4_e8m0_weight(ck: Checkpoint, name: str) -> Weight:
+    """DeepSeek-V4's FP4 experts (quantization_config expert_dtype "fp4"): `X.weight` I8 [R, C/2],
+    two e2m1 codes a byte (low nibble first), and `X.weight_scale_inv` F8_E8M0 [R, C/32], one
+    scale per 32 values of a row: MXFP4's layout, named as V4 publishes it."""
+    v, sc = ck.tensors[name], ck.tensors[name + "_scale_inv"]
+    if len(v.shape) != 2:
+        raise _bad(ck, name, f"is {v.st_dtype} {v.shape}; packed FP4 weights are [rows, cols/2]")
+    shape = [v.shape[0], v.shape[1] * 2]
+    if sc.shape != [shape[0], shape[1] // MX_BLOCK] or shape[1] % MX_BLOCK or sc.st_dtype not in ("F8_E8M0", "U8"):
+        raise _bad(ck, name + "_scale_inv", f"is {sc.st_dtype} {sc.shape} for packed FP4 values {v.shape}; "
+                   f"FP4 experts have one e8m0 scale per {MX_BLOCK} values of a row ({[shape[0], shape[1] // MX_BLOCK]})")
+    return Weight(name, "mxfp4", name, shape, scale=name + "_scale_inv")
 
 
 def _nvfp4_weight(ck: Checkpoint, name: str) -> Weight:
@@ -480,6 +516,11 @@ class QuantScheme:
     where: str  # "config.json", "hf_quant_config.json", ... or "tensors" (no config says it)
     description: str
     excluded: list[str]  # modules the config keeps unquantized (informational: tensors decide)
+    expert_format: str | None = None  # the routed experts' format where it differs (DeepSeek-V4: mxfp4)
+
+    @property
+    def experts(self) -> str:
+        return self.expert_format or self.format
 
 
 def _excluded(qc: dict) -> list[str]:
@@ -510,6 +551,16 @@ def accepted_format(qc: dict) -> str | None:
     return None
 
 
+def _expert_format(qc: dict):
+    """The routed experts' format where a config sets it apart (transformers' FineGrainedFP8Config
+    `expert_dtype`: "fp4" for DeepSeek-V4's FP4-packed experts, MXFP4's layout) -> "mxfp4", None
+    (the same as the rest), or False (an expert_dtype FreeToken does not read)."""
+    dt = qc.get("expert_dtype")
+    if dt is None or str(dt).lower() == "fp8":
+        return None
+    return "mxfp4" if str(dt).lower() == "fp4" else False
+
+
 def refuse_quantized(src: str, what: str) -> UnsupportedModelError:
     return UnsupportedModelError(
         f"{src}: quantization {what} is not supported; FreeToken reads FP8 with 128x128 block scales, "
@@ -526,7 +577,11 @@ def quant_scheme(src: str, raw: dict, ck: Checkpoint | None) -> QuantScheme | No
         fmt = accepted_format(qc)
         if fmt is None:
             raise refuse_quantized(src, f"{describe_quant(qc)}, declared in {where},")
-        return QuantScheme(fmt, where, f"declared in {where} as {describe_quant(qc)}", _excluded(qc))
+        experts = _expert_format(qc)
+        if experts is False:
+            raise refuse_quantized(src, f"{describe_quant(qc)} with expert_dtype {qc.get('expert_dtype')!r}, "
+                                        f"declared in {where},")
+        return QuantScheme(fmt, where, f"declared in {where} as {describe_quant(qc)}", _excluded(qc), experts)
     if ck is None:
         return None
     names = [n for n in ck.tensors if is_quant_tensor(n)]

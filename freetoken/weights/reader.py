@@ -170,6 +170,9 @@ def dense_weights(meta: dict, tensors: dict, device, dtype) -> dict:
         s = tensors[d["scale"]].to(device)
         fmt, shape = d["format"], d["shape"]
         if fmt == "fp8_block":
+            if s.dtype == torch.uint8:  # ue8m0 scales (DeepSeek-V4), kept as their bytes
+                from .hf import e8m0_f32
+                s = e8m0_f32(s)
             w = dequant_fp8_block(v, s)
         elif fmt == "mxfp4":
             w = dequant_mxfp4(v.reshape(*shape[:-1], shape[-1] // 2), s)
