@@ -316,30 +316,41 @@ def quant_fp4_e8m0(w: torch.Tensor):
     return blocks.reshape(r, c // 2).view(torch.int8), scales.view(torch.float8_e8m0fnu)
 
 
-def write_deepseek_v4(model, d: str) -> tuple[str, str]:
-    """`model` (DeepseekV4ForCausalLM) as DeepSeek-V4-Flash publishes it: DeepSeek's tensor names,
-    the attention and shared-expert Linears FP8 e4m3 with ue8m0 128x128 block scales
-    (`X.weight_scale_inv` F8_E8M0), the routed experts FP4 (`experts.E.w{1,2,3}.weight` I8 +
-    `weight_scale_inv` F8_E8M0 per 32), config.json's quantization_config {quant_method: "fp8",
-    fmt: "e4m3", weight_block_size: [128, 128], scale_fmt: "ue8m0", expert_dtype: "fp4"}; in
-    d/ref the same checkpoint with the weights it stands for (dequantized, float32), for
+def write_deepseek_v4(model, d: str, variant: str = "flash", scale_name: str = "scale",
+                      declare_experts: bool = True) -> tuple[str, str]:
+    """`model` (DeepseekV4ForCausalLM) as DeepSeek publishes V4, DeepSeek's tensor names, the
+    attention and shared-expert Linears FP8 e4m3 with 128x128 block scales beside each weight as
+    `X.scale` (scale_name "weight_scale_inv": the V3 naming):
+      flash  DeepSeek-V4-Flash: ue8m0 block scales (F8_E8M0, powers of two), the routed experts
+             FP4 (`experts.E.w{1,2,3}.weight` I8 [R, C/2] + `.scale` F8_E8M0 [R, C/32]);
+             quantization_config {quant_method: "fp8", fmt: "e4m3", weight_block_size: [128,
+             128], scale_fmt: "ue8m0"} and, with declare_experts, expert_dtype: "fp4"
+      base   DeepSeek-V4-Flash-Base: FP8 everywhere, experts too, F32 block scales
+    In d/ref the same checkpoint with the weights it stands for (dequantized, float32), for
     transformers. Returns (checkpoint folder, reference folder)."""
     from freetoken.weights.hf import e8m0_f32
-    q, ref = os.path.join(d, "fp4"), os.path.join(d, "ref")
+    q, ref = os.path.join(d, variant), os.path.join(d, "ref")
     hf_models.save(model, q)
     hf_models.save(model, ref)
     fn = os.path.join(q, "model.safetensors")
     src = load_file(fn)
     out, deq = {}, {}
+    def scale_of(n):
+        return n + "_scale_inv" if scale_name == "weight_scale_inv" else n[:-len("weight")] + "scale"
     for n, t in src.items():
-        if t.dim() == 2 and ".ffn.experts." in n and n.endswith(".weight"):
+        expert = t.dim() == 2 and ".ffn.experts." in n and n.endswith(".weight")
+        if expert and variant == "flash":
             v, s = quant_fp4_e8m0(t.float())
-            out[n], out[n + "_scale_inv"] = v, s
+            out[n], out[scale_of(n)] = v, s
             deq[n] = dequant_mxfp4(v.view(torch.uint8), s.view(torch.uint8))
-        elif t.dim() == 2 and n.endswith(DSV4_FP8):
-            v, s = quant_fp8_ue8m0(t.float())
-            out[n], out[n + "_scale_inv"] = v, s
-            deq[n] = dequant_fp8_block(v, e8m0_f32(s))
+        elif expert or (t.dim() == 2 and n.endswith(DSV4_FP8)):
+            if variant == "flash":
+                v, s = quant_fp8_ue8m0(t.float())
+                deq[n] = dequant_fp8_block(v, e8m0_f32(s))
+            else:
+                v, s = quant_fp8_block(t.float(), torch.float32)
+                deq[n] = dequant_fp8_block(v, s)
+            out[n], out[scale_of(n)] = v, s
         else:
             out[n] = t
             deq[n] = t.float()
@@ -348,8 +359,12 @@ def write_deepseek_v4(model, d: str) -> tuple[str, str]:
     cfg_path = os.path.join(q, "config.json")
     with open(cfg_path) as f:
         cj = json.load(f)
-    cj["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                                 "weight_block_size": [128, 128], "scale_fmt": "ue8m0", "expert_dtype": "fp4"}
+    qc = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+    if variant == "flash":
+        qc["scale_fmt"] = "ue8m0"
+        if declare_experts:
+            qc["expert_dtype"] = "fp4"
+    cj["quantization_config"] = qc
     with open(cfg_path, "w") as f:
         json.dump(cj, f, indent=2)
     return q, ref

@@ -261,6 +261,9 @@ def plan(src: str) -> Plan:
     if scheme is None and quantized:  # cannot happen: quant_scheme saw these tensors
         raise FreeTokenError(f"{src}: tensor {quantized[0].values} is quantized but no format was recognised")
     expert_names = {w.name for w, _ in expert_w if w is not None}
+    if scheme is not None and scheme.expert_format is None and scheme.format == "fp8_block" and expert_w and all(
+            w.format == "mxfp4" and w.values == w.name for w, _ in expert_w):
+        scheme.expert_format = "mxfp4"  # DeepSeek-V4-Flash's FP4 experts where the config does not say it
     for w in quantized:
         want = scheme.experts if w.name in expert_names else scheme.format
         if w.format != want:

@@ -21,11 +21,13 @@ fp8_block  Qwen/Qwen3-30B-A3B-FP8 (Qwen3-MoE), Qwen/Qwen3.6-35B-A3B-FP8 (Qwen3.5
            or BF16 / F16 (Qwen); routed experts one tensor per expert
            (`mlp.experts.{e}.{gate,up,down}_proj.weight` + `.weight_scale_inv`). Other block
            sizes, per-tensor or per-channel fp8 are refused.
-           DeepSeek-V4 (-Flash): the same config with `scale_fmt: "ue8m0"` (scale_inv F8_E8M0,
-           powers of two) and `expert_dtype: "fp4"`: the routed experts `experts.{e}.w{1,2,3}.weight`
-           I8 [R, C/2] (two e2m1 codes a byte, low nibble first) + `.weight_scale_inv` F8_E8M0
-           [R, C/32], MXFP4's values and scales under V4's names (read as an mxfp4 bank), the
-           FP8 Linears beside them (their e8m0 scales kept as bytes, dequantized at load).
+           DeepSeek-V4: scales named `X.scale` (beside `X.weight`, the same multiplier). -Base:
+           FP8 everywhere, F32 128x128 block scales. -Flash: `scale_fmt: "ue8m0"` (F8_E8M0 block
+           scales, powers of two) and FP4 routed experts (`expert_dtype: "fp4"` where the config
+           says so, else seen in the tensors): `experts.{e}.w{1,2,3}.weight` I8 [R, C/2] (two e2m1
+           codes a byte, low nibble first) + `.scale` F8_E8M0 [R, C/32], MXFP4's values and scales
+           under V4's names (read as an mxfp4 bank); the FP8 Linears' e8m0 scales are kept as
+           bytes and dequantized at load.
 mxfp4      openai/gpt-oss-20b/120b (`quant_method: "mxfp4"`, modules_to_not_convert): routed
            experts fused per layer, `mlp.experts.gate_up_proj_blocks` U8 [E, 2I, H/32, 16] +
            `mlp.experts.gate_up_proj_scales` U8 (e8m0) [E, 2I, H/32], whose rows INTERLEAVE gate
@@ -250,6 +252,12 @@ QUANT_SUFFIXES = ("_scale", "_scale_inv", "_scale_2", "_scales", "_blocks", "_ze
 NOT_QUANT = ("hc_head.hc_scale",)
 
 
+def _v4_scale(t: dict, name: str, fp8_only: bool = False) -> bool:
+    """DeepSeek-V4's `X.scale` beside an FP8 (or, unless fp8_only, packed-FP4) `X.weight`."""
+    w = name[:-len("scale")] + "weight" if name.endswith(".scale") else None
+    return w is not None and w in t and (t[w].st_dtype.startswith("F8") or (t[w].st_dtype == "I8" and not fp8_only))
+
+
 def is_quant_tensor(name: str) -> bool:
     if name.endswith(NOT_QUANT):
         return False
@@ -328,7 +336,8 @@ def _block_size(ck: "Checkpoint", inv: list[str]) -> tuple[int, int] | None:
     """The (power-of-two) block shape that maps a weight onto its scale_inv grid, from a weight
     big enough to span several blocks each way; None if none is."""
     for n in inv:
-        w, s = ck.tensors.get(n[: -len("_scale_inv")]), ck.tensors[n]
+        weight = n[: -len("_scale_inv")] if n.endswith("_scale_inv") else n[: -len("scale")] + "weight"
+        w, s = ck.tensors.get(weight), ck.tensors[n]
         if w is None or len(w.shape) != 2 or len(s.shape) != 2 or min(s.shape) < 2:
             continue
         block = []
@@ -344,11 +353,11 @@ def _block_size(ck: "Checkpoint", inv: list[str]) -> tuple[int, int] | None:
 
 def describe_quant_tensors(ck: "Checkpoint") -> str | None:
     """Name the quantized format from the tensors alone (a checkpoint whose config does not say)."""
-    names = [n for n in ck.tensors if is_quant_tensor(n)]
+    names = [n for n in ck.tensors if is_quant_tensor(n) or _v4_scale(ck.tensors, n)]
     f8 = [n for n, s in ck.tensors.items() if s.st_dtype.startswith("F8")]
     if not names and not f8:
         return None
-    inv = [n for n in names if n.endswith("weight_scale_inv")]
+    inv = [n for n in names if n.endswith("weight_scale_inv") or _v4_scale(ck.tensors, n, fp8_only=True)]
     if inv:
         w = ck.tensors.get(inv[0][: -len("_scale_inv")])
         fmt = w.st_dtype.replace("F8_", "").lower() if w is not None else "fp8"
@@ -420,14 +429,25 @@ def e8m0_f32(t: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(b, dtype=torch.float32), b - 127)
 
 
+def block_scale_name(t: dict, name: str) -> str | None:
+    """The block-scale tensor of weight `name`: `X.weight_scale_inv` (DeepSeek-V3's and Qwen's
+    releases) or `X.scale` (DeepSeek-V4's: `w1.weight` beside `w1.scale`), the same multiplier."""
+    if name + "_scale_inv" in t:
+        return name + "_scale_inv"
+    if name.endswith(".weight") and name[:-len("weight")] + "scale" in t:
+        return name[:-len("weight")] + "scale"
+    return None
+
+
 def resolve_weight(ck: Checkpoint, name: str) -> Weight | None:
     t = ck.tensors
     if name in t:
         s = t[name]
-        if name + "_scale_inv" in t and s.st_dtype in ("I8", "U8"):
-            return _fp4_e8m0_weight(ck, name)
-        if name + "_scale_inv" in t:
-            return _fp8_weight(ck, name)
+        scale = block_scale_name(t, name)
+        if scale is not None and s.st_dtype in ("I8", "U8"):
+            return _fp4_e8m0_weight(ck, name, scale)
+        if scale is not None:
+            return _fp8_weight(ck, name, scale)
         if name + "_scale" in t and s.st_dtype == "U8":
             return _nvfp4_weight(ck, name)
         if s.st_dtype.startswith("F8") or s.st_dtype == "U8":
@@ -442,35 +462,34 @@ def resolve_weight(ck: Checkpoint, name: str) -> Weight | None:
     return None
 
 
-def _fp8_weight(ck: Checkpoint, name: str) -> Weight:
-    v, sc = ck.tensors[name], ck.tensors[name + "_scale_inv"]
+def _fp8_weight(ck: Checkpoint, name: str, scale: str) -> Weight:
+    v, sc = ck.tensors[name], ck.tensors[scale]
     if v.st_dtype != "F8_E4M3":
-        raise _bad(ck, name, f"is {v.st_dtype} with a weight_scale_inv; FP8 block weights are F8_E4M3")
+        raise _bad(ck, name, f"is {v.st_dtype} with a block scale ({scale}); FP8 block weights are F8_E4M3")
     if len(v.shape) < 2 or len(sc.shape) != len(v.shape):
-        raise _bad(ck, name + "_scale_inv", f"has shape {sc.shape} for a weight of shape {v.shape}; "
+        raise _bad(ck, scale, f"has shape {sc.shape} for a weight of shape {v.shape}; "
                    "FP8 block scales are one per 128x128 block")
     grid = v.shape[:-2] + [-(-v.shape[-2] // FP8_BLOCK), -(-v.shape[-1] // FP8_BLOCK)]
     if sc.shape != grid:
-        raise _bad(ck, name + "_scale_inv", f"has shape {sc.shape}; a {v.shape} weight with 128x128 "
+        raise _bad(ck, scale, f"has shape {sc.shape}; a {v.shape} weight with 128x128 "
                    f"block scales has {grid} (other block sizes are not supported)")
     if sc.st_dtype not in FP8_SCALE_DTYPES:
-        raise _bad(ck, name + "_scale_inv", f"is {sc.st_dtype}; FP8 block scales are F32, BF16, F16 or "
-                   "F8_E8M0 (ue8m0)")
-    return Weight(name, "fp8_block", name, list(v.shape), scale=name + "_scale_inv")
+        raise _bad(ck, scale, f"is {sc.st_dtype}; FP8 block scales are F32, BF16, F16 or F8_E8M0 (ue8m0)")
+    return Weight(name, "fp8_block", name, list(v.shape), scale=scale)
 
 
-def _fp4_e8m0_weight(ck: Checkpoint, name: str) -> Weight:
-    """DeepSeek-V4's FP4 experts (quantization_config expert_dtype "fp4"): `X.weight` I8 [R, C/2],
-    two e2m1 codes a byte (low nibble first), and `X.weight_scale_inv` F8_E8M0 [R, C/32], one
-    scale per 32 values of a row: MXFP4's layout, named as V4 publishes it."""
-    v, sc = ck.tensors[name], ck.tensors[name + "_scale_inv"]
+def _fp4_e8m0_weight(ck: Checkpoint, name: str, scale: str) -> Weight:
+    """DeepSeek-V4-Flash's FP4 experts: `w1.weight` I8 [R, C/2], two e2m1 codes a byte (low
+    nibble first), and `w1.scale` F8_E8M0 [R, C/32], one scale per 32 values of a row (also read
+    as `weight_scale_inv`): MXFP4's layout under V4's names."""
+    v, sc = ck.tensors[name], ck.tensors[scale]
     if len(v.shape) != 2:
         raise _bad(ck, name, f"is {v.st_dtype} {v.shape}; packed FP4 weights are [rows, cols/2]")
     shape = [v.shape[0], v.shape[1] * 2]
     if sc.shape != [shape[0], shape[1] // MX_BLOCK] or shape[1] % MX_BLOCK or sc.st_dtype not in ("F8_E8M0", "U8"):
-        raise _bad(ck, name + "_scale_inv", f"is {sc.st_dtype} {sc.shape} for packed FP4 values {v.shape}; "
+        raise _bad(ck, scale, f"is {sc.st_dtype} {sc.shape} for packed FP4 values {v.shape}; "
                    f"FP4 experts have one e8m0 scale per {MX_BLOCK} values of a row ({[shape[0], shape[1] // MX_BLOCK]})")
-    return Weight(name, "mxfp4", name, shape, scale=name + "_scale_inv")
+    return Weight(name, "mxfp4", name, shape, scale=scale)
 
 
 def _nvfp4_weight(ck: Checkpoint, name: str) -> Weight:
