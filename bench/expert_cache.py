@@ -9,9 +9,10 @@ Modes (the `mode` field of each row):
   cache      what users get by default: the adaptive split (experts/share.py) choosing r from
              the measured step times during the warm-up (`--cache-warmup` steps), then timed
   split      the cache with a fixed fill share r < 1 (`--fill-shares`): the other misses run
-             on the C++ CPU executor, called from a host-function node on a side stream while
-             the GPU copies and computes; one CUDA graph
-  cpu-only   every routed expert on the C++ CPU executor (the same host node), the rest on
+             on the C++ CPU executor, handed over in stream order (the doorbell by default,
+             FREETOKEN_CPU_BRANCH=hostfn for a host-function node) while the GPU copies and
+             computes; one CUDA graph
+  cpu-only   every routed expert on the C++ CPU executor (the same hand-over), the rest on
              the GPU; one CUDA graph
 Routing (`--routing`): `model` (the random router's own choices: near-uniform, the hardest
 case for a cache), `trace:FILE` (a routing trace in the formats of experts/traces.py; its
