@@ -66,6 +66,36 @@ def test_parse_tool_call_variants():
     assert parse_tool_call("garbage") is None
 
 
+TYPED_TOOLS = [{"type": "function", "function": {"name": "ship", "parameters": {"type": "object", "properties": {
+    "zip": {"type": "string"}, "note": {"type": ["string", "null"]}, "mode": {"enum": ["1", "2"]},
+    "count": {"type": "integer"}, "express": {"type": "boolean"}, "dims": {"type": "object"}}}}}]
+
+
+@pytest.mark.parametrize("fmt, text", [
+    ("tool_call", "<tool_call>\n<function=ship>\n<parameter=zip>\n02139\n</parameter>\n<parameter=note>\n123\n"
+                  "</parameter>\n<parameter=mode>\n2\n</parameter>\n<parameter=count>\n3\n</parameter>\n"
+                  "<parameter=express>\ntrue\n</parameter>\n<parameter=dims>\n{\"w\": 1}\n</parameter>\n"
+                  "<parameter=extra>\n7\n</parameter>\n</function>\n</tool_call>"),
+    ("glm", "<tool_call>ship\n<arg_key>zip</arg_key>\n<arg_value>02139</arg_value>\n<arg_key>note</arg_key>\n"
+            "<arg_value>123</arg_value>\n<arg_key>mode</arg_key>\n<arg_value>2</arg_value>\n<arg_key>count</arg_key>\n"
+            "<arg_value>3</arg_value>\n<arg_key>express</arg_key>\n<arg_value>true</arg_value>\n<arg_key>dims</arg_key>\n"
+            "<arg_value>{\"w\": 1}</arg_value>\n<arg_key>extra</arg_key>\n<arg_value>7</arg_value>\n</tool_call>"),
+])
+def test_raw_values_are_typed_by_the_tools_schema(fmt, text):
+    """The XML and GLM call forms write a string argument raw: "123" for a string parameter
+    stays a string (it came back as the number 123), numbers, booleans and objects by their
+    types; a parameter the schema does not name, or no tools given, reads as JSON when it parses."""
+    from freetoken.server.parser import param_schemas
+    want = {"zip": "02139", "note": "123", "mode": "2", "count": 3, "express": True, "dims": {"w": 1}, "extra": 7}
+    for pieces in ([text], list(text)):  # whole, and one character at a time
+        _, _, calls = run(OutputParser(fmt=fmt, schemas=param_schemas(TYPED_TOOLS)), pieces)
+        assert [(c.name, json.loads(c.arguments)) for c in calls] == [("ship", want)]
+    _, _, calls = run(OutputParser(fmt=fmt), [text])  # without the tools: JSON where it parses
+    assert json.loads(calls[0].arguments)["note"] == 123
+    # Anthropic's shape of a tool names its schema input_schema
+    assert param_schemas([{"name": "ship", "input_schema": {"type": "object"}}]) == {"ship": {"type": "object"}}
+
+
 def test_builtin_template_renders_tools_history_and_thinking():
     t = ChatTemplate(None)
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]

@@ -686,3 +686,24 @@ def test_scripted_round_trip_renders_as_chat(scripted):
     scripted.client.responses.create(model="scripted", input=replay + outputs, tools=TOOLS, store=False,
                                      instructions="Use tools.", include=["reasoning.encrypted_content"])
     assert _prompt(scripted) == expected
+
+
+def test_scripted_xml_call_values_follow_the_tools_schema(scripted):
+    """A call in the XML form writes string arguments raw: "123" for a string parameter comes
+    back as the string "123" on every endpoint (it came back as a number), an integer as one."""
+    xml = ("<tool_call>\n<function=ship>\n<parameter=zip>\n123\n</parameter>\n<parameter=count>\n3\n</parameter>\n"
+           "</function>\n</tool_call>")
+    params = {"type": "object", "properties": {"zip": {"type": "string"}, "count": {"type": "integer"}}}
+    want = {"zip": "123", "count": 3}
+    scripted.serving.script = [(xml, "stop")] * 3
+    chat = scripted.client.chat.completions.create(
+        model="scripted", messages=[{"role": "user", "content": "Ship it"}],
+        tools=[{"type": "function", "function": {"name": "ship", "parameters": params}}])
+    assert json.loads(chat.choices[0].message.tool_calls[0].function.arguments) == want
+    resp = scripted.client.responses.create(model="scripted", input="Ship it",
+                                            tools=[{"type": "function", "name": "ship", "parameters": params}])
+    assert json.loads([i for i in resp.output if i.type == "function_call"][0].arguments) == want
+    msg = scripted.http.post("/v1/messages", json={
+        "model": "scripted", "max_tokens": 64, "messages": [{"role": "user", "content": "Ship it"}],
+        "tools": [{"name": "ship", "input_schema": params}]}).json()
+    assert [b["input"] for b in msg["content"] if b["type"] == "tool_use"] == [want]

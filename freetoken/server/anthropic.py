@@ -180,7 +180,7 @@ async def messages(ctx, body: dict, request):
     constrain_output(sampling, prompt.in_reasoning)
     stream = field(body, "stream", "boolean", False)
     req, queue = submit(ctx, prompt.ids, sampling)
-    gen = events(ctx, req, queue, tools is not None, prompt.in_reasoning, request.is_disconnected)
+    gen = events(ctx, req, queue, tools, prompt.in_reasoning, request.is_disconnected)
     mid = "msg_" + uuid.uuid4().hex[:24]
     if stream:
         return StreamingResponse(_stream(gen, req, mid, model), media_type="text/event-stream",

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from ..runtime.request import Request, SamplingOptions
 from .common import ClientGone
-from .parser import Event, OutputParser, merge
+from .parser import Event, OutputParser, merge, param_schemas
 from .tool_choice import parser_format
 
 PING_EVERY_S = 10.0  # keep-alive while a long prompt prefills
@@ -118,7 +118,7 @@ def start(ctx, prompt_ids: list[int], sampling: SamplingOptions):
     return req, ctx.serving.submit(req)
 
 
-async def events(ctx, req: Request, queue, tools: bool, in_reasoning: bool, is_disconnected=None,
+async def events(ctx, req: Request, queue, tools, in_reasoning: bool, is_disconnected=None,
                  raw: bool = False, tokens: bool = False):
     """Async iterator of parser Events, Pings and a final Done for a started request; with
     tokens=True also a Tokens before the text each engine event produces.
@@ -128,8 +128,11 @@ async def events(ctx, req: Request, queue, tools: bool, in_reasoning: bool, is_d
     detok = Detokenizer(ctx.tokenizer)
     stops = StopMatcher(sampling.stop)
     # tool calls are read in the model's own format, probed from its chat template
+    # tools: the request's tools (a list, typing the call forms that write values raw), or a bool
+    schemas = param_schemas(tools) if isinstance(tools, (list, tuple)) else None
+    tools = tools is not None and tools is not False
     fmt = parser_format(ctx.template) if tools and not raw else None
-    parser = RawParser() if raw else OutputParser(in_reasoning=in_reasoning, tools=tools, fmt=fmt)
+    parser = RawParser() if raw else OutputParser(in_reasoning=in_reasoning, tools=tools, fmt=fmt, schemas=schemas)
     hidden = set(ctx.serving.engine.eos_ids) | set(sampling.stop_token_ids)
     stop_hit = None
     kept = Tokens()

@@ -114,7 +114,7 @@ async def chat_completions(ctx, body: dict, request):
     else:  # strict tools: any call the model opens follows its tool's schema
         sampling.grammar = strict_grammar(ctx, tools, prompt.in_reasoning, **kwargs)
     req, queue = submit(ctx, prompt.ids, sampling)
-    gen = events(ctx, req, queue, tools is not None, prompt.in_reasoning, request.is_disconnected,
+    gen = events(ctx, req, queue, tools, prompt.in_reasoning, request.is_disconnected,
                  tokens=stream and want_logprobs)
     cid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
     if stream:

@@ -8,7 +8,9 @@ template):
   ({"name": ..., "arguments": {...}}), the XML form
   (<function=NAME><parameter=P>value</parameter></function>), or GLM's (4.5 to 5)
   NAME<arg_key>K</arg_key><arg_value>V</arg_value>... (newlines between the parts or not; string
-  values raw, others as JSON; at least one argument: a bare word stays text).
+  values raw, others as JSON; at least one argument: a bare word stays text). A value of the XML
+  and GLM forms is typed by its parameter's schema in the request's tools where there is one (a
+  string parameter keeps "02139" or "true" as written), else read as JSON when it parses.
 - "glm": the same, and a bare NAME is a call without arguments (as GLM's templates write one).
 - "dsml" (DeepSeek-V3.2 and V4): a block <｜DSML｜tool_calls> ... </｜DSML｜tool_calls> (V3.2:
   function_calls) of one or more <｜DSML｜invoke name="NAME"> ... </｜DSML｜invoke>, each
@@ -71,8 +73,44 @@ def _loose(raw: str):
         return raw
 
 
-def parse_tool_call(body: str, bare: bool = False) -> ToolCall | None:
-    """One call inside <tool_call>: JSON, XML or GLM. bare: a lone NAME is a call (GLM)."""
+Schemas = dict  # tool name -> its parameters' JSON schema (param_schemas)
+
+
+def param_schemas(tools) -> Schemas:
+    """The request's tools (the template's shape {"type": "function", "function": {...}}, or flat
+    {"name", "parameters"} / Anthropic's {"name", "input_schema"}) -> {name: parameters schema}."""
+    out = {}
+    for t in tools or []:
+        f = t.get("function", t) if isinstance(t, dict) else None
+        if isinstance(f, dict) and isinstance(f.get("name"), str):
+            params = f.get("parameters", f.get("input_schema"))
+            out[f["name"]] = params if isinstance(params, dict) else {}
+    return out
+
+
+def _is_string(schema) -> bool:
+    """Whether a parameter's schema makes it a string whatever the text looks like."""
+    if not isinstance(schema, dict):
+        return False
+    t = schema.get("type")
+    if t == "string" or (isinstance(t, list) and "string" in t and set(t) <= {"string", "null"}):
+        return True
+    enum = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    return isinstance(enum, list) and bool(enum) and all(isinstance(v, str) for v in enum)
+
+
+def _typed(raw: str, tool: str, key: str, schemas: Schemas | None):
+    """An XML / GLM argument value: the text as written for a string parameter of the tool's
+    schema, else JSON when it parses (numbers, booleans, objects), else the text."""
+    props = ((schemas or {}).get(tool) or {}).get("properties")
+    if isinstance(props, dict) and _is_string(props.get(key)):
+        return raw
+    return _loose(raw)
+
+
+def parse_tool_call(body: str, bare: bool = False, schemas: Schemas | None = None) -> ToolCall | None:
+    """One call inside <tool_call>: JSON, XML or GLM. bare: a lone NAME is a call (GLM);
+    schemas: the request's tools (param_schemas), which type the XML and GLM values."""
     body = body.strip()
     try:
         obj = json.loads(body)
@@ -85,20 +123,20 @@ def parse_tool_call(body: str, bare: bool = False) -> ToolCall | None:
         pass
     m = re.search(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", body, re.S)
     if m:
-        args = {}
+        args, name = {}, m.group(1).strip()
         for pm in re.finditer(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", m.group(2), re.S):
-            args[pm.group(1).strip()] = _loose(pm.group(2))
-        return _call(m.group(1).strip(), args)
+            args[pm.group(1).strip()] = _typed(pm.group(2), name, pm.group(1).strip(), schemas)
+        return _call(name, args)
     # GLM: the name, then key/value pairs (strings raw, other values as JSON). Without `bare`, a
     # call without arguments (the bare name) is not told apart from stray text: it stays text
     name, key, rest = body.partition("<arg_key>")
     if NAME.fullmatch(name.strip()) and (key or bare):
-        args = {k.strip(): _loose(v) for k, v in GLM_ARG.findall(key + rest)}
+        args = {k.strip(): _typed(v, name.strip(), k.strip(), schemas) for k, v in GLM_ARG.findall(key + rest)}
         return _call(name.strip(), args)
     return None
 
 
-def parse_dsml(body: str) -> list[ToolCall] | None:
+def parse_dsml(body: str, schemas: Schemas | None = None) -> list[ToolCall] | None:
     """The inside of a DSML block: its invokes, in order (None: no call in it)."""
     calls = []
     for name, inner in DSML_INVOKE.findall(body):
@@ -111,7 +149,7 @@ def parse_dsml(body: str) -> list[ToolCall] | None:
     return calls or None
 
 
-def parse_deepseek_v3(body: str) -> list[ToolCall] | None:
+def parse_deepseek_v3(body: str, schemas: Schemas | None = None) -> list[ToolCall] | None:
     """The inside of a <｜tool▁calls▁begin｜> block (None: no call, or one that does not read)."""
     calls = []
     for head, rest in V3_CALL.findall(body):
@@ -134,12 +172,12 @@ class Block:
     """A tool-call block: its opening and closing tags, and what reads the calls between them."""
     open: str
     close: str
-    read: Callable[[str], list[ToolCall] | None]
+    read: Callable[..., list[ToolCall] | None]  # (body, schemas) -> calls or None
 
 
-def _single(bare: bool) -> Callable[[str], list[ToolCall] | None]:
-    def read(body: str) -> list[ToolCall] | None:
-        call = parse_tool_call(body, bare)
+def _single(bare: bool) -> Callable[..., list[ToolCall] | None]:
+    def read(body: str, schemas: Schemas | None = None) -> list[ToolCall] | None:
+        call = parse_tool_call(body, bare, schemas)
         return None if call is None else [call]
     return read
 
@@ -154,9 +192,11 @@ FORMATS: dict[str, tuple[Block, ...]] = {
 
 class OutputParser:
     """fmt: the model's tool-call format (a FORMATS key; None: "tool_call"). tools=False: no
-    tool calls are read, their text stays text."""
+    tool calls are read, their text stays text. schemas: the request's tools' parameter schemas
+    (param_schemas), which type the values of the XML and GLM call forms."""
 
-    def __init__(self, in_reasoning: bool = False, tools: bool = True, fmt: str | None = None):
+    def __init__(self, in_reasoning: bool = False, tools: bool = True, fmt: str | None = None,
+                 schemas: Schemas | None = None):
         if (fmt or "tool_call") not in FORMATS:
             raise ValueError(f"unknown tool-call format {fmt!r} (known: {', '.join(FORMATS)})")
         self.state = "reasoning" if in_reasoning else "content"
@@ -166,6 +206,7 @@ class OutputParser:
         self.buf = ""
         self.tool_buf = ""
         self.strip_next = in_reasoning  # drop the newline(s) right after a tag
+        self.schemas = schemas
 
     def _tags(self) -> list[str]:
         if self.state == "reasoning":
@@ -215,7 +256,7 @@ class OutputParser:
         if self.state == "reasoning":  # </think>
             self.state, self.strip_next = "content", True
         elif self.state == "tool":  # the block's close
-            self._calls(self.block.read(self.tool_buf), tag, out)
+            self._calls(self.block.read(self.tool_buf, self.schemas), tag, out)
             self.state, self.strip_next = "content", True
         elif tag == THINK_OPEN:
             self.state, self.strip_next = "reasoning", True
@@ -235,7 +276,7 @@ class OutputParser:
         rest, self.buf = self.buf, ""
         if self.state == "tool":
             self.tool_buf += rest
-            self._calls(self.block.read(self.tool_buf), "", out)
+            self._calls(self.block.read(self.tool_buf, self.schemas), "", out)
         else:
             self._emit(rest, out)
         return out

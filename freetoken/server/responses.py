@@ -641,7 +641,7 @@ async def create(ctx, body: dict, request):
     p = plan(ctx, body)
     stream = field(body, "stream", "boolean", False)
     req, queue = submit(ctx, p.prompt.ids, p.sampling)
-    gen = events(ctx, req, queue, bool(p.tools), p.prompt.in_reasoning, request.is_disconnected)
+    gen = events(ctx, req, queue, p.tools or None, p.prompt.in_reasoning, request.is_disconnected)
     answer = Answer(ctx, p)
     if stream:
         return StreamingResponse(_stream(gen, answer), media_type="text/event-stream",
