@@ -68,25 +68,29 @@ def test_parse_tool_call_variants():
 
 TYPED_TOOLS = [{"type": "function", "function": {"name": "ship", "parameters": {"type": "object", "properties": {
     "zip": {"type": "string"}, "note": {"type": ["string", "null"]}, "mode": {"enum": ["1", "2"]},
-    "count": {"type": "integer"}, "express": {"type": "boolean"}, "dims": {"type": "object"}}}}}]
+    "count": {"type": "integer"}, "express": {"type": "boolean"}, "dims": {"type": "object"},
+    "code": {"type": "string", "pattern": "^[A-Z]+$"}}}}}]
 
 
 @pytest.mark.parametrize("fmt, text", [
     ("tool_call", "<tool_call>\n<function=ship>\n<parameter=zip>\n02139\n</parameter>\n<parameter=note>\n123\n"
                   "</parameter>\n<parameter=mode>\n2\n</parameter>\n<parameter=count>\n3\n</parameter>\n"
                   "<parameter=express>\ntrue\n</parameter>\n<parameter=dims>\n{\"w\": 1}\n</parameter>\n"
-                  "<parameter=extra>\n7\n</parameter>\n</function>\n</tool_call>"),
+                  "<parameter=extra>\n7\n</parameter>\n<parameter=code>\n\"AB\"\n</parameter>\n</function>\n</tool_call>"),
     ("glm", "<tool_call>ship\n<arg_key>zip</arg_key>\n<arg_value>02139</arg_value>\n<arg_key>note</arg_key>\n"
             "<arg_value>123</arg_value>\n<arg_key>mode</arg_key>\n<arg_value>2</arg_value>\n<arg_key>count</arg_key>\n"
             "<arg_value>3</arg_value>\n<arg_key>express</arg_key>\n<arg_value>true</arg_value>\n<arg_key>dims</arg_key>\n"
-            "<arg_value>{\"w\": 1}</arg_value>\n<arg_key>extra</arg_key>\n<arg_value>7</arg_value>\n</tool_call>"),
+            "<arg_value>{\"w\": 1}</arg_value>\n<arg_key>extra</arg_key>\n<arg_value>7</arg_value>\n"
+            "<arg_key>code</arg_key>\n<arg_value>\"AB\"</arg_value>\n</tool_call>"),
 ])
 def test_raw_values_are_typed_by_the_tools_schema(fmt, text):
     """The XML and GLM call forms write a string argument raw: "123" for a string parameter
     stays a string (it came back as the number 123), numbers, booleans and objects by their
-    types; a parameter the schema does not name, or no tools given, reads as JSON when it parses."""
+    types; a parameter the schema does not name, or no tools given, reads as JSON when it parses;
+    a JSON string literal (what the strict-tools grammar writes for a patterned string) is decoded."""
     from freetoken.server.parser import param_schemas
-    want = {"zip": "02139", "note": "123", "mode": "2", "count": 3, "express": True, "dims": {"w": 1}, "extra": 7}
+    want = {"zip": "02139", "note": "123", "mode": "2", "count": 3, "express": True, "dims": {"w": 1}, "extra": 7,
+            "code": "AB"}
     for pieces in ([text], list(text)):  # whole, and one character at a time
         _, _, calls = run(OutputParser(fmt=fmt, schemas=param_schemas(TYPED_TOOLS)), pieces)
         assert [(c.name, json.loads(c.arguments)) for c in calls] == [("ship", want)]

@@ -159,7 +159,7 @@ def _xml_call(g: _Lark, i: int, t: ToolSchema, syn: CallSyntax) -> None:
     for j, (key, sub) in enumerate(props.items()):
         name = f"p{i}_{j}"
         items.append(name if key in required else name + "?")
-        raw = _raw_value(sub, syn.end_param, forbid)
+        raw = raw_value(sub, syn.end_param, forbid)
         if raw is not None:
             g.rules.append(f"V{i}_{j}: {raw}")
             g.rule(name, g.lit(syn.param + key + syn.mid), f"V{i}_{j}")
@@ -169,7 +169,7 @@ def _xml_call(g: _Lark, i: int, t: ToolSchema, syn: CallSyntax) -> None:
     g.rule(f"call{i}", g.lit(syn.head + t.name + syn.tail), *items, g.lit(syn.close))
 
 
-def _raw_value(sub, end: str, forbid: str) -> str | None:
+def raw_value(sub, end: str, forbid: str) -> str | None:
     """A lexeme for a raw string value followed by `end`, or None when the value goes as JSON
     (not a plain string: a pattern or a format needs the JSON route, which the parser reads back
     as a string as well)."""

@@ -100,12 +100,15 @@ def _is_string(schema) -> bool:
 
 
 def _typed(raw: str, tool: str, key: str, schemas: Schemas | None):
-    """An XML / GLM argument value: the text as written for a string parameter of the tool's
-    schema, else JSON when it parses (numbers, booleans, objects), else the text."""
+    """An XML / GLM argument value: for a string parameter of the tool's schema the text as
+    written, unless it is a JSON string literal (the form the strict-tools grammar gives a string
+    with a pattern or a format: runtime/grammar.py raw_value); else JSON when it parses
+    (numbers, booleans, objects), else the text."""
+    v = _loose(raw)
     props = ((schemas or {}).get(tool) or {}).get("properties")
-    if isinstance(props, dict) and _is_string(props.get(key)):
+    if isinstance(props, dict) and _is_string(props.get(key)) and not isinstance(v, str):
         return raw
-    return _loose(raw)
+    return v
 
 
 def parse_tool_call(body: str, bare: bool = False, schemas: Schemas | None = None) -> ToolCall | None:

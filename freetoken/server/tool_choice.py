@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 
-from ..runtime.grammar import GrammarError, _raw_value, check
+from ..runtime.grammar import GrammarError, raw_value, check
 from ..runtime.request import CallSyntax, GrammarSpec, ToolSchema
 from .common import ApiError
 
@@ -268,12 +268,12 @@ def _for_syntax(ctx, fmt: CallFormat, schemas: tuple[ToolSchema, ...]) -> tuple[
         props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
         names, shaped = {}, {}
         for key, sub in props.items():
-            raw = not no_raw and _raw_value(sub, syn.end_param, syn.end_param) is not None
+            raw = not no_raw and raw_value(sub, syn.end_param, syn.end_param) is not None
             if raw and fmt.flags is not None and ("enum" in sub or "const" in sub):
                 values = sub["enum"] if "enum" in sub else [sub["const"]]
                 raw = not any(_reads_as_json(v) for v in values)
             names[key] = key + (fmt.flags[0] if raw else fmt.flags[1]) if fmt.flags else key
-            grammar_raw = _raw_value(sub, syn.end_param, syn.end_param) is not None
+            grammar_raw = raw_value(sub, syn.end_param, syn.end_param) is not None
             shaped[names[key]] = {"anyOf": [sub]} if grammar_raw and not raw else sub  # anyOf: the JSON route
         required = [names.get(k, k) for k in params.get("required") or []]
         out.append(replace(t, parameters={**params, "properties": shaped, "required": required}))
