@@ -245,7 +245,10 @@ def main():
     ap.add_argument("--cuda", action="store_true")
     ap.add_argument("--jobs", type=int, default=None)
     a = ap.parse_args()
-    binary = build(source(), Path(a.build_dir), a.cuda, a.jobs)
+    try:
+        binary = build(source(), Path(a.build_dir), a.cuda, a.jobs)
+    except (FileNotFoundError, subprocess.CalledProcessError) as e:
+        raise SystemExit(f"bench.llamacpp: {e}") from None
     if a.check:
         from bench.common import write_result
         write_result("llamacpp-check", {"model": "tiny random Qwen3.5-MoE (TINY), BF16 values, 24 tokens",

@@ -17,9 +17,10 @@ Procedure (a hill climb from fill-only, re-checked periodically):
           (a candidate can tie its neighbour: with one or two misses per layer call, nearby
           shares move the same experts; and a probe is noisy), then keep the best measured;
   confirm probe the best and its two neighbours once more and keep the one with the lowest
-          mean of its probes if it beats the best's mean by MARGIN: one probe's median varies by several percent from run to run
-          (the cache's contents, the host), enough to stop a climb one candidate early or late
-          (measured on the H200 at 6 threads: a single unlucky probe at 0.5 left r at 0.6);
+          mean of its probes if it beats the best's mean by MARGIN: one probe's median varies
+          by several percent from run to run (the cache's contents, the host), enough to stop a
+          climb one candidate early or late (on the H200 at 6 threads a single unlucky probe
+          at 0.5 left r at 0.6);
   hold    keep the best for HOLD steps (at least 4x the steps the climb took), then probe its
           neighbours again (conditions drift).
 Samples are compared only within one batch size: each size climbs on its own (continuous

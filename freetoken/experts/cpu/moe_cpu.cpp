@@ -967,8 +967,9 @@ torch::Tensor forward(int64_t handle, torch::Tensor x, torch::Tensor ids, torch:
   TORCH_CHECK(gate_up.dtype() == torch::kBFloat16 || gate_up.dtype() == torch::kFloat32, "banks must be bf16 or f32");
   auto out = torch::empty({T, H}, x.options());
   Executor& ex = *g_execs.at(handle);
-  // every check above throws with the GIL held (an error raised with it released crashed the
-  // process on the GPU machine's torch 2.11 / Python 3.12); only the compute runs without it
+  // every check above throws with the GIL held (a check failing with it released is the likely
+  // cause of a crash seen on the GPU machine's torch 2.11 / Python 3.12); only the compute runs
+  // without it
   py::gil_scoped_release nogil;
   std::lock_guard<std::mutex> g(ex.call_mutex);
   if (gate_up.dtype() == torch::kBFloat16) {
