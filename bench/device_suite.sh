@@ -32,7 +32,7 @@ GROUP_A="tests/test_gpu_production.py tests/test_paged_attention.py tests/test_k
   tests/test_reference.py tests/test_decode_runner.py tests/test_serving_engine.py tests/test_cpu_executor.py
   tests/test_expert_cache.py tests/test_expert_cache_gpu.py tests/test_hostcall.py"
 GROUP_B="tests/test_expert_control.py tests/test_gpt_oss.py tests/test_quantized_models.py tests/test_cpu_quantized.py
-  tests/test_prefill_stream.py tests/test_expert_cache_quant.py"
+  tests/test_prefill_stream.py tests/test_expert_cache_quant.py tests/test_sliding_ring.py"
 case "${FT_TESTS:-a}" in a) TESTS=$GROUP_A ;; b) TESTS=$GROUP_B ;; *) TESTS="$GROUP_A $GROUP_B" ;; esac
 # the control kernel's fuzz tests compile a Triton kernel per random shape (~19 s a test on the
 # H200: 12 of them took a whole call); they run here under the interpreter, FT_FUZZ=1 keeps them

@@ -160,26 +160,36 @@ def test_serving_loop_matches_transformers(built, name):
     assert [r.output_ids for r in again] == [r.output_ids for r in reqs]
 
 
-def test_prefix_reuse_past_the_window_is_exact(built):
-    """Sliding-window layers keep every page of the prefix for now (keeping only their last window
-    is a follow-up): a restore past the window and across an edit equals a cold prefill."""
+@pytest.mark.parametrize("sliding", ["window", "full"])
+def test_prefix_reuse_past_the_window_is_exact(built, sliding):
+    """A restore past the window and across an edit equals a cold prefill. "window": the sliding
+    layers keep a ring of their window's pages per slot, so the prefix cache restores at its
+    checkpoints (every 4 tokens here) with the window's keys copied back into the ring; "full":
+    every page in the pool, restored at any page."""
     model, ftw = built["yarn-gqa-k4"]
-    eng = cpu_engine(ftw, prefill_chunk=16)
+    eng = cpu_engine(ftw, prefill_chunk=16, sliding_kv=sliding)
     g = torch.Generator().manual_seed(4)
     first = torch.randint(0, 320, (61,), generator=g).tolist()
     edited = first[:45] + torch.randint(0, 320, (6,), generator=g).tolist() + first[51:]
     extended = first + torch.randint(0, 320, (9,), generator=g).tolist()
     warm = ServingEngine(eng, max_batch=2, max_queue=8, record_logits=True, start=False,
-                         cache=CacheConfig(page_size=4))
+                         cache=CacheConfig(page_size=4, checkpoint_policy="interval:4"))
     cold = ServingEngine(eng, max_batch=2, max_queue=8, record_logits=True, start=False,
                          cache=CacheConfig(enabled=False))
+    st, w = warm.state, model.config.sliding_window
+    sliding_layers = [i for i, t in enumerate(model.config.layer_types) if t == "sliding_attention"]
+    assert st.ring == (sliding_layers if sliding == "window" else [])
+    assert warm.describe()["sliding_kv"] == sliding and warm.describe()["ring_layers"] == len(st.ring)
+    if sliding == "window":  # the rings: the window and a 16-token chunk on pages of 4, per slot
+        assert st.ring_len == -(-(16 + w - 1) // 4) + 1 and st.k[sliding_layers[0]].shape[0] == 1 + 2 * st.ring_len
+        assert st.k[sliding_layers[0]].shape[0] < st.k[1].shape[0] // 8
     drive(warm, [greedy_req(first, 5)])
     for second in (edited, extended):
         shared = next(i for i, (a, b) in enumerate(zip(first + [-1], second)) if a != b)
         got = drive(warm, [greedy_req(second, 6)])[0]
         ref = drive(cold, [greedy_req(second, 6)])[0]
-        assert shared - 4 <= got.cached_tokens <= shared  # all but the partial page, never past the edit
-        assert got.cached_tokens > 4 * model.config.sliding_window
+        assert shared - 4 <= got.cached_tokens <= shared  # all but a page (a checkpoint), never past the edit
+        assert got.cached_tokens > 4 * w
         assert got.output_ids == ref.output_ids
         for a, b in zip(got.logits, ref.logits):
             assert rel_err(a, b) < 1e-4

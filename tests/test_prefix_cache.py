@@ -159,7 +159,7 @@ def test_memory_pressure_stays_exact(engines):
 def test_budget_in_bytes(engines):
     eng = engines["hybrid"]
     srv = serve(eng, CacheConfig(checkpoint_budget="1MiB"))
-    per = srv.cache.checkpoint_bytes(srv.state)
+    per = srv.cache.checkpoint_bytes()
     assert srv.cache.ckpt.capacity == (1 << 20) // per
 
 

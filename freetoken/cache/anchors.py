@@ -11,22 +11,29 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 
-# names of the special tokens that open/close turns, thinking, tool calls and tool outputs
+# names of the special tokens that open/close turns, thinking, tool calls and tool outputs:
+# ChatML (Qwen), then Harmony (GPT-OSS: a message is <|start|>role<|channel|>c<|message|>...
+# and ends in <|end|>, <|call|> for a tool call or <|return|> for the final answer)
 ANCHOR_TOKENS = ("<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
-                 "<tool_response>", "</tool_response>")
+                 "<tool_response>", "</tool_response>",
+                 "<|start|>", "<|end|>", "<|message|>", "<|call|>", "<|return|>")
 
 
-TURN_OPEN = "<|im_start|>"
+TURN_OPEN = ("<|im_start|>", "<|start|>")
+
+
+def _ids(token_id, names) -> set[int]:
+    return {i for i in (token_id(t) for t in names) if i is not None}
 
 
 def anchor_ids(token_id) -> set[int]:
     """Ids of the anchor tokens this tokenizer has (token_id: str -> int | None)."""
-    return {i for i in (token_id(t) for t in ANCHOR_TOKENS) if i is not None}
+    return _ids(token_id, ANCHOR_TOKENS)
 
 
 def turn_open_ids(token_id) -> set[int]:
-    i = token_id(TURN_OPEN)
-    return set() if i is None else {i}
+    """Ids of the tokens that open a turn (a checkpoint just before one is always kept)."""
+    return _ids(token_id, TURN_OPEN)
 
 
 class CheckpointPolicy:

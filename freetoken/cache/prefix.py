@@ -7,7 +7,11 @@ with the tree's pages, used where they lie (no copy, no second pool), and a part
 page is copied before the request writes into it (copy on write). Only the rest is prefilled.
 When a request ends, its pages are handed to the tree (those holding tokens the tree already
 has are freed). Checkpoints of the DeltaNet state live in their own pool, with their own
-budget and LRU. Sliding-window layers can join by keeping only their last window of pages.
+budget and LRU. Sliding-window layers kept in rings (model/state.py: only the window's pages,
+per slot) are state the tree cannot share in place either: a checkpoint holds their last
+window's keys and values beside the DeltaNet state, taken at the same anchors, and a restore
+writes them back into the new slot's ring. A model with either kind of layer restores at
+checkpoints only (hybrid); one with neither at any page of the tree (partial pages copied).
 """
 from __future__ import annotations
 
@@ -23,17 +27,24 @@ class PrefixCache:
         self.cfg, self.st, self.page = cfg, st, st.page_size
         self.radix = RadixCache(self.page)
         self.policy = policy
-        self.hybrid = bool(cfg.linear_layers)
+        self.hybrid = bool(cfg.linear_layers or st.ring)
         slots = checkpoint_slots if self.hybrid else 0
         self.ckpt = CheckpointStore(slots)
-        self.conv = {l: torch.zeros((slots, *t.shape[1:]), dtype=t.dtype, device=t.device) for l, t in st.conv.items()}
-        self.rec = {l: torch.zeros((slots, *t.shape[1:]), dtype=t.dtype, device=t.device) for l, t in st.rec.items()}
+
+        def pool(t, shape):
+            return torch.zeros((slots, *shape), dtype=t.dtype, device=t.device)
+        self.conv = {l: pool(t, t.shape[1:]) for l, t in st.conv.items()}
+        self.rec = {l: pool(t, t.shape[1:]) for l, t in st.rec.items()}
+        w = (st.window or 1) - 1  # ring layers: the window's keys before the next query's own
+        self.wk = {l: pool(st.k[l], (w, *st.k[l].shape[1:2], st.k[l].shape[3])) for l in st.ring}  # [slots, w, kvh, hd]
+        self.wv = {l: pool(st.v[l], (w, *st.v[l].shape[1:2], st.v[l].shape[3])) for l in st.ring}
         self.kv_evicted_pages = 0
 
-    @staticmethod
-    def checkpoint_bytes(st: DecodeState) -> int:
-        """Bytes of one recurrent-state checkpoint (every linear-attention layer)."""
-        return sum(t[0].numel() * t.element_size() for t in [*st.conv.values(), *st.rec.values()])
+    def checkpoint_bytes(self) -> int:
+        """Bytes of one checkpoint: the recurrent state of every linear-attention layer and the
+        window of every ring layer."""
+        return sum(t[0].numel() * t.element_size() for t in [*self.conv.values(), *self.rec.values(),
+                                                               *self.wk.values(), *self.wv.values()])
 
     # ---- pages --------------------------------------------------------------------------
     def evict(self, n_pages: int) -> int:
@@ -68,6 +79,8 @@ class PrefixCache:
             for l in self.conv:
                 self.st.conv[l][req.slot].copy_(self.conv[l][slot])
                 self.st.rec[l][req.slot].copy_(self.rec[l][slot])
+            for l in self.wk:
+                self.st.write_window(l, req.slot, p, self.wk[l][slot], self.wv[l][slot])
         return p
 
     # ---- checkpoints --------------------------------------------------------------------
@@ -94,6 +107,10 @@ class PrefixCache:
         for l in self.conv:
             self.conv[l][s].copy_(self.st.conv[l][slot])
             self.rec[l][s].copy_(self.st.rec[l][slot])
+        for l in self.wk:
+            k, v = self.st.read_window(l, slot, len(prefix))
+            self.wk[l][s].copy_(k)
+            self.wv[l][s].copy_(v)
 
     # ---- finish -------------------------------------------------------------------------
     def release(self, req, in_state: list[int] | None) -> None:
@@ -137,6 +154,12 @@ class StateCapture:
         s = self.slots[pos]
         self.cache.conv[layer][s].copy_(conv)
         self.cache.rec[layer][s].copy_(rec)
+
+    def store_window(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """A ring layer's window at boundary pos (DecodeState.read_window)."""
+        s = self.slots[pos]
+        self.cache.wk[layer][s].copy_(k)
+        self.cache.wv[layer][s].copy_(v)
 
     def abort(self) -> None:
         for p in self.positions:

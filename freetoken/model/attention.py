@@ -50,13 +50,27 @@ class Attention:
 
     def prefill(self, x: torch.Tensor, st: DecodeState, slot: int, start: int, capture=None) -> torch.Tensor:
         """One chunk of one sequence. x: [T, H] at positions start..start+T-1, whose pages are
-        already in the slot's block table. (capture is for recurrent layers: the prefix cache
-        keeps K/V as pages, not checkpoints.)"""
+        already in the slot's block table. A layer kept in a ring (model/state.py) takes the
+        chunk in pieces the ring can hold, and hands `capture` (the prefix cache's checkpoints
+        inside the chunk) the window's keys at each of its positions."""
+        t = x.shape[0]
+        ring = self.layer in st.ring
+        step = st.ring_chunk if ring else t
+        outs = []
+        for a in range(0, t, step):
+            b = min(t, a + step)
+            outs.append(self._piece(x[a:b], st, slot, start + a))
+            if ring and capture is not None:
+                for c in capture.offsets(start + a, b - a):  # the state after start + a + c tokens
+                    capture.store_window(self.layer, start + a + c, *st.read_window(self.layer, slot, start + a + c))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _piece(self, x: torch.Tensor, st: DecodeState, slot: int, start: int) -> torch.Tensor:
         from ..kernels.paged_attention import paged_prefill_attention, write_kv
         t = x.shape[0]
         pos = torch.arange(start, start + t, device=x.device)
         q, k, v, gate = self._project(x, pos)
-        table = st.block_table[slot]  # [W]
+        table = st.table(self.layer)[slot]  # [W]
         write_kv(st.k[self.layer], st.v[self.layer], k, v, table[pos // st.page_size], pos % st.page_size)
         o = paged_prefill_attention(q, st.k[self.layer], st.v[self.layer], table, start, self.hd ** -0.5,
                                     self.window, self.sinks)  # [T, nh, hd]
@@ -70,7 +84,7 @@ class Attention:
         from ..kernels.paged_attention import paged_decode_attention, write_kv
         b = x.shape[0]
         q, k, v, gate = self._project(x, pos)  # q [B, nh, hd]
-        table = st.block_table[:b]  # [B, W]
+        table = st.table(self.layer)[:b]  # [B, W]
         page = table.gather(1, (pos // st.page_size)[:, None])[:, 0]  # [B]
         off = pos % st.page_size
         lens = pos + 1

@@ -19,7 +19,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import FreeTokenError
-from ..model.state import kv_page_bytes, slot_state_bytes
+from ..model.state import checkpoint_state_bytes, kv_page_bytes, ring_layers, slot_state_bytes
 
 GiB = 1 << 30
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 1 << 10, "m": 1e6, "mb": 1e6, "mib": 1 << 20,
@@ -111,16 +111,19 @@ def work_bytes(cfg: ModelConfig, chunk: int, slots: int, dtype) -> int:
 def plan_memory(cfg: ModelConfig, device: torch.device, dtype, budget: int, weights: int, slots: int,
                 max_len: int, chunk: int, page_size: int, checkpoint_slots: int, kv_tokens: int = 0,
                 expert_slot_bytes: int = 0, num_experts: int = 0, expert_cache: str = "",
-                prefill_pass: int = 0) -> MemoryPlan:
+                prefill_pass: int = 0, sliding: str = "window") -> MemoryPlan:
     """Size everything before allocating any of it. kv_tokens 0: what is left, up to every
     slot's full context. expert_slot_bytes (the GPU expert cache): its slots come before the KV
     pool (what `expert_cache` asks, else all but one full context of KV, at most num_experts).
     prefill_pass: bytes reserved for a streamed prefill pass's activations, capped at a tenth of
-    what is left after the fixed parts (the pass then takes fewer tokens, never the KV's room)."""
+    what is left after the fixed parts (the pass then takes fewer tokens, never the KV's room).
+    sliding: "window" keeps sliding-window layers in per-slot rings (model/state.py), out of the
+    pool's pages and into the slots' state."""
     work = work_bytes(cfg, chunk, slots, dtype)
-    state = slots * slot_state_bytes(cfg, dtype)
-    ckpt = checkpoint_slots * slot_state_bytes(cfg, dtype)
-    page = max(kv_page_bytes(cfg, page_size, dtype), 1)
+    ring = ring_layers(cfg, max_len, page_size, chunk, sliding)
+    state = slots * slot_state_bytes(cfg, dtype, ring, page_size, chunk)
+    ckpt = checkpoint_slots * checkpoint_state_bytes(cfg, dtype, ring)
+    page = max(kv_page_bytes(cfg, page_size, dtype, ring), 1)
     fixed = weights + work + state + ckpt
     if prefill_pass and fixed < budget:
         prefill_pass = min(prefill_pass, (budget - fixed) // 10)

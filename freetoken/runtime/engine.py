@@ -62,6 +62,11 @@ class EngineConfig:
                 "launches the GPU work and the one that runs the CPU branch of a decode step)"})
     prefill_chunk: int = field(default=2048, metadata={"help": "tokens per prefill chunk"})
     max_seq_len: int = field(default=0, metadata={"help": "context limit (0: the model's)"})
+    sliding_kv: str = field(default="window", metadata={
+        "help": "K/V of sliding-window attention layers: window = a ring per batch slot holding only what "
+                "the window sees (prefix reuse restores at checkpoints, as for DeltaNet layers); full = every "
+                "page in the shared pool (restores at any cached page, the whole context's memory)",
+        "choices": ["window", "full"]})
     verify: bool = field(default=True, metadata={"help": "check FTW block checksums while loading"})
     vram_budget: str = field(default="", metadata={
         "help": "memory the engine may use on the device: a size (24GiB) or a fraction of it (0.9); "
@@ -318,7 +323,8 @@ class Engine:
         """A state whose slots each own pages for `length` positions (single-sequence use:
         tests, benchmarks; the serving loop sizes its pool from the memory plan)."""
         length = min(self.max_len, -(-length // 256) * 256)
-        need = state_bytes(self.cfg, slots, length, self.dtype)
+        chunk, sliding = self.ecfg.prefill_chunk, self.ecfg.sliding_kv
+        need = state_bytes(self.cfg, slots, length, self.dtype, chunk=chunk, sliding=sliding)
         if need > self.budget - self.weight_bytes:
             raise FreeTokenError(
                 f"{slots} sequence slot(s) x {length} tokens of KV/recurrent state need {need / 1e9:.1f} GB "
@@ -327,7 +333,7 @@ class Engine:
         ex = self.executor
         if getattr(ex, "pool", 0) is None:  # a GPU expert cache: what the state leaves, at most every expert
             ex.allocate(max(1, (self.budget - self.weight_bytes - need) // ex.slot_bytes))
-        st = DecodeState(self.cfg, slots, length, self.device, self.dtype)
+        st = DecodeState(self.cfg, slots, length, self.device, self.dtype, chunk=chunk, sliding=sliding)
         for s in range(slots):
             st.reserve(s, length)
         return st

@@ -20,7 +20,7 @@ import torch
 from ..cache.kv import KVSpace, PagesExhausted
 from ..cache.config import CacheConfig
 from ..errors import FreeTokenError
-from ..model.state import DecodeState, slot_state_bytes
+from ..model.state import DecodeState, checkpoint_state_bytes, ring_layers, window_layers
 from .budget import plan_memory
 from .decode_runner import DecodeRunner
 from .grammar import GrammarRunner
@@ -44,14 +44,16 @@ class EngineLoop:
         self.engine, self.metrics, self.record_logits = engine, metrics, record_logits
         use_cache = cache is not None and cache.enabled
         page_size = cache.page_size if use_cache else page_size
-        ckpt = cache.checkpoint_slots(slot_state_bytes(cfg, engine.dtype)) if use_cache and cfg.linear_layers else 0
+        ring = ring_layers(cfg, engine.max_len, page_size, ecfg.prefill_chunk, ecfg.sliding_kv)
+        per_ckpt = checkpoint_state_bytes(cfg, engine.dtype, ring)
+        ckpt = cache.checkpoint_slots(per_ckpt) if use_cache and (cfg.linear_layers or ring) else 0
         ex = engine.executor
         slots = ex if getattr(ex, "pool", 0) is None else None  # a GPU expert cache still to size
         self.plan = plan_memory(cfg, engine.device, engine.dtype, engine.budget, engine.weight_bytes, max_batch,
                                 engine.max_len, ecfg.prefill_chunk, page_size, ckpt,
                                 ecfg.kv_cache_tokens if kv_tokens is None else kv_tokens,
                                 slots.slot_bytes if slots else 0, slots.num_experts if slots else 0,
-                                ecfg.expert_cache, self._pass_reserve(engine))
+                                ecfg.expert_cache, self._pass_reserve(engine), ecfg.sliding_kv)
         if slots is not None:
             slots.allocate(self.plan.expert_slots)
         self.max_len = min(engine.max_len, self.plan.kv_tokens)
@@ -60,7 +62,8 @@ class EngineLoop:
                         "or --vram-budget for more)", self.max_len)
         log.info(self.plan.summary())
         self.state = DecodeState(cfg, max_batch, self.max_len, engine.device, engine.dtype,
-                                 kv_pages=self.plan.kv_pages, page_size=page_size)
+                                 kv_pages=self.plan.kv_pages, page_size=page_size, chunk=ecfg.prefill_chunk,
+                                 ring=ring)
         self.cache = cache.build(engine, self.state, ckpt) if use_cache else None
         self.kv = KVSpace(self.state, self.cache)
         self.decode = self._decode_runner(engine)
@@ -135,7 +138,10 @@ class EngineLoop:
                 "eager_reason": self.eager_reason, "max_batch": self.state.slots,
                 "max_step_tokens": self.sched.step_tokens, "prefix_cache": self.cache is not None,
                 "decode_between_layers": self.between.enabled, "decode_overlap": self.overlap is not None,
-                "memory_plan": self.plan.to_dict()}
+                "memory_plan": self.plan.to_dict(),
+                # sliding-window layers: in per-slot rings of ring_pages pages, or in the pool
+                "sliding_kv": ("window" if self.state.ring else "full") if window_layers(self.engine.cfg) else "none",
+                "ring_layers": len(self.state.ring), "ring_pages": self.state.ring_len}
 
     def stats(self) -> dict:
         out = {**self.kv.stats(), **(self.cache.stats() if self.cache is not None else {}),
