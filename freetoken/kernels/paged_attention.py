@@ -99,19 +99,25 @@ def _gather(pages: torch.Tensor, ids: torch.Tensor, length: int) -> torch.Tensor
 def paged_decode_attention_torch(q, k_pages, v_pages, block_table, lens, scale, window=None, sinks=None):
     """q [B, nh, hd]; block_table [B, W]; lens [B]; sinks [nh] or None -> [B, nh, hd] in q's dtype.
 
-    Eager: reads max(lens) back to the host (the CPU path and the tests' reference). Table
-    entries past a row's length are gathered (they are valid page ids) but zeroed before use,
-    so whatever those pages hold never reaches the output."""
+    Eager: reads max(lens) (and with a window the shortest running row) back to the host (the
+    CPU path and the tests' reference). Table entries past a row's length are gathered (they
+    are valid page ids) but zeroed before use, so whatever those pages hold never reaches the
+    output. With a window, pages before every row's window are not gathered at all: a sliding
+    layer reads its window, not the context (the CPU decode's cost at a long context)."""
     kvh, p, hd, nh = _check(q, k_pages, v_pages, block_table)
     b = q.shape[0]
     out = torch.zeros_like(q)
     longest = int(lens.max()) if b else 0
     if longest == 0:
         return out
-    ids = block_table[:, :_cdiv(longest, p)]  # [B, n]
-    k = _gather(k_pages, ids, longest)  # [B, kvh, L, hd]
-    v = _gather(v_pages, ids, longest)
-    j = torch.arange(longest, device=q.device)
+    first = 0  # the first page any row can see
+    if window:
+        running = lens[lens > 0]
+        first = max(0, int(running.min()) - window) // p  # [B] rows' windows start at or after it
+    ids = block_table[:, first:_cdiv(longest, p)]  # [B, n]
+    k = _gather(k_pages, ids, longest - first * p)  # [B, kvh, L', hd]: keys first*p .. longest-1
+    v = _gather(v_pages, ids, longest - first * p)
+    j = torch.arange(first * p, longest, device=q.device)
     n = lens.to(q.device, torch.long)[:, None]
     mask = j[None] < n  # [B, L]
     if window:
