@@ -1,8 +1,8 @@
 """Sliding-window layers in rings (--sliding-kv window) against every page in the pool (full).
 
 Two parts, one JSON (benchmarks/results/sliding_kv-<cpu|gpu>.json):
-  plan      the memory plan of the published gpt-oss-20b and gpt-oss-120b shapes at a 131k
-            context, batch 1 and 8, bf16 (runtime/budget.py, the numbers the server prints):
+  plan      the memory plan of the published gpt-oss-20b and gpt-oss-120b shapes and of
+            DeepSeek-V4-Flash's attention at a 131k context, batch 1 and 8, bf16 (runtime/budget.py, the numbers the server prints):
             KV pool, slot state (rings), one prefix-cache checkpoint
   measured  a slice of the gpt-oss-20b shape (random bf16 weights; --layers, sliding and full in
             turn) on this machine: the state's allocated bytes and the median decode step at
@@ -19,7 +19,7 @@ import torch
 
 from bench.common import machine, write_result  # noqa: F401
 from freetoken.config import ModelConfig
-from freetoken.model.state import DecodeState, checkpoint_state_bytes, ring_layers
+from freetoken.model.state import DecodeState, checkpoint_state_bytes, kv_page_bytes, ring_layers
 from freetoken.runtime.budget import plan_memory
 
 GPT_OSS_20B = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 201088,
@@ -27,11 +27,23 @@ GPT_OSS_20B = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", 
                "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": 32, "num_experts_per_tok": 4,
                "sliding_window": 128, "max_position_embeddings": 131072}
 GPT_OSS_120B = dict(GPT_OSS_20B, num_hidden_layers=36, num_local_experts=128)
+# DeepSeek-V4-Flash's attention: 43 layers, the published config's pattern (two sliding-only
+# layers, then CSA and HCA in turn), head_dim 512, indexer 128, window 128
+DEEPSEEK_V4_FLASH = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "vocab_size": 129280,
+                     "hidden_size": 4096, "moe_intermediate_size": 2048, "num_hidden_layers": 43,
+                     "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 512, "qk_rope_head_dim": 64,
+                     "q_lora_rank": 1024, "o_lora_rank": 1024, "o_groups": 8, "n_routed_experts": 256,
+                     "n_shared_experts": 1, "num_experts_per_tok": 6, "scoring_func": "sqrtsoftplus",
+                     "routed_scaling_factor": 1.5, "norm_topk_prob": True, "swiglu_limit": 10.0, "sliding_window": 128,
+                     "num_hash_layers": 3, "compress_ratios": [0, 0] + [4, 128] * 20 + [4],
+                     "compress_rope_theta": 160000, "rope_theta": 10000, "index_n_heads": 64, "index_head_dim": 128,
+                     "index_topk": 512, "hc_mult": 4, "max_position_embeddings": 1048576, "rms_norm_eps": 1e-6}
 
 
 def plan_rows(ctx: int = 131072) -> list[dict]:
     rows = []
-    for name, hf in (("gpt-oss-20b", GPT_OSS_20B), ("gpt-oss-120b", GPT_OSS_120B)):
+    for name, hf in (("gpt-oss-20b", GPT_OSS_20B), ("gpt-oss-120b", GPT_OSS_120B),
+                     ("deepseek-v4-flash", DEEPSEEK_V4_FLASH)):
         cfg = ModelConfig.from_hf(hf)
         for batch in (1, 8):
             row = {"model": name, "context": ctx, "batch": batch}
@@ -40,6 +52,7 @@ def plan_rows(ctx: int = 131072) -> list[dict]:
                                 sliding=sliding)
                 ring = ring_layers(cfg, ctx, 16, 2048, sliding)
                 row[sliding] = {"kv_pool_gb": round(p.kv / 1e9, 3), "slot_state_gb": round(p.state / 1e9, 4),
+                                "pool_bytes_per_token": kv_page_bytes(cfg, 1, torch.bfloat16, ring),
                                 "total_gb": round((p.kv + p.state) / 1e9, 3),
                                 "checkpoint_mb": round(checkpoint_state_bytes(cfg, torch.bfloat16, ring) / 1e6, 3)}
             row["saved"] = round(1 - row["window"]["total_gb"] / row["full"]["total_gb"], 3)

@@ -106,6 +106,9 @@ def test_harmony_anchors():
     # 24: before <|start|>, always; 25..27 crowded; 39 (before <|end|>) and 40 (before <|start|>)
     # kept, then crowded up to the end
     assert pol.positions(toks, 0, len(toks)) == [23, 24, 39, 40]
+    # DeepSeek-V4's turns: <｜User｜> opens one, an answer ends in <｜end▁of▁sentence｜>
+    ds = {"<｜User｜>": 7, "<｜Assistant｜>": 8, "<｜end▁of▁sentence｜>": 9, "</think>": 10}
+    assert anchor_ids(ds.get) == {7, 8, 9, 10} and turn_open_ids(ds.get) == {7}
 
 
 def test_bad_policy():

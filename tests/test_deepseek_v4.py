@@ -201,18 +201,22 @@ def test_serving_loop_matches_transformers(built, name):
         check_against_transformers(model, r)
 
 
-def test_prefix_reuse_is_exact(built):
-    """The sliding keys, compressor projections and entries live in the paged pool, so the radix
-    cache shares them as it shares K/V: a restore across an edit (partial page copied) and an
-    extension equal a cold prefill and transformers."""
+@pytest.mark.parametrize("sliding", ["window", "full"])
+def test_prefix_reuse_is_exact(built, sliding):
+    """A restore across an edit (partial page copied) and an extension equal a cold prefill and
+    transformers. "full": the sliding keys, compressor projections and entries all live in the
+    paged pool, shared as K/V pages are, restored at any page; "window": the keys and projections
+    in a ring per slot, the entries in the pool, restored at checkpoints (every 4 tokens here)
+    with the ring rows copied back."""
     model, ftw = built["flash-like"]
-    eng = cpu_engine(ftw, prefill_chunk=16)
+    eng = cpu_engine(ftw, prefill_chunk=16, sliding_kv=sliding)
     g = torch.Generator().manual_seed(4)
     first = torch.randint(0, 320, (61,), generator=g).tolist()
     edited = first[:45] + torch.randint(0, 320, (6,), generator=g).tolist() + first[51:]
     extended = first + torch.randint(0, 320, (9,), generator=g).tolist()
     warm = ServingEngine(eng, max_batch=2, max_queue=8, record_logits=True, start=False,
-                         cache=CacheConfig(page_size=4))
+                         cache=CacheConfig(page_size=4, checkpoint_policy="interval:4"))
+    assert bool(warm.state.kr) == (sliding == "window") and warm.describe()["sliding_kv"] == sliding
     cold = ServingEngine(eng, max_batch=2, max_queue=8, record_logits=True, start=False,
                          cache=CacheConfig(enabled=False))
     drive(warm, [greedy_req(first, 5)])

@@ -118,7 +118,7 @@ def test_window_moves_between_slots(gptoss):
     for layer in st.ring:
         k, v = st.read_window(layer, 0, 23)
         assert k.shape == (5, *st.k[layer].shape[1:2], st.k[layer].shape[3])
-        st.write_window(layer, 1, 23, k.clone(), v.clone())
+        st.write_window(layer, 1, 23, [k.clone(), v.clone()])
     x = torch.tensor([7, 7])
     out = m.decode(x, st, torch.tensor([23, 23]), torch.tensor([True, False]))[0]
     other = m.decode(x, st, torch.tensor([23, 23]), torch.tensor([False, True]))[1]
@@ -157,3 +157,68 @@ def test_plan_for_gpt_oss_120b_shape():
     window, full = plan_memory(**args), plan_memory(**args, sliding="full")
     assert window.kv_pages == full.kv_pages == 4 * 8192 + 1  # every slot's whole context fits either way
     assert window.kv + window.state < 0.52 * (full.kv + full.state)
+
+
+@pytest.fixture(scope="module")
+def v4(tmp_path_factory):
+    """DeepSeek-V4: a sliding-only, two CSA (windows of 4, indexer top-3) and an HCA layer (windows
+    of 8), a window of 8 keys; reach max(8, 2 * 4, 8) = 8."""
+    from unittest import mock
+    d = tmp_path_factory.mktemp("ring-v4")
+    model = hf_models.deepseek_v4(3)
+    hf_models.save(model, str(d / "hf"))
+    convert(str(d / "hf"), str(d / "m.ftw"), progress=False)
+    with mock.patch("freetoken.experts.cpu.extension", lambda: None):  # the torch expert path: quick to load
+        eng = Engine(str(d / "m.ftw"), EngineConfig(device="cpu", dtype="float32"))
+    return model, eng
+
+
+def test_v4_on_rings_equals_the_whole_context(v4):
+    """DeepSeek-V4 with its keys and compressor projections in rings sized for 4-token pieces and
+    its entries in the pool: a 45-token prompt in one call (past the window, the windows of 4 and
+    8 and the indexer's top-3), then 20 decode steps beside an idle row: the full state's logits
+    and transformers'."""
+    model, eng = v4
+    cfg, m = eng.cfg, eng.model
+    ring = DecodeState(cfg, 2, 128, eng.device, eng.dtype, page_size=4, chunk=4)
+    full = DecodeState(cfg, 2, 128, eng.device, eng.dtype, page_size=4, sliding="full")
+    assert ring.ring == cfg.attention_layers and set(ring.kr) == set(ring.ring) and not full.kr
+    assert ring.reach == 8 and ring.ring_chunk < 45
+    assert ring.k[0].shape[-1] == 0 and ring.kr[0].shape[-1] == cfg.head_dim  # sliding-only: nothing pooled
+    g = torch.Generator().manual_seed(6)
+    prompt = torch.randint(0, 320, (45,), generator=g)
+    outs = {}
+    for name, st in (("ring", ring), ("full", full)):
+        st.reserve(1, 128)
+        logits = [m.prefill(prompt, st, 1, 0, all_logits=True)]
+        tok, toks = int(logits[0][-1].argmax()), []
+        for i in range(20):
+            toks.append(tok)
+            out = m.decode(torch.tensor([5, tok]), st, torch.tensor([0, 45 + i]), torch.tensor([False, True]))[1]
+            logits.append(out[None])
+            tok = int(out.argmax())
+        outs[name] = (torch.cat(logits), toks)
+    assert outs["ring"][1] == outs["full"][1]
+    assert rel_err(outs["ring"][0], outs["full"][0]) < 1e-5
+    ref = hf_models.reference_logits(model, prompt.tolist() + outs["full"][1])
+    assert rel_err(outs["ring"][0], ref) < 1e-4
+
+
+def test_v4_per_token_cache_of_the_published_shape():
+    """DeepSeek-V4-Flash's attention shape (head_dim 512, indexer 128, window 128, CSA windows of
+    4, HCA of 128; the published config's first six layers: two sliding-only, then CSA and HCA in
+    turn): what one token costs the pool with rings (the entries) against every part per token."""
+    from test_deepseek_v4 import published_config
+    cfg = ModelConfig.from_hf(published_config())
+    bf16 = torch.bfloat16
+    ring = ring_layers(cfg, 1 << 20, 16, 2048)
+    assert ring == list(range(6))
+    csa, hca = 512 + 128, 512  # entries pooled: the attention's, and the indexer's (CSA)
+    assert kv_page_bytes(cfg, 1, bf16, ring) == 2 * (2 * csa + 2 * hca)
+    every = 2 * 512 + 2 * (512 + 4 * 512 + 512 + 4 * 128 + 128) + 2 * (512 + 2 * 512 + 512)
+    assert kv_page_bytes(cfg, 1, bf16) == 2 * every
+    assert kv_page_bytes(cfg, 1, bf16) > 5 * kv_page_bytes(cfg, 1, bf16, ring)
+    # the rings hold the reach (128) plus a chunk per slot; a checkpoint 127 positions of them
+    per_token_ring = 2 * (2 * 512 + 2 * (512 + 4 * 512 + 4 * 128) + 2 * (512 + 2 * 512))
+    assert slot_state_bytes(cfg, bf16, ring, 16, 2048) == ring_pages(cfg, 16, 2048) * 16 * per_token_ring
+    assert checkpoint_state_bytes(cfg, bf16, ring) == 127 * per_token_ring

@@ -1,7 +1,8 @@
 """Semantic anchors and the recurrent-state checkpoint store.
 
 Agent frameworks edit context exactly at turn, thinking, tool-call and tool-output
-boundaries. Checkpoints of the linear-attention state taken at those token boundaries (just
+boundaries. Checkpoints of the state the page pool cannot share (linear-attention state, the
+rings of sliding-window layers: cache/prefix.py) taken at those token boundaries (just
 before and just after each such special token) survive the edits; checkpoints at fixed
 intervals mostly do not. The anchor tokens come from the tokenizer, not from a per-model list.
 Plain Python: checkpoint slots index a state pool the engine owns.
@@ -12,14 +13,16 @@ import itertools
 from collections import OrderedDict
 
 # names of the special tokens that open/close turns, thinking, tool calls and tool outputs:
-# ChatML (Qwen), then Harmony (GPT-OSS: a message is <|start|>role<|channel|>c<|message|>...
-# and ends in <|end|>, <|call|> for a tool call or <|return|> for the final answer)
+# ChatML (Qwen); Harmony (GPT-OSS: a message is <|start|>role<|channel|>c<|message|>... and ends
+# in <|end|>, <|call|> for a tool call or <|return|> for the final answer); DeepSeek (V4: turns
+# after <｜User｜> and <｜Assistant｜>, an answer ends in <｜end▁of▁sentence｜>)
 ANCHOR_TOKENS = ("<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
                  "<tool_response>", "</tool_response>",
-                 "<|start|>", "<|end|>", "<|message|>", "<|call|>", "<|return|>")
+                 "<|start|>", "<|end|>", "<|message|>", "<|call|>", "<|return|>",
+                 "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>")
 
 
-TURN_OPEN = ("<|im_start|>", "<|start|>")
+TURN_OPEN = ("<|im_start|>", "<|start|>", "<｜User｜>")
 
 
 def _ids(token_id, names) -> set[int]:

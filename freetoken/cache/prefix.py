@@ -35,16 +35,16 @@ class PrefixCache:
             return torch.zeros((slots, *shape), dtype=t.dtype, device=t.device)
         self.conv = {l: pool(t, t.shape[1:]) for l, t in st.conv.items()}
         self.rec = {l: pool(t, t.shape[1:]) for l, t in st.rec.items()}
-        w = (st.window or 1) - 1  # ring layers: the window's keys before the next query's own
-        self.wk = {l: pool(st.k[l], (w, *st.k[l].shape[1:2], st.k[l].shape[3])) for l in st.ring}  # [slots, w, kvh, hd]
-        self.wv = {l: pool(st.v[l], (w, *st.v[l].shape[1:2], st.v[l].shape[3])) for l in st.ring}
+        n = (st.reach or 1) - 1  # ring layers: the rows before a continuation's first token it reads
+        # per ring layer, one pool per ring tensor: [slots, n, heads, dim]
+        self.win = {l: [pool(t, (n, t.shape[1], t.shape[3])) for t in st.ring_tensors(l)] for l in st.ring}
         self.kv_evicted_pages = 0
 
     def checkpoint_bytes(self) -> int:
         """Bytes of one checkpoint: the recurrent state of every linear-attention layer and the
-        window of every ring layer."""
-        return sum(t[0].numel() * t.element_size() for t in [*self.conv.values(), *self.rec.values(),
-                                                               *self.wk.values(), *self.wv.values()])
+        ring rows of every ring layer."""
+        wins = [t for ts in self.win.values() for t in ts]
+        return sum(t[0].numel() * t.element_size() for t in [*self.conv.values(), *self.rec.values(), *wins])
 
     # ---- pages --------------------------------------------------------------------------
     def evict(self, n_pages: int) -> int:
@@ -79,8 +79,8 @@ class PrefixCache:
             for l in self.conv:
                 self.st.conv[l][req.slot].copy_(self.conv[l][slot])
                 self.st.rec[l][req.slot].copy_(self.rec[l][slot])
-            for l in self.wk:
-                self.st.write_window(l, req.slot, p, self.wk[l][slot], self.wv[l][slot])
+            for l, ts in self.win.items():
+                self.st.write_window(l, req.slot, p, [t[slot] for t in ts])
         return p
 
     # ---- checkpoints --------------------------------------------------------------------
@@ -107,10 +107,9 @@ class PrefixCache:
         for l in self.conv:
             self.conv[l][s].copy_(self.st.conv[l][slot])
             self.rec[l][s].copy_(self.st.rec[l][slot])
-        for l in self.wk:
-            k, v = self.st.read_window(l, slot, len(prefix))
-            self.wk[l][s].copy_(k)
-            self.wv[l][s].copy_(v)
+        for l, ts in self.win.items():
+            for t, rows in zip(ts, self.st.read_window(l, slot, len(prefix))):
+                t[s].copy_(rows)
 
     # ---- finish -------------------------------------------------------------------------
     def release(self, req, in_state: list[int] | None) -> None:
@@ -155,11 +154,11 @@ class StateCapture:
         self.cache.conv[layer][s].copy_(conv)
         self.cache.rec[layer][s].copy_(rec)
 
-    def store_window(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """A ring layer's window at boundary pos (DecodeState.read_window)."""
+    def store_window(self, layer: int, pos: int, rows: list[torch.Tensor]) -> None:
+        """A ring layer's rows at boundary pos (DecodeState.read_window)."""
         s = self.slots[pos]
-        self.cache.wk[layer][s].copy_(k)
-        self.cache.wv[layer][s].copy_(v)
+        for t, x in zip(self.cache.win[layer], rows):
+            t[s].copy_(x)
 
     def abort(self) -> None:
         for p in self.positions:

@@ -53,17 +53,7 @@ class Attention:
         already in the slot's block table. A layer kept in a ring (model/state.py) takes the
         chunk in pieces the ring can hold, and hands `capture` (the prefix cache's checkpoints
         inside the chunk) the window's keys at each of its positions."""
-        t = x.shape[0]
-        ring = self.layer in st.ring
-        step = st.ring_chunk if ring else t
-        outs = []
-        for a in range(0, t, step):
-            b = min(t, a + step)
-            outs.append(self._piece(x[a:b], st, slot, start + a))
-            if ring and capture is not None:
-                for c in capture.offsets(start + a, b - a):  # the state after start + a + c tokens
-                    capture.store_window(self.layer, start + a + c, *st.read_window(self.layer, slot, start + a + c))
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        return ring_prefill(self._piece, self.layer, x, st, slot, start, capture)
 
     def _piece(self, x: torch.Tensor, st: DecodeState, slot: int, start: int) -> torch.Tensor:
         from ..kernels.paged_attention import paged_prefill_attention, write_kv
@@ -96,6 +86,23 @@ class Attention:
         o = paged_decode_attention(q, st.k[self.layer], st.v[self.layer], table, lens.to(torch.int32),
                                    self.hd ** -0.5, self.window, sinks=self.sinks)  # [B, nh, hd]
         return self._output(o.reshape(b, self.nh * self.hd), gate)
+
+
+def ring_prefill(piece, layer: int, x: torch.Tensor, st: DecodeState, slot: int, start: int, capture):
+    """A chunk through piece(x, st, slot, start) -> [t, H]: whole for a layer in the pool; for a
+    ring layer in pieces the ring holds (st.ring_chunk), handing `capture` (the prefix cache's
+    checkpoints inside the chunk, if any) the rows a continuation reads at each of them."""
+    t = x.shape[0]
+    if layer not in st.ring:
+        return piece(x, st, slot, start)
+    outs = []
+    for a in range(0, t, st.ring_chunk):
+        b = min(t, a + st.ring_chunk)
+        outs.append(piece(x[a:b], st, slot, start + a))
+        if capture is not None:
+            for c in capture.offsets(start + a, b - a):  # the state after start + a + c tokens
+                capture.store_window(layer, start + a + c, st.read_window(layer, slot, start + a + c))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

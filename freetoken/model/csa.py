@@ -18,10 +18,13 @@ last sliding_window keys (its own included) and, on compressed layers, compresse
 Sliding-only layers rotate with the "main" RoPE, compressed ones (entries, queries, keys and
 the indexer) with the "compress" RoPE (its own theta and YaRN).
 
-Caches (model/state.py dsv4_row): each token's row in the layer's K pages holds its sliding key,
-its compressor (and indexer) projections with the position bias added, and, for a token that
-closes a window, the window's entry; so chunked prefill, decode and prefix reuse all read one
-thing. Decode is static-shape under CUDA-graph capture: the window's keys are gathered by
+Caches (model/state.py dsv4_row): each token's row holds its sliding key, its compressor (and
+indexer) projections with the position bias added, and, for a token that closes a window, the
+window's entry; so chunked prefill, decode and prefix reuse all read one thing. With
+--sliding-kv window (the default) the key and the projections, read only within ring_reach of
+their position, live in a per-slot ring and the entries in the pool's pages (dsv4_split): a
+token costs the pool its entry parts only (HCA 1 row of head_dim, CSA head_dim + index_head_dim);
+DecodeState.part says where a part lives. Decode is static-shape under CUDA-graph capture: the window's keys are gathered by
 position, every row computes "the entry its token would close" (stored, read only where the
 token does close a window), entries are read at every closing position the block table can
 hold (eagerly: those the longest row has closed), the indexer's top-k of them gathered when
@@ -35,7 +38,8 @@ import torch.nn.functional as F
 from ..cache.pages import SCRATCH
 from .layers import FusedLinear, rope_frequencies
 from .mla import _capturing, index_scores
-from .state import DecodeState, dsv4_row
+from .attention import ring_prefill
+from .state import DecodeState
 
 MAX_SCORES = 1 << 24  # fp32 scores live at once in a prefill block of queries (64 MiB)
 
@@ -124,7 +128,6 @@ class CompressedAttention:
         self.scale = self.hd ** -0.5
         self.cos, self.sin = ropes["main" if self.kind == "none" else "compress"]
         self.ccos, self.csin = ropes["compress"]
-        self.row = dsv4_row(cfg, layer)
         c = p + "compressor."
         names = ["q_a_proj", "kv_proj"]
         if self.kind != "none":
@@ -175,10 +178,13 @@ class CompressedAttention:
         iq = F.linear(qr, self.iq_b).view(qr.shape[0], self.ih, self.id)
         return rope_tail(iq, self.ccos[pos][:, None], self.csin[pos][:, None])
 
-    def _write(self, st: DecodeState, page: torch.Tensor, off: torch.Tensor, store: dict) -> None:
-        k = st.k[self.layer][:, 0]  # [pages, P, width]
+    def _write(self, st: DecodeState, at, pos: torch.Tensor, store: dict) -> None:
+        """Each part's rows at positions pos into the pages holding that part; at(table, pos) ->
+        (pages, offsets) through that part's block table."""
         for name, val in store.items():
-            k[..., self.row[name]][page, off] = val
+            buf, table, cols = st.part(self.layer, name)  # [pages, P, width], [slots, W]
+            page, off = at(table, pos)
+            buf[..., cols][page, off] = val
 
     def _output(self, o: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """o [N, nh, hd] -> [N, H]: the values' rotation undone at the query's position, then the
@@ -192,19 +198,24 @@ class CompressedAttention:
     # ------------------------------------------------------------------ prefill
     def prefill(self, x: torch.Tensor, st: DecodeState, slot: int, start: int, capture=None) -> torch.Tensor:
         """One chunk of one sequence. x: [T, H] at positions start..start+T-1, whose pages are
-        already in the slot's block table. (capture is for recurrent layers: this layer's state
-        is its pages.)"""
+        already in the slot's block table. With the layer's rows in a ring, in pieces the ring
+        holds, handing `capture` (prefix-cache checkpoints) the ring rows at each of them."""
+        return ring_prefill(self._piece, self.layer, x, st, slot, start, capture)
+
+    def _piece(self, x: torch.Tensor, st: DecodeState, slot: int, start: int) -> torch.Tensor:
         t, ps = x.shape[0], st.page_size
         s_len = start + t
         pos = torch.arange(start, s_len, device=x.device)
         q, store, qr, hw = self._project(x, pos)
-        table = st.block_table[slot]  # [W]
-        kc = st.k[self.layer][:, 0]  # [pages, P, width]
+
+        def at(table, p):  # pages and offsets of one sequence's positions p [...]
+            return table[slot][p // ps].long(), p % ps
 
         def rows(name, p):  # that part of one sequence's rows at positions p [...]
-            return kc[..., self.row[name]][table[p // ps].long(), p % ps]
+            buf, table, cols = st.part(self.layer, name)
+            return buf[..., cols][at(table, p)]
 
-        self._write(st, table[pos // ps].long(), pos % ps, store)
+        self._write(st, at, pos, store)
         lo = max(0, start - self.win + 1)
         kpos = torch.arange(lo, s_len, device=x.device)
         keys = rows("kv", kpos)  # [S, hd]: the window's keys of every query in the chunk
@@ -217,7 +228,7 @@ class CompressedAttention:
                 new = {"centry": self.comp.entries(rows, ends, self.ccos, self.csin, x.dtype)}
                 if self.index is not None:
                     new["ientry"] = self.index.entries(rows, ends, self.ccos, self.csin, x.dtype)
-                self._write(st, table[ends // ps].long(), ends % ps, new)
+                self._write(st, at, ends, new)
             n_ent = s_len // m
             epos = torch.arange(n_ent, device=x.device) * m + m - 1  # closing positions
             ent_sel = torch.arange(n_ent, device=x.device)[None] < ((pos + 1) // m)[:, None]  # [T, n]
@@ -242,26 +253,25 @@ class CompressedAttention:
         rows that are not decoding write to the scratch page and attend to nothing."""
         b, ps = x.shape[0], st.page_size
         q, store, qr, hw = self._project(x, pos)
-        table = st.block_table[:b]  # [B, W]
-        page = table.gather(1, (pos // ps)[:, None])[:, 0]  # [B]
-        off = pos % ps
         live = torch.ones_like(pos, dtype=torch.bool) if active is None else active
-        page = torch.where(live, page, SCRATCH).long()
-        off = torch.where(live, off, 0)
-        kc = st.k[self.layer][:, 0]  # [pages, P, width]
+
+        def at(table, p):  # this step's token of each row [B]: idle rows write to the scratch page
+            page = table[:b].gather(1, (p // ps)[:, None])[:, 0]
+            return torch.where(live, page, SCRATCH).long(), torch.where(live, p % ps, 0)
 
         def rows(name, p):  # that part of each row's sequence at positions p [B, ...]
+            buf, table, cols = st.part(self.layer, name)
             flat = p.reshape(b, -1)
-            pg = table.gather(1, flat // ps).long().view(p.shape)
-            return kc[..., self.row[name]][pg, p % ps]
+            pg = table[:b].gather(1, flat // ps).long().view(p.shape)
+            return buf[..., cols][pg, p % ps]
 
-        self._write(st, page, off, store)
+        self._write(st, at, pos, store)
         if self.comp is not None:  # the entry this token would close (read only if it does)
             ends = torch.where(live, pos, 0)
             new = {"centry": self.comp.entries(rows, ends, self.ccos, self.csin, x.dtype)}
             if self.index is not None:
                 new["ientry"] = self.index.entries(rows, ends, self.ccos, self.csin, x.dtype)
-            self._write(st, page, off, new)
+            self._write(st, at, pos, new)
         kpos = pos[:, None] - self.win + 1 + torch.arange(self.win, device=x.device)  # [B, win]
         sel = (kpos >= 0) & live[:, None]
         keys = torch.where(sel[..., None], rows("kv", kpos.clamp(min=0)), 0.0)  # [B, win, hd]
@@ -269,7 +279,7 @@ class CompressedAttention:
             m = self.m
             # the closing positions to read: all the table holds when captured (static), else
             # those the longest row has closed
-            cap = table.shape[1] * ps // m
+            cap = st.width * ps // m
             n = cap if _capturing(x) else max(1, min(cap, int(((pos + 1) // m).max())))
             idx = torch.arange(n, device=x.device)
             epos = (idx * m + m - 1)[None].expand(b, -1)  # [B, n]

@@ -48,8 +48,8 @@ def dsv4_row(cfg: ModelConfig, layer: int) -> dict[str, slice]:
     sliding window's key (= value). A compressed layer adds the compressor's per-token projections
     (ckv, and cgate with its position bias; two series for CSA's overlapping windows) and centry,
     the compressed entry of the window this token closes (read only where it closes one); a CSA
-    layer the same for its indexer (ikv, igate, ientry). Memory heavy (the projections stay for
-    the whole context) but every cache in pages: prefix reuse shares them as they are."""
+    layer the same for its indexer (ikv, igate, ientry). With --sliding-kv full every part stays
+    in the pool for the whole context; with rings (dsv4_split) only the entries do."""
     hd, idx, kind = cfg.head_dim, cfg.index_head_dim, cfg.compressed_attention[layer]
     parts = [("kv", hd)]
     if kind != "none":
@@ -57,6 +57,10 @@ def dsv4_row(cfg: ModelConfig, layer: int) -> dict[str, slice]:
         parts += [("ckv", o * hd), ("cgate", o * hd), ("centry", hd)]
     if kind == "csa":
         parts += [("ikv", 2 * idx), ("igate", 2 * idx), ("ientry", idx)]
+    return _packed(parts)
+
+
+def _packed(parts) -> dict[str, slice]:
     out, at = {}, 0
     for name, width in parts:
         out[name] = slice(at, at + width)
@@ -64,11 +68,39 @@ def dsv4_row(cfg: ModelConfig, layer: int) -> dict[str, slice]:
     return out
 
 
-def layer_kv_dims(cfg: ModelConfig, layer: int) -> tuple[int, int, int]:
-    """kv_dims of one layer: DeepSeek-V4's rows differ per layer (dsv4_row, no V pages)."""
+RING_PARTS = ("kv", "ckv", "cgate", "ikv", "igate")  # V4's per-token parts read only near their position
+
+
+def dsv4_split(cfg: ModelConfig, layer: int) -> tuple[dict[str, slice], dict[str, slice]]:
+    """A V4 layer kept in a ring: (its ring row, its pool row). The sliding key and the compressor
+    projections are read only within ring_reach of their position (by the window's queries and by
+    the entry their window closes into): the ring. The entries are read at every closing
+    position of the context: the pool, shared by the prefix cache as K/V pages are."""
+    full = dsv4_row(cfg, layer)
+    widths = {name: sl.stop - sl.start for name, sl in full.items()}
+    return (_packed([(n, w) for n, w in widths.items() if n in RING_PARTS]),
+            _packed([(n, w) for n, w in widths.items() if n not in RING_PARTS]))
+
+
+def _width(row: dict[str, slice]) -> int:
+    return max((sl.stop for sl in row.values()), default=0)
+
+
+def layer_kv_dims(cfg: ModelConfig, layer: int, ring=()) -> tuple[int, int, int] | None:
+    """(heads, K width, V width) of one token of one layer in the pool's pages: kv_dims, or
+    DeepSeek-V4's row (no V pages); for a layer in `ring` what stays in the pool (V4: its entries;
+    softmax attention: nothing, None)."""
     if cfg.compressed_attention:
-        return 1, max(part.stop for part in dsv4_row(cfg, layer).values()), 0
-    return kv_dims(cfg)
+        return 1, _width(dsv4_split(cfg, layer)[1] if layer in ring else dsv4_row(cfg, layer)), 0
+    return None if layer in ring else kv_dims(cfg)
+
+
+def ring_dims(cfg: ModelConfig, layer: int) -> tuple[int, int, int]:
+    """(heads, K width, V width) of one token of a ring layer in its ring: the K/V of softmax
+    attention, V4's ring row (no V)."""
+    if cfg.compressed_attention:
+        return 1, _width(dsv4_split(cfg, layer)[0]), 0
+    return cfg.num_kv_heads, cfg.head_dim, cfg.head_dim
 
 
 SLIDING_KV = ("window", "full")  # --sliding-kv: a ring of the window's pages, or every page in the pool
@@ -76,17 +108,30 @@ RING_CHUNK = 512  # tokens a prefill piece may write into a ring when the caller
 
 
 def window_layers(cfg: ModelConfig) -> list[int]:
-    """Sliding-window layers whose K/V can live in per-slot rings: model/attention.py's softmax
-    layers (DeepSeek-V4's rows and latent attention read their pages their own way)."""
-    if cfg.compressed_attention or cfg.kv_lora_rank:
+    """Layers whose per-token K/V is read only near its position, so a per-slot ring can hold it:
+    sliding-window softmax attention (model/attention.py) and every DeepSeek-V4 layer (model/csa.py:
+    its sliding keys and compressor projections; its entries stay in the pool). Not latent
+    attention (its keys are read over the whole context)."""
+    if cfg.kv_lora_rank:
         return []
+    if cfg.compressed_attention:
+        return list(cfg.attention_layers)
     return [i for i in cfg.attention_layers if cfg.window(i)]
 
 
+def ring_reach(cfg: ModelConfig) -> int:
+    """Positions a token reads of ring rows, its own included: the sliding window, and on V4 the
+    tokens an entry averages (2m for CSA's overlapping windows, m for HCA's)."""
+    reach = cfg.sliding_window or 1
+    for kind in set(cfg.compressed_attention):
+        reach = max(reach, {"csa": 2 * cfg.compress_rate_csa, "hca": cfg.compress_rate_hca}.get(kind, 1))
+    return reach
+
+
 def ring_pages(cfg: ModelConfig, page_size: int, chunk: int) -> int:
-    """Pages of one slot's ring: every key a piece of `chunk` tokens can see (the window's
-    before it and its own) on distinct pages, wherever the piece starts."""
-    return -(-(chunk + cfg.sliding_window - 1) // page_size) + 1
+    """Pages of one slot's ring: every row a piece of `chunk` tokens can read (the reach before
+    it and its own) on distinct pages, wherever the piece starts."""
+    return -(-(chunk + ring_reach(cfg) - 1) // page_size) + 1
 
 
 def ring_layers(cfg: ModelConfig, max_len: int, page_size: int, chunk: int, sliding: str = "window") -> list[int]:
@@ -100,32 +145,39 @@ def ring_layers(cfg: ModelConfig, max_len: int, page_size: int, chunk: int, slid
     return layers
 
 
-def _token_bytes(cfg: ModelConfig, layers, el: int) -> int:
-    return sum(h * (kd + vd) * el for h, kd, vd in (layer_kv_dims(cfg, i) for i in layers))
+def _el(dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
-def kv_page_bytes(cfg: ModelConfig, page_size: int, dtype, ring: list[int] | tuple = ()) -> int:
-    """Bytes of one page of the pool across every attention layer (K and V) but the `ring` ones."""
-    el = torch.empty((), dtype=dtype).element_size()
-    return page_size * _token_bytes(cfg, [i for i in cfg.attention_layers if i not in ring], el)
+def _bytes(dims, el: int) -> int:
+    return sum(h * (kd + vd) * el for h, kd, vd in dims if h)
 
 
-def slot_state_bytes(cfg: ModelConfig, dtype, ring: list[int] | tuple = (), page_size: int = 16,
-                     chunk: int = RING_CHUNK) -> int:
+def kv_page_bytes(cfg: ModelConfig, page_size: int, dtype, ring=()) -> int:
+    """Bytes of one page of the pool across every attention layer (K and V); the layers in
+    `ring` count what they keep in the pool (V4's entries; nothing for softmax attention)."""
+    dims = [layer_kv_dims(cfg, i, ring) for i in cfg.attention_layers]
+    return page_size * _bytes([d for d in dims if d is not None], _el(dtype))
+
+
+def _ring_token_bytes(cfg: ModelConfig, ring, dtype) -> int:
+    return _bytes([ring_dims(cfg, i) for i in ring], _el(dtype))
+
+
+def slot_state_bytes(cfg: ModelConfig, dtype, ring=(), page_size: int = 16, chunk: int = RING_CHUNK) -> int:
     """State one slot owns outside the page pool: every linear-attention layer's conv window and
     fp32 matrix, and the rings of the `ring` layers."""
-    el = torch.empty((), dtype=dtype).element_size()
+    el = _el(dtype)
     conv = cfg.conv_dim * max(cfg.linear_conv_kernel_dim - 1, 0) * el
     rec = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
-    rings = ring_pages(cfg, page_size, chunk) * page_size * _token_bytes(cfg, ring, el) if ring else 0
+    rings = ring_pages(cfg, page_size, chunk) * page_size * _ring_token_bytes(cfg, ring, dtype) if ring else 0
     return len(cfg.linear_layers) * (conv + rec) + rings
 
 
-def checkpoint_state_bytes(cfg: ModelConfig, dtype, ring: list[int] | tuple = ()) -> int:
+def checkpoint_state_bytes(cfg: ModelConfig, dtype, ring=()) -> int:
     """One prefix-cache checkpoint: the recurrent state of every linear-attention layer and the
-    last window's keys and values of every ring layer (window - 1 positions)."""
-    el = torch.empty((), dtype=dtype).element_size()
-    window = (cfg.sliding_window - 1) * _token_bytes(cfg, ring, el) if ring else 0
+    ring rows a continuation reads of every ring layer (ring_reach - 1 positions)."""
+    window = (ring_reach(cfg) - 1) * _ring_token_bytes(cfg, ring, dtype) if ring else 0
     return slot_state_bytes(cfg, dtype) + window
 
 
@@ -134,7 +186,7 @@ def state_bytes(cfg: ModelConfig, slots: int, max_len: int, dtype, page_size: in
     """What a DecodeState with every slot's full context in its own pages allocates."""
     ring = ring_layers(cfg, max_len, page_size, chunk, sliding)
     pages = slots * -(-max_len // page_size) + 1
-    scratch = page_size * _token_bytes(cfg, ring, torch.empty((), dtype=dtype).element_size())  # the rings' page 0
+    scratch = page_size * _ring_token_bytes(cfg, ring, dtype)  # the rings' page 0
     return pages * kv_page_bytes(cfg, page_size, dtype, ring) + scratch + \
         slots * slot_state_bytes(cfg, dtype, ring, page_size, chunk)
 
@@ -144,28 +196,49 @@ class DecodeState:
                  kv_pages: int | None = None, page_size: int = 16, chunk: int = RING_CHUNK,
                  sliding: str = "window", ring: list[int] | None = None):
         """chunk: the longest prefill piece callers usually write (the rings are sized for it;
-        longer pieces are split); sliding: "window" keeps sliding-window layers in rings where
-        that is smaller, "full" every layer in the pool (ring_layers); ring: the ring layers as
-        a memory plan chose them (overrides sliding)."""
+        longer pieces are split); sliding: "window" keeps window layers in rings where that is
+        smaller, "full" every layer in the pool (ring_layers); ring: the ring layers as a memory
+        plan chose them (overrides sliding)."""
         self.slots, self.max_len, self.page_size = slots, max_len, page_size
         self.width = -(-max_len // page_size)  # block-table entries per slot
         kv_pages = kv_pages or slots * self.width + 1
         self.pages = PageAllocator(kv_pages, page_size)
         self.ring = list(ring) if ring is not None else ring_layers(cfg, max_len, page_size, chunk, sliding)
-        self.window = cfg.sliding_window if self.ring else None
+        self.reach = ring_reach(cfg) if self.ring else None
         r = self.ring_len = ring_pages(cfg, page_size, chunk) if self.ring else 0
-        # the longest piece a ring takes at once: its keys and the window before them on r pages
-        self.ring_chunk = (r - 1) * page_size - self.window + 1 if self.ring else None
-        dims = {i: layer_kv_dims(cfg, i) for i in cfg.attention_layers}  # (heads, K width, V width)
+        # the longest piece a ring takes at once: its rows and the reach before them on r pages
+        self.ring_chunk = (r - 1) * page_size - self.reach + 1 if self.ring else None
+        v4 = bool(cfg.compressed_attention)
+
         # empty, not zeros: host memory is committed only as pages are written, and no page is
         # read before it is written (lengths mask the rest). Rings are small and zeroed: the
-        # torch references gather keys outside the window (masked), never NaN then
-        n = {i: 1 + slots * r if i in self.ring else kv_pages for i in dims}
-        make = {i: torch.zeros if i in self.ring else torch.empty for i in dims}
-        self.k = {i: make[i]((n[i], h, page_size, kd), device=device, dtype=dtype) for i, (h, kd, _) in dims.items()}
-        self.v = {i: make[i]((n[i], h, page_size, vd), device=device, dtype=dtype) for i, (h, _, vd) in dims.items()}
+        # torch references gather rows outside the window (masked), never NaN then
+        def pool(dims, i):
+            return torch.empty((kv_pages, dims[0], page_size, dims[i]), device=device, dtype=dtype)
+
+        def ring_buf(dims, i):
+            return torch.zeros((1 + slots * r, dims[0], page_size, dims[i]), device=device, dtype=dtype)
+        # k, v: where each attention layer's K (V) lives: the pool's pages, or (softmax attention
+        # in a ring) its ring; kr: a V4 ring layer's ring rows (its entries stay in k, pooled)
+        self.k, self.v, self.kr = {}, {}, {}
+        for i in cfg.attention_layers:
+            pooled = layer_kv_dims(cfg, i, self.ring)
+            if pooled is None:
+                dims = ring_dims(cfg, i)
+                self.k[i], self.v[i] = ring_buf(dims, 1), ring_buf(dims, 2)
+            else:
+                self.k[i], self.v[i] = pool(pooled, 1), pool(pooled, 2)
+                if i in self.ring:
+                    self.kr[i] = ring_buf(ring_dims(cfg, i), 1)
+        self.pooled = [i for i in cfg.attention_layers if layer_kv_dims(cfg, i, self.ring) is not None]
         for t in (*self.k.values(), *self.v.values()):
             t[SCRATCH].zero_()
+        # V4: each part of a layer's rows -> (in its ring, the slice of the row)
+        self.parts = {}
+        if v4:
+            for i in cfg.attention_layers:
+                rr, pr = dsv4_split(cfg, i) if i in self.ring else ({}, dsv4_row(cfg, i))
+                self.parts[i] = {**{n: (True, sl) for n, sl in rr.items()}, **{n: (False, sl) for n, sl in pr.items()}}
         self.block_table = torch.full((slots, self.width), SCRATCH, dtype=torch.int32, device=device)
         # slot s's logical page b -> its ring page 1 + s*r + b % r (page 0: idle rows' scratch)
         b = torch.arange(self.width)
@@ -191,33 +264,44 @@ class DecodeState:
         self.block_table[slot, start:].copy_(row, non_blocking=True)
 
     def table(self, layer: int) -> torch.Tensor:
-        """The block table attention layer `layer` reads through: [slots, width]."""
+        """The block table softmax attention layer `layer` reads through: [slots, width]."""
         return self.ring_table if layer in self.ring else self.block_table
 
+    def part(self, layer: int, name: str) -> tuple[torch.Tensor, torch.Tensor, slice]:
+        """A V4 row part (dsv4_row's names): (the pages holding it [pages, P, width], the block
+        table to them [slots, width], its columns)."""
+        in_ring, sl = self.parts[layer][name]
+        if in_ring:
+            return self.kr[layer][:, 0], self.ring_table, sl
+        return self.k[layer][:, 0], self.block_table, sl
+
     def copy_page(self, src: int, dst: int) -> None:
-        """Copy-on-write of a shared page before a sequence writes into it (pool layers only)."""
-        for i in self.k:
-            if i not in self.ring:
-                self.k[i][dst].copy_(self.k[i][src])
-                self.v[i][dst].copy_(self.v[i][src])
+        """Copy-on-write of a shared page before a sequence writes into it (the pool's tensors)."""
+        for i in self.pooled:
+            self.k[i][dst].copy_(self.k[i][src])
+            self.v[i][dst].copy_(self.v[i][src])
+
+    def ring_tensors(self, layer: int) -> list[torch.Tensor]:
+        """The ring buffers of a ring layer: K and V (softmax attention) or V4's ring rows."""
+        return [self.kr[layer]] if layer in self.kr else [self.k[layer], self.v[layer]]
 
     def _window_at(self, slot: int, p: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Ring pages and offsets of positions p-window+1 .. p-1 of `slot` (clamped at 0: the
-        duplicates of position 0 carry its key)."""
-        pos = torch.arange(p - self.window + 1, p, device=self.ring_table.device).clamp(min=0)  # [window - 1]
+        """Ring pages and offsets of positions p-reach+1 .. p-1 of `slot` (clamped at 0: the
+        duplicates of position 0 carry its row)."""
+        pos = torch.arange(p - self.reach + 1, p, device=self.ring_table.device).clamp(min=0)  # [reach - 1]
         return self.ring_table[slot, pos // self.page_size].long(), pos % self.page_size
 
-    def read_window(self, layer: int, slot: int, p: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A ring layer's keys and values that a query at position p can see before its own:
-        K, V [window - 1, heads, dim] (a prefix-cache checkpoint of the state after p tokens)."""
+    def read_window(self, layer: int, slot: int, p: int) -> list[torch.Tensor]:
+        """What a ring layer's continuation after p tokens reads of the rows before p: each ring
+        tensor's rows [reach - 1, heads, dim] (a prefix-cache checkpoint of that state)."""
         page, off = self._window_at(slot, p)
-        return self.k[layer][page, :, off], self.v[layer][page, :, off]
+        return [t[page, :, off] for t in self.ring_tensors(layer)]
 
-    def write_window(self, layer: int, slot: int, p: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write_window(self, layer: int, slot: int, p: int, rows: list[torch.Tensor]) -> None:
         """Put back what read_window(layer, ., p) gave into `slot`'s ring."""
         page, off = self._window_at(slot, p)
-        self.k[layer][page, :, off] = k
-        self.v[layer][page, :, off] = v
+        for t, x in zip(self.ring_tensors(layer), rows):
+            t[page, :, off] = x
 
     def reserve(self, slot: int, tokens: int) -> list[int]:
         """Give `slot` fresh pages for `tokens` positions (single-sequence use: tests, bench,
@@ -227,5 +311,5 @@ class DecodeState:
         return pages
 
     def nbytes(self) -> int:
-        ts = [*self.k.values(), *self.v.values(), *self.conv.values(), *self.rec.values()]
+        ts = [*self.k.values(), *self.v.values(), *self.kr.values(), *self.conv.values(), *self.rec.values()]
         return sum(t.numel() * t.element_size() for t in ts)
