@@ -7,23 +7,24 @@ its pages in order, so key j of slot s sits in page block_table[s, j // P] at of
 Pages are handed out as tokens arrive (cache/pages.py) and a cached prefix is shared in place
 by every sequence that reuses it. Latent-attention layers (model/mla.py) keep their compressed
 KV and indexer keys in the same pages (kv_dims), so prefix reuse shares them alike; DeepSeek-V4
-layers (model/csa.py) their sliding keys, compressor projections and compressed entries, a row
-width per layer (dsv4_row). Gated DeltaNet layers keep their causal-conv window and recurrent
-matrix per slot. Nothing here grows
-during decode: a CUDA graph can capture a step over these buffers, and one graph serves every
-length (lengths are device data).
+layers (model/csa.py) their compressed entries (and, with --sliding-kv full, their sliding keys
+and compressor projections too), a row width per layer (dsv4_row, dsv4_split). Gated DeltaNet
+layers keep their causal-conv window and recurrent matrix per slot. Nothing here grows during
+decode: a CUDA graph can capture a step over these buffers, and one graph serves every length
+(lengths are device data).
 
-Sliding-window softmax layers (GPT-OSS's, Qwen3's with use_sliding_window) keep only what a
-window can see: each slot owns a ring of R pages per such layer, outside the page pool, and
-their block table (`ring_table`) maps logical page b of slot s to ring page b % R, statically
-(one table for the life of the state: decode graphs read it as they read block_table). The
-attention kernels never read a key before the window, so once R pages cover every key one
-prefill piece can see (its own tokens and the window before them), writing position j into
-page (j // P) % R only ever overwrites keys no query will look at again: the same kernels
-serve both layouts. Pieces longer than that are split by the attention layer (`ring_chunk`).
-A ring costs R pages a slot, however long the context (GPT-OSS at 128 keys and 2048-token
-chunks: 137 pages of 16 against 8192 for a 131k context). The prefix cache cannot share a ring
-in place: it checkpoints a window's keys at anchors, as it checkpoints DeltaNet states
+Rows read only near their own position (window_layers: the K/V of sliding-window softmax
+layers, GPT-OSS's and Qwen3's with use_sliding_window; DeepSeek-V4's sliding keys and
+compressor projections) live in rings: each slot owns a ring of R pages per such layer, outside
+the page pool, and their block table (`ring_table`) maps logical page b of slot s to ring page
+b % R, statically (one table for the life of the state: decode graphs read it as they read
+block_table). Nothing reads a row more than ring_reach positions back, so once R pages cover
+every row one prefill piece can read (its own and the reach before them), writing position j
+into page (j // P) % R only ever overwrites rows no one will look at again: the same kernels
+serve both layouts. Pieces longer than that are split by the layer (`ring_chunk`). A ring costs
+R pages a slot, however long the context (GPT-OSS at 128 keys and 2048-token chunks: 137 pages
+of 16 against 8192 for a 131k context). The prefix cache cannot share a ring in place: it
+checkpoints the last reach of its rows at anchors, as it checkpoints DeltaNet states
 (read_window / write_window).
 """
 from __future__ import annotations
