@@ -98,10 +98,10 @@ def test_harmony_anchors():
     vocab = {"<|start|>": 1, "<|message|>": 2, "<|end|>": 3, "<|call|>": 4, "<|return|>": 5, "<|channel|>": 6}
     assert anchor_ids(vocab.get) == {1, 2, 3, 4, 5} and turn_open_ids(vocab.get) == {1}
     pol = CheckpointPolicy("anchors", anchor_ids(vocab.get), turn_open_ids(vocab.get), min_gap=8)
-    sys = [1, 40, 2] + [50] * 20 + [3]  # system message, 24 tokens
+    system = [1, 40, 2] + [50] * 20 + [3]  # system message, 24 tokens
     user = [1, 41, 2] + [51] * 12 + [3]  # user message, 16 tokens
     head = [1, 42, 6, 43, 2]  # the assistant's header, its answer follows
-    toks = sys + user + head
+    toks = system + user + head
     # 3 (after the first <|message|>): crowded by the <|start|> 3 tokens back; 23: before <|end|>;
     # 24: before <|start|>, always; 25..27 crowded; 39 (before <|end|>) and 40 (before <|start|>)
     # kept, then crowded up to the end

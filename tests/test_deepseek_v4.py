@@ -206,7 +206,7 @@ def test_prefix_reuse_is_exact(built, sliding):
     """A restore across an edit (partial page copied) and an extension equal a cold prefill and
     transformers. "full": the sliding keys, compressor projections and entries all live in the
     paged pool, shared as K/V pages are, restored at any page; "window": the keys and projections
-    in a ring per slot, the entries in the pool, restored at checkpoints (every 4 tokens here)
+    in a ring per slot, the entries in the pool, restored at checkpoints (every 3 tokens here: partial pages copied)
     with the ring rows copied back."""
     model, ftw = built["flash-like"]
     eng = cpu_engine(ftw, prefill_chunk=16, sliding_kv=sliding)
@@ -215,7 +215,7 @@ def test_prefix_reuse_is_exact(built, sliding):
     edited = first[:45] + torch.randint(0, 320, (6,), generator=g).tolist() + first[51:]
     extended = first + torch.randint(0, 320, (9,), generator=g).tolist()
     warm = ServingEngine(eng, max_batch=2, max_queue=8, record_logits=True, start=False,
-                         cache=CacheConfig(page_size=4, checkpoint_policy="interval:4"))
+                         cache=CacheConfig(page_size=4, checkpoint_policy="interval:3"))
     assert bool(warm.state.kr) == (sliding == "window") and warm.describe()["sliding_kv"] == sliding
     cold = ServingEngine(eng, max_batch=2, max_queue=8, record_logits=True, start=False,
                          cache=CacheConfig(enabled=False))

@@ -164,7 +164,7 @@ def test_serving_loop_matches_transformers(built, name):
 def test_prefix_reuse_past_the_window_is_exact(built, sliding):
     """A restore past the window and across an edit equals a cold prefill. "window": the sliding
     layers keep a ring of their window's pages per slot, so the prefix cache restores at its
-    checkpoints (every 4 tokens here) with the window's keys copied back into the ring; "full":
+    checkpoints (every 3 tokens here: partial pages copied) with the window's keys copied back into the ring; "full":
     every page in the pool, restored at any page."""
     model, ftw = built["yarn-gqa-k4"]
     eng = cpu_engine(ftw, prefill_chunk=16, sliding_kv=sliding)
@@ -173,7 +173,7 @@ def test_prefix_reuse_past_the_window_is_exact(built, sliding):
     edited = first[:45] + torch.randint(0, 320, (6,), generator=g).tolist() + first[51:]
     extended = first + torch.randint(0, 320, (9,), generator=g).tolist()
     warm = ServingEngine(eng, max_batch=2, max_queue=8, record_logits=True, start=False,
-                         cache=CacheConfig(page_size=4, checkpoint_policy="interval:4"))
+                         cache=CacheConfig(page_size=4, checkpoint_policy="interval:3"))
     cold = ServingEngine(eng, max_batch=2, max_queue=8, record_logits=True, start=False,
                          cache=CacheConfig(enabled=False))
     st, w = warm.state, model.config.sliding_window

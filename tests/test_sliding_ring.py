@@ -104,25 +104,53 @@ def test_model_on_rings_equals_the_whole_context(gptoss):
     assert rel_err(outs["ring"][0], ref) < 1e-4
 
 
-def test_window_moves_between_slots(gptoss):
+@pytest.mark.parametrize("p", [3, 23])
+def test_window_moves_between_slots(gptoss, p):
     """read_window at p out of slot 0, write_window into slot 1 (with the full layer's pages
-    shared): slot 1 decodes from p exactly as slot 0 does."""
+    shared): slot 1 decodes from p exactly as slot 0 does; p = 3: fewer tokens than the window."""
     _, eng = gptoss
     m = eng.model
     st = DecodeState(eng.cfg, 2, 64, eng.device, eng.dtype, page_size=4, chunk=8)
     pages = st.reserve(0, 64)
     g = torch.Generator().manual_seed(8)
-    prompt = torch.randint(0, 320, (23,), generator=g)
+    prompt = torch.randint(0, 320, (p,), generator=g)
     m.prefill(prompt, st, 0, 0)
     st.set_pages(1, pages)  # the pool layer: the same pages (what a restore shares in place)
     for layer in st.ring:
-        k, v = st.read_window(layer, 0, 23)
+        k, v = st.read_window(layer, 0, p)
         assert k.shape == (5, *st.k[layer].shape[1:2], st.k[layer].shape[3])
-        st.write_window(layer, 1, 23, [k.clone(), v.clone()])
+        st.write_window(layer, 1, p, [k.clone(), v.clone()])
     x = torch.tensor([7, 7])
-    out = m.decode(x, st, torch.tensor([23, 23]), torch.tensor([True, False]))[0]
-    other = m.decode(x, st, torch.tensor([23, 23]), torch.tensor([False, True]))[1]
+    out = m.decode(x, st, torch.tensor([p, p]), torch.tensor([True, False]))[0]
+    other = m.decode(x, st, torch.tensor([p, p]), torch.tensor([False, True]))[1]
     assert torch.equal(out, other)
+
+
+@pytest.mark.parametrize("which", ["gptoss", "v4"])
+def test_checkpoints_inside_split_pieces(gptoss, v4, which):
+    """A prompt in one call, split into ring pieces, with prefix-cache checkpoints inside them
+    (3: before the window has filled): each checkpoint holds the ring rows a prefill of exactly
+    that many tokens leaves."""
+    from freetoken.cache.anchors import CheckpointPolicy
+    from freetoken.cache.prefix import PrefixCache
+    _, eng = gptoss if which == "gptoss" else v4
+    st = DecodeState(eng.cfg, 2, 64, eng.device, eng.dtype, page_size=4, chunk=4)
+    cache = PrefixCache(eng.cfg, st, 8, CheckpointPolicy("none", set()))
+    prompt = torch.randint(0, 320, (30,), generator=torch.Generator().manual_seed(12))
+    cuts = [3, 10, 14, 29]
+    assert st.ring_chunk < 30 and cache.hybrid
+    st.reserve(0, 64)
+    eng.model.prefill(prompt, st, 0, 0, capture=cache.capture(prompt.tolist(), cuts))
+    for p in cuts:
+        ref = DecodeState(eng.cfg, 1, 64, eng.device, eng.dtype, page_size=4, chunk=4)
+        ref.reserve(0, 64)
+        eng.model.prefill(prompt[:p], ref, 0, 0)
+        at, slot = cache.ckpt.lookup(prompt.tolist(), p)
+        assert at == p
+        for layer in st.ring:
+            for got, want in zip(cache.win[layer], ref.read_window(layer, 0, p)):
+                err = float((got[slot] - want).abs().max() / want.abs().max())
+                assert err < 1e-5, (p, layer, err)
 
 
 def test_memory_counted_as_allocated(gptoss):

@@ -21,9 +21,11 @@ CUDA-graph capturable: one graph per (B, W) serves every length (lens[b] <= W * 
 checking would need a host sync). Any head dim works: tiles pad it to a power of two >= 16 and
 mask the rest (loads stay unmasked along it when it is one already).
 
-References (the CPU path and the tests' ground truth): paged_decode_attention_torch (gather the
-pages, mask, fp32 softmax) and paged_prefill_attention_torch (gather, then
-model.attention.prefill_attention).
+References (the tests' ground truth): paged_decode_attention_torch (gather the pages, mask,
+fp32 softmax) and paged_prefill_attention_torch (gather, then model.attention.prefill_attention,
+also the CPU's prefill path). On the CPU, decode runs the C++ kernel of
+experts/cpu/attention.cpp (pages read in place, online softmax in fp32, threads over rows, KV
+heads and key splits): paged_decode_attention_cpu.
 """
 from __future__ import annotations
 
@@ -371,12 +373,32 @@ def paged_decode_attention_triton(q, k_pages, v_pages, block_table, lens, scale,
     return out
 
 
+def paged_decode_attention_cpu(q, k_pages, v_pages, block_table, lens, scale, window=None, sinks=None):
+    """The C++ kernel (experts/cpu/attention.cpp) over host pages, read in place: shapes as
+    paged_decode_attention_torch; float32 or bfloat16. None when the C++ extension is not
+    available or the inputs are not what it takes (the caller then runs the reference)."""
+    from ..experts.cpu import extension
+    ext = extension()
+    if ext is None or q.dtype not in (torch.float32, torch.bfloat16) or not (
+            q.is_contiguous() and k_pages.is_contiguous() and v_pages.is_contiguous()):
+        return None
+    bt = block_table.to(torch.int32).contiguous()
+    n = lens.to(torch.int32).contiguous()
+    sk = sinks.float().contiguous() if sinks is not None else torch.empty(0)
+    return ext.paged_decode(q, k_pages, v_pages, bt, n, float(scale), int(window or 0), sk)
+
+
 def paged_decode_attention(q, k_pages, v_pages, block_table, lens, scale, window=None, splits=None, sinks=None):
-    """Decode attention over the page pool: the Triton kernel for CUDA tensors, the torch
-    reference otherwise. See paged_decode_attention_triton for shapes."""
+    """Decode attention over the page pool: the Triton kernel for CUDA tensors, the C++ kernel
+    for host tensors (the torch reference where it cannot run). See
+    paged_decode_attention_triton for shapes."""
     if use_triton(q):
         return paged_decode_attention_triton(q, k_pages, v_pages, block_table, lens, scale, window, splits,
                                              sinks=sinks)
+    if q.device.type == "cpu":
+        out = paged_decode_attention_cpu(q, k_pages, v_pages, block_table, lens, scale, window, sinks)
+        if out is not None:
+            return out
     return paged_decode_attention_torch(q, k_pages, v_pages, block_table, lens, scale, window, sinks)
 
 

@@ -96,7 +96,7 @@ def ring_prefill(piece, layer: int, x: torch.Tensor, st: DecodeState, slot: int,
     if layer not in st.ring:
         return piece(x, st, slot, start)
     outs = []
-    for a in range(0, t, st.ring_chunk):
+    for a in range(0, max(t, 1), st.ring_chunk):  # an empty chunk: one empty piece
         b = min(t, a + st.ring_chunk)
         outs.append(piece(x[a:b], st, slot, start + a))
         if capture is not None:

@@ -182,13 +182,17 @@ def checkpoint_state_bytes(cfg: ModelConfig, dtype, ring=()) -> int:
     return slot_state_bytes(cfg, dtype) + window
 
 
+def ring_scratch_bytes(cfg: ModelConfig, ring, page_size: int, dtype) -> int:
+    """The rings' page 0 (idle decode rows write there), shared by every slot."""
+    return page_size * _ring_token_bytes(cfg, ring, dtype)
+
+
 def state_bytes(cfg: ModelConfig, slots: int, max_len: int, dtype, page_size: int = 16,
                 chunk: int = RING_CHUNK, sliding: str = "window") -> int:
     """What a DecodeState with every slot's full context in its own pages allocates."""
     ring = ring_layers(cfg, max_len, page_size, chunk, sliding)
     pages = slots * -(-max_len // page_size) + 1
-    scratch = page_size * _ring_token_bytes(cfg, ring, dtype)  # the rings' page 0
-    return pages * kv_page_bytes(cfg, page_size, dtype, ring) + scratch + \
+    return pages * kv_page_bytes(cfg, page_size, dtype, ring) + ring_scratch_bytes(cfg, ring, page_size, dtype) + \
         slots * slot_state_bytes(cfg, dtype, ring, page_size, chunk)
 
 

@@ -19,7 +19,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import FreeTokenError
-from ..model.state import checkpoint_state_bytes, kv_page_bytes, ring_layers, slot_state_bytes
+from ..model.state import checkpoint_state_bytes, kv_page_bytes, ring_layers, ring_scratch_bytes, slot_state_bytes
 
 GiB = 1 << 30
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 1 << 10, "m": 1e6, "mb": 1e6, "mib": 1 << 20,
@@ -121,7 +121,7 @@ def plan_memory(cfg: ModelConfig, device: torch.device, dtype, budget: int, weig
     pool's pages and into the slots' state."""
     work = work_bytes(cfg, chunk, slots, dtype)
     ring = ring_layers(cfg, max_len, page_size, chunk, sliding)
-    state = slots * slot_state_bytes(cfg, dtype, ring, page_size, chunk)
+    state = slots * slot_state_bytes(cfg, dtype, ring, page_size, chunk) + ring_scratch_bytes(cfg, ring, page_size, dtype)
     ckpt = checkpoint_slots * checkpoint_state_bytes(cfg, dtype, ring)
     page = max(kv_page_bytes(cfg, page_size, dtype, ring), 1)
     fixed = weights + work + state + ckpt

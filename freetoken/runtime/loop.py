@@ -47,6 +47,10 @@ class EngineLoop:
         ring = ring_layers(cfg, engine.max_len, page_size, ecfg.prefill_chunk, ecfg.sliding_kv)
         per_ckpt = checkpoint_state_bytes(cfg, engine.dtype, ring)
         ckpt = cache.checkpoint_slots(per_ckpt) if use_cache and (cfg.linear_layers or ring) else 0
+        if use_cache and ring and (not ckpt or cache.checkpoint_policy == "none"):
+            log.warning("sliding-window rows are kept in per-slot rings (--sliding-kv window), which the prefix "
+                        "cache restores only at checkpoints, and checkpoints are off: no prefix will be reused; "
+                        "raise --checkpoint-budget / set --checkpoint-policy, or pass --sliding-kv full")
         ex = engine.executor
         slots = ex if getattr(ex, "pool", 0) is None else None  # a GPU expert cache still to size
         self.plan = plan_memory(cfg, engine.device, engine.dtype, engine.budget, engine.weight_bytes, max_batch,

@@ -53,7 +53,8 @@ def extension():
         return _ext
     try:
         from torch.utils.cpp_extension import load
-        src = os.path.join(os.path.dirname(__file__), "moe_cpu.cpp")
+        here = os.path.dirname(__file__)
+        srcs = [os.path.join(here, f) for f in ("moe_cpu.cpp", "attention.cpp")]
         build = os.path.join(cache_dir(), "build", f"moe_cpu-torch{torch.__version__.replace('+', '_')}")
         os.makedirs(build, exist_ok=True)
 
@@ -66,13 +67,13 @@ def extension():
                 log.warning("removing %s, left by a build that did not finish", baton)
                 os.remove(baton)
             lib = os.path.join(build, EXT_NAME + ".so")
-            fresh = os.path.exists(lib) and os.path.getmtime(lib) >= os.path.getmtime(src)
+            fresh = os.path.exists(lib) and os.path.getmtime(lib) >= max(map(os.path.getmtime, srcs))
             if not fresh:
                 notice(f"building the C++ expert executor into {build} (takes {BUILD_SECONDS}, once) ...")
             else:
                 log.info("C++ expert executor: using the build in %s", build)
             t0 = time.perf_counter()
-            _ext = load(name=EXT_NAME, sources=[src], build_directory=build,
+            _ext = load(name=EXT_NAME, sources=srcs, build_directory=build,
                         extra_cflags=["-O3", "-std=c++17", "-fno-math-errno"], verbose=False)
             if not fresh:
                 log.info("C++ expert executor built in %.0f s", time.perf_counter() - t0)
