@@ -32,13 +32,13 @@ def rel(a, b):
     return float((a.float() - b.float()).abs().max() / b.float().abs().max())
 
 
-@pytest.mark.parametrize("window,page,chunk", [(8, 4, 6), (13, 16, 16), (5, 4, 1)])
+@pytest.mark.parametrize("window,page,chunk", [(8, 4, 6), (13, 16, 16), (5, 4, 2)])
 def test_kernels_over_a_ring_equal_the_whole_context(window, page, chunk):
     """A sequence written chunk by chunk into a ring (pieces of `chunk` tokens, the ring sized
     for them) and into a whole-context layout: after each piece, prefill attention of the piece
     and decode attention at its end agree, Triton over the ring against torch over every page."""
     g = torch.Generator().manual_seed(window * 100 + page + chunk)
-    kvh, nh, hd, n = 2, 4, 16, 61
+    kvh, nh, hd, n = 2, 4, 16, 45
     r = -(-(chunk + window - 1) // page) + 1  # as model/state.py ring_pages sizes it
     width = -(-n // page)
     ring_row = (1 + torch.arange(width, device=DEV) % r).to(torch.int32)  # [W] slot 0's ring: pages 1..r

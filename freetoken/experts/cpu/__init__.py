@@ -74,7 +74,7 @@ def extension():
                 log.info("C++ expert executor: using the build in %s", build)
             t0 = time.perf_counter()
             _ext = load(name=EXT_NAME, sources=srcs, build_directory=build,
-                        extra_cflags=["-O3", "-std=c++17", "-fno-math-errno"], verbose=False)
+                        extra_cflags=["-O3", "-std=c++17", "-fno-math-errno", "-fno-trapping-math"], verbose=False)
             if not fresh:
                 log.info("C++ expert executor built in %.0f s", time.perf_counter() - t0)
     except Exception as e:  # no compiler, no ninja, ...: degrade to torch, loudly

@@ -38,24 +38,21 @@ inline float bf16_f32(uint16_t b) {
 }
 
 // The hot loops, built for AVX-512, AVX2 and the baseline (target_clones picks at load time).
-// Without -ffast-math a float sum is not vectorized, so dots keep 16 partial sums (lanes) and add
-// them at the end: the order is fixed, whatever the ISA.
+// Every loop is one the compiler vectorizes without -ffast-math: float sums in lanes, exp by a
+// polynomial (page_exp).
 #define FT_CLONES __attribute__((target_clones("avx512f", "avx2,fma", "default")))
+
+// s[g][j] = scale * q[g] . k[j] for the G query heads of a group and n keys (k: [n, hd] f32):
+// each dot in LANES partial sums (a vector), added up at the end (a fixed order on every ISA)
 constexpr int LANES = 16;
-
-// bf16 page rows -> f32 (n values)
-FT_CLONES void widen_bf16(const uint16_t* src, int64_t n, float* dst) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_f32(src[i]);
-}
-
-// s[g][j] = scale * q[g] . k[j] for the G query heads of a group and n keys (k: [n, hd] f32)
 FT_CLONES void page_scores(const float* q, const float* k, int G, int n, int hd, float scale, float* s) {
   const int body = hd / LANES * LANES;
   for (int j = 0; j < n; ++j) {
     const float* kj = k + int64_t(j) * hd;
     for (int g = 0; g < G; ++g) {
       const float* qg = q + int64_t(g) * hd;
-      float part[LANES] = {0.f};
+      float part[LANES];
+      for (int l = 0; l < LANES; ++l) part[l] = 0.f;
       for (int c = 0; c < body; c += LANES)
         for (int l = 0; l < LANES; ++l) part[l] += qg[c + l] * kj[c + l];
       float d = 0.f;
@@ -66,19 +63,51 @@ FT_CLONES void page_scores(const float* q, const float* k, int G, int n, int hd,
   }
 }
 
-// acc[g] += sum_j p[g][j] v[j] (v: [n, hd] f32)
-FT_CLONES void page_values(const float* p, const float* v, int G, int n, int hd, float* acc) {
+// x[j] = exp(x[j] - mx), j < n: 2^t split into 2^round(t) (the exponent bits) and 2^f, |f| <= 1/2,
+// by its Taylor series to degree 6 (relative error ~2e-7); t = (x - mx) log2(e) <= 0, clamped at
+// -126 (the smallest normal exponent). Branch-free and call-free, so it vectorizes: the clamp a
+// select, the rounding the 1.5 * 2^23 trick (round to nearest even in the default mode)
+FT_CLONES void page_exp(float* x, int n, float mx) {
   for (int j = 0; j < n; ++j) {
-    const float* vj = v + int64_t(j) * hd;
-    for (int g = 0; g < G; ++g) {
-      const float pg = p[g * MAX_PAGE + j];
-      float* ag = acc + int64_t(g) * hd;
-      for (int c = 0; c < hd; ++c) ag[c] += pg * vj[c];
-    }
+    float t = (x[j] - mx) * 1.44269504f;
+    t = t < -126.f ? -126.f : t;
+    const float r = (t + 12582912.f) - 12582912.f, f = (t - r) * 0.69314718f;
+    const float p = 1.f + f * (1.f + f * (0.5f + f * (1.f / 6 + f * (1.f / 24 + f * (1.f / 120 + f * (1.f / 720))))));
+    const int32_t bits = (int32_t(r) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, 4);
+    x[j] = p * scale;
   }
 }
 
-// a page's rows as f32: in place for f32 pages, widened into buf for bf16
+// acc[g] += sum_j p[g][j] v[j] (v: [n, hd] f32), j ascending: LANES columns of one head's sum
+// stay in registers over the page's keys
+FT_CLONES void page_values(const float* p, const float* v, int G, int n, int hd, float* acc) {
+  const int body = hd / LANES * LANES;
+  for (int g = 0; g < G; ++g) {
+    const float* pg = p + g * MAX_PAGE;
+    float* ag = acc + int64_t(g) * hd;
+    for (int c = 0; c < body; c += LANES) {
+      float a[LANES];
+      for (int l = 0; l < LANES; ++l) a[l] = ag[c + l];
+      for (int j = 0; j < n; ++j) {
+        const float w = pg[j];
+        const float* vj = v + int64_t(j) * hd + c;
+        for (int l = 0; l < LANES; ++l) a[l] += w * vj[l];
+      }
+      for (int l = 0; l < LANES; ++l) ag[c + l] = a[l];
+    }
+    for (int c = body; c < hd; ++c)
+      for (int j = 0; j < n; ++j) ag[c] += pg[j] * v[int64_t(j) * hd + c];
+  }
+}
+
+// bf16 page rows -> f32 (n values)
+FT_CLONES void widen_bf16(const uint16_t* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_f32(src[i]);
+}
+
+// a page's rows as f32 (in place for f32 pages)
 inline const float* rows_f32(const float* src, int64_t, float*) { return src; }
 inline const float* rows_f32(const c10::BFloat16* src, int64_t n, float* buf) {
   widen_bf16(reinterpret_cast<const uint16_t*>(src), n, buf);
@@ -130,17 +159,24 @@ void decode_impl(const torch::Tensor& q, const torch::Tensor& kp, const torch::T
         const int64_t pg = btd[b * W + j / P], off = j % P;
         const int cnt = int(std::min<int64_t>(P - off, e - j));
         const int64_t base = pg * page_stride + h * head_stride + off * hd;
+        if (j + cnt < e) {  // the next page's rows of this head: a jump in memory the prefetchers miss
+          const int64_t nb = int64_t(btd[b * W + (j + cnt) / P]) * page_stride + h * head_stride;
+          const char* nk = reinterpret_cast<const char*>(kd + nb);
+          const char* nv = reinterpret_cast<const char*>(vd + nb);
+          for (int64_t x = 0; x < head_stride * int64_t(sizeof(T)); x += 64) {
+            __builtin_prefetch(nk + x);
+            __builtin_prefetch(nv + x);
+          }
+        }
         page_scores(qf.data(), rows_f32(kd + base, cnt * hd, kbuf.data()), G, cnt, int(hd), float(scale), s.data());
         for (int g = 0; g < G; ++g) {  // online softmax: one rescale per page
           float* sg = &s[g * MAX_PAGE];
           float mx = m[g];
           for (int c = 0; c < cnt; ++c) mx = std::max(mx, sg[c]);
           const float corr = std::exp(m[g] - mx);  // exp(-inf) = 0 on the first page
+          page_exp(sg, cnt, mx);
           float sum = 0.f;
-          for (int c = 0; c < cnt; ++c) {
-            sg[c] = std::exp(sg[c] - mx);
-            sum += sg[c];
-          }
+          for (int c = 0; c < cnt; ++c) sum += sg[c];
           l[g] = l[g] * corr + sum;
           m[g] = mx;
           float* ag = acc + g * hd;
