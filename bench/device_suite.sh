@@ -63,6 +63,11 @@ step decode
 [ -n "${FT_SKIP_DECODE:-}" ] || timeout 200 python3 -m bench.decode --experts-on ${FT_DECODE_ON:-gpu,cpu} --tokens ${FT_DECODE_TOKENS:-64} 2>&1 | tail -6
 step agentic
 [ -n "${FT_SKIP_AGENTIC:-}" ] || timeout 300 python3 -m bench.agentic --full-size 2>&1 | grep -v '^ ' | tail -14
+step cpu_attention: the C++ decode attention against the torch path, 6 and 16 threads
+if [ -z "${FT_SKIP_CPU:-}" ]; then
+  for t in 6 16; do timeout 120 python3 -m bench.cpu_attention --threads $t 2>&1 | grep "^{'sha\|rror" | cut -c1-300
+    [ -f "$OUT/cpu_attention-gpu.json" ] && mv "$OUT/cpu_attention-gpu.json" "$OUT/cpu_attention-t$t-gpu.json"; done
+fi
 step cpu_experts
 [ -n "${FT_SKIP_CPU:-}" ] || timeout 240 python3 -m bench.cpu_experts --experts ${FT_CPU_EXPERTS:-768} --batches 1,2,4,8,32 2>&1 | tail -4
 step done
