@@ -22,11 +22,13 @@ Caches (model/state.py dsv4_row): each token's row holds its sliding key, its co
 indexer) projections with the position bias added, and, for a token that closes a window, the
 window's entry; so chunked prefill, decode and prefix reuse all read one thing. With
 --sliding-kv window (the default) the key and the projections, read only within ring_reach of
-their position, live in a per-slot ring and the entries in the pool's pages (dsv4_split): a
-token costs the pool its entry parts only (HCA 1 row of head_dim, CSA head_dim + index_head_dim);
-DecodeState.part says where a part lives. Decode is static-shape under CUDA-graph capture: the window's keys are gathered by
-position, every row computes "the entry its token would close" (stored, read only where the
-token does close a window), entries are read at every closing position the block table can
+their position, live in a per-slot ring and the entries in the pool's pages (dsv4_split), one
+row per window that closes in a page (entry_stride: CSA's 4 rows a page of 16, HCA's 1);
+DecodeState.part says where a part lives and how positions map to its rows.
+
+Decode is static-shape under CUDA-graph capture: the window's keys are gathered by position,
+every row computes "the entry its token would close" (written only where the token does close
+a window, the others' writes going to the scratch page), entries are read at every closing position the block table can
 hold (eagerly: those the longest row has closed), the indexer's top-k of them gathered when
 there are more than index_topk. Torch references; a paged kernel is later work.
 """
@@ -179,12 +181,12 @@ class CompressedAttention:
         return rope_tail(iq, self.ccos[pos][:, None], self.csin[pos][:, None])
 
     def _write(self, st: DecodeState, at, pos: torch.Tensor, store: dict) -> None:
-        """Each part's rows at positions pos into the pages holding that part; at(table, pos) ->
-        (pages, offsets) through that part's block table."""
+        """Each part's rows at positions pos into the pages holding that part; at(table, pos,
+        stride) -> (pages, rows) through that part's block table."""
         for name, val in store.items():
-            buf, table, cols = st.part(self.layer, name)  # [pages, P, width], [slots, W]
-            page, off = at(table, pos)
-            buf[..., cols][page, off] = val
+            buf, table, cols, stride = st.part(self.layer, name)  # [pages, rows, width], [slots, W]
+            page, row = at(table, pos, stride)
+            buf[..., cols][page, row] = val
 
     def _output(self, o: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """o [N, nh, hd] -> [N, H]: the values' rotation undone at the query's position, then the
@@ -208,12 +210,12 @@ class CompressedAttention:
         pos = torch.arange(start, s_len, device=x.device)
         q, store, qr, hw = self._project(x, pos)
 
-        def at(table, p):  # pages and offsets of one sequence's positions p [...]
-            return table[slot][p // ps].long(), p % ps
+        def at(table, p, stride):  # pages and rows of one sequence's positions p [...]
+            return table[slot][p // ps].long(), p % ps // stride
 
         def rows(name, p):  # that part of one sequence's rows at positions p [...]
-            buf, table, cols = st.part(self.layer, name)
-            return buf[..., cols][at(table, p)]
+            buf, table, cols, stride = st.part(self.layer, name)
+            return buf[..., cols][at(table, p, stride)]
 
         self._write(st, at, pos, store)
         lo = max(0, start - self.win + 1)
@@ -255,23 +257,26 @@ class CompressedAttention:
         q, store, qr, hw = self._project(x, pos)
         live = torch.ones_like(pos, dtype=torch.bool) if active is None else active
 
-        def at(table, p):  # this step's token of each row [B]: idle rows write to the scratch page
-            page = table[:b].gather(1, (p // ps)[:, None])[:, 0]
-            return torch.where(live, page, SCRATCH).long(), torch.where(live, p % ps, 0)
+        def write_at(ok):  # this step's token of each row [B]: the others write to the scratch page
+            def at(table, p, stride):
+                page = table[:b].gather(1, (p // ps)[:, None])[:, 0]
+                return torch.where(ok, page, SCRATCH).long(), torch.where(ok, p % ps // stride, 0)
+            return at
 
         def rows(name, p):  # that part of each row's sequence at positions p [B, ...]
-            buf, table, cols = st.part(self.layer, name)
+            buf, table, cols, stride = st.part(self.layer, name)
             flat = p.reshape(b, -1)
             pg = table[:b].gather(1, flat // ps).long().view(p.shape)
-            return buf[..., cols][pg, p % ps]
+            return buf[..., cols][pg, p % ps // stride]
 
-        self._write(st, at, pos, store)
-        if self.comp is not None:  # the entry this token would close (read only if it does)
+        self._write(st, write_at(live), pos, store)
+        if self.comp is not None:  # the entry this token closes, if it does (static: computed always)
             ends = torch.where(live, pos, 0)
             new = {"centry": self.comp.entries(rows, ends, self.ccos, self.csin, x.dtype)}
             if self.index is not None:
                 new["ientry"] = self.index.entries(rows, ends, self.ccos, self.csin, x.dtype)
-            self._write(st, at, pos, new)
+            # a row per window in the pool (entry_stride): a token that closes none must not write
+            self._write(st, write_at(live & (pos % self.m == self.m - 1)), pos, new)
         kpos = pos[:, None] - self.win + 1 + torch.arange(self.win, device=x.device)  # [B, win]
         sel = (kpos >= 0) & live[:, None]
         keys = torch.where(sel[..., None], rows("kv", kpos.clamp(min=0)), 0.0)  # [B, win, hd]

@@ -96,6 +96,23 @@ def layer_kv_dims(cfg: ModelConfig, layer: int, ring=()) -> tuple[int, int, int]
     return None if layer in ring else kv_dims(cfg)
 
 
+def entry_stride(cfg: ModelConfig, layer: int, page_size: int, ring=()) -> int:
+    """Positions per pool row of a layer: 1 (a row per token), or for a V4 ring layer whose pool
+    holds only entries, its compress rate m when windows and pages nest (P % m == 0 or m % P ==
+    0): a page then keeps one row per window that can close in it (ceil(P / m) rows; HCA's 128
+    at pages of 16: 1 row a page; CSA's 4: 4 rows), entry w at row ((w m + m - 1) % P) // m of
+    the page of its closing position, so the pages the prefix cache shares carry it as before."""
+    if not (cfg.compressed_attention and layer in ring):
+        return 1
+    m = {"csa": cfg.compress_rate_csa, "hca": cfg.compress_rate_hca}.get(cfg.compressed_attention[layer], 0)
+    return m if m and (page_size % m == 0 or m % page_size == 0) else 1
+
+
+def pool_rows(cfg: ModelConfig, layer: int, page_size: int, ring=()) -> int:
+    """Rows one page of the pool holds for a layer (page_size, or fewer: entry_stride)."""
+    return -(-page_size // entry_stride(cfg, layer, page_size, ring))
+
+
 def ring_dims(cfg: ModelConfig, layer: int) -> tuple[int, int, int]:
     """(heads, K width, V width) of one token of a ring layer in its ring: the K/V of softmax
     attention, V4's ring row (no V)."""
@@ -156,9 +173,14 @@ def _bytes(dims, el: int) -> int:
 
 def kv_page_bytes(cfg: ModelConfig, page_size: int, dtype, ring=()) -> int:
     """Bytes of one page of the pool across every attention layer (K and V); the layers in
-    `ring` count what they keep in the pool (V4's entries; nothing for softmax attention)."""
-    dims = [layer_kv_dims(cfg, i, ring) for i in cfg.attention_layers]
-    return page_size * _bytes([d for d in dims if d is not None], _el(dtype))
+    `ring` count what they keep in the pool (V4's entries, pool_rows of them a page; nothing
+    for softmax attention)."""
+    el, total = _el(dtype), 0
+    for i in cfg.attention_layers:
+        dims = layer_kv_dims(cfg, i, ring)
+        if dims is not None:
+            total += pool_rows(cfg, i, page_size, ring) * _bytes([dims], el)
+    return total
 
 
 def _ring_token_bytes(cfg: ModelConfig, ring, dtype) -> int:
@@ -218,8 +240,8 @@ class DecodeState:
         # empty, not zeros: host memory is committed only as pages are written, and no page is
         # read before it is written (lengths mask the rest). Rings are small and zeroed: the
         # torch references gather rows outside the window (masked), never NaN then
-        def pool(dims, i):
-            return torch.empty((kv_pages, dims[0], page_size, dims[i]), device=device, dtype=dtype)
+        def pool(dims, i, rows=page_size):
+            return torch.empty((kv_pages, dims[0], rows, dims[i]), device=device, dtype=dtype)
 
         def ring_buf(dims, i):
             return torch.zeros((1 + slots * r, dims[0], page_size, dims[i]), device=device, dtype=dtype)
@@ -232,18 +254,21 @@ class DecodeState:
                 dims = ring_dims(cfg, i)
                 self.k[i], self.v[i] = ring_buf(dims, 1), ring_buf(dims, 2)
             else:
-                self.k[i], self.v[i] = pool(pooled, 1), pool(pooled, 2)
+                rows = pool_rows(cfg, i, page_size, self.ring)
+                self.k[i], self.v[i] = pool(pooled, 1, rows), pool(pooled, 2, rows)
                 if i in self.ring:
                     self.kr[i] = ring_buf(ring_dims(cfg, i), 1)
         self.pooled = [i for i in cfg.attention_layers if layer_kv_dims(cfg, i, self.ring) is not None]
         for t in (*self.k.values(), *self.v.values()):
             t[SCRATCH].zero_()
-        # V4: each part of a layer's rows -> (in its ring, the slice of the row)
+        # V4: each part of a layer's rows -> (in its ring, the slice of the row, positions a row)
         self.parts = {}
         if v4:
             for i in cfg.attention_layers:
                 rr, pr = dsv4_split(cfg, i) if i in self.ring else ({}, dsv4_row(cfg, i))
-                self.parts[i] = {**{n: (True, sl) for n, sl in rr.items()}, **{n: (False, sl) for n, sl in pr.items()}}
+                stride = entry_stride(cfg, i, page_size, self.ring)
+                self.parts[i] = {**{n: (True, sl, 1) for n, sl in rr.items()},
+                                 **{n: (False, sl, stride) for n, sl in pr.items()}}
         self.block_table = torch.full((slots, self.width), SCRATCH, dtype=torch.int32, device=device)
         # slot s's logical page b -> its ring page 1 + s*r + b % r (page 0: idle rows' scratch)
         b = torch.arange(self.width)
@@ -272,13 +297,14 @@ class DecodeState:
         """The block table softmax attention layer `layer` reads through: [slots, width]."""
         return self.ring_table if layer in self.ring else self.block_table
 
-    def part(self, layer: int, name: str) -> tuple[torch.Tensor, torch.Tensor, slice]:
-        """A V4 row part (dsv4_row's names): (the pages holding it [pages, P, width], the block
-        table to them [slots, width], its columns)."""
-        in_ring, sl = self.parts[layer][name]
+    def part(self, layer: int, name: str) -> tuple[torch.Tensor, torch.Tensor, slice, int]:
+        """A V4 row part (dsv4_row's names): (the pages holding it [pages, rows, width], the block
+        table to them [slots, width], its columns, positions per row: position p's row is
+        (p % P) // that in page table[p // P]; entry_stride)."""
+        in_ring, sl, stride = self.parts[layer][name]
         if in_ring:
-            return self.kr[layer][:, 0], self.ring_table, sl
-        return self.k[layer][:, 0], self.block_table, sl
+            return self.kr[layer][:, 0], self.ring_table, sl, 1
+        return self.k[layer][:, 0], self.block_table, sl, stride
 
     def copy_page(self, src: int, dst: int) -> None:
         """Copy-on-write of a shared page before a sequence writes into it (the pool's tensors)."""
