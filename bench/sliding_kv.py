@@ -52,7 +52,7 @@ def plan_rows(ctx: int = 131072) -> list[dict]:
                                 sliding=sliding)
                 ring = ring_layers(cfg, ctx, 16, 2048, sliding)
                 row[sliding] = {"kv_pool_gb": round(p.kv / 1e9, 3), "slot_state_gb": round(p.state / 1e9, 4),
-                                "pool_bytes_per_token": kv_page_bytes(cfg, 1, torch.bfloat16, ring),
+                                "pool_bytes_per_token": kv_page_bytes(cfg, 16, torch.bfloat16, ring) / 16,
                                 "total_gb": round((p.kv + p.state) / 1e9, 3),
                                 "checkpoint_mb": round(checkpoint_state_bytes(cfg, torch.bfloat16, ring) / 1e6, 3)}
             row["saved"] = round(1 - row["window"]["total_gb"] / row["full"]["total_gb"], 3)
