@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from ..runtime.request import Request, SamplingOptions
 from .common import ClientGone
+from .harmony import HarmonyParser, writes_harmony
 from .parser import Event, OutputParser, merge, param_schemas
 from .tool_choice import parser_format
 
@@ -132,7 +133,12 @@ async def events(ctx, req: Request, queue, tools, in_reasoning: bool, is_disconn
     schemas = param_schemas(tools) if isinstance(tools, (list, tuple)) else None
     tools = tools is not None and tools is not False
     fmt = parser_format(ctx.template) if tools and not raw else None
-    parser = RawParser() if raw else OutputParser(in_reasoning=in_reasoning, tools=tools, fmt=fmt, schemas=schemas)
+    if raw:
+        parser = RawParser()
+    elif writes_harmony(ctx.template):  # GPT-OSS: channels, not tags (server/harmony.py)
+        parser = HarmonyParser(tools=tools)
+    else:
+        parser = OutputParser(in_reasoning=in_reasoning, tools=tools, fmt=fmt, schemas=schemas)
     hidden = set(ctx.serving.engine.eos_ids) | set(sampling.stop_token_ids)
     stop_hit = None
     kept = Tokens()

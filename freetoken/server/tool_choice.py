@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from ..runtime.grammar import GrammarError, raw_value, check
 from ..runtime.request import CallSyntax, GrammarSpec, ToolSchema
 from .common import ApiError
+from .harmony import writes_harmony
 
 _NAME = "ft_probe_tool"
 _THINK = "ft probe thinking"
@@ -32,8 +33,13 @@ _CLOSERS = "\"'>"  # what ends a tool name in the known formats: JSON string, XM
 # what opens a block of calls, and what closes it, in the known formats
 _BLOCKS = {"<tool_call>": "</tool_call>", "<｜DSML｜tool_calls>": "</｜DSML｜tool_calls>",
            "<｜DSML｜function_calls>": "</｜DSML｜function_calls>", "<｜tool▁calls▁begin｜>": "<｜tool▁calls▁end｜>"}
-# the output parser's format (parser.FORMATS) for each call syntax
-_PARSER = {"json": "tool_call", "xml": "tool_call", "glm": "glm", "dsml": "dsml", "deepseek_v3": "deepseek_v3"}
+# the output parser's format (parser.FORMATS, and harmony.py's) for each call syntax
+_PARSER = {"json": "tool_call", "xml": "tool_call", "glm": "glm", "dsml": "dsml", "deepseek_v3": "deepseek_v3",
+           "harmony": "harmony"}
+# GPT-OSS's Harmony (server/harmony.py): a call is a commentary message to functions.NAME whose
+# body is the JSON arguments, ended by <|call|> (a stop token: one call a turn). Not probed: the
+# template writes calls in history with <|call|> dropped, and its headers vary by message
+_HARMONY_HEAD, _HARMONY_TAIL = "<|channel|>commentary to=functions.", " <|constrain|>json"
 # source markers of a format, for templates whose rendering does not show their calls
 _MARKERS = (("DSML", "dsml"), ("tool▁calls▁begin", "deepseek_v3"), ("<arg_key>", "glm"))
 
@@ -98,7 +104,11 @@ def parser_format(template) -> str:
 
 
 def call_format(template, **kwargs) -> CallFormat:
-    """Probe the template once (per set of template kwargs) by rendering a dummy call."""
+    """Probe the template once (per set of template kwargs) by rendering a dummy call (Harmony's
+    format is known, not probed)."""
+    if writes_harmony(template):
+        syn = CallSyntax("json", _HARMONY_HEAD, _HARMONY_TAIL, close="<|call|>", args="<|message|>")
+        return CallFormat(_HARMONY_HEAD, _HARMONY_TAIL, "", syn, family="harmony", opener=_HARMONY_HEAD)
     cache = template.__dict__.setdefault("_call_formats", {})
     key = json.dumps(kwargs, sort_keys=True, default=str)
     if key not in cache:
@@ -304,8 +314,9 @@ def call_grammar(ctx, tools: list[dict], name: str | None, forced: Forced, paral
     shape ({"type": "function", "function": {"name", "parameters", "strict"}})."""
     fmt = call_format(ctx.template, **kwargs)
     schemas = _for_syntax(ctx, fmt, _tool_schemas(ctx, tools, None if name is None else {name}))
+    multiple = parallel and name is None and fmt.family != "harmony"  # Harmony: <|call|> ends the turn
     return _checked(ctx, GrammarSpec("tool_call", tools=schemas, syntax=fmt.syntax, lead=forced.lead,
-                                     multiple=parallel and name is None, after=forced.after))
+                                     multiple=multiple, after=forced.after))
 
 
 def strict_grammar(ctx, tools: list[dict] | None, in_reasoning: bool, **kwargs) -> GrammarSpec | None:
@@ -319,6 +330,8 @@ def strict_grammar(ctx, tools: list[dict] | None, in_reasoning: bool, **kwargs) 
         return None
     fmt = call_format(ctx.template, **kwargs)
     schemas = _for_syntax(ctx, fmt, _tool_schemas(ctx, tools))  # a strict schema that cannot be enforced: 400
+    if fmt.family == "harmony":  # its messages' headers are special tokens the free text must also write
+        return None
     trigger = fmt.syntax.head.split("\n")[0] or fmt.syntax.head
     if not any(trigger.startswith(sp) for sp in getattr(ctx.tokenizer, "special", None) or {}):
         return None
