@@ -53,9 +53,18 @@ def test_without_tools_a_call_stays_text():
     assert content == 'Checking the forecast.{"city": "Paris", "days": 2}'
 
 
+# Harmony as GPT-OSS's template writes it (our own minimal one): the reasoning before a call from
+# `thinking`, the call with its recipient in the role header, the tool's answer from functions.NAME
 HARMONY_TEMPLATE = (
-    "{% for m in messages %}<|start|>{{ m.role }}"
-    "{% if m.role == 'assistant' %}<|channel|>final{% endif %}<|message|>{{ m.content }}<|end|>{% endfor %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'assistant' and m.tool_calls %}"
+    "{% if m.thinking %}<|start|>assistant<|channel|>analysis<|message|>{{ m.thinking }}<|end|>{% endif %}"
+    "{% set f = m.tool_calls[0].function %}<|start|>assistant to=functions.{{ f.name }}<|channel|>commentary json"
+    "<|message|>{{ f.arguments | tojson }}<|call|>{% set ns_last = f.name %}"
+    "{% elif m.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>"
+    "{% elif m.role == 'tool' %}<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"
+    "{{ m.content | tojson }}<|end|>"
+    "{% else %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
 
 
@@ -81,3 +90,22 @@ def test_a_harmony_template_is_recognised_and_calls_are_forced_in_its_syntax(ctx
     # what the constrained call then reads back as
     text = ctx.tokenizer.decode(f.tokens) + '<|message|>{"city": "Oslo"}'
     assert parse([text]) == ("", "", [("get_weather", {"city": "Oslo"})])
+
+
+def test_history_renders_for_harmony(ctx):
+    """The reasoning of a turn that called a tool reaches a Harmony template as `thinking`, and
+    what the model wrote parses back into the same reasoning and call."""
+    history = [{"role": "user", "content": "Weather in Oslo?"},
+               {"role": "assistant", "content": "", "reasoning_content": "Need the forecast.",
+                "tool_calls": [{"id": "c1", "type": "function",
+                                "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    text = ctx.template.render(history, TOOLS)
+    turn = text[text.index("<|start|>assistant<|channel|>analysis"):text.index("<|start|>functions.")]
+    assert turn == ('<|start|>assistant<|channel|>analysis<|message|>Need the forecast.<|end|>'
+                    '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Oslo"}'
+                    '<|call|>')
+    # the model's own output for that turn (after the prompt's <|start|>assistant) reads back the same
+    out = turn[len("<|start|>assistant"):-len("<|call|>")]
+    assert parse([out]) == ("Need the forecast.", "", [("get_weather", {"city": "Oslo"})])
+    assert text.endswith("<|start|>assistant")

@@ -4,8 +4,9 @@ deepseek_v4 checkpoint (its release ships no jinja template, only a Python encod
 
 Messages arrive already normalised by the API adapters: role, content as a string,
 assistant tool_calls as [{"id", "type": "function", "function": {"name", "arguments": dict}}],
-reasoning_content for the thinking part. A call's arguments reach the template as a dict that
-also reads as its JSON text where a template treats them as a string (ToolArgs).
+reasoning_content for the thinking part (also as `thinking`, the name GPT-OSS's template reads).
+A call's arguments reach the template as a dict that also reads as its JSON text where a
+template treats them as a string (ToolArgs).
 """
 from __future__ import annotations
 
@@ -168,9 +169,12 @@ class ToolArgs(dict):
 
 
 def _with_tool_args(messages: list[dict]) -> list[dict]:
-    """Messages whose tool calls' dict arguments are ToolArgs (copies; the originals are kept)."""
+    """Messages whose tool calls' dict arguments are ToolArgs, and whose reasoning_content is
+    also `thinking` (copies; the originals are kept)."""
     out = []
     for m in messages:
+        if isinstance(m, dict) and m.get("reasoning_content") and "thinking" not in m:
+            m = {**m, "thinking": m["reasoning_content"]}
         calls = m.get("tool_calls") if isinstance(m, dict) else None
         if isinstance(calls, list) and calls:
             wrapped = []
