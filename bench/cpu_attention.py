@@ -1,4 +1,4 @@
-"""Paged decode attention on the CPU: the C++ kernel (experts/cpu/attention.cpp) against the torch
+"""Paged decode attention on the CPU: the C++ kernel (experts/cpu/attention.h) against the torch
 reference it replaced on the CPU path (kernels/paged_attention.py), one layer, batch 1, bf16.
 
 Shapes: a full-attention layer of gpt-oss (8 KV heads of 64, 64 query heads, sinks) and of

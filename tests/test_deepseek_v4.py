@@ -341,6 +341,42 @@ def test_bfloat16_runs_close_to_float32(built):
     assert errs[len(errs) // 2] < 0.05 and errs[-4] < 0.25
 
 
+def test_bfloat16_keeps_the_fp32_modules_of_transformers(built, monkeypatch):
+    """bf16 compute loads what transformers keeps in fp32 (DeepseekV4's
+    _keep_in_fp32_modules_strict: hyper-connections, sinks, position biases, norms, the
+    correction bias) in fp32, everything else in bf16; its logits are then closer to
+    transformers' own bf16 model (from_pretrained in bf16, those modules fp32) than with every
+    tensor rounded to bf16."""
+    import os
+
+    from transformers import DeepseekV4ForCausalLM
+    from freetoken.model.deepseek_v4 import DeepseekV4Model
+    from freetoken.weights.reader import dense_weights, load_ftw
+    assert set(DeepseekV4Model.KEEP_FP32) == set(DeepseekV4ForCausalLM._keep_in_fp32_modules_strict)
+    _, ftw = built["flash-like"]
+    meta, w = load_ftw(ftw)
+    dense = dense_weights(meta, w, torch.device("cpu"), torch.bfloat16, DeepseekV4Model.KEEP_FP32)
+    kept = {k for k, v in dense.items() if v.dtype == torch.float32}
+    assert "model.layers.1.attn_hc.fn" in kept and "model.norm.weight" in kept
+    assert "model.layers.1.self_attn.compressor.position_bias" in kept and "model.hc_head.hc_scale" in kept
+    assert "model.layers.1.self_attn.q_b_proj.weight" not in kept and "model.embed_tokens.weight" not in kept
+    prompt = prompt_for(2, n=P)
+    hf = DeepseekV4ForCausalLM.from_pretrained(os.path.join(os.path.dirname(ftw), "hf"), dtype=torch.bfloat16).eval()
+    assert hf.model.layers[1].attn_hc.fn.dtype == torch.float32  # transformers keeps it so
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].float()
+    errs = {}
+    for keep in (True, False):
+        if not keep:
+            monkeypatch.setattr(DeepseekV4Model, "KEEP_FP32", ())
+        with mock.patch("freetoken.experts.cpu.extension", lambda: None):
+            eng = Engine(ftw, EngineConfig(device="cpu", dtype="bfloat16"))
+        got = eng.prefill(prompt, eng.new_state(64), all_logits=True)
+        errs[keep] = sorted(rel_err(got[i], ref[i]) for i in range(len(prompt)))
+    print({k: [round(e, 4) for e in v[len(v) // 2:len(v) // 2 + 1]] for k, v in errs.items()})
+    assert sum(errs[True]) < sum(errs[False])
+
+
 @pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid"])
 def test_router_equals_transformers(scoring):
     """Ids (as sets) and weights of the top-k router with its correction bias, and of the hash

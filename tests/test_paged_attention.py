@@ -238,7 +238,7 @@ CPU_CASES = DECODE_CASES + [(1, 4, 80, [3001, 0, 700], 200, None),  # splits mer
 @pytest.mark.parametrize("sinks", [False, True])
 @pytest.mark.parametrize("case", CPU_CASES)
 def test_decode_cpu_kernel(case, sinks, dtype):
-    """The C++ kernel over host pages (experts/cpu/attention.cpp) against the torch reference:
+    """The C++ kernel over host pages (experts/cpu/attention.h) against the torch reference:
     GQA groups 1-8, idle rows, windows, sinks, contexts long enough to split the keys between
     threads; every page it must not read holds NaN."""
     from freetoken.experts.cpu import extension

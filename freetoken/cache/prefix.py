@@ -35,9 +35,10 @@ class PrefixCache:
             return torch.zeros((slots, *shape), dtype=t.dtype, device=t.device)
         self.conv = {l: pool(t, t.shape[1:]) for l, t in st.conv.items()}
         self.rec = {l: pool(t, t.shape[1:]) for l, t in st.rec.items()}
-        n = (st.reach or 1) - 1  # ring layers: the rows before a continuation's first token it reads
-        # per ring layer, one pool per ring tensor: [slots, n, heads, dim]
-        self.win = {l: [pool(t, (n, t.shape[1], t.shape[3])) for t in st.ring_tensors(l)] for l in st.ring}
+        # per ring layer, one pool per part a continuation reads (state.window_parts): [slots, n, heads, width]
+        dt = {l: st.ring_tensors(l)[0].dtype for l in st.ring}
+        self.win = {l: [torch.zeros((slots, n, h, w), dtype=dt[l], device=st.block_table.device)
+                        for _, _, n, h, w in st.window_parts[l]] for l in st.ring}
         self.kv_evicted_pages = 0
 
     def checkpoint_bytes(self) -> int:

@@ -24,7 +24,7 @@ mask the rest (loads stay unmasked along it when it is one already).
 References (the tests' ground truth): paged_decode_attention_torch (gather the pages, mask,
 fp32 softmax) and paged_prefill_attention_torch (gather, then model.attention.prefill_attention,
 also the CPU's prefill path). On the CPU, decode runs the C++ kernel of
-experts/cpu/attention.cpp (pages read in place, online softmax in fp32, threads over rows, KV
+experts/cpu/attention.h (pages read in place, online softmax in fp32, threads over rows, KV
 heads and key splits): paged_decode_attention_cpu.
 """
 from __future__ import annotations
@@ -374,7 +374,7 @@ def paged_decode_attention_triton(q, k_pages, v_pages, block_table, lens, scale,
 
 
 def paged_decode_attention_cpu(q, k_pages, v_pages, block_table, lens, scale, window=None, sinks=None):
-    """The C++ kernel (experts/cpu/attention.cpp) over host pages, read in place: shapes as
+    """The C++ kernel (experts/cpu/attention.h) over host pages, read in place: shapes as
     paged_decode_attention_torch; float32 or bfloat16. None when the C++ extension is not
     available or the inputs are not what it takes (the caller then runs the reference)."""
     from ..experts.cpu import extension

@@ -67,6 +67,11 @@ class DeepseekV4MoE(DeepseekMoE):
 
 class DeepseekV4Model(DecoderModel):
     per_forward_state = True  # self.ids: the running forward's tokens (runtime/overlap.py)
+    # transformers' _keep_in_fp32_modules_strict of DeepseekV4: loaded in fp32 whatever the compute
+    # dtype (weights/reader.py dense_weights); the code here reads each of them with .float()
+    KEEP_FP32 = ("attn_hc", "ffn_hc", "hc_head", "sinks", "position_bias", "e_score_correction_bias", "q_a_norm",
+                 "kv_norm", "input_layernorm", "post_attention_layernorm", "norm")
+
     def __init__(self, cfg: ModelConfig, w: dict, executor, device, dtype, max_pos: int):
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.embed = w["model.embed_tokens.weight"]

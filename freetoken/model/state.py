@@ -197,10 +197,30 @@ def slot_state_bytes(cfg: ModelConfig, dtype, ring=(), page_size: int = 16, chun
     return len(cfg.linear_layers) * (conv + rec) + rings
 
 
+def window_parts(cfg: ModelConfig, layer: int) -> list[tuple[str, slice | None, int, int, int]]:
+    """What a checkpoint keeps of a ring layer, part by part: (the part: "k"/"v" for softmax
+    attention, a V4 ring-row part; its columns in the ring row or None; the positions before a
+    continuation that it reads; heads; width). Each part keeps only its own reach: V4's sliding
+    key the window, its compressor projections the tokens one entry averages (CSA's 2m = 8
+    against the window's 128), so a V4-Flash checkpoint is about half what the longest reach
+    for every part would cost."""
+    if cfg.compressed_attention:
+        kind, csa = cfg.compressed_attention[layer], 2 * cfg.compress_rate_csa
+
+        def reach(name):
+            if name == "kv":
+                return cfg.sliding_window
+            return csa if name in ("ikv", "igate") or kind == "csa" else cfg.compress_rate_hca
+        return [(n, sl, reach(n) - 1, 1, sl.stop - sl.start) for n, sl in dsv4_split(cfg, layer)[0].items()]
+    h, kd, vd = ring_dims(cfg, layer)
+    return [("k", None, cfg.sliding_window - 1, h, kd), ("v", None, cfg.sliding_window - 1, h, vd)]
+
+
 def checkpoint_state_bytes(cfg: ModelConfig, dtype, ring=()) -> int:
-    """One prefix-cache checkpoint: the recurrent state of every linear-attention layer and the
-    ring rows a continuation reads of every ring layer (ring_reach - 1 positions)."""
-    window = (ring_reach(cfg) - 1) * _ring_token_bytes(cfg, ring, dtype) if ring else 0
+    """One prefix-cache checkpoint: the recurrent state of every linear-attention layer and what
+    a continuation reads of every ring layer's rows (window_parts)."""
+    el = _el(dtype)
+    window = sum(n * h * w * el for layer in ring for _, _, n, h, w in window_parts(cfg, layer))
     return slot_state_bytes(cfg, dtype) + window
 
 
@@ -231,6 +251,7 @@ class DecodeState:
         kv_pages = kv_pages or slots * self.width + 1
         self.pages = PageAllocator(kv_pages, page_size)
         self.ring = list(ring) if ring is not None else ring_layers(cfg, max_len, page_size, chunk, sliding)
+        self.window_parts = {i: window_parts(cfg, i) for i in self.ring}  # what a checkpoint keeps of each
         self.reach = ring_reach(cfg) if self.ring else None
         r = self.ring_len = ring_pages(cfg, page_size, chunk) if self.ring else 0
         # the longest piece a ring takes at once: its rows and the reach before them on r pages
@@ -316,23 +337,35 @@ class DecodeState:
         """The ring buffers of a ring layer: K and V (softmax attention) or V4's ring rows."""
         return [self.kr[layer]] if layer in self.kr else [self.k[layer], self.v[layer]]
 
-    def _window_at(self, slot: int, p: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Ring pages and offsets of positions p-reach+1 .. p-1 of `slot` (clamped at 0: the
+    def _window_at(self, slot: int, p: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ring pages and offsets of positions p-n .. p-1 of `slot` (clamped at 0: the
         duplicates of position 0 carry its row)."""
-        pos = torch.arange(p - self.reach + 1, p, device=self.ring_table.device).clamp(min=0)  # [reach - 1]
+        pos = torch.arange(p - n, p, device=self.ring_table.device).clamp(min=0)  # [n]
         return self.ring_table[slot, pos // self.page_size].long(), pos % self.page_size
 
+    def _parts(self, layer: int):
+        """(ring tensor, columns or None, positions) of each part a checkpoint keeps (window_parts)."""
+        return [(self.kr[layer] if layer in self.kr else self.k[layer] if name != "v" else self.v[layer], cols, n)
+                for name, cols, n, _, _ in self.window_parts[layer]]
+
     def read_window(self, layer: int, slot: int, p: int) -> list[torch.Tensor]:
-        """What a ring layer's continuation after p tokens reads of the rows before p: each ring
-        tensor's rows [reach - 1, heads, dim] (a prefix-cache checkpoint of that state)."""
-        page, off = self._window_at(slot, p)
-        return [t[page, :, off] for t in self.ring_tensors(layer)]
+        """What a ring layer's continuation after p tokens reads of the rows before p, part by
+        part: [n, heads, width] each (a prefix-cache checkpoint of that state; window_parts)."""
+        out = []
+        for t, cols, n in self._parts(layer):
+            page, off = self._window_at(slot, p, n)
+            rows = t[page, :, off]  # [n, heads, row]
+            out.append(rows if cols is None else rows[..., cols])
+        return out
 
     def write_window(self, layer: int, slot: int, p: int, rows: list[torch.Tensor]) -> None:
         """Put back what read_window(layer, ., p) gave into `slot`'s ring."""
-        page, off = self._window_at(slot, p)
-        for t, x in zip(self.ring_tensors(layer), rows):
-            t[page, :, off] = x
+        for (t, cols, n), x in zip(self._parts(layer), rows):
+            page, off = self._window_at(slot, p, n)
+            if cols is None:
+                t[page, :, off] = x
+            else:
+                t[page, :, off, cols] = x
 
     def reserve(self, slot: int, tokens: int) -> list[int]:
         """Give `slot` fresh pages for `tokens` positions (single-sequence use: tests, bench,

@@ -182,7 +182,8 @@ class Engine:
             self.executor = self._quantized_executor(banks)
         else:
             self.executor = self._executor(banks.gate_up if banks else None, banks.down if banks else None)
-        dense = dense_weights(meta, w, self.device, self.dtype)  # quantized ones dequantized (quant.py)
+        keep = getattr(model_class(self.cfg.arch), "KEEP_FP32", ())  # the class's fp32 modules
+        dense = dense_weights(meta, w, self.device, self.dtype, keep)  # quantized ones dequantized (quant.py)
         self.max_len = min(self.cfg.max_position_embeddings, self.ecfg.max_seq_len or 1 << 62)
         self.model = model_class(self.cfg.arch)(self.cfg, dense, self.executor, self.device,
                                                 self.dtype, self.max_len)

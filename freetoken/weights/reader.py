@@ -156,11 +156,14 @@ def pin_in_place(tensors, min_bytes: int = 4096) -> bool:
     return ok
 
 
-def dense_weights(meta: dict, tensors: dict, device, dtype) -> dict:
+def dense_weights(meta: dict, tensors: dict, device, dtype, keep_fp32=()) -> dict:
     """The non-expert weights for the model, on `device`: floating ones cast to `dtype`, integer
     ones as they are, and those stored quantized (meta["quant"]["dense"]) dequantized with the
     quant.py reference (on the device) and cast to `dtype`; their scale tensors are consumed.
+    keep_fp32: module names (a model class's KEEP_FP32, transformers' _keep_in_fp32_modules);
+    a floating tensor with one of them among its dotted name's parts is loaded in fp32.
     (FP8 GEMMs that read the published bytes directly are later work.)"""
+    keep = set(keep_fp32)
     from .quant import dequant_fp8_block, dequant_mxfp4, dequant_nvfp4
     qd = (meta.get("quant") or {}).get("dense") or {}
     consumed = {d[k] for d in qd.values() for k in ("values", "scale", "scale_2") if d.get(k)}
@@ -187,6 +190,9 @@ def dense_weights(meta: dict, tensors: dict, device, dtype) -> dict:
             continue
         if k.endswith(KEEP_STORED_DTYPE) and v.is_floating_point():  # routing-precision tensors
             out[k] = v.to(device)
+            continue
+        if keep and v.is_floating_point() and keep.intersection(k.split(".")):
+            out[k] = v.to(device, torch.float32)
             continue
         out[k] = v.to(device, dtype) if v.is_floating_point() else v.to(device)
     return out

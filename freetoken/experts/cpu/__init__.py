@@ -17,6 +17,7 @@ same C++ kernels (the activation and biases are applied per row between the proj
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -54,7 +55,8 @@ def extension():
     try:
         from torch.utils.cpp_extension import load
         here = os.path.dirname(__file__)
-        srcs = [os.path.join(here, f) for f in ("moe_cpu.cpp", "attention.cpp")]
+        src = os.path.join(here, "moe_cpu.cpp")
+        parts = [src, os.path.join(here, "attention.h")]  # one translation unit: moe_cpu.cpp includes the header
         build = os.path.join(cache_dir(), "build", f"moe_cpu-torch{torch.__version__.replace('+', '_')}")
         os.makedirs(build, exist_ok=True)
 
@@ -67,14 +69,19 @@ def extension():
                 log.warning("removing %s, left by a build that did not finish", baton)
                 os.remove(baton)
             lib = os.path.join(build, EXT_NAME + ".so")
-            fresh = os.path.exists(lib) and os.path.getmtime(lib) >= max(map(os.path.getmtime, srcs))
+            fresh = os.path.exists(lib) and os.path.getmtime(lib) >= max(map(os.path.getmtime, parts))
             if not fresh:
                 notice(f"building the C++ expert executor into {build} (takes {BUILD_SECONDS}, once) ...")
             else:
                 log.info("C++ expert executor: using the build in %s", build)
             t0 = time.perf_counter()
-            _ext = load(name=EXT_NAME, sources=srcs, build_directory=build,
-                        extra_cflags=["-O3", "-std=c++17", "-fno-math-errno", "-fno-trapping-math"], verbose=False)
+            # torch rebuilds when a source or a flag changes, not an included header: the header's
+            # hash goes in as a flag
+            with open(parts[1], "rb") as f:
+                header = hashlib.sha256(f.read()).hexdigest()[:16]
+            _ext = load(name=EXT_NAME, sources=[src], build_directory=build,
+                        extra_cflags=["-O3", "-std=c++17", "-fno-math-errno", "-fno-trapping-math",
+                                      f"-DFT_ATTENTION_H={header}"], verbose=False)
             if not fresh:
                 log.info("C++ expert executor built in %.0f s", time.perf_counter() - t0)
     except Exception as e:  # no compiler, no ninja, ...: degrade to torch, loudly

@@ -1214,12 +1214,11 @@ int64_t host_call_size() { return int64_t(sizeof(HostCall)); }
 
 }  // namespace
 
-// attention.cpp: paged decode attention on the CPU (built into this module)
-torch::Tensor paged_decode_cpu(torch::Tensor q, torch::Tensor k_pages, torch::Tensor v_pages, torch::Tensor block_table,
-                               torch::Tensor lens, double scale, int64_t window, torch::Tensor sinks);
+// paged decode attention on the CPU, in this translation unit (attention.h)
+#include "attention.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode_cpu, "paged decode attention over host pages (attention.cpp)");
+  m.def("paged_decode", &paged_decode_cpu, "paged decode attention over host pages (attention.h)");
   m.def("host_call_address", &host_call_address, "address of the host-function entry (a CUhostFn)");
   m.def("qbanks_create", &qbanks_create, "quantized banks for HostCall.qbanks (forward_q's bank arguments); returns its address");
   m.def("qbanks_free", &qbanks_free, "free a qbanks_create result");

@@ -14,6 +14,12 @@
 // each (row, KV head) and folds the sink in. Splits exist only to give the threads enough tasks
 // at batch 1 (a long context, few KV heads). The inner loops are plain C++ that the compiler
 // vectorizes, built for AVX-512, AVX2 and the baseline (target_clones: chosen at load).
+//
+// A header that moe_cpu.cpp includes, so the module is one translation unit: torch's headers are
+// parsed once per build (a second .cpp cost ~25 s more on a 2-core machine). Its own names live
+// in namespace ft_attention; cpu/__init__.py puts this file's hash in the build flags, so an edit
+// here rebuilds the module.
+#pragma once
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -24,7 +30,7 @@
 #include <limits>
 #include <vector>
 
-namespace {
+namespace ft_attention {
 
 constexpr int64_t MIN_SPLIT_KEYS = 512;  // a split covers at least this many keys
 constexpr int MAX_GROUP = 64;            // query heads per KV head
@@ -219,9 +225,9 @@ void decode_impl(const torch::Tensor& q, const torch::Tensor& kp, const torch::T
   });
 }
 
-}  // namespace
+}  // namespace ft_attention
 
-torch::Tensor paged_decode_cpu(torch::Tensor q, torch::Tensor k_pages, torch::Tensor v_pages, torch::Tensor block_table,
+inline torch::Tensor paged_decode_cpu(torch::Tensor q, torch::Tensor k_pages, torch::Tensor v_pages, torch::Tensor block_table,
                                torch::Tensor lens, double scale, int64_t window, torch::Tensor sinks) {
   TORCH_CHECK(q.device().is_cpu() && k_pages.device().is_cpu() && v_pages.device().is_cpu(),
               "paged_decode_cpu: CPU tensors only");
@@ -237,8 +243,8 @@ torch::Tensor paged_decode_cpu(torch::Tensor q, torch::Tensor k_pages, torch::Te
                   lens.numel() == q.size(0),
               "paged_decode_cpu: block_table [B, W] and lens [B], int32, contiguous");
   const int64_t nh = q.size(1), kvh = k_pages.size(1);
-  TORCH_CHECK(q.size(2) == k_pages.size(3) && kvh > 0 && nh % kvh == 0 && nh / kvh <= MAX_GROUP &&
-                  k_pages.size(2) <= MAX_PAGE,
+  TORCH_CHECK(q.size(2) == k_pages.size(3) && kvh > 0 && nh % kvh == 0 && nh / kvh <= ft_attention::MAX_GROUP &&
+                  k_pages.size(2) <= ft_attention::MAX_PAGE,
               "paged_decode_cpu: head dims differ, or heads not a multiple of KV heads (<= 64 a group), or pages "
               "over 256 keys");
   TORCH_CHECK(!sinks.numel() || (sinks.scalar_type() == at::kFloat && sinks.numel() == nh && sinks.is_contiguous()),
@@ -246,8 +252,8 @@ torch::Tensor paged_decode_cpu(torch::Tensor q, torch::Tensor k_pages, torch::Te
   auto out = torch::empty_like(q);
   py::gil_scoped_release nogil;  // after every check: a long context takes a while
   if (q.scalar_type() == at::kFloat)
-    decode_impl<float>(q, k_pages, v_pages, block_table, lens, scale, window, sinks, out);
+    ft_attention::decode_impl<float>(q, k_pages, v_pages, block_table, lens, scale, window, sinks, out);
   else
-    decode_impl<c10::BFloat16>(q, k_pages, v_pages, block_table, lens, scale, window, sinks, out);
+    ft_attention::decode_impl<c10::BFloat16>(q, k_pages, v_pages, block_table, lens, scale, window, sinks, out);
   return out;
 }
