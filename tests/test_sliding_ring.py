@@ -64,6 +64,28 @@ def test_kernels_over_a_ring_equal_the_whole_context(window, page, chunk):
                                                  block_n=16, min_split_keys=16), want) < 1e-5
 
 
+def check_ring_against_full(model, m, ring, full, prompt, steps: int, idle_token: int):
+    """The prompt in one call into slot 1 of each state (slot 0's ring pages stay someone
+    else's), then `steps` greedy decode steps beside an idle row 0: the same tokens, logits
+    within 1e-5 of each other and 1e-4 of transformers'."""
+    n, outs = len(prompt), {}
+    for name, st in (("ring", ring), ("full", full)):
+        st.reserve(1, 128)
+        logits = [m.prefill(prompt, st, 1, 0, all_logits=True)]
+        tok, toks = int(logits[0][-1].argmax()), []
+        for i in range(steps):
+            toks.append(tok)
+            out = m.decode(torch.tensor([idle_token, tok]), st, torch.tensor([0, n + i]),
+                           torch.tensor([False, True]))[1]
+            logits.append(out[None])
+            tok = int(out.argmax())
+        outs[name] = (torch.cat(logits), toks)
+    assert outs["ring"][1] == outs["full"][1]
+    assert rel_err(outs["ring"][0], outs["full"][0]) < 1e-5
+    ref = hf_models.reference_logits(model, prompt.tolist() + outs["full"][1])
+    assert rel_err(outs["ring"][0], ref) < 1e-4
+
+
 @pytest.fixture(scope="module")
 def gptoss(tmp_path_factory):
     d = tmp_path_factory.mktemp("ring")
@@ -85,23 +107,7 @@ def test_model_on_rings_equals_the_whole_context(gptoss):
     assert ring.k[0].shape[0] == 1 + 2 * ring_pages(cfg, 4, 4) == 1 + 2 * 4 and ring.k[1].shape[0] == full.k[0].shape[0]
     g = torch.Generator().manual_seed(5)
     prompt = torch.randint(0, 320, (40,), generator=g)
-    outs = {}
-    for name, st in (("ring", ring), ("full", full)):
-        st.reserve(1, 128)  # slot 1: slot 0's ring pages stay someone else's
-        logits = [m.prefill(prompt, st, 1, 0, all_logits=True)]
-        tok = int(logits[0][-1].argmax())
-        toks = []
-        for i in range(24):
-            toks.append(tok)
-            x = torch.tensor([0, tok])
-            out = m.decode(x, st, torch.tensor([0, 40 + i]), torch.tensor([False, True]))[1]
-            logits.append(out[None])
-            tok = int(out.argmax())
-        outs[name] = (torch.cat(logits), toks)
-    assert outs["ring"][1] == outs["full"][1]
-    assert rel_err(outs["ring"][0], outs["full"][0]) < 1e-5
-    ref = hf_models.reference_logits(model, prompt.tolist() + outs["full"][1])
-    assert rel_err(outs["ring"][0], ref) < 1e-4
+    check_ring_against_full(model, m, ring, full, prompt, steps=24, idle_token=0)
 
 
 @pytest.mark.parametrize("p", [3, 23])
@@ -215,21 +221,7 @@ def test_v4_on_rings_equals_the_whole_context(v4):
     assert ring.k[0].shape[-1] == 0 and ring.kr[0].shape[-1] == cfg.head_dim  # sliding-only: nothing pooled
     g = torch.Generator().manual_seed(6)
     prompt = torch.randint(0, 320, (45,), generator=g)
-    outs = {}
-    for name, st in (("ring", ring), ("full", full)):
-        st.reserve(1, 128)
-        logits = [m.prefill(prompt, st, 1, 0, all_logits=True)]
-        tok, toks = int(logits[0][-1].argmax()), []
-        for i in range(20):
-            toks.append(tok)
-            out = m.decode(torch.tensor([5, tok]), st, torch.tensor([0, 45 + i]), torch.tensor([False, True]))[1]
-            logits.append(out[None])
-            tok = int(out.argmax())
-        outs[name] = (torch.cat(logits), toks)
-    assert outs["ring"][1] == outs["full"][1]
-    assert rel_err(outs["ring"][0], outs["full"][0]) < 1e-5
-    ref = hf_models.reference_logits(model, prompt.tolist() + outs["full"][1])
-    assert rel_err(outs["ring"][0], ref) < 1e-4
+    check_ring_against_full(model, m, ring, full, prompt, steps=20, idle_token=5)
 
 
 def test_v4_per_token_cache_of_the_published_shape():

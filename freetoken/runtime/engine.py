@@ -101,6 +101,8 @@ class EngineConfig:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise FreeTokenError("--device cuda: no CUDA device is available")
         self.fill_share_value()  # refuses a bad value now
+        if self.sliding_kv not in ("window", "full"):
+            raise FreeTokenError(f"--sliding-kv must be window or full, got {self.sliding_kv!r}")
         if self.moe != "auto" and self.experts != "auto" and \
                 {"gpu": "resident", "cpu": "cpu"}[self.experts] != self.moe:
             raise FreeTokenError(f"--experts {self.experts} contradicts --moe {self.moe}; give one")
