@@ -38,8 +38,7 @@ class HarmonyParser:
     def __init__(self, tools: bool = True):
         self.tools = tools  # False: a tool call's body stays text (content)
         self.state = "header"  # "header" (until <|message|>) or "body" (until an end tag)
-        self.buf = ""  # text not yet consumed (a possible partial tag held back)
-        self.header = ""
+        self.buf = ""  # text not yet consumed (a header until its <|message|>, or a partial tag)
         self.kind = "content"  # the open body's event kind
         self.recipient: str | None = None
         self.call_buf = ""  # the open tool call's body
@@ -90,8 +89,8 @@ class HarmonyParser:
                 at = self.buf.find(MESSAGE)
                 if at < 0:
                     return out  # a header is never shown: hold it all
-                self._open(self.header + self.buf[:at])
-                self.header, self.buf, self.state = "", self.buf[at + len(MESSAGE):], "body"
+                self._open(self.buf[:at])
+                self.buf, self.state = self.buf[at + len(MESSAGE):], "body"
                 continue
             hits = [(self.buf.find(t), t) for t in (*ENDS, START) if t in self.buf]
             if hits:
@@ -117,7 +116,7 @@ class HarmonyParser:
             self._emit(rest, out)
             self._close(out)
         else:
-            text = re.sub(r"<\|[a-z_]+\|>", " ", self.header + rest).strip()
+            text = re.sub(r"<\|[a-z_]+\|>", " ", rest).strip()
             if text:
                 out.append(Event("content", text))
         return out
