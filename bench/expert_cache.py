@@ -7,7 +7,10 @@ Modes (the `mode` field of each row):
   fill-only  the cache with r = 1: every miss copied into a slot by the fused zero-copy
              transfer kernel; the whole step is one CUDA graph
   cache      what users get by default: the adaptive split (experts/share.py) choosing r from
-             the measured step times during the warm-up (`--cache-warmup` steps), then timed
+             the measured step times, its climb starting where the measured bandwidths point
+             (`--start-share predicted`, as the engine starts from `ft bench bw`'s profile);
+             warmed up until it has decided (at most `--cache-warmup` steps: `warmup_steps`,
+             `split_decided`), then timed: the steady state a server reaches
   split      the cache with a fixed fill share r < 1 (`--fill-shares`): the other misses run
              on the C++ CPU executor, handed over in stream order (the doorbell by default,
              FREETOKEN_CPU_BRANCH=hostfn for a host-function node) while the GPU copies and
@@ -38,7 +41,7 @@ resident step plus the step's miss bytes over B_P (fill-only) or B_P + B_H (cach
 Each step is synchronised and its tokens read, as the serving loop does.
     python -m bench.expert_cache [--shape qwen36] [--layers 12] [--capacity 0.33]
         [--batch 1,4] [--threads 6,16] [--modes resident,fill-only,cache,cpu-only]
-        [--fill-shares 0.75] [--routing model] [--tokens 64] [--warmup 48] [--cache-warmup 200]
+        [--fill-shares 0.75] [--routing model] [--tokens 64] [--warmup 48] [--cache-warmup 1500]
 """
 from __future__ import annotations
 
@@ -171,14 +174,18 @@ def capture(step, dev):
 
 
 def run_config(mc, w, ex, dev, batch: int, tokens: int, warmup: int, routes, prompt: int = 64,
-               trace: str | None = None) -> dict:
+               trace: str | None = None, max_warmup: int | None = None) -> dict:
+    """max_warmup: for an adaptive cache, warm up past `warmup` until its split has decided
+    (the steady state a server reaches), at most this many steps; the row says how many ran."""
     inner = ex
+    tuner = getattr(inner, "tuner", None)
+    max_warmup = max(warmup, max_warmup or 0) if tuner is not None else warmup
     buf = None
     if routes is not None:
         buf = torch.full((len(mc.moe_layers), batch, mc.top_k), -1, dtype=torch.int64, device=dev)
         ex = ReplayRouting(ex, buf)
     model = model_class(mc.arch)(mc, w, ex, dev, torch.bfloat16, 4096)
-    ctx = prompt + warmup + tokens + 8
+    ctx = prompt + max_warmup + tokens + 8
     st = DecodeState(mc, batch, ctx, dev, torch.bfloat16)
     g = torch.Generator(device="cpu").manual_seed(1)
     tok = torch.zeros(batch, dtype=torch.long, device=dev)
@@ -212,13 +219,16 @@ def run_config(mc, w, ex, dev, batch: int, tokens: int, warmup: int, routes, pro
         tok.tolist()  # the serving loop reads each step's tokens: a sync per step
         if observe is not None:
             observe(batch, time.perf_counter() - t0)
-    for k in range(warmup):  # the cache reaches its steady state
+    k = 0
+    while k < warmup or (k < max_warmup and tuner.climbing):  # the cache (and its split) reach a steady state
         advance(k)
+        k += 1
+    warmed = k
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     sync()
     before = ex.stats()
     t0 = time.perf_counter()
-    for k in range(warmup, warmup + tokens):
+    for k in range(warmed, warmed + tokens):
         advance(k)
     sync()
     dt = (time.perf_counter() - t0) / tokens
@@ -226,7 +236,7 @@ def run_config(mc, w, ex, dev, batch: int, tokens: int, warmup: int, routes, pro
     if trace:  # a timeline of a few steps (CUDA kernels with their streams, the host side) for chrome://tracing
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for k in range(warmup + tokens, warmup + tokens + 3):
+            for k in range(warmed + tokens, warmed + tokens + 3):
                 advance(k)
             sync()
         prof.export_chrome_trace(trace)
@@ -236,8 +246,9 @@ def run_config(mc, w, ex, dev, batch: int, tokens: int, warmup: int, routes, pro
         row["cpu_call_us"] = round((after["cpu_busy_s"] - before["cpu_busy_s"]) / calls * 1e6, 1)
         row["cpu_calls_per_step"] = round(calls / tokens, 2)
         row["cpu_branch_signal"] = after.get("cpu_branch_signal")
-    if getattr(inner, "tuner", None) is not None:
-        row["fill_share_chosen"] = inner.tuner.share
+    if tuner is not None:
+        row["fill_share_chosen"] = tuner.share
+        row["warmup_steps"], row["split_decided"] = warmed, not tuner.climbing  # decided before the timed steps
         # the climb's probes at this batch size: (r, median ms of a step) in the order taken
         row["fill_share_probes"] = [(r, round(s * 1e3, 3)) for b, r, s in inner.tuner.history if b == batch]
     if "hits" in after:
@@ -319,7 +330,10 @@ def main():
     ap.add_argument("--threads", default="6,14", help="CPU threads of the rows that use the CPU (16-core host: 14 leaves two cores to the launching and callback threads)")
     ap.add_argument("--modes", default="resident,fill-only,cache,split,cpu-only")
     ap.add_argument("--fill-shares", default="0.75", help="fixed r of the `split` rows")
-    ap.add_argument("--cache-warmup", type=int, default=200, help="warm-up steps of `cache` rows (the split adapts)")
+    ap.add_argument("--cache-warmup", type=int, default=1500, help="most warm-up steps of `cache` rows: they warm up "
+                    "until the adaptive split has decided (a server's steady state), at least --warmup steps")
+    ap.add_argument("--start-share", default="predicted", help="where the adaptive split's climb starts: "
+                    "'predicted' (B_P / (B_P + B_H) as measured here, what `ft bench bw`'s profile gives the engine) or a number (1: fill-only)")
     ap.add_argument("--policy", default="recent", choices=["recent", "gate", "lfu"])
     ap.add_argument("--routing", default="model")
     ap.add_argument("--tokens", type=int, default=64)
@@ -374,17 +388,23 @@ def main():
                             from freetoken.experts.cpu.hostcall import StreamedCpuExecutor, host_branch_ok
                             ex = StreamedCpuExecutor(cpu, dev) if host_branch_ok(cpu) else cpu
                         else:
-                            ex = CachedExpertExecutor(
-                                gu, dn, slots, dev, torch.bfloat16, cpu, r, a.policy, mc.num_experts)
+                            bh = res[f"bh_{threads}_gbs"]
+                            start = (res["bp_kernel_gbs"] / (res["bp_kernel_gbs"] + bh) if a.start_share == "predicted"
+                                     else float(a.start_share))
+                            ex = CachedExpertExecutor(gu, dn, slots, dev, torch.bfloat16, cpu, r, a.policy, mc.num_experts,
+                                                      start_share=start)
                     row = {"mode": mode, "threads": threads or None, "fill_share": r if mode == "split" else None,
                            "capacity": a.capacity if mode in ("cache", "split", "fill-only") else None,
                            "routing": a.routing}
-                    warm = a.cache_warmup if mode == "cache" else a.warmup
+                    if mode == "cache":
+                        row["start_share"] = round(start, 3)
+                    warm = a.warmup
                     try:
                         trace = os.path.join(os.environ.get("OUT") or "benchmarks/results",
                                              f"trace-{mode}-{r}-b{batch}-t{threads}.json") if a.trace else None
                         with hog(a) as h:
-                            row.update(run_config(mc, w, ex, dev, batch, a.tokens, warm, routes, trace=trace))
+                            row.update(run_config(mc, w, ex, dev, batch, a.tokens, warm, routes, trace=trace,
+                                                  max_warmup=a.cache_warmup))
                         if h is not None:
                             row["hog_gbs"] = h.gbs
                     except Exception as e:  # one failed configuration does not lose the others

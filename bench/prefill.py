@@ -39,9 +39,9 @@ def main():
     dev = torch.device("cuda")
     mc, _, _, model = build(dict(QWEN36_35B_A3B, num_hidden_layers=a.layers), dev, "gpu")
     lengths = [int(x) for x in a.lengths.split(",")]
-    st = DecodeState(mc, 1, max(lengths) + 8, dev, torch.bfloat16)
-    prompt = torch.randint(0, mc.vocab_size, (max(lengths),), device=dev)
     chunk = 2048  # the engine's default prefill chunk
+    st = DecodeState(mc, 1, max(lengths) + 8, dev, torch.bfloat16, chunk=chunk)  # rings sized for a chunk
+    prompt = torch.randint(0, mc.vocab_size, (max(lengths),), device=dev)
 
     def prefill(n):
         st.reset(0)

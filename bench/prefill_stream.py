@@ -124,7 +124,7 @@ def run_layers(layers: int, a, dev, res: dict) -> None:
     print(res["sections"][-1], flush=True)
     llama = side_by_side(a, cfg, mc, w, gu, dn, lengths, slots, res["sections"][-1]) \
         if a.llamacpp and layers <= a.llamacpp_max_layers else {}
-    st = DecodeState(mc, 1, max_len, dev, torch.bfloat16)
+    st = DecodeState(mc, 1, max_len, dev, torch.bfloat16, chunk=a.pass_tokens)  # rings (window layers) sized for a pass
     st.reserve(0, max_len)
     prompt = torch.randint(0, mc.vocab_size, (max(lengths),)).tolist()
     # the cache's CPU branch never runs in a prefill pass: the host torch path stands in for it

@@ -70,7 +70,18 @@ def gpt_oss(seed: int, **kw):
     torch.manual_seed(seed)
     m = GptOssForCausalLM(GptOssConfig(**args)).eval()
     _perturb(m, seed)
-    return m
+    return gpt_oss_expert_fn(m, m.config)
+
+
+def gpt_oss_expert_fn(module, cfg):
+    """Make every GptOssExperts in `module` compute the function `cfg` names: transformers
+    before 5.2x hard-codes the published alpha 1.702 and limit 7.0 there (5.17 does, the GPU
+    machine's version), later versions read config.swiglu_alpha and swiglu_limit, as the engine
+    does. The tests' small limits keep the clamp in play on every version."""
+    for mod in module.modules():
+        if hasattr(mod, "gate_up_proj") and hasattr(mod, "limit") and hasattr(mod, "alpha"):
+            mod.limit, mod.alpha = getattr(cfg, "swiglu_limit", 7.0), getattr(cfg, "swiglu_alpha", 1.702)
+    return module
 
 
 def glm_moe_dsa(seed: int, **kw):

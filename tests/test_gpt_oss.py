@@ -36,6 +36,7 @@ from freetoken.weights.reader import dense_weights, load_ftw
 from test_reference import engine_greedy, prompt_for, rel_err
 
 STEPS = 32
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton kernels' tests: the interpreter on a CPU machine
 NO_YARN = dict(rope_type="default", rope_theta=10000.0)
 CASES = {
     # name: (seed, config overrides); every prompt (19 tokens) and decode run past the window
@@ -279,6 +280,8 @@ def test_mxfp4_matches_transformers_own_dequantization(mxfp4):
                                                    quantization_config=Mxfp4Config(dequantize=True)).eval()
     except (ImportError, RuntimeError, ValueError) as e:  # an install that cannot load mxfp4 at all
         pytest.skip(f"transformers cannot load the MXFP4 checkpoint here: {e}")
+    hf_models.gpt_oss_expert_fn(theirs, theirs.config)  # the function the config names, on any version
+    theirs = theirs.float()  # transformers 5.17 dequantizes to bf16 whatever dtype says (exact: e2m1 x e8m0 fits bf16)
     for l in range(theirs.config.num_hidden_layers):  # their dequantization = quant.py's, bit for bit
         a = theirs.model.layers[l].mlp.experts
         b = ref_model.model.layers[l].mlp.experts
@@ -363,7 +366,7 @@ def test_fused_router_kernel_equals_topk_then_softmax():
     pytest.importorskip("triton")
     from freetoken.kernels.router import route_triton
     from freetoken.model.moe import MoE
-    logits = torch.randn(6, 32, generator=torch.Generator().manual_seed(3)) * 3
+    logits = (torch.randn(6, 32, generator=torch.Generator().manual_seed(3)) * 3).to(DEV)
     moe = MoE.__new__(MoE)
     moe.top_k, moe.topk_first, moe.base = 4, True, 64
     ids, w = moe.route_torch(logits, torch.float32)
@@ -378,7 +381,7 @@ def test_expert_function_equals_transformers_experts():
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
     cfg = GptOssConfig(hidden_size=48, intermediate_size=24, num_local_experts=6, swiglu_limit=1.5)
     torch.manual_seed(1)
-    hf = GptOssExperts(cfg)
+    hf = hf_models.gpt_oss_expert_fn(GptOssExperts(cfg), cfg)
     for p in hf.parameters():
         torch.nn.init.normal_(p, std=0.6)
     t, k, n = 11, 3, 6
@@ -411,9 +414,9 @@ def _expert_inputs(t, k, h, i, n, dtype, seed):
     ids = torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(t)])
     w = torch.softmax(torch.randn(t, k, generator=g), -1).to(dtype)
     fn = dict(activation=Activation("swiglu_clamp", 1.702, 1.0),
-              gate_up_bias=(torch.randn(n, 2 * i, generator=g) * 0.5).to(dtype),
-              down_bias=(torch.randn(n, h, generator=g) * 0.5).to(dtype))
-    return x, ids, w, gu, dn, fn
+              gate_up_bias=(torch.randn(n, 2 * i, generator=g) * 0.5).to(DEV, dtype),
+              down_bias=(torch.randn(n, h, generator=g) * 0.5).to(DEV, dtype))
+    return x.to(DEV), ids.to(DEV), w.to(DEV), gu.to(DEV), dn.to(DEV), fn
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
@@ -445,8 +448,8 @@ def _sinks_pool(lens, kvh, nh, hd, window, seed, dtype=torch.float32):
     import test_paged_attention as tpa
     g = torch.Generator().manual_seed(seed)
     kp, vp, bt, lens_t = tpa.make_pool(lens, kvh, hd, 8, dtype, g, window)
-    q = torch.randn(len(lens), nh, hd, generator=g).to(dtype)
-    sinks = (torch.randn(nh, generator=g) * 2).to(dtype)
+    q = torch.randn(len(lens), nh, hd, generator=g).to(kp.device, dtype)
+    sinks = (torch.randn(nh, generator=g) * 2).to(kp.device, dtype)
     return q, kp, vp, bt, lens_t, sinks
 
 
@@ -459,7 +462,7 @@ def _dense_sinks(q, kp, vp, row, positions, n_keys, scale, window, sinks):
     k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     out = []
     for qi, pos in zip(q, positions):
-        j = torch.arange(n_keys)
+        j = torch.arange(n_keys, device=k.device)
         vis = (j <= pos) & ((j > pos - window) if window else True)
         s = torch.einsum("hd,shd->hs", qi.double(), k[vis]) * scale
         p = torch.softmax(torch.cat([s, sinks.double()[:, None]], 1), 1)[:, :-1]
@@ -496,7 +499,7 @@ def test_paged_prefill_with_sinks(window):
     n = start + t
     dead = window + t - 1 if window else None  # keys no query of the chunk sees are NaN
     q, kp, vp, bt, _, sinks = _sinks_pool([n], kvh, nh, hd, dead, 8)
-    q = torch.randn(t, nh, hd, generator=torch.Generator().manual_seed(9))
+    q = torch.randn(t, nh, hd, generator=torch.Generator().manual_seed(9)).to(kp.device)
     scale = hd ** -0.5
     # the reference multiplies the dead (NaN) keys it gathers by zero weights: give it finite ones
     want = _dense_sinks(q, kp.nan_to_num(0.0), vp.nan_to_num(0.0), bt[0], range(start, n), n, scale, window, sinks)

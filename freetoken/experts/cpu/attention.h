@@ -7,8 +7,9 @@
 // (0: none): a row of length n sees keys max(0, n - window) .. n-1; sinks [nh] f32 or empty:
 // a learned logit per head joining each softmax's denominator (GPT-OSS).
 //
-// Work: tasks (row, KV head, split of the key range), spread over torch's intra-op threads
-// (at::parallel_for); a task takes every query head of its KV group against its keys, one page
+// Work: tasks (row, KV head, split of the key range), spread over a pool of torch's intra-op
+// thread count (on_threads: moe_cpu.cpp's Pool; at::parallel_for ran on one thread here, as this
+// module is built without OpenMP, measured flat from 1 to 16 threads); a task takes every query head of its KV group against its keys, one page
 // (P contiguous keys of the head) at a time: the group's P scores, one rescale of the running
 // sums per page (online softmax in fp32), then the values. A second pass merges the splits of
 // each (row, KV head) and folds the sink in. Splits exist only to give the threads enough tasks
@@ -22,6 +23,10 @@
 #pragma once
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#include <atomic>
+#include <functional>
+#include <mutex>
 
 #include <algorithm>
 #include <cmath>
@@ -123,6 +128,23 @@ inline const float* rows_f32(const c10::BFloat16* src, int64_t n, float* buf) {
 inline float to_f32(float x) { return x; }
 inline float to_f32(c10::BFloat16 x) { return static_cast<float>(x); }
 
+// Runs f(tid) on `threads` threads (the caller is one of them): a pool kept for the module's
+// life (never freed: its threads may outlive Python's teardown), rebuilt when the count
+// changes. Its workers spin briefly between calls (decode calls come once per layer), then
+// sleep, so they do not hold the cores the expert executor's pinned workers run on.
+inline void on_threads(int threads, const std::function<void(int)>& f) {
+  static std::mutex mu;
+  static Pool* pool = nullptr;
+  std::lock_guard<std::mutex> g(mu);
+  threads = std::max(1, threads);
+  if (threads == 1) return f(0);
+  if (!pool || pool->size() != threads) {
+    delete pool;
+    pool = new Pool(std::vector<int>(threads, -1), 2000);
+  }
+  pool->run(f);
+}
+
 template <typename T>
 void decode_impl(const torch::Tensor& q, const torch::Tensor& kp, const torch::Tensor& vp, const torch::Tensor& bt,
                  const torch::Tensor& lens, double scale, int64_t window, const torch::Tensor& sinks,
@@ -144,9 +166,12 @@ void decode_impl(const torch::Tensor& q, const torch::Tensor& kp, const torch::T
   const int64_t S = std::max<int64_t>(1, std::min<int64_t>(want, span / MIN_SPLIT_KEYS));
   // partials: [B, kvh, S] x (m[G], l[G], acc[G, hd])
   std::vector<float> m_part(B * kvh * S * G), l_part(B * kvh * S * G), acc_part(B * kvh * S * G * hd);
-  at::parallel_for(0, B * kvh * S, 1, [&](int64_t t0, int64_t t1) {
+  const int64_t tasks = B * kvh * S;
+  const int threads = int(std::min<int64_t>(at::get_num_threads(), tasks));
+  std::atomic<int64_t> next{0};  // tasks are taken in turn: splits of a short row finish early
+  on_threads(threads, [&](int) {
     std::vector<float> qf(G * hd), s(G * MAX_PAGE), kbuf(P * hd), vbuf(P * hd);
-    for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t t; (t = next.fetch_add(1)) < tasks;) {
       const int64_t b = t / (kvh * S), h = (t / S) % kvh, sp = t % S;
       float* m = &m_part[t * G];
       float* l = &l_part[t * G];
@@ -195,9 +220,10 @@ void decode_impl(const torch::Tensor& q, const torch::Tensor& kp, const torch::T
   });
   // merge the splits of each (row, KV head), fold the sink in, write in q's dtype
   T* od = out.data_ptr<T>();
-  at::parallel_for(0, B * kvh, 1, [&](int64_t t0, int64_t t1) {
+  std::atomic<int64_t> next_row{0};
+  on_threads(int(std::min<int64_t>(threads, B * kvh)), [&](int) {
     std::vector<float> o(hd);
-    for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t t; (t = next_row.fetch_add(1)) < B * kvh;) {
       const int64_t b = t / kvh, h = t % kvh;
       for (int g = 0; g < G; ++g) {
         const int64_t head = h * G + g;

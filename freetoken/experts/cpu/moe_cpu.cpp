@@ -34,7 +34,8 @@ namespace {
 // ---------------------------------------------------------------- thread pool
 class Pool {
  public:
-  explicit Pool(const std::vector<int>& cpus) : n_(std::max<size_t>(1, cpus.size())) {
+  // spin: pause loops a worker spins for the next job before it sleeps
+  explicit Pool(const std::vector<int>& cpus, int spin = 20000) : n_(std::max<size_t>(1, cpus.size())), spin_(spin) {
     // the caller runs share 0 unpinned: pinning it would also confine Python and torch
     for (int t = 1; t < n_; ++t) workers_.emplace_back([this, t, cpus] { loop(t, cpus[t]); });
   }
@@ -74,7 +75,7 @@ class Pool {
     uint64_t seen = 0;
     for (;;) {
       // spin briefly (decode calls come every few hundred microseconds), then sleep
-      for (int i = 0; i < 20000 && gen_.load(std::memory_order_acquire) == seen; ++i) _mm_pause();
+      for (int i = 0; i < spin_ && gen_.load(std::memory_order_acquire) == seen; ++i) _mm_pause();
       if (gen_.load(std::memory_order_acquire) == seen) {
         std::unique_lock<std::mutex> g(m_);
         cv_.wait(g, [&] { return gen_.load() != seen; });
@@ -86,6 +87,7 @@ class Pool {
     }
   }
   int n_;
+  int spin_;
   std::vector<std::thread> workers_;
   std::atomic<uint64_t> gen_{0};
   std::atomic<int> left_{0};
