@@ -252,11 +252,14 @@ def run_config(mc, w, ex, dev, batch: int, tokens: int, warmup: int, routes, pro
         # the climb's probes at this batch size: (r, median ms of a step) in the order taken
         row["fill_share_probes"] = [(r, round(s * 1e3, 3)) for b, r, s in inner.tuner.history if b == batch]
     if "hits" in after:
-        d = {k: after[k] - before[k] for k in ("hits", "fills", "cpu_experts")}
-        seen = d["hits"] + d["fills"] + d["cpu_experts"]
-        row.update(miss_rate=round((d["fills"] + d["cpu_experts"]) / max(1, seen), 4),
+        d = {k: after.get(k, 0) - before.get(k, 0) for k in ("hits", "fills", "cpu_experts", "prefetched", "prefetch_used")}
+        missed = d["fills"] + d["cpu_experts"]  # misses the layers' own control steps saw
+        row.update(miss_rate=round(missed / max(1, d["hits"] + missed), 4),
                    fills_per_step=round(d["fills"] / tokens, 2), cpu_experts_per_step=round(d["cpu_experts"] / tokens, 2),
                    transfer=after.get("transfer"))
+        if "prefetch" in after:  # the lookahead's copies, beside the fills (they cross the link too)
+            row.update(prefetched_per_step=round(d["prefetched"] / tokens, 2),
+                       prefetch_accuracy=round(d["prefetch_used"] / d["prefetched"], 4) if d["prefetched"] else None)
     return row
 
 
@@ -279,10 +282,12 @@ def adaptive_vs_fixed(runs: list[dict]) -> list[dict]:
         if row["mode"] != "cache" or "tok_s" not in row:
             continue
         same = [x for x in runs if x["batch"] == row["batch"] and "tok_s" in x and
+                x.get("prefetch", 0) == row.get("prefetch", 0) and
                 (x["mode"] == "split" and x["threads"] == row["threads"] or x["mode"] == "fill-only")]
         if same:
             best = max(same, key=lambda x: x["tok_s"])
-            out.append({"batch": row["batch"], "threads": row["threads"], "cache_tok_s": row["tok_s"],
+            out.append({"batch": row["batch"], "threads": row["threads"], "prefetch": row.get("prefetch", 0),
+                        "cache_tok_s": row["tok_s"],
                         "best_fixed": best["mode"] if best["mode"] == "fill-only" else f"split r={best['fill_share']}",
                         "best_fixed_tok_s": best["tok_s"], "ratio": round(row["tok_s"] / best["tok_s"], 3)})
     return out
@@ -335,6 +340,9 @@ def main():
     ap.add_argument("--start-share", default="predicted", help="where the adaptive split's climb starts: "
                     "'predicted' (B_P / (B_P + B_H) as measured here, what `ft bench bw`'s profile gives the engine) or a number (1: fill-only)")
     ap.add_argument("--policy", default="recent", choices=["recent", "gate", "lfu"])
+    ap.add_argument("--prefetch", default="0", help="lookahead: experts a layer copies in ahead for the next "
+                    "(comma-separated values: a row each; 0 off; not with trace routing, whose routes the model's "
+                    "routers cannot predict)")
     ap.add_argument("--routing", default="model")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=48)
@@ -352,6 +360,8 @@ def main():
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.expert_cache needs a CUDA device (the cache's slots live in VRAM)")
+    if a.routing != "model" and any(int(v) for v in a.prefetch.split(",")):
+        raise SystemExit("--prefetch needs --routing model: replayed routes cannot be predicted by the model's routers")
     dev = torch.device("cuda")
     cfg = dict(SHAPES[a.shape], num_hidden_layers=a.layers)
     mc = ModelConfig.from_hf(cfg)
@@ -376,8 +386,9 @@ def main():
             if mode in ("resident", "fill-only"):  # the CPU computes no expert: one row
                 thread_list = [0] if mode == "resident" else thread_list[:1]
             shares = [float(r) for r in a.fill_shares.split(",")] if mode == "split" else [None if mode == "cache" else 1.0]
+            pfs = [int(v) for v in a.prefetch.split(",")] if mode in ("cache", "split", "fill-only") else [0]
             for threads in thread_list:
-                for r in shares:
+                for r, pf in [(r, pf) for r in shares for pf in pfs]:
                     if mode == "resident":
                         ex = TorchExpertExecutor(gu.to(dev), dn.to(dev), layer_experts=mc.num_experts)
                     else:
@@ -392,10 +403,12 @@ def main():
                             start = (res["bp_kernel_gbs"] / (res["bp_kernel_gbs"] + bh) if a.start_share == "predicted"
                                      else float(a.start_share))
                             ex = CachedExpertExecutor(gu, dn, slots, dev, torch.bfloat16, cpu, r, a.policy, mc.num_experts,
-                                                      start_share=start)
+                                                      start_share=start, prefetch=pf)
                     row = {"mode": mode, "threads": threads or None, "fill_share": r if mode == "split" else None,
                            "capacity": a.capacity if mode in ("cache", "split", "fill-only") else None,
                            "routing": a.routing}
+                    if mode in ("cache", "split", "fill-only"):
+                        row["prefetch"] = pf
                     if mode == "cache":
                         row["start_share"] = round(start, 3)
                     warm = a.warmup
@@ -422,7 +435,7 @@ def main():
         bh = res.get(f"bh_{row['threads'] or 0}_gbs")
         if resident.get(row["batch"]) and "miss_rate" in row and bh is not None:
             bw = res["bp_kernel_gbs"] + (bh if row["mode"] in ("cache", "split") else 0)
-            miss = (row["fills_per_step"] + row["cpu_experts_per_step"]) * expert_bytes
+            miss = (row["fills_per_step"] + row.get("prefetched_per_step", 0) + row["cpu_experts_per_step"]) * expert_bytes
             row["floor_ms"] = round(resident[row["batch"]] + miss / (bw * 1e9) * 1e3, 3)
             row["floor_tok_s"] = round(row["batch"] / row["floor_ms"] * 1e3, 1)
             row["of_floor"] = round(row["floor_ms"] / row["ms_per_step"], 3)

@@ -65,13 +65,53 @@ def test_cached_output_equals_all_resident(share, policy, slots):
         assert ex.stats()["fills"] == before
 
 
-def test_model_served_through_the_cache_equals_transformers(tmp_path):
+@pytest.mark.parametrize("policy", ["recent", "lfu"])
+def test_lookahead_prefetch_is_exact_and_its_right_guesses_hit(policy):
+    """A decode call hands the next layer's predicted routes over (`ahead`): up to `prefetch` of
+    the predicted misses are copied in after this call's experts have read their slots. Outputs
+    stay exact whatever the prediction (right, partly wrong, idle rows); a right one turns the
+    next layer's misses into hits, and the counters say how many prefetched experts were used."""
+    layers, e, h, i, k, slots = 3, 16, 48, 24, 4, 10
+    gu, dn = banks(layers * e, h, i, seed=5)
+    ex = CachedExpertExecutor(gu, dn, slots, "cpu", torch.float32, CpuExpertExecutor(gu, dn), 0.5, policy, prefetch=3)
+    plain = CachedExpertExecutor(gu, dn, slots, "cpu", torch.float32, CpuExpertExecutor(gu, dn), 0.5, policy)
+    g = torch.Generator().manual_seed(11)
+    t = 2
+    routes = [torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]) + (s % layers) * e for s in range(13)]
+    hits_gained = 0
+    for s in range(12):
+        x = torch.randn(t, h, generator=g)
+        w = torch.softmax(torch.randn(t, k, generator=g), -1)
+        nxt = routes[s + 1].clone()
+        if s % 3 == 2:  # a partly wrong guess: other experts of the right layer
+            nxt[0] = torch.randperm(e, generator=g)[:k] + ((s + 1) % layers) * e
+        if s % 4 == 3:
+            nxt[1] = NO_EXPERT  # an idle row predicts nothing
+        ahead = None if (s + 1) % layers == 0 else (nxt, torch.softmax(torch.randn(t, k, generator=g), -1))
+        before = ex.stats()["hits"], plain.stats()["hits"]
+        got = ex.finish(ex.launch(x, routes[s], w, ahead=ahead))
+        ref = reference_experts(x, routes[s], w, gu, dn)
+        assert rel(got, ref) < 1e-5, s
+        assert rel(plain(x, routes[s], w), ref) < 1e-5
+        hits_gained += (ex.stats()["hits"] - before[0]) - (plain.stats()["hits"] - before[1])
+    st = ex.stats()
+    assert st["prefetch"] == 3 and 0 < st["prefetched"] <= 3 * 12
+    assert 0 < st["prefetch_used"] <= st["prefetched"] and st["prefetch_accuracy"] > 0.5
+    assert hits_gained > 0  # the right guesses were hits in the next layer
+    assert st["slots_used"] <= slots and st["bytes_moved"] == (st["fills"] + st["prefetched"]) * ex.pool.slot_bytes
+    assert st["hit_rate"] == round(st["hits"] / (st["hits"] + st["fills"] + st["cpu_experts"]), 4)
+    with pytest.raises(ValueError, match="prefetch"):
+        CachedExpertExecutor(gu, dn, slots, "cpu", torch.float32, CpuExpertExecutor(gu, dn), 0.5, prefetch=-1)
+
+
+def test_model_served_through_the_cache_equals_transformers(tmp_path, prefetch=2):
+    """With the lookahead on (the other cache tests run it off): exact all the same."""
     model = hf_models.qwen3_5(23, num_hidden_layers=4, num_experts=16, num_experts_per_tok=4)
     hf_models.save(model, str(tmp_path / "hf"))
     convert(str(tmp_path / "hf"), str(tmp_path / "m.ftw"), progress=False)
     # room for 10 of the 64 experts: most steps miss, fills evict, a share runs on the CPU
     eng = Engine(str(tmp_path / "m.ftw"), EngineConfig(device="cpu", dtype="float32", moe="cache", fill_share=0.5,
-                                                       prefill_chunk=16))
+                                                       prefill_chunk=16, expert_prefetch=prefetch))
     assert eng.experts_on == "cache" and eng.describe()["expert_backend"] == "gpu-cache"
     slot = eng.executor.slot_bytes
     srv = ServingEngine(eng, max_batch=2, max_queue=4, start=False, record_logits=True,
@@ -92,6 +132,9 @@ def test_model_served_through_the_cache_equals_transformers(tmp_path):
     st = ex.stats()
     assert st["fills"] > 10 and st["cpu_experts"] > 0 and st["slots_used"] == 10
     assert slot * 10 == ex.pool.slot_bytes * 10
+    if prefetch:  # the model's next-layer routers predicted routes, and the cache copied some in
+        assert st["prefetched"] > 0 and 0 <= st["prefetch_used"] <= st["prefetched"]
+        assert all(m.ahead for m in (layer[1] for layer in eng.model.layers[:-1]))
 
 
 def test_plan_sizes_the_cache(tmp_path):

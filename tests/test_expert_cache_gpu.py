@@ -68,6 +68,13 @@ def test_cache_modes_agree(batch):
     st = fill.stats()
     assert st["fills"] > 0 and st["hits"] > 0 and st["cpu_experts"] == 0
     assert torch.equal(got, resident)  # the same bytes through the same kernels
+    # the lookahead (the next layer's router predicts, its misses are copied in on a side stream):
+    # it moves bytes earlier and changes what is resident, never what is computed
+    ahead = CachedExpertExecutor(gu, dn, slots, dev, torch.bfloat16, CpuExpertExecutor(gu, dn, threads=4), 1.0,
+                                 "recent", mc.num_experts, prefetch=2)
+    assert torch.equal(decode_logits(mc, w, ahead, dev, tokens), resident)
+    st = ahead.stats()
+    assert st["prefetched"] > 0 and 0 <= st["prefetch_used"] <= st["prefetched"]
     # a CPU share: the C++ executor's partial sums come back in fp32 and are added to the GPU's
     # in bf16, roundings the all-resident kernel does not make; through the model's recurrent
     # state they compound as CPU-only decoding's do. Held to CPU-only's distance here, and to
@@ -77,6 +84,31 @@ def test_cache_modes_agree(batch):
     assert split.stats()["cpu_experts"] > 0
     cpu = decode_logits(mc, w, CpuExpertExecutor(gu, dn, threads=4), dev, tokens)
     assert rel(got, resident) < max(5e-2, 2 * rel(cpu, resident))
+
+
+def test_lookahead_copies_are_ordered(monkeypatch):
+    """The lookahead's copies run on a side stream: made slow (a GPU spin before every copy, on
+    whichever stream runs it) in a pool of a step's experts plus two, where each lookahead evicts
+    slots the next layer may read, the logits still equal the same cache's without a lookahead,
+    bit for bit: the next layer waits for the copies before it reads or overwrites a slot."""
+    from freetoken.experts.cached import CachedExpertExecutor
+    from freetoken.experts.cpu import CpuExpertExecutor
+    mc, w, gu, dn, dev = build()
+    tokens = torch.randint(0, mc.vocab_size, (12, 1), generator=torch.Generator().manual_seed(3)).to(dev)
+
+    def cache(prefetch):
+        return CachedExpertExecutor(gu, dn, mc.top_k + 2, dev, torch.bfloat16, CpuExpertExecutor(gu, dn, threads=4),
+                                    1.0, "recent", mc.num_experts, prefetch=prefetch)
+    plain = decode_logits(mc, w, cache(0), dev, tokens)
+    ex = cache(2)
+    copy = ex.pool.transfer
+
+    def slow(src, dst):
+        torch.cuda._sleep(20_000_000)  # ~10 ms: a copy still running when the next layer's work is queued
+        copy(src, dst)
+    monkeypatch.setattr(ex.pool, "transfer", slow)
+    assert torch.equal(decode_logits(mc, w, ex, dev, tokens), plain)
+    assert ex.stats()["prefetched"] > 0
 
 
 def test_split_within_bf16_rounding():
@@ -104,7 +136,7 @@ def test_split_within_bf16_rounding():
 
 
 @pytest.mark.parametrize("signal", ["hostfn", "doorbell"])
-@pytest.mark.parametrize("mode", ["fill-only", "split", "cpu-only"])
+@pytest.mark.parametrize("mode", ["fill-only", "split", "cpu-only", "split+lookahead"])
 def test_graph_equals_eager(mode, signal, monkeypatch):
     """The whole step replayed from one CUDA graph gives the eager step's logits: fill-only
     (control kernel, fused transfer from the host banks, slot experts), with a CPU share (the
@@ -154,7 +186,7 @@ def test_graph_equals_eager(mode, signal, monkeypatch):
         if mode == "cpu-only":
             return StreamedCpuExecutor(cpu, dev)
         ex = CachedExpertExecutor(gu, dn, slots, dev, torch.bfloat16, cpu, 1.0 if mode == "fill-only" else 0.5,
-                                  "recent", mc.num_experts)
+                                  "recent", mc.num_experts, prefetch=2 if mode == "split+lookahead" else 0)
         assert ex.host is not None
         return ex
     assert make().capturable
@@ -162,8 +194,10 @@ def test_graph_equals_eager(mode, signal, monkeypatch):
     ex = make()
     graph_toks, graph = greedy(ex, True)
     assert graph_toks == eager_toks and torch.equal(graph, eager)
-    if mode == "split":
+    if mode.startswith("split"):
         assert ex.stats()["cpu_experts"] > 0 and ex.stats()["cpu_branch_calls"] > 0
+    if mode == "split+lookahead":  # the side stream's copies were part of the replayed graph
+        assert ex.stats()["prefetched"] > 0
     if mode == "fill-only":
         ref_toks, ref = greedy(TorchExpertExecutor(gu.to(dev), dn.to(dev), layer_experts=mc.num_experts), False)
         assert eager_toks == ref_toks and torch.equal(eager, ref)

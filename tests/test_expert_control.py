@@ -121,8 +121,9 @@ def bits(x) -> int:
     return int(np.array([x], dtype=np.float32).view(np.int32)[0])
 
 
-def check_step(pre, post, ids, weights, out, max_fill, r, policy):
-    """Invariants of one step, re-derived from the spec with plain Python."""
+def check_step(pre, post, ids, weights, out, max_fill, r, policy, peek=False):
+    """Invariants of one step, re-derived from the spec with plain Python (peek: a lookahead
+    step: no clock tick, no seen, score or credit change, the last call's slots kept)."""
     res_pre = pre
     pre = {f: getattr(pre, f).cpu().tolist() for f in FIELDS}
     post = {f: getattr(post, f).cpu().tolist() for f in FIELDS}
@@ -133,7 +134,7 @@ def check_step(pre, post, ids, weights, out, max_fill, r, policy):
     fill_src, fill_dst = out.fill_src.cpu().tolist(), out.fill_dst.cpu().tolist()
     cpu_ids = out.cpu_ids.cpu().tolist()
     n_fill, n_cpu, n_hit = out.counts.cpu().tolist()
-    s, clock = len(pre["id_of"]), pre["clock"][0] + 1
+    s, clock = len(pre["id_of"]), pre["clock"][0] + (0 if peek else 1)
 
     uniq = sorted({e for e in flat if e >= 0})
     first = {e: flat.index(e) for e in uniq}
@@ -141,16 +142,23 @@ def check_step(pre, post, ids, weights, out, max_fill, r, policy):
     hits = [e for e in uniq if pre["slot_of"][e] >= 0]
     misses = [e for e in uniq if pre["slot_of"][e] < 0]
     scaled, after, base = lfu_scores(res_pre, uniq, clock)
+    if peek:  # counts nothing
+        scaled = after = np.array(res_pre.score.cpu().numpy(), dtype=np.float32)
+        base = int(res_pre.base[0])
     prio = {"recent": lambda e: pre["seen"][e], "gate": lambda e: total[e],
             "lfu": lambda e: bits(after[e])}[policy]
     misses.sort(key=lambda e: (-prio(e), first[e]))
     hit_slots = {pre["slot_of"][e] for e in hits}
+    if peek:  # the last call's hits and fills stay
+        hit_slots |= {i for i in range(s) if pre["id_of"][i] >= 0 and pre["stamp"][i] == clock}
     if policy == "lfu":  # the lowest decayed count first (held ids not routed: unchanged this call)
         age = [bits(scaled[pre["id_of"][i]]) if pre["id_of"][i] >= 0 else 0 for i in range(s)]
     else:
         age = [pre["stamp"][i] + 1 if pre["id_of"][i] >= 0 else 0 for i in range(s)]
     oldest = sorted((i for i in range(s) if i not in hit_slots), key=lambda i: (age[i], i))
     q, credit = expected_q(len(misses), r, max_fill, s - len(hit_slots), int(res_pre.credit[0]))
+    if peek:
+        credit = int(res_pre.credit[0])
     assert post["credit"] == [credit]
 
     assert n_hit == len(hits) and n_fill == q and n_cpu == len(misses) - q
@@ -171,7 +179,7 @@ def check_step(pre, post, ids, weights, out, max_fill, r, policy):
         want["slot_of"][e], want["id_of"][v], want["stamp"][v] = v, e, clock
     for e in hits:
         want["stamp"][pre["slot_of"][e]] = clock  # hits refreshed
-    for e in uniq:
+    for e in uniq if not peek else []:
         want["seen"][e] = clock
     want["clock"], want["credit"] = [clock], [credit]
     if policy == "lfu":
@@ -215,13 +223,14 @@ def test_kernel_equals_reference_fuzzed(policy, seed):
         for call in range(3):
             ids, w = random_route(g, layers, experts, t, k, ref)
             r = SHARES[int(torch.randint(0, 4, (1,), generator=g))]
+            peek = call == 2 and case % 2 == 1  # a lookahead step after a real one
             pre = ref.clone()
-            a = control_reference(ids, w, ref, share(r), max_fill, policy)
-            b = control_triton(ids, w, got, share(r), max_fill, policy, topk=topk, block_s=block_s)
-            where = f"case {case} call {call}: n={n} s={s} t={t} k={k} K={max_fill} r={r}"
+            a = control_reference(ids, w, ref, share(r), max_fill, policy, peek=peek)
+            b = control_triton(ids, w, got, share(r), max_fill, policy, topk=topk, block_s=block_s, peek=peek)
+            where = f"case {case} call {call}: n={n} s={s} t={t} k={k} K={max_fill} r={r} peek={peek}"
             assert same_out(a, b), where
             assert same_res(ref, got), where
-            check_step(pre, ref, ids, w, a, max_fill, r, policy)
+            check_step(pre, ref, ids, w, a, max_fill, r, policy, peek)
 
 
 def test_fill_share_is_kept_on_average():

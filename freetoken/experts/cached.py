@@ -13,6 +13,19 @@ Per MoE layer call (mechanisms 3-5 of the design):
   5. the two partial sums are added in one fixed order (CPU part, then GPU part).
 The result equals the all-resident one up to the order of the sum, for any residency and any r.
 
+Lookahead (`prefetch` > 0, decode only): the MoE layer also applies the next MoE layer's router
+to its own input (the residual stream changes little from one layer to the next, so that router
+mostly picks what the next layer will pick) and hands those predicted routes over with its call.
+After this layer's GPU experts are enqueued, a peek control step (control.py: no clock tick, the
+policy's state untouched, none of this call's slots evicted) admits up to `prefetch` of the
+predicted misses (largest gate weight first; with "lfu" the highest count) and a side stream
+copies them in, mostly while the link would otherwise idle: during the wait for the CPU branch,
+the merge, and the next layer's attention and router (in a split step the copies also read host
+memory beside the CPU branch). The next layer's call waits for those copies before its own
+transfer, so its GPU experts find them as hits. A wrong prediction costs link time, host reads
+and an eviction (perhaps of an expert the next layer routes to), never correctness: routes are
+always the real router's.
+
 A slot holds one expert in the form the host banks have it: dense banks in the compute dtype;
 quantized banks (banks.QuantBank: fp8_block, mxfp4, nvfp4) as their published bytes, values,
 scales and scale_2, a quarter of bf16's bytes for the 4-bit formats; the bias banks (GPT-OSS)
@@ -140,14 +153,17 @@ class CachedExpertExecutor(ExpertExecutor):
     def __init__(self, host_gate_up, host_down, slots: int | None, device, dtype,
                  cpu: ExpertExecutor, fill_share: float | None = 1.0, policy: str = "recent",
                  layer_experts: int | None = None, start_share: float = 1.0, activation: Activation = SILU,
-                 gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None):
+                 gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                 prefetch: int = 0):
         """host_gate_up, host_down: the host banks, dense tensors or banks.QuantBanks of one format.
         slots None: allocated later (`allocate`), once the memory plan has sized the pool.
         layer_experts: experts per MoE layer (bounds the distinct experts of one call);
         start_share: where the adaptive split starts its climb (a measured profile's prediction).
         activation, gate_up_bias [N, 2I], down_bias [N, H]: the expert function (executor.py);
         the bias banks' rows travel into the slots with the rest of each expert. `cpu` runs the
-        CPU branch over the same host banks and must compute the same function."""
+        CPU branch over the same host banks and must compute the same function.
+        prefetch: most experts a decode call copies in ahead for the next MoE layer, from the
+        routes its caller predicts (`launch(..., ahead=)`); 0 turns the lookahead off."""
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         self.tuner = None
@@ -186,6 +202,13 @@ class CachedExpertExecutor(ExpertExecutor):
         # telemetry on the device (no sync per call; read by stats()):
         # calls, pairs, hits, fills, cpu_experts (distinct experts per call, summed)
         self._acc = torch.zeros(5, dtype=torch.int64, device=device)
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0 experts, got {prefetch}")
+        self.prefetch = int(prefetch)
+        self._pf_policy = "lfu" if policy == "lfu" else "gate"  # predicted misses by gate weight; lfu keeps its victims
+        self._pf_stream = None  # the lookahead's copies (CUDA): beside the step's own stream
+        self._pf = None  # (copies-done event or None, the lookahead's control output) until the next call joins it
+        self._acc_pf = torch.zeros(2, dtype=torch.int64, device=device)  # experts prefetched, of them routed next
         if slots is not None:
             self.allocate(slots)
 
@@ -241,6 +264,8 @@ class CachedExpertExecutor(ExpertExecutor):
             if self.layer_experts:  # "lfu": a halving every 64 decode steps (one clock tick per MoE layer call)
                 self.pool.res.half = 64 * max(1, self.num_experts // self.layer_experts)
             self.gpu = self.slot_executor()  # expert ids = slot ids
+            if self.prefetch and self.device.type == "cuda":  # made here, never inside a graph capture
+                self._pf_stream = torch.cuda.Stream(self.device)
 
     def slot_executor(self, layer_experts: int | None = None) -> TorchExpertExecutor:
         """The resident executor over the slot banks (slot ids for expert ids): the bf16 kernels
@@ -250,18 +275,22 @@ class CachedExpertExecutor(ExpertExecutor):
         return TorchExpertExecutor(p.gate_up, p.down, layer_experts=layer_experts, activation=self.activation,
                                    gate_up_bias=p.gate_up_bias, down_bias=p.down_bias)
 
-    def launch(self, x, ids, weights, layer: int = 0, phase: str = "decode") -> Pending:
+    def launch(self, x, ids, weights, layer: int = 0, phase: str = "decode", ahead=None) -> Pending:
+        """ahead: (ids [T, k'], weights [T, k']) the next MoE layer's predicted routes (flat ids of
+        that layer), for the lookahead (decode, prefetch > 0); None: none."""
         if self.pool is None:
             raise RuntimeError("the expert cache has no slots yet: allocate() comes with the memory plan")
         t, k = ids.shape
         step = max(1, MAX_PAIRS // k)  # tokens per control call
         share = self.fill_share if phase == "decode" else self._fill_only
         fill_only = not self.branch_on or phase != "decode"
-        outs = [self._call(x[s:s + step], ids[s:s + step], weights[s:s + step], layer, phase, share, fill_only)
+        if phase != "decode" or not self.prefetch or t > step:
+            ahead = None
+        outs = [self._call(x[s:s + step], ids[s:s + step], weights[s:s + step], layer, phase, share, fill_only, ahead)
                 for s in range(0, t, step)]
         return Pending(out=outs[0] if len(outs) == 1 else torch.cat(outs))
 
-    def _call(self, x, ids, weights, layer, phase, share, fill_only) -> torch.Tensor:
+    def _call(self, x, ids, weights, layer, phase, share, fill_only, ahead=None) -> torch.Tensor:
         ids = ids.to(self.device)
         weights = weights.to(self.device)
         ctl = control(ids, weights, self.pool.res, share, ids.numel(), self.policy)
@@ -278,8 +307,11 @@ class CachedExpertExecutor(ExpertExecutor):
             ready = torch.cuda.Event() if self.device.type == "cuda" else None
             if ready is not None:
                 ready.record()
+        self._join_prefetch(ids)  # the last call's lookahead copies land before this call's copies and reads
         self.pool.transfer(ctl.fill_src, ctl.fill_dst)
         gpu = self.gpu.run(x.to(self.device), ctl.route.long(), weights, phase)  # CPU / NO_EXPERT pairs skipped
+        if ahead is not None:  # after this call's reads of its slots are enqueued: they may be evicted now
+            self._prefetch(*ahead)
         if forked is not None:
             self.host.join()
             gpu = forked.to(gpu.dtype) + gpu  # one fixed order: CPU part first
@@ -290,6 +322,51 @@ class CachedExpertExecutor(ExpertExecutor):
             gpu = part.to(gpu.device, gpu.dtype, non_blocking=True) + gpu  # one fixed order: CPU part first
         self._count(ctl, ids)
         return gpu.to(x.device)
+
+    def _prefetch(self, ids, weights) -> None:
+        """Admit up to `prefetch` of the predicted experts that miss (largest gate weight first)
+        and copy them into their slots: on CUDA on a side stream that starts once this call's GPU
+        experts are enqueued (the copies overwrite evicted slots only after those reads), joined
+        by the next call. Residency is updated here, in stream order with every control step."""
+        ids, weights = ids.to(self.device), weights.to(self.device)
+        # a peek: the policy's state (clock, seen, lfu counts) stays what the real routes made it,
+        # and no slot this call just used is evicted
+        ctl = control(ids, weights, self.pool.res, self._fill_only, self.prefetch, self._pf_policy, peek=True)
+        done = None
+        if self._pf_stream is not None:
+            ready = torch.cuda.Event()
+            ready.record()
+            with torch.cuda.stream(self._pf_stream):
+                self._pf_stream.wait_event(ready)
+                self.pool.transfer(ctl.fill_src, ctl.fill_dst)
+                done = torch.cuda.Event()
+                done.record()
+            if not torch.cuda.is_current_stream_capturing():  # a graph's buffers live as long as the graph
+                for t in (ctl.fill_src, ctl.fill_dst):
+                    t.record_stream(self._pf_stream)  # not reused before the side stream is done with them
+        else:
+            self.pool.transfer(ctl.fill_src, ctl.fill_dst)
+        self._acc_pf[0:1].add_(ctl.n_fill.to(torch.int64))
+        self._pf = (done, ctl)  # ctl's buffers stay referenced until the copies are joined
+
+    def drop_lookahead(self) -> None:
+        """Forget lookahead copies left pending by a step that did not finish (an exception, a
+        failed graph capture: their event may belong to a capture that no longer exists). The
+        copies' buffers were handed to the side stream (record_stream), so dropping them is safe."""
+        self._pf = None
+
+    def _join_prefetch(self, ids) -> None:
+        """Order the last lookahead's copies before what follows on this stream, and count how
+        many of the experts it brought in this call routes to (the prediction's accuracy)."""
+        if self._pf is None:
+            return
+        done, ctl = self._pf
+        self._pf = None
+        if done is not None:
+            torch.cuda.current_stream().wait_event(done)
+        src = ctl.fill_src.view(1, -1).long()  # [1, K]; -1 past the fills
+        routed = ((ids.reshape(-1, 1) == src) & (src >= 0)).any(0).sum()  # distinct prefetched experts routed
+        self._acc_pf[1:2].add_(routed.reshape(1))
 
     def _count(self, ctl, ids) -> None:
         """Device-side accumulation: capturable, no sync."""
@@ -305,11 +382,16 @@ class CachedExpertExecutor(ExpertExecutor):
     def _stats(self) -> dict:
         calls, pairs, hits, fills, cpu_experts = self._acc.tolist()
         out = {"calls": calls, "pairs": pairs, "hits": hits, "fills": fills, "cpu_experts": cpu_experts}
+        pre = 0
+        if self.prefetch:  # the lookahead's copies (beside the layers' own fills) and how many the next layer used
+            pre, used = self._acc_pf.tolist()
+            out.update(prefetch=self.prefetch, prefetched=pre, prefetch_used=used,
+                       prefetch_accuracy=round(used / pre, 4) if pre else None)
         if self.pool is None:
             return out
         res = self.pool.res
         return {**out, "slots": self.pool.slots, "slots_used": int((res.id_of >= 0).sum()),
-                "bytes_moved": fills * self.pool.slot_bytes, "fill_share": float(self.fill_share),
+                "bytes_moved": (fills + pre) * self.pool.slot_bytes, "fill_share": float(self.fill_share),
                 "fill_share_adaptive": int(self.tuner is not None),
                 "fill_share_decisions": self.tuner.decisions if self.tuner is not None else 0,
                 "transfer": "zero-copy kernel" if self.pool.zero_copy else "copy (one sync per layer)",

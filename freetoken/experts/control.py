@@ -159,17 +159,21 @@ class ControlOut:
 
 
 def control(ids: torch.Tensor, weights: torch.Tensor, res: Residency, fill_share: torch.Tensor,
-            max_fill: int, policy: str = "recent", out: ControlOut | None = None) -> ControlOut:
+            max_fill: int, policy: str = "recent", out: ControlOut | None = None, peek: bool = False) -> ControlOut:
     """One control step for one MoE layer call (see the module docstring).
 
     ids [T, k] int flat ids of one layer (or NO_EXPERT); weights [T, k] gate weights;
     fill_share [1] float32 device tensor r in [0, 1]; max_fill K >= 1 static; policy
     "recent" or "gate"; out: buffers to reuse (static addresses for a CUDA graph).
+    peek: a step for routes that are only predicted (the cache's lookahead): the clock does not
+    advance (hits and fills are stamped with the last call's clock), `seen`, the lfu scores and
+    the carried credit are left alone, and no slot the last call used (stamp == clock) is a
+    victim; the policy's state stays what the real routes made it.
     Residency is updated in place. The Triton kernel for CUDA tensors, else the reference.
     """
     if use_triton(ids):
-        return control_triton(ids, weights, res, fill_share, max_fill, policy, out)
-    return control_reference(ids, weights, res, fill_share, max_fill, policy, out)
+        return control_triton(ids, weights, res, fill_share, max_fill, policy, out, peek=peek)
+    return control_reference(ids, weights, res, fill_share, max_fill, policy, out, peek=peek)
 
 
 def _check_args(ids, weights, res, fill_share, max_fill, policy):
@@ -207,7 +211,7 @@ def _fill_count(m: int, fill_share: torch.Tensor, credit: int) -> tuple[int, int
 
 
 def control_reference(ids, weights, res: Residency, fill_share, max_fill: int, policy: str = "recent",
-                      out: ControlOut | None = None) -> ControlOut:
+                      out: ControlOut | None = None, peek: bool = False) -> ControlOut:
     """Pure-torch reference: plain code (host syncs, data-dependent sizes), same results as
     the kernel."""
     _check_args(ids, weights, res, fill_share, max_fill, policy)
@@ -217,7 +221,7 @@ def control_reference(ids, weights, res: Residency, fill_share, max_fill: int, p
     out = out or ControlOut.empty(t, k, kf, dev)
     flat = ids.reshape(-1).long()  # [P]
     gate = _fixed_gate(weights.reshape(-1))  # [P]
-    clock = res.clock + 1  # [1] this call's stamp
+    clock = res.clock + (0 if peek else 1)  # [1] this call's stamp (a peek: the last call's)
 
     live = (flat >= 0).nonzero()[:, 0]  # [L] pair indices that route somewhere
     uniq, inv = torch.unique(flat[live], return_inverse=True)  # U [n_u] sorted by id
@@ -225,7 +229,7 @@ def control_reference(ids, weights, res: Residency, fill_share, max_fill: int, p
     total = torch.zeros_like(uniq).index_add_(0, inv, gate[live])  # summed fixed-point gate
     old_slot = res.slot_of[uniq].long()
     hit = old_slot >= 0
-    if policy == "lfu":  # this call's reads counted: 2^e each, e in [0, RESCALE] after a rescale
+    if policy == "lfu" and not peek:  # this call's reads counted: 2^e each, e in [0, RESCALE] after a rescale
         e = int(clock) // res.half - int(res.base)
         if e > RESCALE:
             res.score.mul_(2.0 ** -RESCALE)
@@ -247,13 +251,15 @@ def control_reference(ids, weights, res: Residency, fill_share, max_fill: int, p
         age = torch.where(res.id_of >= 0, _score_bits(res.score[res.id_of.long().clamp(min=0)]), 0)  # [S]
     else:
         age = torch.where(res.id_of >= 0, res.stamp + 1, 0)  # [S]
-    evictable = torch.ones(res.num_slots, dtype=torch.bool, device=dev)
-    evictable[old_slot[hit]] = False
+    stamp = res.stamp.clone()
+    stamp[old_slot[hit]] = clock  # hits refreshed first: a slot stamped with this clock is no victim
+    evictable = (res.id_of < 0) | (stamp != clock)  # (a peek: nor one the last call used)
     by_age = torch.argsort(age, stable=True)
     cand = by_age[evictable[by_age]][:kf]  # the K oldest candidates
     q0, credit = _fill_count(m, fill_share, int(res.credit))
     q = min(q0, kf, cand.numel())
-    res.credit.fill_(credit)
+    if not peek:
+        res.credit.fill_(credit)
 
     fills, victims = misses[:q], cand[:q]
     old = res.id_of[victims].long()
@@ -262,8 +268,9 @@ def control_reference(ids, weights, res: Residency, fill_share, max_fill: int, p
     res.id_of[victims] = fills.to(torch.int32)
     res.stamp[old_slot[hit]] = clock
     res.stamp[victims] = clock
-    res.seen[uniq] = clock
-    res.clock.copy_(clock)
+    if not peek:
+        res.seen[uniq] = clock
+        res.clock.copy_(clock)
 
     now = res.slot_of[flat.clamp(min=0)].long()
     route = torch.where(flat < 0, NO_EXPERT, torch.where(now >= 0, now, CPU))
@@ -328,9 +335,12 @@ if HAS_TRITON:
                         route_ptr, fill_src_ptr, fill_dst_ptr, cpu_ptr, counts_ptr,  # outputs
                         P, S, N, HALF,
                         K: tl.constexpr, P_PAD: tl.constexpr, K_PAD: tl.constexpr,
-                        BLOCK_S: tl.constexpr, RECENT: tl.constexpr, LFU: tl.constexpr, TOPK: tl.constexpr):
-        clock = tl.load(clock_ptr) + 1  # this call's stamp
-        if LFU:  # the exponent of this call's count; every score halved 64 times when it passes 64
+                        BLOCK_S: tl.constexpr, RECENT: tl.constexpr, LFU: tl.constexpr, TOPK: tl.constexpr,
+                        TICK: tl.constexpr, COUNT: tl.constexpr):
+        clock = tl.load(clock_ptr)  # a peek stamps with the last call's clock
+        if TICK:
+            clock = clock + 1  # this call's stamp
+        if COUNT:  # lfu, not a peek: the exponent of this call's count; every score halved 64 times when it passes 64
             base = tl.load(base_ptr)
             e = clock // HALF - base
             if e > 64:  # RESCALE
@@ -368,8 +378,10 @@ if HAS_TRITON:
 
         # ---- policy order of the misses: smaller key first, ties by first occurrence
         if LFU:
-            sc_new = tl.load(score_ptr + uid, mask=rep, other=0.0) + inc  # one run start per id
-            tl.store(score_ptr + uid, sc_new, mask=rep)
+            sc_new = tl.load(score_ptr + uid, mask=rep, other=0.0)
+            if COUNT:  # a peek counts nothing
+                sc_new = sc_new + inc  # one run start per id
+                tl.store(score_ptr + uid, sc_new, mask=rep)
             prio = 2147483647 - sc_new.to(tl.int32, bitcast=True).to(tl.int64)  # highest count first
         elif RECENT:
             prio = clock - seen_old  # routed most recently first
@@ -385,7 +397,8 @@ if HAS_TRITON:
         rq = tl.floor(r * 1024.0 + 0.5).to(tl.int64)  # SHARE_ONE
         xq = tl.load(credit_ptr) + m.to(tl.int64) * rq
         q = (xq // 1024).to(tl.int32)
-        tl.store(credit_ptr, xq % 1024)
+        if TICK:
+            tl.store(credit_ptr, xq % 1024)
 
         tl.debug_barrier()  # the hits' stamps are in memory before the scan reads them
 
@@ -400,7 +413,7 @@ if HAS_TRITON:
                 age = tl.where(held >= 0, hs.to(tl.int32, bitcast=True).to(tl.int64), 0)
             else:
                 age = tl.where(held >= 0, st + 1, 0)  # a free slot is the oldest
-            usable = (s < S) & ((held < 0) | (st != clock))  # not holding a hit of this call
+            usable = (s < S) & ((held < 0) | (st != clock))  # not holding a hit of this call (a peek: nor the last's)
             key = tl.where(usable, age * S + s, _NONE)
             both = tl.reshape(tl.join(best, _smallest(key, K_PAD, TOPK)), [2 * K_PAD])
             best = _smallest(both, K_PAD, TOPK)
@@ -410,7 +423,8 @@ if HAS_TRITON:
         victim = tl.where(j < q, best % S, -1)  # j-th oldest usable slot
 
         # ---- outputs: F = ranks [0, q), C = ranks [q, m); padding -1; seen (read before bar 1)
-        tl.store(seen_ptr + uid, clock, mask=rep)
+        if TICK:
+            tl.store(seen_ptr + uid, clock, mask=rep)
         tl.store(fill_dst_ptr + j, victim.to(tl.int32), mask=j < K)
         tl.store(fill_src_ptr + p, mid.to(tl.int32), mask=p < q)
         tl.store(fill_src_ptr + j, tl.full([K_PAD], -1, tl.int32), mask=(j >= q) & (j < K))
@@ -436,12 +450,13 @@ if HAS_TRITON:
         tl.store(counts_ptr, q)
         tl.store(counts_ptr + 1, m - q)
         tl.store(counts_ptr + 2, n_hit)
-        tl.store(clock_ptr, clock)
+        if TICK:
+            tl.store(clock_ptr, clock)
 
 
 def control_triton(ids, weights, res: Residency, fill_share, max_fill: int, policy: str = "recent",
                    out: ControlOut | None = None, topk: bool | None = None,
-                   block_s: int | None = None) -> ControlOut:
+                   block_s: int | None = None, peek: bool = False) -> ControlOut:
     """The Triton kernel: one single-program launch, no host sync, CUDA-graph capturable.
     topk: use tl.topk in the victim scan (default: when this Triton has it); block_s: slots
     per chunk of the scan (default up to 1024; a power of two, at least K's)."""
@@ -461,5 +476,6 @@ def control_triton(ids, weights, res: Residency, fill_share, max_fill: int, poli
         res.slot_of, res.id_of, res.stamp, res.seen, res.clock, res.score, res.base, res.credit,
         out.route, out.fill_src, out.fill_dst, out.cpu_ids, out.counts,
         pairs, s, res.num_flat_experts, res.half, K=max_fill, P_PAD=p_pad, K_PAD=k_pad, BLOCK_S=block_s,
-        RECENT=policy == "recent", LFU=policy == "lfu", TOPK=topk, num_warps=4, enable_fp_fusion=False)
+        RECENT=policy == "recent", LFU=policy == "lfu", TOPK=topk, TICK=not peek,
+        COUNT=policy == "lfu" and not peek, num_warps=4, enable_fp_fusion=False)
     return out

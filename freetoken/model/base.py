@@ -12,7 +12,7 @@ from ..config import ModelConfig
 from .attention import Attention
 from .deltanet import GatedDeltaNet
 from .layers import Rope, add_rms_norm, lm_head, rms_norm
-from .moe import MoE, DenseMLP
+from .moe import DenseMLP, MoE, link_lookahead
 from .state import DecodeState
 
 
@@ -40,6 +40,7 @@ class DecoderModel:
             p = f"model.layers.{i}."
             self.layers.append((mixer, mlp, w[p + "input_layernorm.weight"],
                                 w[p + "post_attention_layernorm.weight"]))
+        link_lookahead([layer[1] for layer in self.layers])
 
     @classmethod
     def expected_tensors(cls, cfg: ModelConfig) -> list[str]:

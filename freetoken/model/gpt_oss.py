@@ -6,7 +6,7 @@ from ..config import ModelConfig
 from .attention import Attention
 from .base import DecoderModel
 from .layers import Rope
-from .moe import MoE
+from .moe import MoE, link_lookahead
 
 
 class GptOssModel(DecoderModel):
@@ -25,6 +25,7 @@ class GptOssModel(DecoderModel):
             self.layers.append((Attention(cfg, w, i, self.rope, False, False),
                                 MoE(cfg, w, i, i, executor, router="router"),
                                 w[p + "input_layernorm.weight"], w[p + "post_attention_layernorm.weight"]))
+        link_lookahead([layer[1] for layer in self.layers])
 
     @classmethod
     def expected_tensors(cls, cfg: ModelConfig) -> list[str]:

@@ -58,6 +58,13 @@ class MoE:
             self.shared_down = w[p + "shared_expert.down_proj.weight"]
         bias = [w[p + router + ".bias"] if cfg.router_bias else None] + [None] * (len(names) - 1)
         self.in_proj = FusedLinear([w[p + n] for n in names], bias)
+        # the lookahead (experts/cached.py): the next MoE layer's router on this layer's input
+        # predicts what that layer will route to, so its misses can be copied in early. A GEMM of
+        # its own: joined to in_proj it could change that GEMM's kernel, and so its rounding
+        # (link_lookahead points ahead_w at that layer's router rows once every layer is built)
+        nxt = next((l for l in cfg.moe_layers if l > layer), None)
+        self.ahead = bool(getattr(executor, "prefetch", 0)) and nxt is not None
+        self.ahead_w = self.ahead_b = None
 
     def route(self, logits: torch.Tensor, dtype):
         """router logits [T, E] -> flat ids [T, k] int64, weights [T, k] in the activation dtype."""
@@ -83,13 +90,31 @@ class MoE:
         ids, weights = self.route(parts[0], x.dtype)  # [T, k]
         if active is not None:
             ids = ids.masked_fill(~active[:, None], NO_EXPERT)
-        pending = self.executor.launch(x, ids, weights, layer=self.base // self.num_experts, phase=phase)
+        kw = {}
+        if self.ahead and self.ahead_w is not None and phase == "decode":  # the next MoE layer's predicted routes
+            nxt_ids, nxt_w = self.route(F.linear(x, self.ahead_w, self.ahead_b), x.dtype)  # [T, k]
+            nxt_ids = nxt_ids + self.num_experts
+            if active is not None:
+                nxt_ids = nxt_ids.masked_fill(~active[:, None], NO_EXPERT)
+            kw["ahead"] = (nxt_ids, nxt_w)
+        pending = self.executor.launch(x, ids, weights, layer=self.base // self.num_experts, phase=phase, **kw)
         shared = None
         if self.shared:  # computed while the routed experts run (on the CPU pool, say)
             _, g, u, sg = parts
             shared = torch.sigmoid(sg) * F.linear(F.silu(g) * u, self.shared_down)
         out = self.executor.finish(pending)
         return out if shared is None else out + shared  # one fixed merge order
+
+
+def link_lookahead(mlps) -> None:
+    """Give each MoE layer that predicts (`ahead`) the next MoE layer's router: a view of the
+    router rows of that layer's in_proj (and bias), no second copy on the device."""
+    moes = [m for m in mlps if isinstance(m, MoE)]
+    for a, b in zip(moes, moes[1:]):
+        if a.ahead:
+            e = b.num_experts
+            a.ahead_w = b.in_proj.weight[:e]  # [E, H]
+            a.ahead_b = None if b.in_proj.bias is None else b.in_proj.bias[:e]  # [E]
 
 
 class DenseMLP:

@@ -36,8 +36,11 @@ def batch_sizes(rows: int) -> list[int]:
 
 
 class DecodeRunner:
-    def __init__(self, model, state: DecodeState, graphs: bool, variant=None):
+    def __init__(self, model, state: DecodeState, graphs: bool, variant=None, on_abort=None):
+        """variant: the executor's graph_variant; on_abort: what the executor drops when a capture
+        fails midway (the expert cache's lookahead copies pending from a step that never ended)."""
         self.model, self.state = model, state
+        self._on_abort = on_abort or (lambda: None)
         rows = state.slots
         dev = model.device
         self.sizes = batch_sizes(rows)
@@ -85,6 +88,7 @@ class DecodeRunner:
                 with torch.cuda.graph(g, pool=pool):
                     out = self._eager(b)
             except Exception as e:  # noqa: BLE001 - something in the step cannot be captured
+                self._on_abort()
                 self._captured = {k: v for k, v in self._captured.items() if k[0] != variant}
                 raise FreeTokenError(f"CUDA graph capture of the decode step failed at batch size {b} "
                                      f"({type(e).__name__}: {e}); pass --allow-eager to decode without "

@@ -57,6 +57,9 @@ class EngineConfig:
                 "(least recently used out; misses routed most recently in first), gate (misses with the largest "
                 "gate weight first) or lfu (the lowest decayed routing count out, the highest in)",
         "choices": ["recent", "gate", "lfu"]})
+    expert_prefetch: int = field(default=0, metadata={
+        "help": "with --moe cache: experts a decode step's MoE layer copies in ahead for the next MoE "
+                "layer, predicted by that layer's router on this layer's input (0: off)"})
     cpu_threads: int = field(default=0, metadata={
         "help": "CPU expert threads (0: the physical cores; on CUDA all but two, left to the thread that "
                 "launches the GPU work and the one that runs the CPU branch of a decode step)"})
@@ -101,6 +104,8 @@ class EngineConfig:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise FreeTokenError("--device cuda: no CUDA device is available")
         self.fill_share_value()  # refuses a bad value now
+        if self.expert_prefetch < 0:
+            raise FreeTokenError(f"--expert-prefetch must be >= 0 experts (0: off), got {self.expert_prefetch}")
         if self.sliding_kv not in ("window", "full"):
             raise FreeTokenError(f"--sliding-kv must be window or full, got {self.sliding_kv!r}")
         if self.moe != "auto" and self.experts != "auto" and \
@@ -190,9 +195,19 @@ class Engine:
         self.model = model_class(self.cfg.arch)(self.cfg, dense, self.executor, self.device,
                                                 self.dtype, self.max_len)
         self._runner = None  # the one-request serving loop behind generate()
+        if self.ecfg.expert_prefetch and not self._lookahead_layers():
+            log.warning("--expert-prefetch %d has no effect here: the lookahead needs --moe cache and a model whose "
+                        "MoE layers predict the next one's routes (the Qwen MoE family; not GPT-OSS, whose experts stay "
+                        "on the host, nor the DeepSeek family)",
+                        self.ecfg.expert_prefetch)
         if self.experts_on == "cache":  # issue 11: prefill in layer-major passes, experts streamed per layer
             from .prefill_stream import PrefillStream
             self.prefill_stream = PrefillStream.for_engine(self)
+
+    def _lookahead_layers(self) -> int:
+        """MoE layers that hand the next layer's predicted routes to the expert cache."""
+        return sum(bool(getattr(part, "ahead", False)) for layer in getattr(self.model, "layers", [])
+                   for part in (layer if isinstance(layer, tuple) else (layer,)))
 
     def _weight_bytes(self, path: str) -> int:
         """Bytes of weights that will live on the compute device (on the CPU: all of them)."""
@@ -293,7 +308,7 @@ class Engine:
             start = predicted_share(prof) if prof else 1.0
         return CachedExpertExecutor(gate_up, down, None, self.device, self.dtype, cpu,
                                     self.ecfg.fill_share_value(), self.ecfg.cache_policy, self.cfg.num_experts,
-                                    start_share=start, **self.expert_fn)
+                                    start_share=start, prefetch=self.ecfg.expert_prefetch, **self.expert_fn)
 
     def _cpu_threads(self) -> int:
         """--cpu-threads, or its default: every physical core on a CPU-only machine; on CUDA two

@@ -126,7 +126,7 @@ class EngineLoop:
             self.eager_reason = f"the {ex.backend} expert backend cannot be captured in a graph yet"
             log.warning("decode runs eagerly: %s", self.eager_reason)
         runner = DecodeRunner(engine.model, self.state, engine.ecfg.cuda_graphs and capturable,
-                              getattr(ex, "graph_variant", None))
+                              getattr(ex, "graph_variant", None), getattr(ex, "drop_lookahead", None))
         try:
             runner.capture()
         except FreeTokenError as e:
