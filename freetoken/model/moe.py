@@ -33,8 +33,8 @@ def check_executor(cfg, executor) -> None:
         need = want.kind + (" with biases" if cfg.expert_bias else "")
         raise UnsupportedModelError(
             f"the {executor.backend} expert executor computes {got} experts; this model's experts are {need} "
-            "(the GPU expert cache computes SiLU experts without biases only: keep these experts on the "
-            "host, --moe cpu, or resident, --moe resident)")
+            "(an executor is built with the model's expert function: its activation and, where the model "
+            "has them, the expert biases)")
 
 
 class MoE:

@@ -197,8 +197,8 @@ class Engine:
         self._runner = None  # the one-request serving loop behind generate()
         if self.ecfg.expert_prefetch and not self._lookahead_layers():
             log.warning("--expert-prefetch %d has no effect here: the lookahead needs --moe cache and a model whose "
-                        "MoE layers predict the next one's routes (the Qwen MoE family; not GPT-OSS, whose experts stay "
-                        "on the host, nor the DeepSeek family)",
+                        "MoE layers predict the next one's routes (the Qwen MoE family and GPT-OSS; not the DeepSeek "
+                        "family)",
                         self.ecfg.expert_prefetch)
         if self.experts_on == "cache":  # issue 11: prefill in layer-major passes, experts streamed per layer
             from .prefill_stream import PrefillStream
@@ -277,15 +277,11 @@ class Engine:
             return TorchExpertExecutor(gate_up.to(self.device, self.dtype), down.to(self.device, self.dtype),
                                        layer_experts=self.cfg.num_experts, **self.expert_fn)
         from ..experts.cpu import CpuExpertExecutor, extension
-        if not self.plain_experts:  # GPT-OSS: the C++ executor on the host, not the cache
-            if self.experts_on == "cache":
-                log.warning("the GPU expert cache computes SiLU experts without biases only; the experts stay "
-                            "on the host")
-                self.experts_on = "cpu"
-            if extension() is None:
-                log.warning("%s experts on the host run on the torch path (the C++ expert executor could not be "
-                            "built; slower)", self.expert_fn["activation"].kind)
-                return QuantizedHostExecutor(gate_up, down, layer_experts=self.cfg.num_experts, **self.expert_fn)
+        if not self.plain_experts and extension() is None:  # GPT-OSS without the C++ executor: the torch path
+            log.warning("%s experts on the host run on the torch path (the C++ expert executor could not be "
+                        "built; slower)", self.expert_fn["activation"].kind)
+            host = QuantizedHostExecutor(gate_up, down, layer_experts=self.cfg.num_experts, **self.expert_fn)
+            return self._cache_executor(gate_up, down, host) if self.experts_on == "cache" else host
         cpu = CpuExpertExecutor(gate_up, down, threads=self._cpu_threads(), **self.expert_fn)
         if self.experts_on != "cache":
             from ..experts.cpu.hostcall import StreamedCpuExecutor, host_branch_ok
