@@ -12,7 +12,8 @@
 # Steps can be skipped to fit the device time left: FT_SKIP_TESTS, FT_SKIP_SERVE, FT_SKIP_PAGED,
 # FT_SKIP_DECODE, FT_SKIP_AGENTIC, FT_SKIP_CPU, FT_SKIP_HTTP, FT_SKIP_CACHE, FT_SKIP_SIGNAL, FT_SKIP_INTERFERENCE (any value); FT_TESTS
 # (a, b, all) picks the GPU test group; FT_EXTRA_TESTS adds
-# test files; FT_CACHE_* set the expert-cache benchmark's arguments.
+# test files; FT_CACHE_* set the expert-cache benchmark's arguments (FT_CACHE_PREFETCH: the lookahead's
+# values, default 0,2 with the model's routing).
 set -uo pipefail
 [ -f .devcache/commit ] || echo "warning: no .devcache/commit: results will say commit unknown (run bench/stamp_commit.sh here first)"
 export PYTHONUNBUFFERED=1
@@ -49,9 +50,11 @@ fi
 step "interference: decoding streams while a 32k prompt prefills (decode between layers vs alongside)"
 [ -n "${FT_SKIP_INTERFERENCE:-}" ] || timeout 300 python3 -m bench.interference --full-size --long 32768 \
   --settings interleave,overlap 2>&1 | grep "^{'setting\|rror" | cut -c1-400
-step expert_cache: 12-layer slice, a third of the experts in VRAM slots
+step expert_cache: 12-layer slice, a third of the experts in VRAM slots, lookahead off and on
+# (--prefetch: the model's routers predict; replayed trace routes cannot be predicted)
+PF=${FT_CACHE_PREFETCH:-$([ "${FT_CACHE_ROUTING:-model}" = model ] && echo 0,2 || echo 0)}
 [ -n "${FT_SKIP_CACHE:-}" ] || timeout ${FT_CACHE_TIMEOUT:-300} python3 -m bench.expert_cache --layers ${FT_CACHE_LAYERS:-12} \
-  --capacity ${FT_CACHE_CAPACITY:-0.33} --routing ${FT_CACHE_ROUTING:-model} ${FT_CACHE_ARGS:-} 2>&1 | grep -v '^ ' | tail -24
+  --capacity ${FT_CACHE_CAPACITY:-0.33} --routing ${FT_CACHE_ROUTING:-model} --prefetch $PF ${FT_CACHE_ARGS:-} 2>&1 | grep -v '^ ' | tail -24
 step serve_engine: full-size shape, decode graphs per batch size
 [ -n "${FT_SKIP_SERVE:-}" ] || timeout 200 python3 -m bench.serve_engine --full-size --no-prefix-cache --steps 64 \
   --prompt-tokens 512 2>&1 | grep -E 'level:|Error|error|Traceback|wrote' | tail -12
