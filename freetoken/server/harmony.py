@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import re
 
-from .parser import Event, ToolCall, _call
+from .parser import Event, ToolCall, _call, add_text
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")
@@ -59,10 +59,8 @@ class HarmonyParser:
             return
         if self.kind == "tool":
             self.call_buf += text
-        elif out and out[-1].kind == self.kind:
-            out[-1].text += text
         else:
-            out.append(Event(self.kind, text))
+            add_text(out, self.kind, text)
 
     def _close(self, out: list[Event]) -> None:
         """The body ends: a tool call is read."""

@@ -61,6 +61,14 @@ class Event:
     tool: ToolCall | None = None
 
 
+def add_text(out: list[Event], kind: str, text: str) -> None:
+    """Text of `kind` onto the events: joined to the last one when it is of that kind."""
+    if out and out[-1].kind == kind:
+        out[-1].text += text
+    else:
+        out.append(Event(kind, text))
+
+
 def _call(name: str, args) -> ToolCall:
     return ToolCall("call_" + uuid.uuid4().hex[:24], name, json.dumps(args, ensure_ascii=False))
 
@@ -227,10 +235,8 @@ class OutputParser:
             return
         if self.state == "tool":
             self.tool_buf += text
-        elif out and out[-1].kind == self.state:
-            out[-1].text += text
         else:
-            out.append(Event(self.state, text))
+            add_text(out, self.state, text)
 
     def feed(self, text: str) -> list[Event]:
         out: list[Event] = []
