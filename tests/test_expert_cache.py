@@ -104,8 +104,9 @@ def test_lookahead_prefetch_is_exact_and_its_right_guesses_hit(policy):
         CachedExpertExecutor(gu, dn, slots, "cpu", torch.float32, CpuExpertExecutor(gu, dn), 0.5, prefetch=-1)
 
 
-def test_model_served_through_the_cache_equals_transformers(tmp_path, prefetch=2):
-    """With the lookahead on (the other cache tests run it off): exact all the same."""
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_model_served_through_the_cache_equals_transformers(tmp_path, prefetch):
+    """Served through the cache, without and with the lookahead: exact either way."""
     model = hf_models.qwen3_5(23, num_hidden_layers=4, num_experts=16, num_experts_per_tok=4)
     hf_models.save(model, str(tmp_path / "hf"))
     convert(str(tmp_path / "hf"), str(tmp_path / "m.ftw"), progress=False)
