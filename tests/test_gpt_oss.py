@@ -204,7 +204,13 @@ def test_gpu_expert_cache_serves_gpt_oss(built):
     assert eng.executor.pool.slots == 12 and srv.decode.path == "cuda-graphs"
     for a, b in zip(got, want):
         assert a.output_ids == b.output_ids
-        assert all(rel_err(x, y) < 2e-2 for x, y in zip(a.logits, b.logits))
+        # bf16 rounding, measured: no further from transformers' fp32 logits of the same tokens
+        # than twice the all-resident bf16 engine is (or 2e-2)
+        P = len(a.prompt_ids)
+        truth = hf_models.reference_logits(model, a.prompt_ids + a.output_ids[:-1])[P - 1:]
+        e_cache = max(rel_err(x, y) for x, y in zip(a.logits, truth))
+        e_res = max(rel_err(x, y) for x, y in zip(b.logits, truth))
+        assert e_cache <= max(2 * e_res, 2e-2), (e_cache, e_res)
     st = eng.executor.stats()
     assert st["cpu_experts"] > 0 and st["prefetched"] > 0
 
