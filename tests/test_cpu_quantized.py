@@ -221,6 +221,23 @@ def test_bad_expert_id_and_bad_bank_shapes_are_rejected():
     ex = CpuExpertExecutor(b)
     with pytest.raises(RuntimeError, match="out of range"):
         ex.kernel(torch.randn(1, 64), torch.tensor([[4]]), torch.ones(1, 1))
-    bad = ExpertBanks("mxfp4", b.gate_up, QuantBank("mxfp4", b.down.values, b.down.scale[..., :0], None, 1))
+    # a bank whose scales do not match its values is refused when it is made (at load)
+    with pytest.raises(ValueError, match=r"scale must be \[4, 64, 1\].*ft convert"):
+        QuantBank("mxfp4", b.down.values, b.down.scale[..., :0], None, 1)
+    with pytest.raises(ValueError, match="scale_2"):
+        QuantBank("nvfp4", b.down.values, b.down.scale.repeat_interleave(2, -1), None, 1)
+    with pytest.raises(ValueError, match=r"scale must be \[4, 1, 1\]"):  # fp8: one grid per 128 x 128
+        QuantBank("fp8_block", torch.zeros(4, 64, 32, dtype=torch.uint8), torch.ones(4, 2, 1), None, 1)
+
+
+@pytest.mark.skipif(extension() is None, reason="needs the C++ extension")
+def test_the_kernel_checks_bank_shapes_itself():
+    """forward_q's own check, behind QuantBank's: a raised error, not a crash (the GPU machine
+    crashed in this call once, not reproduced here)."""
+    b = random_banks("mxfp4", None, 4, 64, 32, seed=12)
+    ex = CpuExpertExecutor(b)
+    args = list(ex._qargs)
+    args[5] = args[5][..., :0]  # the down bank's scale
     with pytest.raises(RuntimeError, match="scale"):
-        CpuExpertExecutor(bad).kernel(torch.randn(1, 64), torch.tensor([[0]]), torch.ones(1, 1))
+        extension().forward_q(ex.handle, torch.randn(1, 64), torch.tensor([[0]]), torch.ones(1, 1), *args,
+                              False, **ex._fn)

@@ -233,8 +233,8 @@ def test_share_tuner_finds_the_fastest_split():
     assert [(b, r) for b, r, _ in plateau.history] == [(1, 1.0), (1, 0.9), (1, 0.8), (1, 0.7), (1, 0.6),
                                                        (1, 0.9), (1, 0.7), (1, 0.8)]
     # one unlucky probe at the fastest r (0.7 first measures 8.7 ms, slower than 0.8's 8.5) stops
-    # the climb past it; the confirmation round measures it again (7.6: mean 8.15, beating 8.5 by
-    # more than the margin) and keeps it
+    # the climb past it; the confirmation round measures it again (7.6, beating 8.5 by more than
+    # the margin) and keeps it
     visits = {}
     noisy = ShareTuner(probe=10, settle=2, hold=10_000)
     for _ in range(200):
@@ -243,6 +243,17 @@ def test_share_tuner_finds_the_fastest_split():
         ms = {1.0: 10.0, 0.9: 9.0, 0.8: 8.5, 0.7: 8.7 if first else 7.6}.get(r, 9.5)
         noisy.observe(1, ms / 1e3)
     assert noisy.share == 0.7 and not noisy.climbing
+    # contention in the confirmation round (the H200 with a host-memory hog beside it: 0.5 probed
+    # 7.05 ms in the climb, 10.28 in the confirmation; 0.4 7.30 and 7.53): slow probes say less
+    # than fast ones, r stays at 0.5 (a mean of each candidate's probes moved it to 0.4)
+    probes = {1.0: [9.0], 0.6: [8.0], 0.5: [7.05, 10.28], 0.4: [7.30, 7.53], 0.3: [7.7]}
+    hog = ShareTuner(probe=10, settle=2, hold=10_000, start=0.5)
+    while hog.climbing:
+        r = hog.share
+        k = sum(rr == r for _, rr, _ in hog.history)  # this candidate's probes so far
+        hog.observe(1, probes[r][min(k, len(probes[r]) - 1)] / 1e3)
+    assert [r for _, r, _ in hog.history] == [0.6, 0.5, 0.4, 0.3, 0.6, 0.4, 0.5]
+    assert hog.share == 0.5
     slow = ShareTuner(probe=10, settle=2, hold=5)  # the CPU never helps: stays fill-only
     # a climb with its confirmation round (5 probes of 10 steps), the hold (4x the climb's 50
     # steps, over hold=5), then the re-check's climb
@@ -278,6 +289,19 @@ def test_share_tuner_starts_from_a_prediction():
     t = ShareTuner(probe=4, settle=1, start=0.8)
     assert t.share == 1.0 and t.observe(1, 0.01) == 0.9  # the first step ran at 1: move to the start
     assert ShareTuner(start=1.0).start == 0 and ShareTuner(start=0.0).start == len(ShareTuner().cands) - 2
+
+
+def test_share_tuner_goes_back_up_from_a_low_prediction():
+    """A prediction below the best r: the climb starts one candidate above it and only steps
+    down, so the confirmation round probes the best's upper neighbour although the climb never
+    did, and keeps it when it is faster."""
+    from freetoken.experts.share import ShareTuner
+    cost = {1.0: 10.0, 0.9: 9.0, 0.8: 8.0, 0.7: 8.6, 0.6: 9.0, 0.5: 9.5, 0.4: 10.0}
+    t = ShareTuner(probe=10, settle=2, hold=10_000, start=0.6)
+    while t.climbing:
+        t.observe(1, cost[t.share] / 1e3)
+    assert [r for _, r, _ in t.history] == [0.7, 0.6, 0.5, 0.8, 0.6, 0.7]
+    assert t.share == 0.8
 
 
 def test_share_tuner_probes_noisy_steps_longer():

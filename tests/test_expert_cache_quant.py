@@ -96,8 +96,8 @@ def check_slot_bytes(ex):
     assert len(pairs) == len(pool.banks_slot)
     for host, slot in pairs:
         assert slot.dtype == host.dtype and slot.shape[1:] == host.shape[1:]
-        a = slot[held].contiguous().view(torch.uint8)
-        b = host[id_of[held]].contiguous().view(torch.uint8)
+        a = slot[held].contiguous().view(torch.uint8).cpu()
+        b = host[id_of[held].cpu()].contiguous().view(torch.uint8)
         assert torch.equal(a, b)
 
 
@@ -145,6 +145,39 @@ def test_cache_equals_resident_quantized(case, share):
     assert st["fills"] == counted.fills > slots and st["bytes_moved"] == counted.fills * want
     assert st["slots_used"] == slots and st["hits"] > 0
     assert (st["cpu_experts"] == 0) if fill_only else (st["cpu_experts"] > 0)
+
+
+def pinned(bank: QuantBank) -> QuantBank:
+    """The bank's tensors in page-locked host memory (the engine pins the host banks, so the
+    fused transfer reads them in place)."""
+    pin = lambda t: None if t is None else t.pin_memory()  # noqa: E731
+    return QuantBank(bank.format, pin(bank.values), pin(bank.scale), pin(bank.scale_2), bank.halves)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("share", [1.0, 0.5])
+@pytest.mark.parametrize("case", CASES)
+def test_cache_equals_resident_quantized_on_cuda(case, share):
+    """The executor alone on the GPU, as the engine runs it (pinned host banks, the fused
+    zero-copy transfer, the quantized Triton kernels over bf16 activations): each call within
+    bf16 rounding of every expert resident on the GPU, the slots holding the host bytes after
+    every call. Where the engine's served logits drift from all-resident, this says whether the
+    executor (transfer, kernels over slots) or the engine around it is off."""
+    gu, dn, fn = make(case, seed=CASES.index(case) + (10 if share < 1 else 0))
+    gu, dn = pinned(gu), pinned(dn)
+    dev = torch.device("cuda")
+    ex = CachedExpertExecutor(gu, dn, E if share == 1.0 else 5, dev, torch.bfloat16,
+                              cpu_for(gu, dn, fn, share == 1.0), share, layer_experts=E, **fn)
+    assert ex.pool.zero_copy
+    on_dev = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in fn.items()}
+    res = TorchExpertExecutor(gu.to(dev), dn.to(dev), **on_dev)
+    errs = []
+    for x, ids, w, phase in calls(40, seed=3, prefill_every=9):
+        x, ids, w = x.to(dev, torch.bfloat16), ids.to(dev), w.to(dev)
+        got, ref = ex(x, ids, w, phase=phase), res(x, ids, w, phase=phase)
+        errs.append((phase, round(rel(got, ref), 4)))
+        check_slot_bytes(ex)
+    assert max(e for _, e in errs) < 2e-2, errs
 
 
 INTERPRETER_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="runs the Triton kernels on host tensors "

@@ -27,8 +27,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..errors import UnsupportedModelError
-from ..weights.quant import (FORMATS, dequant_fp8_block, dequant_fp8_block_pair, dequant_mxfp4,
-                             dequant_nvfp4)
+from ..weights.quant import (FORMATS, FP8_BLOCK, MX_BLOCK, NV_BLOCK, dequant_fp8_block, dequant_fp8_block_pair,
+                             dequant_mxfp4, dequant_nvfp4)
 
 QUANTIZED = ("fp8_block", "mxfp4", "nvfp4")
 
@@ -45,6 +45,34 @@ class QuantBank:
     def __post_init__(self):
         if self.format not in QUANTIZED:
             raise ValueError(f"not a quantized format: {self.format!r}")
+        problem = self._layout_problem()
+        if problem:  # caught here, at load, rather than by a kernel at the first decode step
+            raise ValueError(f"{self.format} expert bank (values {list(self.values.shape)}, scale "
+                             f"{list(self.scale.shape)}): {problem}; the checkpoint's scales do not match "
+                             "its weights: re-convert it with `ft convert` from the published files")
+
+    def _layout_problem(self) -> str | None:
+        """What is wrong with the tensors' shapes for this format (quant.py's layouts), or None."""
+        v, s, s2 = self.values, self.scale, self.scale_2
+        if v.dim() != 3 or v.element_size() != 1:
+            return "values must be one-byte [N, R, C] (fp8) or [N, R, C/2] (fp4)"
+        n, r, c = self.shape
+        if s.dim() != 3 or s.shape[0] != n:
+            return f"scale must be [{n}, ., .]"
+        if self.format == "fp8_block":
+            if r % self.halves:
+                return f"{r} rows do not split into {self.halves} halves"
+            want = (self.halves * -(-(r // self.halves) // FP8_BLOCK), -(-c // FP8_BLOCK))
+        else:
+            block = MX_BLOCK if self.format == "mxfp4" else NV_BLOCK
+            if c % block or s.element_size() != 1:
+                return f"fp4 rows of {c} values need one-byte scales per {block}"
+            want = (r, c // block)
+        if tuple(s.shape[1:]) != want:
+            return f"scale must be [{n}, {want[0]}, {want[1]}]"
+        if self.format == "nvfp4" and (s2 is None or s2.numel() != n * self.halves):
+            return f"nvfp4 needs scale_2 of {n} x {self.halves} values"
+        return None
 
     @property
     def shape(self) -> torch.Size:

@@ -16,11 +16,15 @@ Procedure (a hill climb from fill-only, re-checked periodically):
           more than MARGIN than the best so far; past one that is not, probe PATIENCE more
           (a candidate can tie its neighbour: with one or two misses per layer call, nearby
           shares move the same experts; and a probe is noisy), then keep the best measured;
-  confirm probe the best and its two neighbours once more and keep the one with the lowest
-          mean of its probes if it beats the best's mean by MARGIN: one probe's median varies
-          by several percent from run to run (the cache's contents, the host), enough to stop a
-          climb one candidate early or late (on the H200 at 6 threads a single unlucky probe
-          at 0.5 left r at 0.6);
+  confirm probe the best and both its neighbours (measured or not) once more and keep the
+          one whose fastest probe is lowest if it beats the best's by MARGIN. One probe's
+          median varies by several percent from run to run (the cache's contents, the host),
+          enough to stop a climb one candidate early or late (on the H200 at 6 threads a single
+          unlucky probe at 0.5 left r at 0.6). The lowest, not the mean: contention from other
+          processes only ever adds time, so a slow probe says less about its candidate than a
+          fast one (with a host-memory hog beside it on the H200, one probe of 0.5 took 10.3 ms
+          against 7.0 before, and a mean left r at 0.4: 20% slower than 0.5). Unmeasured
+          neighbours too: a climb started from a prediction below the best only steps down;
   hold    keep the best for HOLD steps (at least 4x the steps the climb took), then probe its
           neighbours again (conditions drift).
 Samples are compared only within one batch size: each size climbs on its own (continuous
@@ -93,11 +97,11 @@ class _Climb:
             if self.confirm:
                 self._go(self.confirm.pop(0))
                 return
-            mean = {j: statistics.fmean(m) for j, m in self.meds.items()}
-            i, b = min(mean, key=mean.get), self.best[0]
-            if mean[i] >= mean[b] * (1 - t.margin):  # a neighbour must win by the margin, as in the climb
+            low = {j: min(m) for j, m in self.meds.items()}  # two probes each (one: a neighbour new here)
+            i, b = min(low, key=low.get), self.best[0]
+            if low[i] >= low[b] * (1 - t.margin):  # a neighbour must win by the margin, as in the climb
                 i = b
-            return self._decide(i, mean[i], batch)
+            return self._decide(i, low[i], batch)
         if self.best is None or med < self.best[1] * (1 - t.margin):
             self.best, self.misses = (self.cur, med), 0
         else:
@@ -106,16 +110,19 @@ class _Climb:
             self._go(self.cur + 1)
             return
         b = self.best[0]
-        # the best and its measured neighbours once more, the best last (it is kept next)
-        self.confirm = [j for j in (b - 1, b + 1, b) if j in self.meds]
-        self.meds = {j: self.meds[j] for j in self.confirm}  # the decision is among these
+        # the best and both its neighbours once more, the best last (it is kept next); a
+        # neighbour the climb never measured too: a climb that starts from a prediction below
+        # the best r only ever steps down (at 2 threads on the H200 it started at 0.7, and 0.8,
+        # 4% faster, was never probed)
+        self.confirm = [j for j in (b - 1, b + 1, b) if 0 <= j < len(t.cands)]
+        self.meds = {j: self.meds.get(j, []) for j in self.confirm}  # the decision is among these
         self._go(self.confirm.pop(0))
 
     def _decide(self, i: int, m: float, batch: int) -> None:
         t = self.t
         self.climbing, self.held = False, 0
         t.decisions += 1
-        log.info("expert cache: fill share r=%.2f at batch %d (decode step %.2f ms, mean of %d probes)",
+        log.info("expert cache: fill share r=%.2f at batch %d (decode step %.2f ms, fastest of %d probes)",
                  t.cands[i], batch, m * 1e3, len(self.meds[i]))
         self._go(i)
 
