@@ -379,7 +379,12 @@ def test_gpu_engine_serves_a_quantized_model(quant_ftw, fmt, share, graphs):
     for a, b in zip(got, want):
         truth = fp32_logits(ref32, a)
         e_cache, e_res = max_err(a.logits, truth), max_err(b.logits, truth)
-        assert e_cache <= max(2 * e_res, 2e-2), (e_cache, e_res, errs)
+        # where it fails: the request's steps (0: the prefill's) off by more than 2e-2 from fp32
+        off = [(i, round(rel(la.cpu(), lb), 3)) for i, (la, lb) in enumerate(zip(a.logits, truth))
+               if rel(la.cpu(), lb) > 2e-2]
+        st = eng.executor.stats()  # at r = 1 no pair may have been marked for the CPU
+        assert e_cache <= max(2 * e_res, 2e-2), (len(a.prompt_ids), e_cache, e_res, off, st["cpu_experts"],
+                                                 st["fills"], st.get("hits"))
     st = eng.executor.stats()
     assert st["fills"] > 12 and (st["cpu_experts"] > 0) == (share == "0.5")
 

@@ -210,7 +210,8 @@ def test_gpu_expert_cache_serves_gpt_oss(built):
         truth = hf_models.reference_logits(model, a.prompt_ids + a.output_ids[:-1])[P - 1:]
         e_cache = max(rel_err(x, y) for x, y in zip(a.logits, truth))
         e_res = max(rel_err(x, y) for x, y in zip(b.logits, truth))
-        assert e_cache <= max(2 * e_res, 2e-2), (e_cache, e_res)
+        off = [(i, round(rel_err(x, y), 3)) for i, (x, y) in enumerate(zip(a.logits, truth)) if rel_err(x, y) > 2e-2]
+        assert e_cache <= max(2 * e_res, 2e-2), (len(a.prompt_ids), e_cache, e_res, off)
     st = eng.executor.stats()
     assert st["cpu_experts"] > 0 and st["prefetched"] > 0
 
