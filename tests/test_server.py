@@ -289,6 +289,7 @@ def test_response_format_shapes(oai, server):
     ({"model": MODEL, "messages": USER, "response_format": {"type": "regex"}}, 400, "response_format"),
     ({"model": MODEL}, 400, "messages"),
     ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    ({"model": MODEL, "messages": [{"role": "user"}], "max_tokens": 4}, 400, "messages[0]: a user message needs"),
     ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      400, "not supported"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "word " * (CTX + 10)}]}, 400, "too long"),

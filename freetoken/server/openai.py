@@ -40,6 +40,9 @@ def normalize_messages(raw) -> list[dict]:
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise ApiError(400, f"{where}: role must be one of {sorted(ROLES)}", param="messages")
         role = {"developer": "system", "function": "tool"}.get(m["role"], m["role"])
+        if role in ("user", "system") and m.get("content") is None:  # only an assistant turn may have none
+            raise ApiError(400, f"{where}: a {m['role']} message needs 'content' (a string or a list of text parts)",
+                           param="messages")
         msg = {"role": role, "content": text_of(m.get("content"), where)}
         if role == "assistant":
             calls = m.get("tool_calls") or []
