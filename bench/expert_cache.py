@@ -37,7 +37,8 @@ of experts in VRAM as the cache), all of them (cpu-only) and none (resident); ea
 Also measured in the same run: B_P, expert-sized copies from pinned host banks into slots
 (the fused kernel, and one copy-engine copy per expert), and B_H, the CPU executor's read rate
 on the model's expert shape at each thread count; the analytic floor of each row is the
-resident step plus the step's miss bytes over B_P (fill-only) or B_P + B_H (cache, split).
+resident step plus the step's miss bytes over B_P (fill-only) or B_P + B_H (cache, split); the
+resident step is timed after the rows when no `resident` row is asked for (`resident_ms_for_floor`).
 Each step is synchronised and its tokens read, as the serving loop does.
     python -m bench.expert_cache [--shape qwen36] [--layers 12] [--capacity 0.33]
         [--batch 1,4] [--threads 6,16] [--modes resident,fill-only,cache,cpu-only]
@@ -431,9 +432,20 @@ def main():
                     res["runs"].append(row)
                     del ex
                     torch.cuda.empty_cache()
+    for batch in {row.get("batch") for row in res["runs"]} - set(resident) - {None}:
+        # no resident row asked for: its step is still timed (briefly, not a row) for the floors
+        try:
+            ex = TorchExpertExecutor(gu.to(dev), dn.to(dev), layer_experts=mc.num_experts)
+            routes, _ = replay_steps(a.routing, mc, batch, dev, SHAPES[a.shape]["num_hidden_layers"])
+            resident[batch] = run_config(mc, w, ex, dev, batch, 32, 8, routes)["ms_per_step"]
+            res.setdefault("resident_ms_for_floor", {})[batch] = resident[batch]
+            del ex
+            torch.cuda.empty_cache()
+        except Exception as e:  # the rows stand without their floors
+            res.setdefault("floor_errors", []).append(f"batch {batch}: {type(e).__name__}: {e}"[:300])
     for row in res["runs"]:  # the analytic floor, once the resident step of the batch size is known
         bh = res.get(f"bh_{row['threads'] or 0}_gbs")
-        if resident.get(row["batch"]) and "miss_rate" in row and bh is not None:
+        if resident.get(row.get("batch")) and "miss_rate" in row and bh is not None:
             bw = res["bp_kernel_gbs"] + (bh if row["mode"] in ("cache", "split") else 0)
             miss = (row["fills_per_step"] + row.get("prefetched_per_step", 0) + row["cpu_experts_per_step"]) * expert_bytes
             row["floor_ms"] = round(resident[row["batch"]] + miss / (bw * 1e9) * 1e3, 3)
