@@ -50,6 +50,30 @@ def test_thread_counts_agree(threads):
     assert torch.equal(CpuExpertExecutor(gu, dn, threads=threads).kernel(x, ids, w), one)
 
 
+def test_released_executor_ends_its_threads_and_still_computes():
+    """An executor's pinned workers end when it is garbage collected (a process that makes
+    many does not pile up threads); one released while still referenced computes the same
+    result on the caller's thread alone."""
+    import gc
+    import os
+    tasks = lambda: len(os.listdir("/proc/self/task"))  # noqa: E731  native threads of this process
+    gu, dn = banks(16, 64, 48, torch.bfloat16, 5)
+    x, ids, w = inputs(5, 64, 4, 16, 6)
+    torch.randn(256, 256) @ torch.randn(256, 256)  # torch's own pools started before counting
+    gc.collect()
+    before = tasks()
+    ex = CpuExpertExecutor(gu, dn, threads=3)
+    assert tasks() == before + 2  # the caller is the third
+    want = ex.kernel(x, ids, w)
+    del ex
+    gc.collect()
+    assert tasks() == before
+    kept = CpuExpertExecutor(gu, dn, threads=3)
+    extension().release(kept.handle)
+    extension().release(kept.handle)  # idempotent
+    assert tasks() == before and torch.equal(kept.kernel(x, ids, w), want)
+
+
 @pytest.mark.parametrize("isa", [0, 1, 2, 3])
 def test_every_available_isa_matches(isa):
     """Each SIMD level this CPU has (capped from above) gives the reference's result."""

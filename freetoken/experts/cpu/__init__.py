@@ -21,6 +21,7 @@ import hashlib
 import logging
 import os
 import time
+import weakref
 
 import torch
 
@@ -170,6 +171,8 @@ class CpuExpertExecutor(ExpertExecutor):
         self.threads = len(cpus)
         self.handle = ext.create(cpus, isa_cap) if ext is not None else None
         self.isa = ISA_NAMES[ext.isa(self.handle)] if ext is not None else "torch"
+        if ext is not None and hasattr(ext, "release"):  # its pinned threads end with this object
+            weakref.finalize(self, ext.release, self.handle).atexit = False  # at exit the process ends them
         # "cpp": the C++ thread pool; "torch-fallback": it could not be built (slower, warned once)
         self.backend = "cpp" if ext is not None else "torch-fallback"
         self.calls = self.pairs = 0
@@ -191,7 +194,6 @@ class CpuExpertExecutor(ExpertExecutor):
         """The C++ side's view of the quantized banks for host-call descriptors (made once, freed
         with this executor, which keeps the bank tensors it points into alive)."""
         if getattr(self, "_qbanks", None) is None:
-            import weakref
             ext = extension()
             self._qbanks = ext.qbanks_create(*self._qargs)
             # not at interpreter exit: a graph or the doorbell thread may still call in then

@@ -39,7 +39,10 @@ class Pool {
     // the caller runs share 0 unpinned: pinning it would also confine Python and torch
     for (int t = 1; t < n_; ++t) workers_.emplace_back([this, t, cpus] { loop(t, cpus[t]); });
   }
-  ~Pool() {
+  ~Pool() { stop(); }
+  // Ends the workers (joined); later runs go on the caller alone. Idempotent.
+  void stop() {
+    if (workers_.empty()) return;
     {
       std::lock_guard<std::mutex> g(m_);
       stop_ = true;
@@ -47,6 +50,8 @@ class Pool {
     }
     cv_.notify_all();
     for (auto& w : workers_) w.join();
+    workers_.clear();
+    n_ = 1;
   }
   int size() const { return n_; }
   // Runs f(tid) on every thread (the caller is thread 0) and returns when all are done.
@@ -923,6 +928,17 @@ int64_t create(std::vector<int64_t> cpus, int64_t isa_cap) {
 
 int64_t isa_of(int64_t handle) { return g_execs.at(handle)->isa; }
 
+// The executor's worker threads end (after the call in flight, if any); the executor itself
+// stays, so an address a host call holds stays valid, and runs single-threaded if called again.
+// CpuExpertExecutor calls it when it is garbage collected: a process that makes many (tests,
+// benchmarks) does not pile up pinned threads.
+void release(int64_t handle) {
+  Executor& ex = *g_execs.at(handle);
+  py::gil_scoped_release nogil;
+  std::lock_guard<std::mutex> g(ex.call_mutex);
+  ex.pool.stop();
+}
+
 // The expert function of a call from its Python arguments: act (Activation.code), alpha, limit,
 // and the bias banks gate_up_bias [N, 2I], down_bias [N, H] (None, or both bf16 or both f32).
 ExpertFn make_fn(int64_t act, double alpha, double limit, const c10::optional<torch::Tensor>& gu_bias,
@@ -1230,6 +1246,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("host_call_size", &host_call_size, "sizeof the HostCall descriptor (checked against hostcall.py)");
   m.def("create", &create, "create an executor with a pinned thread pool");
   m.def("isa", &isa_of, "ISA level in use: 0 scalar, 1 avx2, 2 avx512, 3 avx512-bf16");
+  m.def("release", &release, "end an executor's worker threads (it then runs on the caller alone)");
   // the expert function's arguments default to SiLU without biases (callers from before them)
   m.def("forward", &forward, "routed experts on the CPU", py::arg("handle"), py::arg("x"), py::arg("ids"),
         py::arg("w"), py::arg("gate_up"), py::arg("down"), py::arg("bf16_act"), py::arg("act") = 0,
