@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU machine's one-call suite: GPU tests, then the benchmarks, newest work first, so a call
 # cut short by the 10-minute limit still brings back what is new. Each step writes its own file
-# under $OUT; at most 8 files come back, so logs go to stdout except pytest.log.
+# under $OUT; at most 8 files come back, so logs go to stdout except pytest.log (the machine) and
+# tests-suite.log (the GPU tests).
 # Before each call, here: bash bench/stamp_commit.sh (writes the git-computed commit label and a
 # fingerprint of the tree to .devcache/commit; the copy of the tree there has no usable .git).
 # Then run through the device tool from the repo root, carrying .devcache and .whl (the wheels
@@ -38,8 +39,10 @@ case "${FT_TESTS:-a}" in a) TESTS=$GROUP_A ;; b) TESTS=$GROUP_B ;; *) TESTS="$GR
 # the control kernel's fuzz tests compile a Triton kernel per random shape (~19 s a test on the
 # H200: 12 of them took a whole call); they run here under the interpreter, FT_FUZZ=1 keeps them
 FUZZ=(); [ -n "${FT_FUZZ:-}" ] || FUZZ=(-k "not fuzzed")
-[ -n "${FT_SKIP_TESTS:-}" ] || timeout ${FT_TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -rf --tb=short \
-  "${FUZZ[@]}" $TESTS ${FT_EXTRA_TESTS:-} >> "$OUT/pytest.log" 2>&1; tail -30 "$OUT/pytest.log"
+# file by file (bench/device_tests.sh, FT_PER_FILE seconds each, default 150): a file that needs
+# longer (Triton compiles on a fresh machine) costs only its own share, and the log says which
+[ -n "${FT_SKIP_TESTS:-}" ] || FT_TAG=suite FT_K="${FUZZ[1]:-}" timeout ${FT_TESTS_TIMEOUT:-300} \
+  bash bench/device_tests.sh $TESTS ${FT_EXTRA_TESTS:-} >/dev/null; tail -30 "$OUT/tests-suite.log"
 step "CPU branch signal: host-function node vs doorbell (one layer's work; then the real split step)"
 if [ -z "${FT_SKIP_SIGNAL:-}" ]; then
   FREETOKEN_CPU_BRANCH=hostfn timeout 150 python3 -m bench.split_overlap --q 2,4 --c 2,4 --name split_overlap-hostfn 2>&1 | grep "^{'q\|rror" | cut -c1-300
