@@ -30,3 +30,45 @@ def torch_experts(eng):
             mlp.executor = ex
     eng.executor = ex
     return eng
+
+
+def gpu_paths_vs_fp32(model, ftw: str, prompts, max_tokens: int = 8, device: str = "cuda", dtype: str = "bfloat16",
+                      paths=("resident", "cache", "cpu")) -> dict:
+    """On CUDA in bf16, the model served (continuous batching, decode graphs) with every expert
+    resident, through the expert cache (a third of the experts in slots, half of the misses on
+    the C++ executor) and CPU-only. Each path is measured against transformers' fp32 logits of
+    its own tokens (bf16 paths may part ways on near-ties): the largest relative error over
+    every step -> {path: error}. The caller bounds each by the resident path's."""
+    import torch
+
+    import hf_models
+    from freetoken.cache.config import CacheConfig
+    from freetoken.runtime.engine import Engine, EngineConfig
+    from freetoken.runtime.request import Request, SamplingOptions
+    from freetoken.runtime.serving import ServingEngine
+    errs = {}
+    probe = Engine(ftw, EngineConfig(device=device, dtype=dtype, moe="cache")).executor
+    room = max(2, probe.num_experts // 3) * probe.slot_bytes  # a third of the experts: evictions every step
+    settings = {"resident": dict(moe="resident"), "cache": dict(moe="cache", expert_cache=str(room), fill_share="0.5"),
+                "cpu": dict(moe="cpu")}
+    del probe
+    for name in paths:
+        eng = Engine(ftw, EngineConfig(device=device, dtype=dtype, prefill_chunk=16, **settings[name]))
+        srv = ServingEngine(eng, max_batch=2, max_queue=4, record_logits=True, start=False,
+                            cache=CacheConfig(enabled=False))
+        reqs = [Request(p, SamplingOptions(temperature=0, max_tokens=max_tokens, ignore_eos=True)) for p in prompts]
+        drive(srv, reqs, arrive=[2 * i for i in range(len(reqs))])
+        worst = 0.0
+        for r in reqs:
+            truth = hf_models.reference_logits(model, r.prompt_ids + r.output_ids[:-1])[len(r.prompt_ids) - 1:]
+            for a, b in zip(r.logits, truth):
+                a, b = a.float().cpu(), b.float().cpu()
+                worst = max(worst, float((a - b).abs().max() / b.abs().max()))
+        errs[name] = round(worst, 4)
+        if name == "cache":
+            st = eng.executor.stats()
+            assert st["cpu_experts"] > 0 and st["fills"] > 0, st
+        del eng, srv
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return errs

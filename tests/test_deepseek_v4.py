@@ -111,6 +111,17 @@ def test_other_expert_paths_match_transformers(built, path):
     assert rel_err(steps, ref[P:]) < 1e-4
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_expert_paths_within_bf16_rounding(built):
+    """On the GPU in bf16 (decode graphs): experts resident, through the expert cache and
+    CPU-only, each no further from transformers' fp32 logits than twice the resident path is
+    (or 3e-2)."""
+    from drive import gpu_paths_vs_fp32
+    model, ftw = built["flash-like"]
+    errs = gpu_paths_vs_fp32(model, ftw, [prompt_for(1), prompt_for(2, n=9)])
+    assert all(e <= max(2 * errs["resident"], 3e-2) for e in errs.values()), errs
+
+
 def test_the_branches_matter(built):
     """The tests above would see a wrong selection, window or stream count: transformers itself,
     with every entry selected or a wider window, gives other logits on the same weights."""

@@ -109,6 +109,17 @@ def test_expert_cache_path_matches_transformers(built):
     assert rel_err(steps, ref[len(prompt):]) < 1e-4
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_expert_paths_within_bf16_rounding(built):
+    """On the GPU in bf16 (decode graphs): experts resident, through the expert cache and
+    CPU-only, each no further from transformers' fp32 logits than twice the resident path is
+    (or 3e-2)."""
+    from drive import gpu_paths_vs_fp32
+    model, ftw = built["shared-indexer-bias"]
+    errs = gpu_paths_vs_fp32(model, ftw, [prompt_for(1), prompt_for(2, n=9)])
+    assert all(e <= max(2 * errs["resident"], 3e-2) for e in errs.values()), errs
+
+
 def test_the_selection_and_the_groups_matter(built):
     """The tests above would see a wrong selection or a wrong group limit: transformers itself,
     with every key selected or every group eligible, gives other logits on the same weights."""
