@@ -10,6 +10,8 @@ Rows (`runs`), per --layers (12: the slice; 40: the full model), buffering and p
                  expert-sized copies from the pinned banks (one copy-engine copy per expert and
                  bank); floor_bulk_s with whole-layer copies (what a full layer load issues)
   of_floor       floor_s / pass_s (1.0: transfer-bound at line rate)
+  bound_s        max(floor_s, the resident row's seconds per pass at that length): a pass can beat
+                 neither; of_bound = bound_s / pass_s, `bound` says which limit binds
   llamacpp_tok_s with --llamacpp: llama.cpp's prompt processing of the same weights (a GGUF written
                  by its converter, bench/llamacpp.py) and length in the same run, before our rows:
                  on the streamed rows with the experts of all but two layers in host memory
@@ -241,7 +243,25 @@ def main():
            "config": QWEN36_35B_A3B, "sub_chunk": SUB, "pass_tokens": a.pass_tokens, "sections": [], "runs": []}
     for layers in [int(x) for x in a.layers.split(",")]:
         run_layers(layers, a, dev, res)
+    add_bounds(res["runs"])
     write_result("prefill_stream", res)
+
+
+def add_bounds(runs: list[dict]) -> None:
+    """A streamed pass can be no faster than its transfer floor, nor than the same tokens'
+    compute with every expert resident: bound_s = max(floor_s, resident seconds per pass) and
+    of_bound = bound_s / pass_s (1.0: at whichever limit binds; `bound` says which), on each
+    streamed row whose length has a resident row in the same run."""
+    resident = {(r["layers"], r["prompt_tokens"]): r["prompt_tokens"] / r["tok_s"]
+                for r in runs if r.get("buffering") == "resident" and r.get("tok_s")}
+    for r in runs:
+        wall = resident.get((r.get("layers"), r.get("prompt_tokens")))
+        if wall is None or not r.get("pass_s") or r.get("floor_s") is None:
+            continue
+        compute = wall / r.get("passes", 1)
+        r["bound_s"] = round(max(r["floor_s"], compute), 4)
+        r["bound"] = "transfer" if r["floor_s"] >= compute else "compute"
+        r["of_bound"] = round(r["bound_s"] / r["pass_s"], 3)
 
 
 if __name__ == "__main__":
