@@ -8,6 +8,8 @@ CPU branch) and agrees within fp32 summation order. The torch paths run on the C
 Triton dispatch forced on, the quantized kernels (kernels/moe_quant.py) run under the
 interpreter on the slots. A small quantized model served through the Engine with the cache
 equals the same model with every expert resident."""
+import statistics
+
 import pytest
 import torch
 
@@ -287,10 +289,6 @@ def fp32_logits(ref32: Engine, req) -> torch.Tensor:
     return ref32.prefill(ids, st, all_logits=True)[len(req.prompt_ids) - 1:]
 
 
-def max_err(logits, truth) -> float:
-    return max(rel(la.cpu(), lb.cpu()) for la, lb in zip(logits, truth))
-
-
 def check_slots(ex) -> None:
     """Every slot the residency says holds expert e holds e's bytes, every bank (values, scales,
     scale_2, biases): what a fill, a streamed prefill pass or an eviction must never break."""
@@ -348,52 +346,62 @@ def test_engine_serves_a_quantized_model_through_the_cache(quant_ftw, fmt, share
 def test_gpu_engine_serves_a_quantized_model(quant_ftw, fmt, share, graphs):
     """On the GPU, the real path: slots in VRAM filled by the fused transfer kernel from pinned
     host banks, the quantized Triton kernels over the slots, decode steps replayed from CUDA
-    graphs (with the CPU branch in them at r = 0.5): the same greedy tokens as every expert
-    resident in VRAM, logits within bf16 rounding."""
+    graphs (with the CPU branch in them at r = 0.5). In fp32, the served logits equal every
+    expert resident in VRAM within 1e-4; in bf16 (what users run) the same greedy tokens, and
+    logits as close to fp32 as all-resident's, step for step in the median.
+
+    Why not every bf16 step: a small random model has near-ties in its routers, which bf16
+    rounding flips one way or the other at a step now and then (on the CPU the plain bf16
+    engine, no cache at all, is 0.18 off fp32 at one step of these prompts with fp8_block),
+    so any two bf16 paths that sum in another order can differ there; fp32 rounding moves
+    scores a million times less, and there the cache must agree."""
     path = quant_ftw[fmt]
-    cfg = dict(device="cuda", dtype="bfloat16", moe="cache", fill_share=share, prefill_chunk=16)
-    slot = Engine(path, EngineConfig(**cfg)).executor.slot_bytes
-    # 12 slots of 48 experts, sized by the plan before the decode graphs are captured
-    eng = Engine(path, EngineConfig(**cfg, expert_cache=str(12 * slot)))
-    assert eng.experts_on == "cache" and eng.executor.quantized
-    ref = Engine(path, EngineConfig(device="cuda", dtype="bfloat16", moe="resident", prefill_chunk=16))
     g = torch.Generator().manual_seed(9)
     prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (23, 9)]
+
+    def engines(dtype, **kw):
+        cfg = dict(device="cuda", dtype=dtype, moe="cache", fill_share=share, prefill_chunk=16)
+        slot = Engine(path, EngineConfig(**cfg)).executor.slot_bytes
+        # 12 slots of 48 experts, sized by the plan before the decode graphs are captured
+        eng = Engine(path, EngineConfig(**cfg, expert_cache=str(12 * slot), **kw))
+        ref = Engine(path, EngineConfig(device="cuda", dtype=dtype, moe="resident", prefill_chunk=16))
+        return eng, ref
+
+    eng, ref = engines("float32")
     srv, got = serve(eng, prompts)
-    check_slots(eng.executor)  # the slots hold what the residency says
     _, want = serve(ref, prompts)
+    check_slots(eng.executor)  # the slots hold what the residency says
     assert eng.executor.pool.zero_copy and eng.executor.pool.slots == 12  # banks registered, however small
     assert srv.decode.path == "cuda-graphs"
-    # where they differ, each step's error says which path (graph replay or not) is off
-    errs = {"graphs": [[round(rel(la, lb), 4) for la, lb in zip(a.logits, b.logits)] for a, b in zip(got, want)]}
-    if graphs == "eager-too":  # the same model decoded eagerly: graph capture ruled in or out
-        eager = Engine(path, EngineConfig(**cfg, expert_cache=str(12 * slot), cuda_graphs=False))
+    for a, b in zip(got, want):
+        assert a.output_ids == b.output_ids
+        errs = [round(rel(la.cpu(), lb.cpu()), 6) for la, lb in zip(a.logits, b.logits)]
+        assert max(errs) < 1e-4, errs
+    st = eng.executor.stats()
+    assert st["fills"] > 12 and (st["cpu_experts"] > 0) == (share == "0.5")
+
+    eng, ref = engines("bfloat16")
+    _, got = serve(eng, prompts)
+    _, want = serve(ref, prompts)
+    if graphs == "eager-too":  # eagerly too, the slots checked against the residency after every call
+        eager, _ = engines("bfloat16", cuda_graphs=False)
         launch = eager.executor.launch
 
-        def checked(*a, **kw):  # the slots checked against the residency after every decode call
+        def checked(*a, **kw):
             out = launch(*a, **kw)
-            check_slots(eager.executor)  # (a sync: a race it hides shows as errors gone in this run)
+            check_slots(eager.executor)
             return out
         eager.executor.launch = checked
         _, eag = serve(eager, prompts)
-        check_slots(eager.executor)
-        errs["eager"] = [[round(rel(la, lb), 4) for la, lb in zip(a.logits, b.logits)] for a, b in zip(eag, want)]
-    for a, b in zip(got, want):
-        assert a.output_ids == b.output_ids
-    # bf16 rounding, measured: each path's distance from the fp32 logits of the same tokens; the
-    # cache may be no further from them than twice the all-resident bf16 engine (or 2e-2)
+        assert [r.output_ids for r in eag] == [r.output_ids for r in got]
     ref32 = Engine(path, EngineConfig(device="cpu", dtype="float32", moe="cpu", prefill_chunk=16))
     for a, b in zip(got, want):
-        truth = fp32_logits(ref32, a)
-        e_cache, e_res = max_err(a.logits, truth), max_err(b.logits, truth)
-        # where it fails: the request's steps (0: the prefill's) off by more than 2e-2 from fp32
-        off = [(i, round(rel(la.cpu(), lb), 3)) for i, (la, lb) in enumerate(zip(a.logits, truth))
-               if rel(la.cpu(), lb) > 2e-2]
-        st = eng.executor.stats()  # at r = 1 no pair may have been marked for the CPU
-        assert e_cache <= max(2 * e_res, 2e-2), (len(a.prompt_ids), e_cache, e_res, off, st["cpu_experts"],
-                                                 st["fills"], st.get("hits"))
-    st = eng.executor.stats()
-    assert st["fills"] > 12 and (st["cpu_experts"] > 0) == (share == "0.5")
+        assert a.output_ids == b.output_ids
+        truth = fp32_logits(ref32, a)  # the fp32 logits of the same tokens
+        e_cache = [rel(la.cpu(), lb) for la, lb in zip(a.logits, truth)]
+        e_res = [rel(la.cpu(), lb) for la, lb in zip(b.logits, truth)]
+        med = statistics.median
+        assert med(e_cache) <= max(2 * med(e_res), 2e-2), ([round(e, 3) for e in e_cache], [round(e, 3) for e in e_res])
 
 
 def test_plan_sizes_a_quantized_cache_by_its_bytes(quant_ftw):

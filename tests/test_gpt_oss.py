@@ -9,6 +9,7 @@ attention references and Triton kernels, the clamped SwiGLU with biases in every
 and the Triton expert kernels, the top-k-then-softmax router, the YaRN tables, config parsing."""
 import json
 import os
+import statistics
 
 import pytest
 import torch
@@ -186,38 +187,45 @@ def test_served_through_the_expert_cache_matches_transformers(built):
 def test_gpu_expert_cache_serves_gpt_oss(built):
     """On the GPU: GPT-OSS's dense experts in VRAM slots (the bias rows beside them), half the
     misses on the C++ executor in the step's graph, with and without the lookahead, and
-    fill-only; the same greedy tokens as every expert resident, logits within bf16 rounding.
-    The three settings side by side say which part is off when one drifts."""
+    fill-only. In fp32 each equals every expert resident within 1e-4 (side by side, they say
+    which part is off when one is); in bf16 (with the lookahead) the same greedy tokens and
+    logits as close to transformers' fp32 as all-resident's, step for step in the median (a
+    router near-tie that bf16 flips at one step moves any path that sums in another order)."""
     model, ftw = built["yarn-clamped-group4-k3"]
-    cfg = dict(device="cuda", dtype="bfloat16", prefill_chunk=16)
 
-    def run(eng):
+    def run(dtype, **kw):
+        eng = Engine(ftw, EngineConfig(device="cuda", dtype=dtype, prefill_chunk=16, **kw))
         srv = ServingEngine(eng, max_batch=2, max_queue=4, record_logits=True, start=False,
                             cache=CacheConfig(enabled=False))
         g = torch.Generator().manual_seed(6)
         prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (23, 8)]
-        return srv, drive(srv, [greedy_req(p, 10) for p in prompts], arrive=[0, 2])
-
-    def err(reqs, truths) -> float:  # the largest distance from fp32 over every step of every request
-        return max(rel_err(x, y) for r, t in zip(reqs, truths) for x, y in zip(r.logits, t))
-    slot = Engine(ftw, EngineConfig(**cfg, moe="cache")).executor.slot_bytes
-    _, want = run(Engine(ftw, EngineConfig(**cfg, moe="resident")))
-    # bf16 rounding, measured: transformers' fp32 logits of the same tokens
-    truths = [hf_models.reference_logits(model, r.prompt_ids + r.output_ids[:-1])[len(r.prompt_ids) - 1:]
-              for r in want]
-    e_res = err(want, truths)
-    errs, stats = {}, {}
-    for name, kw in {"split+lookahead": dict(fill_share="0.5", expert_prefetch=2),
-                     "split": dict(fill_share="0.5"), "fill-only": dict(fill_share="1")}.items():
-        eng = Engine(ftw, EngineConfig(**cfg, moe="cache", expert_cache=str(12 * slot), **kw))
-        srv, got = run(eng)
-        assert eng.executor.pool.slots == 12 and srv.decode.path == "cuda-graphs"
-        assert [r.output_ids for r in got] == [r.output_ids for r in want], name
-        errs[name], stats[name] = round(err(got, truths), 4), eng.executor.stats()
-    # no further from fp32 than twice the all-resident bf16 engine is (or 2e-2)
-    assert all(e <= max(2 * e_res, 2e-2) for e in errs.values()), (errs, e_res)
-    assert stats["split+lookahead"]["cpu_experts"] > 0 and stats["split+lookahead"]["prefetched"] > 0
-    assert stats["fill-only"]["cpu_experts"] == 0
+        reqs = drive(srv, [greedy_req(p, 10) for p in prompts], arrive=[0, 2])
+        if kw.get("moe") == "cache":
+            assert eng.executor.pool.slots == 12 and srv.decode.path == "cuda-graphs"
+        return eng, reqs
+    slot = Engine(ftw, EngineConfig(device="cuda", dtype="float32", moe="cache")).executor.slot_bytes
+    variants = {"split+lookahead": dict(fill_share="0.5", expert_prefetch=2), "split": dict(fill_share="0.5"),
+                "fill-only": dict(fill_share="1")}
+    _, want = run("float32", moe="resident")
+    for name, kw in variants.items():
+        eng, got = run("float32", moe="cache", expert_cache=str(12 * slot), **kw)
+        st = eng.executor.stats()
+        assert (st["cpu_experts"] > 0) == (name != "fill-only")
+        assert (st.get("prefetched", 0) > 0) == (name == "split+lookahead")
+        for a, b in zip(got, want):
+            assert a.output_ids == b.output_ids, name
+            errs = [round(rel_err(x, y), 6) for x, y in zip(a.logits, b.logits)]
+            assert max(errs) < 1e-4, (name, errs)
+    slot = Engine(ftw, EngineConfig(device="cuda", dtype="bfloat16", moe="cache")).executor.slot_bytes
+    _, want = run("bfloat16", moe="resident")
+    _, got = run("bfloat16", moe="cache", expert_cache=str(12 * slot), **variants["split+lookahead"])
+    for a, b in zip(got, want):
+        assert a.output_ids == b.output_ids
+        truth = hf_models.reference_logits(model, a.prompt_ids + a.output_ids[:-1])[len(a.prompt_ids) - 1:]
+        e_cache = [rel_err(x, y) for x, y in zip(a.logits, truth)]
+        e_res = [rel_err(x, y) for x, y in zip(b.logits, truth)]
+        med = statistics.median
+        assert med(e_cache) <= max(2 * med(e_res), 2e-2), ([round(e, 3) for e in e_cache], [round(e, 3) for e in e_res])
 
 
 @pytest.mark.parametrize("sliding", ["window", "full"])
