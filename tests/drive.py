@@ -34,11 +34,10 @@ def torch_experts(eng):
 
 def gpu_paths_vs_fp32(model, ftw: str, prompts, max_tokens: int = 8, device: str = "cuda", dtype: str = "bfloat16",
                       paths=("resident", "cache", "cpu")) -> dict:
-    """On CUDA in bf16, the model served (continuous batching, decode graphs) with every expert
-    resident, through the expert cache (a third of the experts in slots, half of the misses on
-    the C++ executor) and CPU-only. Each path is measured against transformers' fp32 logits of
-    its own tokens (bf16 paths may part ways on near-ties): the largest relative error over
-    every step -> {path: error}. The caller bounds each by the resident path's."""
+    """The model served on `device` in `dtype` (continuous batching, decode graphs on CUDA) with
+    every expert resident, through the expert cache (a third of the experts in slots, half of the
+    misses on the C++ executor) and CPU-only. Each path is measured against transformers' fp32
+    logits of its own tokens: the largest relative error over every step -> {path: error}."""
     import torch
 
     import hf_models
