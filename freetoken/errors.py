@@ -17,6 +17,11 @@ class CorruptModelError(FreeTokenError):
     """An FTW file that is truncated, has a bad header or fails a block checksum."""
 
 
+class BankLayoutError(CorruptModelError, ValueError):
+    """Quantized expert tensors whose shapes do not fit together (a scale bank that does not
+    match its values): refused when the bank is made, one line from the CLI."""
+
+
 class UnsupportedModelError(FreeTokenError):
     """A checkpoint whose architecture or options FreeToken does not implement."""
 

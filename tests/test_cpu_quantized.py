@@ -14,6 +14,7 @@ column chunk, partial 128-row fp8 blocks in each half of gate_up, 4-row blocks c
 import pytest
 import torch
 
+from freetoken.errors import FreeTokenError
 from freetoken.experts.banks import ExpertBanks, QuantBank
 from freetoken.experts.cpu import ISA_NAMES, CpuExpertExecutor, extension
 from freetoken.experts.executor import NO_EXPERT, reference_experts
@@ -222,8 +223,9 @@ def test_bad_expert_id_and_bad_bank_shapes_are_rejected():
     with pytest.raises(RuntimeError, match="out of range"):
         ex.kernel(torch.randn(1, 64), torch.tensor([[4]]), torch.ones(1, 1))
     # a bank whose scales do not match its values is refused when it is made (at load)
-    with pytest.raises(ValueError, match=r"scale must be \[4, 64, 1\].*ft convert"):
+    with pytest.raises(ValueError, match=r"scale must be \[4, 64, 1\].*ft convert") as err:
         QuantBank("mxfp4", b.down.values, b.down.scale[..., :0], None, 1)
+    assert isinstance(err.value, FreeTokenError)  # the CLI's one line, no traceback
     with pytest.raises(ValueError, match="scale_2"):
         QuantBank("nvfp4", b.down.values, b.down.scale.repeat_interleave(2, -1), None, 1)
     with pytest.raises(ValueError, match=r"scale must be \[4, 1, 1\]"):  # fp8: one grid per 128 x 128

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..errors import UnsupportedModelError
+from ..errors import BankLayoutError, UnsupportedModelError
 from ..weights.quant import (FORMATS, FP8_BLOCK, MX_BLOCK, NV_BLOCK, dequant_fp8_block, dequant_fp8_block_pair,
                              dequant_mxfp4, dequant_nvfp4)
 
@@ -47,7 +47,7 @@ class QuantBank:
             raise ValueError(f"not a quantized format: {self.format!r}")
         problem = self._layout_problem()
         if problem:  # caught here, at load, rather than by a kernel at the first decode step
-            raise ValueError(f"{self.format} expert bank (values {list(self.values.shape)}, scale "
+            raise BankLayoutError(f"{self.format} expert bank (values {list(self.values.shape)}, scale "
                              f"{list(self.scale.shape)}): {problem}; the checkpoint's scales do not match "
                              "its weights: re-convert it with `ft convert` from the published files")
 
