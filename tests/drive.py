@@ -71,3 +71,11 @@ def gpu_paths_vs_fp32(model, ftw: str, prompts, max_tokens: int = 8, device: str
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return errs
+
+
+def check_gpu_paths(model, ftw: str) -> None:
+    """On CUDA in fp32 (no router near-tie flips between paths), each of the resident, cache and
+    CPU-only paths within 1e-3 of transformers' logits on two prompts."""
+    from test_reference import prompt_for
+    errs = gpu_paths_vs_fp32(model, ftw, [prompt_for(1), prompt_for(2, n=9)], dtype="float32")
+    assert all(e < 1e-3 for e in errs.values()), errs
