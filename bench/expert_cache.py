@@ -61,6 +61,7 @@ from freetoken.experts.executor import ExpertExecutor, TorchExpertExecutor
 from freetoken.experts.traces import parse_routing
 from freetoken.model.registry import model_class
 from freetoken.model.state import DecodeState
+from freetoken.weights.hostmem import huge_bytes, thp_mode
 
 # Mixtral-8x7B's MoE dimensions on our hybrid architecture (the non-expert layers are not
 # Mixtral's; only the experts matter to the cache): for replaying the Mixtral routing traces
@@ -95,10 +96,11 @@ class ReplayRouting(ExpertExecutor):
 def make_experts(mc, dev, seed: int = 0):
     """Random BF16 expert banks in host memory registered in place (cudaHostRegister), made layer
     by layer on the device: the engine's own path (FTW banks read into ordinary page-aligned host
-    buffers, then registered: weights/reader.py), not cudaHostAlloc'd memory. Before this change the
-    benchmark used pin_memory=True buffers, where the CPU executor read 36 GB/s at 6 threads
-    against 50 in bench.cpu_experts on ordinary memory (expert_cache-confirm-gpu.json,
-    cpu_experts-t6-prefetch1-gpu.json)."""
+    buffers on transparent huge pages, then registered: weights/reader.py, weights/hostmem.py), not
+    cudaHostAlloc'd memory. Before this change the benchmark used pin_memory=True buffers, where
+    the CPU executor read 36 GB/s at 6 threads against 50 in bench.cpu_experts on ordinary memory
+    (expert_cache-confirm-gpu.json, cpu_experts-t6-prefetch1-gpu.json); FREETOKEN_HUGEPAGES=0
+    gives the 4 KiB pages of the runs before hostmem.py."""
     from bench.prefill_stream import make_experts as registered
     return registered(mc, dev, seed)
 
@@ -376,6 +378,8 @@ def main():
            "pool_gb": round(gu.shape[0] * expert_bytes / 1e9, 2), "expert_mb": round(expert_bytes / 1e6, 2),
            "capacity": a.capacity, "slots": slots, "policy": a.policy, "routing": a.routing,
            "setup_s": round(time.perf_counter() - t0, 1), **measure_bp(gu, dn, dev), "runs": []}
+    hb = [huge_bytes(gu), huge_bytes(dn)]
+    res.update(thp=thp_mode(), bank_huge_gb=None if None in hb else round(sum(hb) / 1e9, 2))
     llama = side_by_side(a, cfg, mc, w, gu, dn, res) if a.llamacpp else {}
     from freetoken.experts.cpu import CpuExpertExecutor
     resident = {}  # batch -> resident ms per step

@@ -41,23 +41,17 @@ from freetoken.experts.executor import TorchExpertExecutor
 from freetoken.model.registry import model_class
 from freetoken.model.state import DecodeState
 from freetoken.runtime.prefill_stream import PrefillStream
-from freetoken.weights.ftw import ALIGN
+from freetoken.weights.hostmem import host_tensor
 from freetoken.weights.reader import pin_in_place
 
 SUB = 2048  # the engine's default --prefill-chunk: pieces of a pass, and the resident baseline's chunks
 
 
 def host_bank(shape, dtype) -> torch.Tensor:
-    """A host tensor on page boundaries with a page of its own past the end, for pin_in_place
-    (cudaHostRegister, exact size: the caching pinned allocator rounds each allocation up to a
-    power of two, 64 GiB for the 40-layer gate_up bank's 43 GB)."""
-    el = torch.empty((), dtype=dtype).element_size()
-    n = 1
-    for d in shape:
-        n *= d
-    raw = torch.empty(n + 2 * ALIGN // el, dtype=dtype)
-    off = (-raw.data_ptr() % ALIGN) // el
-    return raw[off:off + n].view(shape)
+    """A host tensor on page boundaries that owns its padding, for pin_in_place (cudaHostRegister,
+    exact size: the caching pinned allocator rounds each allocation up to a power of two, 64 GiB
+    for the 40-layer gate_up bank's 43 GB), on huge pages as the engine's FTW banks are."""
+    return host_tensor(shape, dtype)
 
 
 def make_experts(mc, dev, seed: int = 0):

@@ -15,17 +15,16 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ..errors import CorruptModelError, UnsupportedModelError
+from .hostmem import host_buffer
 from .ftw import ALIGN, BLOCK, DTYPES, align_up, block_spans, crc32, quantized_entries, read_header
 
 log = logging.getLogger("freetoken.weights")
 
 
 def _aligned_buffer(nbytes: int) -> torch.Tensor:
-    """A uint8 tensor of align_up(nbytes) bytes whose first byte sits on an ALIGN boundary."""
-    padded = align_up(max(nbytes, 1))
-    raw = torch.empty(padded + ALIGN, dtype=torch.uint8)
-    skip = (-raw.data_ptr()) % ALIGN
-    return raw[skip:skip + padded]
+    """A uint8 tensor of align_up(nbytes) bytes whose first byte sits on an ALIGN boundary (on
+    huge pages where the kernel gives them: hostmem.py)."""
+    return host_buffer(nbytes, ALIGN)
 
 
 class _File:
