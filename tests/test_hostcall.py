@@ -133,6 +133,8 @@ def test_doorbell_wait_gives_up_when_nobody_answers():
     if DEV == "cuda":
         torch.cuda.synchronize()
     assert bell.gave_up() and bell.calls() == 0 and d.calls == 0
+    # the state a gave-up error reports: the ring reached the page, the stopped thread did not answer
+    assert bell.state() == "rung 1, seq 1, done 0, answered 0, stop 1"
 
 
 def test_doorbell_kernels_match_their_references():

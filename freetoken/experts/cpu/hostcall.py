@@ -157,6 +157,13 @@ class Doorbell:
     def calls(self) -> int:
         return int(self.words[self.k.CALLS])
 
+    def state(self) -> str:
+        """The bell's words and the device's ring count, for a gave-up error: seq < rung says the
+        thread never saw the last ring, done < seq that it is stuck in (or lost) a call."""
+        w = self.words
+        return (f"rung {int(self.counter[0])}, seq {int(w[self.k.SEQ])}, done {int(w[self.k.DONE])}, "
+                f"answered {int(w[self.k.CALLS])}, stop {int(w[self.k.STOP])}")
+
     def close(self) -> None:
         """The thread returns; the page stays (the GPU may still hold its address)."""
         if self.addr:
@@ -210,7 +217,8 @@ class HostBranch:
         """Raise if a call failed (the host node records it; the loop checks after each step)."""
         if self.bell is not None and self.bell.gave_up():
             raise FreeTokenError("the CPU expert branch did not answer a decode step's doorbell in time "
-                                 "(its thread stopped?); FREETOKEN_CPU_BRANCH=hostfn uses the host-function node")
+                                 f"(its thread stopped? {self.bell.state()}); FREETOKEN_CPU_BRANCH=hostfn uses "
+                                 "the host-function node")
         for *_, d in list(self.shapes.values()):
             if d.error:
                 raise FreeTokenError("the CPU expert branch failed inside a decode step "
