@@ -342,6 +342,7 @@ if HAS_TRITON:
             clock = clock + 1  # this call's stamp
         if COUNT:  # lfu, not a peek: the exponent of this call's count; every score halved 64 times when it passes 64
             base = tl.load(base_ptr)
+            tl.debug_barrier()  # every warp read the old base before one stores the rescaled one
             e = clock // HALF - base
             if e > 64:  # RESCALE
                 for n0 in range(0, N, BLOCK_S):
@@ -397,10 +398,10 @@ if HAS_TRITON:
         rq = tl.floor(r * 1024.0 + 0.5).to(tl.int64)  # SHARE_ONE
         xq = tl.load(credit_ptr) + m.to(tl.int64) * rq
         q = (xq // 1024).to(tl.int32)
-        if TICK:
-            tl.store(credit_ptr, xq % 1024)
 
         tl.debug_barrier()  # the hits' stamps are in memory before the scan reads them
+        if TICK:  # after the barrier: every warp has read the old credit (else a late one took the
+            tl.store(credit_ptr, xq % 1024)  # new one, and warps disagreed on q)
 
         # ---- victims: the K_PAD smallest keys (age, slot) over the pool, one pass in chunks
         best = tl.full([K_PAD], _NONE, tl.int64)  # [K_PAD] ascending

@@ -69,6 +69,10 @@ if HAS_TRITON:
         _put(ids, ib, nk, BLOCK)  # [T, K] int64
         _put(w, wb, nk, BLOCK)  # [T, K] -> f32
         s = tl.load(counter) + 1
+        # every warp holds the old count before any warp writes the new one: without this a late
+        # warp can read the new count and store s + 1, so the count the wait kernel polls for can
+        # pass the seq the CPU answers (the likely cause of the gave-up steps seen on the H200)
+        tl.debug_barrier()
         tl.store(counter, s)
         tl.store(bell + 1, desc)
         _fence(FENCE)
