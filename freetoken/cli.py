@@ -211,7 +211,8 @@ def banner(name: str, arch: str, url: str, d: dict) -> str:
             how.append(f"{d['expert_threads']} threads")
         experts += f" ({', '.join(how)})"
     cache = "on" if d.get("prefix_cache") else "off"
-    return (f"FreeToken: serving {name!r} ({arch}) at {url} | {d.get('device')} {d.get('dtype')} | {experts} | "
+    dense = " (dense FP8 kept)" if d.get("dense_fp8") == "kept" else ""
+    return (f"FreeToken: serving {name!r} ({arch}) at {url} | {d.get('device')} {d.get('dtype')}{dense} | {experts} | "
             f"context {d.get('context')} | decode {d.get('decode_path')}, max batch {d.get('max_batch')}, "
             f"prefix cache {cache}")
 

@@ -8,6 +8,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from ..cache.pages import SCRATCH
 from .layers import FusedLinear, Rope, rms_norm
+from .linear import linear
 from .state import DecodeState
 
 
@@ -46,7 +47,7 @@ class Attention:
         """o: [N, nh*hd] -> [N, H]"""
         if gate is not None:
             o = o * torch.sigmoid(gate)
-        return F.linear(o, self.wo, self.bo)
+        return linear(o, self.wo, self.bo)
 
     def prefill(self, x: torch.Tensor, st: DecodeState, slot: int, start: int, capture=None) -> torch.Tensor:
         """One chunk of one sequence. x: [T, H] at positions start..start+T-1, whose pages are

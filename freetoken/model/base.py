@@ -22,6 +22,13 @@ class DecoderModel:
     # True where a forward keeps its data in Python state its layers share (GLM-DSA's indexer
     # selections, DeepSeek-V4's token ids): two eager forwards at once would mix it
     per_forward_state = False
+    # dense weights this code reads other than through linear() (model/linear.py), dequantized at
+    # load even when the engine keeps dense FP8 (--dense-fp8; weights/reader.py dense_weights,
+    # matched by the dotted parts of a name): the embedding is gathered by token id, the lm_head
+    # (the embedding when tied) goes through lm_head()'s own CPU product, and routers keep the
+    # dtype they route in (the DeepSeek family reads theirs in fp32). Releases publish all of
+    # them unquantized; this only says what happens if one does not.
+    DENSE_DEQUANT = ("embed_tokens", "lm_head", "gate", "router")
 
     def __init__(self, cfg: ModelConfig, w: dict, executor, device, dtype, max_pos: int):
         self.cfg, self.device, self.dtype = cfg, device, dtype

@@ -35,10 +35,10 @@ there are more than index_topk. Torch references; a paged kernel is later work.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..cache.pages import SCRATCH
 from .layers import FusedLinear, rope_frequencies
+from .linear import linear
 from .mla import _capturing, index_scores
 from .attention import ring_prefill
 from .state import DecodeState
@@ -163,7 +163,7 @@ class CompressedAttention:
         n = x.shape[0]
         parts = self.a_proj(x)
         qr = rms_weighted(parts[0], self.q_norm, self.eps)  # [N, q_lora]
-        q = rms_plain(F.linear(qr, self.q_b).view(n, self.nh, self.hd), self.eps)  # [N, nh, hd]
+        q = rms_plain(linear(qr, self.q_b).view(n, self.nh, self.hd), self.eps)  # [N, nh, hd]
         cos, sin = self.cos[pos], self.sin[pos]  # [N, rd/2]
         q = rope_tail(q, cos[:, None], sin[:, None])
         store = {"kv": rope_tail(rms_weighted(parts[1], self.kv_norm, self.eps), cos, sin)}  # [N, hd]
@@ -177,7 +177,7 @@ class CompressedAttention:
 
     def _index_query(self, qr: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """The indexer's queries [N, ih, id], rotated with the compress rope at their positions."""
-        iq = F.linear(qr, self.iq_b).view(qr.shape[0], self.ih, self.id)
+        iq = linear(qr, self.iq_b).view(qr.shape[0], self.ih, self.id)
         return rope_tail(iq, self.ccos[pos][:, None], self.csin[pos][:, None])
 
     def _write(self, st: DecodeState, at, pos: torch.Tensor, store: dict) -> None:
@@ -195,7 +195,7 @@ class CompressedAttention:
         o = rope_tail(o, self.cos[pos][:, None], -self.sin[pos][:, None])
         g = self.o_a.shape[0]
         y = torch.einsum("ngi,goi->ngo", o.reshape(n, g, -1), self.o_a)  # [N, g, olr]
-        return F.linear(y.reshape(n, -1), self.o_b)
+        return linear(y.reshape(n, -1), self.o_b)
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, x: torch.Tensor, st: DecodeState, slot: int, start: int, capture=None) -> torch.Tensor:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from ..kernels import use_triton
 from .layers import FusedLinear, gated_rms_norm
+from .linear import linear
 from .state import DecodeState
 
 
@@ -152,7 +153,7 @@ class GatedDeltaNet:
         n = core.shape[0]
         core = core.to(dtype)
         o = gated_rms_norm(core, z.view(n, self.hv, self.dv), self.norm_w, self.eps)
-        return F.linear(o.reshape(n, self.hv * self.dv), self.w_out)
+        return linear(o.reshape(n, self.hv * self.dv), self.w_out)
 
     def prefill(self, x: torch.Tensor, st: DecodeState, slot: int, start: int, capture=None) -> torch.Tensor:
         """x: [T, H] for one sequence, continuing from the state in `slot`. capture (a
@@ -186,7 +187,7 @@ class GatedDeltaNet:
             mixed = conv_update_triton(mixed, conv_state, self.conv_w, active)
             o = delta_step_triton(mixed, z, b, a, self.neg_a, self.dt_bias, st.rec[self.layer][:bsz],
                                   self.norm_w, self.eps, self.hk, self.hv, self.dk, self.dv, active)
-            return F.linear(o, self.w_out)
+            return linear(o, self.w_out)
         window = torch.cat([conv_state, mixed[..., None].to(conv_state.dtype)], dim=-1)  # [B, C, K]
         conv = (window * self.conv_w).sum(-1)
         if self.conv_b is not None:

@@ -13,6 +13,9 @@ from .moe import DenseMLP
 
 class GlmMoeDsaModel(DecoderModel):
     per_forward_state = True  # self.share: one forward's indexer selections (runtime/overlap.py)
+    # kv_b_proj is cut per head into the absorbed attention's two einsum operands (mla.py), and the
+    # indexer's weights_proj is read in fp32: both dequantized at load
+    DENSE_DEQUANT = DecoderModel.DENSE_DEQUANT + ("kv_b_proj", "weights_proj")
     one_centered_norm = False
     gated_attention = False
 

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import use_triton
+from ..weights.dense_fp8 import Fp8BlockWeight
+from .linear import linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, one_centered: bool) -> torch.Tensor:
@@ -130,21 +132,61 @@ def lm_head(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (w @ cols.T)[:, :n].T  # [N, V]
 
 
-def swiglu_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+def swiglu_mlp(x: torch.Tensor, gate, up, down) -> torch.Tensor:
+    """gate, up [I, H], down [H, I]: plain tensors or FP8 block weights (model/linear.py)."""
+    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
 
 
 class FusedLinear:
-    """Several projections of the same input as one GEMM (one launch, one pass over x);
-    returns the outputs split back apart. Built once at load from the checkpoint's tensors."""
+    """Several projections of the same input as few GEMMs (one launch, one pass over x each);
+    returns the outputs split back apart, in the order given. Built once at load from the
+    checkpoint's tensors. The plain weights are one GEMM (all of them, in order: without FP8
+    weights the only one, as it always was); FP8 block weights (weights/dense_fp8.py) are joined
+    into runs whose scale blocks stay whole (the rows of all but a run's last weight a multiple
+    of 128, one K), so a Qwen3.6 q/k/v or DeltaNet qkv/z is still one GEMM on the FP8 bytes."""
 
-    def __init__(self, weights: list[torch.Tensor], biases: list | None = None):
-        self.weight = torch.cat(weights, dim=0)  # [sum(out), in]
+    def __init__(self, weights: list, biases: list | None = None):
         self.sizes = [w.shape[0] for w in weights]
-        self.bias = None
-        if biases is not None and any(b is not None for b in biases):
-            self.bias = torch.cat([b if b is not None else torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)
-                                   for w, b in zip(weights, biases)])
+        with_bias = biases is not None and any(b is not None for b in biases)
+        groups: list[list[int]] = []  # indices of the weights each GEMM computes
+        plain = [i for i, w in enumerate(weights) if not isinstance(w, Fp8BlockWeight)]
+        if plain:
+            groups.append(plain)
+        fp8: list[int] | None = None  # the FP8 run being built
+        for i, w in enumerate(weights):
+            if not isinstance(w, Fp8BlockWeight):
+                continue
+            if fp8 is not None and Fp8BlockWeight.joinable(weights[fp8[-1]], w):
+                fp8.append(i)
+            else:
+                fp8 = [i]
+                groups.append(fp8)
+        self.groups = []  # (weight [rows, in], bias [rows] or None, indices)
+        for idx in groups:
+            ws = [weights[i] for i in idx]
+            w = Fp8BlockWeight.cat(ws) if isinstance(ws[0], Fp8BlockWeight) else torch.cat(ws, dim=0)  # [sum(out), in]
+            b = None
+            if with_bias and any(biases[i] is not None for i in idx):
+                b = torch.cat([biases[i] if biases[i] is not None else
+                               torch.zeros(weights[i].shape[0], dtype=w.dtype, device=w.device) for i in idx])
+            self.groups.append((w, b, idx))
 
     def __call__(self, x: torch.Tensor):
-        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        if len(self.groups) == 1:
+            w, b, _ = self.groups[0]
+            return linear(x, w, b).split(self.sizes, dim=-1)
+        out = [None] * len(self.sizes)
+        for w, b, idx in self.groups:
+            for i, y in zip(idx, linear(x, w, b).split([self.sizes[i] for i in idx], dim=-1)):
+                out[i] = y
+        return tuple(out)
+
+    def part(self, i: int):
+        """(weight, bias or None) of projection i: views of the fused ones, no copy."""
+        for w, b, idx in self.groups:
+            if i in idx:
+                start = sum(self.sizes[j] for j in idx[:idx.index(i)])
+                n = self.sizes[i]
+                wi = w.rows(start, n) if isinstance(w, Fp8BlockWeight) else w[start:start + n]
+                return wi, (None if b is None else b[start:start + n])
+        raise IndexError(f"no projection {i} among {len(self.sizes)}")

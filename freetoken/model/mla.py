@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from ..cache.pages import SCRATCH
 from .layers import FusedLinear, Rope, rms_norm
+from .linear import linear
 from .state import DecodeState
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm, kv_a_layernorm: the reference builds them with its default eps
@@ -109,7 +110,7 @@ class LatentAttention:
         half = self.rd // 2
         cos, sin = self.rope.cos[pos, :half], self.rope.sin[pos, :half]  # [N, rd/2]
         ql = rms_norm(parts[0], self.q_norm, LATENT_NORM_EPS, False)  # [N, q_lora]
-        q_nope, q_rope = F.linear(ql, self.q_b).view(n, self.nh, self.nope + self.rd).split([self.nope, self.rd], -1)
+        q_nope, q_rope = linear(ql, self.q_b).view(n, self.nh, self.nope + self.rd).split([self.nope, self.rd], -1)
         q_abs = torch.einsum("nhd,hdc->nhc", q_nope, self.w_uk)  # [N, nh, kvr]
         q = torch.cat([q_abs, rope_pairs(q_rope, cos, sin)], dim=-1)  # [N, nh, kvr + rd]
         c, kr = parts[1].split([self.kvr, self.rd], dim=-1)
@@ -117,7 +118,7 @@ class LatentAttention:
                          rope_pairs(kr[:, None], cos, sin)[:, 0]], dim=-1)  # [N, kvr + rd]
         if not self.full:
             return q, row, None
-        iq = F.linear(ql, self.iq_b).view(n, self.ih, self.id)  # the indexer rotates its first rd dims
+        iq = linear(ql, self.iq_b).view(n, self.ih, self.id)  # the indexer rotates its first rd dims
         iq = torch.cat([rope_pairs(iq[..., :self.rd], cos, sin), iq[..., self.rd:]], dim=-1)  # [N, ih, id]
         ik = F.layer_norm(parts[2], (self.id,), *self.ik_norm, INDEXER_NORM_EPS)  # [N, id]
         ik = torch.cat([rope_pairs(ik[:, None, :self.rd], cos, sin)[:, 0], ik[:, self.rd:]], dim=-1)
@@ -127,7 +128,7 @@ class LatentAttention:
     def _output(self, o_lat: torch.Tensor) -> torch.Tensor:
         """o_lat [N, nh, kvr] -> [N, H]"""
         o = torch.einsum("nhc,hvc->nhv", o_lat, self.w_uv)  # [N, nh, vd]
-        return F.linear(o.reshape(o.shape[0], self.nh * self.vd), self.wo, self.bo)
+        return linear(o.reshape(o.shape[0], self.nh * self.vd), self.wo, self.bo)
 
     def prefill(self, x: torch.Tensor, st: DecodeState, slot: int, start: int, capture=None) -> torch.Tensor:
         """One chunk of one sequence. x: [T, H] at positions start..start+T-1, whose pages are

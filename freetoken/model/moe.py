@@ -19,6 +19,7 @@ from ..errors import UnsupportedModelError
 from ..experts.executor import NO_EXPERT, Activation
 from ..kernels import use_triton
 from .layers import FusedLinear, swiglu_mlp
+from .linear import linear
 
 
 def check_executor(cfg, executor) -> None:
@@ -92,7 +93,7 @@ class MoE:
             ids = ids.masked_fill(~active[:, None], NO_EXPERT)
         kw = {}
         if self.ahead and self.ahead_w is not None and phase == "decode":  # the next MoE layer's predicted routes
-            nxt_ids, nxt_w = self.route(F.linear(x, self.ahead_w, self.ahead_b), x.dtype)  # [T, k]
+            nxt_ids, nxt_w = self.route(linear(x, self.ahead_w, self.ahead_b), x.dtype)  # [T, k]
             nxt_ids = nxt_ids + self.num_experts
             if active is not None:
                 nxt_ids = nxt_ids.masked_fill(~active[:, None], NO_EXPERT)
@@ -101,7 +102,7 @@ class MoE:
         shared = None
         if self.shared:  # computed while the routed experts run (on the CPU pool, say)
             _, g, u, sg = parts
-            shared = torch.sigmoid(sg) * F.linear(F.silu(g) * u, self.shared_down)
+            shared = torch.sigmoid(sg) * linear(F.silu(g) * u, self.shared_down)
         out = self.executor.finish(pending)
         return out if shared is None else out + shared  # one fixed merge order
 
@@ -112,9 +113,7 @@ def link_lookahead(mlps) -> None:
     moes = [m for m in mlps if isinstance(m, MoE)]
     for a, b in zip(moes, moes[1:]):
         if a.ahead:
-            e = b.num_experts
-            a.ahead_w = b.in_proj.weight[:e]  # [E, H]
-            a.ahead_b = None if b.in_proj.bias is None else b.in_proj.bias[:e]  # [E]
+            a.ahead_w, a.ahead_b = b.in_proj.part(0)  # [E, H], [E] or None
 
 
 class DenseMLP:

@@ -6,7 +6,8 @@ they stay in host memory for the C++ executor; on CUDA with experts="gpu" all ex
 resident in VRAM (the full-VRAM baseline); experts="cpu" on CUDA is the CPU-only MoE backend.
 Quantized checkpoints (fp8_block, mxfp4, nvfp4): the expert banks keep their bytes (an
 experts.banks.ExpertBanks) and the kernels dequantize the selected experts in place;
-quantized dense weights are dequantized to the compute dtype here, at load.
+FP8 block dense weights stay FP8 on CUDA (--dense-fp8: weights/dense_fp8.py, model/linear.py),
+the other quantized dense weights are dequantized to the compute dtype here, at load.
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from ..model.registry import model_class
 from ..model.state import DecodeState, state_bytes
 from ..tokenizer import Tokenizer, load_json
 from ..weights.ftw import DTYPES as DTYPES_BY_NAME, read_header
-from ..weights.reader import dense_weights, load_ftw
+from ..weights.dense_fp8 import Fp8BlockWeight
+from ..weights.reader import dense_weights, keeps_fp8, load_ftw
 from .budget import device_budget
 from .sampler import SamplingParams
 
@@ -71,6 +73,12 @@ class EngineConfig:
                 "page in the shared pool (restores at any cached page, the whole context's memory)",
         "choices": ["window", "full"]})
     verify: bool = field(default=True, metadata={"help": "check FTW block checksums while loading"})
+    dense_fp8: str = field(default="auto", metadata={
+        "help": "dense (non-expert) weights an FP8 checkpoint publishes in FP8: keep = as published, the "
+                "GEMMs reading the FP8 bytes (half the memory of bf16); dequant = dequantized to the compute "
+                "dtype at load (auto: keep on CUDA, dequant on the CPU, where a GEMM would dequantize its "
+                "weight each call)",
+        "choices": ["auto", "keep", "dequant"]})
     vram_budget: str = field(default="", metadata={
         "help": "memory the engine may use on the device: a size (24GiB) or a fraction of it (0.9); "
                 "on the CPU, of host memory (default: free memory less 1 GiB)"})
@@ -106,6 +114,8 @@ class EngineConfig:
         self.fill_share_value()  # refuses a bad value now
         if self.expert_prefetch < 0:
             raise FreeTokenError(f"--expert-prefetch must be >= 0 experts (0: off), got {self.expert_prefetch}")
+        if self.dense_fp8 not in ("auto", "keep", "dequant"):
+            raise FreeTokenError(f"--dense-fp8 must be auto, keep or dequant, got {self.dense_fp8!r}")
         if self.sliding_kv not in ("window", "full"):
             raise FreeTokenError(f"--sliding-kv must be window or full, got {self.sliding_kv!r}")
         if self.moe != "auto" and self.experts != "auto" and \
@@ -157,6 +167,9 @@ class Engine:
         self.path = path
         self.ecfg = ecfg or EngineConfig()
         self.device, self.dtype, self.experts_on = self.ecfg.resolved()
+        # dense FP8 weights kept as published: on CUDA by default (VRAM is what runs out; the Triton
+        # GEMM reads the bytes in place); on the CPU a kept weight is dequantized every call
+        self.keep_fp8 = self.ecfg.dense_fp8 == "keep" or (self.ecfg.dense_fp8 == "auto" and self.device.type == "cuda")
         self.budget = device_budget(self.device, self.ecfg.vram_budget)
         if self.experts_on == "auto":  # every expert in VRAM if they fit with room to spare, else a cache
             self.experts_on = "gpu"
@@ -189,11 +202,13 @@ class Engine:
             self.executor = self._quantized_executor(banks)
         else:
             self.executor = self._executor(banks.gate_up if banks else None, banks.down if banks else None)
-        keep = getattr(model_class(self.cfg.arch), "KEEP_FP32", ())  # the class's fp32 modules
-        dense = dense_weights(meta, w, self.device, self.dtype, keep)  # quantized ones dequantized (quant.py)
+        cls = model_class(self.cfg.arch)
+        # the class's fp32 modules; quantized weights dequantized (quant.py) but FP8 ones kept if asked
+        dense = dense_weights(meta, w, self.device, self.dtype, getattr(cls, "KEEP_FP32", ()), self.keep_fp8,
+                              getattr(cls, "DENSE_DEQUANT", ()))
+        self.dense_fp8 = self._dense_fp8(dense)
         self.max_len = min(self.cfg.max_position_embeddings, self.ecfg.max_seq_len or 1 << 62)
-        self.model = model_class(self.cfg.arch)(self.cfg, dense, self.executor, self.device,
-                                                self.dtype, self.max_len)
+        self.model = cls(self.cfg, dense, self.executor, self.device, self.dtype, self.max_len)
         self._runner = None  # the one-request serving loop behind generate()
         if self.ecfg.expert_prefetch and not self._lookahead_layers():
             log.warning("--expert-prefetch %d has no effect here: the lookahead needs --moe cache and a model whose "
@@ -213,14 +228,24 @@ class Engine:
         """Bytes of weights that will live on the compute device (on the CPU: all of them)."""
         meta, entries = read_header(path)
         el = torch.empty((), dtype=self.dtype).element_size()
-        qd = (meta.get("quant") or {}).get("dense") or {}  # dequantized at load: values -> [R, C] of el
-        dequantized = {d["values"]: d["shape"] for d in qd.values()}
-        consumed = {d[k] for d in qd.values() for k in ("scale", "scale_2") if d.get(k)}
+        qd = (meta.get("quant") or {}).get("dense") or {}
+        dequant = ()
+        if self.keep_fp8 and qd:  # the weights the model class reads other than through linear()
+            dequant = getattr(model_class(ModelConfig.from_hf(meta["config"], path).arch), "DENSE_DEQUANT", ())
+        kept = {d["values"]: d for n, d in qd.items() if keeps_fp8(n, d, self.keep_fp8, dequant)}
+        kept_scales = {d["scale"] for d in kept.values()}  # as stored; ue8m0 bytes become fp32
+        # the others dequantized at load: values -> [R, C] of el, scales consumed
+        dequantized = {d["values"]: d["shape"] for d in qd.values() if d["values"] not in kept}
+        consumed = {d[k] for d in qd.values() for k in ("scale", "scale_2") if d.get(k)} - kept_scales
         quant_banks = (meta.get("banks") or {}).get("format", "dense") != "dense"  # bytes kept everywhere
 
         def size(name, e):  # floating weights are cast to the compute dtype, except host experts
             if name in consumed:
                 return 0
+            if name in kept:
+                return e.nbytes
+            if name in kept_scales:
+                return e.nbytes * (4 if e.dtype == "uint8" else 1)
             if name in dequantized:
                 return el * int(torch.tensor(dequantized[name]).prod())
             dt = DTYPES_BY_NAME[e.dtype]
@@ -241,13 +266,21 @@ class Engine:
                 f"{self.budget / 1e9:.1f} GB; raise --vram-budget{hint}")
         return n
 
+    def _dense_fp8(self, dense: dict) -> str:
+        """describe()'s dense_fp8: "kept" (some dense weights are Fp8BlockWeight), "dequantized"
+        (the checkpoint has FP8 dense weights, all dequantized at load) or "none"."""
+        if any(isinstance(v, Fp8BlockWeight) for v in dense.values()):
+            return "kept"
+        qd = (self.meta.get("quant") or {}).get("dense") or {}
+        return "dequantized" if any(d["format"] == "fp8_block" for d in qd.values()) else "none"
+
     def describe(self) -> dict:
         """What runs where (start-up banner, /health, /metrics): device, dtype, expert backend."""
         ex = self.executor
         return {"device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
                 "experts": self.experts_on, "expert_backend": ex.backend if ex is not None else "none",
                 "expert_isa": getattr(ex, "isa", None), "expert_threads": getattr(ex, "threads", None),
-                "expert_format": self.expert_format, "context": self.max_len}
+                "expert_format": self.expert_format, "dense_fp8": self.dense_fp8, "context": self.max_len}
 
     def _quantized_executor(self, banks: ExpertBanks):
         """Quantized expert banks keep their bytes. Resident on the device (--moe resident): the

@@ -11,7 +11,8 @@ the layouts are in hf.py's docstring) keep their published bytes, bit for bit:
     rows are de-interleaved, a pure row permutation applied alike to values and scales); the
     header's meta["banks"] records the format and the scale entries' names;
   - dense (non-expert) quantized weights: their tensors as published, under their names, listed
-    in meta["quant"]["dense"]; the engine dequantizes them when it loads (quant.py reference).
+    in meta["quant"]["dense"]; the engine keeps FP8 ones as they are on CUDA (--dense-fp8,
+    model/linear.py) and dequantizes the others when it loads (quant.py reference).
 Expert biases (GPT-OSS: `mlp.experts.gate_up_proj_bias` [E, 2I] interleaved like the gate_up
 rows, `down_proj_bias` [E, H]) become two more banks, `experts.gate_up.bias` [N, 2I] (gate then
 up, de-interleaved) and `experts.down.bias` [N, H], in the checkpoint's dtype; meta["banks"]
@@ -409,8 +410,9 @@ def summary(pl: Plan, entries: list[Entry]) -> str:
     qd = [w for w in pl.dense_w.values() if w.format != "dense"]
     if qd:
         db = sum(by[t] for w in qd for t in w.parts())
-        parts.append(f"{len(qd)} dense weights kept as {fmt} ({_size(db)}; dequantized to the compute dtype "
-                     "when loaded)")
+        how = ("read as FP8 by the GEMMs on CUDA, dequantized to the compute dtype on the CPU: --dense-fp8"
+               if fmt == "fp8_block" else "dequantized to the compute dtype when loaded")
+        parts.append(f"{len(qd)} dense weights kept as {fmt} ({_size(db)}; {how})")
     plain = [n for n, w in pl.dense_w.items() if w.format == "dense"]
     parts.append(f"{len(plain)} unquantized ({_size(sum(by[n] for n in plain))})")
     return "; ".join(parts)

@@ -18,7 +18,7 @@ meta["quant"] (quantized checkpoints only): "format", "experts" (the routed expe
 same, or mxfp4 for DeepSeek-V4's FP4 experts beside FP8 weights), "declared" (where),
 "description", and "dense": {weight name: {"format", "values", "scale", "scale_2", "shape"}} for
 the non-expert weights stored as published (entries named as in the checkpoint; FP8 ue8m0 scales
-as their bytes), dequantized at load.
+as their bytes), dequantized at load, or for FP8 kept as they are (runtime/engine.py --dense-fp8).
 """
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ..errors import CorruptModelError, UnsupportedModelError
+from .dense_fp8 import Fp8BlockWeight
 from .hostmem import host_buffer
 from .ftw import ALIGN, BLOCK, DTYPES, align_up, block_spans, crc32, quantized_entries, read_header
 
@@ -155,13 +156,26 @@ def pin_in_place(tensors, min_bytes: int = 4096) -> bool:
     return ok
 
 
-def dense_weights(meta: dict, tensors: dict, device, dtype, keep_fp32=()) -> dict:
+def keeps_fp8(name: str, d: dict, keep: bool, dequant=()) -> bool:
+    """Whether dense_weights keeps the quantized dense weight `name` (its meta["quant"]["dense"]
+    entry d) as an Fp8BlockWeight: FP8 block, 2-D, the engine keeping dense FP8, and none of
+    `name`'s dotted parts among `dequant` (a model class's DENSE_DEQUANT)."""
+    return (keep and d["format"] == "fp8_block" and len(d["shape"]) == 2
+            and not set(dequant).intersection(name.split(".")))
+
+
+def dense_weights(meta: dict, tensors: dict, device, dtype, keep_fp32=(), keep_fp8: bool = False,
+                  fp8_dequant=()) -> dict:
     """The non-expert weights for the model, on `device`: floating ones cast to `dtype`, integer
     ones as they are, and those stored quantized (meta["quant"]["dense"]) dequantized with the
     quant.py reference (on the device) and cast to `dtype`; their scale tensors are consumed.
     keep_fp32: module names (a model class's KEEP_FP32, transformers' _keep_in_fp32_modules);
     a floating tensor with one of them among its dotted name's parts is loaded in fp32.
-    (FP8 GEMMs that read the published bytes directly are later work.)"""
+    keep_fp8: FP8 block weights stay as published, Fp8BlockWeight (dense_fp8.py; ue8m0 scales
+    made fp32), for the model's linear() (model/linear.py), except those keeps_fp8 refuses
+    (fp8_dequant: the model class's DENSE_DEQUANT). MXFP4 and NVFP4 dense weights are always
+    dequantized here: no dense GEMM reads those formats in place yet (GPT-OSS publishes its dense
+    weights in BF16; ModelOpt's NVFP4 releases would gain from one)."""
     keep = set(keep_fp32)
     from .quant import dequant_fp8_block, dequant_mxfp4, dequant_nvfp4
     qd = (meta.get("quant") or {}).get("dense") or {}
@@ -171,6 +185,12 @@ def dense_weights(meta: dict, tensors: dict, device, dtype, keep_fp32=()) -> dic
         v = tensors[d["values"]].to(device)
         s = tensors[d["scale"]].to(device)
         fmt, shape = d["format"], d["shape"]
+        if keeps_fp8(name, d, keep_fp8, fp8_dequant):
+            if list(v.shape) != list(shape):
+                raise CorruptModelError(f"weight {name}: its values are {list(v.shape)}, the header says {shape}; "
+                                        "re-run `ft convert`")
+            out[name] = Fp8BlockWeight(v, s, dtype, name)  # checks the scale's shape
+            continue
         if fmt == "fp8_block":
             if s.dtype == torch.uint8:  # ue8m0 scales (DeepSeek-V4), kept as their bytes
                 from .hf import e8m0_f32
