@@ -45,20 +45,24 @@ def read_bandwidth(t: torch.Tensor, threads: int) -> float:
 def quantized_banks(fmt: str, n: int, h: int, i: int, g: torch.Generator) -> ExpertBanks:
     """Random banks in the layout experts/banks.py documents: every byte pattern of an e2m1 pair
     is a valid weight pair; e4m3 values without the NaN code; scales of the size a real
-    checkpoint has (weights around 0.02)."""
+    checkpoint has (weights around 0.02). Made on the generator's device (a CUDA generator: the
+    banks on the GPU)."""
+    dev = g.device
+
     def bank(rows: int, cols: int, halves: int) -> QuantBank:
         if fmt == "fp8_block":
-            v = torch.randint(0, 256, (n, rows, cols), generator=g, dtype=torch.uint8)
+            v = torch.randint(0, 256, (n, rows, cols), generator=g, dtype=torch.uint8, device=dev)
             v[(v & 0x7F) == 0x7F] = 0x7E  # no NaN
             per = -(-(rows // halves) // 128)
-            s = torch.rand(n, halves * per, -(-cols // 128), generator=g) * 1e-4 + 5e-5
+            s = torch.rand(n, halves * per, -(-cols // 128), generator=g, device=dev) * 1e-4 + 5e-5
             return QuantBank(fmt, v.view(torch.float8_e4m3fn), s, None, halves)
-        v = torch.randint(0, 256, (n, rows, cols // 2), generator=g, dtype=torch.uint8)
+        v = torch.randint(0, 256, (n, rows, cols // 2), generator=g, dtype=torch.uint8, device=dev)
         if fmt == "mxfp4":
-            return QuantBank(fmt, v, torch.randint(118, 122, (n, rows, cols // 32), generator=g, dtype=torch.uint8),
-                             None, halves)
-        s = torch.randint(0x30, 0x60, (n, rows, cols // 16), generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn)
-        return QuantBank(fmt, v, s, torch.rand(n, halves, generator=g) * 1e-3 + 1e-3, halves)
+            s = torch.randint(118, 122, (n, rows, cols // 32), generator=g, dtype=torch.uint8, device=dev)
+            return QuantBank(fmt, v, s, None, halves)
+        s = torch.randint(0x30, 0x60, (n, rows, cols // 16), generator=g, dtype=torch.uint8,
+                          device=dev).view(torch.float8_e4m3fn)
+        return QuantBank(fmt, v, s, torch.rand(n, halves, generator=g, device=dev) * 1e-3 + 1e-3, halves)
     return ExpertBanks(fmt, bank(2 * i, h, 2), bank(h, i, 1))
 
 

@@ -1,0 +1,635 @@
+"""Decode tok/s of a slice of the full-size DeepSeek-V4-Flash and GLM-5 shapes (issue 14's
+benchmark): random weights made in place, experts in the published formats, batch 1.
+
+Shapes: the defaults of transformers 5.x's `DeepseekV4Config` (DEEPSEEK_V4_FLASH: 43 layers,
+hidden 4096, 256 experts of 4096 x 2048, top-6, the first 3 MoE layers hash-routed, CSA and HCA
+attention over a sliding window of 128, 4 hyper-connection streams) and `GlmMoeDsaConfig`
+(GLM5: 78 layers, hidden 6144, 256 experts of 6144 x 2048, top-8, the first 3 layers dense,
+latent attention with the DSA indexer), written out below as literal dicts; `--layers N` keeps
+their first N layers (the per-layer lists cut to N). `--tiny`: the same structure at hidden 256
+with 16 experts (hash layers, dense layers, CSA/HCA, DSA all there), for a CPU.
+
+Weights. The non-expert tensors are the ones `ft convert` would write for the slice: their names
+and shapes come from the transformers model of the slice config built on the meta device (no
+memory), its state_dict pushed through convert's own renaming (weights/hf.py canonical() and, for
+DeepSeek-V4, deepseek_v4_name()) and checked against the model class's expected_tensors(); their
+dtypes are what the engine's loader makes of them (weights/reader.py dense_weights: bf16, the
+class's KEEP_FP32 modules and the routers' correction bias in fp32, DeepSeek-V4's token -> expert
+tables as integers). Their values are random, made directly on the compute device (the hash
+tables valid: k distinct experts per token). The dense weights are BF16 (the releases publish
+DeepSeek-V4-Flash's dense layers in FP8; the engine's FP8 dense GEMM is not used here).
+The routed experts: random banks in the published layout (bench/cpu_experts.py quantized_banks),
+`--expert-format` mxfp4 (DeepSeek-V4-Flash's default), nvfp4 (GLM-5's default), fp8_block or bf16,
+made one layer at a time on the device and copied once into page-aligned host memory on huge pages,
+registered for DMA (cudaHostRegister), as the engine's FTW banks are.
+
+Modes (`--modes`, each row's `mode`), timed as bench/expert_cache.py times them (run_config: a
+prompt prefilled, warm-up steps, then `--tokens` decode steps, each synchronised and its token
+read, as the serving loop does; one CUDA graph per step where the executor allows it):
+  resident   every expert in VRAM (TorchExpertExecutor; the quantized Triton kernels)
+  cpu-only   every routed expert on the C++ CPU executor (`--threads`), the rest on the GPU; in
+             stream order on CUDA (StreamedCpuExecutor: one graph)
+  cache      the GPU expert cache, `--capacity` of the experts in slots, the adaptive split of the
+             misses between fills and the CPU (warmed up until it has decided, at most
+             `--cache-warmup` steps; `fill_share_chosen`, `miss_rate`)
+A row that cannot run says so (`error`); a decode step that cannot be captured is timed eagerly
+(`graph: false`, `graph_error`). Without CUDA every mode runs on the CPU (tiny shapes only).
+Floors (`floor_ms`, `of_floor` = floor / measured): resident: the active bytes of a step (every
+non-expert weight but one embedding row, the top-k experts of each MoE layer, an approximate
+KV/indexer read) over the device read bandwidth measured here; cpu-only: the expert bytes of a step
+over B_H (the C++ executor's read rate on these experts at that thread count, measured here);
+cache: the resident step (the resident row's, else its floor) plus the step's missed expert bytes
+over B_P + B_H (B_P: the zero-copy fill kernel's rate, measured here).
+
+Before building, the run prints the expert bytes per MoE layer in each format and what the slice
+needs in host RAM and VRAM per mode, and exits with the reason if the slice would not fit
+(`--estimate-only`: print and stop; `--host-gb` plans for another machine's RAM). On the GPU
+machine (128 GiB host RAM, 139 GiB VRAM), after `bash bench/stamp_commit.sh` here (carry
+.devcache, as bench/device_suite.sh does), each call sized for under ~5 minutes by estimate, not
+yet timed there (a fresh machine compiles the Triton kernels first; 12 layers: 41.1 GB of MXFP4
+experts, 48.9 GB of NVFP4):
+    python -m bench.large_models --arch deepseek_v4 --layers 12 --modes resident,cpu-only,cache --threads 6
+    python -m bench.large_models --arch glm_moe_dsa --layers 12 --modes resident,cpu-only,cache --threads 6
+and the largest slices (about 80% of the host RAM in experts: 95.8 GB of MXFP4, 92.4 GB of NVFP4):
+    python -m bench.large_models --arch deepseek_v4 --layers 28 --modes resident,cpu-only,cache --threads 6 \
+        --name large_models-deepseek_v4-28
+    python -m bench.large_models --arch glm_moe_dsa --layers 20 --modes resident,cpu-only,cache --threads 6 \
+        --name large_models-glm_moe_dsa-20
+On a CPU machine: python -m bench.large_models --arch deepseek_v4 --tiny --threads 1
+Results: benchmarks/results/NAME-gpu.json (or $OUT), NAME = --name (default large_models-ARCH).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+import torch
+
+PER_LAYER = ("layer_types", "mlp_layer_types", "indexer_types")
+
+
+def slice_config(cfg: dict, layers: int) -> dict:
+    """cfg's first `layers` layers: num_hidden_layers and every per-layer list cut to it."""
+    out = dict(cfg, num_hidden_layers=layers)
+    for k in PER_LAYER:
+        if k in out:
+            out[k] = list(out[k][:layers])
+    return out
+
+
+HASH_LAYERS = 3
+DEEPSEEK_V4_FLASH = {  # transformers 5.x DeepseekV4Config() (5.17 and 5.24 alike)
+    "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "vocab_size": 129280,
+    "hidden_size": 4096, "moe_intermediate_size": 2048, "num_hidden_layers": 43, "num_attention_heads": 64,
+    "num_key_value_heads": 1, "head_dim": 512, "q_lora_rank": 1024, "num_experts_per_tok": 6,
+    "n_routed_experts": 256, "n_shared_experts": 1, "scoring_func": "sqrtsoftplus", "norm_topk_prob": True,
+    "routed_scaling_factor": 1.5, "max_position_embeddings": 1048576, "rope_theta": 10000.0,
+    # two HCA layers, then CSA and HCA in turn
+    "layer_types": ["heavily_compressed_attention"] * 2 + [
+        "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(41)],
+    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+    "compress_rope_theta": 160000.0, "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
+    "mlp_layer_types": ["hash_moe"] * HASH_LAYERS + ["moe"] * 40, "swiglu_limit": 10.0, "sliding_window": 128,
+    "o_groups": 8, "o_lora_rank": 1024, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
+    "num_nextn_predict_layers": 1, "hidden_act": "silu", "rms_norm_eps": 1e-6, "bos_token_id": 0,
+    "eos_token_id": 1, "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+    "rope_parameters": {"main": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.125},
+                        "compress": {"rope_type": "default", "rope_theta": 160000.0, "partial_rotary_factor": 0.125}},
+    "partial_rotary_factor": 0.125, "qk_rope_head_dim": 64,
+}
+GLM5 = {  # transformers 5.x GlmMoeDsaConfig() (5.17 and 5.24 alike; its layer_types, which the
+    # versions name differently and the engine does not read, left out)
+    "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "vocab_size": 154880,
+    "hidden_size": 6144, "intermediate_size": 12288, "moe_intermediate_size": 2048, "num_hidden_layers": 78,
+    "num_attention_heads": 64, "num_key_value_heads": 64, "n_shared_experts": 1, "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 2048, "qk_rope_head_dim": 64,
+    "v_head_dim": 256, "qk_nope_head_dim": 192, "head_dim": 64, "n_group": 1, "topk_group": 1,
+    "num_experts_per_tok": 8, "norm_topk_prob": True, "hidden_act": "silu", "max_position_embeddings": 202752,
+    "rms_norm_eps": 1e-5, "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False,
+    "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, "attention_bias": False, "mlp_bias": False,
+    "first_k_dense_replace": 3, "mlp_layer_types": ["dense"] * 3 + ["sparse"] * 75,
+    "indexer_types": ["full"] * 78, "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 32,
+}
+# the same structure, small: 3 hash-routed layers then plain MoE, HCA/CSA (compress windows of 16
+# and 4, a window of 16 keys, the indexer keeping 4 entries); 3 dense layers then MoE, the DSA
+# indexer keeping 16 keys. Prompts past 40 tokens pass every window and top-k.
+TINY = {
+    "deepseek_v4": slice_config(dict(
+        DEEPSEEK_V4_FLASH, vocab_size=1024, hidden_size=256, moe_intermediate_size=128, num_attention_heads=4,
+        head_dim=64, q_lora_rank=64, n_routed_experts=16, o_groups=2, o_lora_rank=64, index_n_heads=4,
+        index_head_dim=32, index_topk=4, sliding_window=16, qk_rope_head_dim=8, max_position_embeddings=4096,
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16}), 5),
+    "glm_moe_dsa": slice_config(dict(
+        GLM5, vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64, q_lora_rank=128, qk_rope_head_dim=16,
+        v_head_dim=32, qk_nope_head_dim=32, head_dim=16, n_routed_experts=16, index_topk=16, index_head_dim=32,
+        index_n_heads=4, max_position_embeddings=4096), 5),
+}
+SHAPES = {"deepseek_v4": DEEPSEEK_V4_FLASH, "glm_moe_dsa": GLM5}
+NAMES = {"deepseek_v4": "DeepSeek-V4-Flash", "glm_moe_dsa": "GLM-5"}
+PUBLISHED_FORMAT = {"deepseek_v4": "mxfp4", "glm_moe_dsa": "nvfp4"}
+HF_CLASSES = {"deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM"),
+              "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM")}
+FORMATS = ("bf16", "fp8_block", "mxfp4", "nvfp4")
+MODES = ("resident", "cpu-only", "cache")
+MAX_POS = 4096  # the rope tables run_config builds (bench/expert_cache.py)
+HOST_SPARE = 8e9  # host bytes beside the banks: the process, CUDA's context, staging buffers
+VRAM_WORK = 3e9  # device bytes beside weights, state and experts: activations, logits, graphs, allocator slack
+GB = 1e9
+
+
+# ---------------------------------------------------------------------------- the weights
+
+def hf_tensors(cfg: dict) -> dict[str, tuple[tuple, torch.dtype]]:
+    """{name: (shape, dtype)} of every non-expert tensor of the transformers model of `cfg`,
+    under the names `ft convert` gives them: the model built on the meta device (no memory), its
+    state_dict renamed as weights/hf.py renames a checkpoint's tensors."""
+    try:
+        import transformers
+    except ImportError:
+        raise SystemExit("bench.large_models: the weight names and shapes come from transformers' model classes; "
+                         "install transformers >= 5.x") from None
+
+    from freetoken.config import ModelConfig
+    from freetoken.weights.hf import canonical, deepseek_v4_name
+    arch = ModelConfig.from_hf(cfg).arch
+    cname, mname = HF_CLASSES[arch]
+    try:
+        config_cls, model_cls = getattr(transformers, cname), getattr(transformers, mname)
+    except AttributeError:
+        raise SystemExit(f"bench.large_models: transformers {transformers.__version__} has no {mname}; "
+                         "the weight names and shapes come from it (transformers >= 5.x)") from None
+    hc = config_cls(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
+    with torch.device("meta"):
+        model = model_cls(hc)
+    out = {}
+    for name, t in model.state_dict().items():
+        c = canonical(name)
+        if c is None:
+            continue
+        if arch == "deepseek_v4":
+            c = deepseek_v4_name(c)
+        if ".mlp.experts." in c:  # the routed experts: the banks
+            continue
+        out[c] = (tuple(t.shape), t.dtype)
+    return out
+
+
+def weight_plan(cfg: dict, dtype=torch.bfloat16) -> dict[str, tuple[tuple, torch.dtype]]:
+    """{name: (shape, dtype as the engine loads it)} of the model class's non-expert tensors."""
+    from freetoken.config import ModelConfig
+    from freetoken.model.registry import model_class
+    from freetoken.weights.reader import dense_weights
+    mc = ModelConfig.from_hf(cfg)
+    cls = model_class(mc.arch)
+    hf = hf_tensors(cfg)
+    want = cls.expected_tensors(mc)
+    missing = [n for n in want if n not in hf]
+    if missing:
+        raise SystemExit(f"bench.large_models: the transformers model has no tensor {missing[0]} "
+                         f"({len(missing)} of {len(want)} expected tensors missing)")
+    meta = {n: torch.empty(hf[n][0], dtype=hf[n][1], device="meta") for n in want}
+    loaded = dense_weights({}, meta, torch.device("meta"), dtype, getattr(cls, "KEEP_FP32", ()))
+    return {n: (tuple(t.shape), t.dtype) for n, t in loaded.items()}
+
+
+def dense_value(name: str, shape, dtype, num_experts: int, g: torch.Generator, dev) -> torch.Tensor:
+    """A random value for one non-expert tensor, made on `dev`."""
+    if not dtype.is_floating_point:  # a hash layer's token -> experts table [V, k]: k distinct experts a row
+        scores = torch.rand(shape[0], num_experts, generator=g, device=dev)
+        return scores.topk(shape[1], dim=-1).indices.to(dtype)
+    t = torch.randn(shape, generator=g, device=dev)
+    parts = name.split(".")
+    module, leaf = (parts[-2] if len(parts) > 1 else ""), parts[-1]
+    if "norm" in module and leaf == "weight":
+        t = t.mul_(0.02).add_(1.0)  # (RMS/Layer)Norm scales near 1
+    elif "norm" in module or name.endswith("e_score_correction_bias"):
+        t = t.mul_(0.01)
+    elif name.endswith("embed_tokens.weight"):
+        t = t.mul_(0.02)
+    elif len(shape) >= 2:
+        t = t.mul_(shape[-1] ** -0.5)
+    else:
+        t = t.mul_(0.1)
+    return t.to(dtype)
+
+
+def random_dense(plan: dict, mc, dev, seed: int = 0) -> dict:
+    g = torch.Generator(device=dev).manual_seed(seed)
+    return {n: dense_value(n, s, dt, mc.num_experts, g, dev) for n, (s, dt) in plan.items()}
+
+
+def expert_bytes(fmt: str, h: int, i: int) -> int:
+    """Bytes of one expert in a format: every bank's row (values, scales), as ft convert lays
+    them out (weights/convert.py bank_entries; FP8 block scales in f32, as quantized_banks makes)."""
+    from freetoken.weights.convert import bank_entries
+    from freetoken.weights.ftw import Entry
+    entries = bank_entries("dense" if fmt == "bf16" else fmt, 1, i, h, {"values": "bfloat16", "scale": "float32"})
+    return sum(Entry(name, dt, shape).nbytes for name, dt, shape, _, _ in entries)
+
+
+def make_banks(fmt: str, mc, dev, seed: int = 0):
+    """Random expert banks of every MoE layer in host memory (page-aligned, huge pages, registered
+    for DMA on CUDA), made one layer at a time on `dev` and copied once -> (ExpertBanks, pinned)."""
+    from dataclasses import replace
+
+    from bench.cpu_experts import quantized_banks
+    from freetoken.experts.banks import ExpertBanks
+    from freetoken.weights.hostmem import host_tensor
+    from freetoken.weights.reader import pin_in_place
+    e, h, i, n = mc.num_experts, mc.hidden_size, mc.moe_intermediate_size, mc.num_flat_experts
+    g = torch.Generator(device=dev).manual_seed(seed)
+    banks, pinned = None, False
+    for layer in range(len(mc.moe_layers)):
+        if fmt == "bf16":
+            one = ExpertBanks("dense", torch.randn(e, 2 * i, h, generator=g, device=dev).mul_(h ** -0.5).bfloat16(),
+                              torch.randn(e, h, i, generator=g, device=dev).mul_(i ** -0.5).bfloat16())
+        else:
+            one = quantized_banks(fmt, e, h, i, g)
+        if banks is None:  # the host banks, shaped as the first layer's with n experts
+            def alloc(t):
+                return None if t is None else host_tensor((n, *t.shape[1:]), t.dtype)
+
+            def host(b):
+                if isinstance(b, torch.Tensor):
+                    return alloc(b)
+                return replace(b, values=alloc(b.values), scale=alloc(b.scale), scale_2=alloc(b.scale_2))
+            banks = ExpertBanks(one.format, host(one.gate_up), host(one.down))
+            if torch.cuda.is_available():  # registered before the first write: the copies below are DMA
+                pinned = pin_in_place(banks.tensors())
+        for dst, src in zip(banks.tensors(), one.tensors()):
+            dst[layer * e:(layer + 1) * e].copy_(src)
+        del one
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    return banks, pinned
+
+
+# ---------------------------------------------------------------------------- estimates
+
+def distinct_experts(e: int, k: int, batch: int) -> float:
+    """Expected distinct experts of one MoE layer in a step of `batch` tokens (uniform routing)."""
+    return e * (1 - (1 - k / e) ** batch)
+
+
+def kv_read_bytes(mc, ctx: int, el: int = 2) -> int:
+    """Approximate KV/indexer bytes a decode step reads at context `ctx` (one sequence)."""
+    b = 0
+    for layer in range(mc.num_layers):
+        if mc.arch == "deepseek_v4":
+            b += min(ctx, mc.sliding_window) * mc.head_dim * el  # sliding keys (= values)
+            kind = mc.compressed_attention[layer]
+            if kind == "csa":
+                n = ctx // mc.compress_rate_csa
+                b += n * mc.index_head_dim * el + min(n, mc.index_topk) * mc.head_dim * el
+            elif kind == "hca":
+                b += ctx // mc.compress_rate_hca * mc.head_dim * el
+        else:  # latent attention: the indexer's keys, then the selected latent rows
+            b += ctx * mc.index_head_dim * el + min(ctx, mc.index_topk) * (mc.kv_lora_rank + mc.qk_rope_head_dim) * el
+    return b
+
+
+def dense_active_bytes(plan: dict) -> int:
+    """Non-expert bytes a decode step reads: all, but one row of the embedding and of each hash table."""
+    b = 0
+    for name, (shape, dt) in plan.items():
+        el = torch.empty((), dtype=dt).element_size()
+        numel = 1
+        for s in shape:
+            numel *= s
+        if name.endswith(("embed_tokens.weight", "gate.tid2eid")):
+            numel = shape[-1]
+        b += numel * el
+    return b
+
+
+def plan_bytes(plan: dict) -> int:
+    return sum(torch.empty((), dtype=dt).element_size() * int(torch.tensor(s).prod()) for s, dt in plan.values())
+
+
+def host_available() -> float:
+    """MemAvailable of /proc/meminfo, bytes (inf where unreadable: no refusal on a guess)."""
+    from freetoken.runtime.budget import host_available as available
+    return available() or float("inf")
+
+
+def estimate(cfg: dict, mc, fmt: str, plan: dict, modes, capacity: float, batch: int, ctx: int, dev,
+             host_have: float | None = None, on_cuda: bool | None = None) -> dict:
+    """What the slice needs, printed; -> {"fits": bool, "why": [...], ...}. host_have: the host
+    bytes available (default: MemAvailable); on_cuda: plan for a GPU run (default: dev is CUDA)."""
+    from freetoken.model.state import state_bytes
+    h, i, e = mc.hidden_size, mc.moe_intermediate_size, mc.num_experts
+    per_layer = {f: e * expert_bytes(f, h, i) for f in FORMATS}
+    moe = len(mc.moe_layers)
+    eb = expert_bytes(fmt, h, i)
+    pool = mc.num_flat_experts * eb
+    dense = plan_bytes(plan)
+    state = state_bytes(mc, batch, ctx, torch.bfloat16)
+    on_cuda = dev.type == "cuda" if on_cuda is None else on_cuda
+    host_need = pool + HOST_SPARE + (0 if on_cuda else dense + state)
+    host_have = host_available() if host_have is None else host_have
+    base = dense * 1.1 + state + VRAM_WORK  # + the model's fused copies of a few dense weights
+    vram = {"resident": base + pool, "cpu-only": base, "cache": base + max(1, int(capacity * mc.num_flat_experts)) * eb}
+    vram_have = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else float("inf")
+    gen_peak = per_layer[fmt] * 2.5 if on_cuda else 0  # one layer's banks and their temporaries on the device
+    print(f"{NAMES[mc.arch]} shape ({mc.arch}), {mc.num_layers} layers: {moe} MoE layers "
+          f"({len(mc.hash_layers)} hash-routed), {e} experts x ({h} x {i}), top-{mc.top_k}")
+    print("  expert bytes per MoE layer: " + " | ".join(f"{f} {per_layer[f] / GB:.2f} GB" for f in FORMATS) +
+          f"  (this run: {fmt}, {eb / 1e6:.2f} MB an expert)")
+    print(f"  host RAM: expert pool {pool / GB:.1f} GB + {HOST_SPARE / GB:.0f} GB spare"
+          + ("" if on_cuda else f" + weights and state {(dense + state) / GB:.2f} GB")
+          + f" = {host_need / GB:.1f} GB; available {host_have / GB:.1f} GB")
+    if on_cuda:
+        print(f"  VRAM: non-expert weights {dense / GB:.2f} GB, state {state / GB:.3f} GB; per mode "
+              + ", ".join(f"{m} {vram[m] / GB:.1f} GB" for m in modes)
+              + (f"; free {vram_have / GB:.1f} GB" if dev.type == "cuda" else " (no CUDA here: not checked)"))
+    else:
+        print(f"  no CUDA: everything on the CPU (non-expert weights {dense / GB:.4f} GB, state {state / GB:.4f} GB)")
+        vram = {m: 0.0 for m in modes}
+        gen_peak = 0
+    why = []
+    if host_need > host_have:
+        fit = int((host_have - HOST_SPARE) // per_layer[fmt])
+        why.append(f"the expert pool ({pool / GB:.1f} GB in {fmt}) and {HOST_SPARE / GB:.0f} GB spare need "
+                   f"{host_need / GB:.1f} GB of host RAM, {host_have / GB:.1f} GB is available: "
+                   f"at most {max(fit, 0)} MoE layers fit in {fmt}")
+    for m in modes:
+        if max(vram[m], gen_peak) > vram_have:
+            why.append(f"{m} needs {vram[m] / GB:.1f} GB of VRAM, {vram_have / GB:.1f} GB is free")
+    return {"fits": not why, "why": why, "expert_bytes": eb, "pool_bytes": pool, "dense_bytes": dense,
+            "per_layer_gb": {f: round(b / GB, 4) for f, b in per_layer.items()},
+            "host_need_gb": round(host_need / GB, 1), "host_available_gb": round(host_have / GB, 1),
+            "vram_need_gb": {m: round(vram[m] / GB, 1) for m in modes} if on_cuda else None,
+            "vram_free_gb": round(vram_have / GB, 1) if dev.type == "cuda" else None}
+
+
+# ---------------------------------------------------------------------------- measurements
+
+def measure_bh(cpu, banks, h: int, pairs: int = 64) -> float:
+    """GB/s the CPU executor reads on these experts (batch 1, `pairs` distinct experts a call)."""
+    n = banks.num_experts
+    pairs = min(pairs, n)
+    x = torch.randn(1, h, dtype=torch.bfloat16)
+    w = torch.full((1, pairs), 1.0 / pairs)
+    calls = [torch.randperm(n)[:pairs][None] for _ in range(6)]
+    cpu.run(x, calls[0], w, "decode")
+    t0 = time.perf_counter()
+    for ids in calls[1:]:
+        cpu.run(x, ids, w, "decode")
+    return (len(calls) - 1) * pairs * banks.expert_bytes / (time.perf_counter() - t0) / GB
+
+
+def measure_bp(banks, dev, experts: int = 64) -> float | None:
+    """GB/s of the zero-copy fill kernel copying expert-sized rows of every bank (values,
+    scales) from the registered host banks into VRAM slots; None where it cannot run."""
+    from bench.common import timeit
+    from freetoken.experts.cached import bank_parts
+    from freetoken.kernels.expert_transfer import transfer_triton, zero_copy_ok
+    host = bank_parts(banks.gate_up, banks.down)
+    if dev.type != "cuda" or not all(zero_copy_ok(t) for t in host):
+        return None
+    k = min(experts, banks.num_experts)
+    slots = [torch.empty(k, *t.shape[1:], dtype=t.dtype, device=dev) for t in host]
+    src = torch.randperm(banks.num_experts)[:k].to(torch.int32).to(dev)
+    dst = torch.arange(k, dtype=torch.int32, device=dev)
+    s = timeit(lambda: transfer_triton(host, slots, src, dst), warmup=1, iters=5, sync=torch.cuda.synchronize)
+    return k * banks.expert_bytes / s / GB
+
+
+class EagerOnly:
+    """An executor seen as not capturable (everything else its own): run_config then times eager
+    decode steps."""
+    capturable = False
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def make_executor(mode: str, banks, mc, dev, threads: int, slots: int, start_share: float, policy: str):
+    from freetoken.experts.cached import CachedExpertExecutor
+    from freetoken.experts.cpu import CpuExpertExecutor
+    from freetoken.experts.executor import Activation, TorchExpertExecutor
+    act = Activation.of(mc)
+    if mode == "resident":
+        b = banks.to(dev) if dev.type == "cuda" else banks
+        return TorchExpertExecutor(b.gate_up, b.down, layer_experts=mc.num_experts, activation=act)
+    cpu = CpuExpertExecutor(banks.gate_up, banks.down, threads=threads, activation=act)
+    if mode == "cpu-only":
+        from freetoken.experts.cpu.hostcall import StreamedCpuExecutor, host_branch_ok
+        return StreamedCpuExecutor(cpu, dev) if dev.type == "cuda" and host_branch_ok(cpu) else cpu
+    return CachedExpertExecutor(banks.gate_up, banks.down, slots, dev, torch.bfloat16, cpu, None, policy,
+                                mc.num_experts, start_share=start_share, activation=act)
+
+
+def free(dev) -> None:
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def run_mode(mode: str, a, mc, w, banks, dev, batch: int, threads: int, slots: int, start: float) -> dict:
+    """One row: the mode timed with decode graphs where it can be, else eagerly (graph_error)."""
+    from bench.expert_cache import run_config
+    row = {"mode": mode, "batch": batch, "threads": threads if mode != "resident" else None, "device": dev.type}
+    if mode == "cache":
+        row.update(capacity=a.capacity, slots=slots, start_share=round(start, 3))
+    attempts = [False, True] if dev.type == "cuda" else [True]
+    for eager in attempts:
+        ex = None
+        try:
+            ex = make_executor(mode, banks, mc, dev, threads, slots, start, a.policy)
+            row["expert_backend"] = ex.backend
+            t0 = time.perf_counter()
+            got = run_config(mc, w, EagerOnly(ex) if eager else ex, dev, batch, a.tokens, a.warmup, None,
+                             prompt=a.prompt, max_warmup=a.cache_warmup)
+            row.update(got, run_s=round(time.perf_counter() - t0, 1))
+            if mode == "cache":  # without the CPU branch in stream order (no CUDA) the cache stays fill-only
+                row["adaptive_split"] = ex.tuner is not None
+                row.setdefault("fill_share_chosen", round(float(ex.fill_share[0]), 3))
+            row.pop("error", None)
+            break
+        except Exception as e:  # noqa: BLE001  a row that cannot run says why; the others still run
+            msg = f"{type(e).__name__}: {e}"[:400]
+            row["graph_error" if not eager else "error"] = msg
+            print(f"{mode}: {'graph run failed, timing eagerly' if not eager else 'failed'}: {msg}", flush=True)
+        finally:
+            del ex
+            free(dev)
+    return row
+
+
+def floors(res: dict, mc, plan: dict, eb: int, ctx: int, bw: float | None) -> None:
+    """Each row's analytic floor (floor_ms) and the measured step against it (of_floor)."""
+    dense = dense_active_bytes(plan) + kv_read_bytes(mc, ctx)
+    moe = len(mc.moe_layers)
+    resident_ms = {r["batch"]: r["ms_per_step"] for r in res["runs"] if r["mode"] == "resident" and "ms_per_step" in r}
+    for r in res["runs"]:
+        b = r["batch"]
+        experts = moe * distinct_experts(mc.num_experts, mc.top_k, b) * eb
+        floor = None
+        if r["mode"] == "resident" and bw:
+            floor = (dense + experts) / (bw * GB) * 1e3
+            r["active_gb_per_step"] = round((dense + experts) / GB, 3)
+        elif r["mode"] == "cpu-only" and res.get(f"bh_{r['threads']}_gbs"):
+            floor = experts / (res[f"bh_{r['threads']}_gbs"] * GB) * 1e3
+            r["expert_gb_per_step"] = round(experts / GB, 3)
+        elif r["mode"] == "cache" and "fills_per_step" in r and res.get(f"bh_{r['threads']}_gbs"):
+            base = resident_ms.get(b) or ((dense + experts) / (bw * GB) * 1e3 if bw else None)
+            link = (res.get("bp_gbs") or 0) + res[f"bh_{r['threads']}_gbs"]
+            if base is not None:
+                missed = (r["fills_per_step"] + r["cpu_experts_per_step"]) * eb
+                floor = base + missed / (link * GB) * 1e3
+        if floor is not None:
+            r["floor_ms"] = round(floor, 3)
+            r["floor_tok_s"] = round(b / floor * 1e3, 1)
+            if r.get("ms_per_step"):
+                r["of_floor"] = round(floor / r["ms_per_step"], 3)
+
+
+# ---------------------------------------------------------------------------- main
+
+def _transformers_version() -> str:
+    import transformers
+    return transformers.__version__
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--arch", default="deepseek_v4", choices=sorted(SHAPES))
+    ap.add_argument("--tiny", action="store_true", help="the small config of the same structure (a CPU run)")
+    ap.add_argument("--layers", type=int, default=None, help="first N layers of the shape (default 12; --tiny 5)")
+    ap.add_argument("--expert-format", default=None, choices=FORMATS, help="routed experts' format (default: the "
+                    "release's, mxfp4 for DeepSeek-V4-Flash, nvfp4 for GLM-5)")
+    ap.add_argument("--modes", default="resident,cpu-only,cache")
+    ap.add_argument("--threads", default="6", help="CPU threads of the cpu-only and cache rows (comma-separated: "
+                    "a row each)")
+    ap.add_argument("--capacity", type=float, default=0.33, help="cache slots as a fraction of the slice's experts")
+    ap.add_argument("--policy", default="recent", choices=["recent", "gate", "lfu"])
+    ap.add_argument("--batch", default="1", help="decode batch sizes (comma-separated)")
+    ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 256; --tiny 48)")
+    ap.add_argument("--tokens", type=int, default=None, help="timed decode steps (default 64; --tiny 8)")
+    ap.add_argument("--warmup", type=int, default=None, help="decode steps before the timed ones (default 16; "
+                    "--tiny 2)")
+    ap.add_argument("--cache-warmup", type=int, default=None, help="most warm-up steps of cache rows, until the "
+                    "adaptive split has decided (default 600; --tiny 8)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--name", default=None, help="result file name (before -gpu.json / -cpu.json)")
+    ap.add_argument("--estimate-only", action="store_true", help="print what the slice needs and stop (without "
+                    "CUDA: as a GPU run would need it, VRAM unchecked)")
+    ap.add_argument("--host-gb", type=float, default=None, help="host RAM available to plan with, GB (default: "
+                    "MemAvailable)")
+    a = ap.parse_args(argv)
+    a.modes = [m for m in a.modes.split(",") if m]
+    bad = [m for m in a.modes if m not in MODES]
+    if bad:
+        ap.error(f"unknown mode(s) {', '.join(bad)}; known: {', '.join(MODES)}")
+    a.threads = [int(t) for t in a.threads.split(",") if t]
+    a.batch = [int(b) for b in a.batch.split(",") if b]
+    a.expert_format = a.expert_format or PUBLISHED_FORMAT[a.arch]
+    a.layers = a.layers or (TINY[a.arch]["num_hidden_layers"] if a.tiny else 12)
+    for k, full, tiny in (("prompt", 256, 48), ("tokens", 64, 8), ("warmup", 16, 2), ("cache_warmup", 600, 8)):
+        if getattr(a, k) is None:
+            setattr(a, k, tiny if a.tiny else full)
+    a.name = a.name or f"large_models-{a.arch}" + ("-tiny" if a.tiny else "")
+    if not 0 < a.capacity <= 1:
+        ap.error("--capacity is a fraction of the experts, in (0, 1]")
+    if a.prompt + a.cache_warmup + a.tokens + 8 > MAX_POS:
+        ap.error(f"--prompt + --cache-warmup + --tokens must stay under {MAX_POS - 8} positions")
+    return a
+
+
+def main(argv=None) -> str | None:
+    a = parse(argv)
+    from bench.common import write_result
+    from freetoken.config import ModelConfig
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    cfg = slice_config(TINY[a.arch] if a.tiny else SHAPES[a.arch], a.layers)
+    mc = ModelConfig.from_hf(cfg)
+    if not mc.moe_layers:
+        raise SystemExit(f"bench.large_models: {a.layers} layers of {a.arch} hold no MoE layer")
+    if not cuda and not a.tiny and not a.estimate_only:
+        raise SystemExit("bench.large_models: no CUDA device; full-size shapes need the GPU machine (--tiny runs "
+                         "on the CPU)")
+    t0 = time.perf_counter()
+    plan = weight_plan(cfg)
+    ctx = a.prompt + a.cache_warmup + a.tokens + 8
+    est = estimate(cfg, mc, a.expert_format, plan, a.modes, a.capacity, max(a.batch), ctx, dev,
+                   a.host_gb * GB if a.host_gb else None, cuda or not a.tiny)
+    if not est["fits"]:
+        raise SystemExit("bench.large_models: this slice does not fit: " + "; ".join(est["why"]) +
+                         " (lower --layers, or drop the mode)")
+    if a.estimate_only:
+        return None
+    w = random_dense(plan, mc, dev, a.seed)
+    banks, pinned = make_banks(a.expert_format, mc, dev, a.seed)
+    setup_s = time.perf_counter() - t0
+    eb = banks.expert_bytes
+    assert eb == est["expert_bytes"], (eb, est["expert_bytes"])
+    slots = max(1, int(a.capacity * mc.num_flat_experts))
+    label = (f"{NAMES[a.arch]} shape{' (tiny)' if a.tiny else ''}, random weights, {a.layers} layers, "
+             f"experts {a.expert_format}")
+    res = {"model": label, "arch": a.arch, "tiny": a.tiny, "config": cfg, "layers": a.layers,
+           "moe_layers": len(mc.moe_layers), "hash_layers": mc.hash_layers, "expert_format": a.expert_format,
+           "dense_dtype": "bfloat16 (KEEP_FP32 modules fp32)", "pool_gb": round(est["pool_bytes"] / GB, 4),
+           "expert_mb": round(eb / 1e6, 3), "dense_gb": round(est["dense_bytes"] / GB, 4),
+           "per_moe_layer_gb": est["per_layer_gb"], "host_need_gb": est["host_need_gb"],
+           "host_available_gb": est["host_available_gb"], "vram_need_gb": est["vram_need_gb"],
+           "banks_pinned": pinned, "prompt_tokens": a.prompt, "decode_tokens": a.tokens,
+           "setup_s": round(setup_s, 1), "device": dev.type, "transformers": _transformers_version(), "runs": []}
+    from freetoken.weights.hostmem import huge_bytes, thp_mode
+    hb = [huge_bytes(t) for t in banks.tensors()]
+    res.update(thp=thp_mode(), bank_huge_gb=None if None in hb else round(sum(hb) / GB, 2))
+    bw = None
+    if cuda:
+        from bench.decode import device_read_bw
+        bw = device_read_bw(dev)
+        res["device_read_gbs"] = round(bw, 1)
+        try:
+            bp = measure_bp(banks, dev)
+        except Exception as e:  # noqa: BLE001  the rows still run; the cache's floor and start share without it
+            bp, res["bp_error"] = None, f"{type(e).__name__}: {e}"[:300]
+        res["bp_gbs"] = round(bp, 1) if bp else None
+    print(f"setup {setup_s:.1f} s", {k: v for k, v in res.items() if k in ("pool_gb", "expert_mb", "banks_pinned",
+                                                                           "device_read_gbs", "bp_gbs")}, flush=True)
+    for batch in a.batch:
+        for mode in a.modes:
+            for threads in ([0] if mode == "resident" else a.threads):
+                start = 1.0
+                if mode != "resident" and f"bh_{threads}_gbs" not in res:
+                    from freetoken.experts.cpu import CpuExpertExecutor
+                    from freetoken.experts.executor import Activation
+                    try:
+                        cpu = CpuExpertExecutor(banks.gate_up, banks.down, threads=threads,
+                                                activation=Activation.of(mc))
+                        res[f"bh_{threads}_gbs"] = round(measure_bh(cpu, banks, mc.hidden_size), 2)
+                        del cpu
+                    except Exception as e:  # noqa: BLE001  the rows still run, without their floors
+                        res[f"bh_{threads}_gbs"] = None
+                        res[f"bh_{threads}_error"] = f"{type(e).__name__}: {e}"[:300]
+                    free(dev)
+                if mode == "cache" and res.get("bp_gbs") and res[f"bh_{threads}_gbs"]:  # where the bandwidths point
+                    start = res["bp_gbs"] / (res["bp_gbs"] + res[f"bh_{threads}_gbs"])
+                row = run_mode(mode, a, mc, w, banks, dev, batch, threads, slots, start)
+                print(row, flush=True)
+                res["runs"].append(row)
+    floors(res, mc, plan, eb, a.prompt + a.warmup + a.tokens // 2, bw)
+    res["floor_notes"] = ("resident: active bytes of a step (non-expert weights but one embedding row, the top-k "
+                          "experts of each MoE layer, an approximate KV/indexer read) / device_read_gbs; cpu-only: "
+                          "the step's expert bytes / bh_T_gbs; cache: the resident step (its row, else its floor) + "
+                          "the step's missed expert bytes / (bp_gbs + bh_T_gbs); at batch > 1 the expected distinct "
+                          "experts of uniform routing")
+    keys = ("mode", "batch", "threads", "tok_s", "ms_per_step", "graph", "miss_rate", "fill_share_chosen", "floor_ms",
+            "of_floor", "error")
+    res["summary"] = [{k: r.get(k) for k in keys} for r in res["runs"]]
+    return write_result(a.name, res)
+
+
+if __name__ == "__main__":
+    main()
