@@ -18,6 +18,7 @@ Results go to cpu_experts (bf16) or cpu_experts-FORMAT.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -79,6 +80,7 @@ def main():
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--activation", default="silu", choices=ACTIVATIONS,
                     help="the expert function: silu (no biases), or GPT-OSS's swiglu_clamp with bias banks")
+    ap.add_argument("--name", default=None, help="result name (default cpu_experts[-FORMAT][-ACTIVATION])")
     a = ap.parse_args()
     n, h, i, k = a.experts, a.hidden, a.inter, a.top_k
     g = torch.Generator().manual_seed(0)
@@ -137,7 +139,8 @@ def main():
     for row in res["batches"]:  # each batch's best C++ path against the same probe
         row["cpp_vs_read_bw"] = round(max(row["cpp_gbs"], row["cpp_bf16act_gbs"]) / res["host_read_gbs"], 2)
     name = "cpu_experts" if a.format == "bf16" else f"cpu_experts-{a.format}"
-    write_result(name if a.activation == "silu" else f"{name}-{a.activation}", res)
+    res["schedule"] = os.environ.get("FREETOKEN_CPU_SCHEDULE") or "static"
+    write_result(a.name or (name if a.activation == "silu" else f"{name}-{a.activation}"), res)
 
 
 if __name__ == "__main__":

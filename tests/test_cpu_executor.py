@@ -124,3 +124,48 @@ def test_bad_expert_id_is_rejected():
 
 def test_physical_cores_nonempty():
     assert len(physical_cores()) >= 1
+
+
+def test_dynamic_schedule_gives_the_same_bits(tmp_path):
+    """FREETOKEN_CPU_SCHEDULE=dynamic (work in chunks from a shared counter, read once when the
+    library loads: a fresh process) computes every output bit for bit as the fixed shares do:
+    each work item owns its outputs and sums them in one order, whichever thread takes it."""
+    import os
+    import subprocess
+    import sys
+    script = r'''
+import sys, torch
+from bench.cpu_experts import quantized_banks
+from freetoken.experts.cpu import CpuExpertExecutor
+g = torch.Generator().manual_seed(7)
+out = {}
+for name, (gu, dn) in {"bf16": ((torch.randn(24, 96, 160, generator=g) * 0.05).bfloat16(),
+                                (torch.randn(24, 160, 48, generator=g) * 0.05).bfloat16()),
+                       "f32": (torch.randn(24, 96, 160, generator=g) * 0.05, torch.randn(24, 160, 48, generator=g) * 0.05)}.items():
+    ex = CpuExpertExecutor(gu, dn, threads=3)
+    for t in (1, 5, 40):
+        x = torch.randn(t, 160, generator=g)
+        ids = torch.stack([torch.randperm(24, generator=g)[:6] for _ in range(t)])
+        w = torch.softmax(torch.randn(t, 6, generator=g), -1)
+        out[f"{name}-{t}"] = ex.kernel(x, ids, w)
+        out[f"{name}-{t}-bf16act"] = ex.kernel(x.bfloat16(), ids, w)
+banks = quantized_banks("mxfp4", 24, 160, 64, g)
+ex = CpuExpertExecutor(banks, threads=3)
+for t in (1, 7):
+    x = torch.randn(t, 160, generator=g)
+    ids = torch.stack([torch.randperm(24, generator=g)[:6] for _ in range(t)])
+    w = torch.softmax(torch.randn(t, 6, generator=g), -1)
+    out[f"mxfp4-{t}"] = ex.kernel(x, ids, w)
+torch.save(out, sys.argv[1])
+'''
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    got = {}
+    for mode in ("static", "dynamic"):
+        path = str(tmp_path / f"{mode}.pt")
+        env = dict(os.environ, FREETOKEN_CPU_SCHEDULE=mode, PYTHONPATH=root)
+        subprocess.run([sys.executable, "-c", script, path], check=True, env=env, cwd=root, timeout=300)
+        got[mode] = torch.load(path)
+    assert got["static"].keys() == got["dynamic"].keys() and len(got["static"]) == 14
+    for k, v in got["static"].items():
+        assert torch.equal(v, got["dynamic"][k]), k
+        assert v.abs().max() > 0, k  # a real output, not an untouched buffer

@@ -170,6 +170,33 @@ static const bool g_block_prefetch = [] {
   const char* v = std::getenv("FREETOKEN_CPU_PREFETCH");
   return v == nullptr || std::strcmp(v, "0") != 0;
 }();
+// How a phase's work items are dealt to the pool's threads: FREETOKEN_CPU_SCHEDULE=dynamic pulls
+// them in chunks from a shared counter, anything else (the default, measured on the H200) gives
+// each thread a fixed share (see Share).
+static const bool g_dynamic = [] {
+  const char* v = std::getenv("FREETOKEN_CPU_SCHEDULE");
+  return v != nullptr && std::strcmp(v, "dynamic") == 0;
+}();
+
+// Which work items [lo, hi) of [0, n) thread tid takes the k-th time it asks (k = 0, 1, ...).
+// Static: its fixed share, once. Dynamic: chunks of about n / (4 nt) from a shared counter, so
+// a worker that another process keeps off its (pinned) core holds up one chunk, not a whole
+// share, while the others take the rest. The results are the same either way: each item
+// writes its own outputs, summed in one fixed order inside the item.
+struct Share {
+  std::atomic<int> next{0};
+  bool take(int n, int tid, int nt, int k, int& lo, int& hi) {
+    if (!g_dynamic) {
+      lo = int(int64_t(n) * tid / nt), hi = int(int64_t(n) * (tid + 1) / nt);
+      return k == 0 && lo < hi;
+    }
+    const int chunk = std::max(1, n / (4 * nt));
+    lo = next.fetch_add(chunk, std::memory_order_relaxed);
+    hi = std::min(n, lo + chunk);
+    return lo < n;
+  }
+};
+
 template <typename W>
 inline void prefetch4(const W* next, int64_t stride, int i) {
   if (next && g_block_prefetch)
@@ -723,12 +750,14 @@ struct Executor {
     constexpr int RB = 16;  // rows per work unit
     const int ib = (I + RB - 1) / RB;
     // phase 1: gate and up rows of every selected expert
+    Share sh1, sh2;
     pool.run([&](int tid) {
-      const int units = G * ib, u0 = int(int64_t(units) * tid / nt), u1 = int(int64_t(units) * (tid + 1) / nt);
+      const int units = G * ib;
       float g4[4], v4[4];
       auto gate_rows = [&](int u) -> const W* {  // first gate row of work unit u (its up rows: + I * H)
         return gu + ids[order[starts[u / ib]]] * int64_t(2 * I) * H + int64_t((u % ib) * RB) * H;
       };
+      for (int u0, u1, k = 0; sh1.take(units, tid, nt, k++, u0, u1);)
       for (int u = u0; u < u1; ++u) {
         const int g = u / ib, r0 = (u % ib) * RB, r1 = std::min(I, r0 + RB);
         const int64_t e = ids[order[starts[g]]];
@@ -774,8 +803,8 @@ struct Executor {
     // phase 2: down rows; each thread owns a range of output columns for all tokens
     const int hb_blocks = (H + RB - 1) / RB;
     pool.run([&](int tid) {
-      const int b0 = int(int64_t(hb_blocks) * tid / nt), b1 = int(int64_t(hb_blocks) * (tid + 1) / nt);
       float d4[4];
+      for (int b0, b1, k = 0; sh2.take(hb_blocks, tid, nt, k++, b0, b1);)
       for (int blk = b0; blk < b1; ++blk) {
         const int r0 = blk * RB, r1 = std::min(H, r0 + RB);
         for (int r = r0; r < r1; ++r)
@@ -856,10 +885,12 @@ struct Executor {
     const int nt = pool.size();
     constexpr int RB = 16;  // rows per work unit
     const int ib = (I + RB - 1) / RB;
+    Share sh1, sh2;
     pool.run([&](int tid) {
-      const int units = G * ib, u0 = int(int64_t(units) * tid / nt), u1 = int(int64_t(units) * (tid + 1) / nt);
+      const int units = G * ib;
       float g4[4], v4[4];
       QRow rg[4], ru[4];
+      for (int u0, u1, k = 0; sh1.take(units, tid, nt, k++, u0, u1);)
       for (int u = u0; u < u1; ++u) {
         const int g = u / ib, r0 = (u % ib) * RB, r1 = std::min(I, r0 + RB);
         const int64_t e = ids[order[starts[g]]];
@@ -886,30 +917,31 @@ struct Executor {
     });
     const int hb_blocks = (H + RB - 1) / RB;
     pool.run([&](int tid) {
-      const int b0 = int(int64_t(hb_blocks) * tid / nt), b1 = int(int64_t(hb_blocks) * (tid + 1) / nt);
       float d4[4];
       QRow rd[4];
-      for (int t = 0; t < T; ++t)
-        for (int r = b0 * RB; r < std::min(H, b1 * RB); ++r) out[int64_t(t) * H + r] = 0.f;
-      // expert by expert over the thread's whole row range, so each expert's down rows are one
-      // contiguous stretch (block by block, a 4-bit bank gives 4 KB per expert, too short to
-      // stream); every output still adds the experts in ascending order, as block by block
-      for (int g = 0; g < G; ++g) {
-        const int64_t e = ids[order[starts[g]]];
-        for (int blk = b0; blk < b1; ++blk) {
-          const int r0 = blk * RB, r1 = std::min(H, r0 + RB);
-          for (int r = r0; r < r1; r += 4) {
-            const int nr = std::min(4, r1 - r);
-            for (int j = 0; j < 4; ++j) rd[j] = qrow(dn, e, r + std::min(j, nr - 1));
-            for (int q = starts[g]; q < starts[g + 1]; ++q) {
-              const int tok = order[q] / K;
-              const float wq = gw[order[q]];
-              qdot4(isa, fmt, dp, rd, dp ? nullptr : hl.data() + size_t(q) * I, dp ? hb.data() + size_t(q) * I : nullptr,
-                    I, dn.sdt, d4);
-              if (plain)
-                for (int j = 0; j < nr; ++j) out[int64_t(tok) * H + r + j] += wq * d4[j];
-              else
-                for (int j = 0; j < nr; ++j) out[int64_t(tok) * H + r + j] += wq * fn.y(e, H, r + j, d4[j]);
+      for (int b0, b1, k = 0; sh2.take(hb_blocks, tid, nt, k++, b0, b1);) {
+        for (int t = 0; t < T; ++t)
+          for (int r = b0 * RB; r < std::min(H, b1 * RB); ++r) out[int64_t(t) * H + r] = 0.f;
+        // expert by expert over the thread's whole row range, so each expert's down rows are one
+        // contiguous stretch (block by block, a 4-bit bank gives 4 KB per expert, too short to
+        // stream); every output still adds the experts in ascending order, as block by block
+        for (int g = 0; g < G; ++g) {
+          const int64_t e = ids[order[starts[g]]];
+          for (int blk = b0; blk < b1; ++blk) {
+            const int r0 = blk * RB, r1 = std::min(H, r0 + RB);
+            for (int r = r0; r < r1; r += 4) {
+              const int nr = std::min(4, r1 - r);
+              for (int j = 0; j < 4; ++j) rd[j] = qrow(dn, e, r + std::min(j, nr - 1));
+              for (int q = starts[g]; q < starts[g + 1]; ++q) {
+                const int tok = order[q] / K;
+                const float wq = gw[order[q]];
+                qdot4(isa, fmt, dp, rd, dp ? nullptr : hl.data() + size_t(q) * I, dp ? hb.data() + size_t(q) * I : nullptr,
+                      I, dn.sdt, d4);
+                if (plain)
+                  for (int j = 0; j < nr; ++j) out[int64_t(tok) * H + r + j] += wq * d4[j];
+                else
+                  for (int j = 0; j < nr; ++j) out[int64_t(tok) * H + r + j] += wq * fn.y(e, H, r + j, d4[j]);
+              }
             }
           }
         }
