@@ -41,15 +41,18 @@ def test_host_tensor_has_the_shape_and_dtype():
 
 
 @pytest.mark.skipif(hostmem.thp_mode() not in ("always", "madvise"), reason="the kernel gives no transparent huge pages")
-def test_big_buffers_land_on_huge_pages(monkeypatch):
+def test_big_buffers_are_advised_onto_huge_pages(monkeypatch):
+    """The advice is ours to check; how many huge pages the kernel then gives depends on its
+    free memory's fragmentation (late in a full test run, a quarter of a 64 MiB buffer), so
+    that is only reported."""
     monkeypatch.delenv("FREETOKEN_HUGEPAGES", raising=False)
     b = hostmem.host_buffer(64 << 20)
     b.fill_(1)  # first touch after the advice
-    got = hostmem.huge_bytes(b)
+    got = hostmem.advised(b)
     if got is None:
         pytest.skip("/proc/self/smaps is not readable here")
-    # the kernel may fall back to small pages under fragmentation; most should be huge
-    assert got >= (32 << 20), got
+    assert got, "the buffer's mapping lacks the huge-page advice (VmFlags hg)"
+    assert hostmem.huge_bytes(b) is not None
 
 
 def test_the_switch_turns_the_advice_off(monkeypatch):
@@ -57,6 +60,7 @@ def test_the_switch_turns_the_advice_off(monkeypatch):
     assert not hostmem.hugepages_wanted()
     b = hostmem.host_buffer(8 << 20)
     b.fill_(1)
+    assert hostmem.advised(b) in (False, None)
     got = hostmem.huge_bytes(b)
     if hostmem.thp_mode() == "madvise" and got is not None:
         assert got == 0  # madvise mode: no advice, no huge pages

@@ -85,20 +85,33 @@ def host_tensor(shape, dtype: torch.dtype, huge: bool | None = None) -> torch.Te
     return host_buffer(n * el, huge=huge)[:n * el].view(dtype).view(shape)
 
 
-def huge_bytes(t: torch.Tensor) -> int | None:
-    """Bytes of t's mapping that sit on huge pages (AnonHugePages in /proc/self/smaps of the
-    mapping that holds t's first byte), or None where smaps cannot be read."""
+def _smaps_field(t: torch.Tensor, field: str) -> str | None:
+    """The rest of the `field` line of /proc/self/smaps for the mapping that holds t's first
+    byte, or None where smaps cannot be read."""
     addr = t.data_ptr()
     try:
         with open("/proc/self/smaps") as f:
             inside = False
             for line in f:
-                head = line.split(None, 1)[0]
+                head, _, rest = line.partition(" ")
                 if "-" in head and ":" not in head:
                     lo, hi = (int(x, 16) for x in head.split("-"))
                     inside = lo <= addr < hi
-                elif inside and head == "AnonHugePages:":
-                    return int(line.split()[1]) * 1024
+                elif inside and head == field:
+                    return rest.strip()
     except (OSError, ValueError):
         return None
     return None
+
+
+def huge_bytes(t: torch.Tensor) -> int | None:
+    """Bytes of t's mapping that sit on huge pages (AnonHugePages), or None where unknown. What
+    the kernel gives: under memory fragmentation it may be few, advised or not."""
+    v = _smaps_field(t, "AnonHugePages:")
+    return None if v is None else int(v.split()[0]) * 1024
+
+
+def advised(t: torch.Tensor) -> bool | None:
+    """Whether t's mapping carries the huge-page advice (VmFlags "hg"), or None where unknown."""
+    v = _smaps_field(t, "VmFlags:")
+    return None if v is None else "hg" in v.split()
