@@ -169,3 +169,11 @@ torch.save(out, sys.argv[1])
     for k, v in got["static"].items():
         assert torch.equal(v, got["dynamic"][k]), k
         assert v.abs().max() > 0, k  # a real output, not an untouched buffer
+
+
+def test_a_bad_schedule_value_is_named(monkeypatch):
+    from freetoken.errors import FreeTokenError
+    monkeypatch.setenv("FREETOKEN_CPU_SCHEDULE", "fast")
+    gu, dn = banks(4, 32, 16, torch.float32, 0)
+    with pytest.raises(FreeTokenError, match="FREETOKEN_CPU_SCHEDULE must be static or dynamic"):
+        CpuExpertExecutor(gu, dn)

@@ -69,3 +69,10 @@ def test_the_switch_turns_the_advice_off(monkeypatch):
 def test_the_ftw_reader_buffers_come_from_here():
     b = _aligned_buffer(5 << 20)
     assert b.data_ptr() % ALIGN == 0 and b.numel() == 5 << 20
+
+
+def test_a_bad_switch_value_is_named(monkeypatch):
+    from freetoken.errors import FreeTokenError
+    monkeypatch.setenv("FREETOKEN_HUGEPAGES", "yes")
+    with pytest.raises(FreeTokenError, match="FREETOKEN_HUGEPAGES must be 0 or 1"):
+        hostmem.host_buffer(4 << 20)

@@ -42,7 +42,11 @@ def thp_mode(path: str = THP_ENABLED) -> str:
 
 
 def hugepages_wanted() -> bool:
-    return os.environ.get("FREETOKEN_HUGEPAGES", "1") != "0" and thp_mode() in ("always", "madvise")
+    v = os.environ.get("FREETOKEN_HUGEPAGES", "1")
+    if v not in ("0", "1"):
+        from ..errors import FreeTokenError
+        raise FreeTokenError(f"FREETOKEN_HUGEPAGES must be 0 or 1, got {v!r}")
+    return v == "1" and thp_mode() in ("always", "madvise")
 
 
 _libc = None

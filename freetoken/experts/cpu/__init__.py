@@ -164,6 +164,10 @@ class CpuExpertExecutor(ExpertExecutor):
         if torch_batch_threshold is None:
             torch_batch_threshold = 4096 if self.quantized else 32
         self.torch_batch_threshold = torch_batch_threshold  # tokens; above: the torch path
+        schedule = os.environ.get("FREETOKEN_CPU_SCHEDULE", "static")
+        if schedule not in ("static", "dynamic"):  # moe_cpu.cpp would silently take static
+            from ...errors import FreeTokenError
+            raise FreeTokenError(f"FREETOKEN_CPU_SCHEDULE must be static or dynamic, got {schedule!r}")
         ext = extension()
         cpus = physical_cores()
         if threads:
