@@ -323,3 +323,40 @@ def test_share_tuner_probes_noisy_steps_longer():
     seeds = range(8)
     assert all(cost[chosen(8, s)] <= 1.05 * 8.0 for s in seeds)
     assert any(cost[chosen(1, s)] > 1.05 * 8.0 for s in seeds)
+
+
+def test_share_tuner_ends_probes_of_clearly_slower_candidates_early():
+    """Step times swinging +-30% (as GLM-5's 12-layer slice on the H200: a tie at r=0.6/0.7,
+    0.5 12% slower, 0.4 34% slower): a probe whose median is already further from the best's
+    plus the margin and two standard errors ends there instead of running its full extension,
+    so the split is decided in far fewer steps, on the same r, on every seed."""
+    import random
+    from freetoken.experts import share as share_mod
+    from freetoken.experts.share import ShareTuner
+    cost = {1.0: 30.0, 0.9: 26.0, 0.8: 23.0, 0.7: 20.57, 0.6: 20.54, 0.5: 23.05, 0.4: 27.5, 0.3: 31.0,
+            0.2: 35.0, 0.1: 40.0}
+
+    def run(seed: int) -> tuple[float, int, dict]:
+        rng = random.Random(seed)
+        t = ShareTuner(hold=1_000_000, start=0.561)
+        steps, per = 0, {}
+        while t.climbing:
+            r = t.share
+            per[r] = per.get(r, 0) + 1
+            t.observe(1, cost[r] * (1 + 0.3 * (2 * rng.random() - 1)) / 1e3)
+            steps += 1
+            assert steps < 20_000
+        return t.share, steps, per
+    seeds = range(8)
+    early = [run(s) for s in seeds]
+    slower = share_mod._clearly_slower
+    try:  # the same climbs with every noisy probe run to its tie-level precision
+        share_mod._clearly_slower = lambda *a: False
+        full = [run(s) for s in seeds]
+    finally:
+        share_mod._clearly_slower = slower
+    assert all(cost[r] <= 1.02 * 20.54 for r, _, _ in early), early
+    # 0.4 (34% slower) is left after a short probe: under 2 x PROBE steps per visit on every seed
+    assert all(per.get(0.4, 0) < 2 * share_mod.PROBE * 2 for _, _, per in early), [p for *_, p in early]
+    assert sum(n for _, n, _ in early) < 0.7 * sum(n for _, n, _ in full), ([n for _, n, _ in early],
+                                                                          [n for _, n, _ in full])

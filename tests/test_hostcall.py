@@ -108,6 +108,8 @@ def test_doorbell_answers_each_ring_with_the_executors_result(dtype):
             assert torch.equal(got, cpu.kernel(x, ids, w.float())), f"step {step}"
         assert bell.calls() == 6 and int(bell.counter) == 6 and not bell.gave_up()
         assert sum(s[-1].calls for s in shapes.values()) == 6
+        # the diagnosis words a gave-up error would print: every call entered and returned
+        assert int(bell.words[bell.k.ENTERED]) == 6 and all(s[-1].stage == 3 for s in shapes.values())
     finally:
         bell.close()
 
@@ -134,7 +136,10 @@ def test_doorbell_wait_gives_up_when_nobody_answers():
         torch.cuda.synchronize()
     assert bell.gave_up() and bell.calls() == 0 and d.calls == 0
     # the state a gave-up error reports: the ring reached the page, the stopped thread did not answer
-    assert bell.state() == "rung 1, seq 1, done 0, answered 0, stop 1"
+    # (entered 0: the thread never took the call up, the descriptor's stage says the same)
+    state = bell.state()
+    assert state.startswith("rung 1, seq 1, entered 0, done 0, answered 0, stop 1, idle polls "), state
+    assert d.stage == 0
 
 
 def test_doorbell_kernels_match_their_references():

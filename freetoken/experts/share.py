@@ -11,7 +11,8 @@ candidate r, and keeps the fastest.
 Procedure (a hill climb from fill-only, re-checked periodically):
   probe   run PROBE steps at a candidate, drop the first SETTLE (the cache's contents adjust
           to the new split), keep the median of the rest; a probe too noisy to rank candidates
-          MARGIN apart runs on, up to EXTEND x PROBE steps;
+          MARGIN apart runs on, up to EXTEND x PROBE steps, unless it is already clearly slower
+          than the best (by the margin and two standard errors of the difference);
   climb   start at r = 1 (fill-only); step to the next smaller candidate while it is faster by
           more than MARGIN than the best so far; past one that is not, probe PATIENCE more
           (a candidate can tie its neighbour: with one or two misses per layer call, nearby
@@ -50,12 +51,30 @@ PROBE, SETTLE, HOLD, MARGIN, PATIENCE = 24, 8, 2048, 0.02, 1
 EXTEND = 8
 
 
-def _uncertain(samples: list[float], margin: float) -> bool:
-    """Whether the median of `samples` is known to worse than margin / 2 (relative): its
-    standard error ~ 1.25 sigma / sqrt(n), sigma from the median absolute deviation."""
+def _stderr(samples: list[float]) -> float:
+    """The standard error of the median of `samples`: ~ 1.25 sigma / sqrt(n), sigma from the
+    median absolute deviation (robust to the odd slow step)."""
     med = statistics.median(samples)
     mad = statistics.median(abs(s - med) for s in samples)
-    return med > 0 and 1.25 * 1.4826 * mad / len(samples) ** 0.5 > med * margin / 2
+    return 1.25 * 1.4826 * mad / len(samples) ** 0.5
+
+
+def _uncertain(samples: list[float], margin: float) -> bool:
+    """Whether the median of `samples` is known to worse than margin / 2 (relative)."""
+    med = statistics.median(samples)
+    return med > 0 and _stderr(samples) > med * margin / 2
+
+
+def _clearly_slower(samples: list[float], ref: float, ref_se: float, margin: float) -> bool:
+    """Whether a probe too noisy for a tie-level median is already known slower than the best
+    (median ref, standard error ref_se): its median above ref by more than the margin plus two
+    standard errors of the difference. A candidate 30% slower is known slower after a short
+    probe; only near-ties need the long ones (on the H200, GLM-5's slice probed r=0.4, 34%
+    slower, for up to 192 steps, and its 600-step warm-up ended before the split was decided).
+    Not the other way: a probe that looks faster becomes the reference the next ones are judged
+    against, so it runs to full precision (a short lucky probe would end its neighbours' early)."""
+    se = _stderr(samples)
+    return statistics.median(samples) - ref > ref * margin + 2 * (se * se + ref_se * ref_se) ** 0.5
 
 
 class _Climb:
@@ -65,6 +84,7 @@ class _Climb:
         self.t = tuner
         self.cur = tuner.start  # index of the r in use
         self.best: tuple[int, float] | None = None  # (index, median step seconds) of the best measured
+        self.best_se = 0.0  # the standard error of that median
         self.samples: list[float] = []
         self.held = 0
         self.climbing = True
@@ -88,9 +108,11 @@ class _Climb:
         self.climb_steps += 1
         if len(self.samples) < t.probe:
             return
-        if len(self.samples) < t.probe * t.extend and _uncertain(self.samples[t.settle:], t.margin):
-            return  # a noisy probe: more samples before it is ranked
-        med = statistics.median(self.samples[t.settle:])  # a one-off slow step (a capture) does not move it
+        rest = self.samples[t.settle:]
+        if (len(self.samples) < t.probe * t.extend and _uncertain(rest, t.margin)
+                and (self.best is None or not _clearly_slower(rest, self.best[1], self.best_se, t.margin))):
+            return  # a noisy probe, not yet clearly slower than the best: more samples before it is ranked
+        med = statistics.median(rest)  # a one-off slow step (a capture) does not move it
         t.history.append((batch, t.cands[self.cur], med))
         self.meds.setdefault(self.cur, []).append(med)
         if self.confirm is not None:  # the confirmation round
@@ -103,7 +125,7 @@ class _Climb:
                 i = b
             return self._decide(i, low[i], batch)
         if self.best is None or med < self.best[1] * (1 - t.margin):
-            self.best, self.misses = (self.cur, med), 0
+            self.best, self.best_se, self.misses = (self.cur, med), _stderr(rest), 0
         else:
             self.misses += 1
         if self.cur + 1 < len(t.cands) and self.misses <= t.patience:

@@ -22,7 +22,7 @@ import torch
 
 from . import HAS_TRITON, INTERPRET
 
-SEQ, DESC, DONE, STOP, CALLS, GAVE_UP = range(6)  # int64 words of the bell (moe_cpu.cpp's struct Bell)
+SEQ, DESC, DONE, STOP, CALLS, GAVE_UP, ENTERED, IDLE_POLLS = range(8)  # int64 words of the bell (moe_cpu.cpp's struct Bell)
 BLOCK = 1024
 
 

@@ -51,7 +51,9 @@ class _Desc(ctypes.Structure):  # moe_cpu.cpp's HostCall, field for field
                 ("gate_up_bias", ctypes.c_void_p), ("down_bias", ctypes.c_void_p), ("act", ctypes.c_int32),
                 ("bias_bf16", ctypes.c_int32), ("alpha", ctypes.c_float), ("limit", ctypes.c_float),
                 # quantized banks (CpuExpertExecutor.qbanks_address); null: gate_up / down above
-                ("qbanks", ctypes.c_void_p)]
+                ("qbanks", ctypes.c_void_p),
+                # how far the last call got: 1 entered, 2 holds the executor's lock, 3 returned
+                ("stage", ctypes.c_int64)]
 
 
 def zero_copy_staging() -> bool:
@@ -159,10 +161,12 @@ class Doorbell:
 
     def state(self) -> str:
         """The bell's words and the device's ring count, for a gave-up error: seq < rung says the
-        thread never saw the last ring, done < seq that it is stuck in (or lost) a call."""
+        thread never saw the last ring, entered = seq > done that it is stuck in a call, idle polls
+        that grow between two reads that the thread is alive."""
         w = self.words
-        return (f"rung {int(self.counter[0])}, seq {int(w[self.k.SEQ])}, done {int(w[self.k.DONE])}, "
-                f"answered {int(w[self.k.CALLS])}, stop {int(w[self.k.STOP])}")
+        return (f"rung {int(self.counter[0])}, seq {int(w[self.k.SEQ])}, entered {int(w[self.k.ENTERED])}, "
+                f"done {int(w[self.k.DONE])}, answered {int(w[self.k.CALLS])}, stop {int(w[self.k.STOP])}, "
+                f"idle polls {int(w[self.k.IDLE_POLLS])}")
 
     def close(self) -> None:
         """The thread returns; the page stays (the GPU may still hold its address)."""
@@ -172,6 +176,10 @@ class Doorbell:
 
     def __del__(self):
         self.close()
+
+
+# HostCall.stage, for the error of a call that never returned
+STAGES = {0: "never called", 1: "waiting for the executor's lock", 2: "computing", 3: "returned"}
 
 
 class HostBranch:
@@ -216,9 +224,10 @@ class HostBranch:
     def check(self) -> None:
         """Raise if a call failed (the host node records it; the loop checks after each step)."""
         if self.bell is not None and self.bell.gave_up():
+            stages = ", ".join(f"T={t}: {STAGES.get(d.stage, d.stage)}" for (t, *_), (*_, d) in self.shapes.items())
             raise FreeTokenError("the CPU expert branch did not answer a decode step's doorbell in time "
-                                 f"(its thread stopped? {self.bell.state()}); FREETOKEN_CPU_BRANCH=hostfn uses "
-                                 "the host-function node")
+                                 f"(its thread stopped? {self.bell.state()}; last call per batch shape: {stages}); "
+                                 "FREETOKEN_CPU_BRANCH=hostfn uses the host-function node")
         for *_, d in list(self.shapes.values()):
             if d.error:
                 raise FreeTokenError("the CPU expert branch failed inside a decode step "

@@ -1062,6 +1062,8 @@ struct HostCall {
   int32_t bias_bf16;         // biases: 1 bf16, 0 f32
   float alpha, limit;        // swiglu_clamp's
   const void* qbanks;        // a QPair (qbanks_create) for quantized banks, else null (gate_up/down)
+  int64_t stage;             // how far the last call got (a diagnosis of a call that never
+                             // returned): 1 entered, 2 holds the executor's lock, 3 returned
 };
 
 // Quantized banks for HostCall.qbanks: checked once by make_bank, kept until qbanks_free (the
@@ -1072,6 +1074,11 @@ struct QPair {
 
 void host_call(void* p) {
   HostCall* c = static_cast<HostCall*>(p);
+  __atomic_store_n(&c->stage, int64_t(1), __ATOMIC_RELAXED);
+  struct Returned {  // stage 3 on every way out
+    HostCall* c;
+    ~Returned() { __atomic_store_n(&c->stage, int64_t(3), __ATOMIC_RELEASE); }
+  } returned{c};
   try {
     const auto t0 = std::chrono::steady_clock::now();
     bool any = false;
@@ -1099,6 +1106,7 @@ void host_call(void* p) {
     }
     Executor& ex = *reinterpret_cast<Executor*>(c->executor);
     std::lock_guard<std::mutex> g(ex.call_mutex);
+    __atomic_store_n(&c->stage, int64_t(2), __ATOMIC_RELAXED);
     if (c->qbanks) {
       const QPair& q = *static_cast<const QPair*>(c->qbanks);
       if (q.gu.R != 2 * int64_t(c->I) || q.gu.C != c->H || q.dn.R != c->H || q.dn.C != c->I) {  // not this call's banks
@@ -1219,7 +1227,8 @@ struct Bell {
   int64_t stop;  // Python -> CPU: the thread returns
   int64_t calls;    // calls answered (telemetry)
   int64_t gave_up;  // GPU -> Python: a wait kernel stopped polling without an answer
-  int64_t pad[2];
+  int64_t entered;  // CPU -> Python: the number of the last call host_call was entered for
+  int64_t idle_polls;  // CPU -> Python: sleeping polls so far (the thread is alive if it grows)
 };
 
 void bell_loop(Bell* b) {
@@ -1229,6 +1238,7 @@ void bell_loop(Bell* b) {
   for (;;) {
     const int64_t s = __atomic_load_n(&b->seq, __ATOMIC_ACQUIRE);
     if (s != seen) {
+      __atomic_store_n(&b->entered, s, __ATOMIC_RELAXED);
       host_call(reinterpret_cast<void*>(__atomic_load_n(&b->desc, __ATOMIC_ACQUIRE)));
       seen = s;
       b->calls += 1;
@@ -1243,6 +1253,7 @@ void bell_loop(Bell* b) {
       _mm_pause();
     } else {
       std::this_thread::sleep_for(std::chrono::microseconds(50));
+      __atomic_store_n(&b->idle_polls, b->idle_polls + 1, __ATOMIC_RELAXED);
     }
   }
 }
