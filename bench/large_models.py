@@ -1,13 +1,17 @@
-"""Decode tok/s of a slice of the full-size DeepSeek-V4-Flash and GLM-5 shapes (issue 14's
-benchmark): random weights made in place, experts in the published formats, batch 1.
+"""Decode tok/s of a slice of the full-size DeepSeek-V4-Flash, GLM-5 and Qwen3.6-35B-A3B shapes
+(issues 14 and 12's benchmark): random weights made in place, experts in the published formats, batch 1.
 
 Shapes: the defaults of transformers 5.x's `DeepseekV4Config` (DEEPSEEK_V4_FLASH: 43 layers,
 hidden 4096, 256 experts of 4096 x 2048, top-6, the first 3 MoE layers hash-routed, CSA and HCA
 attention over a sliding window of 128, 4 hyper-connection streams) and `GlmMoeDsaConfig`
 (GLM5: 78 layers, hidden 6144, 256 experts of 6144 x 2048, top-8, the first 3 layers dense,
-latent attention with the DSA indexer), written out below as literal dicts; `--layers N` keeps
-their first N layers (the per-layer lists cut to N). `--tiny`: the same structure at hidden 256
-with 16 experts (hash layers, dense layers, CSA/HCA, DSA all there), for a CPU.
+latent attention with the DSA indexer), and Qwen3.6-35B-A3B's text model (`--arch qwen3_5_moe`,
+QWEN36: transformers' `Qwen3_5MoeTextConfig` defaults but for the release's rope theta 1e7 and
+context; 40 layers, hidden 2048, 256 experts of 2048 x 512, top-8, a shared expert of 512, gated
+DeltaNet layers with full attention every 4th), written out below as literal dicts; `--layers N`
+keeps their first N layers (the per-layer lists cut to N; default 12, Qwen3.6 all 40). `--tiny`:
+the same structure at hidden 256 with 16 experts (hash layers, dense layers, CSA/HCA, DSA,
+DeltaNet and full attention all there), for a CPU.
 
 Weights. The non-expert tensors are the ones `ft convert` would write for the slice: their names
 and shapes come from the transformers model of the slice config built on the meta device (no
@@ -19,9 +23,14 @@ tables as integers). Their values are random, made directly on the compute devic
 tables valid: k distinct experts per token). The dense weights are BF16 (the releases publish
 DeepSeek-V4-Flash's dense layers in FP8; the engine's FP8 dense GEMM is not used here).
 The routed experts: random banks in the published layout (bench/cpu_experts.py quantized_banks),
-`--expert-format` mxfp4 (DeepSeek-V4-Flash's default), nvfp4 (GLM-5's default), fp8_block or bf16,
-made one layer at a time on the device and copied once into page-aligned host memory on huge pages,
-registered for DMA (cudaHostRegister), as the engine's FTW banks are.
+`--expert-format` mxfp4 (DeepSeek-V4-Flash's default), nvfp4 (GLM-5's default), bf16 (Qwen3.6's
+default; Qwen also publishes FP8) or fp8_block, made one layer at a time on the device and copied
+once into page-aligned host memory on huge pages, registered for DMA (cudaHostRegister), as the
+engine's FTW banks are. A comma-separated list (`bf16,fp8_block,mxfp4,nvfp4`) measures each format
+in turn in one call, the dense weights made once: one format's banks made, its rows run, the banks
+freed before the next format's are made (host RAM and VRAM hold one format at a time); every row
+carries `expert_format`, each format's own fields (pool_gb, expert_mb, banks_s, bp_gbs, bh_T_gbs,
+...) are under `formats` (with one format also at the top, as before).
 
 Modes (`--modes`, each row's `mode`), timed as bench/expert_cache.py times them (run_config: a
 prompt prefilled, warm-up steps, then `--tokens` decode steps, each synchronised and its token
@@ -36,17 +45,18 @@ A row that cannot run says so (`error`); a decode step that cannot be captured i
 (`graph: false`, `graph_error`). Without CUDA every mode runs on the CPU (tiny shapes only).
 Floors (`floor_ms`, `of_floor` = floor / measured): resident: the active bytes of a step (every
 non-expert weight but one embedding row, the top-k experts of each MoE layer, an approximate
-KV/indexer read) over the device read bandwidth measured here; cpu-only: the expert bytes of a step
-over B_H (the C++ executor's read rate on these experts at that thread count, measured here);
+KV/indexer read, DeltaNet's fp32 state read and written) over the device read bandwidth measured
+here; cpu-only: the expert bytes of a step over B_H (the C++ executor's read rate on these experts
+at that thread count, measured here on each format's banks);
 cache: the resident step (the resident row's, else its floor) plus the step's missed expert bytes
 over B_P + B_H (B_P: the zero-copy fill kernel's rate, measured here).
 
 Before building, the run prints the expert bytes per MoE layer in each format and what the slice
-needs in host RAM and VRAM per mode, and exits with the reason if the slice would not fit
-(`--estimate-only`: print and stop; `--host-gb` plans for another machine's RAM). On the GPU
-machine (128 GiB host RAM, 139 GiB VRAM), after `bash bench/stamp_commit.sh` here (carry
-.devcache, as bench/device_suite.sh does), each call sized for under ~5 minutes by estimate, not
-yet timed there (a fresh machine compiles the Triton kernels first; 12 layers: 41.1 GB of MXFP4
+needs in host RAM and VRAM per mode and format (each format of a list alone), and exits with the
+reason if the slice would not fit (`--estimate-only`: print and stop; `--host-gb` plans for another
+machine's RAM). On the GPU machine (128 GiB host RAM, 139 GiB VRAM), after
+`bash bench/stamp_commit.sh` here (carry .devcache, as bench/device_suite.sh does); the 12-layer
+calls took about 2 minutes each there (setup 16-20 s, rows 7-60 s; 12 layers: 41.1 GB of MXFP4
 experts, 48.9 GB of NVFP4):
     python -m bench.large_models --arch deepseek_v4 --layers 12 --modes resident,cpu-only,cache --threads 6
     python -m bench.large_models --arch glm_moe_dsa --layers 12 --modes resident,cpu-only,cache --threads 6
@@ -55,7 +65,19 @@ and the largest slices (about 80% of the host RAM in experts: 95.8 GB of MXFP4, 
         --name large_models-deepseek_v4-28
     python -m bench.large_models --arch glm_moe_dsa --layers 20 --modes resident,cpu-only,cache --threads 6 \
         --name large_models-glm_moe_dsa-20
+Issue 12: the full-size Qwen3.6 shape (all 40 layers), BF16, FP8, MXFP4 and NVFP4 experts, each
+resident and CPU-only at 6 and 16 threads, one call (the largest format, bf16, is 64.4 GB of
+experts: 72.4 GB of host RAM with the spare, 72.9 GB of VRAM resident; fp8_block 32.2 GB, mxfp4
+17.1 GB, nvfp4 18.1 GB). Not yet timed there; by estimate about 4-6 minutes (run it with the
+600 s limit): setup (transformers, the 4.9 GB of dense weights) ~10-20 s; each format's banks made
+on the GPU and copied to registered host memory, about a third of a second a GB by the 12-layer
+runs (bf16 ~25 s, all four ~50 s); 12 rows (4 formats x resident, cpu-only at 6 and at 16) of
+~5-15 s each (the prompt's prefill, 16 warm-up steps, 64 timed, graph capture; a fresh machine
+compiles each format's Triton kernels at its first resident row):
+    python -m bench.large_models --arch qwen3_5_moe --expert-format bf16,fp8_block,mxfp4,nvfp4 \
+        --modes resident,cpu-only --threads 6,16 --name large_models-qwen3_5_moe-formats
 On a CPU machine: python -m bench.large_models --arch deepseek_v4 --tiny --threads 1
+    python -m bench.large_models --arch qwen3_5_moe --tiny --expert-format bf16,mxfp4 --threads 1
 Results: benchmarks/results/NAME-gpu.json (or $OUT), NAME = --name (default large_models-ARCH).
 """
 from __future__ import annotations
@@ -111,9 +133,23 @@ GLM5 = {  # transformers 5.x GlmMoeDsaConfig() (5.17 and 5.24 alike; its layer_t
     "first_k_dense_replace": 3, "mlp_layer_types": ["dense"] * 3 + ["sparse"] * 75,
     "indexer_types": ["full"] * 78, "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 32,
 }
+QWEN36_LAYERS = 40
+QWEN36 = {  # Qwen3.6-35B-A3B's text model (its config.json's text_config; bench/decode.py's
+    # QWEN36_35B_A3B), its layer_types written out: gated DeltaNet, full attention every 4th layer
+    "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text", "vocab_size": 248320,
+    "hidden_size": 2048, "num_hidden_layers": QWEN36_LAYERS, "full_attention_interval": 4,
+    "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(QWEN36_LAYERS)],
+    "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4, "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512, "max_position_embeddings": 262144, "hidden_act": "silu",
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    "tie_word_embeddings": False, "rms_norm_eps": 1e-6, "attention_bias": False,
+}
 # the same structure, small: 3 hash-routed layers then plain MoE, HCA/CSA (compress windows of 16
 # and 4, a window of 16 keys, the indexer keeping 4 entries); 3 dense layers then MoE, the DSA
-# indexer keeping 16 keys. Prompts past 40 tokens pass every window and top-k.
+# indexer keeping 16 keys; three DeltaNet layers then full attention, every layer MoE with the
+# shared expert. Prompts past 40 tokens pass every window and top-k.
 TINY = {
     "deepseek_v4": slice_config(dict(
         DEEPSEEK_V4_FLASH, vocab_size=1024, hidden_size=256, moe_intermediate_size=128, num_attention_heads=4,
@@ -125,12 +161,20 @@ TINY = {
         num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64, q_lora_rank=128, qk_rope_head_dim=16,
         v_head_dim=32, qk_nope_head_dim=32, head_dim=16, n_routed_experts=16, index_topk=16, index_head_dim=32,
         index_n_heads=4, max_position_embeddings=4096), 5),
+    "qwen3_5_moe": slice_config(dict(
+        QWEN36, vocab_size=1024, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+        num_experts=16, moe_intermediate_size=128, shared_expert_intermediate_size=128,
+        max_position_embeddings=4096), 4),
 }
-SHAPES = {"deepseek_v4": DEEPSEEK_V4_FLASH, "glm_moe_dsa": GLM5}
-NAMES = {"deepseek_v4": "DeepSeek-V4-Flash", "glm_moe_dsa": "GLM-5"}
-PUBLISHED_FORMAT = {"deepseek_v4": "mxfp4", "glm_moe_dsa": "nvfp4"}
+SHAPES = {"deepseek_v4": DEEPSEEK_V4_FLASH, "glm_moe_dsa": GLM5, "qwen3_5_moe": QWEN36}
+NAMES = {"deepseek_v4": "DeepSeek-V4-Flash", "glm_moe_dsa": "GLM-5", "qwen3_5_moe": "Qwen3.6-35B-A3B"}
+# the releases' expert formats (Qwen3.6 also publishes an FP8 release: fp8_block)
+PUBLISHED_FORMAT = {"deepseek_v4": "mxfp4", "glm_moe_dsa": "nvfp4", "qwen3_5_moe": "bf16"}
+DEFAULT_LAYERS = {"deepseek_v4": 12, "glm_moe_dsa": 12, "qwen3_5_moe": QWEN36_LAYERS}  # without --layers
 HF_CLASSES = {"deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM"),
-              "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM")}
+              "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM"),
+              "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM")}
 FORMATS = ("bf16", "fp8_block", "mxfp4", "nvfp4")
 MODES = ("resident", "cpu-only", "cache")
 MAX_POS = 4096  # the rope tables run_config builds (bench/expert_cache.py)
@@ -278,7 +322,12 @@ def kv_read_bytes(mc, ctx: int, el: int = 2) -> int:
     """Approximate KV/indexer bytes a decode step reads at context `ctx` (one sequence)."""
     b = 0
     for layer in range(mc.num_layers):
-        if mc.arch == "deepseek_v4":
+        if mc.arch == "qwen3_5_moe":  # a DeltaNet layer's fp32 matrix read and written, else K and V
+            if mc.layer_types[layer] == "linear_attention":
+                b += mc.linear_num_value_heads * mc.linear_key_head_dim * mc.linear_value_head_dim * 4 * 2
+            else:
+                b += 2 * mc.num_kv_heads * ctx * mc.head_dim * el
+        elif mc.arch == "deepseek_v4":
             b += min(ctx, mc.sliding_window) * mc.head_dim * el  # sliding keys (= values)
             kind = mc.compressed_attention[layer]
             if kind == "csa":
@@ -316,9 +365,10 @@ def host_available() -> float:
 
 
 def estimate(cfg: dict, mc, fmt: str, plan: dict, modes, capacity: float, batch: int, ctx: int, dev,
-             host_have: float | None = None, on_cuda: bool | None = None) -> dict:
-    """What the slice needs, printed; -> {"fits": bool, "why": [...], ...}. host_have: the host
-    bytes available (default: MemAvailable); on_cuda: plan for a GPU run (default: dev is CUDA)."""
+             host_have: float | None = None, on_cuda: bool | None = None, header: bool = True) -> dict:
+    """What the slice needs with experts in `fmt`, printed; -> {"fits": bool, "why": [...], ...}.
+    host_have: the host bytes available (default: MemAvailable); on_cuda: plan for a GPU run
+    (default: dev is CUDA); header: print the slice's lines before the format's (once a run)."""
     from freetoken.model.state import state_bytes
     h, i, e = mc.hidden_size, mc.moe_intermediate_size, mc.num_experts
     per_layer = {f: e * expert_bytes(f, h, i) for f in FORMATS}
@@ -334,19 +384,22 @@ def estimate(cfg: dict, mc, fmt: str, plan: dict, modes, capacity: float, batch:
     vram = {"resident": base + pool, "cpu-only": base, "cache": base + max(1, int(capacity * mc.num_flat_experts)) * eb}
     vram_have = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else float("inf")
     gen_peak = per_layer[fmt] * 2.5 if on_cuda else 0  # one layer's banks and their temporaries on the device
-    print(f"{NAMES[mc.arch]} shape ({mc.arch}), {mc.num_layers} layers: {moe} MoE layers "
-          f"({len(mc.hash_layers)} hash-routed), {e} experts x ({h} x {i}), top-{mc.top_k}")
-    print("  expert bytes per MoE layer: " + " | ".join(f"{f} {per_layer[f] / GB:.2f} GB" for f in FORMATS) +
-          f"  (this run: {fmt}, {eb / 1e6:.2f} MB an expert)")
-    print(f"  host RAM: expert pool {pool / GB:.1f} GB + {HOST_SPARE / GB:.0f} GB spare"
-          + ("" if on_cuda else f" + weights and state {(dense + state) / GB:.2f} GB")
+    if header:
+        print(f"{NAMES[mc.arch]} shape ({mc.arch}), {mc.num_layers} layers: {moe} MoE layers "
+              f"({len(mc.hash_layers)} hash-routed), {e} experts x ({h} x {i}), top-{mc.top_k}")
+        print("  expert bytes per MoE layer: " + " | ".join(f"{f} {per_layer[f] / GB:.2f} GB" for f in FORMATS))
+        if on_cuda:
+            print(f"  VRAM beside the experts: non-expert weights {dense / GB:.2f} GB, state {state / GB:.3f} GB"
+                  + (f"; free {vram_have / GB:.1f} GB" if dev.type == "cuda" else " (no CUDA here: not checked)"))
+        else:
+            print(f"  no CUDA: everything on the CPU (non-expert weights {dense / GB:.4f} GB, "
+                  f"state {state / GB:.4f} GB)")
+    print(f"  {fmt} ({eb / 1e6:.2f} MB an expert): host RAM: expert pool {pool / GB:.1f} GB + "
+          f"{HOST_SPARE / GB:.0f} GB spare" + ("" if on_cuda else f" + weights and state {(dense + state) / GB:.2f} GB")
           + f" = {host_need / GB:.1f} GB; available {host_have / GB:.1f} GB")
     if on_cuda:
-        print(f"  VRAM: non-expert weights {dense / GB:.2f} GB, state {state / GB:.3f} GB; per mode "
-              + ", ".join(f"{m} {vram[m] / GB:.1f} GB" for m in modes)
-              + (f"; free {vram_have / GB:.1f} GB" if dev.type == "cuda" else " (no CUDA here: not checked)"))
+        print("    VRAM per mode: " + ", ".join(f"{m} {vram[m] / GB:.1f} GB" for m in modes))
     else:
-        print(f"  no CUDA: everything on the CPU (non-expert weights {dense / GB:.4f} GB, state {state / GB:.4f} GB)")
         vram = {m: 0.0 for m in modes}
         gen_peak = 0
     why = []
@@ -357,7 +410,8 @@ def estimate(cfg: dict, mc, fmt: str, plan: dict, modes, capacity: float, batch:
                    f"at most {max(fit, 0)} MoE layers fit in {fmt}")
     for m in modes:
         if max(vram[m], gen_peak) > vram_have:
-            why.append(f"{m} needs {vram[m] / GB:.1f} GB of VRAM, {vram_have / GB:.1f} GB is free")
+            why.append(f"{m} in {fmt} needs {max(vram[m], gen_peak) / GB:.1f} GB of VRAM, "
+                       f"{vram_have / GB:.1f} GB is free")
     return {"fits": not why, "why": why, "expert_bytes": eb, "pool_bytes": pool, "dense_bytes": dense,
             "per_layer_gb": {f: round(b / GB, 4) for f, b in per_layer.items()},
             "host_need_gb": round(host_need / GB, 1), "host_available_gb": round(host_have / GB, 1),
@@ -503,9 +557,11 @@ def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--arch", default="deepseek_v4", choices=sorted(SHAPES))
     ap.add_argument("--tiny", action="store_true", help="the small config of the same structure (a CPU run)")
-    ap.add_argument("--layers", type=int, default=None, help="first N layers of the shape (default 12; --tiny 5)")
-    ap.add_argument("--expert-format", default=None, choices=FORMATS, help="routed experts' format (default: the "
-                    "release's, mxfp4 for DeepSeek-V4-Flash, nvfp4 for GLM-5)")
+    ap.add_argument("--layers", type=int, default=None, help="first N layers of the shape (default 12; "
+                    "qwen3_5_moe all 40; --tiny 5, qwen3_5_moe 4)")
+    ap.add_argument("--expert-format", default=None, help="routed experts' format, of " + ", ".join(FORMATS) +
+                    " (comma-separated: each in turn, the banks of one freed before the next; default: the "
+                    "release's, mxfp4 for DeepSeek-V4-Flash, nvfp4 for GLM-5, bf16 for Qwen3.6)")
     ap.add_argument("--modes", default="resident,cpu-only,cache")
     ap.add_argument("--threads", default="6", help="CPU threads of the cpu-only and cache rows (comma-separated: "
                     "a row each)")
@@ -531,8 +587,14 @@ def parse(argv=None):
         ap.error(f"unknown mode(s) {', '.join(bad)}; known: {', '.join(MODES)}")
     a.threads = [int(t) for t in a.threads.split(",") if t]
     a.batch = [int(b) for b in a.batch.split(",") if b]
-    a.expert_format = a.expert_format or PUBLISHED_FORMAT[a.arch]
-    a.layers = a.layers or (TINY[a.arch]["num_hidden_layers"] if a.tiny else 12)
+    a.expert_format = [f for f in (a.expert_format or PUBLISHED_FORMAT[a.arch]).split(",") if f]
+    bad = [f for f in a.expert_format if f not in FORMATS]
+    if bad or not a.expert_format or len(set(a.expert_format)) < len(a.expert_format):
+        ap.error(f"--expert-format: distinct formats of {', '.join(FORMATS)}, comma-separated")
+    top = (TINY if a.tiny else SHAPES)[a.arch]["num_hidden_layers"]
+    a.layers = a.layers or (top if a.tiny else DEFAULT_LAYERS[a.arch])
+    if not 0 < a.layers <= top:
+        ap.error(f"--layers: 1 to {top} ({'the tiny config' if a.tiny else NAMES[a.arch]} has {top} layers)")
     for k, full, tiny in (("prompt", 256, 48), ("tokens", 64, 8), ("warmup", 16, 2), ("cache_warmup", 600, 8)):
         if getattr(a, k) is None:
             setattr(a, k, tiny if a.tiny else full)
@@ -542,6 +604,57 @@ def parse(argv=None):
     if a.prompt + a.cache_warmup + a.tokens + 8 > MAX_POS:
         ap.error(f"--prompt + --cache-warmup + --tokens must stay under {MAX_POS - 8} positions")
     return a
+
+
+def run_format(a, fmt: str, mc, w, plan: dict, est: dict, dev, bw: float | None) -> dict:
+    """Every row of one expert format: its banks made, B_P and B_H measured on them, each
+    (batch, mode, threads) timed, the floors; -> the format's fields and its rows ("runs"). The
+    banks are gone when it returns."""
+    t0 = time.perf_counter()
+    banks, pinned = make_banks(fmt, mc, dev, a.seed)
+    eb = banks.expert_bytes
+    assert eb == est["expert_bytes"], (eb, est["expert_bytes"])
+    slots = max(1, int(a.capacity * mc.num_flat_experts))
+    from freetoken.weights.hostmem import huge_bytes
+    hb = [huge_bytes(t) for t in banks.tensors()]
+    f = {"expert_format": fmt, "pool_gb": round(est["pool_bytes"] / GB, 4), "expert_mb": round(eb / 1e6, 3),
+         "host_need_gb": est["host_need_gb"], "vram_need_gb": est["vram_need_gb"], "banks_pinned": pinned,
+         "banks_s": round(time.perf_counter() - t0, 1), "bank_huge_gb": None if None in hb else round(sum(hb) / GB, 2)}
+    if dev.type == "cuda":
+        try:
+            bp = measure_bp(banks, dev)
+        except Exception as e:  # noqa: BLE001  the rows still run; the cache's floor and start share without it
+            bp, f["bp_error"] = None, f"{type(e).__name__}: {e}"[:300]
+        f["bp_gbs"] = round(bp, 1) if bp else None
+    print(f"{fmt}: banks made in {f['banks_s']:.1f} s", {k: v for k, v in f.items() if k in (
+        "pool_gb", "expert_mb", "banks_pinned", "bank_huge_gb", "bp_gbs")}, flush=True)
+    runs = []
+    for batch in a.batch:
+        for mode in a.modes:
+            for threads in ([0] if mode == "resident" else a.threads):
+                start = 1.0
+                if mode != "resident" and f"bh_{threads}_gbs" not in f:
+                    from freetoken.experts.cpu import CpuExpertExecutor
+                    from freetoken.experts.executor import Activation
+                    try:
+                        cpu = CpuExpertExecutor(banks.gate_up, banks.down, threads=threads,
+                                                activation=Activation.of(mc))
+                        f[f"bh_{threads}_gbs"] = round(measure_bh(cpu, banks, mc.hidden_size), 2)
+                        del cpu
+                    except Exception as e:  # noqa: BLE001  the rows still run, without their floors
+                        f[f"bh_{threads}_gbs"] = None
+                        f[f"bh_{threads}_error"] = f"{type(e).__name__}: {e}"[:300]
+                    free(dev)
+                if mode == "cache" and f.get("bp_gbs") and f[f"bh_{threads}_gbs"]:  # where the bandwidths point
+                    start = f["bp_gbs"] / (f["bp_gbs"] + f[f"bh_{threads}_gbs"])
+                row = {"expert_format": fmt, **run_mode(mode, a, mc, w, banks, dev, batch, threads, slots, start)}
+                print(row, flush=True)
+                runs.append(row)
+    f["runs"] = runs
+    floors(f, mc, plan, eb, a.prompt + a.warmup + a.tokens // 2, bw)
+    del banks
+    free(dev)
+    return f
 
 
 def main(argv=None) -> str | None:
@@ -560,73 +673,51 @@ def main(argv=None) -> str | None:
     t0 = time.perf_counter()
     plan = weight_plan(cfg)
     ctx = a.prompt + a.cache_warmup + a.tokens + 8
-    est = estimate(cfg, mc, a.expert_format, plan, a.modes, a.capacity, max(a.batch), ctx, dev,
-                   a.host_gb * GB if a.host_gb else None, cuda or not a.tiny)
-    if not est["fits"]:
-        raise SystemExit("bench.large_models: this slice does not fit: " + "; ".join(est["why"]) +
-                         " (lower --layers, or drop the mode)")
+    ests = {fmt: estimate(cfg, mc, fmt, plan, a.modes, a.capacity, max(a.batch), ctx, dev,
+                          a.host_gb * GB if a.host_gb else None, cuda or not a.tiny, header=n == 0)
+            for n, fmt in enumerate(a.expert_format)}  # one format's banks at a time: each alone must fit
+    why = [w for e in ests.values() for w in e["why"]]
+    if why:
+        raise SystemExit("bench.large_models: this slice does not fit: " + "; ".join(why) +
+                         " (lower --layers, or drop the mode or the format)")
     if a.estimate_only:
         return None
     w = random_dense(plan, mc, dev, a.seed)
-    banks, pinned = make_banks(a.expert_format, mc, dev, a.seed)
     setup_s = time.perf_counter() - t0
-    eb = banks.expert_bytes
-    assert eb == est["expert_bytes"], (eb, est["expert_bytes"])
-    slots = max(1, int(a.capacity * mc.num_flat_experts))
+    est = next(iter(ests.values()))
+    fmts = ", ".join(a.expert_format)
     label = (f"{NAMES[a.arch]} shape{' (tiny)' if a.tiny else ''}, random weights, {a.layers} layers, "
-             f"experts {a.expert_format}")
+             f"experts {fmts}")
     res = {"model": label, "arch": a.arch, "tiny": a.tiny, "config": cfg, "layers": a.layers,
-           "moe_layers": len(mc.moe_layers), "hash_layers": mc.hash_layers, "expert_format": a.expert_format,
-           "dense_dtype": "bfloat16 (KEEP_FP32 modules fp32)", "pool_gb": round(est["pool_bytes"] / GB, 4),
-           "expert_mb": round(eb / 1e6, 3), "dense_gb": round(est["dense_bytes"] / GB, 4),
-           "per_moe_layer_gb": est["per_layer_gb"], "host_need_gb": est["host_need_gb"],
-           "host_available_gb": est["host_available_gb"], "vram_need_gb": est["vram_need_gb"],
-           "banks_pinned": pinned, "prompt_tokens": a.prompt, "decode_tokens": a.tokens,
+           "moe_layers": len(mc.moe_layers), "hash_layers": mc.hash_layers, "expert_format": ",".join(a.expert_format),
+           "expert_formats": list(a.expert_format), "dense_dtype": "bfloat16 (KEEP_FP32 modules fp32)",
+           "dense_gb": round(est["dense_bytes"] / GB, 4), "per_moe_layer_gb": est["per_layer_gb"],
+           "host_available_gb": est["host_available_gb"], "prompt_tokens": a.prompt, "decode_tokens": a.tokens,
            "setup_s": round(setup_s, 1), "device": dev.type, "transformers": _transformers_version(), "runs": []}
-    from freetoken.weights.hostmem import huge_bytes, thp_mode
-    hb = [huge_bytes(t) for t in banks.tensors()]
-    res.update(thp=thp_mode(), bank_huge_gb=None if None in hb else round(sum(hb) / GB, 2))
+    from freetoken.weights.hostmem import thp_mode
+    res["thp"] = thp_mode()
     bw = None
     if cuda:
         from bench.decode import device_read_bw
         bw = device_read_bw(dev)
         res["device_read_gbs"] = round(bw, 1)
-        try:
-            bp = measure_bp(banks, dev)
-        except Exception as e:  # noqa: BLE001  the rows still run; the cache's floor and start share without it
-            bp, res["bp_error"] = None, f"{type(e).__name__}: {e}"[:300]
-        res["bp_gbs"] = round(bp, 1) if bp else None
-    print(f"setup {setup_s:.1f} s", {k: v for k, v in res.items() if k in ("pool_gb", "expert_mb", "banks_pinned",
-                                                                           "device_read_gbs", "bp_gbs")}, flush=True)
-    for batch in a.batch:
-        for mode in a.modes:
-            for threads in ([0] if mode == "resident" else a.threads):
-                start = 1.0
-                if mode != "resident" and f"bh_{threads}_gbs" not in res:
-                    from freetoken.experts.cpu import CpuExpertExecutor
-                    from freetoken.experts.executor import Activation
-                    try:
-                        cpu = CpuExpertExecutor(banks.gate_up, banks.down, threads=threads,
-                                                activation=Activation.of(mc))
-                        res[f"bh_{threads}_gbs"] = round(measure_bh(cpu, banks, mc.hidden_size), 2)
-                        del cpu
-                    except Exception as e:  # noqa: BLE001  the rows still run, without their floors
-                        res[f"bh_{threads}_gbs"] = None
-                        res[f"bh_{threads}_error"] = f"{type(e).__name__}: {e}"[:300]
-                    free(dev)
-                if mode == "cache" and res.get("bp_gbs") and res[f"bh_{threads}_gbs"]:  # where the bandwidths point
-                    start = res["bp_gbs"] / (res["bp_gbs"] + res[f"bh_{threads}_gbs"])
-                row = run_mode(mode, a, mc, w, banks, dev, batch, threads, slots, start)
-                print(row, flush=True)
-                res["runs"].append(row)
-    floors(res, mc, plan, eb, a.prompt + a.warmup + a.tokens // 2, bw)
+    print(f"setup {setup_s:.1f} s (the non-expert weights)", {k: v for k, v in res.items() if k in (
+        "dense_gb", "device_read_gbs")}, flush=True)
+    res["formats"] = {}
+    for fmt in a.expert_format:  # one at a time: the banks of one freed before the next are made
+        f = run_format(a, fmt, mc, w, plan, ests[fmt], dev, bw)
+        res["runs"] += f.pop("runs")
+        res["formats"][fmt] = f
+    if len(a.expert_format) == 1:  # one format: its fields at the top, as before
+        res.update(res["formats"][a.expert_format[0]])
     res["floor_notes"] = ("resident: active bytes of a step (non-expert weights but one embedding row, the top-k "
-                          "experts of each MoE layer, an approximate KV/indexer read) / device_read_gbs; cpu-only: "
-                          "the step's expert bytes / bh_T_gbs; cache: the resident step (its row, else its floor) + "
-                          "the step's missed expert bytes / (bp_gbs + bh_T_gbs); at batch > 1 the expected distinct "
-                          "experts of uniform routing")
-    keys = ("mode", "batch", "threads", "tok_s", "ms_per_step", "graph", "miss_rate", "fill_share_chosen", "floor_ms",
-            "of_floor", "error")
+                          "experts of each MoE layer, an approximate KV/indexer/DeltaNet-state read) / "
+                          "device_read_gbs; cpu-only: the step's expert bytes / bh_T_gbs; cache: the resident step "
+                          "(its row, else its floor) + the step's missed expert bytes / (bp_gbs + bh_T_gbs); bp_gbs "
+                          "and bh_T_gbs measured on each format's banks (formats.FMT); at batch > 1 the expected "
+                          "distinct experts of uniform routing")
+    keys = ("expert_format", "mode", "batch", "threads", "tok_s", "ms_per_step", "graph", "miss_rate",
+            "fill_share_chosen", "floor_ms", "of_floor", "error")
     res["summary"] = [{k: r.get(k) for k in keys} for r in res["runs"]]
     return write_result(a.name, res)
 

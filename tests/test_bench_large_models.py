@@ -1,11 +1,14 @@
-"""bench/large_models.py (issue 14's benchmark): its literal full-size shapes are transformers'
-defaults; the weights it makes are the ones `ft convert` writes (names, shapes, the loader's
-dtypes), and a full-size slice of each decodes on the meta device (no memory) through the static
-path a CUDA graph captures; the estimate refuses a slice the host RAM cannot hold; the --tiny run
-on the CPU (resident, CPU-only and cache rows) writes a JSON with sane rows."""
+"""bench/large_models.py (issues 14 and 12's benchmark): its literal full-size shapes are
+transformers' defaults (Qwen3.6's: but for the release's rope theta and context); the weights it
+makes are the ones `ft convert` writes (names, shapes, the loader's dtypes), and a full-size slice
+of each decodes on the meta device (no memory) through the static path a CUDA graph captures; the
+estimate refuses a slice the host RAM cannot hold and sizes every format of a list; the --tiny run
+on the CPU (resident, CPU-only and cache rows; Qwen3.6 with two expert formats in one call) writes
+a JSON with sane rows."""
 import json
 import os
 import sys
+import weakref
 
 import pytest
 import torch
@@ -16,25 +19,34 @@ from freetoken.config import ModelConfig  # noqa: E402
 from freetoken.model.registry import model_class  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
-ARCHS = ["deepseek_v4", "glm_moe_dsa"]
+ARCHS = ["deepseek_v4", "glm_moe_dsa", "qwen3_5_moe"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_literal_shapes_are_the_transformers_defaults(arch):
     config_cls = getattr(transformers, lm.HF_CLASSES[arch][0])
     defaults = {**config_cls().to_dict(), "architectures": lm.SHAPES[arch]["architectures"]}
+    if arch == "qwen3_5_moe":  # the release's rope theta and context, not transformers' defaults
+        defaults.update({k: lm.QWEN36[k] for k in ("rope_parameters", "max_position_embeddings")})
     assert ModelConfig.from_hf(lm.SHAPES[arch]).to_dict() == ModelConfig.from_hf(defaults).to_dict()
     mc = ModelConfig.from_hf(lm.slice_config(lm.SHAPES[arch], 12))
-    assert mc.num_layers == 12 and mc.num_experts == 256 and mc.moe_intermediate_size == 2048
-    if arch == "deepseek_v4":
+    assert mc.num_layers == 12 and mc.num_experts == 256
+    assert mc.moe_intermediate_size == (512 if arch == "qwen3_5_moe" else 2048)
+    if arch == "qwen3_5_moe":
+        assert (mc.hidden_size, mc.top_k, mc.shared_expert_intermediate_size) == (2048, 8, 512)
+        assert mc.attention_layers == [3, 7, 11] and mc.moe_layers == list(range(12))
+        full = ModelConfig.from_hf(lm.QWEN36)
+        assert full.num_layers == 40 and len(full.linear_layers) == 30 and full.rope_theta == 1e7
+    elif arch == "deepseek_v4":
         assert (mc.hidden_size, mc.top_k, mc.hash_layers, mc.hc_mult) == (4096, 6, [0, 1, 2], 4)
         assert set(mc.compressed_attention) == {"csa", "hca"} and mc.moe_layers == list(range(12))
     else:
         assert (mc.hidden_size, mc.top_k, mc.moe_layers) == (6144, 8, list(range(3, 12)))
         assert mc.indexer_types == ["full"] * 12
     tiny = ModelConfig.from_hf(lm.TINY[arch])  # the same structure
-    assert (tiny.hash_layers, tiny.moe_layers[0], set(tiny.compressed_attention)) == \
-        (mc.hash_layers, mc.moe_layers[0], set(mc.compressed_attention))
+    assert (tiny.hash_layers, tiny.moe_layers[0], set(tiny.compressed_attention), set(tiny.layer_types)) == \
+        (mc.hash_layers, mc.moe_layers[0], set(mc.compressed_attention), set(mc.layer_types))
+    assert tiny.layer_types == mc.layer_types[:tiny.num_layers]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -61,14 +73,20 @@ def test_weights_are_what_convert_writes(arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_full_size_slice_decodes_on_meta(arch, monkeypatch):
-    """Four full-size layers (V4: hash-routed, HCA and CSA; GLM: three dense and one MoE) built
-    from the plan on the meta device and one static decode step (the path a graph captures):
-    every shape fits the engine's model class."""
+    """Four full-size layers (V4: hash-routed, HCA and CSA; GLM: three dense and one MoE; Qwen:
+    three DeltaNet and one full attention, all MoE) built from the plan on the meta device and one
+    static decode step (the path a graph captures): every shape fits the engine's model class."""
     from freetoken.experts.executor import Activation, TorchExpertExecutor
     from freetoken.model import csa, mla
     from freetoken.model.state import DecodeState
     monkeypatch.setattr(csa, "_capturing", lambda x: True)
     monkeypatch.setattr(mla, "_capturing", lambda x: True)
+    from freetoken.kernels import paged_attention as pa
+
+    def attend(q, k_pages, v_pages, table, lens, scale, window=None, splits=None, sinks=None):
+        assert q.shape[1] % k_pages.shape[1] == 0 and q.shape[2] == k_pages.shape[3] == v_pages.shape[3]
+        return torch.empty_like(q)  # the GQA kernel reads the lengths back off the GPU: shapes only here
+    monkeypatch.setattr(pa, "paged_decode_attention", attend)
     cfg = lm.slice_config(lm.SHAPES[arch], 4)
     mc = ModelConfig.from_hf(cfg)
     meta = torch.device("meta")
@@ -92,29 +110,65 @@ def test_estimate_sizes_and_refuses(capsys):
     assert "mxfp4 3.42 GB" in out and "expert pool 41.1 GB" in out
     with pytest.raises(SystemExit, match="does not fit.*at most 21 MoE layers fit in nvfp4"):
         lm.main(["--arch", "glm_moe_dsa", "--layers", "40", "--estimate-only", "--host-gb", "125"])
+    # Qwen3.6 (issue 12): all 40 layers by default, each format of the list sized alone
+    assert lm.expert_bytes("bf16", 2048, 512) == 3 * 2048 * 512 * 2
+    assert lm.main(["--arch", "qwen3_5_moe", "--expert-format", "bf16,fp8_block,mxfp4,nvfp4", "--modes",
+                    "resident,cpu-only", "--estimate-only", "--host-gb", "128"]) is None
+    out = capsys.readouterr().out
+    assert "40 layers: 40 MoE layers" in out and "bf16 1.61 GB | fp8_block 0.81 GB" in out
+    for fmt, pool in (("bf16", 64.4), ("fp8_block", 32.2), ("mxfp4", 17.1), ("nvfp4", 18.1)):
+        assert f"{fmt} (" in out and f"expert pool {pool} GB" in out
+    with pytest.raises(SystemExit, match="does not fit.*at most 34 MoE layers fit in bf16"):
+        lm.main(["--arch", "qwen3_5_moe", "--expert-format", "mxfp4,bf16", "--estimate-only", "--host-gb", "64"])
+    with pytest.raises(SystemExit):  # an unknown format
+        lm.main(["--arch", "qwen3_5_moe", "--expert-format", "bf16,int4", "--estimate-only"])
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tiny_run_on_the_cpu(arch, tmp_path, monkeypatch):
+    """Each arch's published format; Qwen3.6 two formats in one call (a row each, the first
+    format's banks freed before the second's are made)."""
     monkeypatch.setenv("OUT", str(tmp_path))
     if torch.cuda.is_available():
         pytest.skip("checks the CPU run (on CUDA the modes run on the GPU)")
     modes = ["resident", "cpu-only", "cache"]
+    fmts = ["bf16", "mxfp4"] if arch == "qwen3_5_moe" else [lm.PUBLISHED_FORMAT[arch]]
+    made, make_banks = [], lm.make_banks
+
+    def tracked(fmt, *args, **kw):  # no bank of an earlier format is alive when the next is made
+        import gc
+        gc.collect()
+        assert all(r() is None for r in made), "the previous format's banks are still alive"
+        banks, pinned = make_banks(fmt, *args, **kw)
+        made.extend(weakref.ref(t) for t in banks.tensors())
+        return banks, pinned
+    monkeypatch.setattr(lm, "make_banks", tracked)
     # one executor thread: pinned threads that spin would crawl on a 2-core machine another job loads
     path = lm.main(["--arch", arch, "--tiny", "--modes", ",".join(modes), "--threads", "1",
+                    "--expert-format", ",".join(fmts),
                     "--prompt", "40", "--tokens", "3", "--warmup", "1", "--cache-warmup", "1"])
     with open(path) as f:
         doc = json.load(f)
     res = doc["results"]
     assert doc["benchmark"] == f"large_models-{arch}-tiny" and res["tiny"] and res["device"] == "cpu"
-    assert res["expert_format"] == lm.PUBLISHED_FORMAT[arch] and res["pool_gb"] > 0 and res["expert_mb"] > 0
-    assert res["config"]["num_hidden_layers"] == 5 and res["bh_1_gbs"] > 0
-    assert [r["mode"] for r in res["runs"]] == modes
+    assert res["expert_format"] == ",".join(fmts) and res["expert_formats"] == fmts
+    assert res["config"]["num_hidden_layers"] == lm.TINY[arch]["num_hidden_layers"]
+    assert [(r["expert_format"], r["mode"]) for r in res["runs"]] == [(f, m) for f in fmts for m in modes]
+    assert list(res["formats"]) == fmts
+    per = {f: res["formats"][f] for f in fmts}
+    if len(fmts) == 1:  # one format: its fields at the top too, as before
+        assert all(res[k] == v for k, v in per[fmts[0]].items())
+    else:  # the formats' own sizes
+        assert per["bf16"]["expert_mb"] > 3 * per["mxfp4"]["expert_mb"]
+    for f in fmts:
+        assert per[f]["pool_gb"] > 0 and per[f]["expert_mb"] > 0 and per[f]["bh_1_gbs"] > 0
     for r in res["runs"]:
         assert "error" not in r, r
         assert r["tok_s"] > 0 and r["ms_per_step"] > 0 and r["graph"] is False and r["batch"] == 1
-    cpu = res["runs"][1]
-    assert cpu["expert_backend"] in ("cpp", "torch-fallback") and cpu["floor_ms"] > 0 and cpu["threads"] == 1
-    cache = res["runs"][2]  # without CUDA the cache stays fill-only (no CPU branch in stream order)
-    assert 0 < cache["miss_rate"] <= 1 and cache["fill_share_chosen"] == 1.0 and cache["adaptive_split"] is False
-    assert cache["slots"] == int(0.33 * 16 * res["moe_layers"]) and cache["floor_ms"] > 0
+    for n, f in enumerate(fmts):
+        cpu = res["runs"][3 * n + 1]
+        assert cpu["expert_backend"] in ("cpp", "torch-fallback") and cpu["floor_ms"] > 0 and cpu["threads"] == 1
+        cache = res["runs"][3 * n + 2]  # without CUDA the cache stays fill-only (no CPU branch in stream order)
+        assert 0 < cache["miss_rate"] <= 1 and cache["fill_share_chosen"] == 1.0 and cache["adaptive_split"] is False
+        experts = lm.TINY[arch].get("n_routed_experts") or lm.TINY[arch]["num_experts"]
+        assert cache["slots"] == int(0.33 * experts * res["moe_layers"]) and cache["floor_ms"] > 0
