@@ -5,11 +5,16 @@ the sub-layer's input), `post` (how its output spreads back over them) and `comb
 streams mix into the new ones, pushed towards a doubly-stochastic matrix by Sinkhorn-Knopp);
 after the last layer the head collapses them once more. All the weights are computed in fp32,
 as the reference keeps these modules in fp32.
+
+On CUDA each of the three runs as one to three fused Triton kernels (kernels/hyper.py); the
+torch functions here (*_torch) are the references and the CPU path.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from ..kernels import use_triton
 
 
 def _flat_norm(h: torch.Tensor, eps: float) -> torch.Tensor:
@@ -20,6 +25,15 @@ def _flat_norm(h: torch.Tensor, eps: float) -> torch.Tensor:
 
 def hc_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
            eps: float, norm_eps: float):
+    """See hc_pre_torch; on CUDA the fused kernels."""
+    if use_triton(h):
+        from ..kernels.hyper import hc_pre_triton
+        return hc_pre_triton(h, fn, base, scale, iters, eps, norm_eps)
+    return hc_pre_torch(h, fn, base, scale, iters, eps, norm_eps)
+
+
+def hc_pre_torch(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
+                 eps: float, norm_eps: float):
     """h [N, hc, H]; fn [(2 + hc) * hc, hc * H]; base [(2 + hc) * hc]; scale [3] ->
     post [N, hc] fp32, comb [N, hc, hc] fp32 (comb[j, k]: old stream j into new stream k),
     collapsed [N, H] (the sub-layer's input before its norm)."""
@@ -41,6 +55,14 @@ def hc_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
 
 
 def hc_post(h: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """See hc_post_torch; on CUDA one fused kernel (out in h's dtype, as the model passes it)."""
+    if use_triton(h) and out.dtype == h.dtype:
+        from ..kernels.hyper import hc_post_triton
+        return hc_post_triton(h, out, post, comb)
+    return hc_post_torch(h, out, post, comb)
+
+
+def hc_post_torch(h: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """New streams [N, hc, H] = post * out (the sub-layer's output [N, H] spread) + comb^T @ h."""
     dt = h.dtype
     return post.to(dt)[..., None] * out[:, None, :] + torch.matmul(comb.to(dt).transpose(-1, -2), h)
@@ -48,6 +70,15 @@ def hc_post(h: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.
 
 def hc_head(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
             norm_eps: float) -> torch.Tensor:
+    """See hc_head_torch; on CUDA the fused kernels."""
+    if use_triton(h):
+        from ..kernels.hyper import hc_head_triton
+        return hc_head_triton(h, fn, base, scale, eps, norm_eps)
+    return hc_head_torch(h, fn, base, scale, eps, norm_eps)
+
+
+def hc_head_torch(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
+                  norm_eps: float) -> torch.Tensor:
     """The final collapse: h [N, hc, H]; fn [hc, hc * H]; base [hc]; scale [1] -> [N, H]."""
     mix = F.linear(_flat_norm(h, norm_eps), fn.float())  # [N, hc]
     pre = torch.sigmoid(mix * scale.float() + base.float()) + eps
