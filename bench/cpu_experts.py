@@ -140,6 +140,9 @@ def main():
         row["cpp_vs_read_bw"] = round(max(row["cpp_gbs"], row["cpp_bf16act_gbs"]) / res["host_read_gbs"], 2)
     name = "cpu_experts" if a.format == "bf16" else f"cpu_experts-{a.format}"
     res["schedule"] = os.environ.get("FREETOKEN_CPU_SCHEDULE") or "static"
+    # the quantized kernels' software look-ahead (moe_cpu.cpp g_pf_hint / g_pf)
+    res["prefetch"] = (f"{os.environ.get('FREETOKEN_CPU_PREFETCH_HINT') or 't0'}:"
+                       f"{os.environ.get('FREETOKEN_CPU_PREFETCH_BYTES') or '8192'}")
     write_result(a.name or (name if a.activation == "silu" else f"{name}-{a.activation}"), res)
 
 

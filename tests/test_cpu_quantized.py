@@ -243,3 +243,53 @@ def test_the_kernel_checks_bank_shapes_itself():
     with pytest.raises(RuntimeError, match="scale"):
         extension().forward_q(ex.handle, torch.randn(1, 64), torch.tensor([[0]]), torch.ones(1, 1), *args,
                               False, **ex._fn)
+
+
+PREFETCH_SCRIPT = r'''
+import sys, torch
+from bench.cpu_experts import quantized_banks
+from freetoken.experts.cpu import CpuExpertExecutor
+g = torch.Generator().manual_seed(5)
+out = {}
+for fmt in ("fp8_block", "mxfp4", "nvfp4"):
+    ex = CpuExpertExecutor(quantized_banks(fmt, 12, 256, 128, g), threads=2)
+    for t in (1, 4):
+        x = torch.randn(t, 256, generator=g)
+        ids = torch.stack([torch.randperm(12, generator=g)[:4] for _ in range(t)])
+        w = torch.softmax(torch.randn(t, 4, generator=g), -1)
+        out[f"{fmt}-{t}"] = ex.kernel(x, ids, w)
+        out[f"{fmt}-{t}-bf16act"] = ex.kernel(x.bfloat16(), ids, w)
+torch.save(out, sys.argv[1])
+'''
+
+
+@pytest.mark.skipif(extension() is None, reason="needs the C++ extension")
+def test_prefetch_settings_give_the_same_bits(tmp_path):
+    """FREETOKEN_CPU_PREFETCH_HINT / _BYTES (read once when the library loads: fresh processes)
+    move only where the look-ahead lines go, never a result bit: the default against L2 hints
+    at another distance and against no software prefetch, for the three formats."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    got = {}
+    for hint, dist in (("", ""), ("t1", "16384"), ("off", "0")):
+        path = str(tmp_path / f"{hint or 'default'}.pt")
+        env = dict(os.environ, FREETOKEN_CPU_PREFETCH_HINT=hint, FREETOKEN_CPU_PREFETCH_BYTES=dist, PYTHONPATH=root)
+        subprocess.run([sys.executable, "-c", PREFETCH_SCRIPT, path], check=True, env=env, cwd=root, timeout=300)
+        got[hint or "default"] = torch.load(path)
+    base = got.pop("default")
+    assert len(base) == 12 and all(v.abs().max() > 0 for v in base.values())
+    for name, res in got.items():
+        assert res.keys() == base.keys()
+        for k, v in base.items():
+            assert torch.equal(res[k], v), (name, k)
+
+
+@pytest.mark.parametrize("var,value", [("FREETOKEN_CPU_PREFETCH_HINT", "L2"), ("FREETOKEN_CPU_PREFETCH_BYTES", "-1"),
+                                       ("FREETOKEN_CPU_PREFETCH_BYTES", "8k")])
+def test_a_bad_prefetch_setting_is_named(monkeypatch, var, value):
+    monkeypatch.setenv(var, value)
+    b = random_banks("mxfp4", None, 4, 64, 32, seed=3)
+    with pytest.raises(FreeTokenError, match=var):
+        CpuExpertExecutor(b)

@@ -91,6 +91,21 @@ def extension():
     return _ext
 
 
+PREFETCH_HINTS = ("t0", "t1", "t2", "nta", "off")
+
+
+def check_prefetch_env() -> None:
+    """FREETOKEN_CPU_PREFETCH_HINT / _BYTES (the quantized kernels' look-ahead, read by
+    moe_cpu.cpp, which would quietly take a default for a bad value): one clear error instead."""
+    from ...errors import FreeTokenError
+    hint = os.environ.get("FREETOKEN_CPU_PREFETCH_HINT", "")
+    if hint and hint not in PREFETCH_HINTS:
+        raise FreeTokenError(f"FREETOKEN_CPU_PREFETCH_HINT must be one of {', '.join(PREFETCH_HINTS)}, got {hint!r}")
+    raw = os.environ.get("FREETOKEN_CPU_PREFETCH_BYTES", "")
+    if raw and not (raw.isdigit() and int(raw) <= 1 << 20):
+        raise FreeTokenError(f"FREETOKEN_CPU_PREFETCH_BYTES must be a byte count from 0 to 1048576, got {raw!r}")
+
+
 def physical_cores() -> list[int]:
     """One logical CPU per physical core among those this process may run on."""
     allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
@@ -168,6 +183,7 @@ class CpuExpertExecutor(ExpertExecutor):
         if schedule not in ("static", "dynamic"):  # moe_cpu.cpp would silently take static
             from ...errors import FreeTokenError
             raise FreeTokenError(f"FREETOKEN_CPU_SCHEDULE must be static or dynamic, got {schedule!r}")
+        check_prefetch_env()
         ext = extension()
         cpus = physical_cores()
         if threads:

@@ -420,12 +420,35 @@ inline uint64_t chunk_scales(const uint8_t* p, int n) {
 // prefetchers alone leave much of the DRAM latency exposed (on the 2-core dev machine, one
 // thread: mxfp4 7.6 -> 18.8 GB/s). 8 KiB ahead is two 4-row blocks of a 2048-wide fp4 bank, one
 // of fp8 (there, 2 threads: fp8 26-28 GB/s at 4 KiB, 33-40 at 8 KiB; fp4 the same at both).
-// A constant, not a setting: retune it here from bench/cpu_experts.py on a new machine class.
-constexpr int g_pf = 8192;
-inline void prefetch_ahead(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p + g_pf), _MM_HINT_T0); }
+// FREETOKEN_CPU_PREFETCH_BYTES sets the distance (default 8192) and FREETOKEN_CPU_PREFETCH_HINT
+// the cache level the lines go to (t0, the default: L1; t1 / t2: L2; nta; off), for A/B runs of
+// bench/cpu_experts.py on a new machine class (CpuExpertExecutor checks the values). Why L2 may
+// win there: a T0 prefetch holds one of the core's L1 fill buffers (16 on recent Xeons) until its
+// line arrives, so with a ~110 ns DRAM latency one core cannot have more than ~9 GB/s in flight;
+// an L2 prefetch waits in the L2's larger queue instead. On the H200's Xeon host the fp4 kernels
+// read 5.3 GB/s a core at 6 threads against the 10.5 a plain read gets.
+static const int g_pf = [] {
+  const char* v = std::getenv("FREETOKEN_CPU_PREFETCH_BYTES");
+  return v != nullptr && *v ? std::max(0, std::atoi(v)) : 8192;
+}();
+static const int g_pf_hint = [] {  // 0 t0, 1 t1, 2 t2, 3 nta, -1 off
+  const char* v = std::getenv("FREETOKEN_CPU_PREFETCH_HINT");
+  if (v == nullptr || !*v || !std::strcmp(v, "t0")) return 0;
+  return !std::strcmp(v, "t1") ? 1 : !std::strcmp(v, "t2") ? 2 : !std::strcmp(v, "nta") ? 3 : -1;
+}();
+inline void prefetch_line(const char* p) {
+  switch (g_pf_hint) {
+    case 0: _mm_prefetch(p, _MM_HINT_T0); break;
+    case 1: _mm_prefetch(p, _MM_HINT_T1); break;
+    case 2: _mm_prefetch(p, _MM_HINT_T2); break;
+    case 3: _mm_prefetch(p, _MM_HINT_NTA); break;
+    default: break;
+  }
+}
+inline void prefetch_ahead(const uint8_t* p) { prefetch_line(reinterpret_cast<const char*>(p + g_pf)); }
 inline void prefetch_scales(const QRow* rows, int bytes) {  // each row's scales, g_pf / 16 ahead
   for (int p = 0; p < 4; ++p)
-    for (int o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(rows[p].s + o + g_pf / 16), _MM_HINT_T0);
+    for (int o = 0; o < bytes; o += 64) prefetch_line(reinterpret_cast<const char*>(rows[p].s + o + g_pf / 16));
 }
 
 // Activation layouts. A row of C values is stored in chunks of g*L columns (the last chunk
