@@ -140,6 +140,11 @@ def test_doorbell_wait_gives_up_when_nobody_answers():
     state = bell.state()
     assert state.startswith("rung 1, seq 1, entered 0, done 0, answered 0, stop 1, idle polls "), state
     assert d.stage == 0
+    assert not bell.recover(timeout=0.05) and bell.gave_up()  # a stopped thread: no recovery
+    # a thread that answers late (simulated: the answer lands in the page after the wait gave
+    # up, as a starved thread's would): the flag clears and the bell serves the next rings
+    bell.words[kd.STOP], bell.words[kd.DONE] = 0, 1
+    assert bell.recover(timeout=0.05) and not bell.gave_up()
 
 
 def test_doorbell_kernels_match_their_references():
@@ -167,3 +172,17 @@ def test_doorbell_kernels_match_their_references():
         out = torch.zeros(t, h, device=DEV)
         fn(runs[0][3], bell, ob, out)
         assert torch.equal(out, ob)
+
+
+def test_a_failed_cpu_call_is_raised_once():
+    """A descriptor's error (an id out of range, an exception in the call) fails the step that
+    made it, once: the descriptor serves the next steps instead of failing every later one."""
+    from freetoken.errors import FreeTokenError
+    from freetoken.experts.cpu.hostcall import HostBranch, _Desc
+    branch = HostBranch.__new__(HostBranch)  # the check alone: no CUDA streams needed
+    d = _Desc(error=1)
+    branch.bell, branch.shapes = None, {(1, 4, False): (None,) * 6 + (d,)}
+    with pytest.raises(FreeTokenError, match="an expert id out of range"):
+        branch.check()
+    branch.check()  # reported: the next step goes on
+    assert d.error == 0
