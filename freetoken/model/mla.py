@@ -23,7 +23,11 @@ products are those of the interleaved rotation.
 Decode is static-shape under CUDA-graph capture (the whole block table is read; lengths are
 device data); eagerly it reads only the pages the longest row needs. Only the top-k rows of the
 latent cache are gathered once the context passes index_topk; the indexer keys are read whole,
-as DSA does. These are torch references: a paged sparse-MLA kernel is later work.
+as DSA does. On CUDA a decode step runs as six fused Triton kernels between its three GEMMs
+(kernels/mla_decode.py: the norms, RoPEs and page writes; the absorbed query; the indexer's scores
+read from the pages; split-K attention over the latent rows with the value up-projection); the
+torch functions here (latent_prep, latent_q, paged_index_scores, paged_latent_attention) are
+their references and the CPU path. Prefill stays in torch.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.pages import SCRATCH
+from ..kernels import use_triton
 from .layers import FusedLinear, Rope, rms_norm
 from .linear import linear
 from .state import DecodeState
@@ -38,6 +43,7 @@ from .state import DecodeState
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm, kv_a_layernorm: the reference builds them with its default eps
 INDEXER_NORM_EPS = 1e-6  # the indexer key's LayerNorm
 MAX_SCORES = 1 << 24  # fp32 scores live at once in a prefill block of queries (64 MiB)
+FUSED = None  # decode through the Triton kernels: None on CUDA tensors; True/False forces it (tests, bench)
 
 
 def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -66,6 +72,88 @@ def sparse_attention(q: torch.Tensor, keys: torch.Tensor, sel: torch.Tensor, sca
     return torch.matmul(p, keys[..., :kvr])  # [N, nh, kvr]
 
 
+def latent_rows(kv: torch.Tensor, ik: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                kv_norm: torch.Tensor, ik_norm, eps: float, ieps: float):
+    """kv [N, kvr + rd] (kv_a_proj_with_mqa's output), ik [N, id] (the indexer's wk) or None;
+    cos, sin [N, rd/2] -> (row [N, kvr + rd]: [RMSNorm(c) | rotated key], indexer key [N, id]
+    (LayerNorm, first rd dims rotated) or None)."""
+    rd = cos.shape[-1] * 2
+    c, kr = kv.split([kv.shape[-1] - rd, rd], dim=-1)
+    row = torch.cat([rms_norm(c, kv_norm, eps, False), rope_pairs(kr[:, None], cos, sin)[:, 0]], dim=-1)
+    if ik is None:
+        return row, None
+    ik = F.layer_norm(ik, (ik.shape[-1],), *ik_norm, ieps)  # [N, id]
+    return row, torch.cat([rope_pairs(ik[:, None, :rd], cos, sin)[:, 0], ik[:, rd:]], dim=-1)
+
+
+def latent_prep(q_lat, kv, ik, pos, active, table, page_size, cos, sin, q_norm, kv_norm, ik_norm, eps, ieps,
+                kc, vc, scratch: int = SCRATCH):
+    """A decode step's norms, RoPEs and page writes (kernels/mla_decode.py mla_prep_triton).
+    q_lat [N, q_lora], kv [N, kvr + rd], ik [N, id] or None; pos [N]; active [N] bool or None
+    (rows that are not decoding write to the scratch page and get length 0); table [>= N, W];
+    cos, sin the Rope tables [P, rd]; kc / vc the layer's K / V pages, written at each row's
+    position -> (normed query latent [N, q_lora], lens [N])."""
+    n, half = q_lat.shape[0], cos.shape[1] // 2
+    row, ikey = latent_rows(kv, ik, cos[pos, :half], sin[pos, :half], kv_norm, ik_norm, eps, ieps)
+    page = table[:n].gather(1, (pos // page_size)[:, None])[:, 0]  # [N]
+    off, lens = pos % page_size, pos + 1
+    if active is not None:
+        page = torch.where(active, page, scratch)
+        off = torch.where(active, off, 0)
+        lens = torch.where(active, lens, 0)
+    page = page.long()
+    kc[page, 0, off] = row
+    if ikey is not None:
+        vc[page, 0, off] = ikey
+    return rms_norm(q_lat, q_norm, eps, False), lens
+
+
+def latent_q(q: torch.Tensor, iq: torch.Tensor | None, w_uk: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor, nh: int, ih: int):
+    """q [N, nh * (nope + rd)] (q_b_proj's output), iq [N, ih * id] (the indexer's wq_b) or None;
+    w_uk [nh, nope, kvr]; cos, sin the Rope tables [P, rd] -> (query [N, nh, kvr + rd]: the
+    absorbed no-RoPE part | the rotated part; the indexer's query [N, ih, id], first rd dims
+    rotated, or None). (kernels/mla_decode.py mla_q_triton)"""
+    n, nope, half = q.shape[0], w_uk.shape[1], cos.shape[1] // 2
+    rd = 2 * half
+    c, s = cos[pos, :half], sin[pos, :half]  # [N, rd/2]
+    q_nope, q_rope = q.view(n, nh, nope + rd).split([nope, rd], -1)
+    q_abs = torch.einsum("nhd,hdc->nhc", q_nope, w_uk)  # [N, nh, kvr]
+    out = torch.cat([q_abs, rope_pairs(q_rope, c, s)], dim=-1)  # [N, nh, kvr + rd]
+    if iq is None:
+        return out, None
+    iq = iq.view(n, ih, -1)
+    return out, torch.cat([rope_pairs(iq[..., :rd], c, s), iq[..., rd:]], dim=-1)  # [N, ih, id]
+
+
+def paged_index_scores(iq, hw, hscale: float, vc, table, lens, length: int, page_size: int, scale: float):
+    """Decode rows' indexer scores over the first `length` positions of their block tables (a
+    multiple of page_size): iq [N, ih, id]; hw [N, ih] fp32 (times hscale); vc the V pages
+    (the indexer keys) -> [N, length] fp32, -inf from each row's length on.
+    (kernels/mla_decode.py index_scores_triton)"""
+    b = iq.shape[0]
+    ikeys = vc[table[:b, :length // page_size].long()].reshape(b, length, -1)  # [N, L, id]
+    sel = torch.arange(length, device=iq.device)[None] < lens[:, None]
+    return index_scores(iq, hw * hscale, ikeys, scale).masked_fill(~sel, float("-inf"))
+
+
+def paged_latent_attention(q, kc, table, lens, top, length: int, page_size: int, scale: float, w_uv):
+    """Decode attention over the latent rows in the K pages: q [N, nh, kvr + rd]; top [N, k]
+    positions (the indexer's choice) or None (every position below `length`); lens [N]; w_uv
+    [nh, vd, kvr] -> [N, nh * vd] (o_proj's input). (kernels/mla_decode.py mla_attention_triton)"""
+    b, kvr = q.shape[0], w_uv.shape[2]
+    table = table[:b]
+    sel = torch.arange(length, device=q.device)[None] < lens[:, None]  # [N, L]
+    if top is not None:
+        keys = kc[table.gather(1, top // page_size).long(), 0, top % page_size]  # [N, k, kvr + rd]
+        sel = sel.gather(1, top)  # [N, k]
+    else:
+        keys = kc[table[:, :length // page_size].long()].reshape(b, length, -1)  # [N, L, kvr + rd]
+    keys = torch.where(sel[..., None], keys, 0.0)  # unwritten pages may hold anything, NaN included
+    o = torch.einsum("nhc,hvc->nhv", sparse_attention(q, keys, sel, scale, kvr), w_uv)  # [N, nh, vd]
+    return o.reshape(b, -1)
+
+
 def _capturing(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
@@ -89,7 +177,10 @@ class LatentAttention:
         names = ["q_a_proj", "kv_a_proj_with_mqa"] + (["indexer.wk"] if self.full else [])
         self.a_proj = FusedLinear([w[p + n + ".weight"] for n in names], [w.get(p + n + ".bias") for n in names])
         self.q_norm, self.kv_norm = w[p + "q_a_layernorm.weight"], w[p + "kv_a_layernorm.weight"]
-        self.q_b = w[p + "q_b_proj.weight"]  # [nh * (nope + rd), q_lora]
+        # everything that reads the normed query latent in one GEMM: q_b_proj [nh * (nope + rd),
+        # q_lora], the indexer's wq_b [ih * id, q_lora]
+        names = ["q_b_proj"] + (["indexer.wq_b"] if self.full else [])
+        self.b_proj = FusedLinear([w[p + n + ".weight"] for n in names])
         kv_b = w[p + "kv_b_proj.weight"].view(self.nh, self.nope + self.vd, self.kvr)
         self.w_uk = kv_b[:, :self.nope]  # [nh, nope, kvr]: no-RoPE query -> latent space
         self.w_uv = kv_b[:, self.nope:]  # [nh, vd, kvr]: weighted latent -> value
@@ -97,31 +188,26 @@ class LatentAttention:
         if self.full:
             i = p + "indexer."
             self.iscale = self.id ** -0.5
-            self.iq_b = w[i + "wq_b.weight"]  # [ih * id, q_lora]
             self.ik_norm = (w[i + "k_norm.weight"], w[i + "k_norm.bias"])  # [id] each
             self.iw = w[i + "weights_proj.weight"].float()  # [ih, H]: fp32, as the reference keeps it
+        else:
+            self.ik_norm = None
 
     def _project(self, x: torch.Tensor, pos: torch.Tensor):
         """x [N, H], positions [N] -> q [N, nh, kvr + rd] (absorbed no-RoPE part | rotated part),
         row [N, kvr + rd] (what the K pages keep), and for a full layer the indexer's (query
         [N, ih, id], key [N, id], head weights [N, ih] fp32), else None."""
-        n = x.shape[0]
         parts = self.a_proj(x)
         half = self.rd // 2
-        cos, sin = self.rope.cos[pos, :half], self.rope.sin[pos, :half]  # [N, rd/2]
         ql = rms_norm(parts[0], self.q_norm, LATENT_NORM_EPS, False)  # [N, q_lora]
-        q_nope, q_rope = linear(ql, self.q_b).view(n, self.nh, self.nope + self.rd).split([self.nope, self.rd], -1)
-        q_abs = torch.einsum("nhd,hdc->nhc", q_nope, self.w_uk)  # [N, nh, kvr]
-        q = torch.cat([q_abs, rope_pairs(q_rope, cos, sin)], dim=-1)  # [N, nh, kvr + rd]
-        c, kr = parts[1].split([self.kvr, self.rd], dim=-1)
-        row = torch.cat([rms_norm(c, self.kv_norm, LATENT_NORM_EPS, False),
-                         rope_pairs(kr[:, None], cos, sin)[:, 0]], dim=-1)  # [N, kvr + rd]
+        qb = self.b_proj(ql)
+        q, iq = latent_q(qb[0], qb[1] if self.full else None, self.w_uk, pos, self.rope.cos, self.rope.sin,
+                         self.nh, self.ih)
+        row, ik = latent_rows(parts[1], parts[2] if self.full else None, self.rope.cos[pos, :half],
+                              self.rope.sin[pos, :half], self.kv_norm, self.ik_norm, LATENT_NORM_EPS,
+                              INDEXER_NORM_EPS)
         if not self.full:
             return q, row, None
-        iq = linear(ql, self.iq_b).view(n, self.ih, self.id)  # the indexer rotates its first rd dims
-        iq = torch.cat([rope_pairs(iq[..., :self.rd], cos, sin), iq[..., self.rd:]], dim=-1)  # [N, ih, id]
-        ik = F.layer_norm(parts[2], (self.id,), *self.ik_norm, INDEXER_NORM_EPS)  # [N, id]
-        ik = torch.cat([rope_pairs(ik[:, None, :self.rd], cos, sin)[:, 0], ik[:, self.rd:]], dim=-1)
         hw = F.linear(x.float(), self.iw) * self.ih ** -0.5  # [N, ih]
         return q, row, (iq, ik, hw)
 
@@ -176,36 +262,33 @@ class LatentAttention:
         """One token for each of B slots. x: [B, H], pos: [B] (device data). active: [B] bool;
         rows that are not decoding write to the scratch page and attend to nothing."""
         b, ps = x.shape[0], st.page_size
-        q, row, ind = self._project(x, pos)
+        fused = use_triton(x) if FUSED is None else FUSED
+        if fused:
+            from ..kernels import mla_decode as K
+            prep, qf, scores, attend = K.mla_prep_triton, K.mla_q_triton, K.index_scores_triton, K.mla_attention_triton
+        else:
+            prep, qf, scores, attend = latent_prep, latent_q, paged_index_scores, paged_latent_attention
+        kc, vc = st.k[self.layer], st.v[self.layer]
         table = st.block_table[:b]  # [B, W]
-        page = table.gather(1, (pos // ps)[:, None])[:, 0]  # [B]
-        off, lens = pos % ps, pos + 1
-        if active is not None:
-            page = torch.where(active, page, SCRATCH)
-            off = torch.where(active, off, 0)
-            lens = torch.where(active, lens, 0)
-        page = page.long()
-        st.k[self.layer][page, 0, off] = row
-        if ind is not None:
-            st.v[self.layer][page, 0, off] = ind[1]
-        # the pages to read: the whole table when captured (static), else what the longest row needs
+        parts = self.a_proj(x)
+        ql, lens = prep(parts[0], parts[1], parts[2] if self.full else None, pos, active, table, ps,
+                        self.rope.cos, self.rope.sin, self.q_norm, self.kv_norm, self.ik_norm,
+                        LATENT_NORM_EPS, INDEXER_NORM_EPS, kc, vc)
+        qb = self.b_proj(ql)
+        q, iq = qf(qb[0], qb[1] if self.full else None, self.w_uk, pos, self.rope.cos, self.rope.sin, self.nh, self.ih)
+        # the positions to read: the whole table when captured (static), else what the longest row needs
         w = table.shape[1] if _capturing(x) else max(1, min(table.shape[1], -(-int(lens.max()) // ps)))
-        ids = table[:, :w].long()  # [B, w]
         length = w * ps
-        sel = torch.arange(length, device=x.device)[None] < lens[:, None]  # [B, L]
+        top = None
         if length > self.topk:  # a static choice: the same for every step of one graph
-            if ind is not None:
-                ikeys = st.v[self.layer][ids].reshape(b, length, -1)  # [B, L, id]
-                sc = index_scores(ind[0], ind[2], ikeys, self.iscale).masked_fill(~sel, float("-inf"))
+            if self.full:
+                hw = F.linear(x.float(), self.iw)  # [B, ih]
+                sc = scores(iq, hw, self.ih ** -0.5, vc, table, lens, length, ps, self.iscale)
                 top = sc.topk(self.topk, dim=-1).indices  # [B, k] positions
                 self.share["decode"] = top
             else:
                 top = self.share["decode"]
-            keys = st.k[self.layer][table.gather(1, top // ps).long(), 0, top % ps]  # [B, k, kvr + rd]
-            sel = sel.gather(1, top)  # [B, k]
-        else:
-            if ind is not None:
-                self.share["decode"] = None
-            keys = st.k[self.layer][ids].reshape(b, length, -1)  # [B, L, kvr + rd]
-        keys = torch.where(sel[..., None], keys, 0.0)  # unwritten pages may hold anything, NaN included
-        return self._output(sparse_attention(q, keys, sel, self.scale, self.kvr))
+        elif self.full:
+            self.share["decode"] = None
+        o = attend(q, kc, table, lens, top, length, ps, self.scale, self.w_uv)  # [B, nh * vd]
+        return linear(o, self.wo, self.bo)
