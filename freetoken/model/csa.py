@@ -30,13 +30,17 @@ Decode is static-shape under CUDA-graph capture: the window's keys are gathered 
 every row computes "the entry its token would close" (written only where the token does close
 a window, the others' writes going to the scratch page), entries are read at every closing position the block table can
 hold (eagerly: those the longest row has closed), the indexer's top-k of them gathered when
-there are more than index_topk. Torch references; a paged kernel is later work.
+there are more than index_topk. On CUDA the small ops run as fused Triton kernels
+(kernels/csa_decode.py): the norms and the RoPE at positions (any N), decode's sink attention
+and the compressor's entries read straight from the rows; the *_torch functions and
+Compressor.entries are the references and the CPU path. A paged attention kernel is later work.
 """
 from __future__ import annotations
 
 import torch
 
 from ..cache.pages import SCRATCH
+from ..kernels import use_triton
 from .layers import FusedLinear, rope_frequencies
 from .linear import linear
 from .mla import _capturing, index_scores
@@ -63,18 +67,101 @@ def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     return torch.cat([x[..., :-rd], rot], dim=-1)
 
 
-def rms_weighted(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+# On CUDA the norms, the RoPE at positions and their pairs run as one fused kernel each
+# (kernels/csa_decode.py: a row per program, so any N); the *_torch functions are the
+# references and the CPU path.
+def _fused(x: torch.Tensor) -> bool:
+    return (use_triton(x) and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and x.shape[-1] % 2 == 0 and x.shape[-1] <= 16384 and x.numel() > 0)
+
+
+def rope_at_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+                  inverse: bool = False) -> torch.Tensor:
+    """x [N, ..., D] rotated (rope_tail) at the positions pos [N] of the tables cos, sin [P, rd/2];
+    inverse: the conjugate rotation (-sin)."""
+    shape = (pos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)  # [N, 1.., rd/2]
+    c, s = cos[pos].view(shape), sin[pos].view(shape)
+    return rope_tail(x, c, -s if inverse else s)
+
+
+def rope_at(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+            inverse: bool = False) -> torch.Tensor:
+    """See rope_at_torch; on CUDA one kernel (the table gather included)."""
+    if _fused(x):
+        from ..kernels.csa_decode import NORM_NONE, norm_rope_triton
+        return norm_rope_triton(x, None, 0.0, NORM_NONE, cos, sin, pos, inverse)
+    return rope_at_torch(x, cos, sin, pos, inverse)
+
+
+def rms_weighted_torch(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm scaled by an fp32 weight in fp32, cast once (the reference keeps these norms fp32)."""
     xf = x.float()
     return (w.float() * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps))).to(x.dtype)
 
 
-def rms_plain(x: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_weighted(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """See rms_weighted_torch; on CUDA one kernel."""
+    if _fused(x):
+        from ..kernels.csa_decode import NORM_WEIGHTED, norm_rope_triton
+        return norm_rope_triton(x, w, eps, NORM_WEIGHTED)
+    return rms_weighted_torch(x, w, eps)
+
+
+def rms_plain_torch(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def rms_plain(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """See rms_plain_torch; on CUDA one kernel."""
+    if _fused(x):
+        from ..kernels.csa_decode import NORM_PLAIN, norm_rope_triton
+        return norm_rope_triton(x, None, eps, NORM_PLAIN)
+    return rms_plain_torch(x, eps)
+
+
+def rms_rope(x: torch.Tensor, w: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+             pos: torch.Tensor) -> torch.Tensor:
+    """rope_at(rms_weighted(x, w) or, w None, rms_plain(x)) at positions pos [N]; x [N, ..., D]:
+    on CUDA one kernel."""
+    if _fused(x):
+        from ..kernels.csa_decode import NORM_PLAIN, NORM_WEIGHTED, norm_rope_triton
+        return norm_rope_triton(x, w, eps, NORM_PLAIN if w is None else NORM_WEIGHTED, cos, sin, pos)
+    return rms_rope_torch(x, w, eps, cos, sin, pos)
+
+
+def rms_rope_torch(x, w, eps, cos, sin, pos):
+    return rope_at_torch(rms_plain_torch(x, eps) if w is None else rms_weighted_torch(x, w, eps), cos, sin, pos)
 
 
 def sink_attention(q: torch.Tensor, keys: torch.Tensor, sel: torch.Tensor, sinks: torch.Tensor,
                    scale: float) -> torch.Tensor:
+    """See sink_attention_torch; on CUDA with per-row keys (decode) one kernel."""
+    if (keys.dim() == 3 and use_triton(q) and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and keys.dtype == q.dtype and q.shape[-1] <= 1024 and keys.shape[1] > 0):
+        from ..kernels.csa_decode import sink_attention_triton
+        return sink_attention_triton(q, keys, sel, sinks, scale)
+    return sink_attention_torch(q, keys, sel, sinks, scale)
+
+
+def sink_attention_decode(q: torch.Tensor, keys: torch.Tensor, sel: torch.Tensor, ent: torch.Tensor | None,
+                          ent_sel: torch.Tensor | None, sinks: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode's attention: q [B, nh, D] over each row's window keys [B, win, D] (sel [B, win]) and
+    compressed entries [B, n, D] (ent_sel [B, n]) or None, as one concatenated set. The
+    unselected rows may hold anything (unwritten pages: NaN): they never enter. On CUDA one
+    kernel reading both sources (no where, no cat)."""
+    if use_triton(q) and q.dtype in (torch.float32, torch.bfloat16, torch.float16) and q.shape[-1] <= 1024 \
+            and keys.dtype == q.dtype and (ent is None or ent.dtype == q.dtype):
+        from ..kernels.csa_decode import sink_attention_triton
+        return sink_attention_triton(q, keys, sel, sinks, scale, ent, ent_sel)
+    keys = torch.where(sel[..., None], keys, 0.0)
+    if ent is not None:
+        keys = torch.cat([keys, torch.where(ent_sel[..., None], ent, 0.0)], dim=1)  # [B, win + n, D]
+        sel = torch.cat([sel, ent_sel], dim=1)
+    return sink_attention_torch(q, keys, sel, sinks, scale)
+
+
+def sink_attention_torch(q: torch.Tensor, keys: torch.Tensor, sel: torch.Tensor, sinks: torch.Tensor,
+                         scale: float) -> torch.Tensor:
     """q [N, nh, D]; keys (= values) [K, D] shared by the N queries or [N, K, D]; sel [N, K] bool;
     sinks [nh] fp32 -> [N, nh, D]. The sink's logit joins the softmax and is dropped, so a row that
     sees nothing (an idle decode row) gives zeros."""
@@ -113,6 +200,18 @@ class Compressor:
         e = rms_weighted(e, self.norm, self.eps)
         start = (ends - m + 1).clamp(min=0)  # the window's first position
         return rope_tail(e, cos[start], sin[start]).to(dtype)
+
+    def decode_entries(self, part, page_size: int, ends: torch.Tensor, rows, cos: torch.Tensor,
+                       sin: torch.Tensor, dtype) -> torch.Tensor:
+        """entries(rows, ends [B], ...) at decode (row b of slot b); on CUDA one kernel that reads
+        the rows where they live: part(name) -> DecodeState.part's (buf, table, cols, stride)."""
+        kv, gate = part(self.kv), part(self.gate)
+        if (use_triton(ends) and dtype in (torch.float32, torch.bfloat16, torch.float16) and self.dim % 2 == 0
+                and kv[0].dtype == gate[0].dtype and kv[0].stride(-1) == 1 and gate[0].stride(-1) == 1):
+            from ..kernels.csa_decode import compress_entries_triton
+            return compress_entries_triton(kv, gate, page_size, ends, self.m, self.o, self.dim, self.norm,
+                                           self.eps, cos, sin, dtype)
+        return self.entries(rows, ends, cos, sin, dtype)
 
     def projections(self, kv: torch.Tensor, gate: torch.Tensor, pos: torch.Tensor):
         """What a token stores: its kv projection and its gate with the position bias added."""
@@ -163,10 +262,8 @@ class CompressedAttention:
         n = x.shape[0]
         parts = self.a_proj(x)
         qr = rms_weighted(parts[0], self.q_norm, self.eps)  # [N, q_lora]
-        q = rms_plain(linear(qr, self.q_b).view(n, self.nh, self.hd), self.eps)  # [N, nh, hd]
-        cos, sin = self.cos[pos], self.sin[pos]  # [N, rd/2]
-        q = rope_tail(q, cos[:, None], sin[:, None])
-        store = {"kv": rope_tail(rms_weighted(parts[1], self.kv_norm, self.eps), cos, sin)}  # [N, hd]
+        q = rms_rope(linear(qr, self.q_b).view(n, self.nh, self.hd), None, self.eps, self.cos, self.sin, pos)  # [N, nh, hd]
+        store = {"kv": rms_rope(parts[1], self.kv_norm, self.eps, self.cos, self.sin, pos)}  # [N, hd]
         hw = None
         if self.comp is not None:
             store["ckv"], store["cgate"] = self.comp.projections(parts[2], parts[3], pos)
@@ -178,7 +275,7 @@ class CompressedAttention:
     def _index_query(self, qr: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """The indexer's queries [N, ih, id], rotated with the compress rope at their positions."""
         iq = linear(qr, self.iq_b).view(qr.shape[0], self.ih, self.id)
-        return rope_tail(iq, self.ccos[pos][:, None], self.csin[pos][:, None])
+        return rope_at(iq, self.ccos, self.csin, pos)
 
     def _write(self, st: DecodeState, at, pos: torch.Tensor, store: dict) -> None:
         """Each part's rows at positions pos into the pages holding that part; at(table, pos,
@@ -192,7 +289,7 @@ class CompressedAttention:
         """o [N, nh, hd] -> [N, H]: the values' rotation undone at the query's position, then the
         grouped projection (each group of heads to o_lora_rank) and o_b_proj."""
         n = o.shape[0]
-        o = rope_tail(o, self.cos[pos][:, None], -self.sin[pos][:, None])
+        o = rope_at(o, self.cos, self.sin, pos, inverse=True)
         g = self.o_a.shape[0]
         y = torch.einsum("ngi,goi->ngo", o.reshape(n, g, -1), self.o_a)  # [N, g, olr]
         return linear(y.reshape(n, -1), self.o_b)
@@ -272,14 +369,17 @@ class CompressedAttention:
         self._write(st, write_at(live), pos, store)
         if self.comp is not None:  # the entry this token closes, if it does (static: computed always)
             ends = torch.where(live, pos, 0)
-            new = {"centry": self.comp.entries(rows, ends, self.ccos, self.csin, x.dtype)}
+            def part(name):
+                return st.part(self.layer, name)
+            new = {"centry": self.comp.decode_entries(part, ps, ends, rows, self.ccos, self.csin, x.dtype)}
             if self.index is not None:
-                new["ientry"] = self.index.entries(rows, ends, self.ccos, self.csin, x.dtype)
+                new["ientry"] = self.index.decode_entries(part, ps, ends, rows, self.ccos, self.csin, x.dtype)
             # a row per window in the pool (entry_stride): a token that closes none must not write
             self._write(st, write_at(live & (pos % self.m == self.m - 1)), pos, new)
         kpos = pos[:, None] - self.win + 1 + torch.arange(self.win, device=x.device)  # [B, win]
         sel = (kpos >= 0) & live[:, None]
-        keys = torch.where(sel[..., None], rows("kv", kpos.clamp(min=0)), 0.0)  # [B, win, hd]
+        keys = rows("kv", kpos.clamp(min=0))  # [B, win, hd]: those not in sel masked by the attention
+        ent = ent_sel = None
         if self.comp is not None:
             m = self.m
             # the closing positions to read: all the table holds when captured (static), else
@@ -293,7 +393,5 @@ class CompressedAttention:
                 sc = index_scores(self._index_query(qr, pos), hw, rows("ientry", epos), self.id ** -0.5)
                 top = sc.masked_fill(~ent_sel, float("-inf")).topk(self.topk, dim=-1).indices  # [B, k]
                 epos, ent_sel = epos.gather(1, top), ent_sel.gather(1, top)
-            ent = torch.where(ent_sel[..., None], rows("centry", epos), 0.0)  # unwritten rows may hold NaN
-            keys = torch.cat([keys, ent], dim=1)  # [B, win + n', hd]
-            sel = torch.cat([sel, ent_sel], dim=1)
-        return self._output(sink_attention(q, keys, sel, self.sinks, self.scale), pos)
+            ent = rows("centry", epos)  # [B, n', hd]: unwritten rows may hold NaN (masked)
+        return self._output(sink_attention_decode(q, keys, sel, ent, ent_sel, self.sinks, self.scale), pos)
