@@ -41,3 +41,34 @@ def _cpp_executor_built():
     `ft` in a subprocess pays for the build and sees its one-time notice on stderr."""
     from freetoken.experts.cpu import extension
     extension()
+
+
+@pytest.fixture(scope="session")
+def qwen_json():
+    """freetoken.demo.qwen_tokenizer_json(), built once for the run: each build takes seconds
+    (the BPE merges from the ranks); make a Tokenizer of it per use."""
+    from freetoken.demo import qwen_tokenizer_json
+    return qwen_tokenizer_json()
+
+
+@pytest.fixture(scope="session")
+def api_server():
+    """One `ft serve` (server_fixture.API_SERVER_ARGS) for the modules that ask for this
+    server: started by the first test that needs it, stopped after the last (each start costs
+    seconds of imports and model loading)."""
+    from server_fixture import API_SERVER_ARGS, Server
+    s = Server(*API_SERVER_ARGS)
+    yield s
+    s.stop()  # again, if pytest_runtest_teardown did: stopping twice is harmless
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """Stop the shared api_server once no later test of the run uses it, so that it does not
+    idle (its memory held) through the rest of the run."""
+    s = (getattr(item, "funcargs", None) or {}).get("api_server")
+    if s is None:
+        return
+    items = item.session.items
+    later = items[items.index(item) + 1:] if item in items else []
+    if not any("api_server" in getattr(i, "fixturenames", ()) for i in later):
+        s.stop()

@@ -11,6 +11,9 @@ import httpx
 
 API_KEY = "test-key-123"
 MODEL = "freetoken-demo"
+# the server of conftest's session fixture `api_server`, which test_server and
+# test_structured_output share (one start instead of two)
+API_SERVER_ARGS = ("--api-key", API_KEY, "--max-batch", "4", "--max-queue", "4", "--max-seq-len", "2048")
 
 
 def free_port() -> int:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from tokenizers import AddedToken
 
-from freetoken.demo import demo_path, qwen_tokenizer_json
+from freetoken.demo import demo_path
 from freetoken.errors import FreeTokenError
 from freetoken.runtime.engine import Engine, EngineConfig
 from freetoken.runtime.grammar import grammar_text
@@ -307,7 +307,7 @@ def test_glm_template_renders_a_tool_history():
     assert t.render(msgs[:2], enable_thinking=False).endswith("<|assistant|></think>")
 
 
-def test_deepseek_v4_template_renders_a_tool_history():
+def test_deepseek_v4_template_renders_a_tool_history(tok):
     t = template("v4")
     msgs = [{"role": "system", "content": "Be brief."},
             {"role": "user", "content": "Weather in Paris?"},
@@ -337,8 +337,7 @@ def test_deepseek_v4_template_renders_a_tool_history():
     assert t.render(plain, drop_thinking=False) == (BOS + "<｜User｜>a<｜Assistant｜><think>r</think>b" + EOS +
                                                     "<｜User｜>c<｜Assistant｜><think>")
     # the prompt it leaves open is what the server reads as "the model starts inside <think>"
-    ctx = SimpleNamespace(tokenizer=Tokenizer(qwen_tokenizer_json().encode()),
-                          serving=SimpleNamespace(max_len=4096))
+    ctx = SimpleNamespace(tokenizer=tok, serving=SimpleNamespace(max_len=4096))
     assert build_prompt(ctx, t.render(plain), SamplingOptions()).in_reasoning
     assert not build_prompt(ctx, t.render(plain, thinking=False), SamplingOptions()).in_reasoning
 
@@ -397,8 +396,8 @@ def test_an_assistant_turn_parses_back_to_itself(name, fmt, opener, opening, clo
 
 # ---- calls held by a grammar, in each model's syntax -----------------------------------------------
 @pytest.fixture(scope="module")
-def tok():
-    return Tokenizer(qwen_tokenizer_json().encode())
+def tok(qwen_json):
+    return Tokenizer(qwen_json.encode())
 
 
 @pytest.fixture(scope="module")
@@ -478,15 +477,26 @@ def template_call(t: ChatTemplate, tool: str, args: dict, opener: str, closer: s
     return full[start:full.index(closer, start) + len(closer)]
 
 
-def test_a_value_closed_by_a_special_token_goes_as_json(tok):
+@pytest.fixture(scope="module")
+def special_tok(tok):
+    """The Qwen tokenizer with GLM's argument tags and the call-block openers of DeepSeek V4 and
+    V3.1 added as special tokens (as those models' tokenizers may hold them), and its llguidance
+    tokenizer: one for the three tests below, as each takes seconds to build. No format's calls
+    hold another format's markers, so each test sees its own model's specials as it would alone."""
+    marks = ["<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"] + [call_format(template(n)).opener
+                                                                          for n in ("v4", "v31")]
+    tk = type(tok.tk).from_str(tok.tk.to_str())
+    tk.add_special_tokens([AddedToken(s, special=True) for s in marks])
+    t = Tokenizer(tk.to_str().encode())
+    assert all(m in t.special for m in marks)
+    return t, llg.LLTokenizer(t.tk.to_str(), n_vocab=t.vocab_size, eos_token=[t.token_id("<|endoftext|>")])
+
+
+def test_a_value_closed_by_a_special_token_goes_as_json(tok, special_tok):
     """GLM's tokenizer has <arg_key> ... </arg_value> as special tokens: a raw value could never
     close, so the grammar writes every value as JSON (the parser reads it back the same)."""
-    tk = type(tok.tk).from_str(tok.tk.to_str())
-    tk.add_special_tokens([AddedToken(s, special=True) for s in ("<arg_key>", "</arg_key>", "<arg_value>",
-                                                                   "</arg_value>")])
-    glm_tok = Tokenizer(tk.to_str().encode())
+    glm_tok, lt = special_tok
     assert "</arg_value>" in glm_tok.special
-    lt = llg.LLTokenizer(glm_tok.tk.to_str(), n_vocab=glm_tok.vocab_size, eos_token=[glm_tok.token_id("<|endoftext|>")])
     ctx = SimpleNamespace(template=template("glm5"), tokenizer=glm_tok)
     spec = call_grammar(ctx, TOOLS, "get_weather", forced_opening(ctx, "get_weather", False))
     props = spec.tools[0].parameters["properties"]
@@ -503,15 +513,13 @@ def test_a_value_closed_by_a_special_token_goes_as_json(tok):
 
 
 @pytest.mark.parametrize("name", ["v4", "v31"])
-def test_strict_tools_in_free_text_where_the_opening_is_a_special_token(tok, name):
+def test_strict_tools_in_free_text_where_the_opening_is_a_special_token(special_tok, name):
     """DeepSeek's tokenizers may hold the block's opening as one special token: then free text
     can be told from a call, and a strict tool gets its grammar."""
     t = template(name)
     opener = call_format(t).opener
-    tk = type(tok.tk).from_str(tok.tk.to_str())
-    tk.add_special_tokens([AddedToken(opener, special=True)])
-    ds_tok = Tokenizer(tk.to_str().encode())
-    lt = llg.LLTokenizer(ds_tok.tk.to_str(), n_vocab=ds_tok.vocab_size, eos_token=[ds_tok.token_id("<|endoftext|>")])
+    ds_tok, lt = special_tok
+    assert opener in ds_tok.special
     ctx = SimpleNamespace(template=t, tokenizer=ds_tok)
     strict = strict_grammar(ctx, TOOLS, False)
     closer = {"v4": f"</{D}tool_calls>", "v31": "<｜tool▁calls▁end｜>"}[name]

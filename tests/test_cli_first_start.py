@@ -82,8 +82,15 @@ def test_concurrent_first_start(cache, monkeypatch):
                                         or "experts on cpu (torch-fallback" in banner[0]), banner[0]
 
 
-def test_cached_start_is_silent(cache):
-    code, out, err = run(cache, "generate", "--prompt", "hi", "--max-tokens", "2", "--json")
+@pytest.fixture(scope="module")
+def cached_run(cache):
+    """One `ft generate --json` on the cache the first test filled: the tests below check what
+    it says on stderr and compare their own runs' tokens with its (one process start for both)."""
+    return run(cache, "generate", "--prompt", "hi", "--max-tokens", "3", "--json")
+
+
+def test_cached_start_is_silent(cached_run):
+    code, out, err = cached_run
     assert code == 0, err
     assert DEMO_MSG not in err and BUILD_MSG not in err, err
     res = json.loads(out)
@@ -93,11 +100,11 @@ def test_cached_start_is_silent(cache):
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
-def test_broken_demo_cache_is_regenerated(cache, damage):
+def test_broken_demo_cache_is_regenerated(cache, cached_run, damage, capsys, monkeypatch):
     """The engine made the demo file, so it remakes it (one warning line) instead of telling
     the user to re-run `ft convert`."""
     fn = demo_file(cache)
-    code, ref, err = run(cache, "generate", "--prompt", "hi", "--max-tokens", "3", "--json")
+    code, ref, err = cached_run  # a run on the intact file, before any damage
     assert code == 0, err
     with open(fn, "r+b") as f:
         if damage == "flip":
@@ -113,7 +120,13 @@ def test_broken_demo_cache_is_regenerated(cache, damage):
     assert len(lines) == 1 and lines[0].startswith("ft: warning: the cached demo model"), err
     assert "generating it again" in lines[0] and ("checksum" if damage == "flip" else "truncated") in lines[0]
     assert json.loads(out)["token_ids"] == json.loads(ref)["token_ids"]  # the same model again
-    code, _, err = run(cache, "generate", "--prompt", "hi", "--max-tokens", "3")
+    # the remade file is used as it is from now on (main() in this process: one `ft` process
+    # start less)
+    from freetoken.cli import main
+    monkeypatch.setenv("XDG_CACHE_HOME", cache)
+    capsys.readouterr()
+    code = main(["generate", "--prompt", "hi", "--max-tokens", "3"])
+    err = capsys.readouterr().err
     assert code == 0 and "warning" not in err, err
 
 
@@ -128,8 +141,9 @@ def test_stale_torch_build_lock_does_not_hang(cache):
     assert not os.path.exists(os.path.join(builds, sub, "lock"))
 
 
-def test_busy_port_is_refused_before_loading(tmp_path):
+def test_busy_port_is_refused_before_loading(tmp_path, capsys, monkeypatch):
     """One line, exit 2, and nothing loaded or generated first (the cache stays empty)."""
+    from freetoken.cli import main
     empty = str(tmp_path / "empty-cache")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -137,8 +151,12 @@ def test_busy_port_is_refused_before_loading(tmp_path):
         port = s.getsockname()[1]
         t0 = time.time()
         code, _, err = run(empty, "serve", "--port", str(port), timeout=120)
-        # -v after the subcommand is accepted too
-        code_v, _, err_v = run(empty, "serve", "-v", "--port", str(port), timeout=120)
+        # -v after the subcommand is accepted too (main() in this process: a second `ft` process
+        # would add seconds of imports and nothing else)
+        monkeypatch.setenv("XDG_CACHE_HOME", empty)
+        capsys.readouterr()
+        code_v = main(["serve", "-v", "--port", str(port)])
+        err_v = capsys.readouterr().err
     assert_one_line_error(code, err, f"port {port} on 127.0.0.1 is in use", "--port")
     assert code_v == 2 and f"port {port} on 127.0.0.1 is in use" in err_v and "unrecognized" not in err_v
     assert not os.path.exists(demo_file(empty)), "the model was prepared before the port was checked"

@@ -208,7 +208,9 @@ def test_quantized_kernels_on_the_slots(case, monkeypatch):
     for share, slots in ((1.0, E), (0.5, 5)):
         ex = CachedExpertExecutor(gu, dn, slots, "cpu", torch.float32, cpu_for(gu, dn, fn, share == 1.0), share,
                                   layer_experts=E, **fn)
-        for x, ids, w, phase in calls(7, seed=int(share * 10), prefill_every=7):
+        # 4 decode calls (1, 2 with an idle row, 3, 1 tokens) over two layers: the 8 slots of
+        # r = 1 and the 5 of r = 0.5 both evict and refill within them; then a 21-token prefill
+        for x, ids, w, phase in calls(5, seed=int(share * 10), prefill_every=5):
             got, ref = ex(x, ids, w, phase=phase), res(x, ids, w, phase=phase)
             if share == 1.0 and phase == "decode":
                 assert torch.equal(got, ref)
@@ -216,7 +218,7 @@ def test_quantized_kernels_on_the_slots(case, monkeypatch):
                 assert rel(got, ref) < 1e-5
         check_slot_bytes(ex)
         assert ex.stats()["fills"] > slots
-    assert ran["decode"] == 2 * 2 * 6 and ran["grouped"] == 2 * 2  # cache and resident, both shares
+    assert ran["decode"] == 2 * 2 * 4 and ran["grouped"] == 2 * 2  # cache and resident, both shares
 
 
 @INTERPRETER_ONLY

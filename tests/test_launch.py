@@ -293,13 +293,28 @@ def ft(env, *args, timeout=600):
                           text=True, timeout=timeout)
 
 
-def test_reuses_a_running_server(fake_clients):
+def ft_here(env, capsys, monkeypatch, *args):
+    """`ft ARGS` run in this process (main(), as the command line calls it), in `env`: what
+    a subprocess would return, without its seconds of imports. The client it runs is still a
+    process of its own."""
+    for k in set(os.environ) - set(env):
+        monkeypatch.delenv(k)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    capsys.readouterr()
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
+def test_reuses_a_running_server(fake_clients, capsys, monkeypatch):
     """A server already serving the model on the port is used as it is, and left running."""
     env, out = fake_clients
     key = launch.api_key()  # the key ft launch will send (shared cache folder, see conftest)
     server = Server("--api-key", key)
     try:
         port = str(server.port)
+        # the whole command once, as a process: the client's exit status is ft's
         r = ft(dict(env, FAKE_EXIT="3"), "launch", "--port", port, "claude", "--", "-p", "say hi")
         assert r.returncode == 3, r.stderr  # the client's own exit status
         assert f"using the FreeToken server already on {server.url}" in r.stderr
@@ -309,17 +324,19 @@ def test_reuses_a_running_server(fake_clients):
         assert rec["env"]["ANTHROPIC_BASE_URL"] == server.url and rec["env"]["ANTHROPIC_AUTH_TOKEN"] == key
         assert rec["env"]["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == "65536"
         assert rec["status"] == 200  # the settings it was given reach the server
-        r = ft(env, "launch", "--port", port, "opencode", "--", "run", "hi")
+        # the rest in this process (each `ft` process costs seconds of imports)
+        r = ft_here(env, capsys, monkeypatch, "launch", "--port", port, "opencode", "--", "run", "hi")
         assert r.returncode == 0, r.stderr
+        assert "not started by ft launch; left running" in r.stderr
         assert json.loads((out / "opencode.json").read_text())["status"] == 200
         assert httpx.get(server.url + "/health").status_code == 200  # not ours to stop
 
         # --print describes the running server
-        r = ft(env, "launch", "--print", "--port", port, "codex")
+        r = ft_here(env, capsys, monkeypatch, "launch", "--print", "--port", port, "codex")
         assert r.returncode == 0 and f"already running on {server.url} (not started by ft launch)" in r.stdout
 
         # another model on that port, or a key ft launch does not have: one error line each
-        r = ft(env, "launch", "--port", port, "--served-model-name", "other", "claude")
+        r = ft_here(env, capsys, monkeypatch, "launch", "--port", port, "--served-model-name", "other", "claude")
         assert r.returncode == 2
         assert r.stderr.strip() == (f"ft: error: port {port} serves 'freetoken-demo', not 'other'; pass --port to "
                                     "start another server (or --served-model-name freetoken-demo to use it)")
@@ -330,7 +347,7 @@ def test_reuses_a_running_server(fake_clients):
         try:
             with open(key_file, "w") as f:
                 f.write("ft-another-key\n")
-            r = ft(env, "launch", "--port", port, "claude")
+            r = ft_here(env, capsys, monkeypatch, "launch", "--port", port, "claude")
         finally:
             os.replace(key_file + ".kept", key_file)
         assert r.returncode == 2 and "wants an API key that ft launch does not have" in r.stderr
@@ -363,10 +380,11 @@ def test_starts_shares_and_stops_its_server(fake_clients):
     assert "FreeToken: serving 'freetoken-demo'" in open(os.path.join(d, f"serve-{port}.log")).read()
 
 
-def test_server_that_fails_to_start(fake_clients):
+def test_server_that_fails_to_start(fake_clients, capsys, monkeypatch):
     """ft serve's own error, in one line, and the client is not run."""
     env, out = fake_clients
-    r = ft(env, "launch", "--port", str(free_port()), "--serve-args", "--max-batch 0", "claude")
+    r = ft_here(env, capsys, monkeypatch, "launch", "--port", str(free_port()), "--serve-args", "--max-batch 0",
+                "claude")
     assert r.returncode == 2
     err = r.stderr.strip().splitlines()
     assert err[-1].startswith("ft: error: ft serve exited with status 2 before it served: "

@@ -556,12 +556,11 @@ class ScriptedServing:
 
 
 @pytest.fixture(scope="module")
-def scripted():
-    from freetoken.demo import qwen_tokenizer_json
+def scripted(qwen_json):
     from freetoken.server.app import ServerContext, build_app
     from freetoken.server.template import ChatTemplate
     from freetoken.tokenizer import Tokenizer
-    tok = Tokenizer(qwen_tokenizer_json().encode(), {"eos_token": "<|im_end|>"})
+    tok = Tokenizer(qwen_json.encode(), {"eos_token": "<|im_end|>"})
     serving = ScriptedServing(tok)
     ctx = ServerContext(serving, tok, ChatTemplate(None), ["scripted"], tok.vocab_size)
     http = TestClient(build_app(ctx))

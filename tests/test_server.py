@@ -11,16 +11,17 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from server_fixture import API_KEY, MODEL, Server
+from server_fixture import API_KEY, API_SERVER_ARGS, MODEL, Server
 
 CTX = 2048
 
 
 @pytest.fixture(scope="module")
-def server():
-    s = Server("--api-key", API_KEY, "--max-batch", "4", "--max-queue", "4", "--max-seq-len", str(CTX))
-    yield s
-    s.stop()
+def server(api_server):
+    """`ft serve --api-key API_KEY --max-batch 4 --max-queue 4 --max-seq-len 2048`: conftest's,
+    shared with test_structured_output (this module, first in the run, sees it fresh)."""
+    assert API_SERVER_ARGS == ("--api-key", API_KEY, "--max-batch", "4", "--max-queue", "4", "--max-seq-len", str(CTX))
+    return api_server
 
 
 @pytest.fixture()

@@ -30,7 +30,7 @@ from freetoken.server.parser import OutputParser, merge
 from freetoken.server.template import ChatTemplate, QWEN3_TEMPLATE
 from freetoken.server.tool_choice import call_grammar, forced_opening, strict_grammar
 from freetoken.tokenizer import load_json
-from server_fixture import API_KEY, MODEL, Server
+from server_fixture import API_KEY, MODEL
 
 # the Qwen3.5 / Qwen3-Coder call format, parameters included
 XML_TEMPLATE = QWEN3_TEMPLATE.replace(
@@ -205,11 +205,13 @@ def test_masking_touches_only_constrained_rows_and_keeps_model_logprobs(eng):
 
 
 def test_random_schemas_validate_and_free_rows_are_untouched(eng, template):
-    """100 random schemas, decoded in batches of 16 (continuous batching), greedy and sampled:
-    every response parses and validates. Free greedy requests decoded in the same batches produce
-    exactly the tokens they produce without constrained neighbours."""
+    """48 random schemas (each kind of value, nested objects and arrays among them many times
+    over), decoded in batches of 16 (continuous batching: three times more constrained requests
+    than rows), greedy and sampled: every response parses and validates. Free greedy requests
+    decoded in the same batches produce exactly the tokens they produce without constrained
+    neighbours."""
     rng = random.Random(1234)
-    schemas = [gen_object(rng) for _ in range(100)]
+    schemas = [gen_object(rng) for _ in range(48)]
     prompt = chat_prompt(eng, template, "Answer in JSON.")
     free_prompts = [chat_prompt(eng, template, t) for t in ("Hello", "Tell me a story", "Why?")]
 
@@ -235,7 +237,9 @@ def test_random_schemas_validate_and_free_rows_are_untouched(eng, template):
         jsonschema.validate(json.loads(text), s)
         assert all(lp <= 0 and lp > float("-inf") for lp in r.logprobs)
     stats = srv.grammar.stats
-    assert stats["compiles"] >= 100 and stats["masks"] > 1000 and stats["sync_masks"] == 0  # all prefetched
+    tokens = sum(len(r.output_ids) for r in cons)  # each one picked from a mask
+    assert stats["compiles"] >= len(schemas) and stats["masks"] >= tokens > 500
+    assert stats["sync_masks"] == 0  # all prefetched
 
 
 TOOLS = [
@@ -335,10 +339,10 @@ BOUNDED = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": 
 
 
 @pytest.fixture(scope="module")
-def server():
-    s = Server("--api-key", API_KEY, "--max-batch", "4", "--max-seq-len", "2048")
-    yield s
-    s.stop()
+def server(api_server):
+    """conftest's server, shared with test_server: --api-key API_KEY, --max-batch 4,
+    --max-seq-len 2048 as these tests want (its --max-queue 4 is more than they queue)."""
+    return api_server
 
 
 def test_http_structured_output(server):
