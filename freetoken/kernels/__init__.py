@@ -24,6 +24,28 @@ def use_triton(t: torch.Tensor) -> bool:
     return HAS_TRITON and t.is_cuda
 
 
+def graph_us(f, reps: int = 200, inner: int = 10) -> float:
+    """Microseconds per call of f() replayed from a CUDA graph of `inner` calls (warmed up, so
+    compiled, on a side stream first): the kernel benchmarks' old-against-new timing."""
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        f()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            f()
+    graph.replay()
+    torch.cuda.synchronize()
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for _ in range(reps):
+        graph.replay()
+    t1.record()
+    torch.cuda.synchronize()
+    return t0.elapsed_time(t1) * 1e3 / (reps * inner)
+
+
 def tl_dtype(dtype: torch.dtype):
     import triton.language as tl
     return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import INTERPRET, tl_dtype
+from . import INTERPRET, graph_us, tl_dtype
 
 # the compiled (not interpreted) launches keep a * b - c * d as two rounded products and a
 # rounded difference, as torch computes them; the interpreter is numpy, which never contracts
@@ -369,23 +369,7 @@ def _bench(b: int = 1, reps: int = 200):
                                                                    cos, sin, dt),
     }
     for name, f in cases.items():
-        s = torch.cuda.Stream()
-        with torch.cuda.stream(s):  # warm up (compile) outside the graph
-            f()
-        torch.cuda.synchronize()
-        gr = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(gr):
-            for _ in range(10):
-                f()
-        gr.replay()
-        torch.cuda.synchronize()
-        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0.record()
-        for _ in range(reps):
-            gr.replay()
-        t1.record()
-        torch.cuda.synchronize()
-        print(f"{name:26s} B={b}: {t0.elapsed_time(t1) * 1e3 / (reps * 10):8.1f} us/call")
+        print(f"{name:26s} B={b}: {graph_us(f, reps):8.1f} us/call")
 
 
 if __name__ == "__main__":

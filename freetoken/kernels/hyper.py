@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import tl_dtype
+from . import graph_us, tl_dtype
 
 # hc_pre/hc_head fuse the projection into a split-K kernel up to this many tokens (each token
 # re-reads fn, [(2 + hc) * hc, hc * H] fp32, 1.5 MB for V4-Flash, from L2); cuBLAS beyond
@@ -252,23 +252,7 @@ def _bench(n: int = 1, hd: int = 4096, hc: int = 4, iters: int = 20, reps: int =
         "hc_post triton": lambda: hc_post_triton(h, out, post, comb),
     }
     for name, f in cases.items():
-        s = torch.cuda.Stream()
-        with torch.cuda.stream(s):  # warm up (compile) outside the graph
-            f()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(10):
-                f()
-        g.replay()
-        torch.cuda.synchronize()
-        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0.record()
-        for _ in range(reps):
-            g.replay()
-        t1.record()
-        torch.cuda.synchronize()
-        print(f"{name:16s} N={n} H={hd}: {t0.elapsed_time(t1) * 1e3 / (reps * 10):8.1f} us/call")
+        print(f"{name:16s} N={n} H={hd}: {graph_us(f, reps):8.1f} us/call")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import INTERPRET, tl_dtype
+from . import INTERPRET, graph_us, tl_dtype
 
 UPCAST = INTERPRET  # the CPU interpreter's bf16 tl.dot returns garbage (Triton 3.9): fp32 operands there
 
@@ -470,23 +470,10 @@ def _bench(ctx: int = 300, width: int = 4096, reps: int = 100):
     outs = {}
     for name, fused in (("torch", False), ("triton", True)):
         mla.FUSED = fused
-        s = torch.cuda.Stream()
-        with torch.cuda.stream(s):  # warm up (compile) outside the graph
+        with torch.cuda.stream(torch.cuda.Stream()):  # the eager output, for the difference below
             outs[name] = layer.decode(x, st, pos)
         torch.cuda.synchronize()
-        gr = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(gr):
-            for _ in range(10):
-                layer.decode(x, st, pos)
-        gr.replay()
-        torch.cuda.synchronize()
-        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0.record()
-        for _ in range(reps):
-            gr.replay()
-        t1.record()
-        torch.cuda.synchronize()
-        us = t0.elapsed_time(t1) * 1e3 / (reps * 10)
+        us = graph_us(lambda: layer.decode(x, st, pos), reps)
         print(f"mla decode layer {name:7s} ctx={ctx} table={width}: {us:8.1f} us/call")
     mla.FUSED = None
     a, b = outs["torch"].float(), outs["triton"].float()
