@@ -24,6 +24,17 @@ def use_triton(t: torch.Tensor) -> bool:
     return HAS_TRITON and t.is_cuda
 
 
+def fused_decode(t: torch.Tensor) -> bool:
+    """use_triton for the fused DeepSeek-V4 / GLM-5 decode kernels (hyper.py, csa_decode.py,
+    mla_decode.py), which passed their tests under the interpreter but have not yet run on a GPU:
+    off until they have, FREETOKEN_FUSED_DECODE=1 turns them on (the GPU tests and timings)."""
+    raw = os.environ.get("FREETOKEN_FUSED_DECODE", "0")
+    if raw not in ("0", "1"):
+        from ..errors import FreeTokenError
+        raise FreeTokenError(f"FREETOKEN_FUSED_DECODE must be 0 or 1, got {raw!r}")
+    return raw == "1" and use_triton(t)
+
+
 def graph_us(f, reps: int = 200, inner: int = 10) -> float:
     """Microseconds per call of f() replayed from a CUDA graph of `inner` calls (warmed up, so
     compiled, on a side stream first): the kernel benchmarks' old-against-new timing."""

@@ -30,8 +30,8 @@ Decode is static-shape under CUDA-graph capture: the window's keys are gathered 
 every row computes "the entry its token would close" (written only where the token does close
 a window, the others' writes going to the scratch page), entries are read at every closing position the block table can
 hold (eagerly: those the longest row has closed), the indexer's top-k of them gathered when
-there are more than index_topk. On CUDA the small ops run as fused Triton kernels
-(kernels/csa_decode.py): the norms and the RoPE at positions (any N), decode's sink attention
+there are more than index_topk. On CUDA (with FREETOKEN_FUSED_DECODE=1: kernels.fused_decode)
+the small ops run as fused Triton kernels (kernels/csa_decode.py): the norms and the RoPE at positions (any N), decode's sink attention
 and the compressor's entries read straight from the rows; the *_torch functions and
 Compressor.entries are the references and the CPU path. A paged attention kernel is later work.
 """
@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 
 from ..cache.pages import SCRATCH
-from ..kernels import use_triton
+from ..kernels import fused_decode
 from .layers import FusedLinear, rope_frequencies
 from .linear import linear
 from .mla import _capturing, index_scores
@@ -71,7 +71,7 @@ def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
 # (kernels/csa_decode.py: a row per program, so any N); the *_torch functions are the
 # references and the CPU path.
 def _fused(x: torch.Tensor) -> bool:
-    return (use_triton(x) and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    return (fused_decode(x) and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and x.shape[-1] % 2 == 0 and x.shape[-1] <= 16384 and x.numel() > 0)
 
 
@@ -136,7 +136,7 @@ def rms_rope_torch(x, w, eps, cos, sin, pos):
 def sink_attention(q: torch.Tensor, keys: torch.Tensor, sel: torch.Tensor, sinks: torch.Tensor,
                    scale: float) -> torch.Tensor:
     """See sink_attention_torch; on CUDA with per-row keys (decode) one kernel."""
-    if (keys.dim() == 3 and use_triton(q) and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    if (keys.dim() == 3 and fused_decode(q) and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and keys.dtype == q.dtype and q.shape[-1] <= 1024 and keys.shape[1] > 0):
         from ..kernels.csa_decode import sink_attention_triton
         return sink_attention_triton(q, keys, sel, sinks, scale)
@@ -149,7 +149,7 @@ def sink_attention_decode(q: torch.Tensor, keys: torch.Tensor, sel: torch.Tensor
     compressed entries [B, n, D] (ent_sel [B, n]) or None, as one concatenated set. The
     unselected rows may hold anything (unwritten pages: NaN): they never enter. On CUDA one
     kernel reading both sources (no where, no cat)."""
-    if use_triton(q) and q.dtype in (torch.float32, torch.bfloat16, torch.float16) and q.shape[-1] <= 1024 \
+    if fused_decode(q) and q.dtype in (torch.float32, torch.bfloat16, torch.float16) and q.shape[-1] <= 1024 \
             and keys.dtype == q.dtype and (ent is None or ent.dtype == q.dtype):
         from ..kernels.csa_decode import sink_attention_triton
         return sink_attention_triton(q, keys, sel, sinks, scale, ent, ent_sel)
@@ -206,7 +206,7 @@ class Compressor:
         """entries(rows, ends [B], ...) at decode (row b of slot b); on CUDA one kernel that reads
         the rows where they live: part(name) -> DecodeState.part's (buf, table, cols, stride)."""
         kv, gate = part(self.kv), part(self.gate)
-        if (use_triton(ends) and dtype in (torch.float32, torch.bfloat16, torch.float16) and self.dim % 2 == 0
+        if (fused_decode(ends) and dtype in (torch.float32, torch.bfloat16, torch.float16) and self.dim % 2 == 0
                 and kv[0].dtype == gate[0].dtype and kv[0].stride(-1) == 1 and gate[0].stride(-1) == 1):
             from ..kernels.csa_decode import compress_entries_triton
             return compress_entries_triton(kv, gate, page_size, ends, self.m, self.o, self.dim, self.norm,

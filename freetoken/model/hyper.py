@@ -6,7 +6,8 @@ streams mix into the new ones, pushed towards a doubly-stochastic matrix by Sink
 after the last layer the head collapses them once more. All the weights are computed in fp32,
 as the reference keeps these modules in fp32.
 
-On CUDA each of the three runs as one to three fused Triton kernels (kernels/hyper.py); the
+On CUDA (with FREETOKEN_FUSED_DECODE=1: kernels.fused_decode) each of the three runs as one to three fused
+Triton kernels (kernels/hyper.py); the
 torch functions here (*_torch) are the references and the CPU path.
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels import use_triton
+from ..kernels import fused_decode
 
 
 def _flat_norm(h: torch.Tensor, eps: float) -> torch.Tensor:
@@ -26,7 +27,7 @@ def _flat_norm(h: torch.Tensor, eps: float) -> torch.Tensor:
 def hc_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
            eps: float, norm_eps: float):
     """See hc_pre_torch; on CUDA the fused kernels."""
-    if use_triton(h):
+    if fused_decode(h):
         from ..kernels.hyper import hc_pre_triton
         return hc_pre_triton(h, fn, base, scale, iters, eps, norm_eps)
     return hc_pre_torch(h, fn, base, scale, iters, eps, norm_eps)
@@ -56,7 +57,7 @@ def hc_pre_torch(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
 
 def hc_post(h: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """See hc_post_torch; on CUDA one fused kernel (out in h's dtype, as the model passes it)."""
-    if use_triton(h) and out.dtype == h.dtype:
+    if fused_decode(h) and out.dtype == h.dtype:
         from ..kernels.hyper import hc_post_triton
         return hc_post_triton(h, out, post, comb)
     return hc_post_torch(h, out, post, comb)
@@ -71,7 +72,7 @@ def hc_post_torch(h: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: 
 def hc_head(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
             norm_eps: float) -> torch.Tensor:
     """See hc_head_torch; on CUDA the fused kernels."""
-    if use_triton(h):
+    if fused_decode(h):
         from ..kernels.hyper import hc_head_triton
         return hc_head_triton(h, fn, base, scale, eps, norm_eps)
     return hc_head_torch(h, fn, base, scale, eps, norm_eps)
