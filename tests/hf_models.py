@@ -183,6 +183,24 @@ def reference_logits(model, ids: list[int]) -> torch.Tensor:
     return model(torch.tensor([ids])).logits[0].float()
 
 
+@torch.no_grad()
+def cached_decode_logits(model, prompt: list[int], toks: list[int]) -> torch.Tensor:
+    """transformers' own incremental path: prefill the prompt, then one token at a time through
+    its cache -> [len(toks), V] (the logits after each of toks). The cache argument is
+    `past_key_values` up to transformers 5.2x and `cache` after (an unknown keyword would be
+    swallowed by **kwargs and every step would run without its context)."""
+    import inspect
+    params = inspect.signature(model.forward).parameters
+    key = "cache" if "cache" in params else "past_key_values"
+    assert key in params, f"{type(model).__name__}.forward takes neither cache nor past_key_values"
+    out = model(torch.tensor([prompt]), use_cache=True)
+    cache, got = out.past_key_values, []
+    for t in toks:
+        out = model(torch.tensor([[t]]), use_cache=True, **{key: cache})
+        got.append(out.logits[0, -1].float())
+    return torch.stack(got)
+
+
 def deepseek_v4(seed: int, **kw):
     """DeepseekV4ForCausalLM: a sliding-only layer, CSA (windows of 4, overlapping; the indexer
     keeps 3 entries, 8 heads so that an all-zero relu tie is rare) and HCA (windows of 8) layers,

@@ -69,18 +69,6 @@ def cpu_engine(ftw, **kw):
         return Engine(ftw, EngineConfig(device="cpu", dtype="float32", **kw))
 
 
-@torch.no_grad()
-def hf_decode_logits(model, prompt, toks):
-    """transformers' own incremental path (its compressor buffers, overlap state and sliding
-    cache): prefill the prompt, then one token at a time -> [len(toks), V]."""
-    out = model(torch.tensor([prompt]), use_cache=True)
-    cache, got = out.past_key_values, []
-    for t in toks:
-        out = model(torch.tensor([[t]]), cache=cache, use_cache=True)
-        got.append(out.logits[0, -1].float())
-    return torch.stack(got)
-
-
 # ----------------------------------------------------------------------------- the model
 
 
@@ -95,7 +83,7 @@ def test_logits_and_greedy_match_transformers(built, name):
     for i in range(STEPS):
         assert rel_err(steps[i], ref[P + i]) < 1e-4, f"decode step {i}"
     assert toks == ref[P - 1:P + STEPS - 1].argmax(-1).tolist()
-    assert rel_err(steps[:8], hf_decode_logits(model, prompt, toks[:8])) < 1e-4
+    assert rel_err(steps[:8], hf_models.cached_decode_logits(model, prompt, toks[:8])) < 1e-4
 
 
 @pytest.mark.parametrize("path", [dict(experts="cpu"), dict(moe="cache", expert_cache="0.3", fill_share=0.5)])
@@ -372,7 +360,12 @@ def test_bfloat16_keeps_the_fp32_modules_of_transformers(built, monkeypatch):
     hf = DeepseekV4ForCausalLM.from_pretrained(os.path.join(os.path.dirname(ftw), "hf"), dtype=torch.bfloat16).eval()
     assert hf.model.layers[1].attn_hc.fn.dtype == torch.float32  # transformers keeps it so
     with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0].float()
+        try:
+            ref = hf(torch.tensor([prompt])).logits[0].float()
+        except RuntimeError as e:  # transformers 5.17: fp32 hyper-connection output into a bf16 q_a_proj
+            if "same dtype" not in str(e):
+                raise
+            pytest.skip(f"this transformers' bf16 DeepseekV4 cannot run its own forward: {e}")
     errs = {}
     for keep in (True, False):
         if not keep:
@@ -418,7 +411,8 @@ def test_router_equals_transformers(scoring):
         assert torch.allclose(wts.gather(1, order.indices), rw.gather(1, order_ref.indices), rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+# Triton reads CPU tensors only under the interpreter (the CPU machines); on a GPU it runs on CUDA
+@pytest.mark.parametrize("device", ["cuda"] if torch.cuda.is_available() else ["cpu"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 4e-2)])
 def test_routed_expert_clamp_in_the_kernels(dtype, tol, device):
     """DeepSeek-V4's routed experts: silu(min(g, L)) * clamp(u, -L, L), as transformers' experts

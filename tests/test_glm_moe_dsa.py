@@ -64,18 +64,6 @@ def cpu_engine(ftw, **kw):
     return Engine(ftw, EngineConfig(device="cpu", dtype="float32", **kw))
 
 
-@torch.no_grad()
-def hf_decode_logits(model, prompt, toks):
-    """transformers' own incremental path: prefill the prompt, then one token at a time through
-    its cache -> [len(toks), V] (the logits after each of toks)."""
-    out = model(torch.tensor([prompt]), use_cache=True)
-    cache, got = out.past_key_values, []
-    for t in toks:
-        out = model(torch.tensor([[t]]), cache=cache, use_cache=True)
-        got.append(out.logits[0, -1].float())
-    return torch.stack(got)
-
-
 # ----------------------------------------------------------------------------- the model
 
 
@@ -93,7 +81,7 @@ def test_logits_and_greedy_match_transformers(built, name):
         assert rel_err(steps[i], ref[P + i]) < 1e-4, f"decode step {i}"
     assert toks == ref[P - 1:P + STEPS - 1].argmax(-1).tolist()
     # and transformers' cached decode, step by step (its indexer keys cache and its latent cache)
-    assert rel_err(steps[:8], hf_decode_logits(model, prompt, toks[:8])) < 1e-4
+    assert rel_err(steps[:8], hf_models.cached_decode_logits(model, prompt, toks[:8])) < 1e-4
 
 
 def test_expert_cache_path_matches_transformers(built):

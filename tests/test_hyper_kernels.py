@@ -84,17 +84,19 @@ def test_hc_post(n, hc, hd, dtype):
     assert rel(got, ref) < (1e-6 if dtype == torch.float32 else BF16_TOL)
 
 
-def test_fused_decode_is_opt_in_and_a_bad_value_is_named(monkeypatch):
-    """The fused V4 / GLM-5 decode kernels stay off until they have run on a GPU:
-    FREETOKEN_FUSED_DECODE=1 turns them on (CUDA tensors only), any other value than 0/1 is
-    one clear error."""
+def test_fused_decode_is_on_by_default_and_a_bad_value_is_named(monkeypatch):
+    """The fused V4 / GLM-5 decode kernels run by default on CUDA tensors (never on CPU ones:
+    there the torch path is the fast one), FREETOKEN_FUSED_DECODE=0 turns them off, any other
+    value than 0/1 is one clear error."""
     from freetoken.errors import FreeTokenError
     from freetoken.kernels import fused_decode
-    t = torch.zeros(1)
-    monkeypatch.delenv("FREETOKEN_FUSED_DECODE", raising=False)
-    assert not fused_decode(t)
-    monkeypatch.setenv("FREETOKEN_FUSED_DECODE", "1")
-    assert fused_decode(t) == t.is_cuda
-    monkeypatch.setenv("FREETOKEN_FUSED_DECODE", "yes")
-    with pytest.raises(FreeTokenError, match="FREETOKEN_FUSED_DECODE must be 0 or 1"):
-        fused_decode(t)
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for dev in devices:
+        t = torch.zeros(1, device=dev)
+        monkeypatch.delenv("FREETOKEN_FUSED_DECODE", raising=False)
+        assert fused_decode(t) == t.is_cuda
+        monkeypatch.setenv("FREETOKEN_FUSED_DECODE", "0")
+        assert not fused_decode(t)
+        monkeypatch.setenv("FREETOKEN_FUSED_DECODE", "yes")
+        with pytest.raises(FreeTokenError, match="FREETOKEN_FUSED_DECODE must be 0 or 1"):
+            fused_decode(t)

@@ -30,9 +30,9 @@ Decode is static-shape under CUDA-graph capture: the window's keys are gathered 
 every row computes "the entry its token would close" (written only where the token does close
 a window, the others' writes going to the scratch page), entries are read at every closing position the block table can
 hold (eagerly: those the longest row has closed), the indexer's top-k of them gathered when
-there are more than index_topk. On CUDA (with FREETOKEN_FUSED_DECODE=1: kernels.fused_decode)
-the small ops run as fused Triton kernels (kernels/csa_decode.py): the norms and the RoPE at positions (any N), decode's sink attention
-and the compressor's entries read straight from the rows; the *_torch functions and
+there are more than index_topk. On CUDA (unless FREETOKEN_FUSED_DECODE=0: kernels.fused_decode)
+the small ops run as fused Triton kernels (kernels/csa_decode.py): the norms and the RoPE at positions (any N) and the compressor's entries read straight from the rows (decode's sink
+attention has a kernel too, off: see SINK_TRITON); the *_torch functions and
 Compressor.entries are the references and the CPU path. A paged attention kernel is later work.
 """
 from __future__ import annotations
@@ -133,10 +133,17 @@ def rms_rope_torch(x, w, eps, cos, sin, pos):
     return rope_at_torch(rms_plain_torch(x, eps) if w is None else rms_weighted_torch(x, w, eps), cos, sin, pos)
 
 
+# The one-kernel sink attention (kernels/csa_decode.py) is off: on the H200 at DeepSeek-V4-Flash's
+# decode shape (64 heads, 640 keys of 512, batch 1) it took 88.9 us against the torch path's
+# 25.7 (one program per 16 heads: 4 programs for the whole GPU); it needs a split over the keys
+# first. Tests and the benchmark call it directly.
+SINK_TRITON = False
+
+
 def sink_attention(q: torch.Tensor, keys: torch.Tensor, sel: torch.Tensor, sinks: torch.Tensor,
                    scale: float) -> torch.Tensor:
     """See sink_attention_torch; on CUDA with per-row keys (decode) one kernel."""
-    if (keys.dim() == 3 and fused_decode(q) and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    if (SINK_TRITON and keys.dim() == 3 and fused_decode(q) and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and keys.dtype == q.dtype and q.shape[-1] <= 1024 and keys.shape[1] > 0):
         from ..kernels.csa_decode import sink_attention_triton
         return sink_attention_triton(q, keys, sel, sinks, scale)
@@ -149,8 +156,8 @@ def sink_attention_decode(q: torch.Tensor, keys: torch.Tensor, sel: torch.Tensor
     compressed entries [B, n, D] (ent_sel [B, n]) or None, as one concatenated set. The
     unselected rows may hold anything (unwritten pages: NaN): they never enter. On CUDA one
     kernel reading both sources (no where, no cat)."""
-    if fused_decode(q) and q.dtype in (torch.float32, torch.bfloat16, torch.float16) and q.shape[-1] <= 1024 \
-            and keys.dtype == q.dtype and (ent is None or ent.dtype == q.dtype):
+    if SINK_TRITON and fused_decode(q) and q.dtype in (torch.float32, torch.bfloat16, torch.float16) \
+            and q.shape[-1] <= 1024 and keys.dtype == q.dtype and (ent is None or ent.dtype == q.dtype):
         from ..kernels.csa_decode import sink_attention_triton
         return sink_attention_triton(q, keys, sel, sinks, scale, ent, ent_sel)
     keys = torch.where(sel[..., None], keys, 0.0)

@@ -6,7 +6,7 @@ streams mix into the new ones, pushed towards a doubly-stochastic matrix by Sink
 after the last layer the head collapses them once more. All the weights are computed in fp32,
 as the reference keeps these modules in fp32.
 
-On CUDA (with FREETOKEN_FUSED_DECODE=1: kernels.fused_decode) each of the three runs as one to three fused
+On CUDA (unless FREETOKEN_FUSED_DECODE=0: kernels.fused_decode) each of the three runs as one to three fused
 Triton kernels (kernels/hyper.py); the
 torch functions here (*_torch) are the references and the CPU path.
 """

@@ -23,7 +23,7 @@ products are those of the interleaved rotation.
 Decode is static-shape under CUDA-graph capture (the whole block table is read; lengths are
 device data); eagerly it reads only the pages the longest row needs. Only the top-k rows of the
 latent cache are gathered once the context passes index_topk; the indexer keys are read whole,
-as DSA does. On CUDA (with FREETOKEN_FUSED_DECODE=1 until measured there) a decode step runs as six fused Triton kernels between its three GEMMs
+as DSA does. On CUDA (unless FREETOKEN_FUSED_DECODE=0) a decode step runs as six fused Triton kernels between its three GEMMs
 (kernels/mla_decode.py: the norms, RoPEs and page writes; the absorbed query; the indexer's scores
 read from the pages; split-K attention over the latent rows with the value up-projection); the
 torch functions here (latent_prep, latent_q, paged_index_scores, paged_latent_attention) are
@@ -43,7 +43,7 @@ from .state import DecodeState
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm, kv_a_layernorm: the reference builds them with its default eps
 INDEXER_NORM_EPS = 1e-6  # the indexer key's LayerNorm
 MAX_SCORES = 1 << 24  # fp32 scores live at once in a prefill block of queries (64 MiB)
-FUSED = None  # decode through the Triton kernels: None = kernels.fused_decode (CUDA, FREETOKEN_FUSED_DECODE=1); True/False forces it (tests, bench)
+FUSED = None  # decode through the Triton kernels: None = kernels.fused_decode (CUDA, unless FREETOKEN_FUSED_DECODE=0); True/False forces it (tests, bench)
 
 
 def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
