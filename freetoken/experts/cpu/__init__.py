@@ -81,7 +81,10 @@ def extension():
             with open(parts[1], "rb") as f:
                 header = hashlib.sha256(f.read()).hexdigest()[:16]
             _ext = load(name=EXT_NAME, sources=[src], build_directory=build,
-                        extra_cflags=["-O3", "-std=c++17", "-fno-math-errno", "-fno-trapping-math",
+                        # no -std: torch's own (C++20 since 2.10). A -std=c++17 here overrode it
+                        # and, on torch 2.11, every TORCH_CHECK with a built message crashed the
+                        # process (the GPU machine) instead of raising
+                        extra_cflags=["-O3", "-fno-math-errno", "-fno-trapping-math",
                                       f"-DFT_ATTENTION_H={header}"], verbose=False)
             if not fresh:
                 log.info("C++ expert executor built in %.0f s", time.perf_counter() - t0)
