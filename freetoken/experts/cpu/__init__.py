@@ -81,9 +81,7 @@ def extension():
             with open(parts[1], "rb") as f:
                 header = hashlib.sha256(f.read()).hexdigest()[:16]
             _ext = load(name=EXT_NAME, sources=[src], build_directory=build,
-                        # no -std: torch's own (C++20 since 2.10). A -std=c++17 here overrode it
-                        # and, on torch 2.11, every TORCH_CHECK with a built message crashed the
-                        # process (the GPU machine) instead of raising
+                        # no -std: torch's own (C++20 since 2.10), which a -std=c++17 here overrode
                         extra_cflags=["-O3", "-fno-math-errno", "-fno-trapping-math",
                                       f"-DFT_ATTENTION_H={header}"], verbose=False)
             if not fresh:

@@ -26,6 +26,9 @@
 #include <cstring>
 #include <functional>
 #include <mutex>
+#include <sstream>
+#include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -1153,55 +1156,87 @@ void host_call(void* p) {
 }
 
 // One quantized bank from its tensors (values, scale, scale_2 or an empty tensor), checked
-// against the logical shape [N, R, C] and the format's layout (weights/quant.py).
+// against the logical shape [N, R, C] and the format's layout (weights/quant.py). A failed check
+// leaves its message in err (b is then unusable): the bindings raise it from their own frame as
+// a plain std::runtime_error. On the GPU machine (torch 2.11) a TORCH_CHECK with a built message
+// thrown from here crashed the process instead of raising (a literal-message TORCH_CHECK in
+// forward_q raised fine); the cause is not pinned down, so these checks avoid that path.
+#define BANK_CHECK(cond, ...)                              \
+  if (!(cond)) {                                           \
+    std::ostringstream m_;                                 \
+    m_ << name;                                            \
+    bank_msg(m_, __VA_ARGS__);                             \
+    err = m_.str();                                        \
+    return b;                                              \
+  }
+
+inline void bank_msg(std::ostringstream&) {}
+template <typename A, typename... R>
+void bank_msg(std::ostringstream& m, const A& a, const R&... r) {
+  m << a;
+  bank_msg(m, r...);
+}
+
 QBank make_bank(int fmt, const torch::Tensor& v, const torch::Tensor& s, const torch::Tensor& s2, int64_t N,
-                int64_t R, int64_t C, int halves, const char* name) {
-  TORCH_CHECK(v.is_contiguous() && s.is_contiguous(), name, ": values and scales must be contiguous");
-  TORCH_CHECK(v.element_size() == 1 && v.dim() == 3 && v.size(0) == N && v.size(1) == R, name, ": values shape");
+                int64_t R, int64_t C, int halves, const char* name, std::string& err) {
   QBank b;
+  BANK_CHECK(v.is_contiguous() && s.is_contiguous(), ": values and scales must be contiguous");
+  BANK_CHECK(v.element_size() == 1 && v.dim() == 3 && v.size(0) == N && v.size(1) == R, ": values shape");
   b.fmt = fmt, b.R = R, b.C = C, b.halves = halves;
   b.v = reinterpret_cast<const uint8_t*>(v.data_ptr());
   b.s = reinterpret_cast<const uint8_t*>(s.data_ptr());
-  TORCH_CHECK(s.dim() == 3 && s.size(0) == N, name, ": scale shape");
+  BANK_CHECK(s.dim() == 3 && s.size(0) == N, ": scale shape");
   if (fmt == FMT_FP8) {
-    TORCH_CHECK(v.size(2) == C, name, ": fp8 values [N, R, C]");
+    BANK_CHECK(v.size(2) == C, ": fp8 values [N, R, C]");
     const int64_t per = (R / halves + 127) / 128;
-    TORCH_CHECK(R % halves == 0 && s.size(1) == halves * per && s.size(2) == (C + 127) / 128, name,
-                ": fp8 scale must be [N, ", halves * per, ", ", (C + 127) / 128, "]");
+    BANK_CHECK(R % halves == 0 && s.size(1) == halves * per && s.size(2) == (C + 127) / 128,
+               ": fp8 scale must be [N, ", halves * per, ", ", (C + 127) / 128, "]");
     const auto dt = s.scalar_type();
-    TORCH_CHECK(dt == torch::kFloat32 || dt == torch::kBFloat16 || dt == torch::kFloat16, name,
-                ": fp8 scale dtype must be float32, bfloat16 or float16");
+    BANK_CHECK(dt == torch::kFloat32 || dt == torch::kBFloat16 || dt == torch::kFloat16,
+               ": fp8 scale dtype must be float32, bfloat16 or float16");
     b.sdt = dt == torch::kFloat32 ? 0 : dt == torch::kBFloat16 ? 1 : 2;
     b.vrow = C, b.srow = s.size(2), b.sR = s.size(1);
   } else {
     const int blk = fmt == FMT_MXFP4 ? 32 : 16;
-    TORCH_CHECK(C % blk == 0 && v.size(2) * 2 == C, name, ": fp4 values [N, R, C/2] with C a multiple of ", blk);
-    TORCH_CHECK(s.element_size() == 1 && s.size(1) == R && s.size(2) == C / blk, name, ": fp4 scale [N, R, C/", blk, "]");
+    BANK_CHECK(C % blk == 0 && v.size(2) * 2 == C, ": fp4 values [N, R, C/2] with C a multiple of ", blk);
+    BANK_CHECK(s.element_size() == 1 && s.size(1) == R && s.size(2) == C / blk, ": fp4 scale [N, R, C/", blk, "]");
     b.vrow = C / 2, b.srow = C / blk, b.sR = R;
     if (fmt == FMT_NVFP4) {
-      TORCH_CHECK(s2.defined() && s2.scalar_type() == torch::kFloat32 && s2.is_contiguous() && s2.numel() == N * halves,
-                  name, ": nvfp4 scale_2 must be float32 [N, ", halves, "]");
+      BANK_CHECK(s2.defined() && s2.scalar_type() == torch::kFloat32 && s2.is_contiguous() && s2.numel() == N * halves,
+                 ": nvfp4 scale_2 must be float32 [N, ", halves, "]");
       b.s2 = s2.data_ptr<float>();
     }
   }
   return b;
 }
+#undef BANK_CHECK
 
-// The gate_up and down QBanks of forward_q's bank arguments (I from the down values).
+// The gate_up and down QBanks of forward_q's bank arguments (I from the down values); err as
+// make_bank's (empty when both are good).
 std::pair<QBank, QBank> make_banks(int64_t fmt, const torch::Tensor& gu_v, const torch::Tensor& gu_s,
                                    const torch::Tensor& gu_s2, const torch::Tensor& dn_v, const torch::Tensor& dn_s,
-                                   const torch::Tensor& dn_s2, int64_t H) {
-  TORCH_CHECK(fmt >= FMT_FP8 && fmt <= FMT_NVFP4, "unknown quantized format code ", fmt);
+                                   const torch::Tensor& dn_s2, int64_t H, std::string& err) {
+  std::pair<QBank, QBank> banks;
+  if (fmt < FMT_FP8 || fmt > FMT_NVFP4) {
+    err = "unknown quantized format code " + std::to_string(fmt);
+    return banks;
+  }
   const int64_t N = gu_v.size(0);
-  TORCH_CHECK(dn_v.dim() == 3 && dn_v.size(0) == N && dn_v.size(1) == H, "down bank must be [N, H, *]");
+  if (dn_v.dim() != 3 || dn_v.size(0) != N || dn_v.size(1) != H) {
+    err = "down bank must be [N, H, *]";
+    return banks;
+  }
   const int64_t I = fmt == FMT_FP8 ? dn_v.size(2) : dn_v.size(2) * 2;
-  return {make_bank(int(fmt), gu_v, gu_s, gu_s2, N, 2 * I, H, 2, "gate_up"),
-          make_bank(int(fmt), dn_v, dn_s, dn_s2, N, H, I, 1, "down")};
+  banks.first = make_bank(int(fmt), gu_v, gu_s, gu_s2, N, 2 * I, H, 2, "gate_up", err);
+  if (err.empty()) banks.second = make_bank(int(fmt), dn_v, dn_s, dn_s2, N, H, I, 1, "down", err);
+  return banks;
 }
 
 int64_t qbanks_create(int64_t fmt, torch::Tensor gu_v, torch::Tensor gu_s, torch::Tensor gu_s2, torch::Tensor dn_v,
                       torch::Tensor dn_s, torch::Tensor dn_s2) {
-  auto banks = make_banks(fmt, gu_v, gu_s, gu_s2, dn_v, dn_s, dn_s2, dn_v.size(1));
+  std::string err;
+  auto banks = make_banks(fmt, gu_v, gu_s, gu_s2, dn_v, dn_s, dn_s2, dn_v.size(1), err);
+  if (!err.empty()) throw std::runtime_error("moe_cpu.qbanks_create: " + err);
   return reinterpret_cast<int64_t>(new QPair{banks.first, banks.second});
 }
 void qbanks_free(int64_t addr) { delete reinterpret_cast<QPair*>(addr); }
@@ -1220,7 +1255,9 @@ torch::Tensor forward_q(int64_t handle, torch::Tensor x, torch::Tensor ids, torc
   x = x.contiguous(), ids = ids.contiguous(), w = w.contiguous();
   const int T = x.size(0), H = x.size(1), K = ids.size(1);
   const int64_t N = gu_v.size(0);
-  const auto [gu, dn] = make_banks(fmt, gu_v, gu_s, gu_s2, dn_v, dn_s, dn_s2, H);
+  std::string err;
+  const auto [gu, dn] = make_banks(fmt, gu_v, gu_s, gu_s2, dn_v, dn_s, dn_s2, H, err);
+  if (!err.empty()) throw std::runtime_error("moe_cpu.forward_q: " + err);
   const int I = int(dn.C);
   auto idp = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < ids.numel(); ++i) TORCH_CHECK(idp[i] >= -1 && idp[i] < N, "expert id out of range");
