@@ -82,7 +82,7 @@ def active_bytes(mc, w, ctx: int) -> int:
     return b
 
 
-def profile_step(step, steps: int = 3) -> dict:
+def profile_step(step, steps: int = 3, top: int = 12) -> dict:
     """GPU kernels per decode step and where the time goes (eager, so per-kernel times show)."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -95,7 +95,7 @@ def profile_step(step, steps: int = 3) -> dict:
     return {"kernels_per_step": round(sum(e.count for e in rows) / steps),
             "gpu_us_per_step": round(total / steps),
             "top": [{"kernel": e.key[:80], "calls_per_step": round(e.count / steps),
-                     "us_per_step": round(e.device_time_total / steps, 1)} for e in rows[:12]]}
+                     "us_per_step": round(e.device_time_total / steps, 1)} for e in rows[:top]]}
 
 
 def run(cfg, dev, experts_on, prompt_len, tokens, graph: bool, profile: bool = False):

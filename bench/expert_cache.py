@@ -198,9 +198,11 @@ def floors(row: dict, resident_ms: float, bp: float, bh: float, dram: float | No
 
 
 def run_config(mc, w, ex, dev, batch: int, tokens: int, warmup: int, routes, prompt: int = 64,
-               trace: str | None = None, max_warmup: int | None = None) -> dict:
+               trace: str | None = None, max_warmup: int | None = None, profile: bool = False) -> dict:
     """max_warmup: for an adaptive cache, warm up past `warmup` until its split has decided
-    (the steady state a server reaches), at most this many steps; the row says how many ran."""
+    (the steady state a server reaches), at most this many steps; the row says how many ran.
+    profile (CUDA): the row's `profile`, GPU time per kernel of three eager steps after the timed
+    ones (bench.decode.profile_step): where a step's time goes, kernel by kernel."""
     inner = ex
     tuner = getattr(inner, "tuner", None)
     max_warmup = max(warmup, max_warmup or 0) if tuner is not None else warmup
@@ -265,6 +267,9 @@ def run_config(mc, w, ex, dev, batch: int, tokens: int, warmup: int, routes, pro
             sync()
         prof.export_chrome_trace(trace)
     row = {"batch": batch, "graph": graph, "ms_per_step": round(dt * 1e3, 3), "tok_s": round(batch / dt, 1)}
+    if profile and dev.type == "cuda":
+        from bench.decode import profile_step
+        row["profile"] = profile_step(step, top=25)
     if after.get("cpu_branch_calls", 0) > before.get("cpu_branch_calls", 0):  # time inside the C++ call
         calls = after["cpu_branch_calls"] - before["cpu_branch_calls"]
         row["cpu_call_us"] = round((after["cpu_busy_s"] - before["cpu_busy_s"]) / calls * 1e6, 1)

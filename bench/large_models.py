@@ -501,7 +501,7 @@ def run_mode(mode: str, a, mc, w, banks, dev, batch: int, threads: int, slots: i
             row["expert_backend"] = ex.backend
             t0 = time.perf_counter()
             got = run_config(mc, w, EagerOnly(ex) if eager else ex, dev, batch, a.tokens, a.warmup, None,
-                             prompt=a.prompt, max_warmup=a.cache_warmup)
+                             prompt=a.prompt, max_warmup=a.cache_warmup, profile=a.profile)
             row.update(got, run_s=round(time.perf_counter() - t0, 1))
             if mode == "cache":  # without the CPU branch in stream order (no CUDA) the cache stays fill-only
                 row["adaptive_split"] = ex.tuner is not None
@@ -556,6 +556,8 @@ def _transformers_version() -> str:
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--arch", default="deepseek_v4", choices=sorted(SHAPES))
+    ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of three eager steps in each "
+                    "row (`profile`: the top kernels; CUDA only)")
     ap.add_argument("--tiny", action="store_true", help="the small config of the same structure (a CPU run)")
     ap.add_argument("--layers", type=int, default=None, help="first N layers of the shape (default 12; "
                     "qwen3_5_moe all 40; --tiny 5, qwen3_5_moe 4)")

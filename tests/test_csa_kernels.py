@@ -80,7 +80,8 @@ def test_norm_rope_dispatch_falls_back_on_cpu():
 def test_sink_attention(n, nh, k, k2, d, dtype):
     """Per-row keys of one source, or two (the window's keys, the compressed entries) read as if
     concatenated; the unselected rows hold NaN (unwritten pages), which must not enter; an
-    idle row (nothing selected) gives zeros."""
+    idle row (nothing selected) gives zeros; the same whether the keys run in one program per
+    head block or split over several (a split with no selected key, one across both sources)."""
     g = torch.Generator().manual_seed(n * 100 + nh + k + d)
     q = torch.randn(n, nh, d, generator=g).to(DEV, dtype)
     keys = torch.randn(n, k + k2, d, generator=g).to(DEV, dtype)
@@ -93,14 +94,17 @@ def test_sink_attention(n, nh, k, k2, d, dtype):
     scale = d ** -0.5 * 3  # peaked enough that the softmax is not flat
     ref = csa.sink_attention_torch(q, torch.where(sel[..., None], keys, 0.0), sel, sinks, scale)
     nan = torch.where(sel[..., None], keys, float("nan"))
-    if k2:
-        got = sink_attention_triton(q, nan[:, :k], sel[:, :k], sinks, scale, nan[:, k:], sel[:, k:])
-    else:
-        got = sink_attention_triton(q, nan, sel, sinks, scale)
-    assert got.dtype == dtype and got.shape == (n, nh, d)
-    assert rel(got, ref) < (1e-5 if dtype == torch.float32 else BF16_TOL)
-    if n > 1:
-        assert float(got[-1].abs().max()) == 0.0
+    # the default (here: keys split over programs), one kernel over all keys, and splits that
+    # are not a multiple of the key block and straddle the two sources
+    for split in (None, 10 ** 6, 7):
+        if k2:
+            got = sink_attention_triton(q, nan[:, :k], sel[:, :k], sinks, scale, nan[:, k:], sel[:, k:], split=split)
+        else:
+            got = sink_attention_triton(q, nan, sel, sinks, scale, split=split)
+        assert got.dtype == dtype and got.shape == (n, nh, d)
+        assert rel(got, ref) < (1e-5 if dtype == torch.float32 else BF16_TOL), split
+        if n > 1:
+            assert float(got[-1].abs().max()) == 0.0
     if k2:  # the model's entry point (torch path on CPU tensors) agrees with the kernel
         dec = csa.sink_attention_decode(q, nan[:, :k], sel[:, :k], nan[:, k:], sel[:, k:], sinks, scale)
         assert rel(dec, ref) < 1e-6
@@ -134,3 +138,13 @@ def test_compress_entries(o, m, dim, rd, stride, dtype):
     ref = comp.entries(rows, ends, cos, sin, dtype)
     assert got.dtype == dtype and got.shape == (b, dim)
     assert rel(got, ref) < (1e-5 if dtype == torch.float32 else BF16_TOL)
+
+
+def test_sink_splits_fill_the_programs():
+    """Decode at batch 1 with DeepSeek-V4-Flash's 64 heads and 640 keys: the keys split until
+    about 128 programs run; a batch that fills the GPU by itself keeps one split."""
+    from freetoken.kernels.csa_decode import sink_splits
+    split = sink_splits(1, 64, 640, 16, 32)
+    assert split % 32 == 0 and 4 * -(-640 // split) >= 64  # 4 head blocks x splits
+    assert sink_splits(64, 64, 640, 16, 32) >= 640  # 256 programs already: one split
+    assert sink_splits(1, 5, 37, 16, 32) == 32  # at least one key block per split

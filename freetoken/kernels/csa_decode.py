@@ -144,10 +144,10 @@ def _dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _max_sum(q, k_ptr, stride_kk, sel_ptr, K, d, dm, scale, m_i, l_i, BK: tl.constexpr,
+def _max_sum(q, k_ptr, stride_kk, sel_ptr, LO, K, d, dm, scale, m_i, l_i, BK: tl.constexpr,
              PREC: tl.constexpr, UPCAST: tl.constexpr, DTYPE: tl.constexpr, EMU: tl.constexpr):
-    """Pass 1 over one source's K keys (k_ptr, sel_ptr: this row's): the running max and sum."""
-    for k0 in range(0, K, BK):
+    """Pass 1 over one source's keys LO..K-1 (k_ptr, sel_ptr: this row's): the running max and sum."""
+    for k0 in range(LO, K, BK):
         kk = k0 + tl.arange(0, BK)
         sel = tl.load(sel_ptr + kk, mask=kk < K, other=0) != 0  # [BK]
         kt = tl.load(k_ptr + kk[:, None] * stride_kk + d[None, :], mask=sel[:, None] & dm[None, :],
@@ -163,10 +163,11 @@ def _max_sum(q, k_ptr, stride_kk, sel_ptr, K, d, dm, scale, m_i, l_i, BK: tl.con
 
 
 @triton.jit
-def _weighted(q, k_ptr, stride_kk, sel_ptr, K, d, dm, scale, m_i, l_i, acc, BK: tl.constexpr,
+def _weighted(q, k_ptr, stride_kk, sel_ptr, LO, K, d, dm, scale, m_i, l_i, acc, BK: tl.constexpr,
               PREC: tl.constexpr, UPCAST: tl.constexpr, DTYPE: tl.constexpr, EMU: tl.constexpr):
-    """Pass 2 over one source: the normalised probabilities, rounded to DTYPE, times the keys."""
-    for k0 in range(0, K, BK):
+    """Pass 2 over one source's keys LO..K-1: the normalised probabilities, rounded to DTYPE,
+    times the keys."""
+    for k0 in range(LO, K, BK):
         kk = k0 + tl.arange(0, BK)
         sel = tl.load(sel_ptr + kk, mask=kk < K, other=0) != 0
         kt = tl.load(k_ptr + kk[:, None] * stride_kk + d[None, :], mask=sel[:, None] & dm[None, :], other=0.0)
@@ -200,27 +201,132 @@ def _sink_attn_kernel(q_ptr, k_ptr, sel_ptr, k2_ptr, sel2_ptr, sink_ptr, out_ptr
     k2, s2 = k2_ptr + n * stride_k2n, sel2_ptr + n * stride_s2n
     m_i = tl.full([BH], float("-inf"), tl.float32)
     l_i = tl.zeros([BH], tl.float32)
-    m_i, l_i = _max_sum(q, k1, stride_kk, s1, K, d, dm, scale, m_i, l_i, BK, PREC, UPCAST, DTYPE, EMU)
+    m_i, l_i = _max_sum(q, k1, stride_kk, s1, 0, K, d, dm, scale, m_i, l_i, BK, PREC, UPCAST, DTYPE, EMU)
     if HAS2:
-        m_i, l_i = _max_sum(q, k2, stride_k2k, s2, K2, d, dm, scale, m_i, l_i, BK, PREC, UPCAST, DTYPE, EMU)
+        m_i, l_i = _max_sum(q, k2, stride_k2k, s2, 0, K2, d, dm, scale, m_i, l_i, BK, PREC, UPCAST, DTYPE, EMU)
     m_new = tl.maximum(m_i, sink)  # the sink joins the softmax (finite)
     l_i = l_i * tl.exp(m_i - m_new) + tl.exp(sink - m_new)
     m_i = m_new
     acc = tl.zeros([BH, BD], tl.float32)
-    acc = _weighted(q, k1, stride_kk, s1, K, d, dm, scale, m_i, l_i, acc, BK, PREC, UPCAST, DTYPE, EMU)
+    acc = _weighted(q, k1, stride_kk, s1, 0, K, d, dm, scale, m_i, l_i, acc, BK, PREC, UPCAST, DTYPE, EMU)
     if HAS2:
-        acc = _weighted(q, k2, stride_k2k, s2, K2, d, dm, scale, m_i, l_i, acc, BK, PREC, UPCAST, DTYPE, EMU)
+        acc = _weighted(q, k2, stride_k2k, s2, 0, K2, d, dm, scale, m_i, l_i, acc, BK, PREC, UPCAST, DTYPE, EMU)
     tl.store(out_ptr + (n * NH + h[:, None]) * D + d[None, :], _round(acc, DTYPE, EMU).to(DTYPE),
              mask=hm[:, None] & dm[None, :])
 
 
+@triton.jit
+def _split_range(LO, HI, K, K2):
+    """The keys LO..HI-1 of the concatenated sources as a range in each: [a1, b1) of the first,
+    [a2, b2) of the second (empty ranges where the split misses a source)."""
+    a1 = tl.minimum(LO, K)
+    b1 = tl.minimum(HI, K)
+    a2 = tl.maximum(LO - K, 0)
+    b2 = tl.minimum(tl.maximum(HI - K, 0), K2)
+    return a1, b1, a2, b2
+
+
+@triton.jit
+def _sink_split_stats_kernel(q_ptr, k_ptr, sel_ptr, k2_ptr, sel2_ptr, m_ptr, l_ptr, NH, K, K2, D, S, SPLIT,
+                             stride_qn, stride_qh, stride_kn, stride_kk, stride_sn,
+                             stride_k2n, stride_k2k, stride_s2n, scale,
+                             BH: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, DTYPE: tl.constexpr,
+                             PREC: tl.constexpr, UPCAST: tl.constexpr, HAS2: tl.constexpr, EMU: tl.constexpr):
+    """Program (row n, BH heads, split s): the max and sum of the split's selected keys alone
+    (-inf and 0 where it has none) -> m, l [N, S, NH] fp32."""
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BH + tl.arange(0, BH)
+    sp = tl.program_id(2)
+    hm = h < NH
+    d = tl.arange(0, BD)
+    dm = d < D
+    a1, b1, a2, b2 = _split_range(sp * SPLIT, sp * SPLIT + SPLIT, K, K2)
+    q = tl.load(q_ptr + n * stride_qn + h[:, None] * stride_qh + d[None, :],
+                mask=hm[:, None] & dm[None, :], other=0.0)  # [BH, BD]
+    m_i = tl.full([BH], float("-inf"), tl.float32)
+    l_i = tl.zeros([BH], tl.float32)
+    m_i, l_i = _max_sum(q, k_ptr + n * stride_kn, stride_kk, sel_ptr + n * stride_sn, a1, b1, d, dm, scale,
+                        m_i, l_i, BK, PREC, UPCAST, DTYPE, EMU)
+    if HAS2:
+        m_i, l_i = _max_sum(q, k2_ptr + n * stride_k2n, stride_k2k, sel2_ptr + n * stride_s2n, a2, b2, d, dm, scale,
+                            m_i, l_i, BK, PREC, UPCAST, DTYPE, EMU)
+    o = (n * S + sp) * NH + h
+    tl.store(m_ptr + o, m_i, mask=hm)
+    tl.store(l_ptr + o, l_i, mask=hm)
+
+
+@triton.jit
+def _sink_split_weighted_kernel(q_ptr, k_ptr, sel_ptr, k2_ptr, sel2_ptr, sink_ptr, m_ptr, l_ptr, part_ptr,
+                                NH, K, K2, D, S, SPLIT,
+                                stride_qn, stride_qh, stride_kn, stride_kk, stride_sn,
+                                stride_k2n, stride_k2k, stride_s2n, scale,
+                                BH: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
+                                DTYPE: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, HAS2: tl.constexpr,
+                                EMU: tl.constexpr):
+    """Program (row n, BH heads, split s): the row's max and sum from every split's and the
+    sink's, then this split's normalised probabilities (rounded to DTYPE, as the reference
+    rounds them) times its keys -> part [N, S, NH, D] fp32."""
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BH + tl.arange(0, BH)
+    sp = tl.program_id(2)
+    hm = h < NH
+    d = tl.arange(0, BD)
+    dm = d < D
+    ss = tl.arange(0, BS)
+    o = (n * S + ss[:, None]) * NH + h[None, :]  # [BS, BH]
+    pm = (ss[:, None] < S) & hm[None, :]
+    m_s = tl.load(m_ptr + o, mask=pm, other=float("-inf"))
+    l_s = tl.load(l_ptr + o, mask=pm, other=0.0)
+    sink = tl.load(sink_ptr + h, mask=hm, other=0.0).to(tl.float32)  # [BH]
+    m_i = tl.maximum(tl.max(m_s, axis=0), sink)  # finite: the sink joins the softmax
+    l_i = tl.sum(l_s * tl.exp(m_s - m_i[None, :]), axis=0) + tl.exp(sink - m_i)
+    a1, b1, a2, b2 = _split_range(sp * SPLIT, sp * SPLIT + SPLIT, K, K2)
+    q = tl.load(q_ptr + n * stride_qn + h[:, None] * stride_qh + d[None, :],
+                mask=hm[:, None] & dm[None, :], other=0.0)  # [BH, BD]
+    acc = tl.zeros([BH, BD], tl.float32)
+    acc = _weighted(q, k_ptr + n * stride_kn, stride_kk, sel_ptr + n * stride_sn, a1, b1, d, dm, scale,
+                    m_i, l_i, acc, BK, PREC, UPCAST, DTYPE, EMU)
+    if HAS2:
+        acc = _weighted(q, k2_ptr + n * stride_k2n, stride_k2k, sel2_ptr + n * stride_s2n, a2, b2, d, dm, scale,
+                        m_i, l_i, acc, BK, PREC, UPCAST, DTYPE, EMU)
+    tl.store(part_ptr + ((n * S + sp) * NH + h[:, None]) * D + d[None, :], acc, mask=hm[:, None] & dm[None, :])
+
+
+@triton.jit
+def _sink_split_sum_kernel(part_ptr, out_ptr, S, ROW, BLOCK: tl.constexpr, DTYPE: tl.constexpr,
+                           EMU: tl.constexpr):
+    """out[n] = the splits' partial outputs summed in fp32, rounded once to DTYPE; part
+    [N, S, ROW] -> out [N, ROW] (ROW = NH * D)."""
+    n = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cm = c < ROW
+    acc = tl.zeros([BLOCK], tl.float32)
+    for sp in range(0, S):
+        acc += tl.load(part_ptr + (n * S + sp) * ROW + c, mask=cm, other=0.0)
+    tl.store(out_ptr + n * ROW + c, _round(acc, DTYPE, EMU).to(DTYPE), mask=cm)
+
+
+SINK_PROGRAMS = 128  # split the keys until about this many programs run (an H200 has 132 SMs)
+
+
+def sink_splits(n: int, nh: int, keys: int, bh: int, bk: int, programs: int = SINK_PROGRAMS) -> int:
+    """Keys per split (a multiple of bk) so that n * head blocks * splits reaches about
+    `programs`; all the keys (one split) where the rows and heads already fill the GPU."""
+    want = max(1, -(-programs // (n * -(-nh // bh))))
+    per = -(-keys // want)
+    return max(bk, -(-per // bk) * bk)
+
+
 def sink_attention_triton(q: torch.Tensor, keys: torch.Tensor, sel: torch.Tensor, sinks: torch.Tensor,
                           scale: float, keys2: torch.Tensor | None = None,
-                          sel2: torch.Tensor | None = None) -> torch.Tensor:
+                          sel2: torch.Tensor | None = None, split: int | None = None) -> torch.Tensor:
     """As csa.sink_attention_torch with per-row keys: q [N, nh, D]; keys [N, K, D] (= values);
     sel [N, K] bool; sinks [nh] fp32 -> [N, nh, D] in q's dtype. keys2 [N, K2, D], sel2 [N, K2]:
     a second source, as if concatenated after the first (so no cat). Unselected keys are never
-    read (they may hold anything)."""
+    read (they may hold anything). With few rows (decode at a small batch) the keys split over
+    programs, `split` keys each (default sink_splits: ~SINK_PROGRAMS programs), in three
+    launches (each split's max and sum; its weighted keys with the row's; the fp32 sum); with
+    one split, one kernel."""
     def prep(k, s):
         return (k if k.stride(-1) == 1 else k.contiguous()), s.contiguous().view(torch.uint8)
     if q.stride(-1) != 1:
@@ -233,6 +339,27 @@ def sink_attention_triton(q: torch.Tensor, keys: torch.Tensor, sel: torch.Tensor
     bd = max(16, triton.next_power_of_2(d))
     bh = 16  # tl.dot's smallest M
     bk = 32 if bd <= 512 else 16
+    k1n, k2n = keys.shape[1], keys2.shape[1] if has2 else 0
+    split = sink_splits(n, nh, k1n + k2n, bh, bk) if split is None else split
+    n_split = triton.cdiv(k1n + k2n, split)
+    if n_split > 1:  # few rows: the keys split over programs, their partial sums merged
+        common = dict(BH=bh, BK=bk, BD=bd, DTYPE=tl_dtype(q.dtype), PREC="ieee" if q.dtype == torch.float32 else "tf32",
+                      UPCAST=INTERPRET and q.dtype != torch.float32, HAS2=has2, EMU=_emu(q.dtype), num_warps=4)
+        strides = (q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), sel.stride(0), keys2.stride(0),
+                   keys2.stride(1), sel2.stride(0), scale)
+        grid = (n, triton.cdiv(nh, bh), n_split)
+        m = torch.empty(n, n_split, nh, dtype=torch.float32, device=q.device)
+        lsum = torch.empty_like(m)
+        _sink_split_stats_kernel[grid](q, keys, sel, keys2, sel2, m, lsum, nh, k1n, k2n, d, n_split, split,
+                                       *strides, **common)
+        part = torch.empty(n, n_split, nh, d, dtype=torch.float32, device=q.device)
+        _sink_split_weighted_kernel[grid](q, keys, sel, keys2, sel2, sinks.float().contiguous(), m, lsum, part,
+                                          nh, k1n, k2n, d, n_split, split, *strides,
+                                          BS=max(2, triton.next_power_of_2(n_split)), **common)
+        block = 1024
+        _sink_split_sum_kernel[(n, triton.cdiv(nh * d, block))](part, out, n_split, nh * d, BLOCK=block,
+                                                                DTYPE=tl_dtype(q.dtype), EMU=_emu(q.dtype))
+        return out
     _sink_attn_kernel[(n, triton.cdiv(nh, bh))](
         q, keys, sel, keys2, sel2, sinks.float().contiguous(), out, nh, keys.shape[1],
         keys2.shape[1] if has2 else 0, d, q.stride(0), q.stride(1), keys.stride(0), keys.stride(1),
@@ -364,6 +491,12 @@ def _bench(b: int = 1, reps: int = 200):
         "o rope^-1 triton": lambda: norm_rope_triton(q, None, 0.0, NORM_NONE, cos, sin, pos, inverse=True),
         "sink_attention torch": lambda: csa.sink_attention_torch(q, keys, sel, sinks, hd ** -0.5),
         "sink_attention triton": lambda: sink_attention_triton(q, keys, sel, sinks, hd ** -0.5),
+        "sink_attention triton 1 kernel": lambda: sink_attention_triton(q, keys, sel, sinks, hd ** -0.5, split=1 << 30),
+        # the model's decode call: window keys and compressed entries, two sources
+        "sink_attn_decode torch": lambda: csa.sink_attention_decode_torch(q, keys[:, :win], sel[:, :win], keys[:, win:],
+                                                                          sel[:, win:], sinks, hd ** -0.5),
+        "sink_attn_decode triton": lambda: sink_attention_triton(q, keys[:, :win], sel[:, :win], sinks, hd ** -0.5,
+                                                                 keys[:, win:], sel[:, win:]),
         "compress entries torch": lambda: comp.entries(rows, ends, cos, sin, dt),
         "compress entries triton": lambda: compress_entries_triton(kvp, gp, ps, ends, m, 2, hd, wk, 1e-6,
                                                                    cos, sin, dt),

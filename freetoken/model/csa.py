@@ -133,10 +133,11 @@ def rms_rope_torch(x, w, eps, cos, sin, pos):
     return rope_at_torch(rms_plain_torch(x, eps) if w is None else rms_weighted_torch(x, w, eps), cos, sin, pos)
 
 
-# The one-kernel sink attention (kernels/csa_decode.py) is off: on the H200 at DeepSeek-V4-Flash's
-# decode shape (64 heads, 640 keys of 512, batch 1) it took 88.9 us against the torch path's
-# 25.7 (one program per 16 heads: 4 programs for the whole GPU); it needs a split over the keys
-# first. Tests and the benchmark call it directly.
+# The sink-attention kernel (kernels/csa_decode.py) is off: on the H200 at DeepSeek-V4-Flash's
+# decode shape (64 heads, 640 keys of 512, batch 1) its first form took 88.9 us against the torch
+# path's 25.7 (one program per 16 heads: 4 programs for the whole GPU). It now splits the keys
+# over ~128 programs at small batches; on once `python -m freetoken.kernels.csa_decode 1` shows
+# it ahead of "sink_attn_decode torch" there. Tests and the benchmark call it directly.
 SINK_TRITON = False
 
 
@@ -160,6 +161,11 @@ def sink_attention_decode(q: torch.Tensor, keys: torch.Tensor, sel: torch.Tensor
             and q.shape[-1] <= 1024 and keys.dtype == q.dtype and (ent is None or ent.dtype == q.dtype):
         from ..kernels.csa_decode import sink_attention_triton
         return sink_attention_triton(q, keys, sel, sinks, scale, ent, ent_sel)
+    return sink_attention_decode_torch(q, keys, sel, ent, ent_sel, sinks, scale)
+
+
+def sink_attention_decode_torch(q, keys, sel, ent, ent_sel, sinks, scale):
+    """sink_attention_decode's torch path: the unselected rows zeroed, the two sources joined."""
     keys = torch.where(sel[..., None], keys, 0.0)
     if ent is not None:
         keys = torch.cat([keys, torch.where(ent_sel[..., None], ent, 0.0)], dim=1)  # [B, win + n, D]
