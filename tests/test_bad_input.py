@@ -1,4 +1,6 @@
 """User errors: one clear line naming the problem and the file; exit code 2; no traceback."""
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -12,9 +14,21 @@ from freetoken.errors import ContextOverflowError, FreeTokenError, UnsupportedMo
 from freetoken.weights.convert import convert
 
 
-def ft(*args):
-    r = subprocess.run([sys.executable, "-m", "freetoken.cli", *args], capture_output=True, text=True)
-    return r.returncode, r.stdout, r.stderr
+def ft(*args, proc: bool = False):
+    """`ft ARGS` -> (exit code, stdout, stderr). In-process through cli.main (what `ft` runs),
+    which saves a Python + torch start per case; proc=True: a real `python -m freetoken.cli`
+    process (a few cases keep it, for the entry point and the exit code the shell sees)."""
+    if proc:
+        r = subprocess.run([sys.executable, "-m", "freetoken.cli", *args], capture_output=True, text=True)
+        return r.returncode, r.stdout, r.stderr
+    from freetoken.cli import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse's own errors
+            code = e.code
+    return code, out.getvalue(), err.getvalue()
 
 
 def assert_one_line_error(code, err, *needles):
@@ -44,7 +58,7 @@ def test_unsupported_architecture(good, tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModelError):
         convert(str(d), str(tmp_path / "o.ftw"), progress=False)
-    code, _, err = ft("convert", str(d), str(tmp_path / "o.ftw"))
+    code, _, err = ft("convert", str(d), str(tmp_path / "o.ftw"), proc=True)
     assert_one_line_error(code, err, "config.json", "LlamaForCausalLM", "not supported")
     assert not (tmp_path / "o.ftw").exists()
 
@@ -94,12 +108,13 @@ def test_corrupt_ftw_cli(good, tmp_path):
     data[-4096 - 100] ^= 0xFF  # inside the last entry's data
     bad = tmp_path / "bad.ftw"
     bad.write_bytes(bytes(data))
-    code, _, err = ft("generate", str(bad), "--prompt-ids", "1,2,3", "--max-tokens", "2")
+    code, _, err = ft("generate", str(bad), "--prompt-ids", "1,2,3", "--max-tokens", "2", proc=True)
     assert_one_line_error(code, err, "bad.ftw", "checksum")
 
 
 def test_prompt_longer_than_context(good):
-    code, _, err = ft("generate", str(good / "m.ftw"), "--prompt-ids", ",".join(["5"] * 60), "--max-tokens", "10")
+    code, _, err = ft("generate", str(good / "m.ftw"), "--prompt-ids", ",".join(["5"] * 60), "--max-tokens", "10",
+                      proc=True)
     assert_one_line_error(code, err, "60 tokens", "context of 64")
     from freetoken.runtime.engine import Engine
     eng = Engine(str(good / "m.ftw"))

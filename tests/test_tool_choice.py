@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import hf_models
-from freetoken.demo import qwen_tokenizer_json
 from freetoken.runtime.engine import Engine, EngineConfig
 from freetoken.runtime.request import Request, SamplingOptions
 from freetoken.runtime.serving import ServingEngine
@@ -23,8 +22,8 @@ XML_TEMPLATE = QWEN3_TEMPLATE.replace(
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return Tokenizer(qwen_tokenizer_json().encode())
+def tokenizer(qwen_json):
+    return Tokenizer(qwen_json.encode())
 
 
 def ctx_for(template, tokenizer):
