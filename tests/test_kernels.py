@@ -110,6 +110,21 @@ def test_moe_decode(t, k, h, i, dtype, tol):
     assert rel(moe_decode_triton(x, ids, w, gu, dn), ref) < tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,k,h", [(1, 8, 2048), (3, 1, 96), (2, 6, 1500)])
+def test_sum_pairs(t, k, h, dtype):
+    """The decode kernels' k-sum against torch's y.view(t, k, H).sum(1): fp32 accumulation, one
+    rounding; an H that is not a multiple of the block, and k = 1."""
+    from freetoken.kernels.moe_decode import sum_pairs_triton
+    g = torch.Generator().manual_seed(t * 10 + k + h)
+    y = (torch.randn(t * k, h, generator=g) * 3).to(DEV, dtype)
+    ref = y.view(t, k, h).sum(1)
+    got = sum_pairs_triton(y, t, k)
+    assert got.dtype == dtype and got.shape == (t, h)
+    # fp32: the same sums in another order; bf16: both round the fp32 sum once (ties aside)
+    assert rel(got, ref) < (1e-6 if dtype == torch.float32 else 8e-3)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("t,k,h,i,n,layer_experts", [(37, 3, 64, 32, 10, None), (5, 2, 96, 40, 24, 12),
                                                      (70, 4, 130, 72, 16, 8)])

@@ -2,7 +2,9 @@
 
   gate_up_act:  grid (pair, block of intermediate rows): h = act(x Wg^T + bg, x Wu^T + bu)
   down:         grid (pair, block of hidden rows):        y = (h Wd^T + bd) * gate weight
-then the k pairs of each token are summed (in slot order, deterministic). Pairs routed to
+then the k pairs of each token are summed (in slot order, deterministic; sum_pairs_triton, one
+small kernel: torch's reduction over that middle dim of 8 took 4.9 us a layer on the H200, 197
+us of a 4.2 ms full-size Qwen3.6 step). Pairs routed to
 NO_EXPERT (-1, rows that are not running) read no weights and add zero. The activation is a
 constexpr (experts.executor.Activation: 0 silu(g) * u, 1 GPT-OSS's clamped SwiGLU) and the
 biases are optional (BIAS constexpr; gate_up_bias [N, 2I], down_bias [N, H]). Reference:
@@ -107,6 +109,30 @@ def _down_kernel(h_ptr, ids_ptr, w_ptr, dn_ptr, b_ptr, y_ptr, H, I,
     tl.store(y_ptr + p * H + rows, y, mask=rm)
 
 
+@triton.jit
+def _sum_pairs_kernel(y_ptr, out_ptr, K, H, BLOCK: tl.constexpr, DTYPE: tl.constexpr):
+    """out[t] = sum over j < K of y[t, j] (fp32, in order), rounded once to DTYPE, as torch's
+    sum over dim 1 computes it; grid (token, block of H)."""
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cm = c < H
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in range(0, K):
+        acc += tl.load(y_ptr + (t * K + j) * H + c, mask=cm, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * H + c, acc.to(DTYPE), mask=cm)
+
+
+def sum_pairs_triton(y: torch.Tensor, t: int, k: int) -> torch.Tensor:
+    """y [t * k, H] (each token's k expert outputs, contiguous) -> [t, H] in y's dtype: the
+    decode kernels' last step (reference: y.view(t, k, H).sum(1))."""
+    n_h = y.shape[1]
+    out = torch.empty(t, n_h, dtype=y.dtype, device=y.device)
+    block = min(1024, triton.next_power_of_2(n_h))
+    _sum_pairs_kernel[(t, triton.cdiv(n_h, block))](y, out, k, n_h, BLOCK=block, DTYPE=tl_dtype(y.dtype),
+                                                      num_warps=4)
+    return out
+
+
 def moe_decode_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                       gate_up: torch.Tensor, down: torch.Tensor, activation=None,
                       gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -130,7 +156,7 @@ def moe_decode_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         x, flat, gate_up, h, gub, n_h, n_i, k, alpha, limit, DTYPE=dt, ACT=act, BIAS=gate_up_bias is not None)
     _down_kernel[lambda m: (pairs, triton.cdiv(n_h, m["BLOCK_N"]))](
         h, flat, w, down, db, y, n_h, n_i, DTYPE=dt, BIAS=down_bias is not None)
-    return y.view(t, k, n_h).sum(1)
+    return sum_pairs_triton(y, t, k)
 
 
 def act_args(activation) -> tuple[int, float, float]:

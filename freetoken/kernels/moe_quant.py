@@ -32,7 +32,7 @@ import triton.language as tl
 
 from ..weights.quant import FP8_BLOCK, MX_BLOCK, NV_BLOCK
 from . import INTERPRET, tl_dtype
-from .moe_decode import _activate, _round, act_args
+from .moe_decode import _activate, _round, act_args, sum_pairs_triton
 from .moe_grouped import tile_pairs
 
 FMT = {"fp8_block": 0, "mxfp4": 1, "nvfp4": 2}  # the kernels' FMT constexpr
@@ -219,7 +219,7 @@ def moe_quant_decode_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.T
     _q_down_kernel[lambda m: (pairs, triton.cdiv(n_h, m["BLOCK_N"]))](
         h, flat, w, db.v, db.s, db.s2, dnb, y, n_h, n_i, db.cs, db.nsc, *db.strides, db.rps,
         FMT=fmt, SB=sb, DTYPE=dt, BIAS=down_bias is not None)
-    return y.view(t, k, n_h).sum(1)
+    return sum_pairs_triton(y, t, k)
 
 
 def moe_quant_decode_torch(x, ids, weights, gate_up, down, activation=None, gate_up_bias=None, down_bias=None):
