@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The next GPU plan (benchmarks/README.md, "Next on the GPU machine") in three device calls of
+# under ten minutes each (the session's 30 minutes), every step under its own time limit, its logs in one file and its
+# JSON results in one tarball (a call brings back at most eight files from $OUT).
+#   here:   bash bench/stamp_commit.sh
+#   device: bash bench/device_plan.sh 1    (carry .devcache and .whl), then 2, then 3, back to
+#           back (a machine left idle 30 s is given back; a fresh one costs a minute or more)
+# Call 1: the C++ error-path probe and test_cpu_quantized; the kernel timings of this plan
+# (split-key sink attention, the decode kernels' k-sum); the full-size Qwen3.6 step's profile;
+# the 12-layer DeepSeek-V4 slice resident, with its profile.
+# Call 2: the V4 slice CPU-only and cached; GLM-5's resident (profile), CPU-only and cached.
+# Call 3: the GPU tests not run lately; decoding beside a 32k prefill on an idle host.
+set -uo pipefail
+STAGE=${1:?usage: bash bench/device_plan.sh 1|2|3}
+OUT=${OUT:-/tmp/ft-device-out}
+mkdir -p "$OUT"
+LOG="$OUT/plan$STAGE.log"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1
+# step SECONDS NAME COMMAND...: the command's output into the log, under a time limit
+step() {
+  local limit=$1 name=$2
+  shift 2
+  echo "=== $name ($(date +%T))" >> "$LOG"
+  timeout "$limit" "$@" >> "$LOG" 2>&1
+  echo "=== rc $? $name ($(date +%T))" >> "$LOG"
+}
+case "$STAGE" in
+1)  # ~6 minutes
+  step 150 probe python3 -m bench.probe_cpp_errors
+  FT_TAG=plan1 FT_PER_FILE=120 bash bench/device_tests.sh tests/test_cpu_quantized.py > /dev/null
+  step 60 csa-b1 python3 -m freetoken.kernels.csa_decode 1
+  step 60 csa-b8 python3 -m freetoken.kernels.csa_decode 8
+  step 90 quant-experts python3 -m bench.quant_experts --batches 1,4
+  step 120 decode-profile python3 -m bench.decode --experts-on gpu --tokens 32 --profile
+  step 150 deepseek_v4-resident python3 -m bench.large_models --arch deepseek_v4 --layers 12 --modes resident \
+    --profile --name large_models-deepseek_v4-12l-profile
+  ;;
+2)  # ~8 minutes
+  step 220 deepseek_v4-cache python3 -m bench.large_models --arch deepseek_v4 --layers 12 --modes cpu-only,cache \
+    --threads 6 --cache-warmup 1200 --name large_models-deepseek_v4-12l-fused
+  step 100 glm_moe_dsa-resident python3 -m bench.large_models --arch glm_moe_dsa --layers 12 --modes resident \
+    --profile --name large_models-glm_moe_dsa-12l-profile
+  step 220 glm_moe_dsa-cache python3 -m bench.large_models --arch glm_moe_dsa --layers 12 --modes cpu-only,cache \
+    --threads 6 --cache-warmup 1200 --name large_models-glm_moe_dsa-12l-fused
+  ;;
+3)  # ~9 minutes
+  FT_TAG=plan3 FT_PER_FILE=120 bash bench/device_tests.sh tests/test_kernels.py tests/test_serving_engine.py \
+    tests/test_quantized_models.py > /dev/null
+  FT_TAG=plan3 FT_PER_FILE=150 FT_K=on_cuda bash bench/device_tests.sh tests/test_expert_cache_quant.py > /dev/null
+  step 200 interference python3 -m bench.interference --full-size --long 32768 --settings interleave,overlap
+  ;;
+*) echo "stage 1, 2 or 3"; exit 2 ;;
+esac
+# the JSON results in one file (each keeps its own name inside)
+(cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)
+grep -E '^===|passed|failed|tok/s|Error' "$LOG" | tail -40
+tail -5 "$OUT"/tests-plan*.log 2>/dev/null
