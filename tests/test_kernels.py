@@ -121,8 +121,8 @@ def test_sum_pairs(t, k, h, dtype):
     ref = y.view(t, k, h).sum(1)
     got = sum_pairs_triton(y, t, k)
     assert got.dtype == dtype and got.shape == (t, h)
-    # fp32: the same sums in another order; bf16: both round the fp32 sum once (ties aside)
-    assert rel(got, ref) < (1e-6 if dtype == torch.float32 else 8e-3)
+    # fp32: the same sums in another order; bf16: both round the fp32 sum once
+    assert rel(got, ref) < (1e-6 if dtype == torch.float32 else 1e-3)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])

@@ -17,6 +17,8 @@ import triton
 import triton.language as tl
 
 from . import INTERPRET, tl_dtype
+from .csa_decode import _emu
+from .csa_decode import _round as _round_emu  # to nearest even under the interpreter too
 
 
 def _configs(block_rows: str, block_k: str, rows, ks, warps):
@@ -110,7 +112,7 @@ def _down_kernel(h_ptr, ids_ptr, w_ptr, dn_ptr, b_ptr, y_ptr, H, I,
 
 
 @triton.jit
-def _sum_pairs_kernel(y_ptr, out_ptr, K, H, BLOCK: tl.constexpr, DTYPE: tl.constexpr):
+def _sum_pairs_kernel(y_ptr, out_ptr, K, H, BLOCK: tl.constexpr, DTYPE: tl.constexpr, EMU: tl.constexpr):
     """out[t] = sum over j < K of y[t, j] (fp32, in order), rounded once to DTYPE, as torch's
     sum over dim 1 computes it; grid (token, block of H)."""
     t = tl.program_id(0).to(tl.int64)
@@ -119,7 +121,7 @@ def _sum_pairs_kernel(y_ptr, out_ptr, K, H, BLOCK: tl.constexpr, DTYPE: tl.const
     acc = tl.zeros([BLOCK], tl.float32)
     for j in range(0, K):
         acc += tl.load(y_ptr + (t * K + j) * H + c, mask=cm, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * H + c, acc.to(DTYPE), mask=cm)
+    tl.store(out_ptr + t * H + c, _round_emu(acc, DTYPE, EMU).to(DTYPE), mask=cm)
 
 
 def sum_pairs_triton(y: torch.Tensor, t: int, k: int) -> torch.Tensor:
@@ -129,7 +131,7 @@ def sum_pairs_triton(y: torch.Tensor, t: int, k: int) -> torch.Tensor:
     out = torch.empty(t, n_h, dtype=y.dtype, device=y.device)
     block = min(1024, triton.next_power_of_2(n_h))
     _sum_pairs_kernel[(t, triton.cdiv(n_h, block))](y, out, k, n_h, BLOCK=block, DTYPE=tl_dtype(y.dtype),
-                                                      num_warps=4)
+                                                      EMU=_emu(y.dtype), num_warps=4)
     return out
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..experts.executor import NO_EXPERT
-from .layers import FusedLinear
+from .layers import FusedLinear, silu_mul
 from .linear import linear
 from .moe import check_executor
 
@@ -71,6 +71,6 @@ class DeepseekMoE:
             g, u = self.shared(x)
             if self.shared_limit is not None:
                 g, u = g.clamp(max=self.shared_limit), u.clamp(-self.shared_limit, self.shared_limit)
-            shared = linear(F.silu(g) * u, self.shared_down)
+            shared = linear(silu_mul(g, u), self.shared_down)
         out = self.executor.finish(pending)
         return out if shared is None else out + shared  # one fixed merge order

@@ -134,7 +134,24 @@ def lm_head(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def swiglu_mlp(x: torch.Tensor, gate, up, down) -> torch.Tensor:
     """gate, up [I, H], down [H, I]: plain tensors or FP8 block weights (model/linear.py)."""
-    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
+    return linear(silu_mul(linear(x, gate), linear(x, up)), down)
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """silu(g) * u; on CUDA one kernel (kernels/shared_expert.py), rounded as the two torch ops."""
+    if use_triton(g):
+        from ..kernels.shared_expert import silu_mul_triton
+        return silu_mul_triton(g, u)
+    return F.silu(g) * u
+
+
+def gated_add(routed: torch.Tensor, sg: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """routed + sigmoid(sg) * y (the shared expert's gate and the MoE merge): routed, y [T, H],
+    sg [T, 1]; on CUDA one kernel, rounded as the three torch ops."""
+    if use_triton(routed) and routed.dtype == y.dtype and sg.dtype == y.dtype:
+        from ..kernels.shared_expert import gated_add_triton
+        return gated_add_triton(routed, sg, y)
+    return routed + torch.sigmoid(sg) * y
 
 
 class FusedLinear:

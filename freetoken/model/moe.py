@@ -13,12 +13,11 @@ on CUDA both go through the fused softmax-top-k kernel (kernels/router.py).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import UnsupportedModelError
 from ..experts.executor import NO_EXPERT, Activation
 from ..kernels import use_triton
-from .layers import FusedLinear, swiglu_mlp
+from .layers import FusedLinear, gated_add, silu_mul, swiglu_mlp
 from .linear import linear
 
 
@@ -99,12 +98,12 @@ class MoE:
                 nxt_ids = nxt_ids.masked_fill(~active[:, None], NO_EXPERT)
             kw["ahead"] = (nxt_ids, nxt_w)
         pending = self.executor.launch(x, ids, weights, layer=self.base // self.num_experts, phase=phase, **kw)
-        shared = None
+        y = None
         if self.shared:  # computed while the routed experts run (on the CPU pool, say)
             _, g, u, sg = parts
-            shared = torch.sigmoid(sg) * linear(F.silu(g) * u, self.shared_down)
+            y = linear(silu_mul(g, u), self.shared_down)  # [T, H]
         out = self.executor.finish(pending)
-        return out if shared is None else out + shared  # one fixed merge order
+        return out if y is None else gated_add(out, sg, y)  # routed + sigmoid(sg) * y: one fixed merge order
 
 
 def link_lookahead(mlps) -> None:
