@@ -148,3 +148,10 @@ def test_sink_splits_fill_the_programs():
     assert split % 32 == 0 and 4 * -(-640 // split) >= 64  # 4 head blocks x splits
     assert sink_splits(64, 64, 640, 16, 32) >= 640  # 256 programs already: one split
     assert sink_splits(1, 5, 37, 16, 32) == 32  # at least one key block per split
+    # an empty batch is an empty result, a split of no keys an error
+    q, keys = torch.zeros(0, 4, 16, device=DEV), torch.zeros(0, 8, 16, device=DEV)
+    sel, sinks = torch.zeros(0, 8, dtype=torch.bool, device=DEV), torch.zeros(4, device=DEV)
+    assert sink_attention_triton(q, keys, sel, sinks, 1.0).shape == (0, 4, 16)
+    with pytest.raises(ValueError, match="split"):
+        sink_attention_triton(q[:0].new_zeros(1, 4, 16), keys.new_zeros(1, 8, 16), sel.new_ones(1, 8), sinks, 1.0,
+                              split=0)

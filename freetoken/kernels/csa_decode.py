@@ -311,7 +311,8 @@ SINK_PROGRAMS = 128  # split the keys until about this many programs run (an H20
 
 def sink_splits(n: int, nh: int, keys: int, bh: int, bk: int, programs: int = SINK_PROGRAMS) -> int:
     """Keys per split (a multiple of bk) so that n * head blocks * splits reaches about
-    `programs`; all the keys (one split) where the rows and heads already fill the GPU."""
+    `programs` (fewer where whole key blocks round the splits up: 80 at DeepSeek-V4-Flash's
+    batch-1 shape); all the keys (one split) where the rows and heads already fill the GPU."""
     want = max(1, -(-programs // (n * -(-nh // bh))))
     per = -(-keys // want)
     return max(bk, -(-per // bk) * bk)
@@ -339,7 +340,11 @@ def sink_attention_triton(q: torch.Tensor, keys: torch.Tensor, sel: torch.Tensor
     bd = max(16, triton.next_power_of_2(d))
     bh = 16  # tl.dot's smallest M
     bk = 32 if bd <= 512 else 16
+    if n == 0 or nh == 0:
+        return out
     k1n, k2n = keys.shape[1], keys2.shape[1] if has2 else 0
+    if split is not None and split < 1:
+        raise ValueError(f"sink_attention_triton: split must be >= 1 keys, got {split}")
     split = sink_splits(n, nh, k1n + k2n, bh, bk) if split is None else split
     n_split = triton.cdiv(k1n + k2n, split)
     if n_split > 1:  # few rows: the keys split over programs, their partial sums merged

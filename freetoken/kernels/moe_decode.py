@@ -127,6 +127,7 @@ def _sum_pairs_kernel(y_ptr, out_ptr, K, H, BLOCK: tl.constexpr, DTYPE: tl.const
 def sum_pairs_triton(y: torch.Tensor, t: int, k: int) -> torch.Tensor:
     """y [t * k, H] (each token's k expert outputs, contiguous) -> [t, H] in y's dtype: the
     decode kernels' last step (reference: y.view(t, k, H).sum(1))."""
+    assert y.is_contiguous() and y.shape[0] == t * k, (tuple(y.shape), t, k)
     n_h = y.shape[1]
     out = torch.empty(t, n_h, dtype=y.dtype, device=y.device)
     block = min(1024, triton.next_power_of_2(n_h))

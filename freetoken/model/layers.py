@@ -139,7 +139,7 @@ def swiglu_mlp(x: torch.Tensor, gate, up, down) -> torch.Tensor:
 
 def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """silu(g) * u; on CUDA one kernel (kernels/shared_expert.py), rounded as the two torch ops."""
-    if use_triton(g):
+    if use_triton(g) and g.dtype == u.dtype:
         from ..kernels.shared_expert import silu_mul_triton
         return silu_mul_triton(g, u)
     return F.silu(g) * u

@@ -1162,13 +1162,15 @@ void host_call(void* p) {
 // thrown from here crashed the process instead of raising (a literal-message TORCH_CHECK in
 // forward_q raised fine); the cause is not pinned down, so these checks avoid that path.
 #define BANK_CHECK(cond, ...)                              \
-  if (!(cond)) {                                           \
-    std::ostringstream m_;                                 \
-    m_ << name;                                            \
-    bank_msg(m_, __VA_ARGS__);                             \
-    err = m_.str();                                        \
-    return b;                                              \
-  }
+  do {                                                     \
+    if (!(cond)) {                                         \
+      std::ostringstream m_;                               \
+      m_ << name;                                          \
+      bank_msg(m_, __VA_ARGS__);                           \
+      err = m_.str();                                      \
+      return b;                                            \
+    }                                                      \
+  } while (0)
 
 inline void bank_msg(std::ostringstream&) {}
 template <typename A, typename... R>
