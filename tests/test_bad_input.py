@@ -2,6 +2,7 @@
 import contextlib
 import io
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -23,11 +24,19 @@ def ft(*args, proc: bool = False):
         return r.returncode, r.stdout, r.stderr
     from freetoken.cli import main
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(list(args))
-        except SystemExit as e:  # argparse's own errors
-            code = e.code
+    # what `ft`'s logging.basicConfig would print (under pytest it is a no-op: pytest's handlers
+    # are already there), so a stray warning line still fails the one-line check
+    handler = logging.StreamHandler(err)
+    handler.setLevel(logging.WARNING)
+    logging.getLogger().addHandler(handler)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as e:  # argparse's own errors
+                code = e.code
+    finally:
+        logging.getLogger().removeHandler(handler)
     return code, out.getvalue(), err.getvalue()
 
 

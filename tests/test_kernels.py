@@ -74,8 +74,13 @@ def torch_delta_step(mixed, z, b, a, neg_a, dt_bias, state, norm_w, eps, hk, hv,
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-@pytest.mark.parametrize("bsz,hk,hv,dk,dv", [(1, 2, 4, 16, 16), (3, 2, 2, 32, 16), (2, 1, 4, 16, 64)])
-def test_delta_step(bsz, hk, hv, dk, dv, dtype, tol):
+@pytest.mark.parametrize("bsz,hk,hv,dk,dv,bv", [(1, 2, 4, 16, 16, None), (3, 2, 2, 32, 16, None),
+                                                (2, 1, 4, 16, 64, None), (2, 1, 4, 16, 64, 64),
+                                                (1, 2, 2, 32, 32, 16)])
+def test_delta_step(bsz, hk, hv, dk, dv, bv, dtype, tol):
+    """The fused step against the torch path: one program per head (bv = dv, the norm fused)
+    and value columns split over programs with the norm in its own kernel (the default at
+    small batches: (2, 1, 4, 16, 64) splits by 4)."""
     g = torch.Generator().manual_seed(bsz + hk * 7 + hv * 13 + dk + dv)
     c = 2 * hk * dk + hv * dv
     mixed = torch.randn(bsz, c, generator=g).to(DEV, dtype)
@@ -88,7 +93,7 @@ def test_delta_step(bsz, hk, hv, dk, dv, dtype, tol):
     norm_w = (1 + 0.1 * torch.randn(dv, generator=g)).to(DEV, dtype)
     s_ref = state.clone()
     ref = torch_delta_step(mixed, z, b, a, neg_a, dt_bias, s_ref, norm_w, 1e-6, hk, hv, dk, dv)
-    got = delta_step_triton(mixed, z, b, a, neg_a, dt_bias, state, norm_w, 1e-6, hk, hv, dk, dv)
+    got = delta_step_triton(mixed, z, b, a, neg_a, dt_bias, state, norm_w, 1e-6, hk, hv, dk, dv, bv=bv)
     assert rel(got, ref) < tol
     # fp32 state; in bf16 runs beta is rounded to bf16 first (1 ulp apart under the interpreter)
     assert rel(state, s_ref) < (1e-5 if dtype == torch.float32 else 1e-2)
@@ -204,13 +209,17 @@ def test_inactive_rows_keep_their_state():
     before = state.clone()
     conv_update_triton(torch.randn(b, c, generator=g).to(DEV), state, torch.randn(c, k, generator=g).to(DEV), active)
     assert torch.equal(state[1], before[1]) and not torch.equal(state[0], before[0])
-    rec = torch.randn(b, hv, dk, dv, generator=g).to(DEV)
-    rbefore = rec.clone()
-    delta_step_triton(torch.randn(b, c, generator=g).to(DEV), torch.randn(b, hv * dv, generator=g).to(DEV),
-                      torch.randn(b, hv, generator=g).to(DEV), torch.randn(b, hv, generator=g).to(DEV),
-                      -torch.ones(hv, device=DEV), torch.zeros(hv, device=DEV), rec, torch.ones(dv, device=DEV),
-                      1e-6, hk, hv, dk, dv, active)
-    assert torch.equal(rec[1], rbefore[1]) and not torch.equal(rec[2], rbefore[2])
+    for bv in (dv, 8):  # one program per head; value columns split over programs
+        rec = torch.randn(b, hv, dk, dv, generator=g).to(DEV)
+        rbefore = rec.clone()
+        delta_step_triton(torch.randn(b, c, generator=g).to(DEV), torch.randn(b, hv * dv, generator=g).to(DEV),
+                          torch.randn(b, hv, generator=g).to(DEV), torch.randn(b, hv, generator=g).to(DEV),
+                          -torch.ones(hv, device=DEV), torch.zeros(hv, device=DEV), rec, torch.ones(dv, device=DEV),
+                          1e-6, hk, hv, dk, dv, active, bv=bv)
+        assert torch.equal(rec[1], rbefore[1]) and not torch.equal(rec[2], rbefore[2])
+    from freetoken.kernels.deltanet_decode import delta_value_block
+    assert delta_value_block(b, hv, dv) == 16 and delta_value_block(1, 32, 128) == 32  # the latter: Qwen3.6
+    assert delta_value_block(8, 32, 128) == 128  # 256 heads' programs: one block, the norm fused
 
 
 @pytest.mark.parametrize("grouped", [False, True])

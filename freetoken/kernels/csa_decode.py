@@ -227,6 +227,16 @@ def _split_range(LO, HI, K, K2):
 
 
 @triton.jit
+def _split_program(NH, D, BH: tl.constexpr, BD: tl.constexpr):
+    """The split kernels' program: row n, its block of BH heads h (hm: which exist), split sp,
+    the head dims d (dm: which exist)."""
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BH + tl.arange(0, BH)
+    d = tl.arange(0, BD)
+    return n, h, tl.program_id(2), h < NH, d, d < D
+
+
+@triton.jit
 def _sink_split_stats_kernel(q_ptr, k_ptr, sel_ptr, k2_ptr, sel2_ptr, m_ptr, l_ptr, NH, K, K2, D, S, SPLIT,
                              stride_qn, stride_qh, stride_kn, stride_kk, stride_sn,
                              stride_k2n, stride_k2k, stride_s2n, scale,
@@ -234,12 +244,7 @@ def _sink_split_stats_kernel(q_ptr, k_ptr, sel_ptr, k2_ptr, sel2_ptr, m_ptr, l_p
                              PREC: tl.constexpr, UPCAST: tl.constexpr, HAS2: tl.constexpr, EMU: tl.constexpr):
     """Program (row n, BH heads, split s): the max and sum of the split's selected keys alone
     (-inf and 0 where it has none) -> m, l [N, S, NH] fp32."""
-    n = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1) * BH + tl.arange(0, BH)
-    sp = tl.program_id(2)
-    hm = h < NH
-    d = tl.arange(0, BD)
-    dm = d < D
+    n, h, sp, hm, d, dm = _split_program(NH, D, BH, BD)
     a1, b1, a2, b2 = _split_range(sp * SPLIT, sp * SPLIT + SPLIT, K, K2)
     q = tl.load(q_ptr + n * stride_qn + h[:, None] * stride_qh + d[None, :],
                 mask=hm[:, None] & dm[None, :], other=0.0)  # [BH, BD]
@@ -266,12 +271,7 @@ def _sink_split_weighted_kernel(q_ptr, k_ptr, sel_ptr, k2_ptr, sel2_ptr, sink_pt
     """Program (row n, BH heads, split s): the row's max and sum from every split's and the
     sink's, then this split's normalised probabilities (rounded to DTYPE, as the reference
     rounds them) times its keys -> part [N, S, NH, D] fp32."""
-    n = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1) * BH + tl.arange(0, BH)
-    sp = tl.program_id(2)
-    hm = h < NH
-    d = tl.arange(0, BD)
-    dm = d < D
+    n, h, sp, hm, d, dm = _split_program(NH, D, BH, BD)
     ss = tl.arange(0, BS)
     o = (n * S + ss[:, None]) * NH + h[None, :]  # [BS, BH]
     pm = (ss[:, None] < S) & hm[None, :]
