@@ -15,13 +15,16 @@ from freetoken.errors import ContextOverflowError, FreeTokenError, UnsupportedMo
 from freetoken.weights.convert import convert
 
 
-def ft(*args, proc: bool = False):
-    """`ft ARGS` -> (exit code, stdout, stderr). In-process through cli.main (what `ft` runs),
-    which saves a Python + torch start per case; proc=True: a real `python -m freetoken.cli`
-    process (a few cases keep it, for the entry point and the exit code the shell sees)."""
-    if proc:
-        r = subprocess.run([sys.executable, "-m", "freetoken.cli", *args], capture_output=True, text=True)
-        return r.returncode, r.stdout, r.stderr
+def ft(*args):
+    """`ft ARGS` as a real process (`python -m freetoken.cli`) -> (exit code, stdout, stderr):
+    the entry point and the exit code the shell sees (other test modules use this one)."""
+    r = subprocess.run([sys.executable, "-m", "freetoken.cli", *args], capture_output=True, text=True)
+    return r.returncode, r.stdout, r.stderr
+
+
+def ft_in(*args):
+    """`ft ARGS` in this process, through cli.main (what `ft` runs) -> (exit code, stdout,
+    stderr): the error checks below need no Python + torch start each."""
     from freetoken.cli import main
     out, err = io.StringIO(), io.StringIO()
     # what `ft`'s logging.basicConfig would print (under pytest it is a no-op: pytest's handlers
@@ -67,7 +70,7 @@ def test_unsupported_architecture(good, tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModelError):
         convert(str(d), str(tmp_path / "o.ftw"), progress=False)
-    code, _, err = ft("convert", str(d), str(tmp_path / "o.ftw"), proc=True)
+    code, _, err = ft("convert", str(d), str(tmp_path / "o.ftw"))
     assert_one_line_error(code, err, "config.json", "LlamaForCausalLM", "not supported")
     assert not (tmp_path / "o.ftw").exists()
 
@@ -80,7 +83,7 @@ def test_missing_tensor(good, tmp_path):
     w = load_file(str(fn))
     del w["model.layers.1.self_attn.k_norm.weight"]
     save_file(w, str(fn), metadata={"format": "pt"})
-    code, _, err = ft("convert", str(d), str(tmp_path / "o.ftw"))
+    code, _, err = ft_in("convert", str(d), str(tmp_path / "o.ftw"))
     assert_one_line_error(code, err, "missing", "model.layers.1.self_attn.k_norm.weight", str(d))
     assert not [f for f in os.listdir(tmp_path) if f.startswith("o.ftw")]  # no output, no o.ftw.<pid>.partial
 
@@ -91,7 +94,7 @@ def test_missing_checkpoint_file(good, tmp_path, fn):
     d = tmp_path / "nofile"
     shutil.copytree(good / "hf", d)
     os.remove(d / fn)
-    code, _, err = ft("convert", str(d), str(tmp_path / "o.ftw"))
+    code, _, err = ft_in("convert", str(d), str(tmp_path / "o.ftw"))
     assert_one_line_error(code, err, fn)
 
 
@@ -100,7 +103,7 @@ def test_corrupt_safetensors(good, tmp_path):
     d = tmp_path / "corrupt"
     shutil.copytree(good / "hf", d)
     (d / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
-    code, _, err = ft("convert", str(d), str(tmp_path / "o.ftw"))
+    code, _, err = ft_in("convert", str(d), str(tmp_path / "o.ftw"))
     assert_one_line_error(code, err, "model.safetensors")
 
 
@@ -108,7 +111,7 @@ def test_truncated_ftw_cli(good, tmp_path):
     data = (good / "m.ftw").read_bytes()
     bad = tmp_path / "cut.ftw"
     bad.write_bytes(data[: len(data) - 5000])
-    code, _, err = ft("generate", str(bad), "--prompt-ids", "1,2,3", "--max-tokens", "2")
+    code, _, err = ft_in("generate", str(bad), "--prompt-ids", "1,2,3", "--max-tokens", "2")
     assert_one_line_error(code, err, "cut.ftw", "truncated")
 
 
@@ -117,13 +120,12 @@ def test_corrupt_ftw_cli(good, tmp_path):
     data[-4096 - 100] ^= 0xFF  # inside the last entry's data
     bad = tmp_path / "bad.ftw"
     bad.write_bytes(bytes(data))
-    code, _, err = ft("generate", str(bad), "--prompt-ids", "1,2,3", "--max-tokens", "2", proc=True)
+    code, _, err = ft("generate", str(bad), "--prompt-ids", "1,2,3", "--max-tokens", "2")
     assert_one_line_error(code, err, "bad.ftw", "checksum")
 
 
 def test_prompt_longer_than_context(good):
-    code, _, err = ft("generate", str(good / "m.ftw"), "--prompt-ids", ",".join(["5"] * 60), "--max-tokens", "10",
-                      proc=True)
+    code, _, err = ft("generate", str(good / "m.ftw"), "--prompt-ids", ",".join(["5"] * 60), "--max-tokens", "10")
     assert_one_line_error(code, err, "60 tokens", "context of 64")
     from freetoken.runtime.engine import Engine
     eng = Engine(str(good / "m.ftw"))
@@ -138,14 +140,14 @@ def test_prompt_longer_than_context(good):
     (["--prompt-ids", "1", "--top-p", "0"], "top_p"),
 ])
 def test_bad_generate_flags(good, args, needle):
-    code, _, err = ft("generate", str(good / "m.ftw"), *args)
+    code, _, err = ft_in("generate", str(good / "m.ftw"), *args)
     assert_one_line_error(code, err, needle)
 
 
 def test_model_path_errors(good, tmp_path):
-    code, _, err = ft("generate", str(tmp_path / "nope.ftw"), "--prompt", "hi")
+    code, _, err = ft_in("generate", str(tmp_path / "nope.ftw"), "--prompt", "hi")
     assert_one_line_error(code, err, "nope.ftw")
-    code, _, err = ft("generate", str(good / "hf"), "--prompt", "hi")
+    code, _, err = ft_in("generate", str(good / "hf"), "--prompt", "hi")
     assert_one_line_error(code, err, "ft convert")
 
 
