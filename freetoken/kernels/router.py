@@ -43,6 +43,9 @@ def route_triton(logits: torch.Tensor, k: int, norm: bool, base: int, dtype: tor
     assert k & (k - 1) == 0, "top-k must be a power of two for the fused router"
     ids = torch.empty(t, k, dtype=torch.long, device=logits.device)
     w = torch.empty(t, k, dtype=dtype, device=logits.device)
-    _route_kernel[(t,)](logits, ids, w, e, logits.stride(0), base, K=k, BLOCK_E=triton.next_power_of_2(e),
-                        NORM=norm, DTYPE=tl_dtype(dtype))
+    block = triton.next_power_of_2(e)
+    # one warp up to 512 experts: the 2 + 2k reductions over the row then stay in warp shuffles,
+    # no shared-memory round trips (the H200 profile had 3.3 us a layer with the default four)
+    _route_kernel[(t,)](logits, ids, w, e, logits.stride(0), base, K=k, BLOCK_E=block,
+                        NORM=norm, DTYPE=tl_dtype(dtype), num_warps=1 if block <= 512 else 4)
     return ids, w
