@@ -309,13 +309,12 @@ def _sink_split_sum_kernel(part_ptr, out_ptr, S, ROW, BLOCK: tl.constexpr, DTYPE
 SINK_PROGRAMS = 128  # split the keys until about this many programs run (an H200 has 132 SMs)
 
 
-def sink_splits(n: int, nh: int, keys: int, bh: int, bk: int, programs: int = SINK_PROGRAMS) -> int:
-    """Keys per split (a multiple of bk) so that n * head blocks * splits reaches about
-    `programs` (fewer where whole key blocks round the splits up: 80 at DeepSeek-V4-Flash's
-    batch-1 shape); all the keys (one split) where the rows and heads already fill the GPU."""
+def sink_splits(n: int, nh: int, keys: int, bh: int, programs: int = SINK_PROGRAMS) -> int:
+    """Keys per split so that n * head blocks * splits reaches about `programs` (at least 16
+    keys a split; a split need not be a whole number of key blocks: its last block is masked);
+    all the keys (one split) where the rows and heads already fill the GPU."""
     want = max(1, -(-programs // (n * -(-nh // bh))))
-    per = -(-keys // want)
-    return max(bk, -(-per // bk) * bk)
+    return max(16, -(-keys // want))
 
 
 def sink_attention_triton(q: torch.Tensor, keys: torch.Tensor, sel: torch.Tensor, sinks: torch.Tensor,
@@ -345,7 +344,7 @@ def sink_attention_triton(q: torch.Tensor, keys: torch.Tensor, sel: torch.Tensor
     k1n, k2n = keys.shape[1], keys2.shape[1] if has2 else 0
     if split is not None and split < 1:
         raise ValueError(f"sink_attention_triton: split must be >= 1 keys, got {split}")
-    split = sink_splits(n, nh, k1n + k2n, bh, bk) if split is None else split
+    split = sink_splits(n, nh, k1n + k2n, bh) if split is None else split
     n_split = triton.cdiv(k1n + k2n, split)
     if n_split > 1:  # few rows: the keys split over programs, their partial sums merged
         common = dict(BH=bh, BK=bk, BD=bd, DTYPE=tl_dtype(q.dtype), PREC="ieee" if q.dtype == torch.float32 else "tf32",
