@@ -83,19 +83,31 @@ def active_bytes(mc, w, ctx: int) -> int:
 
 
 def profile_step(step, steps: int = 3, top: int = 12) -> dict:
-    """GPU kernels per decode step and where the time goes (eager, so per-kernel times show)."""
+    """GPU kernels per decode step and where the time goes (eager, so per-kernel times show):
+    `top`, the kernels by GPU time; `ops`, the torch ops that launched them with their input
+    shapes (which GEMM a cuBLAS kernel is: the kernel names do not say)."""
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
     rows = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     total = sum(e.device_time_total for e in rows)
     rows.sort(key=lambda e: -e.device_time_total)
+    ops = [e for e in prof.key_averages(group_by_input_shape=True)
+           if e.device_type.name == "CPU" and e.key in PROFILED_OPS and e.device_time_total > 0]
+    ops.sort(key=lambda e: -e.device_time_total)
     return {"kernels_per_step": round(sum(e.count for e in rows) / steps),
             "gpu_us_per_step": round(total / steps),
             "top": [{"kernel": e.key[:80], "calls_per_step": round(e.count / steps),
-                     "us_per_step": round(e.device_time_total / steps, 1)} for e in rows[:top]]}
+                     "us_per_step": round(e.device_time_total / steps, 1)} for e in rows[:top]],
+            "ops": [{"op": e.key, "shapes": str(e.input_shapes)[:120], "calls_per_step": round(e.count / steps),
+                     "us_per_step": round(e.device_time_total / steps, 1)} for e in ops[:top]]}
+
+
+# the torch ops whose kernels are worth telling apart by shape: the leaf GEMMs and reductions
+# (not aten::linear / matmul, which wrap them and would count their time twice)
+PROFILED_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm", "aten::sum"}
 
 
 def run(cfg, dev, experts_on, prompt_len, tokens, graph: bool, profile: bool = False):
