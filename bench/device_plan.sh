@@ -16,12 +16,7 @@ STAGE=${1:?usage: bash bench/device_plan.sh 1|2|3}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
-# the wheels once per machine (a later call on the same warm machine finds them)
-if ls .whl/*.whl >/dev/null 2>&1 && ! { [ -f /tmp/site/.ft-wheels ] && ls .whl | cmp -s - /tmp/site/.ft-wheels; }; then
-  timeout 120 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && ls .whl > /tmp/site/.ft-wheels
-fi
-export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1
+source bench/device_env.sh
 # step SECONDS NAME COMMAND...: the command's output into the log, under a time limit
 step() {
   local limit=$1 name=$2

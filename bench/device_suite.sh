@@ -20,10 +20,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-fi
-export PYTHONPATH="$PWD:/tmp/site"
+source bench/device_env.sh
 step() { echo "=== $* ($(date +%T))"; }
 step tests
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; lscpu | grep -E 'Model name|^CPU\(s\)|Flags' | cut -c1-200; free -g | head -2; } > "$OUT/pytest.log" 2>&1

@@ -7,12 +7,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/ft-device-out}; mkdir -p "$OUT"
 LOG="$OUT/tests-${FT_TAG:-run}.log"
-# the wheels once per machine (a later call on the same warm machine finds them)
-if ls .whl/*.whl >/dev/null 2>&1 && ! { [ -f /tmp/site/.ft-wheels ] && ls .whl | cmp -s - /tmp/site/.ft-wheels; }; then
-  timeout 120 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && ls .whl > /tmp/site/.ft-wheels
-fi
-export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1
+source bench/device_env.sh
 K=(); [ -n "${FT_K:-}" ] && K=(-k "$FT_K")
 for f in "$@"; do
   echo "=== $f ($(date +%T))" >> "$LOG"

@@ -30,30 +30,12 @@ import triton
 import triton.language as tl
 
 from . import INTERPRET, graph_us, tl_dtype
-
-# the compiled (not interpreted) launches keep a * b - c * d as two rounded products and a
-# rounded difference, as torch computes them; the interpreter is numpy, which never contracts
-_NO_FMA = {} if INTERPRET else {"enable_fp_fusion": False}
+from .rounding import NO_FMA as _NO_FMA
+from .rounding import emu as _emu
+from .rounding import round_to as _round
 
 NORM_NONE, NORM_WEIGHTED, NORM_PLAIN = 0, 1, 2
-
-
-def _emu(dtype: torch.dtype) -> bool:
-    """Round to bf16 by hand (the interpreter's cast truncates)."""
-    return INTERPRET and dtype == torch.bfloat16
 MAX_BLOCK = 16384  # one row in one program's registers; wider rows take the torch path
-
-
-@triton.jit
-def _round(x, DTYPE: tl.constexpr, EMU: tl.constexpr):
-    """fp32 x rounded to DTYPE (to nearest even), as fp32. EMU: the CPU interpreter, whose
-    fp32 -> bf16 cast truncates; rounded by hand on the bits (finite values), so the tests see
-    the GPU's rounding."""
-    if EMU:
-        b = x.to(tl.uint32, bitcast=True)
-        b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
-        return b.to(tl.float32, bitcast=True)
-    return x.to(DTYPE).to(tl.float32)
 
 
 @triton.jit

@@ -17,8 +17,7 @@ import triton
 import triton.language as tl
 
 from . import INTERPRET, tl_dtype
-from .csa_decode import _emu
-from .csa_decode import _round as _round_emu  # to nearest even under the interpreter too
+from .rounding import emu, round_to
 
 
 def _configs(block_rows: str, block_k: str, rows, ks, warps):
@@ -121,7 +120,7 @@ def _sum_pairs_kernel(y_ptr, out_ptr, K, H, BLOCK: tl.constexpr, DTYPE: tl.const
     acc = tl.zeros([BLOCK], tl.float32)
     for j in range(0, K):
         acc += tl.load(y_ptr + (t * K + j) * H + c, mask=cm, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * H + c, _round_emu(acc, DTYPE, EMU).to(DTYPE), mask=cm)
+    tl.store(out_ptr + t * H + c, round_to(acc, DTYPE, EMU).to(DTYPE), mask=cm)
 
 
 def sum_pairs_triton(y: torch.Tensor, t: int, k: int) -> torch.Tensor:
@@ -132,7 +131,7 @@ def sum_pairs_triton(y: torch.Tensor, t: int, k: int) -> torch.Tensor:
     out = torch.empty(t, n_h, dtype=y.dtype, device=y.device)
     block = min(1024, triton.next_power_of_2(n_h))
     _sum_pairs_kernel[(t, triton.cdiv(n_h, block))](y, out, k, n_h, BLOCK=block, DTYPE=tl_dtype(y.dtype),
-                                                      EMU=_emu(y.dtype), num_warps=4)
+                                                      EMU=emu(y.dtype), num_warps=4)
     return out
 
 

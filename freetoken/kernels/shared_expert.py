@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from . import tl_dtype
-from .csa_decode import _NO_FMA, _emu, _round  # rounding to the activation dtype (to nearest even, the interpreter too)
+from .rounding import NO_FMA, emu, round_to
 
 
 def silu_mul_torch(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -39,8 +39,8 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, N, stride_g, stride_u, BLOCK: tl.con
     m = c < N
     g = tl.load(g_ptr + r * stride_g + c, mask=m, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + r * stride_u + c, mask=m, other=0.0).to(tl.float32)
-    s = _round(tl.div_rn(g, 1.0 + tl.exp(-g)), DTYPE, EMU)  # an exact divide, as torch's silu
-    tl.store(out_ptr + r * N + c, _round(s * u, DTYPE, EMU).to(DTYPE), mask=m)
+    s = round_to(tl.div_rn(g, 1.0 + tl.exp(-g)), DTYPE, EMU)  # an exact divide, as torch's silu
+    tl.store(out_ptr + r * N + c, round_to(s * u, DTYPE, EMU).to(DTYPE), mask=m)
 
 
 @triton.jit
@@ -51,10 +51,10 @@ def _gated_add_kernel(routed_ptr, sg_ptr, y_ptr, out_ptr, N, stride_r, stride_sg
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = c < N
     sg = tl.load(sg_ptr + r * stride_sg).to(tl.float32)
-    gate = _round(tl.div_rn(1.0, 1.0 + tl.exp(-sg)), DTYPE, EMU)
+    gate = round_to(tl.div_rn(1.0, 1.0 + tl.exp(-sg)), DTYPE, EMU)
     y = tl.load(y_ptr + r * stride_y + c, mask=m, other=0.0).to(tl.float32)
     o = tl.load(routed_ptr + r * stride_r + c, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + r * N + c, _round(o + _round(gate * y, DTYPE, EMU), DTYPE, EMU).to(DTYPE), mask=m)
+    tl.store(out_ptr + r * N + c, round_to(o + round_to(gate * y, DTYPE, EMU), DTYPE, EMU).to(DTYPE), mask=m)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -69,7 +69,7 @@ def silu_mul_triton(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     out = torch.empty(t, n, dtype=g.dtype, device=g.device)
     block = min(1024, triton.next_power_of_2(n))
     _silu_mul_kernel[(t, triton.cdiv(n, block))](g, u, out, n, g.stride(0), u.stride(0), BLOCK=block,
-                                                  DTYPE=tl_dtype(g.dtype), EMU=_emu(g.dtype), num_warps=4, **_NO_FMA)
+                                                  DTYPE=tl_dtype(g.dtype), EMU=emu(g.dtype), num_warps=4, **NO_FMA)
     return out
 
 
@@ -81,5 +81,5 @@ def gated_add_triton(routed: torch.Tensor, sg: torch.Tensor, y: torch.Tensor) ->
     block = min(1024, triton.next_power_of_2(n))
     _gated_add_kernel[(t, triton.cdiv(n, block))](routed, sg, y, out, n, routed.stride(0), sg.stride(0),
                                                    y.stride(0), BLOCK=block, DTYPE=tl_dtype(routed.dtype),
-                                                   EMU=_emu(routed.dtype), num_warps=4, **_NO_FMA)
+                                                   EMU=emu(routed.dtype), num_warps=4, **NO_FMA)
     return out
