@@ -54,7 +54,18 @@ case "$STAGE" in
   FT_TAG=plan3 FT_PER_FILE=120 FT_K=on_cuda bash bench/device_tests.sh tests/test_expert_cache_quant.py > /dev/null
   step 210 interference python3 -m bench.interference --full-size --long 32768 --settings interleave,overlap
   ;;
-*) echo "stage 1, 2 or 3"; exit 2 ;;
+4)  # the sixth session's last call (its ~560 s of device time left): the split sink-attention
+  # kernel on (its tests, its timing with errors), the C++ literal-message checks, the largest
+  # DeepSeek-V4 / GLM-5 slices the host RAM holds (issue 14)
+  FT_TAG=plan4 FT_PER_FILE=60 FT_K=sink bash bench/device_tests.sh tests/test_csa_kernels.py > /dev/null
+  step 25 csa-b1 python3 -m freetoken.kernels.csa_decode 1
+  step 235 deepseek_v4-28l python3 -m bench.large_models --arch deepseek_v4 --layers 28 \
+    --modes resident,cpu-only,cache --threads 6 --cache-warmup 1200 --name large_models-deepseek_v4-28l
+  step 40 probe python3 -m bench.probe_cpp_errors forward_bad_scale,bad_act,qbanks_bad_scale
+  step 170 glm_moe_dsa-20l python3 -m bench.large_models --arch glm_moe_dsa --layers 20 --modes resident,cache \
+    --threads 6 --cache-warmup 1200 --name large_models-glm_moe_dsa-20l
+  ;;
+*) echo "stage 1, 2, 3 or 4"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)

@@ -1,13 +1,14 @@
-"""The C++ executor's error paths, each in its own process (a crash ends only that case): on the
-GPU machine (torch 2.11) forward_q with a bad bank scale crashed the process instead of raising
-(2026-12-02, before make_bank's checks became plain std::runtime_error raised by the binding);
-a literal-message TORCH_CHECK raised fine. The bad_act / bad_bias cases still go through
-TORCH_CHECKs with built messages (make_fn): if they crash there, that is the cause.
-Usage, from the repo root: python3 -m bench.probe_cpp_errors [case]"""
+"""The C++ executor's error paths, each in its own process (a crash ends only that case). On
+the GPU machine (torch 2.11, Python 3.12; 2026-12-02, commit 028debf) every error whose message
+the extension built crashed the process (rc -11): a multi-argument TORCH_CHECK (c10::str formats
+through an ostringstream in the extension) and a std::runtime_error thrown with a concatenated
+std::string; a literal-message TORCH_CHECK (forward_bad_id) raised. Since then every check in
+moe_cpu.cpp raises a literal message; this probe shows whether that holds there.
+Usage, from the repo root: python3 -m bench.probe_cpp_errors [case | case,case,...]"""
 import subprocess, sys
 CASES = ["qbanks_bad_scale", "forward_bad_id", "forward_bad_scale", "forward_bad_scale_clone", "fp8_bad_scale", "bad_act", "bad_bias", "forward_ok"]
-if len(sys.argv) == 1:
-    for c in CASES:
+if len(sys.argv) == 1 or "," in sys.argv[1]:  # all cases, or a comma-separated few
+    for c in (CASES if len(sys.argv) == 1 else sys.argv[1].split(",")):
         r = subprocess.run([sys.executable, "-X", "faulthandler", "-m", "bench.probe_cpp_errors", c], capture_output=True, text=True, timeout=300)
         print(f"--- {c}: rc {r.returncode}\n{r.stdout[-800:]}{r.stderr[-1500:]}", flush=True)
     sys.exit(0)

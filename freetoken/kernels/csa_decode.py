@@ -487,8 +487,16 @@ def _bench(b: int = 1, reps: int = 200):
         "compress entries triton": lambda: compress_entries_triton(kvp, gp, ps, ends, m, 2, hd, wk, 1e-6,
                                                                    cos, sin, dt),
     }
+    outs = {}
     for name, f in cases.items():
         print(f"{name:26s} B={b}: {graph_us(f, reps):8.1f} us/call")
+        outs[name] = f()
+    for name, ref in outs.items():  # each kernel against its torch op, on these inputs
+        if name.endswith(" torch") and isinstance(ref, torch.Tensor):
+            for other in (k for k in outs if k.startswith(name[:-6] + " triton")):
+                got = outs[other].float()
+                err = float((got - ref.float()).norm() / ref.float().norm().clamp(min=1e-30))
+                print(f"{other:26s} B={b}: relative error {err:.2e} against torch")
 
 
 if __name__ == "__main__":

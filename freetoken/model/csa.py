@@ -32,7 +32,7 @@ a window, the others' writes going to the scratch page), entries are read at eve
 hold (eagerly: those the longest row has closed), the indexer's top-k of them gathered when
 there are more than index_topk. On CUDA (unless FREETOKEN_FUSED_DECODE=0: kernels.fused_decode)
 the small ops run as fused Triton kernels (kernels/csa_decode.py): the norms and the RoPE at positions (any N) and the compressor's entries read straight from the rows (decode's sink
-attention has a kernel too, off: see SINK_TRITON); the *_torch functions and
+attention has a kernel too: see SINK_TRITON); the *_torch functions and
 Compressor.entries are the references and the CPU path. A paged attention kernel is later work.
 """
 from __future__ import annotations
@@ -133,12 +133,12 @@ def rms_rope_torch(x, w, eps, cos, sin, pos):
     return rope_at_torch(rms_plain_torch(x, eps) if w is None else rms_weighted_torch(x, w, eps), cos, sin, pos)
 
 
-# The sink-attention kernel (kernels/csa_decode.py) is off: on the H200 at DeepSeek-V4-Flash's
-# decode shape (64 heads, 640 keys of 512, batch 1) its first form took 88.9 us against the torch
-# path's 25.7 (one program per 16 heads: 4 programs for the whole GPU). It now splits the keys
-# over ~128 programs at small batches; on once `python -m freetoken.kernels.csa_decode 1` shows
-# it ahead of "sink_attn_decode torch" there. Tests and the benchmark call it directly.
-SINK_TRITON = False
+# The sink-attention kernel (kernels/csa_decode.py) on CUDA. On the H200 at DeepSeek-V4-Flash's
+# decode shape (64 heads, 640 keys of 512) its first form, 4 programs for the whole GPU, took
+# 88.9 us against torch's 25.7; split over ~128 programs (sink_splits) the model's decode call
+# (window keys + compressed entries) takes 21.4 us against torch's 34.8 at batch 1, 34.2 against
+# 46.0 at batch 8 (`python -m freetoken.kernels.csa_decode 1`, commit 028debf). False: torch.
+SINK_TRITON = True
 
 
 def sink_attention(q: torch.Tensor, keys: torch.Tensor, sel: torch.Tensor, sinks: torch.Tensor,

@@ -1001,23 +1001,25 @@ void release(int64_t handle) {
 // and the bias banks gate_up_bias [N, 2I], down_bias [N, H] (None, or both bf16 or both f32).
 ExpertFn make_fn(int64_t act, double alpha, double limit, const c10::optional<torch::Tensor>& gu_bias,
                  const c10::optional<torch::Tensor>& dn_bias, int64_t N, int H, int I, bool bf16_act) {
-  TORCH_CHECK(act >= ACT_SILU && act <= ACT_SILU_CLAMP, "unknown expert activation code ", act);
+  // literal messages only (see BANK_CHECK); experts/cpu's Python side checks these first, with
+  // the shapes in its message
+  TORCH_CHECK(act >= ACT_SILU && act <= ACT_SILU_CLAMP, "moe_cpu: unknown expert activation code");
   ExpertFn f;
   f.act = int(act), f.alpha = float(alpha), f.limit = float(limit);
   const torch::Tensor* first = nullptr;
-  auto take = [&](const c10::optional<torch::Tensor>& b, int64_t cols, const char* name) -> const void* {
+  auto take = [&](const c10::optional<torch::Tensor>& b, int64_t cols, const char* bad) -> const void* {
     if (!b.has_value() || !b->defined()) return nullptr;
     const torch::Tensor& t = *b;
-    TORCH_CHECK(t.dim() == 2 && t.size(0) == N && t.size(1) == cols && t.is_contiguous() && t.device().is_cpu(),
-                name, " must be a contiguous host tensor [", N, ", ", cols, "]");
-    TORCH_CHECK(t.scalar_type() == torch::kBFloat16 || t.scalar_type() == torch::kFloat32, name,
-                " must be bfloat16 or float32");
-    TORCH_CHECK(first == nullptr || first->scalar_type() == t.scalar_type(), "the two bias banks must share a dtype");
+    TORCH_CHECK(t.dim() == 2 && t.size(0) == N && t.size(1) == cols && t.is_contiguous() && t.device().is_cpu() &&
+                    (t.scalar_type() == torch::kBFloat16 || t.scalar_type() == torch::kFloat32),
+                bad);
+    TORCH_CHECK(first == nullptr || first->scalar_type() == t.scalar_type(), "moe_cpu: the two bias banks must share a dtype");
     first = &t;
     return t.data_ptr();
   };
-  f.gu_bias = take(gu_bias, 2 * int64_t(I), "gate_up_bias");
-  f.dn_bias = take(dn_bias, H, "down_bias");
+  f.gu_bias = take(gu_bias, 2 * int64_t(I),
+                   "moe_cpu: gate_up_bias must be a contiguous host tensor [N, 2I], bfloat16 or float32");
+  f.dn_bias = take(dn_bias, H, "moe_cpu: down_bias must be a contiguous host tensor [N, H], bfloat16 or float32");
   f.bias_bf16 = first != nullptr && first->scalar_type() == torch::kBFloat16;
   f.bias_round = bf16_act && !f.bias_bf16;
   return f;
@@ -1157,55 +1159,47 @@ void host_call(void* p) {
 
 // One quantized bank from its tensors (values, scale, scale_2 or an empty tensor), checked
 // against the logical shape [N, R, C] and the format's layout (weights/quant.py). A failed check
-// leaves its message in err (b is then unusable): the bindings raise it from their own frame as
-// a plain std::runtime_error. On the GPU machine (torch 2.11) a TORCH_CHECK with a built message
-// thrown from here crashed the process instead of raising (a literal-message TORCH_CHECK in
-// forward_q raised fine); the cause is not pinned down, so these checks avoid that path.
-#define BANK_CHECK(cond, ...)                              \
-  do {                                                     \
-    if (!(cond)) {                                         \
-      std::ostringstream m_;                               \
-      m_ << name;                                          \
-      bank_msg(m_, __VA_ARGS__);                           \
-      err = m_.str();                                      \
-      return b;                                            \
-    }                                                      \
+// leaves a literal message in err (b is then unusable), which the bindings raise with a
+// one-argument TORCH_CHECK. No message is built here: on the GPU machine (torch 2.11, Python
+// 3.12) every error whose message this extension built (a TORCH_CHECK with several arguments,
+// which formats through an ostringstream here, and a std::runtime_error from a concatenated
+// std::string) crashed the process, while a literal TORCH_CHECK raised (bench/probe_cpp_errors.py,
+// 2026-12-02). QuantBank (weights/quant.py) checks the same things first and names the shapes.
+#define BANK_CHECK(cond, msg)                                                               \
+  do {                                                                                      \
+    if (!(cond)) {                                                                          \
+      err = down ? "moe_cpu: down bank " msg : "moe_cpu: gate_up bank " msg;                \
+      return b;                                                                             \
+    }                                                                                       \
   } while (0)
 
-inline void bank_msg(std::ostringstream&) {}
-template <typename A, typename... R>
-void bank_msg(std::ostringstream& m, const A& a, const R&... r) {
-  m << a;
-  bank_msg(m, r...);
-}
-
 QBank make_bank(int fmt, const torch::Tensor& v, const torch::Tensor& s, const torch::Tensor& s2, int64_t N,
-                int64_t R, int64_t C, int halves, const char* name, std::string& err) {
+                int64_t R, int64_t C, int halves, bool down, const char*& err) {
   QBank b;
-  BANK_CHECK(v.is_contiguous() && s.is_contiguous(), ": values and scales must be contiguous");
-  BANK_CHECK(v.element_size() == 1 && v.dim() == 3 && v.size(0) == N && v.size(1) == R, ": values shape");
+  BANK_CHECK(v.is_contiguous() && s.is_contiguous(), "values and scales must be contiguous");
+  BANK_CHECK(v.element_size() == 1 && v.dim() == 3 && v.size(0) == N && v.size(1) == R, "values shape");
   b.fmt = fmt, b.R = R, b.C = C, b.halves = halves;
   b.v = reinterpret_cast<const uint8_t*>(v.data_ptr());
   b.s = reinterpret_cast<const uint8_t*>(s.data_ptr());
-  BANK_CHECK(s.dim() == 3 && s.size(0) == N, ": scale shape");
+  BANK_CHECK(s.dim() == 3 && s.size(0) == N, "scale shape");
   if (fmt == FMT_FP8) {
-    BANK_CHECK(v.size(2) == C, ": fp8 values [N, R, C]");
+    BANK_CHECK(v.size(2) == C, "fp8 values must be [N, R, C]");
     const int64_t per = (R / halves + 127) / 128;
     BANK_CHECK(R % halves == 0 && s.size(1) == halves * per && s.size(2) == (C + 127) / 128,
-               ": fp8 scale must be [N, ", halves * per, ", ", (C + 127) / 128, "]");
+               "fp8 scale must be one per 128 x 128 block of each half");
     const auto dt = s.scalar_type();
     BANK_CHECK(dt == torch::kFloat32 || dt == torch::kBFloat16 || dt == torch::kFloat16,
-               ": fp8 scale dtype must be float32, bfloat16 or float16");
+               "fp8 scale dtype must be float32, bfloat16 or float16");
     b.sdt = dt == torch::kFloat32 ? 0 : dt == torch::kBFloat16 ? 1 : 2;
     b.vrow = C, b.srow = s.size(2), b.sR = s.size(1);
   } else {
     const int blk = fmt == FMT_MXFP4 ? 32 : 16;
-    BANK_CHECK(C % blk == 0 && v.size(2) * 2 == C, ": fp4 values [N, R, C/2] with C a multiple of ", blk);
-    BANK_CHECK(s.element_size() == 1 && s.size(1) == R && s.size(2) == C / blk, ": fp4 scale [N, R, C/", blk, "]");
+    BANK_CHECK(C % blk == 0 && v.size(2) * 2 == C, "fp4 values must be [N, R, C/2], C a multiple of the block");
+    BANK_CHECK(s.element_size() == 1 && s.size(1) == R && s.size(2) == C / blk, "fp4 scale must be [N, R, C/block]");
     b.vrow = C / 2, b.srow = C / blk, b.sR = R;
     if (fmt == FMT_NVFP4) {
       BANK_CHECK(s2.defined() && s2.scalar_type() == torch::kFloat32 && s2.is_contiguous() && s2.numel() == N * halves,
-                 ": nvfp4 scale_2 must be float32 [N, ", halves, "]");
+                 "nvfp4 scale_2 must be float32 [N, halves]");
       b.s2 = s2.data_ptr<float>();
     }
   }
@@ -1214,31 +1208,32 @@ QBank make_bank(int fmt, const torch::Tensor& v, const torch::Tensor& s, const t
 #undef BANK_CHECK
 
 // The gate_up and down QBanks of forward_q's bank arguments (I from the down values); err as
-// make_bank's (empty when both are good).
+// make_bank's (nullptr when both are good).
 std::pair<QBank, QBank> make_banks(int64_t fmt, const torch::Tensor& gu_v, const torch::Tensor& gu_s,
                                    const torch::Tensor& gu_s2, const torch::Tensor& dn_v, const torch::Tensor& dn_s,
-                                   const torch::Tensor& dn_s2, int64_t H, std::string& err) {
+                                   const torch::Tensor& dn_s2, int64_t H, const char*& err) {
   std::pair<QBank, QBank> banks;
+  err = nullptr;
   if (fmt < FMT_FP8 || fmt > FMT_NVFP4) {
-    err = "unknown quantized format code " + std::to_string(fmt);
+    err = "moe_cpu: unknown quantized format code (1 fp8_block, 2 mxfp4, 3 nvfp4)";
     return banks;
   }
   const int64_t N = gu_v.size(0);
   if (dn_v.dim() != 3 || dn_v.size(0) != N || dn_v.size(1) != H) {
-    err = "down bank must be [N, H, *]";
+    err = "moe_cpu: down bank must be [N, H, *]";
     return banks;
   }
   const int64_t I = fmt == FMT_FP8 ? dn_v.size(2) : dn_v.size(2) * 2;
-  banks.first = make_bank(int(fmt), gu_v, gu_s, gu_s2, N, 2 * I, H, 2, "gate_up", err);
-  if (err.empty()) banks.second = make_bank(int(fmt), dn_v, dn_s, dn_s2, N, H, I, 1, "down", err);
+  banks.first = make_bank(int(fmt), gu_v, gu_s, gu_s2, N, 2 * I, H, 2, false, err);
+  if (err == nullptr) banks.second = make_bank(int(fmt), dn_v, dn_s, dn_s2, N, H, I, 1, true, err);
   return banks;
 }
 
 int64_t qbanks_create(int64_t fmt, torch::Tensor gu_v, torch::Tensor gu_s, torch::Tensor gu_s2, torch::Tensor dn_v,
                       torch::Tensor dn_s, torch::Tensor dn_s2) {
-  std::string err;
+  const char* err = nullptr;
   auto banks = make_banks(fmt, gu_v, gu_s, gu_s2, dn_v, dn_s, dn_s2, dn_v.size(1), err);
-  if (!err.empty()) throw std::runtime_error("moe_cpu.qbanks_create: " + err);
+  TORCH_CHECK(err == nullptr, err);  // a literal message: see BANK_CHECK
   return reinterpret_cast<int64_t>(new QPair{banks.first, banks.second});
 }
 void qbanks_free(int64_t addr) { delete reinterpret_cast<QPair*>(addr); }
@@ -1257,9 +1252,9 @@ torch::Tensor forward_q(int64_t handle, torch::Tensor x, torch::Tensor ids, torc
   x = x.contiguous(), ids = ids.contiguous(), w = w.contiguous();
   const int T = x.size(0), H = x.size(1), K = ids.size(1);
   const int64_t N = gu_v.size(0);
-  std::string err;
+  const char* err = nullptr;
   const auto [gu, dn] = make_banks(fmt, gu_v, gu_s, gu_s2, dn_v, dn_s, dn_s2, H, err);
-  if (!err.empty()) throw std::runtime_error("moe_cpu.forward_q: " + err);
+  TORCH_CHECK(err == nullptr, err);  // a literal message: see BANK_CHECK
   const int I = int(dn.C);
   auto idp = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < ids.numel(); ++i) TORCH_CHECK(idp[i] >= -1 && idp[i] < N, "expert id out of range");
