@@ -10,7 +10,9 @@ e8m0 per 32, 1.67 MB; nvfp4: e2m1 + e4m3 per 16 + scale_2, 1.77 MB), read in pla
 kernels; GB/s then counts the quantized bytes (values and scales) of the distinct experts read.
 `--activation swiglu_clamp` computes GPT-OSS's experts instead of SiLU ones (the clamped SwiGLU,
 alpha 1.702, limit 7, with random bf16 gate_up and down bias banks), to measure what the
-per-row epilogue and the bias reads cost; results then go to ...-swiglu_clamp.
+per-row epilogue and the bias reads cost; results then go to ...-swiglu_clamp. MXFP4 / NVFP4
+rows also time the int8-activation path (`--cpu-act int8`: cpp_int8_gbs, its relative error
+against the exact reference on the first call, int8_vs_read_bw).
 Results go to cpu_experts (bf16) or cpu_experts-FORMAT.
     python -m bench.cpu_experts [--format bf16|fp8_block|mxfp4|nvfp4] [--experts 512]
                                 [--threads 0] [--batches 1,2,4,8,32] [--activation silu|swiglu_clamp]
@@ -25,7 +27,7 @@ import torch
 
 from bench.common import timeit, write_result
 from freetoken.experts.banks import ExpertBanks, QuantBank
-from freetoken.experts.cpu import CpuExpertExecutor, physical_cores
+from freetoken.experts.cpu import CpuExpertExecutor, extension, physical_cores
 from freetoken.experts.executor import ACTIVATIONS, Activation, reference_experts
 
 FORMATS = ("bf16", "fp8_block", "mxfp4", "nvfp4")
@@ -126,6 +128,15 @@ def main():
                "cpp_ms": round(t_cpp * 1e3, 3), "cpp_gbs": round(distinct * per_expert / t_cpp / 1e9, 1),
                "cpp_bf16act_ms": round(t_bf * 1e3, 3),
                "cpp_bf16act_gbs": round(distinct * per_expert / t_bf / 1e9, 1)}
+        if a.format in ("mxfp4", "nvfp4") and ex.handle is not None:  # --cpu-act int8, same executor
+            vnni = extension().set_act_int8(ex.handle, True)
+            x0, ids0, w0 = calls[0]
+            exact = reference_experts(x0, ids0, w0, gu, dn, **fn)
+            err = float((ex.kernel(x0, ids0, w0) - exact).norm() / exact.norm())
+            t_i8 = run(ex.kernel)
+            extension().set_act_int8(ex.handle, False)
+            row.update(cpp_int8_ms=round(t_i8 * 1e3, 3), cpp_int8_gbs=round(distinct * per_expert / t_i8 / 1e9, 1),
+                       int8_vnni=vnni, int8_rel_err=float(f"{err:.2e}"))
         if b <= (32 if a.format == "bf16" else 8):  # the quantized reference dequantizes each expert in torch
             t_ref = run(lambda x, ids, w: reference_experts(x.bfloat16(), ids, w, gu, dn, **fn))
             row.update(torch_ms=round(t_ref * 1e3, 3), torch_gbs=round(distinct * per_expert / t_ref / 1e9, 1))
@@ -138,6 +149,8 @@ def main():
     res["cpp_vs_read_bw_batch1"] = round(best1 / res["host_read_gbs"], 2)
     for row in res["batches"]:  # each batch's best C++ path against the same probe
         row["cpp_vs_read_bw"] = round(max(row["cpp_gbs"], row["cpp_bf16act_gbs"]) / res["host_read_gbs"], 2)
+        if "cpp_int8_gbs" in row:
+            row["int8_vs_read_bw"] = round(row["cpp_int8_gbs"] / res["host_read_gbs"], 2)
     name = "cpu_experts" if a.format == "bf16" else f"cpu_experts-{a.format}"
     res["schedule"] = os.environ.get("FREETOKEN_CPU_SCHEDULE") or "static"
     # the quantized kernels' software look-ahead (moe_cpu.cpp g_pf_hint / g_pf)

@@ -464,7 +464,8 @@ class EagerOnly:
         return getattr(self.inner, name)
 
 
-def make_executor(mode: str, banks, mc, dev, threads: int, slots: int, start_share: float, policy: str):
+def make_executor(mode: str, banks, mc, dev, threads: int, slots: int, start_share: float, policy: str,
+                  cpu_act: str = "exact"):
     from freetoken.experts.cached import CachedExpertExecutor
     from freetoken.experts.cpu import CpuExpertExecutor
     from freetoken.experts.executor import Activation, TorchExpertExecutor
@@ -472,7 +473,7 @@ def make_executor(mode: str, banks, mc, dev, threads: int, slots: int, start_sha
     if mode == "resident":
         b = banks.to(dev) if dev.type == "cuda" else banks
         return TorchExpertExecutor(b.gate_up, b.down, layer_experts=mc.num_experts, activation=act)
-    cpu = CpuExpertExecutor(banks.gate_up, banks.down, threads=threads, activation=act)
+    cpu = CpuExpertExecutor(banks.gate_up, banks.down, threads=threads, activation=act, act_int8=cpu_act == "int8")
     if mode == "cpu-only":
         from freetoken.experts.cpu.hostcall import StreamedCpuExecutor, host_branch_ok
         return StreamedCpuExecutor(cpu, dev) if dev.type == "cuda" and host_branch_ok(cpu) else cpu
@@ -491,13 +492,15 @@ def run_mode(mode: str, a, mc, w, banks, dev, batch: int, threads: int, slots: i
     """One row: the mode timed with decode graphs where it can be, else eagerly (graph_error)."""
     from bench.expert_cache import run_config
     row = {"mode": mode, "batch": batch, "threads": threads if mode != "resident" else None, "device": dev.type}
+    if mode != "resident":
+        row["cpu_act"] = a.cpu_act
     if mode == "cache":
         row.update(capacity=a.capacity, slots=slots, start_share=round(start, 3))
     attempts = [False, True] if dev.type == "cuda" else [True]
     for eager in attempts:
         ex = None
         try:
-            ex = make_executor(mode, banks, mc, dev, threads, slots, start, a.policy)
+            ex = make_executor(mode, banks, mc, dev, threads, slots, start, a.policy, a.cpu_act)
             row["expert_backend"] = ex.backend
             t0 = time.perf_counter()
             got = run_config(mc, w, EagerOnly(ex) if eager else ex, dev, batch, a.tokens, a.warmup, None,
@@ -569,6 +572,8 @@ def parse(argv=None):
                     "a row each)")
     ap.add_argument("--capacity", type=float, default=0.33, help="cache slots as a fraction of the slice's experts")
     ap.add_argument("--policy", default="recent", choices=["recent", "gate", "lfu"])
+    ap.add_argument("--cpu-act", default="exact", choices=["exact", "int8"],
+                    help="the CPU executor's activations for MXFP4 / NVFP4 experts (ft's --cpu-act)")
     ap.add_argument("--batch", default="1", help="decode batch sizes (comma-separated)")
     ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 256; --tiny 48)")
     ap.add_argument("--tokens", type=int, default=None, help="timed decode steps (default 64; --tiny 8)")
@@ -640,7 +645,7 @@ def run_format(a, fmt: str, mc, w, plan: dict, est: dict, dev, bw: float | None)
                     from freetoken.experts.executor import Activation
                     try:
                         cpu = CpuExpertExecutor(banks.gate_up, banks.down, threads=threads,
-                                                activation=Activation.of(mc))
+                                                activation=Activation.of(mc), act_int8=a.cpu_act == "int8")
                         f[f"bh_{threads}_gbs"] = round(measure_bh(cpu, banks, mc.hidden_size), 2)
                         del cpu
                     except Exception as e:  # noqa: BLE001  the rows still run, without their floors

@@ -209,6 +209,8 @@ def banner(name: str, arch: str, url: str, d: dict) -> str:
         how = [backend] + ([d["expert_isa"]] if d.get("expert_isa") else [])
         if d.get("expert_threads"):
             how.append(f"{d['expert_threads']} threads")
+        if d.get("cpu_act") not in (None, "exact"):
+            how.append(f"{d['cpu_act']} activations")
         experts += f" ({', '.join(how)})"
     cache = "on" if d.get("prefix_cache") else "off"
     dense = " (dense FP8 kept)" if d.get("dense_fp8") == "kept" else ""

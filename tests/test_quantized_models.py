@@ -15,7 +15,8 @@ import torch
 import hf_models
 import quant_models
 from freetoken.experts.banks import ExpertBanks, QuantBank, take
-from freetoken.experts.cpu import CpuExpertExecutor
+from freetoken.experts.cpu import CpuExpertExecutor, extension
+from freetoken.experts.cpu.int8_act import reference_experts_int8
 from freetoken.experts.executor import QuantizedHostExecutor, TorchExpertExecutor
 from freetoken.model.moe import MoE
 from freetoken.runtime.engine import Engine, EngineConfig
@@ -154,6 +155,44 @@ def test_logits_and_greedy_match_transformers_on_dequantized_weights(built, name
     for i in range(STEPS):
         assert rel_err(steps[i], ref[P + i]) < 1e-4, f"decode step {i}"
     assert toks == ref[P - 1:P + STEPS - 1].argmax(-1).tolist()
+
+
+class Int8ReferenceExecutor(QuantizedHostExecutor):
+    """The torch path with int8_act.py's arithmetic: what --cpu-act int8 computes, in float64."""
+
+    def run(self, x, ids, weights, phase):
+        return reference_experts_int8(x, ids, weights, self.gate_up, self.down, self.activation, self.gate_up_bias,
+                                      self.down_bias).to(x.dtype)
+
+
+@pytest.mark.skipif(extension() is None, reason="the C++ executor could not be built")
+@pytest.mark.parametrize("name", ["mxfp4-experts-q35-gptoss-fused", "nvfp4-experts-q35-modelopt"])
+def test_cpu_act_int8_model_equals_its_reference(built, name):
+    """--cpu-act int8 (the opt-in int8-activation kernels) on a whole model: the engine says so,
+    and its logits equal the same engine with the torch reference of that arithmetic; they
+    differ from the exact path (rounding activations to 8 bits: on these small random models
+    the logits move by up to ~10%, which is why it is opt-in)."""
+    model, _, _, path = built[name]
+    eng = Engine(path, EngineConfig(device="cpu", dtype="float32", cpu_act="int8"))
+    assert eng.describe()["cpu_act"] in ("int8", "int8-scalar")
+    prompt = prompt_for(CASES[name][1])
+    pre, toks, steps = engine_greedy(eng, prompt, 8)
+    ref_eng = Engine(path, EngineConfig(device="cpu", dtype="float32"))
+    old = ref_eng.executor
+    ex = Int8ReferenceExecutor(old.gate_up, old.down, layer_experts=ref_eng.cfg.num_experts)
+    for _, mlp, _, _ in ref_eng.model.layers:
+        if isinstance(mlp, MoE):
+            mlp.executor = ex
+    ref_eng.executor = ex
+    pre_r, toks_r, steps_r = engine_greedy(ref_eng, prompt, 8)
+    # the same integers but for an activation whose f32 value sits at a rounding boundary of its
+    # 8-bit grid (the kernel's f32 sums and the reference's f64 ones differ in the last bits):
+    # one such flip moves a logit by ~1e-3, against ~10% between int8 and exact
+    errs = [rel_err(pre, pre_r)] + [rel_err(steps[i], steps_r[i]) for i in range(8)]
+    assert toks == toks_r and max(errs) < 1e-2, errs
+    assert sum(e < 1e-4 for e in errs) >= 7, errs
+    exact = hf_models.reference_logits(model, prompt)
+    assert rel_err(pre, exact) > 1e-4  # the int8 path did run
 
 
 def test_bank_objects(built):

@@ -65,6 +65,12 @@ class EngineConfig:
     cpu_threads: int = field(default=0, metadata={
         "help": "CPU expert threads (0: the physical cores; on CUDA all but two, left to the thread that "
                 "launches the GPU work and the one that runs the CPU branch of a decode step)"})
+    cpu_act: str = field(default="exact", metadata={
+        "help": "activations of MXFP4 / NVFP4 experts on the CPU executor: exact = as the model computes them "
+                "(f32 / bf16); int8 = quantized per 32 values for integer dot products (AVX512-VNNI, as "
+                "llama.cpp's quantized CPU kernels; fewer instructions per weight, about 1%% off the exact "
+                "result, not bit-exact)",
+        "choices": ["exact", "int8"]})
     prefill_chunk: int = field(default=2048, metadata={"help": "tokens per prefill chunk"})
     max_seq_len: int = field(default=0, metadata={"help": "context limit (0: the model's)"})
     sliding_kv: str = field(default="window", metadata={
@@ -116,6 +122,8 @@ class EngineConfig:
             raise FreeTokenError(f"--expert-prefetch must be >= 0 experts (0: off), got {self.expert_prefetch}")
         if self.dense_fp8 not in ("auto", "keep", "dequant"):
             raise FreeTokenError(f"--dense-fp8 must be auto, keep or dequant, got {self.dense_fp8!r}")
+        if self.cpu_act not in ("exact", "int8"):
+            raise FreeTokenError(f"--cpu-act must be exact or int8, got {self.cpu_act!r}")
         if self.sliding_kv not in ("window", "full"):
             raise FreeTokenError(f"--sliding-kv must be window or full, got {self.sliding_kv!r}")
         if self.moe != "auto" and self.experts != "auto" and \
@@ -280,7 +288,17 @@ class Engine:
         return {"device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
                 "experts": self.experts_on, "expert_backend": ex.backend if ex is not None else "none",
                 "expert_isa": getattr(ex, "isa", None), "expert_threads": getattr(ex, "threads", None),
-                "expert_format": self.expert_format, "dense_fp8": self.dense_fp8, "context": self.max_len}
+                "expert_format": self.expert_format, "cpu_act": self._cpu_act(ex), "dense_fp8": self.dense_fp8,
+                "context": self.max_len}
+
+    @staticmethod
+    def _cpu_act(ex) -> str | None:
+        """The host executor's activations (exact, int8, int8-scalar), through a cache or a
+        streamed wrapper; None without a C++ host executor."""
+        for e in (ex, getattr(ex, "cpu", None), getattr(ex, "inner", None)):
+            if getattr(e, "act", None) is not None:
+                return e.act
+        return None
 
     def _quantized_executor(self, banks: ExpertBanks):
         """Quantized expert banks keep their bytes. Resident on the device (--moe resident): the
@@ -295,7 +313,8 @@ class Engine:
             return TorchExpertExecutor(b.gate_up, b.down, layer_experts=self.cfg.num_experts, **self.expert_fn)
         from ..experts.cpu import CpuExpertExecutor, extension
         if extension() is not None:
-            host = CpuExpertExecutor(banks, threads=self._cpu_threads(), **self.expert_fn)
+            host = CpuExpertExecutor(banks, threads=self._cpu_threads(), act_int8=self.ecfg.cpu_act == "int8",
+                                     **self.expert_fn)
         else:
             log.warning("%s experts: the C++ expert executor could not be built; the experts run on the torch "
                         "path on the host (slower)", banks.format)
@@ -315,6 +334,9 @@ class Engine:
                         "built; slower)", self.expert_fn["activation"].kind)
             host = QuantizedHostExecutor(gate_up, down, layer_experts=self.cfg.num_experts, **self.expert_fn)
             return self._cache_executor(gate_up, down, host) if self.experts_on == "cache" else host
+        if self.ecfg.cpu_act == "int8":
+            log.info("--cpu-act int8: %s experts stay exact (int8 activations serve MXFP4 / NVFP4 banks)",
+                     self.expert_format)
         cpu = CpuExpertExecutor(gate_up, down, threads=self._cpu_threads(), **self.expert_fn)
         if self.experts_on != "cache":
             from ..experts.cpu.hostcall import StreamedCpuExecutor, host_branch_ok

@@ -142,7 +142,8 @@ class CpuExpertExecutor(ExpertExecutor):
 
     def __init__(self, gate_up, down=None, threads: int = 0,
                  torch_batch_threshold: int | None = None, isa_cap: int = 3, activation: Activation = SILU,
-                 gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None):
+                 gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                 act_int8: bool = False):
         """gate_up, down: float banks (bf16 / f32 tensors) or QuantBanks of one format; or
         gate_up an ExpertBanks (down None). activation, gate_up_bias [N, 2I], down_bias [N, H]:
         the expert function (executor.py), as TorchExpertExecutor takes it (GPT-OSS: the clamped
@@ -150,7 +151,9 @@ class CpuExpertExecutor(ExpertExecutor):
         torch path (default 32 for float banks, where BLAS wins on prefill chunks;
         4096 for quantized ones, where the torch path dequantizes every selected expert first:
         on the 2-core dev machine the C++ kernel still takes 0.74 s against 1.19 s for a
-        2048-token nvfp4 chunk over 128 experts of 2048 x 512)."""
+        2048-token nvfp4 chunk over 128 experts of 2048 x 512). act_int8: MXFP4 / NVFP4 banks
+        compute with int8 activations (int8_act.py; `--cpu-act int8`; not bit-exact); calls past
+        torch_batch_threshold and FP8 / float banks stay exact."""
         if isinstance(gate_up, ExpertBanks):
             if down is not None:
                 raise TypeError("CpuExpertExecutor: give an ExpertBanks or a (gate_up, down) pair, not both")
@@ -196,6 +199,16 @@ class CpuExpertExecutor(ExpertExecutor):
             weakref.finalize(self, ext.release, self.handle).atexit = False  # at exit the process ends them
         # "cpp": the C++ thread pool; "torch-fallback": it could not be built (slower, warned once)
         self.backend = "cpp" if ext is not None else "torch-fallback"
+        self.act = "exact"  # activations of the kernel's calls: exact, or int8 (set_act_int8)
+        if act_int8 and self.quantized and self.format in ("mxfp4", "nvfp4") and ext is not None:
+            vnni = ext.set_act_int8(self.handle, True)
+            self.act = "int8" if vnni else "int8-scalar"
+            if not vnni:
+                log.warning("--cpu-act int8: this CPU (or the ISA cap) has no AVX512-VNNI; the int8 path "
+                            "runs its scalar form, slower than the exact kernels")
+        elif act_int8:
+            log.info("--cpu-act int8 applies to MXFP4 / NVFP4 banks on the C++ executor; %s experts stay exact",
+                     self.format if ext is not None else "torch-fallback")
         self.calls = self.pairs = 0
 
     @staticmethod

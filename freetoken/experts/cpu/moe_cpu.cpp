@@ -717,6 +717,108 @@ __attribute__((target("avx512f,avx512bw,avx2,fma,f16c"))) void qdot4_fp8_avx512(
   for (int p = 0; p < 4; ++p) out[p] = _mm512_reduce_add_ps(acc[p]) + rest[p];
 }
 
+// --- int8 activations (opt-in, Executor::q8; not bit-exact): llama.cpp's way for 4-bit banks.
+// An activation row is quantized in blocks of 32 columns (scale d = max|x| / 127) and laid out
+// in chunks of 128 columns: 64 bytes of its even columns, 64 of its odd ones (a byte's low
+// nibble is the even column), then 16 f32 lane scales and 16 int32 lane offsets (lane l =
+// columns [8l, 8l + 8) of the chunk, the fp4 kernels' lane -> scale-block map). A weight nibble
+// becomes 2 * e2m1 + 12 in [0, 24] (VPSHUFB), unsigned as VPDPBUSD wants; the offset lane
+// starts at -12 * (the lane's 8 quantized activations), which takes the +12 back out exactly.
+constexpr int Q8_CHUNK = 128;
+struct Q8Act {  // one quantized row: chunks of [64 even | 64 odd] int8, then per chunk 16 scales, 16 offsets
+  const int8_t* q;
+  const float* xs;
+  const int32_t* off;
+};
+inline int q8_chunks(int C) { return (C + Q8_CHUNK - 1) / Q8_CHUNK; }
+
+// x [C] f32 -> q [chunks * 128] int8, xs [chunks * 16] f32, off [chunks * 16] int32 (C a
+// multiple of 16, as every 4-bit bank's is; the tail of the last chunk is zero).
+inline void quantize_q8(const float* x, int C, int8_t* q, float* xs, int32_t* off) {
+  const int nch = q8_chunks(C);
+  std::memset(q, 0, size_t(nch) * Q8_CHUNK);
+  for (int b = 0; b < nch * 4; ++b) {  // 32-column blocks
+    const int c0 = b * 32, c1 = std::min(C, c0 + 32);
+    float amax = 0.f;
+    for (int c = c0; c < c1; ++c) amax = std::max(amax, std::fabs(x[c]));
+    const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    const int ch = c0 / Q8_CHUNK;
+    for (int c = c0; c < c1; ++c) {
+      const int o = c - ch * Q8_CHUNK;
+      q[size_t(ch) * Q8_CHUNK + (o & 1) * 64 + o / 2] = int8_t(std::nearbyint(x[c] * inv));
+    }
+    for (int l = (c0 % Q8_CHUNK) / 8; l < (c0 % Q8_CHUNK) / 8 + 4; ++l) xs[ch * 16 + l] = d;
+  }
+  for (int ch = 0; ch < nch; ++ch)
+    for (int l = 0; l < 16; ++l) {
+      int32_t sum = 0;
+      for (int j = 0; j < 4; ++j)
+        sum += q[size_t(ch) * Q8_CHUNK + 4 * l + j] + q[size_t(ch) * Q8_CHUNK + 64 + 4 * l + j];
+      off[ch * 16 + l] = -12 * sum;
+    }
+}
+
+alignas(16) const int8_t E2M1_X2_PLUS12[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+
+// The scalar form of qdot4_fp4_q8 (its exact integer arithmetic), for CPUs without VNNI and
+// for checking the vector kernel.
+template <int FMT>
+void qdot4_fp4_q8_scalar(const QRow* rows, const Q8Act& a, int C, float* out) {
+  for (int p = 0; p < 4; ++p) {
+    const QRow& r = rows[p];
+    float acc = 0.f;
+    for (int base = 0, ch = 0; base < C; base += Q8_CHUNK, ++ch)
+      for (int l = 0; l < 16 && base + 8 * l < C; ++l) {
+        int32_t t = a.off[ch * 16 + l];
+        for (int j = 0; j < 4; ++j) {
+          const uint8_t byte = r.v[(base + 8 * l) / 2 + j];
+          t += E2M1_X2_PLUS12[byte & 15] * a.q[size_t(ch) * Q8_CHUNK + 4 * l + j];
+          t += E2M1_X2_PLUS12[byte >> 4] * a.q[size_t(ch) * Q8_CHUNK + 64 + 4 * l + j];
+        }
+        const int c = base + 8 * l;
+        const float sw = FMT == FMT_MXFP4 ? e8m0_f32(r.s[c / 32]) : e4m3_f32(r.s[c / 16]) * r.s2;
+        acc += float(t) * (sw * a.xs[ch * 16 + l]);
+      }
+    out[p] = 0.5f * acc;
+  }
+}
+
+template <int FMT>
+__attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma,f16c"))) void qdot4_fp4_q8(const QRow* rows, const Q8Act& a,
+                                                                                      int C, float* out) {
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(E2M1_X2_PLUS12)));
+  const __m512i nib = _mm512_set1_epi8(15);
+  __m512 acc[4];
+  #pragma GCC unroll 4
+  for (int p = 0; p < 4; ++p) acc[p] = _mm512_setzero_ps();
+  prefetch_scales(rows, FMT == FMT_MXFP4 ? C / 32 : C / 16);
+  for (int base = 0, ch = 0; base < C; base += Q8_CHUNK, ++ch) {
+    const int nl = std::min(16, (C - base) / 8);
+    const __mmask16 m = __mmask16((1u << nl) - 1);
+    const __m512i xe = _mm512_loadu_si512(a.q + size_t(ch) * Q8_CHUNK);
+    const __m512i xo = _mm512_loadu_si512(a.q + size_t(ch) * Q8_CHUNK + 64);
+    const __m512i off = _mm512_loadu_si512(a.off + ch * 16);
+    const __m512 xs = _mm512_loadu_ps(a.xs + ch * 16);
+    #pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      prefetch_ahead(rows[p].v + base / 2);
+      const __m512i v = nl == 16 ? _mm512_loadu_si512(rows[p].v + base / 2) : _mm512_maskz_loadu_epi32(m, rows[p].v + base / 2);
+      const __m512i lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, nib));
+      const __m512i hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
+      const __m512i t = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(off, lo, xe), hi, xo);
+      acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(fp4_scales_avx512(FMT, rows[p], base, nl), xs), acc[p]);
+    }
+  }
+  #pragma GCC unroll 4
+  for (int p = 0; p < 4; ++p) out[p] = 0.5f * _mm512_reduce_add_ps(acc[p]);
+}
+
+inline void qdot4_q8(bool vnni, int fmt, const QRow* rows, const Q8Act& a, int C, float* out) {
+  const bool mx = fmt == FMT_MXFP4;
+  if (vnni) return mx ? qdot4_fp4_q8<FMT_MXFP4>(rows, a, C, out) : qdot4_fp4_q8<FMT_NVFP4>(rows, a, C, out);
+  return mx ? qdot4_fp4_q8_scalar<FMT_MXFP4>(rows, a, C, out) : qdot4_fp4_q8_scalar<FMT_NVFP4>(rows, a, C, out);
+}
+
 // The activation layout each (format, ISA, bf16-dot) kernel reads.
 inline Layout layout_for(int fmt, Isa isa, bool dp) {
   Layout l;
@@ -746,6 +848,9 @@ struct Executor {
   Pool pool;
   Isa isa;
   std::mutex call_mutex;  // one MoE call at a time: the pool is shared
+  // int8 activations for the 4-bit banks (set_act_int8; off: the exact kernels); vnni: the
+  // vector kernel, else its scalar form (the scalar ISA cap, tests)
+  bool q8 = false, vnni = false;
   Executor(const std::vector<int>& cpus, int isa_cap) : pool(cpus), isa(std::min<Isa>(detect(), Isa(isa_cap))) {}
 
   template <typename W>
@@ -889,8 +994,9 @@ struct Executor {
       if (p == first || ids[order[p]] != ids[order[p - 1]]) starts.push_back(p);
     starts.push_back(P);
     const int G = int(starts.size()) - 1;
-    const bool dp = bf16_act && isa == AVX512_BF16 && fmt != FMT_FP8;
-    const Layout lay = layout_for(fmt, isa, dp);
+    const bool i8 = q8 && fmt != FMT_FP8;  // fp8 values are not small integers: exact kernels
+    const bool dp = !i8 && bf16_act && isa == AVX512_BF16 && fmt != FMT_FP8;
+    const Layout lay = i8 ? Layout() : layout_for(fmt, isa, dp);
     std::vector<int> posH(H), posI(I);
     for (int c = 0; c < H; ++c) posH[c] = lay.pos(c, H);
     for (int c = 0; c < I; ++c) posI[c] = lay.pos(c, I);
@@ -907,6 +1013,19 @@ struct Executor {
       hl.resize(size_t(P) * I);
       for (int t = 0; t < T; ++t)
         for (int c = 0; c < H; ++c) xl[size_t(t) * H + posH[c]] = x[size_t(t) * H + c];
+    }
+    // int8: x rows quantized once here, h rows between the phases
+    const int chH = q8_chunks(H), chI = q8_chunks(I);
+    std::vector<int8_t> xq, hq;
+    std::vector<float> xqs, hqs;
+    std::vector<int32_t> xqo, hqo;
+    auto q8row = [](const std::vector<int8_t>& q, const std::vector<float>& s, const std::vector<int32_t>& o, int ch,
+                    size_t row) { return Q8Act{q.data() + row * ch * Q8_CHUNK, s.data() + row * ch * 16, o.data() + row * ch * 16}; };
+    if (i8) {
+      xq.resize(size_t(T) * chH * Q8_CHUNK), xqs.resize(size_t(T) * chH * 16), xqo.resize(size_t(T) * chH * 16);
+      for (int t = 0; t < T; ++t)
+        quantize_q8(x + size_t(t) * H, H, xq.data() + size_t(t) * chH * Q8_CHUNK, xqs.data() + size_t(t) * chH * 16,
+                    xqo.data() + size_t(t) * chH * 16);
     }
     const int nt = pool.size();
     constexpr int RB = 16;  // rows per work unit
@@ -928,10 +1047,16 @@ struct Executor {
           }
           for (int q = starts[g]; q < starts[g + 1]; ++q) {
             const int tok = order[q] / K;
-            const float* xr = dp ? nullptr : xl.data() + size_t(tok) * H;
-            const uint16_t* xbr = dp ? xb.data() + size_t(tok) * H : nullptr;
-            qdot4(isa, fmt, dp, rg, xr, xbr, H, gu.sdt, g4);
-            qdot4(isa, fmt, dp, ru, xr, xbr, H, gu.sdt, v4);
+            if (i8) {
+              const Q8Act xa = q8row(xq, xqs, xqo, chH, tok);
+              qdot4_q8(vnni, fmt, rg, xa, H, g4);
+              qdot4_q8(vnni, fmt, ru, xa, H, v4);
+            } else {
+              const float* xr = dp ? nullptr : xl.data() + size_t(tok) * H;
+              const uint16_t* xbr = dp ? xb.data() + size_t(tok) * H : nullptr;
+              qdot4(isa, fmt, dp, rg, xr, xbr, H, gu.sdt, g4);
+              qdot4(isa, fmt, dp, ru, xr, xbr, H, gu.sdt, v4);
+            }
             for (int j = 0; j < nr; ++j) {
               const float hv = plain ? silu(g4[j]) * v4[j] : fn.h(e, I, r + j, g4[j], v4[j]);
               if (dp) hb[size_t(q) * I + posI[r + j]] = f32_to_bf16(hv);
@@ -941,6 +1066,12 @@ struct Executor {
         }
       }
     });
+    if (i8) {  // posI is the identity here: hl rows are in natural order
+      hq.resize(size_t(P) * chI * Q8_CHUNK), hqs.resize(size_t(P) * chI * 16), hqo.resize(size_t(P) * chI * 16);
+      for (int q = 0; q < P; ++q)
+        quantize_q8(hl.data() + size_t(q) * I, I, hq.data() + size_t(q) * chI * Q8_CHUNK, hqs.data() + size_t(q) * chI * 16,
+                    hqo.data() + size_t(q) * chI * 16);
+    }
     const int hb_blocks = (H + RB - 1) / RB;
     pool.run([&](int tid) {
       float d4[4];
@@ -961,8 +1092,11 @@ struct Executor {
               for (int q = starts[g]; q < starts[g + 1]; ++q) {
                 const int tok = order[q] / K;
                 const float wq = gw[order[q]];
-                qdot4(isa, fmt, dp, rd, dp ? nullptr : hl.data() + size_t(q) * I, dp ? hb.data() + size_t(q) * I : nullptr,
-                      I, dn.sdt, d4);
+                if (i8)
+                  qdot4_q8(vnni, fmt, rd, q8row(hq, hqs, hqo, chI, q), I, d4);
+                else
+                  qdot4(isa, fmt, dp, rd, dp ? nullptr : hl.data() + size_t(q) * I, dp ? hb.data() + size_t(q) * I : nullptr,
+                        I, dn.sdt, d4);
                 if (plain)
                   for (int j = 0; j < nr; ++j) out[int64_t(tok) * H + r + j] += wq * d4[j];
                 else
@@ -985,6 +1119,27 @@ int64_t create(std::vector<int64_t> cpus, int64_t isa_cap) {
 }
 
 int64_t isa_of(int64_t handle) { return g_execs.at(handle)->isa; }
+
+bool cpu_has_vnni() {
+  __builtin_cpu_init();
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 10
+  return __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
+// int8 activations for the executor's MXFP4 / NVFP4 calls (on) or the exact kernels (off).
+// Returns whether the vector (VNNI) kernel serves them; without VNNI, or under a lower ISA cap,
+// the scalar form does (correct, slow: the caller warns).
+bool set_act_int8(int64_t handle, bool on) {
+  Executor& ex = *g_execs.at(handle);
+  py::gil_scoped_release nogil;
+  std::lock_guard<std::mutex> g(ex.call_mutex);  // not in the middle of a call
+  ex.q8 = on;
+  ex.vnni = on && ex.isa >= AVX512 && cpu_has_vnni();
+  return ex.vnni;
+}
 
 // The executor's worker threads end (after the call in flight, if any); the executor itself
 // stays, so an address a host call holds stays valid, and runs single-threaded if called again.
@@ -1346,6 +1501,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("host_call_size", &host_call_size, "sizeof the HostCall descriptor (checked against hostcall.py)");
   m.def("create", &create, "create an executor with a pinned thread pool");
   m.def("isa", &isa_of, "ISA level in use: 0 scalar, 1 avx2, 2 avx512, 3 avx512-bf16");
+  m.def("set_act_int8", &set_act_int8, "int8 activations for MXFP4 / NVFP4 banks (on) or exact ones; returns whether VNNI serves them");
   m.def("release", &release, "end an executor's worker threads (it then runs on the caller alone)");
   // the expert function's arguments default to SiLU without biases (callers from before them)
   m.def("forward", &forward, "routed experts on the CPU", py::arg("handle"), py::arg("x"), py::arg("ids"),

@@ -1,0 +1,114 @@
+"""The CPU executor's int8-activation path for MXFP4 / NVFP4 banks (`--cpu-act int8`;
+moe_cpu.cpp's qdot4_fp4_q8 and its scalar form) against its pure-torch reference
+(experts/cpu/int8_act.py: the same quantization, float64 sums), on random banks with edge
+values and shapes with tails; then how far it lands from the exact reference, and that it is
+opt-in (the exact kernels stay the default, FP8 banks stay exact)."""
+import pytest
+import torch
+
+from freetoken.experts.cpu import CpuExpertExecutor, extension
+from freetoken.experts.cpu.int8_act import quantize_int8, reference_experts_int8
+from freetoken.experts.executor import Activation, reference_experts
+from test_cpu_quantized import random_banks
+
+pytestmark = pytest.mark.skipif(extension() is None, reason="the C++ executor could not be built")
+N, K = 24, 4
+SHAPES = {"mxfp4": (288, 96), "nvfp4": (272, 176)}  # column tails past the last 128-column chunk
+
+
+def rel(a, b):
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+def routed(t, h, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=g) * torch.rand(t, 1, generator=g) * 3
+    ids = torch.stack([torch.randperm(N, generator=g)[:K] for _ in range(t)])
+    return x, ids, torch.rand(t, K, generator=g)
+
+
+def test_quantize_int8_blocks():
+    x = torch.randn(3, 80) * 5
+    x[1, :32] = 0.0  # a zero block: scale 0, all zeros
+    x[2, 40] = -1000.0  # one outlier sets its block's scale only
+    q, d = quantize_int8(x)
+    assert q.shape == (3, 80) and d.shape == (3, 3)
+    assert q.abs().max() <= 127 and torch.equal(q, q.round())
+    assert float(d[1, 0]) == 0.0 and bool((q[1, :32] == 0).all())
+    assert float(q[2, 40]) == -127.0 and float(d[2, 1]) == pytest.approx(1000.0 / 127)
+    back = q * d.repeat_interleave(32, 1)[:, :80]
+    assert float((back - x).abs().max()) <= float(d.max()) / 2 + 1e-6  # half a step at most
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("cap", [3, 0], ids=["vector", "scalar"])
+def test_int8_kernel_matches_its_reference(fmt, cap):
+    h, i = SHAPES[fmt]
+    b = random_banks(fmt, None, N, h, i, seed=21)
+    ex = CpuExpertExecutor(b, threads=2, act_int8=True, isa_cap=cap)
+    if cap == 3 and ex.act != "int8":
+        pytest.skip("no AVX512-VNNI on this CPU")
+    assert ex.act == ("int8" if cap == 3 else "int8-scalar")
+    for t in (1, 3, 17):
+        x, ids, w = routed(t, h, seed=t)
+        ids[0, 1] = -1  # a pair that is not running
+        got = ex.kernel(x, ids, w)
+        ref = reference_experts_int8(x, ids, w, b.gate_up, b.down)
+        assert rel(got, ref) < 1e-5, t
+        exact = reference_experts(x, ids, w, b.gate_up, b.down)
+        assert 1e-4 < rel(got, exact) < 5e-2, t  # int8 activations: not exact, not far
+
+
+def test_int8_threads_do_not_change_a_bit_and_vector_equals_scalar_closely():
+    h, i = SHAPES["mxfp4"]
+    b = random_banks("mxfp4", None, N, h, i, seed=4)
+    x, ids, w = routed(5, h, seed=9)
+    one = CpuExpertExecutor(b, threads=1, act_int8=True).kernel(x, ids, w)
+    two = CpuExpertExecutor(b, threads=2, act_int8=True).kernel(x, ids, w)
+    assert torch.equal(one, two)
+    scalar = CpuExpertExecutor(b, threads=1, act_int8=True, isa_cap=0).kernel(x, ids, w)
+    assert rel(one, scalar) < 1e-6  # the same integers; only the f32 sums' order differs
+
+
+def test_int8_with_gpt_oss_expert_function():
+    """The clamped SwiGLU with bf16 bias banks: the epilogue is shared with the exact path."""
+    h, i = SHAPES["mxfp4"]
+    b = random_banks("mxfp4", None, N, h, i, seed=8)
+    g = torch.Generator().manual_seed(2)
+    act = Activation("swiglu_clamp", 1.702, 7.0)
+    gb, db = (torch.randn(N, 2 * i, generator=g) * 0.1).bfloat16(), (torch.randn(N, h, generator=g) * 0.1).bfloat16()
+    ex = CpuExpertExecutor(b, threads=2, act_int8=True, activation=act, gate_up_bias=gb, down_bias=db)
+    x, ids, w = routed(4, h, seed=3)
+    ref = reference_experts_int8(x, ids, w, b.gate_up, b.down, act, gb, db)
+    assert rel(ex.kernel(x, ids, w), ref) < 1e-5
+
+
+def test_int8_is_opt_in_and_fp8_stays_exact():
+    h, i = SHAPES["mxfp4"]
+    b = random_banks("mxfp4", None, N, h, i, seed=5)
+    x, ids, w = routed(2, h, seed=5)
+    exact = reference_experts(x, ids, w, b.gate_up, b.down)
+    default = CpuExpertExecutor(b, threads=1)
+    assert default.act == "exact" and rel(default.kernel(x, ids, w), exact) < 1e-5
+    f = random_banks("fp8_block", torch.float32, N, 202, 70, seed=5)
+    ex = CpuExpertExecutor(f, threads=1, act_int8=True)
+    assert ex.act == "exact"
+    x, ids, w = routed(2, 202, seed=6)
+    assert rel(ex.kernel(x, ids, w), reference_experts(x, ids, w, f.gate_up, f.down)) < 1e-5
+    # switched off again, the same executor is exact
+    on = CpuExpertExecutor(b, threads=1, act_int8=True)
+    x, ids, w = routed(2, h, seed=5)
+    extension().set_act_int8(on.handle, False)
+    assert rel(on.kernel(x, ids, w), exact) < 1e-5
+
+
+def test_cpu_act_option_is_checked_and_shown():
+    from freetoken.cli import banner
+    from freetoken.errors import FreeTokenError
+    from freetoken.runtime.engine import EngineConfig
+    with pytest.raises(FreeTokenError, match="--cpu-act must be exact or int8"):
+        EngineConfig(cpu_act="int4")
+    d = dict(experts="cpu", expert_format="mxfp4", expert_backend="cpp", expert_isa="avx512", expert_threads=6,
+             cpu_act="int8")
+    assert "(cpp, avx512, 6 threads, int8 activations)" in banner("m", "arch", "http://x", d)
+    assert "activations" not in banner("m", "arch", "http://x", dict(d, cpu_act="exact"))
