@@ -49,12 +49,14 @@ def test_int8_kernel_matches_its_reference(fmt, cap):
     if cap == 3 and ex.act != "int8":
         pytest.skip("no AVX512-VNNI on this CPU")
     assert ex.act == ("int8" if cap == 3 else "int8-scalar")
-    for t in (1, 3, 17):
+    for t in (1, 3, 17, 240):  # 240 tokens: the activation rows quantized over the pool's threads
         x, ids, w = routed(t, h, seed=t)
         ids[0, 1] = -1  # a pair that is not running
         got = ex.kernel(x, ids, w)
         ref = reference_experts_int8(x, ids, w, b.gate_up, b.down)
-        assert rel(got, ref) < 1e-5, t
+        # the same integers but where an intermediate h (f32 sums here, f64 there) sits on a
+        # rounding boundary of its 8-bit grid: among 240 tokens' 960 rows one such flip shows
+        assert rel(got, ref) < (1e-5 if t < 100 else 1e-4), t
         exact = reference_experts(x, ids, w, b.gate_up, b.down)
         assert 1e-4 < rel(got, exact) < 5e-2, t  # int8 activations: not exact, not far
 

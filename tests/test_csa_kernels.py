@@ -110,12 +110,15 @@ def test_sink_attention(n, nh, k, k2, d, dtype):
         assert rel(dec, ref) < 1e-6
 
 
+@pytest.mark.parametrize("split", [None, 0, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("o,m,dim,rd,stride", [(2, 4, 48, 16, 1), (1, 6, 64, 16, 1), (2, 3, 96, 32, 2),
-                                               (1, 16, 40, 40, 1)])
-def test_compress_entries(o, m, dim, rd, stride, dtype):
+                                               (1, 16, 40, 40, 1), (1, 64, 40, 16, 1)])
+def test_compress_entries(o, m, dim, rd, stride, dtype, split):
     """Paged rows (pages in a shuffled block table, kv and gate at column offsets of one wider
-    row), ends before a full window (slots before position 0 drop out), at 0 and later."""
+    row), ends before a full window (slots before position 0 drop out), at 0 and later; one
+    program per row (split 0), the features split over programs (16: dim 40 and 48 leave a
+    partial block), and the default (split from 64 slots: the last shape)."""
     g = torch.Generator().manual_seed(o * 100 + m * 10 + dim + stride)
     ps, pages, b = 8, 24, 5
     width = 2 * o * dim + 3
@@ -134,7 +137,7 @@ def test_compress_entries(o, m, dim, rd, stride, dtype):
         pg = t[:b].gather(1, p.reshape(b, -1) // ps).long().view(p.shape)
         return bb[..., cols][pg, p % ps // st]
 
-    got = compress_entries_triton(kvp, gp, ps, ends, m, o, dim, w, EPS, cos, sin, dtype)
+    got = compress_entries_triton(kvp, gp, ps, ends, m, o, dim, w, EPS, cos, sin, dtype, split=split)
     ref = comp.entries(rows, ends, cos, sin, dtype)
     assert got.dtype == dtype and got.shape == (b, dim)
     assert rel(got, ref) < (1e-5 if dtype == torch.float32 else BF16_TOL)

@@ -356,22 +356,17 @@ def sink_attention_triton(q: torch.Tensor, keys: torch.Tensor, sel: torch.Tensor
 
 
 @triton.jit
-def _compress_kernel(ends_ptr, kv_ptr, kv_sp, kv_sr, kv_tab, kv_ts, KV_STRIDE,
-                     g_ptr, g_sp, g_sr, g_tab, g_ts, G_STRIDE, PS,
-                     w_ptr, cos_ptr, sin_ptr, stride_c, out_ptr, M, D, RD, eps,
-                     O: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, DTYPE: tl.constexpr,
-                     OUT: tl.constexpr, EMU: tl.constexpr):
-    """Program b: the entry of the window closing at ends[b] -> out [B, D]. Its S = O * M token
-    slots are positions end - S + 1 .. end (those < 0 drop out); slot i reads the first series
-    (columns 0..D) when O == 1 or i < M, else the second (D..2D). A position p of row b lives
-    at row (p % PS) // STRIDE of page table[b, p // PS] (kv_ptr, g_ptr: the part's first column).
-    Per feature: softmax of the gates over the slots (fp32), the kv rows times those weights
-    (each product rounded to DTYPE, as the reference multiplies in DTYPE) summed in fp32."""
-    b = tl.program_id(0).to(tl.int64)
-    end = tl.load(ends_ptr + b).to(tl.int64)
+def _window_sum(b, end, d, dm, kv_ptr, kv_sp, kv_sr, kv_tab, kv_ts, KV_STRIDE,
+                g_ptr, g_sp, g_sr, g_tab, g_ts, G_STRIDE, PS, M, D,
+                O: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, DTYPE: tl.constexpr, EMU: tl.constexpr):
+    """Features d [BD] (dm: those < D) of row b's window closing at `end`, before the norm: its
+    S = O * M token slots are positions end - S + 1 .. end (those < 0 drop out); slot i reads the
+    first series (columns 0..D) when O == 1 or i < M, else the second (D..2D). A position p of
+    row b lives at row (p % PS) // STRIDE of page table[b, p // PS] (kv_ptr, g_ptr: the part's
+    first column). Per feature: softmax of the gates over the slots (fp32), the kv rows times
+    those weights (each product rounded to DTYPE, as the reference multiplies in DTYPE) summed
+    in fp32 -> [BD] fp32 holding DTYPE values (0 past D)."""
     S = O * M
-    d = tl.arange(0, BD)
-    dm = d < D
     sr = tl.arange(0, BS)
     m_i = tl.full([BD], float("-inf"), tl.float32)
     l_i = tl.zeros([BD], tl.float32)
@@ -406,18 +401,73 @@ def _compress_kernel(ends_ptr, kv_ptr, kv_sp, kv_sr, kv_tab, kv_ts, KV_STRIDE,
         kv = tl.load(kv_ptr + pk[:, None] * kv_sp + ((pc % PS) // KV_STRIDE)[:, None] * kv_sr + col[:, None] + d[None, :],
                      mask=tile, other=0.0).to(tl.float32)  # [BS, BD]
         acc += tl.sum(_round(kv * wgt, DTYPE, EMU), axis=0)
-    e = tl.where(dm, _round(acc, DTYPE, EMU), 0.0)  # [BD]
+    return tl.where(dm, _round(acc, DTYPE, EMU), 0.0)
+
+
+@triton.jit
+def _compress_kernel(ends_ptr, kv_ptr, kv_sp, kv_sr, kv_tab, kv_ts, KV_STRIDE,
+                     g_ptr, g_sp, g_sr, g_tab, g_ts, G_STRIDE, PS,
+                     w_ptr, cos_ptr, sin_ptr, stride_c, out_ptr, M, D, RD, eps,
+                     O: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, DTYPE: tl.constexpr,
+                     OUT: tl.constexpr, EMU: tl.constexpr):
+    """Program b: the entry of the window closing at ends[b] -> out [B, D] (_window_sum over all
+    D features, then the weighted RMS norm and the rotation at the window's first position)."""
+    b = tl.program_id(0).to(tl.int64)
+    end = tl.load(ends_ptr + b).to(tl.int64)
+    d = tl.arange(0, BD)
+    dm = d < D
+    e = _window_sum(b, end, d, dm, kv_ptr, kv_sp, kv_sr, kv_tab, kv_ts, KV_STRIDE, g_ptr, g_sp, g_sr, g_tab, g_ts,
+                    G_STRIDE, PS, M, D, O, BS, BD, DTYPE, EMU)
     start = tl.maximum(end - M + 1, 0)  # the window's first position: its rotation
     y = _norm_rope(e, d, D, RD, w_ptr, cos_ptr, sin_ptr, start, stride_c, eps, 1, True, 1.0, BD, DTYPE, EMU)
     tl.store(out_ptr + b * D + d, y.to(DTYPE).to(OUT), mask=dm)
 
 
+@triton.jit
+def _compress_split_kernel(ends_ptr, kv_ptr, kv_sp, kv_sr, kv_tab, kv_ts, KV_STRIDE,
+                           g_ptr, g_sp, g_sr, g_tab, g_ts, G_STRIDE, PS, e_ptr, M, D,
+                           O: tl.constexpr, BS: tl.constexpr, BDC: tl.constexpr, DTYPE: tl.constexpr,
+                           EMU: tl.constexpr):
+    """Program (b, c): features c*BDC .. of row b's window sum (a long window's rows spread over
+    D / BDC programs instead of one) -> e [B, D] fp32; _entry_norm_kernel finishes the entry."""
+    b = tl.program_id(0).to(tl.int64)
+    end = tl.load(ends_ptr + b).to(tl.int64)
+    d = tl.program_id(1) * BDC + tl.arange(0, BDC)
+    dm = d < D
+    e = _window_sum(b, end, d, dm, kv_ptr, kv_sp, kv_sr, kv_tab, kv_ts, KV_STRIDE, g_ptr, g_sp, g_sr, g_tab, g_ts,
+                    G_STRIDE, PS, M, D, O, BS, BDC, DTYPE, EMU)
+    tl.store(e_ptr + b * D + d, e, mask=dm)
+
+
+@triton.jit
+def _entry_norm_kernel(ends_ptr, e_ptr, w_ptr, cos_ptr, sin_ptr, stride_c, out_ptr, M, D, RD, eps,
+                       BD: tl.constexpr, DTYPE: tl.constexpr, OUT: tl.constexpr, EMU: tl.constexpr):
+    """Program b: the split window sum e[b] normed and rotated at its window's first position."""
+    b = tl.program_id(0).to(tl.int64)
+    end = tl.load(ends_ptr + b).to(tl.int64)
+    d = tl.arange(0, BD)
+    dm = d < D
+    e = tl.load(e_ptr + b * D + d, mask=dm, other=0.0)
+    y = _norm_rope(e, d, D, RD, w_ptr, cos_ptr, sin_ptr, tl.maximum(end - M + 1, 0), stride_c, eps, 1, True, 1.0,
+                   BD, DTYPE, EMU)
+    tl.store(out_ptr + b * D + d, y.to(DTYPE).to(OUT), mask=dm)
+
+
+# Windows of at least this many token slots take the split form (a [S, D] window in one
+# program is a long serial loop at batch 1: HCA's 128 x 512 took 35 us a call in the H200
+# profile of V4's step, 17 calls = 0.6 ms a 12-layer step).
+SPLIT_SLOTS = 64
+
+
 def compress_entries_triton(kv_part, gate_part, page_size: int, ends: torch.Tensor, m: int, o: int, dim: int,
                             norm: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                            dtype: torch.dtype) -> torch.Tensor:
+                            dtype: torch.dtype, split: int | None = None) -> torch.Tensor:
     """As Compressor.entries at decode, reading the rows where they live. kv_part, gate_part:
     DecodeState.part's (buf [pages, rows, width], table [slots, W], cols slice, positions per
-    row); ends [B]: row b's closing position (of slot b); cos, sin [P, rd/2] -> [B, dim] dtype."""
+    row); ends [B]: row b's closing position (of slot b); cos, sin [P, rd/2] -> [B, dim] dtype.
+    split: features per program of the split form (a power of two >= 16; 0: one program per
+    row; None: 64 where the window has >= SPLIT_SLOTS slots, else 0). Both forms compute the
+    same values."""
     kb, kt, kc, ks = kv_part
     gb, gt, gc, gs = gate_part
     assert kb.stride(-1) == 1 and gb.stride(-1) == 1
@@ -425,10 +475,23 @@ def compress_entries_triton(kv_part, gate_part, page_size: int, ends: torch.Tens
     out = torch.empty(b, dim, dtype=dtype, device=ends.device)
     kv0, g0 = kb[..., kc], gb[..., gc]  # views starting at the parts' first columns
     bd = max(16, triton.next_power_of_2(dim))
+    if split is None:
+        split = 64 if o * m >= SPLIT_SLOTS else 0
+    rows = (kv0, kb.stride(0), kb.stride(1), kt, kt.stride(0), ks, g0, gb.stride(0), gb.stride(1), gt, gt.stride(0),
+            gs, page_size)
+    if split:
+        bdc = min(bd, max(16, triton.next_power_of_2(split)))
+        bs = max(2, min(triton.next_power_of_2(o * m), max(2, 8192 // bdc)))
+        e = torch.empty(b, dim, dtype=torch.float32, device=ends.device)
+        _compress_split_kernel[(b, triton.cdiv(dim, bdc))](ends, *rows, e, m, dim, O=o, BS=bs, BDC=bdc,
+                                                           DTYPE=tl_dtype(kb.dtype), EMU=_emu(kb.dtype),
+                                                           num_warps=4, **_NO_FMA)
+        _entry_norm_kernel[(b,)](ends, e, norm, cos, sin, cos.stride(0), out, m, dim, 2 * cos.shape[-1], eps,
+                                 BD=bd, DTYPE=tl_dtype(kb.dtype), OUT=tl_dtype(dtype), EMU=_emu(kb.dtype),
+                                 num_warps=min(8, max(1, bd // 256)), **_NO_FMA)
+        return out
     bs = max(2, min(triton.next_power_of_2(o * m), max(2, 8192 // bd)))  # a [BS, BD] tile ~8K values
-    _compress_kernel[(b,)](ends, kv0, kb.stride(0), kb.stride(1), kt, kt.stride(0), ks,
-                           g0, gb.stride(0), gb.stride(1), gt, gt.stride(0), gs, page_size,
-                           norm, cos, sin, cos.stride(0), out, m, dim, 2 * cos.shape[-1], eps,
+    _compress_kernel[(b,)](ends, *rows, norm, cos, sin, cos.stride(0), out, m, dim, 2 * cos.shape[-1], eps,
                            O=o, BS=bs, BD=bd, DTYPE=tl_dtype(kb.dtype), OUT=tl_dtype(dtype),
                            EMU=_emu(kb.dtype), num_warps=4, **_NO_FMA)
     return out
@@ -460,9 +523,18 @@ def _bench(b: int = 1, reps: int = 200):
     kvp, gp = (buf, table, slice(0, 2 * hd), 1), (buf, table, slice(2 * hd, 4 * hd), 1)
     comp = csa.Compressor({"position_bias": torch.zeros(m, 2 * hd, device=dev), "kv_norm.weight": wk},
                           "", m, 2, hd, 1e-6, ("kv", "gate", "entry"))
+    hca = csa.Compressor({"position_bias": torch.zeros(128, hd, device=dev), "kv_norm.weight": wk},
+                         "", 128, 1, hd, 1e-6, ("kv", "gate", "entry"))
 
     def rows(name, p):
         bb, t, cols, _ = kvp if name == "kv" else gp
+        pg = t[:b].gather(1, p.reshape(b, -1) // ps).long().view(p.shape)
+        return bb[..., cols][pg, p % ps]
+
+    kvp1, gp1 = (buf, table, slice(0, hd), 1), (buf, table, slice(2 * hd, 3 * hd), 1)  # HCA: one series
+
+    def rows1(name, p):
+        bb, t, cols, _ = kvp1 if name == "kv" else gp1
         pg = t[:b].gather(1, p.reshape(b, -1) // ps).long().view(p.shape)
         return bb[..., cols][pg, p % ps]
 
@@ -486,6 +558,11 @@ def _bench(b: int = 1, reps: int = 200):
         "compress entries torch": lambda: comp.entries(rows, ends, cos, sin, dt),
         "compress entries triton": lambda: compress_entries_triton(kvp, gp, ps, ends, m, 2, hd, wk, 1e-6,
                                                                    cos, sin, dt),
+        # HCA's window: 128 tokens, one series (kv and gate of the first hd columns each)
+        "hca entries torch": lambda: hca.entries(rows1, ends, cos, sin, dt),
+        "hca entries triton": lambda: compress_entries_triton(kvp1, gp1, ps, ends, 128, 1, hd, wk, 1e-6, cos, sin, dt),
+        "hca entries triton 1 program": lambda: compress_entries_triton(kvp1, gp1, ps, ends, 128, 1, hd, wk, 1e-6,
+                                                                        cos, sin, dt, split=0),
     }
     outs = {}
     for name, f in cases.items():

@@ -292,11 +292,23 @@ class CompressedAttention:
 
     def _write(self, st: DecodeState, at, pos: torch.Tensor, store: dict) -> None:
         """Each part's rows at positions pos into the pages holding that part; at(table, pos,
-        stride) -> (pages, rows) through that part's block table."""
+        stride) -> (pages, rows) through that part's block table. Parts side by side in one
+        buffer (same table and stride, adjacent columns) go in one write: the ring row (kv, ckv,
+        cgate, ikv, igate) is one write instead of five, each of which was several small
+        launches of the decode step."""
+        runs = []  # [buffer, table, stride, first column, end column, values]
         for name, val in store.items():
             buf, table, cols, stride = st.part(self.layer, name)  # [pages, rows, width], [slots, W]
+            r = runs[-1] if runs else None
+            if (r is not None and r[0].data_ptr() == buf.data_ptr() and r[0].shape == buf.shape
+                    and r[1] is table and r[2] == stride and r[4] == cols.start and r[5][0].dtype == val.dtype):
+                r[4] = cols.stop
+                r[5].append(val)
+            else:
+                runs.append([buf, table, stride, cols.start, cols.stop, [val]])
+        for buf, table, stride, first, end, vals in runs:
             page, row = at(table, pos, stride)
-            buf[..., cols][page, row] = val
+            buf[..., first:end][page, row] = vals[0] if len(vals) == 1 else torch.cat(vals, dim=-1)
 
     def _output(self, o: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """o [N, nh, hd] -> [N, H]: the values' rotation undone at the query's position, then the

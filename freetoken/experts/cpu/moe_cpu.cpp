@@ -1021,11 +1021,23 @@ struct Executor {
     std::vector<int32_t> xqo, hqo;
     auto q8row = [](const std::vector<int8_t>& q, const std::vector<float>& s, const std::vector<int32_t>& o, int ch,
                     size_t row) { return Q8Act{q.data() + row * ch * Q8_CHUNK, s.data() + row * ch * 16, o.data() + row * ch * 16}; };
+    // rows quantized over the pool's threads when there are many (a prefill chunk), else here (a
+    // decode call: a pool hand-off costs more than its few rows)
+    auto rows_over_pool = [&](int from, int n, size_t cols, const std::function<void(int)>& f) {
+      if (size_t(n - from) * cols < (size_t(1) << 16)) {
+        for (int r = from; r < n; ++r) f(r);
+        return;
+      }
+      pool.run([&](int tid) {
+        for (int r = from + tid; r < n; r += pool.size()) f(r);
+      });
+    };
     if (i8) {
       xq.resize(size_t(T) * chH * Q8_CHUNK), xqs.resize(size_t(T) * chH * 16), xqo.resize(size_t(T) * chH * 16);
-      for (int t = 0; t < T; ++t)
+      rows_over_pool(0, T, H, [&](int t) {
         quantize_q8(x + size_t(t) * H, H, xq.data() + size_t(t) * chH * Q8_CHUNK, xqs.data() + size_t(t) * chH * 16,
                     xqo.data() + size_t(t) * chH * 16);
+      });
     }
     const int nt = pool.size();
     constexpr int RB = 16;  // rows per work unit
@@ -1068,9 +1080,10 @@ struct Executor {
     });
     if (i8) {  // posI is the identity here: hl rows are in natural order
       hq.resize(size_t(P) * chI * Q8_CHUNK), hqs.resize(size_t(P) * chI * 16), hqo.resize(size_t(P) * chI * 16);
-      for (int q = 0; q < P; ++q)
-        quantize_q8(hl.data() + size_t(q) * I, I, hq.data() + size_t(q) * chI * Q8_CHUNK, hqs.data() + size_t(q) * chI * 16,
-                    hqo.data() + size_t(q) * chI * 16);
+      rows_over_pool(first, P, I, [&](int q) {  // pairs before `first` run no expert
+        quantize_q8(hl.data() + size_t(q) * I, I, hq.data() + size_t(q) * chI * Q8_CHUNK,
+                    hqs.data() + size_t(q) * chI * 16, hqo.data() + size_t(q) * chI * 16);
+      });
     }
     const int hb_blocks = (H + RB - 1) / RB;
     pool.run([&](int tid) {
