@@ -113,12 +113,12 @@ def test_sink_attention(n, nh, k, k2, d, dtype):
 @pytest.mark.parametrize("split", [None, 0, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("o,m,dim,rd,stride", [(2, 4, 48, 16, 1), (1, 6, 64, 16, 1), (2, 3, 96, 32, 2),
-                                               (1, 16, 40, 40, 1), (1, 64, 40, 16, 1)])
+                                               (1, 16, 40, 40, 1), (1, 64, 160, 16, 1)])
 def test_compress_entries(o, m, dim, rd, stride, dtype, split):
     """Paged rows (pages in a shuffled block table, kv and gate at column offsets of one wider
     row), ends before a full window (slots before position 0 drop out), at 0 and later; one
     program per row (split 0), the features split over programs (16: dim 40 and 48 leave a
-    partial block), and the default (split from 64 slots: the last shape)."""
+    partial block), and the default (split from 64 slots: the last shape, three blocks of 64)."""
     g = torch.Generator().manual_seed(o * 100 + m * 10 + dim + stride)
     ps, pages, b = 8, 24, 5
     width = 2 * o * dim + 3

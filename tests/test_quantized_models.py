@@ -179,7 +179,7 @@ def test_cpu_act_int8_model_equals_its_reference(built, name):
     pre, toks, steps = engine_greedy(eng, prompt, 8)
     ref_eng = Engine(path, EngineConfig(device="cpu", dtype="float32"))
     old = ref_eng.executor
-    ex = Int8ReferenceExecutor(old.gate_up, old.down, layer_experts=ref_eng.cfg.num_experts)
+    ex = Int8ReferenceExecutor(old.gate_up, old.down, layer_experts=ref_eng.cfg.num_experts, **ref_eng.expert_fn)
     for _, mlp, _, _ in ref_eng.model.layers:
         if isinstance(mlp, MoE):
             mlp.executor = ex

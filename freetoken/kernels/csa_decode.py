@@ -466,8 +466,10 @@ def compress_entries_triton(kv_part, gate_part, page_size: int, ends: torch.Tens
     DecodeState.part's (buf [pages, rows, width], table [slots, W], cols slice, positions per
     row); ends [B]: row b's closing position (of slot b); cos, sin [P, rd/2] -> [B, dim] dtype.
     split: features per program of the split form (a power of two >= 16; 0: one program per
-    row; None: 64 where the window has >= SPLIT_SLOTS slots, else 0). Both forms compute the
-    same values."""
+    row; None: 64 where the window has >= SPLIT_SLOTS slots, else 0). The two forms agree up
+    to rounding (their fp32 partial sums are grouped differently)."""
+    if split is not None and split < 0:
+        raise ValueError(f"compress_entries_triton: split must be >= 0 features a program, got {split}")
     kb, kt, kc, ks = kv_part
     gb, gt, gc, gs = gate_part
     assert kb.stride(-1) == 1 and gb.stride(-1) == 1

@@ -68,8 +68,8 @@ class EngineConfig:
     cpu_act: str = field(default="exact", metadata={
         "help": "activations of MXFP4 / NVFP4 experts on the CPU executor: exact = as the model computes them "
                 "(f32 / bf16); int8 = quantized per 32 values for integer dot products (AVX512-VNNI, as "
-                "llama.cpp's quantized CPU kernels; fewer instructions per weight, about 1%% off the exact "
-                "result, not bit-exact)",
+                "llama.cpp's quantized CPU kernels; fewer instructions per weight; each expert output about 1%% "
+                "off the exact one, more through a whole model: not bit-exact)",
         "choices": ["exact", "int8"]})
     prefill_chunk: int = field(default=2048, metadata={"help": "tokens per prefill chunk"})
     max_seq_len: int = field(default=0, metadata={"help": "context limit (0: the model's)"})
@@ -309,6 +309,8 @@ class Engine:
         quantized bytes (and bias rows), the quantized kernels over them, that host executor for
         its CPU branch."""
         if self.experts_on == "gpu":
+            if self.ecfg.cpu_act == "int8":
+                log.info("--cpu-act int8: no expert runs on the CPU (--moe resident); ignored")
             b = banks.to(self.device)
             return TorchExpertExecutor(b.gate_up, b.down, layer_experts=self.cfg.num_experts, **self.expert_fn)
         from ..experts.cpu import CpuExpertExecutor, extension
@@ -317,7 +319,8 @@ class Engine:
                                      **self.expert_fn)
         else:
             log.warning("%s experts: the C++ expert executor could not be built; the experts run on the torch "
-                        "path on the host (slower)", banks.format)
+                        "path on the host (slower%s)", banks.format,
+                        "; --cpu-act int8 does not apply there" if self.ecfg.cpu_act == "int8" else "")
             host = QuantizedHostExecutor(banks.gate_up, banks.down, layer_experts=self.cfg.num_experts,
                                          **self.expert_fn)
         return self._cache_executor(banks.gate_up, banks.down, host) if self.experts_on == "cache" else host

@@ -199,17 +199,26 @@ class CpuExpertExecutor(ExpertExecutor):
             weakref.finalize(self, ext.release, self.handle).atexit = False  # at exit the process ends them
         # "cpp": the C++ thread pool; "torch-fallback": it could not be built (slower, warned once)
         self.backend = "cpp" if ext is not None else "torch-fallback"
-        self.act = "exact"  # activations of the kernel's calls: exact, or int8 (set_act_int8)
-        if act_int8 and self.quantized and self.format in ("mxfp4", "nvfp4") and ext is not None:
-            vnni = ext.set_act_int8(self.handle, True)
-            self.act = "int8" if vnni else "int8-scalar"
-            if not vnni:
-                log.warning("--cpu-act int8: this CPU (or the ISA cap) has no AVX512-VNNI; the int8 path "
-                            "runs its scalar form, slower than the exact kernels")
-        elif act_int8:
-            log.info("--cpu-act int8 applies to MXFP4 / NVFP4 banks on the C++ executor; %s experts stay exact",
-                     self.format if ext is not None else "torch-fallback")
         self.calls = self.pairs = 0
+        self.act = "exact"  # activations of the kernel's calls: exact, int8 or int8-scalar (set_act)
+        if act_int8:
+            self.set_act(True)
+
+    def set_act(self, int8: bool) -> str:
+        """int8 activations for this executor's MXFP4 / NVFP4 calls (--cpu-act int8), or the exact
+        kernels again; -> self.act. Other banks, and the torch fallback, stay exact (said once)."""
+        ext = extension()
+        if not (self.quantized and self.format in ("mxfp4", "nvfp4") and ext is not None):
+            if int8:
+                log.info("--cpu-act int8 applies to MXFP4 / NVFP4 banks on the C++ executor; %s experts stay exact",
+                         self.format if ext is not None else "torch-fallback")
+            return self.act
+        vnni = ext.set_act_int8(self.handle, int8)
+        self.act = "exact" if not int8 else "int8" if vnni else "int8-scalar"
+        if int8 and not vnni:
+            log.warning("--cpu-act int8: this CPU (or the ISA cap) has no AVX512-VNNI; the int8 path runs its "
+                        "scalar form, slower than the exact kernels")
+        return self.act
 
     @staticmethod
     def _fn_args(activation: Activation, gate_up_bias, down_bias) -> dict:

@@ -24,8 +24,9 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n, c = x.shape
     xp = F.pad(x.float(), (0, (-c) % BLOCK)).view(n, -1, BLOCK)  # [n, nb, 32]
     amax = xp.abs().amax(-1)  # [n, nb]
-    inv = torch.where(amax > 0, 127.0 / amax.clamp(min=torch.finfo(torch.float32).tiny), torch.zeros_like(amax))
-    q = torch.round(xp * inv[..., None])  # half to even, as nearbyint
+    big = 127.0 / torch.finfo(torch.float32).max  # below: 127 / amax overflows, the block is zero
+    inv = torch.where(amax > big, 127.0 / amax.clamp(min=big), torch.zeros_like(amax))
+    q = torch.round((xp * inv[..., None]).clamp(-127, 127))  # half to even, as nearbyint
     return q.view(n, -1)[:, :c], amax / 127.0
 
 

@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cfloat>
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
@@ -741,11 +742,13 @@ inline void quantize_q8(const float* x, int C, int8_t* q, float* xs, int32_t* of
     const int c0 = b * 32, c1 = std::min(C, c0 + 32);
     float amax = 0.f;
     for (int c = c0; c < c1; ++c) amax = std::max(amax, std::fabs(x[c]));
-    const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    // amax below 127 / FLT_MAX (denormal blocks) would make inv infinite: such a block is zero
+    const float d = amax / 127.f, inv = amax > 127.f / FLT_MAX ? 127.f / amax : 0.f;
     const int ch = c0 / Q8_CHUNK;
     for (int c = c0; c < c1; ++c) {
       const int o = c - ch * Q8_CHUNK;
-      q[size_t(ch) * Q8_CHUNK + (o & 1) * 64 + o / 2] = int8_t(std::nearbyint(x[c] * inv));
+      // clamped: a NaN activation (skipped by the max above) must not reach the int8 cast
+      q[size_t(ch) * Q8_CHUNK + (o & 1) * 64 + o / 2] = int8_t(std::nearbyint(std::fmin(std::fmax(x[c] * inv, -127.f), 127.f)));
     }
     for (int l = (c0 % Q8_CHUNK) / 8; l < (c0 % Q8_CHUNK) / 8 + 4; ++l) xs[ch * 16 + l] = d;
   }
@@ -1009,10 +1012,12 @@ struct Executor {
       for (int t = 0; t < T; ++t)
         for (int c = 0; c < H; ++c) xb[size_t(t) * H + posH[c]] = f32_to_bf16(x[size_t(t) * H + c]);
     } else {
-      xl.resize(size_t(T) * H);
       hl.resize(size_t(P) * I);
-      for (int t = 0; t < T; ++t)
-        for (int c = 0; c < H; ++c) xl[size_t(t) * H + posH[c]] = x[size_t(t) * H + c];
+      if (!i8) {  // int8: quantized below instead
+        xl.resize(size_t(T) * H);
+        for (int t = 0; t < T; ++t)
+          for (int c = 0; c < H; ++c) xl[size_t(t) * H + posH[c]] = x[size_t(t) * H + c];
+      }
     }
     // int8: x rows quantized once here, h rows between the phases
     const int chH = q8_chunks(H), chI = q8_chunks(I);
@@ -1125,13 +1130,18 @@ struct Executor {
 
 std::vector<std::unique_ptr<Executor>> g_execs;
 
+Executor& exec_of(int64_t handle) {  // a literal message (see BANK_CHECK), not vector::at's
+  TORCH_CHECK(handle >= 0 && handle < int64_t(g_execs.size()), "moe_cpu: unknown executor handle");
+  return *g_execs[handle];
+}
+
 int64_t create(std::vector<int64_t> cpus, int64_t isa_cap) {
   std::vector<int> c(cpus.begin(), cpus.end());
   g_execs.emplace_back(new Executor(c, int(isa_cap)));
   return int64_t(g_execs.size()) - 1;
 }
 
-int64_t isa_of(int64_t handle) { return g_execs.at(handle)->isa; }
+int64_t isa_of(int64_t handle) { return exec_of(handle).isa; }
 
 bool cpu_has_vnni() {
   __builtin_cpu_init();
@@ -1146,7 +1156,7 @@ bool cpu_has_vnni() {
 // Returns whether the vector (VNNI) kernel serves them; without VNNI, or under a lower ISA cap,
 // the scalar form does (correct, slow: the caller warns).
 bool set_act_int8(int64_t handle, bool on) {
-  Executor& ex = *g_execs.at(handle);
+  Executor& ex = exec_of(handle);
   py::gil_scoped_release nogil;
   std::lock_guard<std::mutex> g(ex.call_mutex);  // not in the middle of a call
   ex.q8 = on;
@@ -1159,7 +1169,7 @@ bool set_act_int8(int64_t handle, bool on) {
 // CpuExpertExecutor calls it when it is garbage collected: a process that makes many (tests,
 // benchmarks) does not pile up pinned threads.
 void release(int64_t handle) {
-  Executor& ex = *g_execs.at(handle);
+  Executor& ex = exec_of(handle);
   py::gil_scoped_release nogil;
   std::lock_guard<std::mutex> g(ex.call_mutex);
   ex.pool.stop();
@@ -1201,6 +1211,9 @@ torch::Tensor forward(int64_t handle, torch::Tensor x, torch::Tensor ids, torch:
                       double limit, c10::optional<torch::Tensor> gate_up_bias, c10::optional<torch::Tensor> down_bias) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && ids.dtype() == torch::kInt64 && w.dtype() == torch::kFloat32,
               "moe_cpu.forward: x f32, ids i64, w f32 expected");
+  TORCH_CHECK(x.dim() == 2 && ids.dim() == 2 && w.sizes() == ids.sizes() && ids.size(0) == x.size(0) &&
+                  gate_up.dim() == 3 && down.dim() == 3,
+              "moe_cpu.forward: x [T, H], ids and w [T, K], banks [N, rows, cols] expected");
   TORCH_CHECK(gate_up.dtype() == down.dtype(), "gate_up and down banks must share a dtype");
   TORCH_CHECK(gate_up.is_contiguous() && down.is_contiguous(), "banks must be contiguous");
   x = x.contiguous(), ids = ids.contiguous(), w = w.contiguous();
@@ -1212,7 +1225,7 @@ torch::Tensor forward(int64_t handle, torch::Tensor x, torch::Tensor ids, torch:
   const ExpertFn fn = make_fn(act, alpha, limit, gate_up_bias, down_bias, N, H, I, bf16_act);
   TORCH_CHECK(gate_up.dtype() == torch::kBFloat16 || gate_up.dtype() == torch::kFloat32, "banks must be bf16 or f32");
   auto out = torch::empty({T, H}, x.options());
-  Executor& ex = *g_execs.at(handle);
+  Executor& ex = exec_of(handle);
   // every check above throws with the GIL held (a check failing with it released is the likely
   // cause of a crash seen on the GPU machine's torch 2.11 / Python 3.12); only the compute runs
   // without it
@@ -1386,8 +1399,12 @@ std::pair<QBank, QBank> make_banks(int64_t fmt, const torch::Tensor& gu_v, const
     err = "moe_cpu: unknown quantized format code (1 fp8_block, 2 mxfp4, 3 nvfp4)";
     return banks;
   }
+  if (gu_v.dim() != 3 || dn_v.dim() != 3) {
+    err = "moe_cpu: value banks must be [N, rows, bytes]";
+    return banks;
+  }
   const int64_t N = gu_v.size(0);
-  if (dn_v.dim() != 3 || dn_v.size(0) != N || dn_v.size(1) != H) {
+  if (dn_v.size(0) != N || dn_v.size(1) != H) {
     err = "moe_cpu: down bank must be [N, H, *]";
     return banks;
   }
@@ -1400,6 +1417,7 @@ std::pair<QBank, QBank> make_banks(int64_t fmt, const torch::Tensor& gu_v, const
 int64_t qbanks_create(int64_t fmt, torch::Tensor gu_v, torch::Tensor gu_s, torch::Tensor gu_s2, torch::Tensor dn_v,
                       torch::Tensor dn_s, torch::Tensor dn_s2) {
   const char* err = nullptr;
+  TORCH_CHECK(dn_v.dim() == 3, "moe_cpu.qbanks_create: the down values must be [N, H, bytes]");
   auto banks = make_banks(fmt, gu_v, gu_s, gu_s2, dn_v, dn_s, dn_s2, dn_v.size(1), err);
   TORCH_CHECK(err == nullptr, err);  // a literal message: see BANK_CHECK
   return reinterpret_cast<int64_t>(new QPair{banks.first, banks.second});
@@ -1417,6 +1435,8 @@ torch::Tensor forward_q(int64_t handle, torch::Tensor x, torch::Tensor ids, torc
                         c10::optional<torch::Tensor> down_bias) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && ids.dtype() == torch::kInt64 && w.dtype() == torch::kFloat32,
               "moe_cpu.forward_q: x f32, ids i64, w f32 expected");
+  TORCH_CHECK(x.dim() == 2 && ids.dim() == 2 && w.sizes() == ids.sizes() && ids.size(0) == x.size(0),
+              "moe_cpu.forward_q: x [T, H], ids and w [T, K] expected");
   x = x.contiguous(), ids = ids.contiguous(), w = w.contiguous();
   const int T = x.size(0), H = x.size(1), K = ids.size(1);
   const int64_t N = gu_v.size(0);
@@ -1428,7 +1448,7 @@ torch::Tensor forward_q(int64_t handle, torch::Tensor x, torch::Tensor ids, torc
   for (int64_t i = 0; i < ids.numel(); ++i) TORCH_CHECK(idp[i] >= -1 && idp[i] < N, "expert id out of range");
   const ExpertFn fn = make_fn(act, alpha, limit, gate_up_bias, down_bias, N, H, I, bf16_act);
   auto out = torch::empty({T, H}, x.options());
-  Executor& ex = *g_execs.at(handle);
+  Executor& ex = exec_of(handle);
   py::gil_scoped_release nogil;  // after every check, as forward's
   std::lock_guard<std::mutex> g(ex.call_mutex);
   ex.run_q(x.data_ptr<float>(), idp, w.data_ptr<float>(), T, K, gu, dn, H, I, out.data_ptr<float>(), bf16_act, fn);
@@ -1495,7 +1515,7 @@ void bell_stop(int64_t addr) { __atomic_store_n(&reinterpret_cast<Bell*>(addr)->
 
 int64_t host_call_address() { return reinterpret_cast<int64_t>(&host_call); }
 // executors live as long as the process (g_execs never shrinks): their addresses stay valid
-int64_t executor_address(int64_t handle) { return reinterpret_cast<int64_t>(g_execs.at(handle).get()); }
+int64_t executor_address(int64_t handle) { return reinterpret_cast<int64_t>(&exec_of(handle)); }
 int64_t host_call_size() { return int64_t(sizeof(HostCall)); }
 
 }  // namespace
