@@ -27,7 +27,7 @@ import torch
 
 from bench.common import timeit, write_result
 from freetoken.experts.banks import ExpertBanks, QuantBank
-from freetoken.experts.cpu import CpuExpertExecutor, extension, physical_cores
+from freetoken.experts.cpu import CpuExpertExecutor, physical_cores
 from freetoken.experts.executor import ACTIVATIONS, Activation, reference_experts
 
 FORMATS = ("bf16", "fp8_block", "mxfp4", "nvfp4")
@@ -129,12 +129,12 @@ def main():
                "cpp_bf16act_ms": round(t_bf * 1e3, 3),
                "cpp_bf16act_gbs": round(distinct * per_expert / t_bf / 1e9, 1)}
         if a.format in ("mxfp4", "nvfp4") and ex.handle is not None:  # --cpu-act int8, same executor
-            vnni = extension().set_act_int8(ex.handle, True)
+            vnni = ex.set_act(True) == "int8"
             x0, ids0, w0 = calls[0]
             exact = reference_experts(x0, ids0, w0, gu, dn, **fn)
             err = float((ex.kernel(x0, ids0, w0) - exact).norm() / exact.norm())
             t_i8 = run(ex.kernel)
-            extension().set_act_int8(ex.handle, False)
+            ex.set_act(False)
             row.update(cpp_int8_ms=round(t_i8 * 1e3, 3), cpp_int8_gbs=round(distinct * per_expert / t_i8 / 1e9, 1),
                        int8_vnni=vnni, int8_rel_err=float(f"{err:.2e}"))
         if b <= (32 if a.format == "bf16" else 8):  # the quantized reference dequantizes each expert in torch
