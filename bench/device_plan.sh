@@ -10,6 +10,8 @@
 # Call 2: the same on the models: V4's 12-layer slice CPU-only and cached with int8, the
 # full-size Qwen3.6 shape's MXFP4 cache rows (issue 10's rows with a 4-bit pool).
 # Call 3: the Qwen3.6 MXFP4 rows with int8; test_expert_cache_quant.py -k on_cuda with time enough.
+# Call 4 (if time is left): short prompts jumping in between an interleaved prompt's layers;
+# the 40-layer streamed prefill.
 set -uo pipefail
 STAGE=${1:?usage: bash bench/device_plan.sh 1|2|3}
 OUT=${OUT:-/tmp/ft-device-out}
@@ -45,7 +47,13 @@ case "$STAGE" in
     --threads 6 --cpu-act int8 --name large_models-qwen3_5_moe-mxfp4-int8
   FT_TAG=plan3 FT_PER_FILE=300 FT_K=on_cuda bash bench/device_tests.sh tests/test_expert_cache_quant.py > /dev/null
   ;;
-*) echo "stage 1, 2 or 3"; exit 2 ;;
+4)  # if the session has time left: short prompts jumping in between an interleaved prompt's
+  # layers (TTFT behind a 32k prompt, issue 9), and the 40-layer streamed prefill (issue 11)
+  step 240 interference python3 -m bench.interference --full-size --long 32768 --settings interleave,overlap
+  step 300 prefill-stream-40 python3 -m bench.prefill_stream --layers 40 --lengths 4096,16384,32768 \
+    --buffering double,on-demand
+  ;;
+*) echo "stage 1, 2, 3 or 4"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)

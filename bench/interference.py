@@ -128,6 +128,7 @@ def run_setting(eng, name: str, a) -> dict:
     out = {"setting": name, "step_tokens": srv.sched.step_tokens, "order": srv.sched.order,
            "decode_slowdown": srv.slowdown, "decode_steps_between_layers": srv.between.steps,
            "decode_steps_alongside_prompts": srv.overlap.steps if srv.overlap is not None else 0,
+           "prompts_between_layers": srv.jump_ins,
            "prompt_ms_per_layer": ms(srv.between.per_layer),
            "unloaded_gap_p50_ms": ms(quantile(unloaded, 0.5)), "unloaded_gap_p99_ms": ms(quantile(unloaded, 0.99)),
            "loaded_gap_p50_ms": ms(quantile(loaded, 0.5)), "loaded_gap_p99_ms": ms(quantile(loaded, 0.99)),

@@ -113,3 +113,32 @@ def test_a_decode_step_comes_before_a_costly_layer(monkeypatch):
     assert not iv.due(0.010, 2)
     iv.layer_queued(2)
     assert iv.due(0.010, 3)  # 3 ms queued + half of the 8 ms layer: past the gap
+
+
+def test_a_short_prompt_that_arrives_mid_forward_prefills_between_its_layers(eng):
+    """A request that arrives while a long prompt's forward runs (added from inside it, before
+    layer 1) prefills whole between two of its layers and has its first token before the long
+    prompt's; every request gets the tokens it gets without interleaving. A prompt longer than
+    one step's budget waits for the next step instead."""
+    g = torch.Generator().manual_seed(9)
+    ps = [torch.randint(5, eng.cfg.vocab_size, (n,), generator=g).tolist() for n in (12, 400, 15, 500)]
+    ref = drive(serving(eng, False), [greedy(p, 6) for p in ps], arrive=[0, 1, 2, 2])
+    srv = serving(eng, True, step_tokens=400)  # the long prompt in one forward
+    stream, long, short, longer = (greedy(p, 6) for p in ps)
+    hook = srv._between_layers
+    added = []
+
+    def arrive_mid_forward(i):
+        if i == 1 and not added and long.slot is not None and long.first_token_at is None:
+            added.append(i)
+            srv.sched.add(short)  # fits one step's budget (400): jumps in
+            srv.sched.add(longer)  # 500 > 400: waits for the steps after
+        hook(i)
+    srv._between_layers = arrive_mid_forward
+    drive(srv, [stream, long], arrive=[0, 1])
+    while short.finished_at is None or longer.finished_at is None:
+        srv.step()
+    assert added and srv.jump_ins == 1 and srv.stats()["prompts_between_layers"] == 1
+    assert short.first_token_at < long.first_token_at < longer.first_token_at
+    assert [r.output_ids for r in (stream, long, short, longer)] == [r.output_ids for r in ref]
+    assert not srv.sched.running and srv.state.pages.used == 0

@@ -19,6 +19,10 @@ index learned from the cycles themselves (layers differ: a full-attention layer 
 context, a DeltaNet layer does not, so a decode step is taken before a costly layer rather than
 after it): a cycle (decode end to decode end) is the queued layers plus one decode step, and the
 decode step's own time is known from plain steps.
+
+Short prompts: a request whose whole prompt fits one step's budget and arrives while such a
+forward runs prefills at the next layer boundary, whole, before the forward goes on (the
+loop's _jump_in): its first token does not wait for the long forward.
 """
 from __future__ import annotations
 

@@ -101,6 +101,24 @@ class Scheduler:
             budget -= end - req.computed
         return b
 
+    def admit_whole(self, max_tokens: int) -> list[tuple[Request, int, int]]:
+        """Waiting requests whose whole prompt is at most max_tokens, into free slots (arrival
+        order; cancelled ones stay for schedule() to drop) -> (request, 0, prompt end): what the
+        loop prefills between the layers of a long prompt's forward, so a short request does not
+        wait for that forward (runtime/loop.py _jump_in)."""
+        out = []
+        for req in list(self.waiting):
+            if not self.free:
+                break
+            if req.cancelled or req.prefill_end > max_tokens:
+                continue
+            self.waiting.remove(req)
+            self.free.sort()
+            req.slot = self.free.pop(0)
+            self.running[req.slot] = req
+            out.append((req, req.computed, req.prefill_end))
+        return out
+
     def preempt(self, req: Request) -> None:
         """Give a running request's slot back and queue it first (it will be recomputed)."""
         if req.slot is not None and self.running.get(req.slot) is req:
