@@ -10,6 +10,7 @@ Subclasses deliver tokens (`emit`); ServingEngine adds the thread and the asynci
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -235,24 +236,40 @@ class EngineLoop:
         charged to its request)."""
         ready = []
         for req, start, end in items:
-            try:
-                if not req.restored:
-                    n = end - start
-                    req.restored = True
-                    req.computed = self.kv.restore(req)
-                    if not req.preemptions:
-                        req.cached_tokens = req.computed
-                    start, end = req.computed, min(req.prefill_end, req.computed + n)
+            with self._setup_guard(req):
+                start, end = self._restore(req, start, end)
                 if self._room(req, end):
                     ready.append((req, start, end))
-            except FreeTokenError as e:  # the request's own fault (past the context): one line
-                log.warning("request %s: %s", req.id, e)
-                self._finish(req, "error", error=str(e))
-            except Exception as e:  # noqa: BLE001
-                log.exception("prefill set-up failed for request %s", req.id)
-                self._finish(req, "error", error=f"{type(e).__name__}: {e}")
+        return self._groups(ready)
+
+    @staticmethod
+    def _groups(ready: list[tuple[Request, int, int]]) -> list[list[tuple[Request, int, int]]]:
         shared = [it for it in ready if not it[0].solo]
         return ([shared] if shared else []) + [[it] for it in ready if it[0].solo]
+
+    def _restore(self, req: Request, start: int, end: int) -> tuple[int, int]:
+        """A request's first chunk: what the prefix cache holds of it is restored (the chunk
+        then starts after it, as long); -> the chunk's (start, end)."""
+        if req.restored:
+            return start, end
+        n = end - start
+        req.restored = True
+        req.computed = self.kv.restore(req)
+        if not req.preemptions:
+            req.cached_tokens = req.computed
+        return req.computed, min(req.prefill_end, req.computed + n)
+
+    @contextlib.contextmanager
+    def _setup_guard(self, req: Request):
+        """A request whose set-up fails ends with an error; the step goes on without it."""
+        try:
+            yield
+        except FreeTokenError as e:  # the request's own fault (past the context): one line
+            log.warning("request %s: %s", req.id, e)
+            self._finish(req, "error", error=str(e))
+        except Exception as e:  # noqa: BLE001
+            log.exception("prefill set-up failed for request %s", req.id)
+            self._finish(req, "error", error=f"{type(e).__name__}: {e}")
 
     def _prepare_decode(self, reqs: list[Request]) -> list[Request]:
         for req in list(reqs):  # a page for each row's next position
@@ -370,30 +387,21 @@ class EngineLoop:
         with self._lock:
             items = self.sched.admit_whole(self.sched.step_tokens)
         ready = []
-        for req, _, _ in items:
-            try:
-                if not req.restored:
-                    req.restored = True
-                    req.computed = self.kv.restore(req)
-                    if not req.preemptions:
-                        req.cached_tokens = req.computed
-                self.kv.grow(req, req.prefill_end)
-                ready.append((req, req.computed, req.prefill_end))
-            except PagesExhausted:
-                self._rewind(req)
-                with self._lock:
-                    self.sched.preempt(req)  # its slot back, first in the queue
-            except FreeTokenError as e:  # the request's own fault (past the context): one line
-                log.warning("request %s: %s", req.id, e)
-                self._finish(req, "error", error=str(e))
-            except Exception as e:  # noqa: BLE001
-                log.exception("prefill set-up failed for request %s", req.id)
-                self._finish(req, "error", error=f"{type(e).__name__}: {e}")
+        for req, start, end in items:
+            with self._setup_guard(req):
+                try:
+                    start, end = self._restore(req, start, end)
+                    self.kv.grow(req, end)
+                    ready.append((req, start, end))
+                except PagesExhausted:
+                    self._rewind(req)
+                    with self._lock:
+                        self.sched.preempt(req)  # its slot back, first in the queue
         if not ready:
             return
         self.between.running = True  # no decode steps, no hook inside it
         try:
-            for group in ([ready] if all(not r.solo for r, _, _ in ready) else [[it] for it in ready]):
+            for group in self._groups(ready):
                 self._run(group, [])
         finally:
             self.between.running = False
