@@ -29,9 +29,12 @@ step() {
 case "$STAGE" in
 1)  # 560 s
   FT_TAG=plan1 FT_PER_FILE=120 bash bench/device_tests.sh tests/test_cpu_int8_act.py tests/test_cpu_quantized.py > /dev/null
+  # the HCA compressor's split form (off until timed: csa_decode.SPLIT_SLOTS) against one program
+  FT_TAG=plan1 FT_PER_FILE=60 FT_K=compress bash bench/device_tests.sh tests/test_csa_kernels.py > /dev/null
+  step 25 csa-b1 python3 -m freetoken.kernels.csa_decode 1
   for f in mxfp4 nvfp4; do
     for t in 6 16; do
-      step 75 "cpu_experts-$f-t$t" python3 -m bench.cpu_experts --format $f --experts 2048 --threads $t \
+      step 65 "cpu_experts-$f-t$t" python3 -m bench.cpu_experts --format $f --experts 2048 --threads $t \
         --batches 1,4 --iters 30 --name "cpu_experts-$f-int8-t$t"
     done
   done

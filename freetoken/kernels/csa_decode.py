@@ -455,8 +455,10 @@ def _entry_norm_kernel(ends_ptr, e_ptr, w_ptr, cos_ptr, sin_ptr, stride_c, out_p
 
 # Windows of at least this many token slots take the split form (a [S, D] window in one
 # program is a long serial loop at batch 1: HCA's 128 x 512 took 35 us a call in the H200
-# profile of V4's step, 17 calls = 0.6 ms a 12-layer step).
-SPLIT_SLOTS = 64
+# profile of V4's step, 17 calls = 0.6 ms a 12-layer step). 0: off, the default until the split
+# form has run on a GPU (interpreter-tested only); the next device call times both
+# (`python -m freetoken.kernels.csa_decode 1`, "hca entries").
+SPLIT_SLOTS = 0
 
 
 def compress_entries_triton(kv_part, gate_part, page_size: int, ends: torch.Tensor, m: int, o: int, dim: int,
@@ -466,7 +468,7 @@ def compress_entries_triton(kv_part, gate_part, page_size: int, ends: torch.Tens
     DecodeState.part's (buf [pages, rows, width], table [slots, W], cols slice, positions per
     row); ends [B]: row b's closing position (of slot b); cos, sin [P, rd/2] -> [B, dim] dtype.
     split: features per program of the split form (a power of two >= 16; 0: one program per
-    row; None: 64 where the window has >= SPLIT_SLOTS slots, else 0). The two forms agree up
+    row; None: 64 where SPLIT_SLOTS is set and the window has that many slots, else 0). The two forms agree up
     to rounding (their fp32 partial sums are grouped differently)."""
     if split is not None and split < 0:
         raise ValueError(f"compress_entries_triton: split must be >= 0 features a program, got {split}")
@@ -478,7 +480,7 @@ def compress_entries_triton(kv_part, gate_part, page_size: int, ends: torch.Tens
     kv0, g0 = kb[..., kc], gb[..., gc]  # views starting at the parts' first columns
     bd = max(16, triton.next_power_of_2(dim))
     if split is None:
-        split = 64 if o * m >= SPLIT_SLOTS else 0
+        split = 64 if SPLIT_SLOTS and o * m >= SPLIT_SLOTS else 0
     rows = (kv0, kb.stride(0), kb.stride(1), kt, kt.stride(0), ks, g0, gb.stride(0), gb.stride(1), gt, gt.stride(0),
             gs, page_size)
     if split:
