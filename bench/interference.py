@@ -42,11 +42,35 @@ SETTINGS = {
 
 
 class Stamped(ServingEngine):
-    """The engine loop, recording when each token of each request is emitted."""
+    """The engine loop, recording when each token of each request is emitted, and (for the
+    anatomy of the longest gaps) when each prompt layer and each forward starts."""
 
     def emit(self, req, ev):
         if ev.token_ids:
             self.stamps.setdefault(req.id, []).append(time.perf_counter())
+
+    def _between_layers(self, i):
+        self.events.append((time.perf_counter(), f"L{i}"))
+        super()._between_layers(i)
+
+    def _alongside_layers(self, i):  # the overlapped prompt forward's layers
+        self.events.append((time.perf_counter(), f"L{i}"))
+        super()._alongside_layers(i)
+
+    def _forward(self, group, decode, captures):
+        kind = f"prompt{sum(e - s for _, s, e in group)}" if group else f"decode{len(decode)}"
+        self.events.append((time.perf_counter(), kind + ("-nested" if self.between.running else "")))
+        super()._forward(group, decode, captures)
+        self.events.append((time.perf_counter(), "end-" + kind))
+
+
+def anatomy(events, gaps, n: int = 5) -> list[str]:
+    """The n longest gaps [(start, end)], each as the events inside it with their offsets (ms)."""
+    out = []
+    for a, b in sorted(gaps, key=lambda g: g[0] - g[1])[:n]:
+        inside = [f"{(t - a) * 1e3:.1f}:{what}" for t, what in events if a <= t <= b]
+        out.append(f"{(b - a) * 1e3:.1f} ms: " + " ".join(inside))
+    return out
 
 
 def quantile(xs, q):
@@ -61,7 +85,7 @@ def prompt(n: int, seed: int, vocab: int) -> list[int]:
 def run_setting(eng, name: str, a) -> dict:
     s = SETTINGS[name]
     srv = Stamped(eng, max_batch=a.streams + 2, max_queue=8, start=False)
-    srv.stamps = {}
+    srv.stamps, srv.events = {}, []
     srv.sched.order = s["order"]
     if s["step_tokens"] is None:
         srv.sched.step_tokens = eng.ecfg.prefill_chunk
@@ -118,7 +142,8 @@ def run_setting(eng, name: str, a) -> dict:
     t_short = time.perf_counter()
     srv.sched.add(short)
     run_until(lambda: long.first_token_at and short.first_token_at)
-    loaded = [b - c for r in streams for c, b in zip(srv.stamps[r.id][mark[r.id]:], srv.stamps[r.id][mark[r.id] + 1:])]
+    pairs = [(c, b) for r in streams for c, b in zip(srv.stamps[r.id][mark[r.id]:], srv.stamps[r.id][mark[r.id] + 1:])]
+    loaded = [b - c for c, b in pairs]
     long_ttft = srv.stamps[long.id][0] - t_long
     short_ttft = srv.stamps[short.id][0] - t_short
     for r in streams:
@@ -135,6 +160,7 @@ def run_setting(eng, name: str, a) -> dict:
            "loaded_gaps": len(loaded), "loaded_gap_max5_ms": [ms(g) for g in sorted(loaded)[-5:]], "idle_short_ttft_s": round(idle_ttft, 3),
            "short_ttft_behind_long_s": round(short_ttft, 3), "long_ttft_s": round(long_ttft, 2),
            "long_prefill_tok_s": round(a.long / long_ttft, 1)}
+    out["longest_gaps"] = anatomy(srv.events, pairs)
     out["p99_gap_over_unloaded_p50"] = round(quantile(loaded, 0.99) / statistics.median(unloaded), 2)
     out["short_ttft_over_idle"] = round(short_ttft / idle_ttft, 2)
     return out
@@ -149,6 +175,7 @@ def main():
     ap.add_argument("--settings", default="one-chunk,budget,interleave")
     ap.add_argument("--full-size", action="store_true", help="Qwen3.6-35B-A3B shape, random weights (GPU machine)")
     ap.add_argument("--layers", type=int, default=40, help="with --full-size")
+    ap.add_argument("--name", default=None, help="result name (default interference[-full])")
     a = ap.parse_args()
     ctx = a.long + a.short + 64
     if a.full_size:
@@ -159,7 +186,7 @@ def main():
     for name in a.settings.split(","):
         rows.append(run_setting(eng, name, a))
         print(rows[-1], flush=True)
-    write_result("interference-full" if a.full_size else "interference",
+    write_result(a.name or ("interference-full" if a.full_size else "interference"),
                  {"model": f"Qwen3.6-35B-A3B shape, {a.layers} layers" if a.full_size else "demo",
                   "device": str(eng.device), "long_prompt": a.long, "short_prompt": a.short,
                   "decoding_streams": a.streams, "settings": rows})

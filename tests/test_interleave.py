@@ -7,7 +7,7 @@ import torch
 import hf_models
 from drive import drive
 from freetoken.runtime.engine import Engine, EngineConfig
-from freetoken.runtime.interleave import Interleaver
+from freetoken.runtime.interleave import MIN_PREFILL, CostModel, Interleaver
 from freetoken.runtime.request import Request, SamplingOptions
 from freetoken.runtime.serving import ServingEngine
 from freetoken.weights.convert import convert
@@ -44,6 +44,9 @@ def test_streams_and_prompt_get_the_same_tokens_with_decode_between_layers(eng):
                      arrive=[0, 0, 3, 4])
         runs[on] = ([r.output_ids for r in reqs], [r.logprobs for r in reqs], srv.between.steps)
         assert all(r.finish_reason == "length" for r in reqs)
+        # each interleaved forward of the long prompt left its costliest layer as a sample, at its size
+        assert (len(srv.between.samples) > 0) == on
+        assert all(n <= 96 for n, _ in srv.between.samples.samples)
         assert not srv.sched.running and srv.state.pages.used == 0
     assert runs[False][2] == 0 and runs[True][2] > 0  # decode steps did run between layers
     assert runs[True][0] == runs[False][0]
@@ -59,6 +62,21 @@ def test_a_stream_that_finishes_between_layers_is_not_decoded_again(eng):
     reqs = drive(srv, [greedy(ps[0], 6), greedy(ps[1], 2)], arrive=[0, 2])
     assert [r.output_ids for r in reqs] == [r.output_ids for r in ref]
     assert len(reqs[0].output_ids) == 6 and srv.between.steps > 0
+
+
+def test_the_switch_puts_decode_steps_between_layers_on_eager_steps(eng):
+    """--decode-between-layers: auto interleaves only where decode is its own forward (CUDA
+    graphs), so on the CPU the decode rows share the prompt chunk's forward; on: decode rows
+    in forwards of their own between the prompt's layers; off: never. A bad value is named."""
+    from freetoken.errors import FreeTokenError
+    got = {}
+    for mode in ("auto", "on", "off"):
+        e = Engine(eng.path, EngineConfig(device="cpu", dtype="float32", prefill_chunk=32, decode_between_layers=mode))
+        srv = ServingEngine(e, max_batch=2, max_queue=2, start=False)
+        got[mode] = (srv.mixed, srv.between.enabled)
+    assert got == {"auto": (True, False), "on": (False, True), "off": (True, False)}
+    with pytest.raises(FreeTokenError, match="--decode-between-layers must be auto, on or off"):
+        EngineConfig(decode_between_layers="yes")
 
 
 def test_the_decision_counts_queued_layers_at_the_learned_cost(monkeypatch):
@@ -88,10 +106,96 @@ def test_the_chunk_is_sized_so_one_layer_fits_the_gap():
     assert iv.budget(0.010, [(64, 4 * (0.002 + 1e-5 * 64)), (512, 4 * (0.002 + 1e-5 * 512))], 4) == \
         pytest.approx(800, abs=1)
     for n in (64, 128, 256, 512):  # a layer: 2 ms fixed + 10 us a token
-        iv.samples.append((n, 0.002 + 1e-5 * n))
+        iv.samples.add(n, 0.002 + 1e-5 * n)
     assert iv.budget(0.010) == pytest.approx(800, abs=1)  # (10 ms gap - 2 ms) / 10 us
     assert iv.budget(0.0015) == pytest.approx(200, abs=1)  # gap below the fixed part: the chunk costing as much
     assert Interleaver(0.0).budget(0.010) is None
+
+
+def test_the_cost_model_separates_the_fixed_part_only_from_samples_of_different_sizes():
+    cm = CostModel()
+    assert cm.fit() is None and not cm
+    for n in (64, 256, 128):
+        cm.add(n, 0.003 + 2e-5 * n)
+    fixed, per_token = cm.fit()
+    assert fixed == pytest.approx(0.003) and per_token == pytest.approx(2e-5)
+    # then the context grows: chunks of one size cost more each time (attention reads every
+    # earlier token). The fixed part stands; the part per token follows the latest samples
+    # (a fit over these would read the growth as a fixed part: an intercept near 0 or below,
+    # or with noise anything)
+    for i in range(8):
+        cm.add(500 + i % 2, 0.003 + (1e-5 + 2e-6 * i) * 500)
+    fixed, per_token = cm.fit()
+    assert fixed == pytest.approx(0.003)
+    assert per_token == pytest.approx(1e-5 + 2e-6 * 5.5, rel=0.01)  # the mean of the last four
+    assert cm.tokens_within(0.013) == pytest.approx(0.010 / 2.1e-5, rel=0.01)
+    assert cm.tokens_within(0.002) == pytest.approx(0.003 / 2.1e-5, rel=0.01)  # below the fixed part: the floor
+    cm.fixed = 0.5  # a fixed part the noise inflated: the floor stays within the chunks measured
+    assert cm.tokens_within(0.002) == 501
+    cm.add(64, 0.0)  # no slower than a plain decode step: noise, not a sample
+    assert len(cm) == 8 and cm.samples[-1][0] == 501
+    cm2 = CostModel()
+    for _ in range(4):  # one size only, never a spread: no fixed part is invented
+        cm2.add(512, 0.020)
+    assert cm2.fit() == (0.0, pytest.approx(0.020 / 512))
+    assert cm2.tokens_within(0.0005) == MIN_PREFILL
+
+
+def test_a_mixed_step_is_sized_from_its_prompt_part_beyond_a_decode_step(eng):
+    """Eager steps that carry decode rows and a prompt chunk in one forward: the chunk is sized
+    so the step takes about slowdown x a plain decode step, from the mixed steps' time beyond
+    a decode step (their fixed part and part per token, CostModel)."""
+    srv = ServingEngine(eng, max_batch=2, max_queue=2, start=False)
+    assert srv.mixed and not srv.between.enabled
+    assert srv._prefill_budget() is None  # nothing decoding: no latency budget
+    dec = greedy(list(range(5, 9)), 8)
+    dec.slot, dec.computed = 0, 4  # its prompt is in: it decodes
+    srv.sched.running[0] = dec
+    srv._decode_s = 0.020
+    assert srv._prefill_budget() is None  # no mixed step measured yet: the step's own budget
+    for n in (64, 256, 128):  # beyond the decode step: 4 ms + 30 us a token
+        srv._mixed.add(n, 0.004 + 3e-5 * n)
+    assert srv._prefill_budget() == pytest.approx((0.5 * 0.020 - 0.004) / 3e-5, abs=1)
+    srv.sched.running.clear()
+
+
+def test_a_forward_of_first_tokens_allows_a_wider_gap(monkeypatch):
+    """A forward whose prompts all finish in it (short prompts) waits for decode steps at
+    FIRST_TOKEN_SLOWDOWN: its time to first token is not tripled by them."""
+    clock = [0.0]
+    monkeypatch.setattr("freetoken.runtime.interleave.time.perf_counter", lambda: clock[0])
+    iv = Interleaver(1.5)  # gap: half a 10 ms decode step
+    iv.cost = {0: 0.003, 1: 0.003, 2: 0.003}
+    iv.decoded()
+    iv.layer_queued(0)
+    iv.layer_queued(1)
+    assert iv.due(0.010, 2)  # 6 ms queued + half of the next: past 5 ms
+    iv.first_tokens = True
+    assert not iv.due(0.010, 2)  # the gap is (2 - 1) x 10 ms here
+    clock[0] += 0.016
+    iv.queued = [0]
+    iv.tokens = 50
+    iv.cycle(0.010)
+    iv.forward_done()
+    assert len(iv.samples) == 0  # a short prompt's layer does not size the long prompt's chunks
+    iv.first_tokens = False  # a long prompt's chunk: its costliest layer is a sample
+    iv.decoded()
+    for layers, ms in (([0], 2.0), ([1, 2], 9.0)):  # cycles: layer 0 alone, then layers 1 and 2
+        iv.queued = layers
+        clock[0] += ms / 1e3 + 0.010
+        iv.cycle(0.010)
+    iv.forward_done()
+    assert iv.this_forward == {} and list(iv.samples.samples) == [(50, pytest.approx(0.0045))]
+
+
+def test_prompts_that_finish_run_before_a_long_chunk_when_decode_steps_interleave():
+    a, b, c = (Request(list(range(n)), SamplingOptions(max_tokens=2)) for n in (5, 300, 7))
+    ready = [(b, 0, 100), (a, 0, 5), (c, 0, 7)]
+    assert ServingEngine._groups(ready) == [ready]  # one mixed forward: one group
+    assert ServingEngine._groups(ready, first_tokens_first=True) == [[(a, 0, 5), (c, 0, 7)], [(b, 0, 100)]]
+    assert ServingEngine._groups(ready[1:], first_tokens_first=True) == [ready[1:]]
+    c.solo = True  # failed inside a shared forward before: alone, last
+    assert ServingEngine._groups(ready, first_tokens_first=True) == [[(a, 0, 5)], [(b, 0, 100)], [(c, 0, 7)]]
 
 
 def test_a_decode_step_comes_before_a_costly_layer(monkeypatch):

@@ -80,6 +80,50 @@ def test_a_stream_that_finishes_alongside_is_finished_after_the_prompt(path):
     assert srv.overlap.deferred == [] and not srv.sched.running and srv.state.pages.used == 0
 
 
+def test_a_short_prompt_jumps_in_between_the_overlapped_prompts_layers(path):
+    """A request that arrives while an overlapped prompt forward runs (added from inside it,
+    before layer 1) prefills whole between two of its layers, with the worker's decode steps
+    paused for it, and has its first token before the long prompt's; a prompt longer than one
+    step's budget waits. Every request gets the tokens it gets without overlap."""
+    g = torch.Generator().manual_seed(11)
+    ps = [torch.randint(5, 320, (n,), generator=g).tolist() for n in (12, 400, 15, 500)]
+    ref = drive(serving(engine(path, False)), [greedy(p, 6) for p in ps], arrive=[0, 1, 2, 2])
+    srv = serving(engine(path, True), step_tokens=400)  # the long prompt in one forward
+    stream, long, short, longer = (greedy(ps[0], 40), greedy(ps[1], 6), greedy(ps[2], 6), greedy(ps[3], 6))
+    hook = srv._alongside_layers
+    added, jumping, clashes = [], [], []
+    real_jump, real_step = srv._jump_in_admitted, srv._overlap_step_locked
+
+    def jump(items):  # the loop's thread, the worker held off
+        jumping.append(True)
+        try:
+            real_jump(items)
+        finally:
+            jumping.pop()
+
+    def step():  # the worker: never while a short prompt jumps in
+        clashes.append(bool(jumping))
+        return real_step()
+    srv._jump_in_admitted, srv._overlap_step_locked = jump, step
+
+    def arrive_mid_forward(i):
+        if i == 1 and not added and long.slot is not None and long.first_token_at is None:
+            added.append(True)
+            srv.sched.add(short)  # fits one step's budget (400): jumps in
+            srv.sched.add(longer)  # 500 > 400: waits for the steps after
+        hook(i)
+    srv._alongside_layers = arrive_mid_forward
+    drive(srv, [stream, long], arrive=[0, 1])
+    while short.finished_at is None or longer.finished_at is None:
+        srv.step()
+    assert added and srv.stats()["prompts_between_layers"] == 1
+    assert short.first_token_at < long.first_token_at < longer.first_token_at
+    assert [r.output_ids for r in (short, long, longer)] == [ref[2].output_ids, ref[1].output_ids, ref[3].output_ids]
+    assert stream.output_ids[:6] == ref[0].output_ids
+    assert srv.stats()["decode_steps_alongside_prompts"] > 0 and clashes and not any(clashes)
+    assert srv.overlap.deferred == [] and not srv.sched.running and srv.state.pages.used == 0
+
+
 def test_engines_where_it_is_unsafe_refuse_it(path, caplog):
     eng = Engine(path, EngineConfig(device="cpu", dtype="float32", decode_overlap=True))
     if eng.executor is not None and eng.executor.backend == "torch":

@@ -97,3 +97,39 @@ def test_preempted_request_goes_first_and_recomputes_its_tokens():
     assert a.slot is None and s.waiting[0] is a and s.free == [0]
     batch = s.schedule()
     assert a.slot == 0 and [(r.id, st, en) for r, st, en in batch.prefill] == [(a.id, 0, 12)]
+
+
+def test_a_short_prompt_goes_whole_past_the_latency_budget():
+    """short_whole: the latency budget sizes a long prompt's chunk by its costliest layer at a
+    deep context; a prompt that fits the step whole goes whole (its layers are cheap), the long
+    prompt waits for the next step, and a prompt longer than the step does not qualify."""
+    s = Scheduler(slots=4, max_queue=4, chunk=16, step_tokens=16)
+    dec, long = req(2), req(40)
+    for r in (dec, long):
+        s.add(r)
+    s.schedule()
+    dec.computed, long.computed = 2, 5
+    dec.output_ids.append(1)
+    short = req(9)
+    s.add(short)
+    assert [(r.id, a, b) for r, a, b in s.schedule(prefill_budget=4).prefill] == [(short.id, 0, 4)]
+    assert [(r.id, a, b) for r, a, b in s.schedule(prefill_budget=4, short_whole=True).prefill] == \
+        [(short.id, 0, 9)]  # whole, and nothing for the long prompt in this step
+    assert [(r.id, a, b) for r, a, b in s.schedule(prefill_budget=12, short_whole=True).prefill] == \
+        [(short.id, 0, 9), (long.id, 5, 8)]  # within the budget: the usual sharing
+    short.computed = 9
+    short.output_ids.append(1)
+    longer = req(16)  # more than the 14 tokens the step has beside two decode rows
+    s.add(longer)
+    assert [(r.id, a, b) for r, a, b in s.schedule(prefill_budget=4, short_whole=True).prefill] == \
+        [(longer.id, 0, 4)]
+
+
+def test_short_prompts_further_on_go_whole_in_arrival_order_too():
+    s = Scheduler(slots=3, max_queue=4, chunk=16, step_tokens=16, order="arrival")
+    long, short = req(40), req(6)
+    for r in (long, short):
+        s.add(r)
+    assert [(r.id, a, b) for r, a, b in s.schedule(prefill_budget=4).prefill] == [(long.id, 0, 4)]
+    assert [(r.id, a, b) for r, a, b in s.schedule(prefill_budget=4, short_whole=True).prefill] == \
+        [(long.id, 0, 4), (short.id, 0, 6)]  # past the spent budget, whole

@@ -88,12 +88,14 @@ class PrefixCache:
     def positions(self, seq, start: int, end: int) -> list[int]:
         return self.policy.positions(seq, start, end) if self.hybrid and self.ckpt.capacity else []
 
-    def capture(self, prompt: list[int], cuts: list[int]) -> "StateCapture | None":
+    def capture(self, prompt: list[int], cuts: list[int], evict: bool = True) -> "StateCapture | None":
         """Checkpoints at token boundaries `cuts` of `prompt`, to be filled by the DeltaNet
-        layers during the prefill that crosses them (one pass, no split of the chunk)."""
+        layers during the prefill that crosses them (one pass, no split of the chunk). evict
+        False: only into free checkpoint slots (inside another prompt forward, whose own
+        capture may be writing the others)."""
         where: dict[int, int] = {}
         for c in cuts:
-            s = self.ckpt.reserve(prompt[:c])
+            s = self.ckpt.reserve(prompt[:c], evict)
             if s is not None:
                 where[s] = c  # a later reservation that evicted an earlier one of these takes its slot
         return StateCapture(self, prompt, {c: s for s, c in where.items()}) if where else None

@@ -567,6 +567,8 @@ def _bench(b: int = 1, reps: int = 200):
         "hca entries triton": lambda: compress_entries_triton(kvp1, gp1, ps, ends, 128, 1, hd, wk, 1e-6, cos, sin, dt),
         "hca entries triton 1 program": lambda: compress_entries_triton(kvp1, gp1, ps, ends, 128, 1, hd, wk, 1e-6,
                                                                         cos, sin, dt, split=0),
+        "hca entries triton split 64": lambda: compress_entries_triton(kvp1, gp1, ps, ends, 128, 1, hd, wk, 1e-6,
+                                                                       cos, sin, dt, split=64),
     }
     outs = {}
     for name, f in cases.items():

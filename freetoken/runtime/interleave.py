@@ -22,7 +22,17 @@ decode step's own time is known from plain steps.
 
 Short prompts: a request whose whole prompt fits one step's budget and arrives while such a
 forward runs prefills at the next layer boundary, whole, before the forward goes on (the
-loop's _jump_in): its first token does not wait for the long forward.
+loop's _jump_in): its first token does not wait for the long forward. One that is scheduled
+while a long prompt prefills goes whole, past the chunk's latency budget (scheduler
+short_whole; the long prompt then waits a step), or, where both fit the budget, in a forward
+of its own before the chunk's (the loop's _groups); decode steps inside its forward come at
+FIRST_TOKEN_SLOWDOWN: on the 2-core CPU its TTFT behind an 8k prompt went from 4.1x to 2.5x
+its idle TTFT.
+
+The CPU: eager decode normally shares one forward with the prompt chunk (the decode rows pay no
+fixed part of their own), but that forward's prompt part has a fixed part about as long as a
+decode step there (every expert read, the DeltaNet chunk machinery), so the streams' gaps
+cannot come under 2x their unloaded gap; --decode-between-layers on interleaves there too.
 """
 from __future__ import annotations
 
@@ -31,6 +41,11 @@ from collections import deque
 
 EMA = 0.3  # weight of the newest per-layer sample
 MIN_PREFILL = 32  # prompt tokens a step takes at least, whatever the latency budget says
+# the gap allowed inside a forward of prompts that all finish in it (short prompts, whose first
+# token it gives): they are few and short, and a decode step every half decode step of their work
+# would triple their time to first token (2-core CPU: 3.7x the idle TTFT)
+FIRST_TOKEN_SLOWDOWN = 2.0
+RECENT = 4  # forwards whose costliest layer gives the per-token cost (it grows with the context)
 
 
 def affine_fit(costs) -> tuple[float, float]:
@@ -48,6 +63,62 @@ def affine_fit(costs) -> tuple[float, float]:
     return 0.0, max(sum(t) / max(sum(n), 1), 1e-9)
 
 
+class CostModel:
+    """What a unit of prompt work costs against its tokens: a fixed part plus a part per token,
+    from recent samples (tokens, seconds) of that work (the costliest layer of a prompt
+    forward, or the prompt's share of a mixed forward).
+
+    The two parts are read apart, because each is wrong alone. The part per token comes from
+    the latest samples only: it grows with the context (attention reads every earlier token),
+    so a fit over a longer history reads that growth as a fixed part; on the 2-core CPU a fit
+    over forwards of one size at an 8k context gave a 19 ms fixed part to a layer whose fixed
+    part is about 3 ms, and pinned the chunk at the step's maximum. The fixed part (weights
+    read once per forward: a chunk of 32 tokens reads every expert of a layer, a decode step a
+    few; the DeltaNet chunk padding; launches) does not change with the context, so it is
+    refitted only when the recent samples differ enough in size to separate it from the slope
+    (else the last such fit stands; none yet: zero, and the first chunks, sized by their rate
+    alone, come out smaller and give the spread). Without the fixed part, a rate alone reads
+    it as slowness at small chunks and shrinks the chunk to nothing."""
+
+    SPREAD = 2.0  # max/min tokens among the recent samples before the fixed part is refitted (under
+    # about 2x, the noise of a shared machine's timings reads as any fixed part at all)
+
+    def __init__(self, window: int = 8):
+        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self.fixed = 0.0
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def add(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:  # a mixed step no slower than a plain one: noise, no sample
+            self.samples.append((tokens, seconds))
+
+    def fit(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per token now), or None before any sample."""
+        if not self.samples:
+            return None
+        ns = [n for n, _ in self.samples]
+        if len(ns) >= 2 and max(ns) >= self.SPREAD * min(ns):
+            fixed, _ = affine_fit(self.samples)
+            self.fixed = min(fixed, min(t for _, t in self.samples))
+        recent = list(self.samples)[-RECENT:]
+        n, t = sum(n for n, _ in recent), sum(t for _, t in recent)
+        # never below an eighth of the plain rate: a fixed part fitted on noise can exceed these
+        per_token = max(t - self.fixed * len(recent), t / 8) / n
+        return self.fixed, max(per_token, 1e-9)
+
+    def tokens_within(self, room: float) -> int:
+        """Tokens whose work fits `room` seconds (there must be a sample); never below
+        MIN_PREFILL, nor below the chunk whose per-token part equals the fixed part (smaller
+        ones would slow the prompt without shortening the wait much), that floor itself at
+        most the largest recent chunk (a fixed part the noise inflated must not grow chunks
+        past what was measured)."""
+        fixed, per_token = self.fit()
+        floor = max(MIN_PREFILL, min(int(fixed / per_token), max(n for n, _ in self.samples)))
+        return max(floor, int((room - fixed) / per_token)) if room > fixed else floor
+
+
 class Interleaver:
     def __init__(self, slowdown: float):
         """slowdown: --decode-slowdown (>= 1; 0 turns interleaving off)."""
@@ -59,8 +130,10 @@ class Interleaver:
         self.steps = 0  # decode steps run between layers (telemetry)
         self.running = False  # inside such a step (its own forward must not recurse)
         self.tokens = 0  # prompt tokens of the forward in flight (set by the loop)
-        # (prompt tokens, seconds) of the costliest layer, measured alone: what sizes the chunk
-        self.samples: deque[tuple[int, float]] = deque(maxlen=32)
+        self.first_tokens = False  # every prompt of the forward in flight finishes in it (set by the loop)
+        # (prompt tokens, seconds) of each forward's costliest layer: what sizes the chunk
+        self.samples = CostModel()
+        self.this_forward: dict[int, float] = {}  # layer -> seconds, in the forward in flight
 
     @property
     def enabled(self) -> bool:
@@ -83,7 +156,8 @@ class Interleaver:
         """Before layer i: is a decode step due? decode_s: the plain decode step's time."""
         if not self.enabled or self.running or decode_s is None or self.last_decode is None or not self.queued:
             return False
-        gap = (self.slowdown - 1) * decode_s
+        gap = (max(self.slowdown, FIRST_TOKEN_SLOWDOWN) if self.first_tokens else self.slowdown) - 1
+        gap *= decode_s
         if i not in self.cost or any(j not in self.cost for j in self.queued):
             return True  # a cost not known yet: one layer at a time until each is measured
         queued = sum(self.cost[j] for j in self.queued)
@@ -104,25 +178,32 @@ class Interleaver:
             for j, wj in zip(self.queued, weights):
                 v = total * wj / sum(weights)
                 self.cost[j] = v if j not in self.cost else (1 - EMA) * self.cost[j] + EMA * v
-            j = self.queued[0]
-            if self.tokens and len(self.queued) == 1 and self.cost[j] >= max(self.cost.values()):
-                self.samples.append((self.tokens, total))  # the costliest layer, alone
+                self.this_forward[j] = v
         self.steps += 1
         self.decoded()
 
+    def forward_done(self) -> None:
+        """The prompt forward in flight ended: its costliest layer (as the cycles inside it
+        shared their time out) is a sample at this forward's size and context. Not a short
+        prompt's (first_tokens): its layers at its own short context would mislead the chunk
+        size of a long prompt."""
+        if self.this_forward and self.tokens and not self.first_tokens:
+            self.samples.add(self.tokens, max(self.this_forward.values()))
+        self.this_forward = {}
+
     def budget(self, decode_s: float | None, costs=(), layers: int = 1) -> int | None:
-        """Prompt tokens for the next forward, so one of its layers fits the gap between decode
-        steps (a layer is the finest grain at which they can interleave); None: no limit. The
-        per-layer cost is fitted as a fixed part plus a part per token over the recent cycles;
-        never below the chunk whose per-token part equals the fixed part (smaller chunks would
-        slow the prompt without shortening the gap much). Before two cycles are measured, the
-        recent prompt forwards `costs` [(tokens, seconds)] spread over their `layers` stand in."""
+        """Prompt tokens for the next forward, so its costliest layer fits the gap between
+        decode steps (a layer is the finest grain at which they can interleave); None: no
+        limit. The costliest layer's cost model (CostModel) from the recent forwards' samples;
+        before two of them, the recent prompt forwards `costs` [(tokens, seconds)] spread
+        over their `layers` stand in."""
         if not self.enabled or decode_s is None:
             return None
-        samples = self.samples if len(self.samples) >= 2 else [(n, t / max(1, layers)) for n, t in costs]
-        if len(samples) < 2:
-            return None
-        fixed, per_token = affine_fit(samples)
-        gap = (self.slowdown - 1) * decode_s
-        floor = max(MIN_PREFILL, int(fixed / per_token))
-        return max(floor, int((gap - fixed) / per_token)) if gap > fixed else floor
+        model = self.samples
+        if len(model) < 2:
+            model = CostModel()
+            for n, t in costs:
+                model.add(n, t / max(1, layers))
+            if len(model) < 2:
+                return None
+        return model.tokens_within((self.slowdown - 1) * decode_s)

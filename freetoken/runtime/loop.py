@@ -25,7 +25,7 @@ from ..model.state import DecodeState, checkpoint_state_bytes, ring_layers, wind
 from .budget import plan_memory
 from .decode_runner import DecodeRunner
 from .grammar import GrammarRunner
-from .interleave import MIN_PREFILL, Interleaver, affine_fit
+from .interleave import MIN_PREFILL, CostModel, Interleaver, affine_fit
 from .overlap import DecodeOverlap, eligible as overlap_eligible
 from .request import Request, TokenEvent
 from .sampler import SamplingParams, greedy_rows, sample, top_entries
@@ -85,11 +85,20 @@ class EngineLoop:
         self.sched = Scheduler(max_batch, max_queue, chunk, step_tokens)
         self.slowdown = ecfg.decode_slowdown
         # decode steps between a prefill forward's layers: where decode is its own forward
-        # (graphs); eager steps share one forward instead (self.mixed). Not inside a streamed
+        # (graphs), or on eager steps with --decode-between-layers on; eager steps otherwise
+        # share one forward (self.mixed). Not inside a streamed
         # pass: its layer buffers are slots of the same pool, and its residency is a host
         # mirror written back at the end, so a decode step there would evict what the pass
         # reads and be forgotten (experts/stream.py)
-        self.between = Interleaver(self.slowdown if not self.mixed and engine.prefill_stream is None else 0.0)
+        between = ecfg.decode_between_layers
+        if between == "on" and self.mixed and self.slowdown and engine.prefill_stream is None:
+            if getattr(engine.model, "per_forward_state", False):
+                log.warning("--decode-between-layers on is off: %s keeps a forward's data in state its "
+                            "layers share", type(engine.model).__name__)
+            else:
+                self.mixed = False  # decode rows in a forward of their own, between the prompt's layers
+        self.between = Interleaver(self.slowdown if not self.mixed and between != "off"
+                                   and engine.prefill_stream is None else 0.0)
         self.jump_ins = 0  # short prompts prefilled between a prompt forward's layers (_jump_in)
         # or, with --decode-overlap, decode steps alongside the prompt forward (runtime/overlap.py)
         self.overlap = None
@@ -102,7 +111,16 @@ class EngineLoop:
                 log.warning("--decode-overlap is off: %s", why)
         self._decode_s = None  # decode step time (EMA)
         self._costs: deque[tuple[int, float]] = deque(maxlen=32)  # (tokens, seconds) of recent forwards
+        self._mixed = CostModel()  # (prompt tokens, seconds beyond a decode step) of mixed forwards
         self._lock = threading.Lock()  # the scheduler's queues are shared with the submitting thread
+        # a decode step on the overlap worker and a short prompt jumping in on the loop's thread
+        # exclude each other (both restore, take pages, finish requests): _exclusive
+        self._step_lock = threading.Lock()
+        self._claim = threading.Event()
+        self._prompt_forward = False  # a prompt forward is in flight (its checkpoint captures too)
+        # a model that keeps a forward's data in state its layers share cannot run another
+        # forward's Python between a forward's layers (a jump-in, an eager decode step)
+        self._shared_state = bool(getattr(engine.model, "per_forward_state", False))
         self._gens: dict[int, torch.Generator | None] = {}
         # constrained decoding (structured output); builds nothing until a request needs it
         self.grammar = GrammarRunner(engine.tokenizer, cfg.vocab_size, engine.eos_ids, engine.device)
@@ -182,10 +200,11 @@ class EngineLoop:
         """One engine step: schedule, execute, update. False if there was nothing to do.
 
         With graphs, decode is its own replayed forward and prompt chunks a varlen forward
-        beside it; eager (the CPU), both go through one forward, so the layers' fixed cost
-        (the experts above all) is paid once and decoding streams barely slow down."""
+        beside it; eager (the CPU), both go through one forward by default, so the layers'
+        fixed cost (the experts above all) is paid once (--decode-between-layers on: decode
+        steps of their own between the prompt forward's layers, as with graphs)."""
         with self._lock:
-            batch = self.sched.schedule(self._prefill_budget())
+            batch = self.sched.schedule(self._prefill_budget(), short_whole=self.between.enabled)
         if batch.empty():
             return False
         for req in batch.cancelled:
@@ -207,25 +226,34 @@ class EngineLoop:
 
     def _prefill_budget(self) -> int | None:
         """While streams decode, prompt tokens that keep a step within `slowdown` times a plain
-        decode step; None: no limit beyond the scheduler's budget. A forward costs a fixed
-        part (launches, weights read once, the DeltaNet chunk padding) plus a part per token,
-        fitted to the recent forwards: a rate alone would read the fixed part of small chunks
-        as slowness and shrink the budget to nothing."""
+        decode step; None: no limit beyond the scheduler's budget.
+
+        One forward (mixed): decode rows and prompt tokens share the forward's fixed part
+        (weights read once, launches), so a mixed step costs a plain decode step plus a part
+        per prompt token, read from the latest mixed steps (it grows with the context:
+        attention reads every earlier token). A fit of a fixed part from whole forwards read
+        the context's growth as a fixed part and kept 512-token chunks at 32k context (a
+        decoding stream's p99 gap 12x its unloaded one on the 2-core CPU).
+        A prefill forward of its own after the decode step: a fixed part plus a part per token
+        fitted to the recent forwards (a rate alone would read the fixed part of small chunks
+        as slowness and shrink the budget to nothing)."""
         rows = sum(not r.prefilling for r in self.sched.running.values())
         if not rows or self.overlap is not None:  # overlapped: streams decode while the prompt runs
             return None
         if self.between.enabled:  # streams decode between the layers: a chunk one layer of which fits the gap
             return self.between.budget(self._decode_s, self._costs, len(self.engine.model.layers))
-        if not self.slowdown or self._decode_s is None or len(self._costs) < 2:
+        if not self.slowdown or self._decode_s is None:
+            return None
+        if self.mixed:  # the prompt's share of a mixed step: its time less a plain decode step's
+            if not self._mixed:
+                return None
+            return self._mixed.tokens_within((self.slowdown - 1) * self._decode_s)
+        if len(self._costs) < 2:
             return None
         fixed, per_token = affine_fit(self._costs)
-        if self.mixed:  # one forward: decode rows and prompt tokens share the fixed part
-            room = self.slowdown * self._decode_s - fixed - per_token * rows
-        else:  # a prefill forward of its own after the decode step
-            room = (self.slowdown - 1) * self._decode_s - fixed
-        # never below the chunk that costs as much as the fixed part (which grows with the
-        # context: attention reads every earlier token once per chunk): the prompt keeps at
-        # least half its speed, and decoding streams wait at most about twice a fixed part
+        room = (self.slowdown - 1) * self._decode_s - fixed
+        # never below the chunk that costs as much as the fixed part: the prompt keeps at least
+        # half its speed, and decoding streams wait at most about twice a fixed part
         floor = max(MIN_PREFILL, int(fixed / per_token))
         return max(floor, int(room / per_token) if room > 0 else 0)
 
@@ -240,12 +268,22 @@ class EngineLoop:
                 start, end = self._restore(req, start, end)
                 if self._room(req, end):
                     ready.append((req, start, end))
-        return self._groups(ready)
+        return self._groups(ready, first_tokens_first=self.between.enabled or self.overlap is not None)
 
     @staticmethod
-    def _groups(ready: list[tuple[Request, int, int]]) -> list[list[tuple[Request, int, int]]]:
+    def _groups(ready: list[tuple[Request, int, int]],
+                first_tokens_first: bool = False) -> list[list[tuple[Request, int, int]]]:
+        """first_tokens_first: prompts that finish in this step run in a forward of their own
+        before the other chunks, so their first token does not wait for a long prompt's chunk
+        (with decode steps between a forward's layers, the chunk's forward holds them anyway;
+        in one mixed forward the split would add a forward the decode rows wait for)."""
         shared = [it for it in ready if not it[0].solo]
-        return ([shared] if shared else []) + [[it] for it in ready if it[0].solo]
+        groups = [shared] if shared else []
+        if first_tokens_first and shared:
+            done = [it for it in shared if it[2] == it[0].prefill_end]
+            rest = [it for it in shared if it[2] != it[0].prefill_end]
+            groups = [done, rest] if done and rest else groups
+        return groups + [[it] for it in ready if it[0].solo]
 
     def _restore(self, req: Request, start: int, end: int) -> tuple[int, int]:
         """A request's first chunk: what the prefix cache holds of it is restored (the chunk
@@ -312,7 +350,8 @@ class EngineLoop:
             toks = req.tokens(0, req.prefill_end)
             cuts = self.cache.positions(toks, start, end) if self.cache is not None else []
             # checkpoints inside the chunk are taken by the DeltaNet layers in the same pass
-            capture = self.cache.capture(toks, cuts) if cuts else None
+            # inside a prompt forward (a jump-in): no eviction, its capture may hold the slot
+            capture = self.cache.capture(toks, cuts, evict=not self._prompt_forward) if cuts else None
             captures.append(capture)
             segs.append((toks[start:end], req.slot, start, capture, end == req.prefill_end))
         rows = (tokens, pos, active) = self._decode_rows(decode) if decode else ([], [], [])
@@ -324,11 +363,19 @@ class EngineLoop:
             nested = self.between.running  # a short prompt prefilling between another forward's layers
             if not nested:
                 self.between.tokens = sum(e - s for _, s, e in group)
+                self.between.first_tokens = all(e == r.prefill_end <= self.sched.step_tokens for r, _, e in group)
             kw = {"between": self._between_layers} if self.between.enabled and not nested else {}
-            if self.overlap is not None:
-                dec_logits, pre_logits = None, self._prefill_alongside(segs)
-            else:
-                dec_logits, pre_logits = None, eng.prefill_batch(self.state, segs, **kw)
+            self._prompt_forward = True
+            try:
+                if self.overlap is not None and not nested:
+                    dec_logits, pre_logits = None, self._prefill_alongside(segs)
+                else:
+                    self.between.this_forward = {}
+                    dec_logits, pre_logits = None, eng.prefill_batch(self.state, segs, **kw)
+                    if kw:
+                        self.between.forward_done()
+            finally:
+                self._prompt_forward = nested
         # greedy rows are decided on the device: only the others copy their logits over
         # (constrained rows are masked first, on the device)
         picks, norms = self._device_picks(decode, dec_logits, [r.slot for r in decode]) if decode else ({}, None)
@@ -354,6 +401,8 @@ class EngineLoop:
                 self.metrics.prefill(n_pre, dt)
         if group or self.mixed:  # the cost model of forwards that carry prompt tokens
             self._costs.append((n_pre + len(tokens), dt))
+        if group and decode and self._decode_s is not None:
+            self._mixed.add(n_pre, max(dt - self._decode_s, 0.0))
         for r in decode:
             r.computed += 1
             self._guarded([r], self._accept, r, host[r.slot] if host is not None else None, picks.get(r.id),
@@ -375,17 +424,26 @@ class EngineLoop:
         if cons:
             self.grammar.prefetch(cons)
 
-    def _jump_in(self) -> None:
+    def _jump_in(self, exclusive=None) -> None:
         """Requests that arrived while a prompt forward runs and whose whole prompt fits one
         step's budget prefill right here, between its layers, and get their first token now
         instead of after the whole forward (a 2,048-token chunk at 32k context; on the H200 a
         short request waited 2.2 s, 19x its idle TTFT, behind an interleaved 32k prompt). They
         take pages only where the pool has them free (a preemption could pick the prompt in
-        flight): otherwise they go back to the queue's head for a later step."""
-        if not self.sched.waiting:  # read without the lock: a request added meanwhile waits a layer
-            return
+        flight): otherwise they go back to the queue's head for a later step. exclusive: a
+        context manager held around the work once something was admitted (the overlap
+        worker's decode steps pause for it). Not for models that keep a forward's data in
+        state their layers share (the long forward would resume on the short one's)."""
+        if not self.sched.waiting or self._shared_state:  # read without the lock: a request added
+            return  # meanwhile waits a layer
         with self._lock:
             items = self.sched.admit_whole(self.sched.step_tokens)
+        if not items:
+            return
+        with exclusive if exclusive is not None else contextlib.nullcontext():
+            self._jump_in_admitted(items)
+
+    def _jump_in_admitted(self, items) -> None:
         ready = []
         for req, start, end in items:
             with self._setup_guard(req):
@@ -438,7 +496,7 @@ class EngineLoop:
         ov = self.overlap
         try:
             with ov.alongside(self._overlap_step):
-                logits = self.engine.prefill_batch(self.state, segs)
+                logits = self.engine.prefill_batch(self.state, segs, between=self._alongside_layers)
                 if self.engine.device.type == "cuda":
                     torch.cuda.current_stream(self.engine.device).synchronize()  # this stream only
         finally:
@@ -447,8 +505,38 @@ class EngineLoop:
                 self._finish(*args)
         return logits
 
+    def _alongside_layers(self, i: int) -> None:
+        """The overlapped prompt forward's hook before layer i: short requests that arrived
+        meanwhile prefill whole here (_jump_in; on the H200 a short request waited 7.7 s, 73x
+        its idle TTFT, behind an overlapped 32k prompt). The worker's decode steps pause for
+        it: the jump-in restores, takes pages and finishes requests, which the worker's steps
+        must not do at the same time (_exclusive)."""
+        if self.sched.waiting and not self.between.running:  # read without the locks: every layer
+            self._jump_in(self._exclusive())
+
+    @contextlib.contextmanager
+    def _exclusive(self):
+        """The loop's thread, with the overlap worker held between two of its decode steps. The
+        worker waits while a claim is pending (threading.Lock is not fair: released and taken
+        again in a loop, it could keep the loop's thread out for good); afterwards the worker's
+        stream waits for what this thread queued (the checkpoint copies of a new row's state)."""
+        self._claim.set()
+        try:
+            with self._step_lock:
+                yield
+                if self.overlap is not None and self.overlap.stream is not None:
+                    self.overlap.stream.wait_stream(torch.cuda.current_stream(self.engine.device))
+        finally:
+            self._claim.clear()
+
     def _overlap_step(self) -> bool:
         """On the worker: one decode step of the streams decoding now (False: none)."""
+        while self._claim.is_set():
+            time.sleep(0.0002)  # the loop's thread is jumping a short prompt in
+        with self._step_lock:
+            return self._overlap_step_locked()
+
+    def _overlap_step_locked(self) -> bool:
         held = {id(r) for r, _, _ in self.overlap.deferred}
         with self._lock:
             rows = [r for r in self.sched.running.values()
@@ -576,7 +664,8 @@ class EngineLoop:
             c = req.computed
             if self.cache.positions(seq, c - 1, c):  # alongside a prompt forward: no eviction (its
                 # capture may be writing the slot evicted)
-                self.cache.save(req.tokens(0, c), req.slot, evict=not (self.overlap and self.overlap.in_worker))
+                self.cache.save(req.tokens(0, c), req.slot,
+                                evict=not (self._prompt_forward or (self.overlap and self.overlap.in_worker)))
         reason = None
         if (not s.ignore_eos and tok in self.engine.eos_ids) or tok in s.stop_token_ids or complete:
             reason = "stop"  # complete: the grammar admits nothing more

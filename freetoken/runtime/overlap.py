@@ -13,7 +13,8 @@ Why it is safe: the decode step touches only the decoding rows' state. Rows that
 decoding (the prompt's own slot among them) are inactive in the graph: their K/V writes go to
 the scratch page, they route to no expert, and the recurrent-state kernels mask their stores
 (on the CPU the torch path writes the active rows only). The prompt forward writes only its
-own slot and pages, allocated before it starts. What the worker must not do meanwhile, it
+own slot and pages, allocated before it starts (and a short prompt jumping in between its
+layers, below, only its own, while the worker waits). What the worker must not do meanwhile, it
 leaves to the main thread: it grows a row's KV only when a page is at hand (no preemption:
 the victim could be the prompt in flight), and a request that finishes in it is finished after
 the forward (its pages and prefix handed to the cache on the loop's thread; its last token is
@@ -24,11 +25,17 @@ checkpoint slot (evicting one could hand it the slot the prompt's capture is wri
 worker's steps wait for the main stream's work queued before the forward, and the main stream
 waits for the worker's before anything after it.
 
+Short prompts that arrive meanwhile prefill whole between the prompt forward's layers, on the
+loop's thread (the loop's _alongside_layers -> _jump_in), with the worker's decode steps paused
+for them by a lock both take: that work restores prefixes, takes pages and finishes requests,
+which the worker's steps must not do at the same time. Without it a short request waited for
+the whole forward (on the H200, 7.7 s behind a 32k prompt, 73x its idle TTFT).
+
 Where: CUDA with decode graphs captured at start-up (a capture while another thread runs
 would fail), experts resident in VRAM (the C++ CPU executor and the expert cache's slots are
 one per process and not reentrant), no streamed prefill passes. Opt-in (--decode-overlap):
-not yet measured on the GPU machine. The CPU runs the same code for the tests (the torch
-expert path).
+measured on the H200 (benchmarks/README.md), not yet with the jump-ins. The CPU runs the same
+code for the tests (the torch expert path).
 """
 from __future__ import annotations
 

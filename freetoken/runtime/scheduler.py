@@ -62,9 +62,13 @@ class Scheduler:
     def busy(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, prefill_budget: int | None = None) -> Batch:
+    def schedule(self, prefill_budget: int | None = None, short_whole: bool = False) -> Batch:
         """prefill_budget: at most this many prompt tokens this step (None: the step budget
-        less the decode rows). At least one prompt token is scheduled when nothing decodes."""
+        less the decode rows). At least one prompt token is scheduled when nothing decodes.
+        short_whole: a prompt that fits the step budget whole, context and all, goes whole
+        past prefill_budget (that budget sizes a long prompt's chunk by its costliest layer
+        at a deep context; a short prompt's layers are cheap, and cut to that size it would
+        take several forwards to its first token)."""
         b = Batch()
         for q in list(self.waiting):  # cancelled while still queued
             if q.cancelled:
@@ -93,12 +97,22 @@ class Scheduler:
             prefilling.sort(key=lambda r: (r.prefill_end - r.computed, r.arrival))
         else:
             prefilling.sort(key=lambda r: r.arrival)
+        room = self.step_tokens - len(b.decode)  # the step's own budget, past the latency one
         for req in prefilling:
+            rest = req.prefill_end - req.computed
+            if short_whole and rest > budget and req.prefill_end <= min(room, self.chunk):
+                b.prefill.append((req, req.computed, req.prefill_end))
+                room -= rest
+                budget = 0  # the latency budget is spent: long prompts wait for the next step
+                continue
             if budget <= 0:
+                if short_whole:
+                    continue  # a short prompt further on may still go whole (arrival order)
                 break
             end = min(req.prefill_end, req.computed + self.chunk, req.computed + budget)
             b.prefill.append((req, req.computed, end))
             budget -= end - req.computed
+            room -= end - req.computed
         return b
 
     def admit_whole(self, max_tokens: int) -> list[tuple[Request, int, int]]:
