@@ -217,6 +217,11 @@ def test_a_decode_step_comes_before_a_costly_layer(monkeypatch):
     assert not iv.due(0.010, 2)
     iv.layer_queued(2)
     assert iv.due(0.010, 3)  # 3 ms queued + half of the 8 ms layer: past the gap
+    iv.decoded()
+    iv.layer_queued(0)
+    assert not iv.due(0.010, 1)  # learned: 1 ms queued, half a 1 ms layer next
+    clock[0] += 0.0046  # but layer 0 took 4.6 ms this time (a deeper context than it learned at)
+    assert iv.due(0.010, 1)  # what elapsed counts where it is more: 4.6 + 0.5 past the 5 ms gap
 
 
 def test_a_short_prompt_that_arrives_mid_forward_prefills_between_its_layers(eng):

@@ -160,9 +160,11 @@ class Interleaver:
         gap *= decode_s
         if i not in self.cost or any(j not in self.cost for j in self.queued):
             return True  # a cost not known yet: one layer at a time until each is measured
-        queued = sum(self.cost[j] for j in self.queued)
+        # the queued work: its learned cost, or the time since the last decode step where that is
+        # more (on the CPU a layer runs as it is called; a learned cost can lag a growing context)
+        queued = max(sum(self.cost[j] for j in self.queued), time.perf_counter() - self.last_decode)
         # the next layer would take the gap past its target by more than it would fall short
-        return queued + self.cost[i] / 2 >= gap or time.perf_counter() - self.last_decode >= gap
+        return queued + self.cost[i] / 2 >= gap
 
     def layer_queued(self, i: int = 0) -> None:
         self.queued.append(i)
