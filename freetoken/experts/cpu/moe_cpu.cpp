@@ -440,14 +440,14 @@ static const int g_pf_hint = [] {  // 0 t0, 1 t1, 2 t2, 3 nta, -1 off
   if (v == nullptr || !*v || !std::strcmp(v, "t0")) return 0;
   return !std::strcmp(v, "t1") ? 1 : !std::strcmp(v, "t2") ? 2 : !std::strcmp(v, "nta") ? 3 : -1;
 }();
+// An if-chain, not a switch: GCC 12 turned the four-case switch into one prefetch with a
+// hint it could not keep constant and dropped every prefetch of the quantized kernels (found
+// in the disassembly; tests/test_cpu_prefetch.py checks the built extension for them).
 inline void prefetch_line(const char* p) {
-  switch (g_pf_hint) {
-    case 0: _mm_prefetch(p, _MM_HINT_T0); break;
-    case 1: _mm_prefetch(p, _MM_HINT_T1); break;
-    case 2: _mm_prefetch(p, _MM_HINT_T2); break;
-    case 3: _mm_prefetch(p, _MM_HINT_NTA); break;
-    default: break;
-  }
+  if (g_pf_hint == 0) _mm_prefetch(p, _MM_HINT_T0);
+  else if (g_pf_hint == 1) _mm_prefetch(p, _MM_HINT_T1);
+  else if (g_pf_hint == 2) _mm_prefetch(p, _MM_HINT_T2);
+  else if (g_pf_hint == 3) _mm_prefetch(p, _MM_HINT_NTA);
 }
 inline void prefetch_ahead(const uint8_t* p) { prefetch_line(reinterpret_cast<const char*>(p + g_pf)); }
 inline void prefetch_scales(const QRow* rows, int bytes) {  // each row's scales, g_pf / 16 ahead
