@@ -201,10 +201,20 @@ struct Share {
   }
 };
 
+// Prefetches as volatile asm, which no optimization may drop: GCC 12 dropped the intrinsic's
+// prefetches twice here. The block prefetch below: its interprocedural passes (modref /
+// pure-const; -fno-ipa-modref kept them) removed every one from the bf16 kernels, whose
+// `next` argument then looked unused. The quantized kernels' hint switch: below.
+// tests/test_cpu_prefetch.py checks the built extension for them.
+inline void prefetch_t0(const void* p) { asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p))); }
+inline void prefetch_t1(const void* p) { asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p))); }
+inline void prefetch_t2(const void* p) { asm volatile("prefetcht2 %0" : : "m"(*static_cast<const char*>(p))); }
+inline void prefetch_nta(const void* p) { asm volatile("prefetchnta %0" : : "m"(*static_cast<const char*>(p))); }
+
 template <typename W>
 inline void prefetch4(const W* next, int64_t stride, int i) {
   if (next && g_block_prefetch)
-    for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + j * stride + i), _MM_HINT_T0);
+    for (int j = 0; j < 4; ++j) prefetch_t0(next + j * stride + i);
 }
 template <typename W>
 __attribute__((target("avx512f"))) void dot4_avx512(const W* w, int64_t stride, const float* x, int len,
@@ -440,14 +450,14 @@ static const int g_pf_hint = [] {  // 0 t0, 1 t1, 2 t2, 3 nta, -1 off
   if (v == nullptr || !*v || !std::strcmp(v, "t0")) return 0;
   return !std::strcmp(v, "t1") ? 1 : !std::strcmp(v, "t2") ? 2 : !std::strcmp(v, "nta") ? 3 : -1;
 }();
-// An if-chain, not a switch: GCC 12 turned the four-case switch into one prefetch with a
-// hint it could not keep constant and dropped every prefetch of the quantized kernels (found
-// in the disassembly; tests/test_cpu_prefetch.py checks the built extension for them).
+// GCC 12 compiled a four-case switch of _mm_prefetch over the hint into nothing: every prefetch
+// of the quantized kernels was gone from 075c2a8 until found in the disassembly (volatile asm
+// prefetches now, above).
 inline void prefetch_line(const char* p) {
-  if (g_pf_hint == 0) _mm_prefetch(p, _MM_HINT_T0);
-  else if (g_pf_hint == 1) _mm_prefetch(p, _MM_HINT_T1);
-  else if (g_pf_hint == 2) _mm_prefetch(p, _MM_HINT_T2);
-  else if (g_pf_hint == 3) _mm_prefetch(p, _MM_HINT_NTA);
+  if (g_pf_hint == 0) prefetch_t0(p);
+  else if (g_pf_hint == 1) prefetch_t1(p);
+  else if (g_pf_hint == 2) prefetch_t2(p);
+  else if (g_pf_hint == 3) prefetch_nta(p);
 }
 inline void prefetch_ahead(const uint8_t* p) { prefetch_line(reinterpret_cast<const char*>(p + g_pf)); }
 inline void prefetch_scales(const QRow* rows, int bytes) {  // each row's scales, g_pf / 16 ahead
