@@ -202,7 +202,7 @@ struct Share {
 };
 
 // Prefetches as volatile asm, which no optimization may drop: GCC 12 dropped the intrinsic's
-// prefetches twice here. The block prefetch below: its interprocedural passes (modref /
+// prefetches twice here (GCC 13 kept them). The block prefetch below: its interprocedural passes (modref /
 // pure-const; -fno-ipa-modref kept them) removed every one from the bf16 kernels, whose
 // `next` argument then looked unused. The quantized kernels' hint switch: below.
 // tests/test_cpu_prefetch.py checks the built extension for them.
@@ -450,9 +450,9 @@ static const int g_pf_hint = [] {  // 0 t0, 1 t1, 2 t2, 3 nta, -1 off
   if (v == nullptr || !*v || !std::strcmp(v, "t0")) return 0;
   return !std::strcmp(v, "t1") ? 1 : !std::strcmp(v, "t2") ? 2 : !std::strcmp(v, "nta") ? 3 : -1;
 }();
-// GCC 12 compiled a four-case switch of _mm_prefetch over the hint into nothing: every prefetch
-// of the quantized kernels was gone from 075c2a8 until found in the disassembly (volatile asm
-// prefetches now, above).
+// GCC 12 compiled a four-case switch of _mm_prefetch over the hint into nothing: its builds of
+// the quantized kernels had no prefetch from 075c2a8 until found in the disassembly (GCC 13,
+// the GPU host's, kept them; volatile asm prefetches now, above).
 inline void prefetch_line(const char* p) {
   if (g_pf_hint == 0) prefetch_t0(p);
   else if (g_pf_hint == 1) prefetch_t1(p);
