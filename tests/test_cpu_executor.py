@@ -123,6 +123,23 @@ def test_executor_call_keeps_dtype_and_uses_torch_for_big_batches():
         assert rel(out, reference_experts(x.double(), ids, w, gu.double(), dn.double())) < 2e-6
 
 
+def test_the_torch_threshold_for_float_banks_follows_amx(monkeypatch, tmp_path):
+    """Float banks: prefill chunks up to 128 tokens stay on the C++ kernel where the CPU has no
+    AMX (it beat torch's GEMMs there), up to 32 where it has (torch's bf16 GEMMs use AMX);
+    quantized banks: 4096 either way."""
+    import freetoken.experts.cpu as cpu
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 amx_bf16 amx_tile\n")
+    assert cpu.has_amx(str(info))
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16\n")
+    assert not cpu.has_amx(str(info)) and not cpu.has_amx(str(tmp_path / "missing"))
+    gu, dn = banks(4, 32, 16, torch.bfloat16, 9)
+    for amx, want in ((True, 32), (False, 128)):
+        monkeypatch.setattr(cpu, "has_amx", lambda amx=amx: amx)
+        assert CpuExpertExecutor(gu, dn).torch_batch_threshold == want
+    assert CpuExpertExecutor(gu, dn, torch_batch_threshold=7).torch_batch_threshold == 7
+
+
 def test_static_torch_executor_matches_reference():
     gu, dn = banks(10, 64, 32, torch.float32, 7)
     ex = TorchExpertExecutor(gu, dn)

@@ -107,6 +107,29 @@ def check_prefetch_env() -> None:
         raise FreeTokenError(f"FREETOKEN_CPU_PREFETCH_BYTES must be a byte count from 0 to 1048576, got {raw!r}")
 
 
+def has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether the CPU has AMX tiles for bf16 (Sapphire Rapids and later Xeons), whose GEMMs
+    torch's oneDNN path uses; False where that cannot be read."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "amx_bf16" in line.split()
+    except OSError:
+        pass
+    return False
+
+
+# Tokens above which a call with float banks takes the torch path (per-expert BLAS GEMMs)
+# instead of the C++ kernel. Without AMX the C++ kernel wins on prefill chunks well past 32
+# tokens: on the 2-core dev machine (Zen 4, AVX512-BF16, no AMX, 2 threads) at the Qwen3.6 expert
+# shape (256 experts of 2048 x 512, top-8) it took 45.7 / 105.1 / 132.9 / 216.7 ms for 32 / 128 /
+# 256 / 512 tokens against torch's 78.8 / 127.3 / 132.5 / 140.1, and at the demo's (32 of 256 x
+# 128, top-4) 1.2 ms against 3.6 at 128 tokens. With AMX, torch's bf16 GEMMs are far faster:
+# the threshold stays at the 32 the GPU host's Xeon ran with.
+FLOAT_TORCH_THRESHOLD = {True: 32, False: 128}  # AMX: tokens
+
+
 def physical_cores() -> list[int]:
     """One logical CPU per physical core among those this process may run on."""
     allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
@@ -148,7 +171,8 @@ class CpuExpertExecutor(ExpertExecutor):
         gate_up an ExpertBanks (down None). activation, gate_up_bias [N, 2I], down_bias [N, H]:
         the expert function (executor.py), as TorchExpertExecutor takes it (GPT-OSS: the clamped
         SwiGLU with both biases). torch_batch_threshold: tokens above which a call takes the
-        torch path (default 32 for float banks, where BLAS wins on prefill chunks;
+        torch path (default for float banks: FLOAT_TORCH_THRESHOLD, 32 with AMX, where BLAS wins
+        on prefill chunks, 128 without;
         4096 for quantized ones, where the torch path dequantizes every selected expert first:
         on the 2-core dev machine the C++ kernel still takes 0.74 s against 1.19 s for a
         2048-token nvfp4 chunk over 128 experts of 2048 x 512). act_int8: MXFP4 / NVFP4 banks
@@ -181,7 +205,7 @@ class CpuExpertExecutor(ExpertExecutor):
         # (kept as given, or widened to f32 exactly)
         self.gate_up_bias, self.down_bias = self._fn["gate_up_bias"], self._fn["down_bias"]
         if torch_batch_threshold is None:
-            torch_batch_threshold = 4096 if self.quantized else 32
+            torch_batch_threshold = 4096 if self.quantized else FLOAT_TORCH_THRESHOLD[has_amx()]
         self.torch_batch_threshold = torch_batch_threshold  # tokens; above: the torch path
         schedule = os.environ.get("FREETOKEN_CPU_SCHEDULE", "static")
         if schedule not in ("static", "dynamic"):  # moe_cpu.cpp would silently take static
