@@ -5,6 +5,7 @@
 #   here:   bash bench/stamp_commit.sh
 #   device: bash bench/device_plan.sh 1    (carry .devcache and .whl), then 2, then 3, back to
 #           back (a machine left idle 30 s is given back; a fresh one costs a minute or more)
+# Call 0: the CPU kernels' rows on huge-page banks (issue 12), the prefill threshold with AMX.
 # Call 1: the int8-activation CPU path (--cpu-act int8, issue 12): its tests on the Xeon (VNNI),
 # the CPU executor's GB/s at 6 and 16 threads against host read, exact and int8 in one run.
 # Call 2: the same on the models: V4's 12-layer slice CPU-only and cached with int8, the
@@ -13,7 +14,7 @@
 # Call 4 (if time is left): short prompts jumping in between an interleaved prompt's layers;
 # the 40-layer streamed prefill.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh 1|2|3}
+STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -27,6 +28,20 @@ step() {
   echo "=== rc $? $name ($(date +%T))" >> "$LOG"
 }
 case "$STAGE" in
+0)  # 580 s: the CPU kernels on the engine's huge-page banks (bench.cpu_experts since db6c38e), with
+  # the prefetches as volatile asm (GCC 12 had dropped them; GCC 13 here kept them: a check that
+  # nothing changed), int8 against exact, and torch's GEMMs against the C++ kernel on prefill
+  # chunks with AMX (FLOAT_TORCH_THRESHOLD stays 32 here: is that right?)
+  FT_TAG=plan0 FT_PER_FILE=90 bash bench/device_tests.sh tests/test_cpu_prefetch.py tests/test_cpu_executor.py > /dev/null
+  for f in bf16 mxfp4 nvfp4 fp8_block; do
+    for t in 6 16; do
+      step 45 "cpu_experts-$f-t$t" python3 -m bench.cpu_experts --format $f --experts 512 --threads $t \
+        --batches 1,4 --iters 20 --name "cpu_experts-$f-huge-t$t"
+    done
+  done
+  step 100 cpu_experts-bf16-prefill python3 -m bench.cpu_experts --format bf16 --experts 256 --threads 6 \
+    --batches 16,32,64,128,256,512 --iters 4 --name cpu_experts-bf16-prefill-threshold-t6
+  ;;
 1)  # 560 s
   FT_TAG=plan1 FT_PER_FILE=120 bash bench/device_tests.sh tests/test_cpu_int8_act.py tests/test_cpu_quantized.py > /dev/null
   # the HCA compressor's split form (off until timed: csa_decode.SPLIT_SLOTS) against one program
@@ -56,7 +71,7 @@ case "$STAGE" in
   step 300 prefill-stream-40 python3 -m bench.prefill_stream --layers 40 --lengths 4096,16384,32768 \
     --buffering double,on-demand
   ;;
-*) echo "stage 1, 2, 3 or 4"; exit 2 ;;
+*) echo "stage 0, 1, 2, 3 or 4"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)
