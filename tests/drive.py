@@ -17,6 +17,26 @@ def drive(srv, reqs, arrive=None, max_steps: int = 10_000):
     return reqs
 
 
+def drive_with_arrivals_mid_forward(srv, hook_name: str, stream, long, late) -> bool:
+    """Drive `stream` and `long` (joining at steps 0 and 1); the `late` requests arrive from
+    inside long's prompt forward, before its layer 1 (through the loop's per-layer hook
+    `hook_name`); then step until they finish too. Returns whether they arrived that way."""
+    hook = getattr(srv, hook_name)
+    added = []
+
+    def arrive_mid_forward(i):
+        if i == 1 and not added and long.slot is not None and long.first_token_at is None:
+            added.append(i)
+            for r in late:
+                srv.sched.add(r)
+        hook(i)
+    setattr(srv, hook_name, arrive_mid_forward)
+    drive(srv, [stream, long], arrive=[0, 1])
+    while any(r.finished_at is None for r in late):
+        srv.step()
+    return bool(added)
+
+
 def torch_experts(eng):
     """The engine with its routed experts on the torch path (TorchExpertExecutor over the same
     banks, quantized or not): every expert resident, reentrant, as resident experts on a GPU."""

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import hf_models
-from drive import drive
+from drive import drive, drive_with_arrivals_mid_forward
 from freetoken.runtime.engine import Engine, EngineConfig
 from freetoken.runtime.interleave import MIN_PREFILL, CostModel, Interleaver
 from freetoken.runtime.request import Request, SamplingOptions
@@ -234,19 +234,8 @@ def test_a_short_prompt_that_arrives_mid_forward_prefills_between_its_layers(eng
     ref = drive(serving(eng, False), [greedy(p, 6) for p in ps], arrive=[0, 1, 2, 2])
     srv = serving(eng, True, step_tokens=400)  # the long prompt in one forward
     stream, long, short, longer = (greedy(p, 6) for p in ps)
-    hook = srv._between_layers
-    added = []
-
-    def arrive_mid_forward(i):
-        if i == 1 and not added and long.slot is not None and long.first_token_at is None:
-            added.append(i)
-            srv.sched.add(short)  # fits one step's budget (400): jumps in
-            srv.sched.add(longer)  # 500 > 400: waits for the steps after
-        hook(i)
-    srv._between_layers = arrive_mid_forward
-    drive(srv, [stream, long], arrive=[0, 1])
-    while short.finished_at is None or longer.finished_at is None:
-        srv.step()
+    # short fits one step's budget (400): jumps in; longer (500) waits for the steps after
+    added = drive_with_arrivals_mid_forward(srv, "_between_layers", stream, long, [short, longer])
     assert added and srv.jump_ins == 1 and srv.stats()["prompts_between_layers"] == 1
     assert short.first_token_at < long.first_token_at < longer.first_token_at
     assert [r.output_ids for r in (stream, long, short, longer)] == [r.output_ids for r in ref]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hf_models
-from drive import drive, torch_experts
+from drive import drive, drive_with_arrivals_mid_forward, torch_experts
 from freetoken.runtime import overlap
 from freetoken.runtime.engine import Engine, EngineConfig
 from freetoken.runtime.request import Request, SamplingOptions
@@ -90,8 +90,7 @@ def test_a_short_prompt_jumps_in_between_the_overlapped_prompts_layers(path):
     ref = drive(serving(engine(path, False)), [greedy(p, 6) for p in ps], arrive=[0, 1, 2, 2])
     srv = serving(engine(path, True), step_tokens=400)  # the long prompt in one forward
     stream, long, short, longer = (greedy(ps[0], 40), greedy(ps[1], 6), greedy(ps[2], 6), greedy(ps[3], 6))
-    hook = srv._alongside_layers
-    added, jumping, clashes = [], [], []
+    jumping, clashes = [], []
     real_jump, real_step = srv._jump_in_admitted, srv._overlap_step_locked
 
     def jump(items):  # the loop's thread, the worker held off
@@ -106,16 +105,8 @@ def test_a_short_prompt_jumps_in_between_the_overlapped_prompts_layers(path):
         return real_step()
     srv._jump_in_admitted, srv._overlap_step_locked = jump, step
 
-    def arrive_mid_forward(i):
-        if i == 1 and not added and long.slot is not None and long.first_token_at is None:
-            added.append(True)
-            srv.sched.add(short)  # fits one step's budget (400): jumps in
-            srv.sched.add(longer)  # 500 > 400: waits for the steps after
-        hook(i)
-    srv._alongside_layers = arrive_mid_forward
-    drive(srv, [stream, long], arrive=[0, 1])
-    while short.finished_at is None or longer.finished_at is None:
-        srv.step()
+    # short fits one step's budget (400): jumps in; longer (500) waits for the steps after
+    added = drive_with_arrivals_mid_forward(srv, "_alongside_layers", stream, long, [short, longer])
     assert added and srv.stats()["prompts_between_layers"] == 1
     assert short.first_token_at < long.first_token_at < longer.first_token_at
     assert [r.output_ids for r in (short, long, longer)] == [ref[2].output_ids, ref[1].output_ids, ref[3].output_ids]
