@@ -73,9 +73,10 @@ def quantized_banks(fmt: str, n: int, h: int, i: int, g: torch.Generator) -> Exp
 def engine_memory(t: torch.Tensor, plain: bool) -> torch.Tensor:
     """t copied into the kind of host buffer the engine's weight banks live in (weights/hostmem.py:
     page-aligned, advised onto transparent huge pages unless FREETOKEN_HUGEPAGES=0), so the
-    kernels stream what they stream when serving: on the 2-core dev machine a plain torch
-    tensor read 4.8 GB/s a core where the same MXFP4 bank on huge pages read 5.9 (int8 path:
-    6.4 against 8.1). plain: t as it is (the bench before it used the engine's buffers)."""
+    kernels stream what they stream when serving: on the 2-core dev machine, 2 threads, MXFP4
+    without prefetch, plain tensors read 9.2 GB/s where huge pages read 11.2 (int8 path: 12.4
+    against 14.6; results/cpu_experts-mxfp4-{plain-,}hintoff-devmachine-cpu.json). plain: t as
+    it is (the bench before it used the engine's buffers)."""
     if plain:
         return t
     out = host_tensor(t.shape, t.dtype)

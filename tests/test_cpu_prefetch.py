@@ -3,8 +3,8 @@
 A prefetch has no effect on results, so no numerical test can see it go, and GCC 12 (the dev
 machine's and CI's; the GPU host's GCC 13 kept them) dropped them twice: a four-case switch over
 the prefetch hint (moe_cpu.cpp prefetch_line) compiled into nothing, so the fp4 and fp8 kernels
-built here ran without look-ahead (2-core dev machine, MXFP4 at 2 threads: 10.7 GB/s without,
-17.1 with; int8 path 14.7 against 21.0), and its interprocedural passes removed the bf16
+built here ran without look-ahead (2-core dev machine, MXFP4 at 2 threads: 11.2 GB/s without,
+17.3 with; int8 path 14.6 against 20.2), and its interprocedural passes removed the bf16
 kernels' block prefetch (bf16 activations, 2 threads: 25.2 against 28.6 GB/s). This reads the
 extension's disassembly instead."""
 import re

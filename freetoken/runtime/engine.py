@@ -104,8 +104,8 @@ class EngineConfig:
         "help": "decode steps between a prompt forward's layers, paced by --decode-slowdown. auto: where "
                 "decode is its own forward (CUDA graphs); on: also on eager steps (the CPU, CUDA without "
                 "graphs), where a prompt chunk otherwise shares one forward with the decode rows: decoding streams keep their gaps "
-                "(2-core CPU, 32k prompt: p99 1.8x their unloaded gap instead of 12x) and the long prompt "
-                "prefills about 3x slower; off: never"})
+                "(2-core CPU, 32k prompt: p99 2.0-2.2x their unloaded gap against 3.0-3.6x) and the long prompt "
+                "prefills 1.3-2x slower; off: never"})
     decode_overlap: bool = field(default=False, metadata={
         "help": "decoding streams step on a second, high-priority CUDA stream while a prompt forward "
                 "runs, instead of between its layers (experts in VRAM, decode graphs; experimental, "

@@ -26,8 +26,8 @@ loop's _jump_in): its first token does not wait for the long forward. One that i
 while a long prompt prefills goes whole, past the chunk's latency budget (scheduler
 short_whole; the long prompt then waits a step), or, where both fit the budget, in a forward
 of its own before the chunk's (the loop's _groups); decode steps inside its forward come at
-FIRST_TOKEN_SLOWDOWN: on the 2-core CPU its TTFT behind an 8k prompt went from 4.1x to 2.5x
-its idle TTFT.
+FIRST_TOKEN_SLOWDOWN (benchmarks/README.md, the 32k CPU rows: 2.0-2.4x its idle TTFT, against
+2.8-3.9x before).
 
 The CPU: eager decode normally shares one forward with the prompt chunk (the decode rows pay no
 fixed part of their own), but that forward's prompt part has a fixed part about as long as a
@@ -43,7 +43,7 @@ EMA = 0.3  # weight of the newest per-layer sample
 MIN_PREFILL = 32  # prompt tokens a step takes at least, whatever the latency budget says
 # the gap allowed inside a forward of prompts that all finish in it (short prompts, whose first
 # token it gives): they are few and short, and a decode step every half decode step of their work
-# would triple their time to first token (2-core CPU: 3.7x the idle TTFT)
+# would triple their time to first token
 FIRST_TOKEN_SLOWDOWN = 2.0
 RECENT = 4  # forwards whose costliest layer gives the per-token cost (it grows with the context)
 
@@ -71,8 +71,8 @@ class CostModel:
     The two parts are read apart, because each is wrong alone. The part per token comes from
     the latest samples only: it grows with the context (attention reads every earlier token),
     so a fit over a longer history reads that growth as a fixed part; on the 2-core CPU a fit
-    over forwards of one size at an 8k context gave a 19 ms fixed part to a layer whose fixed
-    part is about 3 ms, and pinned the chunk at the step's maximum. The fixed part (weights
+    over forwards of one size at an 8k context read several times a layer's fixed part, and
+    pinned the chunk at the step's maximum. The fixed part (weights
     read once per forward: a chunk of 32 tokens reads every expert of a layer, a decode step a
     few; the DeltaNet chunk padding; launches) does not change with the context, so it is
     refitted only when the recent samples differ enough in size to separate it from the slope

@@ -123,9 +123,9 @@ def has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
 # Tokens above which a call with float banks takes the torch path (per-expert BLAS GEMMs)
 # instead of the C++ kernel. Without AMX the C++ kernel wins on prefill chunks well past 32
 # tokens: on the 2-core dev machine (Zen 4, AVX512-BF16, no AMX, 2 threads) at the Qwen3.6 expert
-# shape (256 experts of 2048 x 512, top-8) it took 45.7 / 105.1 / 132.9 / 216.7 ms for 32 / 128 /
-# 256 / 512 tokens against torch's 78.8 / 127.3 / 132.5 / 140.1, and at the demo's (32 of 256 x
-# 128, top-4) 1.2 ms against 3.6 at 128 tokens. With AMX, torch's bf16 GEMMs are far faster:
+# shape (256 experts of 2048 x 512, top-8), bf16 activations, it took 44.1 / 91.1 / 131.0 / 210.0
+# ms for 32 / 128 / 256 / 512 tokens against torch's 76.5 / 119.0 / 128.3 / 138.5
+# (results/cpu_experts-bf16-prefill-threshold-devmachine-cpu.json). With AMX, torch's bf16 GEMMs are far faster:
 # the threshold stays at the 32 the GPU host's Xeon ran with.
 FLOAT_TORCH_THRESHOLD = {True: 32, False: 128}  # AMX: tokens
 
