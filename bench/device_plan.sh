@@ -13,8 +13,9 @@
 # Call 3: the Qwen3.6 MXFP4 rows with int8; test_expert_cache_quant.py -k on_cuda with time enough.
 # Call 4 (if time is left): short prompts jumping in between an interleaved prompt's layers;
 # the 40-layer streamed prefill.
+# Call 5: fla's DeltaNet prefill, the 40-layer streamed prefill with it, the interleaved 32k prompt.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4}
+STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -71,7 +72,18 @@ case "$STAGE" in
   step 300 prefill-stream-40 python3 -m bench.prefill_stream --layers 40 --lengths 4096,16384,32768 \
     --buffering double,on-demand
   ;;
-*) echo "stage 0, 1, 2, 3 or 4"; exit 2 ;;
+5)  # 560 s: flash-linear-attention's DeltaNet prefill (kernels/fla_delta.py) against the torch
+  # rule, its tests beside the production configs against transformers; the 40-layer streamed
+  # prefill with it (issue 11: the 32k pass was compute-bound at 2.6 s); the interleaved 32k
+  # prompt with the cost model that no longer collapses to 32-token chunks (issue 9: 346 tok/s)
+  FT_TAG=plan5 FT_PER_FILE=110 bash bench/device_tests.sh tests/test_deltanet_chunks.py tests/test_gpu_production.py > /dev/null
+  step 60 deltanet-prefill python3 -m bench.deltanet_prefill --lengths 512,2048,8192,32768
+  step 160 prefill-stream-40-fla python3 -m bench.prefill_stream --layers 40 --lengths 8192,16384,32768 \
+    --buffering double --name prefill_stream-40l-fla
+  step 190 interference-interleave python3 -m bench.interference --full-size --long 32768 --settings interleave \
+    --name interference-full-costmodel
+  ;;
+*) echo "stage 0, 1, 2, 3, 4 or 5"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)

@@ -161,9 +161,25 @@ def run_setting(eng, name: str, a) -> dict:
            "short_ttft_behind_long_s": round(short_ttft, 3), "long_ttft_s": round(long_ttft, 2),
            "long_prefill_tok_s": round(a.long / long_ttft, 1)}
     out["longest_gaps"] = anatomy(srv.events, pairs)
+    out["prompt_chunks"] = chunk_summary(srv.between.history)
     out["p99_gap_over_unloaded_p50"] = round(quantile(loaded, 0.99) / statistics.median(unloaded), 2)
     out["short_ttft_over_idle"] = round(short_ttft / idle_ttft, 2)
     return out
+
+
+def chunk_summary(history) -> dict | None:
+    """The interleaved prompt forwards' sizes and costliest layers (Interleaver.history): how
+    the cost model sized the chunks (a collapse to small chunks shows here first)."""
+    if not history:
+        return None
+    sizes = sorted(n for n, _ in history)
+    costly = sorted(t for _, t in history)
+    pick = lambda xs, q: xs[min(len(xs) - 1, int(q * len(xs)))]  # noqa: E731
+    return {"forwards": len(sizes), "tokens_p10_p50_p90": [pick(sizes, q) for q in (0.1, 0.5, 0.9)],
+            "tokens_min_max": [sizes[0], sizes[-1]],
+            "costliest_layer_ms_p10_p50_p90": [round(pick(costly, q) * 1e3, 2) for q in (0.1, 0.5, 0.9)],
+            "first_last_8": [[n, round(t * 1e3, 2)] for n, t in
+                             (list(history) if len(history) <= 16 else list(history)[:8] + list(history)[-8:])]}
 
 
 def main():

@@ -228,6 +228,7 @@ def main():
     ap.add_argument("--llamacpp-threads", type=int, default=14)
     ap.add_argument("--llamacpp-max-layers", type=int, default=24, help="sections with more layers get no llama.cpp rows")
     ap.add_argument("--gguf", default="/tmp/ft-expert-cache.gguf", help="the slice's GGUF (shared with bench.expert_cache)")
+    ap.add_argument("--name", default="prefill_stream", help="result name (results/NAME-gpu.json)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.prefill_stream needs a CUDA device: it streams experts from pinned host memory "
@@ -238,7 +239,7 @@ def main():
     for layers in [int(x) for x in a.layers.split(",")]:
         run_layers(layers, a, dev, res)
     add_bounds(res["runs"])
-    write_result("prefill_stream", res)
+    write_result(a.name, res)
 
 
 def add_bounds(runs: list[dict]) -> None:

@@ -51,3 +51,67 @@ def test_cuts_do_not_change_outputs():
     b, fb, _ = chunk_gated_delta_rule(q, k, v, g, beta, state, cuts=[10, 70, 71, 250])
     assert float((a - b).abs().max()) < 1e-5 * float(a.abs().max())
     assert float((fa - fb).abs().max()) < 1e-5 * float(fa.abs().max())
+
+
+needs_fla = pytest.mark.skipif(not torch.cuda.is_available(), reason="fla's kernels need a GPU "
+                               "(they do not run under the Triton interpreter)")
+
+
+def _fla_or_skip():
+    from freetoken.kernels import fla_delta
+    if fla_delta._kernel() is None:
+        pytest.skip("flash-linear-attention (fla-core) is not installed")
+    return fla_delta
+
+
+@needs_fla
+@pytest.mark.parametrize("t,cuts", [(1, []), (63, [63]), (511, [1, 200, 511]), (4096, [64, 3000])])
+def test_fla_matches_the_torch_rule(t, cuts):
+    """kernels/fla_delta.py (bf16 inputs, the l2 norm and grouped value heads in the kernel)
+    against our fp32 chunk rule on the same raw heads, fresh random inputs at the Qwen3.6 head
+    shape (16 q/k heads, 32 value heads, 128-wide), including the states at cuts."""
+    fla_delta = _fla_or_skip()
+    gen = torch.Generator(device="cuda").manual_seed(t)
+    r = lambda *s: torch.randn(*s, generator=gen, device="cuda")  # noqa: E731
+    hk, hv, d = 16, 32, 128
+    q, k, v = (r(t, hk, d).bfloat16(), r(t, hk, d).bfloat16(), r(t, hv, d).bfloat16())
+    g = -torch.nn.functional.softplus(r(t, hv))  # [T, Hv] fp32 log-decay
+    beta = torch.sigmoid(r(t, hv))
+    state = r(hv, d, d) * 0.1
+    out, final, snaps = fla_delta.chunk_delta_fla(q, k, v, g, beta, state.clone(), d ** -0.5, cuts)
+    rep = lambda x: x.float().repeat_interleave(hv // hk, dim=1)  # noqa: E731
+    ref, ref_final, ref_snaps = chunk_gated_delta_rule(l2norm(rep(q)) * d ** -0.5, l2norm(rep(k)), v.float(), g,
+                                                       beta, state.clone(), cuts=cuts)
+    tol = lambda a, b: float((a.float() - b).abs().max() / b.abs().max())  # noqa: E731
+    assert out.shape == ref.shape and out.dtype == torch.bfloat16
+    assert tol(out, ref) < 2e-2  # bf16 inputs and products against fp32
+    assert tol(final, ref_final) < 2e-2
+    assert len(snaps) == len(ref_snaps) == len(cuts)
+    for s, rs in zip(snaps, ref_snaps):
+        assert tol(s, rs) < 2e-2
+
+
+@needs_fla
+def test_the_engine_prefills_the_same_with_fla(tmp_path, monkeypatch):
+    """A small Qwen3.5-MoE in bf16 on the GPU: prefill logits with FREETOKEN_FLA=1 (fla's
+    kernels in every DeltaNet layer) against 0 (the torch rule), in two chunks so the second
+    starts from the state the first left; then a decode step from each state."""
+    _fla_or_skip()
+    import hf_models
+    from freetoken.runtime.engine import Engine, EngineConfig
+    from freetoken.weights.convert import convert
+    model = hf_models.qwen3_5(5, num_hidden_layers=4, max_position_embeddings=1024)
+    hf_models.save(model, str(tmp_path / "hf"))
+    convert(str(tmp_path / "hf"), str(tmp_path / "m.ftw"), progress=False)
+    eng = Engine(str(tmp_path / "m.ftw"), EngineConfig(device="cuda", dtype="bfloat16", experts="gpu",
+                                                        prefill_chunk=256))
+    prompt = torch.randint(0, 320, (600,), generator=torch.Generator().manual_seed(3)).tolist()
+    got = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("FREETOKEN_FLA", flag)
+        st = eng.new_state(len(prompt) + 2)
+        pre = eng.prefill(prompt, st, all_logits=True)  # [600, V], chunks of 256
+        nxt = eng.model.decode(torch.tensor([7], device="cuda"), st, torch.tensor([len(prompt)], device="cuda"))
+        got.append(torch.cat([pre, nxt]).float().cpu())
+    rel = float((got[0] - got[1]).abs().max() / got[1].abs().max())
+    assert rel < 3e-2, rel

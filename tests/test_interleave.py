@@ -1,6 +1,8 @@
 """Decode steps between the layers of a prefill forward (runtime/interleave.py): the streams
 that decode meanwhile get exactly the tokens they get without it, the prompt too, and the
 decision follows the layers queued at the cost it learns."""
+import random
+
 import pytest
 import torch
 
@@ -130,8 +132,8 @@ def test_the_cost_model_separates_the_fixed_part_only_from_samples_of_different_
     assert per_token == pytest.approx(1e-5 + 2e-6 * 5.5, rel=0.01)  # the mean of the last four
     assert cm.tokens_within(0.013) == pytest.approx(0.010 / 2.1e-5, rel=0.01)
     assert cm.tokens_within(0.002) == pytest.approx(0.003 / 2.1e-5, rel=0.01)  # below the fixed part: the floor
-    cm.fixed = 0.5  # a fixed part the noise inflated: the floor stays within the chunks measured
-    assert cm.tokens_within(0.002) == 501
+    cm.fixed = 0.5  # a fixed part the noise inflated: the floor stays within twice the chunks measured
+    assert cm.tokens_within(0.002) == 1002
     cm.add(64, 0.0)  # no slower than a plain decode step: noise, not a sample
     assert len(cm) == 8 and cm.samples[-1][0] == 501
     cm2 = CostModel()
@@ -139,6 +141,42 @@ def test_the_cost_model_separates_the_fixed_part_only_from_samples_of_different_
         cm2.add(512, 0.020)
     assert cm2.fit() == (0.0, pytest.approx(0.020 / 512))
     assert cm2.tokens_within(0.0005) == MIN_PREFILL
+
+
+def test_a_stalled_forward_does_not_shrink_the_chunks():
+    """One forward in ten whose costliest layer took 50 ms more (a stall: an allocation, a
+    compile, the host) must not read as a rate or erase the fixed part: the chunks stay where
+    the layer's real cost puts them. Before, the fit through the stalls found no fixed part and
+    a rate ~100x the real one, and the chunks fell to MIN_PREFILL for good."""
+    rnd = random.Random(1)
+    fixed, per_token, room = 0.003, 2e-6, 0.0028  # the gap is below the fixed part: the floor rule
+    for stalls in (False, True):
+        cm, sizes = CostModel(), []
+        for i in range(60):
+            n = (2048, 1024)[i] if i < 2 else min(2048, cm.tokens_within(room))
+            t = (fixed + per_token * n) * (1 + 0.1 * rnd.random())
+            cm.add(n, t + (0.05 if stalls and i % 10 == 5 else 0.0))
+            sizes.append(n)
+        assert min(sizes[-20:]) > 1000, (stalls, sizes)  # the floor rule: per-token part ~ fixed part
+        assert cm.fit()[0] == pytest.approx(fixed, rel=0.15)
+
+
+def test_chunks_stuck_at_one_small_size_grow_back():
+    """Every recent chunk at one small size and no fixed part known: chunks of one size cannot
+    tell a fixed part from slowness, so the chunk doubles, the spread separates the fixed part,
+    and the floor rule (growing by doubling) brings the chunks back up."""
+    cm = CostModel()
+    for _ in range(4):
+        cm.add(MIN_PREFILL, 0.0035)  # a fixed part read as a rate: ~110 us a token
+    sizes = []
+    for _ in range(16):
+        n = cm.tokens_within(0.0028)
+        sizes.append(n)
+        cm.add(n, 0.003 + 1e-6 * n)
+    assert sizes[0] == 2 * MIN_PREFILL
+    grown = sizes[sizes.index(128):]
+    assert sizes[-1] >= 2048 and grown == sorted(grown)  # doubling up
+    assert cm.fit() == (pytest.approx(0.003), pytest.approx(1e-6))
 
 
 def test_a_mixed_step_is_sized_from_its_prompt_part_beyond_a_decode_step(eng):

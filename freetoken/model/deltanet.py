@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels import use_triton
+from ..kernels import fla_delta, use_triton
 from .layers import FusedLinear, gated_rms_norm
 from .linear import linear
 from .state import DecodeState
@@ -131,22 +131,25 @@ class GatedDeltaNet:
         # the fused decode kernels need power-of-two head dims and no conv bias
         self.fusable = _pow2(self.dk) and _pow2(self.dv) and self.kernel >= 2 and self.conv_b is None
 
-    def _gates_and_heads(self, mixed, a, b):
-        """Split conv output into normalised q, k and v heads; compute decay g and beta."""
+    def _raw_heads(self, mixed, a, b):
+        """Split conv output into q, k [N, Hk, dk] and v [N, Hv, dv] heads (mixed's dtype, q/k
+        not normalised); decay g and beta [N, Hv] fp32."""
         n = mixed.shape[0]
         kd = self.hk * self.dk
         q, k, v = torch.split(mixed, [kd, kd, self.hv * self.dv], dim=-1)
-        q = q.reshape(n, self.hk, self.dk).float()
-        k = k.reshape(n, self.hk, self.dk).float()
-        v = v.reshape(n, self.hv, self.dv).float()
+        beta = b.sigmoid().float()
+        g = self.neg_a * F.softplus(a.float() + self.dt_bias)  # [n, Hv] log-decay, <= 0
+        return q.reshape(n, self.hk, self.dk), k.reshape(n, self.hk, self.dk), v.reshape(n, self.hv, self.dv), g, beta
+
+    def _gates_and_heads(self, mixed, a, b):
+        """_raw_heads for the torch rule: fp32, q/k l2-normalised (q scaled) and repeated to
+        the value heads."""
+        q, k, v, g, beta = self._raw_heads(mixed, a, b)
+        q, k, v = q.float(), k.float(), v.float()
         if self.hv != self.hk:  # each q/k head serves hv/hk consecutive value heads
             q = q.repeat_interleave(self.hv // self.hk, dim=1)
             k = k.repeat_interleave(self.hv // self.hk, dim=1)
-        q = l2norm(q) * self.dk ** -0.5
-        k = l2norm(k)
-        beta = b.sigmoid().float()
-        g = self.neg_a * F.softplus(a.float() + self.dt_bias)  # [n, Hv] log-decay, <= 0
-        return q, k, v, g, beta
+        return l2norm(q) * self.dk ** -0.5, l2norm(k), v, g, beta
 
     def _finish(self, core: torch.Tensor, z: torch.Tensor, dtype) -> torch.Tensor:
         """core: [N, Hv, dv] fp32, z: [N, Hv*dv] -> [N, H]"""
@@ -166,13 +169,21 @@ class GatedDeltaNet:
         conv = F.conv1d(seq[None], self.conv_w[:, None, :], self.conv_b, groups=seq.shape[0])
         mixed = F.silu(conv[0]).t().to(x.dtype)  # [T, C]
         conv_state.copy_(seq[:, seq.shape[1] - conv_state.shape[1]:])
-        q, k, v, g, beta = self._gates_and_heads(mixed, a, b)
         cuts = capture.offsets(start, t) if capture is not None else []
-        core, new, snaps = chunk_gated_delta_rule(q, k, v, g, beta, st.rec[self.layer][slot], cuts=cuts)
-        st.rec[self.layer][slot].copy_(new)
+        rec = st.rec[self.layer][slot]  # [Hv, dk, dv] fp32
+        done = None
+        if fla_delta.available(x):  # CUDA: flash-linear-attention's kernels (kernels/fla_delta.py)
+            q, k, v, g, beta = self._raw_heads(mixed, a, b)
+            done = fla_delta.try_chunk_delta_fla(q, k, v, g, beta, rec, self.dk ** -0.5, cuts)
+        if done is not None:
+            core, new, snaps = done
+        else:
+            q, k, v, g, beta = self._gates_and_heads(mixed, a, b)
+            core, new, snaps = chunk_gated_delta_rule(q, k, v, g, beta, rec, cuts=cuts)
+        rec.copy_(new)
         w = conv_state.shape[1]
-        for c, rec in zip(cuts, snaps):  # conv state after c tokens: the K-1 inputs before it
-            capture.store(self.layer, start + c, seq[:, c:c + w], rec)
+        for c, snap in zip(cuts, snaps):  # conv state after c tokens: the K-1 inputs before it
+            capture.store(self.layer, start + c, seq[:, c:c + w], snap)
         return self._finish(core, z, x.dtype)
 
     def decode(self, x: torch.Tensor, st: DecodeState, pos: torch.Tensor,

@@ -46,11 +46,23 @@ MIN_PREFILL = 32  # prompt tokens a step takes at least, whatever the latency bu
 # would triple their time to first token
 FIRST_TOKEN_SLOWDOWN = 2.0
 RECENT = 4  # forwards whose costliest layer gives the per-token cost (it grows with the context)
+OUTLIER = 2.0  # a sample over this many times the fit of the others is a stall, not a cost
 
 
 def affine_fit(costs) -> tuple[float, float]:
     """(fixed seconds, seconds per token) of forwards [(tokens, seconds)], least squares; with
     too little spread in sizes, all of the time is charged per token (an upper bound)."""
+    fit = _least_squares(costs)
+    if fit is not None:
+        return fit
+    n = [c[0] for c in costs]
+    t = [c[1] for c in costs]
+    return 0.0, max(sum(t) / max(sum(n), 1), 1e-9)
+
+
+def _least_squares(costs) -> tuple[float, float] | None:
+    """(a, b) of t = a + b n, or None where the sizes do not spread or the fit is not a cost
+    (a slope <= 0 or a negative fixed part)."""
     n = [c[0] for c in costs]
     t = [c[1] for c in costs]
     mn, mt = sum(n) / len(n), sum(t) / len(t)
@@ -60,7 +72,33 @@ def affine_fit(costs) -> tuple[float, float]:
         a = mt - b * mn
         if b > 0 and a >= 0:
             return a, b
-    return 0.0, max(sum(t) / max(sum(n), 1), 1e-9)
+    return None
+
+
+def robust_fit(costs) -> tuple[float, float] | None:
+    """_least_squares without the samples that a stall made slow: the worst sample is dropped
+    while it took over OUTLIER times what the fit of the rest predicts (at most a quarter of
+    them). On the H200 one cycle in a forward can take 50 ms (an allocation, a compile, the
+    host), and a forward's costliest layer is then that cycle: a fit through it read no fixed
+    part and a rate several times the real one."""
+    costs = list(costs)
+    for _ in range(len(costs) // 4):
+        worst = max(range(len(costs)), key=lambda i: costs[i][1] / max(_predict(costs, i), 1e-12))
+        if costs[worst][1] <= OUTLIER * _predict(costs, worst):
+            break
+        costs.pop(worst)
+    return _least_squares(costs)
+
+
+def _predict(costs, i: int) -> float:
+    """Seconds the fit of every sample but i gives sample i's size (its own rate where the
+    rest do not fit)."""
+    rest = costs[:i] + costs[i + 1:]
+    fit = _least_squares(rest) if len(rest) >= 2 else None
+    n = costs[i][0]
+    if fit is None:
+        return n * sum(t for _, t in rest) / max(sum(m for m, _ in rest), 1) if rest else costs[i][1]
+    return fit[0] + fit[1] * n
 
 
 class CostModel:
@@ -100,23 +138,39 @@ class CostModel:
             return None
         ns = [n for n, _ in self.samples]
         if len(ns) >= 2 and max(ns) >= self.SPREAD * min(ns):
-            fixed, _ = affine_fit(self.samples)
-            self.fixed = min(fixed, min(t for _, t in self.samples))
-        recent = list(self.samples)[-RECENT:]
-        n, t = sum(n for n, _ in recent), sum(t for _, t in recent)
-        # never below an eighth of the plain rate: a fixed part fitted on noise can exceed these
-        per_token = max(t - self.fixed * len(recent), t / 8) / n
+            fit = robust_fit(self.samples)
+            if fit is not None:  # else the last fit stands (a failed one is no evidence of none)
+                self.fixed = min(fit[0], min(t for _, t in self.samples))
+        # the median rate of the latest samples: one stalled forward among them does not set it
+        rates = sorted(max(t - self.fixed, t / 32) / n for n, t in list(self.samples)[-RECENT:])
+        mid = len(rates) // 2
+        per_token = rates[mid] if len(rates) % 2 else (rates[mid - 1] + rates[mid]) / 2
+        # never below 1/32 of the plain rate: a fixed part fitted on noise can exceed these (an
+        # eighth was too much where the fixed part is most of a small chunk's time: on the H200
+        # a layer of 64 tokens is ~98% fixed part, and the rate read 6x too high)
         return self.fixed, max(per_token, 1e-9)
 
     def tokens_within(self, room: float) -> int:
         """Tokens whose work fits `room` seconds (there must be a sample); never below
         MIN_PREFILL, nor below the chunk whose per-token part equals the fixed part (smaller
         ones would slow the prompt without shortening the wait much), that floor itself at
-        most the largest recent chunk (a fixed part the noise inflated must not grow chunks
-        past what was measured)."""
+        most twice the largest recent chunk (a fixed part the noise inflated must not grow
+        chunks far past what was measured: they grow by doubling, each size measured).
+
+        Where the answer and the recent chunks are all of about one size and no fixed part is
+        known, the chunk doubles instead: chunks of one size cannot tell
+        a fixed part from slowness, so a rate read at a small chunk (a stall in it, a fixed
+        part) would keep every later chunk that small. One chunk of twice the size gives the
+        spread that separates them (on the H200, chunks stuck at 32 tokens prefilled a 32k
+        prompt at 346 tok/s)."""
         fixed, per_token = self.fit()
-        floor = max(MIN_PREFILL, min(int(fixed / per_token), max(n for n, _ in self.samples)))
-        return max(floor, int((room - fixed) / per_token)) if room > fixed else floor
+        ns = [n for n, _ in list(self.samples)[-RECENT:]]
+        floor = max(MIN_PREFILL, min(int(fixed / per_token), 2 * max(n for n, _ in self.samples)))
+        want = max(floor, int((room - fixed) / per_token)) if room > fixed else floor
+        sizes = ns + [want]
+        if fixed == 0 and len(ns) >= 2 and max(sizes) < self.SPREAD * min(sizes):
+            return 2 * min(ns)
+        return want
 
 
 class Interleaver:
@@ -134,6 +188,8 @@ class Interleaver:
         # (prompt tokens, seconds) of each forward's costliest layer: what sizes the chunk
         self.samples = CostModel()
         self.this_forward: dict[int, float] = {}  # layer -> seconds, in the forward in flight
+        self.history: deque[tuple[int, float]] = deque(maxlen=4096)  # (tokens, costliest layer s)
+        # of the latest forwards (telemetry: bench.interference's chunk sizes)
 
     @property
     def enabled(self) -> bool:
@@ -191,6 +247,7 @@ class Interleaver:
         size of a long prompt."""
         if self.this_forward and self.tokens and not self.first_tokens:
             self.samples.add(self.tokens, max(self.this_forward.values()))
+            self.history.append((self.tokens, max(self.this_forward.values())))
         self.this_forward = {}
 
     def budget(self, decode_s: float | None, costs=(), layers: int = 1) -> int | None:

@@ -1,0 +1,94 @@
+"""The gated delta rule's chunked prefill on CUDA through flash-linear-attention (fla-core).
+
+Our chunk rule (model/deltanet.py `chunk_gated_delta_rule`) is the reference and the CPU path:
+fp32, a batched UT transform with one small product per 64-token chunk, and a dozen more ops
+around it. On the H200 that form is bound by launches and fp32 GEMMs (benchmarks/README.md,
+"Prefill on the full-size model": 30 DeltaNet layers took most of the host time of a
+2,048-token forward). fla's kernels are the field's reference implementation of the same rule
+(transformers' Qwen3-Next / Qwen3.5 use them when installed): bf16 tensor-core work, the
+q/k l2 norm and grouped value heads inside the kernels, a handful of launches per layer.
+
+Used for CUDA tensors when `fla` imports and FREETOKEN_FLA is not 0; `bench.deltanet_prefill`
+times both and `tests/test_deltanet_chunks.py` compares them (on a GPU: fla's kernels do not
+run under the Triton interpreter).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+log = logging.getLogger("freetoken.kernels")
+
+
+def _switch() -> bool:
+    raw = os.environ.get("FREETOKEN_FLA", "1")
+    if raw not in ("0", "1"):
+        from ..errors import FreeTokenError
+        raise FreeTokenError(f"FREETOKEN_FLA must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel():
+    """fla's chunk_gated_delta_rule, or None (not installed, or it fails to import: then the
+    torch path runs, and the log says why once)."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception as e:  # noqa: BLE001 (an ImportError, or fla's own checks of the platform)
+        log.info("flash-linear-attention is not used for the DeltaNet prefill (%s: %s); the torch "
+                 "chunk rule runs", type(e).__name__, e)
+        return None
+    return chunk_gated_delta_rule
+
+
+_state = {"proven": False, "broken": None}  # a first call ran / why the first call failed
+
+
+def available(t: torch.Tensor) -> bool:
+    """Whether the DeltaNet prefill of activations t goes to fla: CUDA, 16-bit activations
+    (an fp32 run is a precision run: its products stay fp32, on our rule)."""
+    return (t.is_cuda and t.dtype in (torch.bfloat16, torch.float16) and _switch() and _state["broken"] is None
+            and _kernel() is not None)
+
+
+def try_chunk_delta_fla(*args, **kw):
+    """chunk_delta_fla, or None if its first call ever fails (a Triton or driver version fla
+    does not support: the log says so once, and the torch rule runs from then on). Once a
+    call has run, a failure is an error like any other and propagates."""
+    if _state["proven"]:
+        return chunk_delta_fla(*args, **kw)
+    try:
+        out = chunk_delta_fla(*args, **kw)
+    except Exception as e:  # noqa: BLE001
+        _state["broken"] = f"{type(e).__name__}: {e}"
+        log.warning("flash-linear-attention failed on its first call (%s); the DeltaNet prefill uses the "
+                    "torch chunk rule (FREETOKEN_FLA=0 silences this)", _state["broken"])
+        return None
+    _state["proven"] = True
+    return out
+
+
+def chunk_delta_fla(q, k, v, g, beta, state, scale: float, cuts=()):
+    """q, k: [T, Hk, dk] before the l2 norm (the kernel applies it, then `scale` to q);
+    v: [T, Hv, dv], Hv a multiple of Hk (value head j reads q/k head j // (Hv / Hk));
+    g: [T, Hv] log-decay (<= 0) and beta: [T, Hv], both fp32; state: [Hv, dk, dv] fp32.
+
+    Returns (out [T, Hv, dv] in v's dtype, new state fp32, [state after c tokens for c in
+    cuts]), as model/deltanet.py chunk_gated_delta_rule does. A cut ends one call and the
+    next starts from its state (checkpoints are few: one call per anchor in the chunk)."""
+    fn = _kernel()
+    t = q.shape[0]
+    bounds = sorted({c for c in cuts if 0 < c < t}) + [t]
+    outs, at, s = [], {}, 0
+    for b in bounds:
+        o, state = fn(q[None, s:b], k[None, s:b], v[None, s:b], g[None, s:b], beta[None, s:b],  # [1, n, ...]
+                      scale=scale, initial_state=state[None], output_final_state=True,
+                      use_qk_l2norm_in_kernel=True)
+        state = state[0]  # [Hv, dk, dv] fp32
+        outs.append(o[0])  # [n, Hv, dv]
+        at[b], s = state, b
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out, state, [at[c] for c in cuts if c in at]
