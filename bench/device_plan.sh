@@ -14,8 +14,9 @@
 # Call 4 (if time is left): short prompts jumping in between an interleaved prompt's layers;
 # the 40-layer streamed prefill.
 # Call 5: fla's DeltaNet prefill, the 40-layer streamed prefill with it, the interleaved 32k prompt.
+# Call 6: fla's tests and the production configs again, the interleaved 32k prompt again.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5}
+STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -83,7 +84,15 @@ case "$STAGE" in
   step 190 interference-interleave python3 -m bench.interference --full-size --long 32768 --settings interleave \
     --name interference-full-costmodel
   ;;
-*) echo "stage 0, 1, 2, 3, 4 or 5"; exit 2 ;;
+6)  # 520 s: fla's tests with time for its autotuning, the production configs against transformers
+  # (the reference models imported with fla hidden: tests/conftest.py), the interleaved 32k prompt
+  # with the chunk doubling out of MIN_PREFILL (stage 5 found the chunks stuck at 32 tokens)
+  FT_TAG=plan6 FT_PER_FILE=200 bash bench/device_tests.sh tests/test_deltanet_chunks.py > /dev/null
+  FT_TAG=plan6 FT_PER_FILE=120 bash bench/device_tests.sh tests/test_gpu_production.py > /dev/null
+  step 190 interference-interleave python3 -m bench.interference --full-size --long 32768 --settings interleave \
+    --name interference-full-chunkgrowth
+  ;;
+*) echo "stage 0, 1, 2, 3, 4, 5 or 6"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)

@@ -18,6 +18,32 @@ except ImportError:
 sys.path.insert(0, os.path.dirname(__file__))
 
 
+def _reference_models_without_fla():
+    """Where flash-linear-attention is installed (the GPU machine), transformers binds its
+    kernels into the DeltaNet models at import, for every device: the reference models, which
+    run on the CPU here, then call GPU kernels with CPU tensors and fail. Import those model
+    modules once with fla hidden, so the reference is transformers' own torch code (what the
+    tests compare against); fla is visible again afterwards, for our kernels."""
+    import importlib
+    import importlib.util
+    if importlib.util.find_spec("fla") is None:
+        return
+    saved = {k: sys.modules.pop(k) for k in list(sys.modules) if k == "fla" or k.startswith("fla.")}
+    sys.modules["fla"] = None  # import fla raises ImportError
+    try:
+        for name in ("qwen3_5_moe", "qwen3_5", "qwen3_next"):
+            try:
+                importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+            except ImportError:
+                pass
+    finally:
+        del sys.modules["fla"]
+        sys.modules.update(saved)
+
+
+_reference_models_without_fla()
+
+
 # One cache folder for the whole run (the JIT-built C++ executor, the demo model), chosen here,
 # before any test module is imported: some call extension() at collection (skip marks), and
 # that first build must land where the `ft` subprocesses of later tests look for it. Per run,

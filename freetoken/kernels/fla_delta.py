@@ -92,3 +92,25 @@ def chunk_delta_fla(q, k, v, g, beta, state, scale: float, cuts=()):
         at[b], s = state, b
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out, state, [at[c] for c in cuts if c in at]
+
+
+def warm_up(cfg, device: torch.device, dtype: torch.dtype) -> None:
+    """One small call at the model's DeltaNet head shape, at load: fla autotunes and compiles
+    its kernels on first use (seconds to a minute), which would otherwise land in the first
+    request's time to first token; a platform fla cannot run on is found here too."""
+    probe = torch.empty(1, device=device, dtype=dtype)
+    if not available(probe):
+        return
+    import time
+    t0 = time.perf_counter()
+    n, hk, hv = 64, cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    q, k = (torch.randn(n, hk, dk, device=device, dtype=dtype) for _ in range(2))  # [n, Hk, dk]
+    v = torch.randn(n, hv, dv, device=device, dtype=dtype)  # [n, Hv, dv]
+    g = -torch.rand(n, hv, device=device)  # [n, Hv] log-decay
+    beta = torch.rand(n, hv, device=device)
+    state = torch.zeros(hv, dk, dv, device=device)
+    if try_chunk_delta_fla(q, k, v, g, beta, state, dk ** -0.5) is not None:
+        torch.cuda.synchronize(device)
+        log.info("DeltaNet prefill on flash-linear-attention's kernels (warmed up in %.1f s)",
+                 time.perf_counter() - t0)

@@ -158,7 +158,9 @@ class CostModel:
         chunks far past what was measured: they grow by doubling, each size measured).
 
         Where the answer and the recent chunks are all of about one size and no fixed part is
-        known, the chunk doubles instead: chunks of one size cannot tell
+        known, or the answer is MIN_PREFILL (on the H200 a fixed part fitted on the first,
+        compiling forwards read 2 ms of a layer's ~3 as a rate at 32 tokens), the chunk doubles
+        instead: chunks of one size cannot tell
         a fixed part from slowness, so a rate read at a small chunk (a stall in it, a fixed
         part) would keep every later chunk that small. One chunk of twice the size gives the
         spread that separates them (on the H200, chunks stuck at 32 tokens prefilled a 32k
@@ -168,7 +170,7 @@ class CostModel:
         floor = max(MIN_PREFILL, min(int(fixed / per_token), 2 * max(n for n, _ in self.samples)))
         want = max(floor, int((room - fixed) / per_token)) if room > fixed else floor
         sizes = ns + [want]
-        if fixed == 0 and len(ns) >= 2 and max(sizes) < self.SPREAD * min(sizes):
+        if (fixed == 0 or want == MIN_PREFILL) and len(ns) >= 2 and max(sizes) < self.SPREAD * min(sizes):
             return 2 * min(ns)
         return want
 
