@@ -9,7 +9,7 @@ import torch
 import hf_models
 from drive import drive, drive_with_arrivals_mid_forward
 from freetoken.runtime.engine import Engine, EngineConfig
-from freetoken.runtime.interleave import MIN_PREFILL, CostModel, Interleaver
+from freetoken.runtime.interleave import GAP_CEILING, MIN_PREFILL, CostModel, Interleaver
 from freetoken.runtime.request import Request, SamplingOptions
 from freetoken.runtime.serving import ServingEngine
 from freetoken.weights.convert import convert
@@ -112,6 +112,14 @@ def test_the_chunk_is_sized_so_one_layer_fits_the_gap():
     assert iv.budget(0.010) == pytest.approx(800, abs=1)  # (10 ms gap - 2 ms) / 10 us
     assert iv.budget(0.0015) == pytest.approx(200, abs=1)  # gap below the fixed part: the chunk costing as much
     assert Interleaver(0.0).budget(0.010) is None
+    # a fixed part above the room: the floor's chunk (per-token part = fixed part, 8 ms a
+    # layer) would take the gap past GAP_CEILING decode steps; the chunk stops where it does
+    iv = Interleaver(1.5)
+    for n in (64, 128, 256, 512):  # a layer: 4 ms fixed + 10 us a token
+        iv.samples.add(n, 0.004 + 1e-5 * n)
+    assert iv.budget(0.006) == pytest.approx(((GAP_CEILING - 1) * 0.006 - 0.004) / 1e-5, abs=1)
+    assert iv.budget(0.010) == pytest.approx(350, abs=1)  # the floor's 400 would cost 8 ms, over 7.5
+    assert iv.budget(0.020) == pytest.approx(600, abs=1)  # room 10 ms: the plain answer, above the floor
 
 
 def test_the_cost_model_separates_the_fixed_part_only_from_samples_of_different_sizes():

@@ -44,6 +44,18 @@ def _kernel():
     return chunk_gated_delta_rule
 
 
+# head widths fla is used at: verified at 128 (Qwen3.5 / 3.6 / Next) against our rule, chained
+# calls and checkpoint cuts included (tests/test_deltanet_chunks.py); an engine whose DeltaNet
+# heads were 16 wide (the tests' tiny models) prefilled logits 40% off with fla (H200, 49047e7),
+# not diagnosed, so narrower heads stay on our rule
+HEAD_DIMS = (128, 256)
+
+
+def supports(dk: int, dv: int) -> bool:
+    """Whether fla is used for DeltaNet heads dk (q/k) and dv (v) wide."""
+    return HEAD_DIMS[0] <= dk <= HEAD_DIMS[1] and HEAD_DIMS[0] <= dv <= HEAD_DIMS[1] and dk % 64 == dv % 64 == 0
+
+
 _state = {"proven": False, "broken": None}  # a first call ran / why the first call failed
 
 
@@ -98,19 +110,21 @@ def warm_up(cfg, device: torch.device, dtype: torch.dtype) -> None:
     """One small call at the model's DeltaNet head shape, at load: fla autotunes and compiles
     its kernels on first use (seconds to a minute), which would otherwise land in the first
     request's time to first token; a platform fla cannot run on is found here too."""
-    probe = torch.empty(1, device=device, dtype=dtype)
-    if not available(probe):
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    if not supports(dk, dv) or not available(torch.empty(1, device=device, dtype=dtype)):
         return
     import time
     t0 = time.perf_counter()
-    n, hk, hv = 64, cfg.linear_num_key_heads, cfg.linear_num_value_heads
-    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    q, k = (torch.randn(n, hk, dk, device=device, dtype=dtype) for _ in range(2))  # [n, Hk, dk]
-    v = torch.randn(n, hv, dv, device=device, dtype=dtype)  # [n, Hv, dv]
-    g = -torch.rand(n, hv, device=device)  # [n, Hv] log-decay
-    beta = torch.rand(n, hv, device=device)
-    state = torch.zeros(hv, dk, dv, device=device)
-    if try_chunk_delta_fla(q, k, v, g, beta, state, dk ** -0.5) is not None:
-        torch.cuda.synchronize(device)
-        log.info("DeltaNet prefill on flash-linear-attention's kernels (warmed up in %.1f s)",
-                 time.perf_counter() - t0)
+    # Triton compiles a kernel again for each new kind of length (1, a multiple of 16, other):
+    # one of each here (on the H200 a prompt forward of a new kind stalled 0.75 s)
+    for n in (1, 64, 100):
+        q, k = (torch.randn(n, hk, dk, device=device, dtype=dtype) for _ in range(2))  # [n, Hk, dk]
+        v = torch.randn(n, hv, dv, device=device, dtype=dtype)  # [n, Hv, dv]
+        g = -torch.rand(n, hv, device=device)  # [n, Hv] log-decay
+        beta = torch.rand(n, hv, device=device)
+        state = torch.zeros(hv, dk, dv, device=device)
+        if try_chunk_delta_fla(q, k, v, g, beta, state, dk ** -0.5) is None:
+            return
+    torch.cuda.synchronize(device)
+    log.info("DeltaNet prefill on flash-linear-attention's kernels (warmed up in %.1f s)", time.perf_counter() - t0)

@@ -130,6 +130,7 @@ class GatedDeltaNet:
         self.dt_bias = w[p + "dt_bias"]
         # the fused decode kernels need power-of-two head dims and no conv bias
         self.fusable = _pow2(self.dk) and _pow2(self.dv) and self.kernel >= 2 and self.conv_b is None
+        self.fla = fla_delta.supports(self.dk, self.dv)  # head widths fla is verified at
 
     def _raw_heads(self, mixed, a, b):
         """Split conv output into q, k [N, Hk, dk] and v [N, Hv, dv] heads (mixed's dtype, q/k
@@ -172,7 +173,7 @@ class GatedDeltaNet:
         cuts = capture.offsets(start, t) if capture is not None else []
         rec = st.rec[self.layer][slot]  # [Hv, dk, dv] fp32
         done = None
-        if fla_delta.available(x):  # CUDA: flash-linear-attention's kernels (kernels/fla_delta.py)
+        if self.fla and fla_delta.available(x):  # CUDA: flash-linear-attention's kernels (kernels/fla_delta.py)
             q, k, v, g, beta = self._raw_heads(mixed, a, b)
             done = fla_delta.try_chunk_delta_fla(q, k, v, g, beta, rec, self.dk ** -0.5, cuts)
         if done is not None:
