@@ -118,7 +118,8 @@ def test_compress_entries(o, m, dim, rd, stride, dtype, split):
     """Paged rows (pages in a shuffled block table, kv and gate at column offsets of one wider
     row), ends before a full window (slots before position 0 drop out), at 0 and later; one
     program per row (split 0), the features split over programs (16: dim 40 and 48 leave a
-    partial block), and the default (one program while SPLIT_SLOTS is 0; the last shape: HCA-like)."""
+    partial block), and the default (the split form for windows of SPLIT_SLOTS slots or more:
+    the last shape, HCA-like; one program below)."""
     g = torch.Generator().manual_seed(o * 100 + m * 10 + dim + stride)
     ps, pages, b = 8, 24, 5
     width = 2 * o * dim + 3

@@ -455,10 +455,10 @@ def _entry_norm_kernel(ends_ptr, e_ptr, w_ptr, cos_ptr, sin_ptr, stride_c, out_p
 
 # Windows of at least this many token slots take the split form (a [S, D] window in one
 # program is a long serial loop at batch 1: HCA's 128 x 512 took 35 us a call in the H200
-# profile of V4's step, 17 calls = 0.6 ms a 12-layer step). 0: off, the default until the split
-# form has run on a GPU (interpreter-tested only); the next device call times both
-# (`python -m freetoken.kernels.csa_decode 1`, "hca entries").
-SPLIT_SLOTS = 0
+# profile of V4's step, 17 calls = 0.6 ms a 12-layer step). Timed on the H200 (c1de6eb,
+# `python -m freetoken.kernels.csa_decode 1`): HCA's 128-slot window 11.1 us split against 69.5
+# in one program; CSA's 8-slot window stays in one program (7.2 us). 0 turns the split off.
+SPLIT_SLOTS = 64
 
 
 def compress_entries_triton(kv_part, gate_part, page_size: int, ends: torch.Tensor, m: int, o: int, dim: int,

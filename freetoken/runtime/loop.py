@@ -25,7 +25,7 @@ from ..model.state import DecodeState, checkpoint_state_bytes, ring_layers, wind
 from .budget import plan_memory
 from .decode_runner import DecodeRunner
 from .grammar import GrammarRunner
-from .interleave import MIN_PREFILL, CostModel, Interleaver, affine_fit
+from .interleave import GAP_CEILING, MIN_PREFILL, CostModel, Interleaver, affine_fit
 from .overlap import DecodeOverlap, eligible as overlap_eligible
 from .request import Request, TokenEvent
 from .sampler import SamplingParams, greedy_rows, sample, top_entries
@@ -247,7 +247,8 @@ class EngineLoop:
         if self.mixed:  # the prompt's share of a mixed step: its time less a plain decode step's
             if not self._mixed:
                 return None
-            return self._mixed.tokens_within((self.slowdown - 1) * self._decode_s)
+            return self._mixed.tokens_within((self.slowdown - 1) * self._decode_s,
+                                             (max(self.slowdown, GAP_CEILING) - 1) * self._decode_s)
         if len(self._costs) < 2:
             return None
         fixed, per_token = affine_fit(self._costs)
