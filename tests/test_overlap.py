@@ -142,3 +142,31 @@ def test_eligibility_reasons():
         assert "layers share" in overlap.eligible(eng(model), runner)
     assert "not reentrant" in overlap.eligible(eng(plain, "cpu"), runner)
     assert "streamed passes" in overlap.eligible(eng(plain, stream=object()), runner)
+
+
+def test_the_pacer_keeps_the_host_two_layers_ahead():
+    """LayerPacer (CUDA: the overlapped prompt forward's hooks must come as the device reaches
+    each layer): before each layer the host waits for the mark of two layers back, and only
+    for that one. Fake events stand for the device: each completes after a few polls."""
+    from freetoken.runtime.overlap import LayerPacer
+    polls, marks = [], []
+
+    class Mark:
+        def __init__(self):
+            self.n, self.left = len(marks), 3
+            marks.append(self)
+
+        def record(self, stream):
+            pass
+
+        def query(self):
+            polls.append(self.n)
+            self.left -= 1
+            return self.left <= 0
+
+    pacer = LayerPacer(torch.device("cpu"), ahead=2, event=Mark)
+    for i in range(6):
+        pacer.before_layer()
+        assert len(pacer.events) == min(i + 1, 2)  # never more in flight
+    assert sorted(set(polls)) == [0, 1, 2, 3]  # waited for marks 0..3 (the last two still in flight)
+    assert polls == sorted(polls) and all(polls.count(n) == 3 for n in range(4))

@@ -26,7 +26,7 @@ from .budget import plan_memory
 from .decode_runner import DecodeRunner
 from .grammar import GrammarRunner
 from .interleave import GAP_CEILING, MIN_PREFILL, CostModel, Interleaver, affine_fit
-from .overlap import DecodeOverlap, eligible as overlap_eligible
+from .overlap import DecodeOverlap, LayerPacer, eligible as overlap_eligible
 from .request import Request, TokenEvent
 from .sampler import SamplingParams, greedy_rows, sample, top_entries
 from .scheduler import Scheduler
@@ -118,6 +118,7 @@ class EngineLoop:
         self._step_lock = threading.Lock()
         self._claim = threading.Event()
         self._prompt_forward = False  # a prompt forward is in flight (its checkpoint captures too)
+        self._pacer = None  # the overlapped prompt forward's LayerPacer (CUDA)
         # a model that keeps a forward's data in state its layers share cannot run another
         # forward's Python between a forward's layers (a jump-in, an eager decode step)
         self._shared_state = bool(getattr(engine.model, "per_forward_state", False))
@@ -495,6 +496,8 @@ class EngineLoop:
         the prompt's work is done on the device (runtime/overlap.py); requests that finished
         on the worker are finished here, after it."""
         ov = self.overlap
+        # on CUDA the hooks must come as the device reaches each layer, not as the host queues it
+        self._pacer = LayerPacer(self.engine.device) if self.engine.device.type == "cuda" else None
         try:
             with ov.alongside(self._overlap_step):
                 logits = self.engine.prefill_batch(self.state, segs, between=self._alongside_layers)
@@ -512,6 +515,8 @@ class EngineLoop:
         its idle TTFT, behind an overlapped 32k prompt). The worker's decode steps pause for
         it: the jump-in restores, takes pages and finishes requests, which the worker's steps
         must not do at the same time (_exclusive)."""
+        if self._pacer is not None and not self.between.running:
+            self._pacer.before_layer()
         if self.sched.waiting and not self.between.running:  # read without the locks: every layer
             self._jump_in(self._exclusive())
 

@@ -31,6 +31,11 @@ for them by a lock both take: that work restores prefixes, takes pages and finis
 which the worker's steps must not do at the same time. Without it a short request waited for
 the whole forward (on the H200, 7.7 s behind a 32k prompt, 73x its idle TTFT).
 
+On CUDA the loop's thread would queue the whole prompt forward in a few milliseconds and then
+wait for the device, passing every layer's hook before a short request had arrived (at c1de6eb
+on the H200 no jump-in fired; the short request waited the forward out, 34x its idle TTFT):
+LayerPacer keeps it at most two layers ahead of the device, so the hooks come in real time.
+
 Where: CUDA with decode graphs captured at start-up (a capture while another thread runs
 would fail), experts resident in VRAM (the C++ CPU executor and the expert cache's slots are
 one per process and not reentrant), no streamed prefill passes. Opt-in (--decode-overlap):
@@ -42,10 +47,34 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
+from collections import deque
 
 import torch
 
 log = logging.getLogger("freetoken.serving")
+
+
+class LayerPacer:
+    """Holds the host at most `ahead` layers in front of the device during a prompt forward:
+    before layer i, an event marks the work queued so far, and the host waits (polling, so the
+    overlap worker keeps the GIL meanwhile) until the event of `ahead` layers back has run.
+    Two layers: the device always has the next layer queued, no bubble."""
+
+    def __init__(self, device: torch.device, ahead: int = 2, event=None):
+        self.ahead = ahead
+        self.device = device
+        self.events: deque = deque()
+        self._event = event or (lambda: torch.cuda.Event())  # a fake in the tests
+
+    def before_layer(self) -> None:
+        ev = self._event()
+        ev.record(torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None)
+        self.events.append(ev)
+        while len(self.events) > self.ahead:
+            oldest = self.events.popleft()
+            while not oldest.query():
+                time.sleep(0.0002)
 
 
 def eligible(engine, runner) -> str | None:
