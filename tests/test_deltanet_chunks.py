@@ -65,17 +65,20 @@ def _fla_or_skip():
 
 
 @needs_fla
-@pytest.mark.parametrize("t,cuts", [(1, []), (63, [63]), (511, [1, 200, 511]), (4096, [64, 3000])])
-def test_fla_matches_the_torch_rule(t, cuts):
+@pytest.mark.parametrize("t,cuts,decay", [(1, [], 1.0), (63, [63], 1.0), (511, [1, 200, 511], 1.0),
+                                          (4096, [64, 3000], 1.0), (4096, [64, 3000], 0.01)])
+def test_fla_matches_the_torch_rule(t, cuts, decay):
     """kernels/fla_delta.py (bf16 inputs, the l2 norm and grouped value heads in the kernel)
     against our fp32 chunk rule on the same raw heads, fresh random inputs at the Qwen3.6 head
-    shape (16 q/k heads, 32 value heads, 128-wide), including the states at cuts."""
+    shape (16 q/k heads, 32 value heads, 128-wide), including the states at cuts. decay 0.01:
+    a weak decay (~1% a token), so the state handed across a cut, and bf16 drift, carry over
+    thousands of tokens (with decay 1 a state is forgotten within ~10 tokens)."""
     fla_delta = _fla_or_skip()
     gen = torch.Generator(device="cuda").manual_seed(t)
     r = lambda *s: torch.randn(*s, generator=gen, device="cuda")  # noqa: E731
     hk, hv, d = 16, 32, 128
     q, k, v = (r(t, hk, d).bfloat16(), r(t, hk, d).bfloat16(), r(t, hv, d).bfloat16())
-    g = -torch.nn.functional.softplus(r(t, hv))  # [T, Hv] fp32 log-decay
+    g = -decay * torch.nn.functional.softplus(r(t, hv))  # [T, Hv] fp32 log-decay
     beta = torch.sigmoid(r(t, hv))
     state = r(hv, d, d) * 0.1
     out, final, snaps = fla_delta.chunk_delta_fla(q, k, v, g, beta, state.clone(), d ** -0.5, cuts)
@@ -93,10 +96,15 @@ def test_fla_matches_the_torch_rule(t, cuts):
 
 @needs_fla
 def test_the_engine_prefills_the_same_with_fla(tmp_path, monkeypatch):
-    """A small Qwen3.5-MoE (DeltaNet heads 128 wide) in bf16 on the GPU: prefill logits with FREETOKEN_FLA=1 (fla's
-    kernels in every DeltaNet layer) against 0 (the torch rule), in two chunks so the second
-    starts from the state the first left; then a decode step from each state."""
-    _fla_or_skip()
+    """A small Qwen3.5-MoE (DeltaNet heads 128 wide) in bf16 on the GPU: prefill logits with
+    FREETOKEN_FLA=1 (fla's kernels in every DeltaNet layer) against 0 (the torch rule), in three
+    chunks so each starts from the state the one before left; then a decode step from each
+    state. fla must have run with 1 and not with 0 (else this compares the torch rule with
+    itself)."""
+    fla_delta = _fla_or_skip()
+    calls = []
+    real = fla_delta.chunk_delta_fla
+    monkeypatch.setattr(fla_delta, "chunk_delta_fla", lambda *a, **k: calls.append(1) or real(*a, **k))
     import hf_models
     from freetoken.runtime.engine import Engine, EngineConfig
     from freetoken.weights.convert import convert
@@ -108,13 +116,17 @@ def test_the_engine_prefills_the_same_with_fla(tmp_path, monkeypatch):
     eng = Engine(str(tmp_path / "m.ftw"), EngineConfig(device="cuda", dtype="bfloat16", experts="gpu",
                                                         prefill_chunk=256))
     prompt = torch.randint(0, 320, (600,), generator=torch.Generator().manual_seed(3)).tolist()
-    got = []
+    assert fla_delta._state["proven"] and fla_delta._state["broken"] is None  # warmed up at load
+    got, used = [], []
     for flag in ("1", "0"):
         monkeypatch.setenv("FREETOKEN_FLA", flag)
+        calls.clear()
         st = eng.new_state(len(prompt) + 2)
         pre = eng.prefill(prompt, st, all_logits=True)  # [600, V], chunks of 256
         nxt = eng.model.decode(torch.tensor([7], device="cuda"), st, torch.tensor([len(prompt)], device="cuda"))
         got.append(torch.cat([pre, nxt]).float().cpu())
+        used.append(len(calls))
+    assert used[0] > 0 and used[1] == 0, used
     rel = float((got[0] - got[1]).abs().max() / got[1].abs().max())
     assert rel < 3e-2, rel
 
@@ -124,3 +136,28 @@ def test_fla_is_used_only_at_the_head_widths_it_was_verified_at():
     assert fla_delta.supports(128, 128)
     assert not fla_delta.supports(16, 16)  # the tests' tiny models: 40% off on the H200 (not diagnosed)
     assert not fla_delta.supports(128, 512) and not fla_delta.supports(96, 128)
+
+
+@pytest.fixture
+def fla_state():
+    from freetoken.kernels import fla_delta
+    saved = dict(fla_delta._state)
+    fla_delta._state.update(proven=False, broken=None)
+    yield fla_delta
+    fla_delta._state.clear()
+    fla_delta._state.update(saved)
+
+
+def test_a_first_fla_failure_falls_back_and_a_later_one_propagates(fla_state, monkeypatch):
+    """Before fla has run on this process, a failure turns it off (the torch rule from then on,
+    one warning); once it has run, a failure is an error and propagates."""
+    fla_delta = fla_state
+    monkeypatch.setattr(fla_delta, "_kernel", lambda: (lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no sm"))))
+    q = torch.zeros(4, 1, 128)
+    args = (q, q, q, torch.zeros(4, 1), torch.zeros(4, 1), torch.zeros(1, 128, 128), 1.0)
+    assert fla_delta.try_chunk_delta_fla(*args) is None
+    assert "no sm" in fla_delta._state["broken"]
+    assert not fla_delta.available(torch.empty(1, dtype=torch.bfloat16))  # off for good (and no CUDA here)
+    fla_delta._state.update(proven=True, broken=None)
+    with pytest.raises(RuntimeError, match="no sm"):
+        fla_delta.try_chunk_delta_fla(*args)

@@ -120,6 +120,9 @@ def test_the_chunk_is_sized_so_one_layer_fits_the_gap():
     assert iv.budget(0.006) == pytest.approx(((GAP_CEILING - 1) * 0.006 - 0.004) / 1e-5, abs=1)
     assert iv.budget(0.010) == pytest.approx(350, abs=1)  # the floor's 400 would cost 8 ms, over 7.5
     assert iv.budget(0.020) == pytest.approx(600, abs=1)  # room 10 ms: the plain answer, above the floor
+    # the fixed part alone past the ceiling (3.75 ms): no chunk meets it, and the floor stays
+    # uncapped on purpose (the prompt keeps half its speed; tokens_within's docstring)
+    assert iv.budget(0.005) == pytest.approx(400, abs=1)
 
 
 def test_the_cost_model_separates_the_fixed_part_only_from_samples_of_different_sizes():
@@ -137,7 +140,7 @@ def test_the_cost_model_separates_the_fixed_part_only_from_samples_of_different_
         cm.add(500 + i % 2, 0.003 + (1e-5 + 2e-6 * i) * 500)
     fixed, per_token = cm.fit()
     assert fixed == pytest.approx(0.003)
-    assert per_token == pytest.approx(1e-5 + 2e-6 * 5.5, rel=0.01)  # the mean of the last four
+    assert per_token == pytest.approx(1e-5 + 2e-6 * 5.5, rel=0.01)  # the median of the last four
     assert cm.tokens_within(0.013) == pytest.approx(0.010 / 2.1e-5, rel=0.01)
     assert cm.tokens_within(0.002) == pytest.approx(0.003 / 2.1e-5, rel=0.01)  # below the fixed part: the floor
     cm.fixed = 0.5  # a fixed part the noise inflated: the floor stays within twice the chunks measured
@@ -167,6 +170,19 @@ def test_a_stalled_forward_does_not_shrink_the_chunks():
             sizes.append(n)
         assert min(sizes[-20:]) > 1000, (stalls, sizes)  # the floor rule: per-token part ~ fixed part
         assert cm.fit()[0] == pytest.approx(fixed, rel=0.15)
+
+
+def test_the_rate_is_the_median_of_the_latest_samples_and_a_different_size_is_kept():
+    """One stalled forward among the latest four does not set the rate (the median does not
+    move with it), and a prompt's last, smaller chunk among chunks of one size is not dropped
+    as a stall: it is what separates the fixed part from the rate."""
+    cm = CostModel()
+    for n in (2048,) * 7 + (256,):  # a layer: 3 ms fixed + 1 us a token
+        cm.add(n, 0.003 + 1e-6 * n)
+    assert cm.fit()[0] == pytest.approx(0.003, rel=0.01)
+    cm.add(2048, 0.060)  # a stall
+    fixed, per_token = cm.fit()
+    assert fixed == pytest.approx(0.003, rel=0.05) and per_token == pytest.approx(1e-6, rel=0.05)
 
 
 def test_chunks_stuck_at_one_small_size_grow_back():

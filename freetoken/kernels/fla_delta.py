@@ -35,25 +35,32 @@ def _switch() -> bool:
 def _kernel():
     """fla's chunk_gated_delta_rule, or None (not installed, or it fails to import: then the
     torch path runs, and the log says why once)."""
+    import importlib.util
+    if importlib.util.find_spec("fla") is None:
+        log.info("flash-linear-attention is not installed: the DeltaNet prefill runs the torch chunk rule "
+                 "(pip install -e '.[cuda]' for it)")
+        return None
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    except Exception as e:  # noqa: BLE001 (an ImportError, or fla's own checks of the platform)
-        log.info("flash-linear-attention is not used for the DeltaNet prefill (%s: %s); the torch "
-                 "chunk rule runs", type(e).__name__, e)
+    except Exception as e:  # noqa: BLE001 (installed, yet it fails: a Triton or torch it does not support)
+        log.warning("flash-linear-attention is installed but fails to import (%s: %s): the DeltaNet prefill "
+                    "runs the slower torch chunk rule", type(e).__name__, e)
         return None
     return chunk_gated_delta_rule
 
 
-# head widths fla is used at: verified at 128 (Qwen3.5 / 3.6 / Next) against our rule, chained
-# calls and checkpoint cuts included (tests/test_deltanet_chunks.py); an engine whose DeltaNet
-# heads were 16 wide (the tests' tiny models) prefilled logits 40% off with fla (H200, 49047e7),
-# not diagnosed, so narrower heads stay on our rule
-HEAD_DIMS = (128, 256)
+# head widths (dk, dv) fla is used at: verified at 128 (Qwen3.5 / 3.6 / Next) against our rule,
+# chained calls and checkpoint cuts included (tests/test_deltanet_chunks.py); an engine whose
+# DeltaNet heads were 16 wide (the tests' tiny models) prefilled logits 40% off with fla (H200,
+# 49047e7), not diagnosed, so other widths stay on our rule until tested. (fla 0.6 may dispatch
+# 128-wide heads on Hopper to its FlashQLA backend when the flash-qla package is installed: not
+# installed where it was verified.)
+HEAD_DIMS = {(128, 128)}
 
 
 def supports(dk: int, dv: int) -> bool:
     """Whether fla is used for DeltaNet heads dk (q/k) and dv (v) wide."""
-    return HEAD_DIMS[0] <= dk <= HEAD_DIMS[1] and HEAD_DIMS[0] <= dv <= HEAD_DIMS[1] and dk % 64 == dv % 64 == 0
+    return (dk, dv) in HEAD_DIMS
 
 
 _state = {"proven": False, "broken": None}  # a first call ran / why the first call failed
@@ -66,18 +73,22 @@ def available(t: torch.Tensor) -> bool:
             and _kernel() is not None)
 
 
+def _give_up(e: Exception, when: str) -> None:
+    _state["broken"] = f"{type(e).__name__}: {e}"
+    log.warning("flash-linear-attention failed %s (%s); the DeltaNet prefill uses the torch chunk rule "
+                "(FREETOKEN_FLA=0 silences this)", when, _state["broken"])
+
+
 def try_chunk_delta_fla(*args, **kw):
-    """chunk_delta_fla, or None if its first call ever fails (a Triton or driver version fla
-    does not support: the log says so once, and the torch rule runs from then on). Once a
-    call has run, a failure is an error like any other and propagates."""
+    """chunk_delta_fla, or None if fla has not been proven on this process (warm_up at engine
+    load proves it) and this call fails: then the log says so once and the torch rule runs
+    from then on. Once proven, a failure is an error like any other (an OOM) and propagates."""
     if _state["proven"]:
         return chunk_delta_fla(*args, **kw)
     try:
         out = chunk_delta_fla(*args, **kw)
     except Exception as e:  # noqa: BLE001
-        _state["broken"] = f"{type(e).__name__}: {e}"
-        log.warning("flash-linear-attention failed on its first call (%s); the DeltaNet prefill uses the "
-                    "torch chunk rule (FREETOKEN_FLA=0 silences this)", _state["broken"])
+        _give_up(e, "on its first call")
         return None
     _state["proven"] = True
     return out
@@ -118,13 +129,17 @@ def warm_up(cfg, device: torch.device, dtype: torch.dtype) -> None:
     t0 = time.perf_counter()
     # Triton compiles a kernel again for each new kind of length (1, a multiple of 16, other):
     # one of each here (on the H200 a prompt forward of a new kind stalled 0.75 s)
-    for n in (1, 64, 100):
-        q, k = (torch.randn(n, hk, dk, device=device, dtype=dtype) for _ in range(2))  # [n, Hk, dk]
-        v = torch.randn(n, hv, dv, device=device, dtype=dtype)  # [n, Hv, dv]
-        g = -torch.rand(n, hv, device=device)  # [n, Hv] log-decay
-        beta = torch.rand(n, hv, device=device)
-        state = torch.zeros(hv, dk, dv, device=device)
-        if try_chunk_delta_fla(q, k, v, g, beta, state, dk ** -0.5) is None:
-            return
-    torch.cuda.synchronize(device)
+    # all three or none: a variant that fails to compile turns fla off here, not in a request
+    try:
+        for n in (1, 64, 100):
+            q, k = (torch.randn(n, hk, dk, device=device, dtype=dtype) for _ in range(2))  # [n, Hk, dk]
+            v = torch.randn(n, hv, dv, device=device, dtype=dtype)  # [n, Hv, dv]
+            g = -torch.rand(n, hv, device=device)  # [n, Hv] log-decay
+            beta = torch.rand(n, hv, device=device)
+            chunk_delta_fla(q, k, v, g, beta, torch.zeros(hv, dk, dv, device=device), dk ** -0.5)
+        torch.cuda.synchronize(device)
+    except Exception as e:  # noqa: BLE001
+        _give_up(e, "at its warm-up")
+        return
+    _state["proven"] = True
     log.info("DeltaNet prefill on flash-linear-attention's kernels (warmed up in %.1f s)", time.perf_counter() - t0)

@@ -153,7 +153,7 @@ class GatedDeltaNet:
         return l2norm(q) * self.dk ** -0.5, l2norm(k), v, g, beta
 
     def _finish(self, core: torch.Tensor, z: torch.Tensor, dtype) -> torch.Tensor:
-        """core: [N, Hv, dv] fp32, z: [N, Hv*dv] -> [N, H]"""
+        """core: [N, Hv, dv] (fp32 from the torch rule, 16-bit from fla), z: [N, Hv*dv] -> [N, H]"""
         n = core.shape[0]
         core = core.to(dtype)
         o = gated_rms_norm(core, z.view(n, self.hv, self.dv), self.norm_w, self.eps)

@@ -86,7 +86,12 @@ def robust_fit(costs) -> tuple[float, float] | None:
     part and a rate several times the real one."""
     costs = list(costs)
     for _ in range(len(costs) // 4):
-        worst = max(range(len(costs)), key=lambda i: costs[i][1] / max(_predict(costs, i), 1e-12))
+        # only a sample whose removal leaves a fit: where the others are all of one size, the
+        # one that differs carries the fixed part (a prompt's last, smaller chunk), not a stall
+        fits = [i for i in range(len(costs)) if _least_squares(costs[:i] + costs[i + 1:]) is not None]
+        if not fits:
+            break
+        worst = max(fits, key=lambda i: costs[i][1] / max(_predict(costs, i), 1e-12))
         if costs[worst][1] <= OUTLIER * _predict(costs, worst):
             break
         costs.pop(worst)
@@ -157,29 +162,33 @@ class CostModel:
         """Tokens whose work fits `room` seconds (there must be a sample); never below
         MIN_PREFILL, nor below the chunk whose per-token part equals the fixed part (smaller
         ones would slow the prompt without shortening the wait much), that floor itself at
-        most twice the largest recent chunk (a fixed part the noise inflated must not grow
-        chunks far past what was measured: they grow by doubling, each size measured), and to
-        the chunk that costs `ceiling` seconds where that is more than the fixed part (the
+        most twice the largest chunk in the window (a fixed part the noise inflated must not
+        grow chunks far past what was measured: they grow by doubling, each size measured), and
+        to the chunk that costs `ceiling` seconds where that is more than the fixed part (the
         floor's chunk costs twice the fixed part: on the H200, 6.3 ms against a 6.1 ms decode
-        step, a p99 gap of 2.3x).
+        step, a p99 gap of 2.3x). Where even the fixed part is past the ceiling, no chunk keeps
+        the gap under it, and the floor stays uncapped, deliberately: the prompt keeps half its
+        speed rather than crawl at MIN_PREFILL for a gap that misses anyway (the 2-core CPU's
+        mixed forward: a fixed part above a decode step). So the answer jumps up where the
+        ceiling falls below the fixed part.
 
-        Where the answer and the recent chunks are all of about one size and no fixed part is
-        known, or the answer is MIN_PREFILL (on the H200 a fixed part fitted on the first,
-        compiling forwards read 2 ms of a layer's ~3 as a rate at 32 tokens), the chunk doubles
-        instead: chunks of one size cannot tell
-        a fixed part from slowness, so a rate read at a small chunk (a stall in it, a fixed
-        part) would keep every later chunk that small. One chunk of twice the size gives the
-        spread that separates them (on the H200, chunks stuck at 32 tokens prefilled a 32k
-        prompt at 346 tok/s)."""
+        Where every chunk in the window is of about one size, the answer is not smaller, and no
+        fixed part is known or the answer is under 2 x MIN_PREFILL (on the H200 a fixed part fitted on
+        the first, compiling forwards read 2 ms of a layer's ~3 as a rate at 32 tokens), the
+        chunk doubles instead: chunks of one size cannot tell a fixed part from slowness, so a
+        rate read at a small chunk (a stall in it, a fixed part) would keep every later chunk
+        that small. One chunk of twice the size, at most once per window, gives the spread that
+        separates them (on the H200, chunks stuck at 32 tokens prefilled a 32k prompt at 346
+        tok/s). At such sizes that chunk may pass the ceiling: one forward in a window."""
         fixed, per_token = self.fit()
-        ns = [n for n, _ in list(self.samples)[-RECENT:]]
-        floor = min(int(fixed / per_token), 2 * max(n for n, _ in self.samples))
+        ns = [n for n, _ in self.samples]  # the whole window
+        floor = min(int(fixed / per_token), 2 * max(ns))
         if ceiling is not None and ceiling > fixed:  # the floor's own cost (twice the fixed part) within it
             floor = min(floor, int((ceiling - fixed) / per_token))
         floor = max(MIN_PREFILL, floor)
         want = max(floor, int((room - fixed) / per_token)) if room > fixed else floor
-        sizes = ns + [want]
-        if (fixed == 0 or want == MIN_PREFILL) and len(ns) >= 2 and max(sizes) < self.SPREAD * min(sizes):
+        stuck = len(ns) >= RECENT and min(ns) <= want < self.SPREAD * min(ns) and max(ns) < self.SPREAD * min(ns)
+        if stuck and (fixed == 0 or want < 2 * MIN_PREFILL):
             return 2 * min(ns)
         return want
 
