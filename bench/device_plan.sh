@@ -15,8 +15,9 @@
 # the 40-layer streamed prefill.
 # Call 5: fla's DeltaNet prefill, the 40-layer streamed prefill with it, the interleaved 32k prompt.
 # Call 6: fla's tests and the production configs again, the interleaved 32k prompt again.
+# Call 7 (next): fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6}
+STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -92,7 +93,15 @@ case "$STAGE" in
   step 190 interference-interleave python3 -m bench.interference --full-size --long 32768 --settings interleave \
     --name interference-full-chunkgrowth
   ;;
-*) echo "stage 0, 1, 2, 3, 4, 5 or 6"; exit 2 ;;
+7)  # 560 s, written for the next session: fla's engine test at 128-wide heads and the rest of its
+  # tests; the interleaved 32k prompt with GAP_CEILING and the overlapped one with LayerPacer
+  # (issue 9); where a prefill chunk's time goes now that DeltaNet is on fla (issue 11)
+  FT_TAG=plan7 FT_PER_FILE=200 bash bench/device_tests.sh tests/test_deltanet_chunks.py > /dev/null
+  step 250 interference python3 -m bench.interference --full-size --long 32768 --settings interleave,overlap \
+    --name interference-full-ceiling-pacer
+  step 100 prefill-profile python3 -m bench.prefill --lengths 2048,8192
+  ;;
+*) echo "stage 0, 1, 2, 3, 4, 5, 6 or 7"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)
