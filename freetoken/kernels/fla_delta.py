@@ -24,6 +24,7 @@ log = logging.getLogger("freetoken.kernels")
 
 
 def _switch() -> bool:
+    """FREETOKEN_FLA: 1 (default) or 0; anything else is an error (checked at engine load)."""
     raw = os.environ.get("FREETOKEN_FLA", "1")
     if raw not in ("0", "1"):
         from ..errors import FreeTokenError

@@ -226,9 +226,11 @@ class Engine:
         self.dense_fp8 = self._dense_fp8(dense)
         self.max_len = min(self.cfg.max_position_embeddings, self.ecfg.max_seq_len or 1 << 62)
         self.model = cls(self.cfg, dense, self.executor, self.device, self.dtype, self.max_len)
-        if self.cfg.linear_layers and self.device.type == "cuda":  # fla's autotuning now, not in a request
+        if self.cfg.linear_layers:
             from ..kernels import fla_delta
-            fla_delta.warm_up(self.cfg, self.device, self.dtype)
+            fla_delta._switch()  # a bad FREETOKEN_FLA is an error at load, on any device
+            if self.device.type == "cuda":  # fla's autotuning now, not in a request
+                fla_delta.warm_up(self.cfg, self.device, self.dtype)
         self._runner = None  # the one-request serving loop behind generate()
         if self.ecfg.expert_prefetch and not self._lookahead_layers():
             log.warning("--expert-prefetch %d has no effect here: the lookahead needs --moe cache and a model whose "

@@ -83,30 +83,23 @@ def robust_fit(costs) -> tuple[float, float] | None:
     while it took over OUTLIER times what the fit of the rest predicts (at most a quarter of
     them). On the H200 one cycle in a forward can take 50 ms (an allocation, a compile, the
     host), and a forward's costliest layer is then that cycle: a fit through it read no fixed
-    part and a rate several times the real one."""
+    part and a rate several times the real one. Only a sample whose removal leaves a fit is a
+    candidate: where the others are all of one size, the one that differs carries the fixed
+    part (a prompt's last, smaller chunk), not a stall."""
     costs = list(costs)
     for _ in range(len(costs) // 4):
-        # only a sample whose removal leaves a fit: where the others are all of one size, the
-        # one that differs carries the fixed part (a prompt's last, smaller chunk), not a stall
-        fits = [i for i in range(len(costs)) if _least_squares(costs[:i] + costs[i + 1:]) is not None]
-        if not fits:
+        ratios = {}  # sample -> its seconds over what the fit of the others predicts
+        for i, (n, t) in enumerate(costs):
+            rest = _least_squares(costs[:i] + costs[i + 1:])
+            if rest is not None:
+                ratios[i] = t / max(rest[0] + rest[1] * n, 1e-12)
+        if not ratios:
             break
-        worst = max(fits, key=lambda i: costs[i][1] / max(_predict(costs, i), 1e-12))
-        if costs[worst][1] <= OUTLIER * _predict(costs, worst):
+        worst = max(ratios, key=ratios.get)
+        if ratios[worst] <= OUTLIER:
             break
         costs.pop(worst)
     return _least_squares(costs)
-
-
-def _predict(costs, i: int) -> float:
-    """Seconds the fit of every sample but i gives sample i's size (its own rate where the
-    rest do not fit)."""
-    rest = costs[:i] + costs[i + 1:]
-    fit = _least_squares(rest) if len(rest) >= 2 else None
-    n = costs[i][0]
-    if fit is None:
-        return n * sum(t for _, t in rest) / max(sum(m for m, _ in rest), 1) if rest else costs[i][1]
-    return fit[0] + fit[1] * n
 
 
 class CostModel:
@@ -149,13 +142,12 @@ class CostModel:
             fit = robust_fit(self.samples)
             if fit is not None:  # else the last fit stands (a failed one is no evidence of none)
                 self.fixed = min(fit[0], min(t for _, t in self.samples))
-        # the median rate of the latest samples: one stalled forward among them does not set it
+        # the median rate of the latest samples: one stalled forward among them does not set it.
+        # Never below 1/32 of a sample's plain rate: a fixed part fitted on noise can exceed its
+        # time (an eighth was too much where the fixed part is most of a small chunk's time)
         rates = sorted(max(t - self.fixed, t / 32) / n for n, t in list(self.samples)[-RECENT:])
         mid = len(rates) // 2
         per_token = rates[mid] if len(rates) % 2 else (rates[mid - 1] + rates[mid]) / 2
-        # never below 1/32 of the plain rate: a fixed part fitted on noise can exceed these (an
-        # eighth was too much where the fixed part is most of a small chunk's time: on the H200
-        # a layer of 64 tokens is ~98% fixed part, and the rate read 6x too high)
         return self.fixed, max(per_token, 1e-9)
 
     def tokens_within(self, room: float, ceiling: float | None = None) -> int:
