@@ -57,6 +57,11 @@ needs_fla = pytest.mark.skipif(not torch.cuda.is_available(), reason="fla's kern
                                "(they do not run under the Triton interpreter)")
 
 
+def _tol(a, b) -> float:
+    """The largest difference relative to b's largest magnitude."""
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
 def _fla_or_skip():
     from freetoken.kernels import fla_delta
     if fla_delta._kernel() is None:
@@ -85,7 +90,7 @@ def test_fla_matches_the_torch_rule(t, cuts, decay):
     rep = lambda x: x.float().repeat_interleave(hv // hk, dim=1)  # noqa: E731
     ref, ref_final, ref_snaps = chunk_gated_delta_rule(l2norm(rep(q)) * d ** -0.5, l2norm(rep(k)), v.float(), g,
                                                        beta, state.clone(), cuts=cuts)
-    tol = lambda a, b: float((a.float() - b).abs().max() / b.abs().max())  # noqa: E731
+    tol = _tol
     assert out.shape == ref.shape and out.dtype == torch.bfloat16
     assert tol(out, ref) < 2e-2  # bf16 inputs and products against fp32
     assert tol(final, ref_final) < 2e-2
@@ -96,15 +101,31 @@ def test_fla_matches_the_torch_rule(t, cuts, decay):
 
 @needs_fla
 def test_the_engine_prefills_the_same_with_fla(tmp_path, monkeypatch):
-    """A small Qwen3.5-MoE (DeltaNet heads 128 wide) in bf16 on the GPU: prefill logits with
-    FREETOKEN_FLA=1 (fla's kernels in every DeltaNet layer) against 0 (the torch rule), in three
-    chunks so each starts from the state the one before left; then a decode step from each
-    state. fla must have run with 1 and not with 0 (else this compares the torch rule with
-    itself)."""
+    """A small Qwen3.5-MoE (DeltaNet heads 128 wide) in bf16 on the GPU, prefilled in three
+    chunks so each starts from the state the one before left, then a decode step.
+
+    Every fla call the engine makes is checked against our fp32 rule on the very tensors it
+    passed (views of the fused projection, the slot's state): output and final state within
+    bf16 rounding. End to end, the logits cannot be held to a fixed tolerance: this random
+    model amplifies bf16 rounding (transformers' own bf16 run is ~30% off its fp32 run at the
+    largest logit; H200, ec9d29b), so fla-on and fla-off are each held to transformers' bf16
+    distance from fp32, as test_gpu_production does."""
     fla_delta = _fla_or_skip()
     calls = []
     real = fla_delta.chunk_delta_fla
-    monkeypatch.setattr(fla_delta, "chunk_delta_fla", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def checked(q, k, v, g, beta, state, scale, cuts=()):
+        s0 = state.clone()
+        out, new, snaps = real(q, k, v, g, beta, state, scale, cuts)
+        rep = lambda x: x.float().repeat_interleave(v.shape[1] // q.shape[1], dim=1)  # noqa: E731
+        ref, ref_new, _ = chunk_gated_delta_rule(l2norm(rep(q)) * scale, l2norm(rep(k)), v.float(), g, beta, s0,
+                                                 cuts=cuts)
+        calls.append((_tol(out, ref), _tol(new, ref_new)))
+        return out, new, snaps
+
+    monkeypatch.setattr(fla_delta, "chunk_delta_fla", checked)
+    import copy
+
     import hf_models
     from freetoken.runtime.engine import Engine, EngineConfig
     from freetoken.weights.convert import convert
@@ -117,18 +138,21 @@ def test_the_engine_prefills_the_same_with_fla(tmp_path, monkeypatch):
                                                         prefill_chunk=256))
     prompt = torch.randint(0, 320, (600,), generator=torch.Generator().manual_seed(3)).tolist()
     assert fla_delta._state["proven"] and fla_delta._state["broken"] is None  # warmed up at load
-    got, used = [], []
+    with torch.no_grad():
+        ref = hf_models.reference_logits(model, prompt + [7])  # [601, V] fp32
+        noise = _tol(hf_models.reference_logits(copy.deepcopy(model).to(torch.bfloat16), prompt + [7]), ref)
+    got, used = {}, {}
     for flag in ("1", "0"):
         monkeypatch.setenv("FREETOKEN_FLA", flag)
         calls.clear()
         st = eng.new_state(len(prompt) + 2)
         pre = eng.prefill(prompt, st, all_logits=True)  # [600, V], chunks of 256
         nxt = eng.model.decode(torch.tensor([7], device="cuda"), st, torch.tensor([len(prompt)], device="cuda"))
-        got.append(torch.cat([pre, nxt]).float().cpu())
-        used.append(len(calls))
-    assert used[0] > 0 and used[1] == 0, used
-    rel = float((got[0] - got[1]).abs().max() / got[1].abs().max())
-    assert rel < 3e-2, rel
+        got[flag] = _tol(torch.cat([pre, nxt]).float().cpu(), ref)
+        used[flag] = list(calls)
+    assert len(used["1"]) == 3 * 3 and not used["0"], used  # 3 DeltaNet layers x 3 chunks; none with 0
+    assert all(o < 2e-2 and s < 2e-2 for o, s in used["1"]), used["1"]
+    assert got["1"] <= 1.5 * noise + 1e-2 and got["0"] <= 1.5 * noise + 1e-2, (got, noise)
 
 
 def test_fla_is_used_only_at_the_head_widths_it_was_verified_at():
