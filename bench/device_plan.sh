@@ -15,10 +15,11 @@
 # the 40-layer streamed prefill.
 # Call 5: fla's DeltaNet prefill, the 40-layer streamed prefill with it, the interleaved 32k prompt.
 # Call 6: fla's tests and the production configs again, the interleaved 32k prompt again.
+# Call 9: the interference rows with the warm-up and the GIL switch interval.
 # Call 8: fla in the engine call by call; the CPU kernels' bf16/fp8 rows on huge banks.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8}
+STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -117,7 +118,19 @@ case "$STAGE" in
   step 100 cpu_experts-bf16-prefill python3 -m bench.cpu_experts --format bf16 --experts 256 --threads 6 \
     --batches 16,32,64,128,256,512 --iters 4 --name cpu_experts-bf16-prefill-threshold-t6
   ;;
-*) echo "stage 0, 1, 2, 3, 4, 5, 6, 7 or 8"; exit 2 ;;
+9)  # 510 s: the 32k interference rows with the load-time prefill warm-up (stage 7's interleaved
+  # run had a 0.75 s autotune inside its first long chunk) and the overlap with a 0.2 ms GIL
+  # switch interval against Python's 5 ms (stage 7's overlapped prompt: 591 tok/s); the bf16 and
+  # fp8 rows stage 8 lost to the C++ executor's build (45 s limits: build it first)
+  step 330 interference python3 -m bench.interference --full-size --long 32768 --settings interleave,overlap,overlap-gil5ms \
+    --name interference-full-warmup-gil
+  step 120 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
+  for f in bf16 fp8_block; do
+    step 45 "cpu_experts-$f-t6" python3 -m bench.cpu_experts --format $f --experts 512 --threads 6 \
+      --batches 1,4 --iters 20 --name "cpu_experts-$f-huge-t6"
+  done
+  ;;
+*) echo "stage 0, 1, 2, 3, 4, 5, 6, 7, 8 or 9"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)

@@ -38,6 +38,9 @@ SETTINGS = {
     "budget": dict(order="shortest", step_tokens=0, slowdown=None, interleave=False),
     "interleave": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True),
     "overlap": dict(order="shortest", step_tokens=0, slowdown=None, interleave=False, overlap=True),
+    # the overlap with Python's default 5 ms GIL switch interval (DecodeOverlap.SWITCH_S's reason)
+    "overlap-gil5ms": dict(order="shortest", step_tokens=0, slowdown=None, interleave=False, overlap=True,
+                           switch_s=None),
 }
 
 
@@ -99,7 +102,7 @@ def run_setting(eng, name: str, a) -> dict:
         why = eligible(eng, srv.decode)
         if why is not None:
             return {"setting": name, "skipped": why}
-        srv.overlap, srv.mixed = DecodeOverlap(eng.device), False
+        srv.overlap, srv.mixed = DecodeOverlap(eng.device, s.get("switch_s", DecodeOverlap.SWITCH_S)), False
     vocab = eng.cfg.vocab_size
     opts = lambda n: SamplingOptions(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
 

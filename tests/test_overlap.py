@@ -170,3 +170,30 @@ def test_the_pacer_keeps_the_host_two_layers_ahead():
         assert len(pacer.events) == min(i + 1, 2)  # never more in flight
     assert sorted(set(polls)) == [0, 1, 2, 3]  # waited for marks 0..3 (the last two still in flight)
     assert polls == sorted(polls) and all(polls.count(n) == 3 for n in range(4))
+
+
+def test_the_gil_switch_interval_is_short_only_while_a_prompt_overlaps():
+    """DecodeOverlap.alongside shortens Python's GIL switch interval for the worker's lifetime
+    (the prompt's thread waits at most that long for the GIL back) and restores it after, also
+    when the prompt forward fails; switch_s=None leaves it alone."""
+    import sys
+    import time
+
+    from freetoken.runtime.overlap import DecodeOverlap
+    default = sys.getswitchinterval()
+    seen = []
+
+    def step():
+        seen.append(sys.getswitchinterval())
+        time.sleep(0.001)
+        return True
+    ov = DecodeOverlap(torch.device("cpu"))
+    with ov.alongside(step):
+        inside = sys.getswitchinterval()
+        time.sleep(0.01)
+    assert inside == pytest.approx(DecodeOverlap.SWITCH_S) and seen and sys.getswitchinterval() == default
+    with pytest.raises(RuntimeError), DecodeOverlap(torch.device("cpu")).alongside(step):
+        raise RuntimeError("the prompt forward failed")
+    assert sys.getswitchinterval() == default
+    with DecodeOverlap(torch.device("cpu"), switch_s=None).alongside(step):
+        assert sys.getswitchinterval() == default

@@ -192,3 +192,17 @@ def test_a_request_past_the_context_fails_alone_with_a_clear_error(eng):
     assert too_long.finish_reason == "error" and "context holds" in too_long.error
     assert ok.finish_reason == "length" and len(ok.output_ids) == 3
     assert srv.state.pages.used == 0
+
+
+def test_the_load_time_warm_up_leaves_no_trace(eng):
+    """Engine._warm_up_prefill (run at load on CUDA with resident experts) prefills scratch
+    prompts on a state of its own: a request's logits after it are what they were before, to
+    the bit, and the lengths it uses stay within the chunk."""
+    p = prompts(eng, [45], seed=7)[0]
+    st = eng.new_state(64)
+    before = eng.prefill(p, st, all_logits=True).clone()  # [45, V]
+    eng._warm_up_prefill()
+    st2 = eng.new_state(64)
+    after = eng.prefill(p, st2, all_logits=True)
+    assert torch.equal(before, after)
+    assert not torch.equal(before[:-1], before[1:])  # fresh logits at each position, not a constant

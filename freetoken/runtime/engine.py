@@ -112,6 +112,9 @@ class EngineConfig:
                 "not yet measured on a GPU)"})
     cuda_graphs: bool = field(default=True, metadata={
         "help": "replay decode steps from one CUDA graph per batch size (CUDA, experts in VRAM)"})
+    warm_up: bool = field(default=True, metadata={
+        "help": "at load on CUDA with experts in VRAM, prefill two short scratch prompts so Triton's "
+                "autotuning happens then, not in the first requests (seconds, once per process)"})
     allow_eager: bool = field(default=False, metadata={
         "help": "decode eagerly when a CUDA graph cannot be captured, instead of failing at start-up"})
 
@@ -240,6 +243,37 @@ class Engine:
         if self.experts_on == "cache":  # issue 11: prefill in layer-major passes, experts streamed per layer
             from .prefill_stream import PrefillStream
             self.prefill_stream = PrefillStream.for_engine(self)
+        if self.device.type == "cuda" and self.experts_on == "gpu" and self.ecfg.warm_up:
+            self._warm_up_prefill()
+
+    # prompt lengths of the load-time warm-up: one under and one over the grouped MoE kernels'
+    # switch from 16- to 64-row tiles (kernels/moe_grouped.py: tokens x top-k against 16 x experts)
+    WARM_UP_TOKENS = (16, 1024)
+
+    def _warm_up_prefill(self) -> None:
+        """One prompt forward of each kind of length on a scratch state, at load: Triton
+        autotunes a kernel the first time it meets a new tile shape, which would otherwise land in
+        a request (on the H200, 0.75 s inside one layer of the first long chunk, which the
+        serving loop's cost model then read as that layer's cost: benchmarks/README.md, the
+        interference rows of 2026-12-03). Resident experts only: a streamed pass (--moe cache)
+        would move the whole pool, and the CPU executor has nothing to tune."""
+        t0 = time.perf_counter()
+        lengths = sorted({min(n, self.ecfg.prefill_chunk, self.max_len - 1) for n in self.WARM_UP_TOKENS})
+        gen = torch.Generator().manual_seed(0)
+        try:
+            st = self.new_state(max(lengths) + 1)
+        except FreeTokenError as e:  # memory this tight will tell again, where it matters
+            log.info("prefill warm-up skipped: %s", e)
+            return
+        with torch.no_grad():
+            for n in lengths:
+                ids = torch.randint(0, self.cfg.vocab_size, (n,), generator=gen).tolist()
+                self.model.prefill(torch.tensor(ids, device=self.device), st, 0, 0)  # [1, V], dropped
+            del st
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()  # what the memory plan sees free is free
+        log.info("prefill kernels warmed up in %.1f s (prompt lengths %s)", time.perf_counter() - t0, lengths)
 
     def _lookahead_layers(self) -> int:
         """MoE layers that hand the next layer's predicted routes to the expert cache."""

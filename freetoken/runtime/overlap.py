@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 import time
 from collections import deque
@@ -107,8 +108,17 @@ class DecodeOverlap:
     """Runs `step()` (one decode step of the rows decoding now; False when there are none)
     on a worker thread, back to back, while a prompt forward runs on the caller's thread."""
 
-    def __init__(self, device: torch.device):
+    # Python's GIL switch interval while the worker runs (seconds; sys default 5 ms). Both threads
+    # run Python between their launches; whenever the prompt's thread gives the GIL up (a host
+    # sync, LayerPacer's polling) it waits up to the interval to get it back from a busy worker,
+    # and a layer of the prompt forward is ~150 launches: on the H200 an overlapped 32k prompt
+    # prefilled at 591 tok/s against 1,301 interleaved (benchmarks/README.md, 2026-12-03).
+    SWITCH_S = 2e-4
+
+    def __init__(self, device: torch.device, switch_s: float | None = SWITCH_S):
+        """switch_s: the GIL switch interval while a prompt forward overlaps (None: leave it)."""
         self.device = device
+        self.switch_s = switch_s
         # high priority: its kernels are scheduled ahead of the prompt's as SMs free up
         self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
         self.local = threading.local()  # .worker: True on the worker thread
@@ -145,12 +155,16 @@ class DecodeOverlap:
                 errors.append(True)
 
         worker = threading.Thread(target=work, name="ft-decode-overlap", daemon=True)
+        switch = sys.getswitchinterval()
+        if self.switch_s is not None:
+            sys.setswitchinterval(min(switch, self.switch_s))
         worker.start()
         try:
             yield
         finally:
             stop.set()
             worker.join()
+            sys.setswitchinterval(switch)
             if self.stream is not None:
                 torch.cuda.current_stream(self.device).wait_stream(self.stream)  # what comes after
         self.failures += len(errors)  # not the prompt's fault: it is not failed for it
