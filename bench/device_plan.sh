@@ -19,7 +19,7 @@
 # Call 8: fla in the engine call by call; the CPU kernels' bf16/fp8 rows on huge banks.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9}
+STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -130,7 +130,13 @@ case "$STAGE" in
       --batches 1,4 --iters 20 --name "cpu_experts-$f-huge-t6"
   done
   ;;
-*) echo "stage 0, 1, 2, 3, 4, 5, 6, 7, 8 or 9"; exit 2 ;;
+10) # 300 s: the 32k interference rows with the warm-ups the full-size bench engine had skipped
+  # (bench/fullsize.py builds its engine without Engine.__init__: no fla warm-up, no prefill
+  # warm-up; stages 7 and 9 had 0.75 s and 3.4 s inside one layer of the first long chunk)
+  step 290 interference python3 -m bench.interference --full-size --long 32768 --settings interleave,overlap \
+    --name interference-full-warm
+  ;;
+*) echo "stage 0 to 10"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)

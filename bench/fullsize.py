@@ -24,4 +24,5 @@ def full_size_engine(layers: int = 40, device: str = "cuda", experts_on: str = "
     eng.weight_bytes = 0  # already allocated: the budget below is what is free now
     eng.budget = device_budget(dev, eng.ecfg.vram_budget)
     eng._runner = None
+    eng.warm_up()  # as Engine.__init__ does (without it the first long chunk took 0.75-3.4 s in one layer)
     return eng

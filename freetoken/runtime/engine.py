@@ -232,8 +232,6 @@ class Engine:
         if self.cfg.linear_layers:
             from ..kernels import fla_delta
             fla_delta._switch()  # a bad FREETOKEN_FLA is an error at load, on any device
-            if self.device.type == "cuda":  # fla's autotuning now, not in a request
-                fla_delta.warm_up(self.cfg, self.device, self.dtype)
         self._runner = None  # the one-request serving loop behind generate()
         if self.ecfg.expert_prefetch and not self._lookahead_layers():
             log.warning("--expert-prefetch %d has no effect here: the lookahead needs --moe cache and a model whose "
@@ -243,12 +241,22 @@ class Engine:
         if self.experts_on == "cache":  # issue 11: prefill in layer-major passes, experts streamed per layer
             from .prefill_stream import PrefillStream
             self.prefill_stream = PrefillStream.for_engine(self)
-        if self.device.type == "cuda" and self.experts_on == "gpu" and self.ecfg.warm_up:
-            self._warm_up_prefill()
+        self.warm_up()
 
     # prompt lengths of the load-time warm-up: one under and one over the grouped MoE kernels'
     # switch from 16- to 64-row tiles (kernels/moe_grouped.py: tokens x top-k against 16 x experts)
     WARM_UP_TOKENS = (16, 1024)
+
+    def warm_up(self) -> None:
+        """Kernel autotuning and compiles at load, not in the first requests (CUDA): fla's
+        DeltaNet kernels, then one prompt forward of each kind of length (_warm_up_prefill)."""
+        if self.device.type != "cuda":
+            return
+        if self.cfg.linear_layers:
+            from ..kernels import fla_delta
+            fla_delta.warm_up(self.cfg, self.device, self.dtype)  # also its proof (kernels/fla_delta.py)
+        if self.experts_on == "gpu" and self.ecfg.warm_up:
+            self._warm_up_prefill()
 
     def _warm_up_prefill(self) -> None:
         """One prompt forward of each kind of length on a scratch state, at load: Triton
