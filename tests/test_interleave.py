@@ -302,3 +302,21 @@ def test_a_short_prompt_that_arrives_mid_forward_prefills_between_its_layers(eng
     assert short.first_token_at < long.first_token_at < longer.first_token_at
     assert [r.output_ids for r in (stream, long, short, longer)] == [r.output_ids for r in ref]
     assert not srv.sched.running and srv.state.pages.used == 0
+
+
+def test_chunks_recover_from_a_stalled_start_within_a_few_forwards():
+    """The first eight samples of the H200's interleaved 32k prompt at c471646 (tokens, ms of
+    the costliest layer: compiles and first-use stalls in the first four), then a device whose
+    layer costs 5.5 ms + 0.7 us a token (nearly flat: the host's launches): the chunk must
+    double out of 32 tokens from the latest RECENT forwards, not wait for the stalled ones
+    to leave the window (it took 13 forwards to pass 1,024 tokens that way; 8 now)."""
+    m = CostModel()
+    for n, ms in [(244, 79.95), (49, 26.48), (47, 17.13), (32, 16.84), (32, 5.91), (32, 5.73), (32, 5.94), (32, 5.77)]:
+        m.add(n, ms / 1e3)
+    decode = 5.56e-3
+    sizes = []
+    for _ in range(8):
+        n = m.tokens_within(0.5 * decode, (GAP_CEILING - 1) * decode)
+        sizes.append(n)
+        m.add(n, 5.5e-3 + 0.7e-6 * n)
+    assert sizes[0] == 64 and sizes == sorted(sizes) and sizes[-1] >= 1024, sizes

@@ -169,9 +169,12 @@ class CostModel:
         the first, compiling forwards read 2 ms of a layer's ~3 as a rate at 32 tokens), the
         chunk doubles instead: chunks of one size cannot tell a fixed part from slowness, so a
         rate read at a small chunk (a stall in it, a fixed part) would keep every later chunk
-        that small. One chunk of twice the size, at most once per window, gives the spread that
+        that small. One chunk of twice the size gives the spread that
         separates them (on the H200, chunks stuck at 32 tokens prefilled a 32k prompt at 346
-        tok/s). At such sizes that chunk may pass the ceiling: one forward in a window."""
+        tok/s). "One size" is read over the latest RECENT forwards, not the window: stalled first
+        forwards of other sizes would hold it at 32 tokens until they left the window (on the
+        H200 at c471646, most of a 32k prompt's 151 forwards). At such sizes that chunk may pass
+        the ceiling: one forward in RECENT."""
         fixed, per_token = self.fit()
         ns = [n for n, _ in self.samples]  # the whole window
         floor = min(int(fixed / per_token), 2 * max(ns))
@@ -179,9 +182,11 @@ class CostModel:
             floor = min(floor, int((ceiling - fixed) / per_token))
         floor = max(MIN_PREFILL, floor)
         want = max(floor, int((room - fixed) / per_token)) if room > fixed else floor
-        stuck = len(ns) >= RECENT and min(ns) <= want < self.SPREAD * min(ns) and max(ns) < self.SPREAD * min(ns)
+        recent = ns[-RECENT:]
+        stuck = (len(recent) >= RECENT and min(recent) <= want < self.SPREAD * min(recent)
+                 and max(recent) < self.SPREAD * min(recent))
         if stuck and (fixed == 0 or want < 2 * MIN_PREFILL):
-            return 2 * min(ns)
+            return 2 * min(recent)
         return want
 
 

@@ -125,9 +125,12 @@ def has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
 # tokens: on the 2-core dev machine (Zen 4, AVX512-BF16, no AMX, 2 threads) at the Qwen3.6 expert
 # shape (256 experts of 2048 x 512, top-8), bf16 activations, it took 44.1 / 91.1 / 131.0 / 210.0
 # ms for 32 / 128 / 256 / 512 tokens against torch's 76.5 / 119.0 / 128.3 / 138.5
-# (results/cpu_experts-bf16-prefill-threshold-devmachine-cpu.json). With AMX, torch's bf16 GEMMs are far faster:
-# the threshold stays at the 32 the GPU host's Xeon ran with.
-FLOAT_TORCH_THRESHOLD = {True: 32, False: 128}  # AMX: tokens
+# (results/cpu_experts-bf16-prefill-threshold-devmachine-cpu.json). With AMX (the GPU host's Xeon,
+# 6 threads, 256 experts, bf16 activations) the C++ kernel still wins up to 256 tokens: 12.3 /
+# 30.9 / 49.2 / 49.2 / 85.1 ms for 16 / 32 / 64 / 128 / 256 tokens against torch's 39.8 / 52.4 /
+# 76.1 / 77.7 / 114.4, and loses at 512 (148.7 against 94.1;
+# results/cpu_experts-bf16-prefill-threshold-t6-gpu.json): the 32 it had was a guess.
+FLOAT_TORCH_THRESHOLD = {True: 256, False: 128}  # AMX: tokens
 
 
 def physical_cores() -> list[int]:
@@ -171,8 +174,8 @@ class CpuExpertExecutor(ExpertExecutor):
         gate_up an ExpertBanks (down None). activation, gate_up_bias [N, 2I], down_bias [N, H]:
         the expert function (executor.py), as TorchExpertExecutor takes it (GPT-OSS: the clamped
         SwiGLU with both biases). torch_batch_threshold: tokens above which a call takes the
-        torch path (default for float banks: FLOAT_TORCH_THRESHOLD, 32 with AMX, where BLAS wins
-        on prefill chunks, 128 without;
+        torch path (default for float banks: FLOAT_TORCH_THRESHOLD, 256 with AMX, 128 without,
+        past which BLAS wins on prefill chunks;
         4096 for quantized ones, where the torch path dequantizes every selected expert first:
         on the 2-core dev machine the C++ kernel still takes 0.74 s against 1.19 s for a
         2048-token nvfp4 chunk over 128 experts of 2048 x 512). act_int8: MXFP4 / NVFP4 banks
