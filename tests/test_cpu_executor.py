@@ -125,7 +125,7 @@ def test_executor_call_keeps_dtype_and_uses_torch_for_big_batches():
 
 def test_the_torch_threshold_for_float_banks_follows_amx(monkeypatch, tmp_path):
     """Float banks: prefill chunks up to 128 tokens stay on the C++ kernel where the CPU has no
-    AMX (it beat torch's GEMMs there), up to 32 where it has (torch's bf16 GEMMs use AMX);
+    AMX (it beat torch's GEMMs there), up to 256 where it has (measured on the Xeon, AMX GEMMs);
     quantized banks: 4096 either way."""
     import freetoken.experts.cpu as cpu
     info = tmp_path / "cpuinfo"
@@ -134,7 +134,7 @@ def test_the_torch_threshold_for_float_banks_follows_amx(monkeypatch, tmp_path):
     info.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16\n")
     assert not cpu.has_amx(str(info)) and not cpu.has_amx(str(tmp_path / "missing"))
     gu, dn = banks(4, 32, 16, torch.bfloat16, 9)
-    for amx, want in ((True, 32), (False, 128)):
+    for amx, want in ((True, 256), (False, 128)):
         monkeypatch.setattr(cpu, "has_amx", lambda amx=amx: amx)
         assert CpuExpertExecutor(gu, dn).torch_batch_threshold == want
     assert CpuExpertExecutor(gu, dn, torch_batch_threshold=7).torch_batch_threshold == 7

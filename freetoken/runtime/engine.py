@@ -108,8 +108,8 @@ class EngineConfig:
                 "prefills 1.3-2x slower; off: never"})
     decode_overlap: bool = field(default=False, metadata={
         "help": "decoding streams step on a second, high-priority CUDA stream while a prompt forward "
-                "runs, instead of between its layers (experts in VRAM, decode graphs; experimental, "
-                "not yet measured on a GPU)"})
+                "runs, instead of between its layers (experts in VRAM, decode graphs; experimental: on the H200 "
+                "the streams' p99 gap is 1.3x their unloaded one, but the prompt prefills ~20x slower than alone)"})
     cuda_graphs: bool = field(default=True, metadata={
         "help": "replay decode steps from one CUDA graph per batch size (CUDA, experts in VRAM)"})
     warm_up: bool = field(default=True, metadata={

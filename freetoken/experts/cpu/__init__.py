@@ -126,8 +126,8 @@ def has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
 # shape (256 experts of 2048 x 512, top-8), bf16 activations, it took 44.1 / 91.1 / 131.0 / 210.0
 # ms for 32 / 128 / 256 / 512 tokens against torch's 76.5 / 119.0 / 128.3 / 138.5
 # (results/cpu_experts-bf16-prefill-threshold-devmachine-cpu.json). With AMX (the GPU host's Xeon,
-# 6 threads, 256 experts, bf16 activations) the C++ kernel still wins up to 256 tokens: 12.3 /
-# 30.9 / 49.2 / 49.2 / 85.1 ms for 16 / 32 / 64 / 128 / 256 tokens against torch's 39.8 / 52.4 /
+# 6 threads, 256 experts, bf16 activations) the C++ kernel still wins up to 256 tokens: 17.6 /
+# 41.1 / 62.4 / 49.2 / 85.1 ms for 16 / 32 / 64 / 128 / 256 tokens against torch's 39.8 / 52.4 /
 # 76.1 / 77.7 / 114.4, and loses at 512 (148.7 against 94.1;
 # results/cpu_experts-bf16-prefill-threshold-t6-gpu.json): the 32 it had was a guess.
 FLOAT_TORCH_THRESHOLD = {True: 256, False: 128}  # AMX: tokens
