@@ -201,7 +201,19 @@ def test_the_load_time_warm_up_leaves_no_trace(eng):
     p = prompts(eng, [45], seed=7)[0]
     st = eng.new_state(64)
     before = eng.prefill(p, st, all_logits=True).clone()  # [45, V]
-    eng._warm_up_prefill()
+    seen, real = [], eng.model.prefill
+
+    def record(tokens, *a, **k):
+        seen.append(len(tokens))
+        return real(tokens, *a, **k)
+    eng.model.prefill = record
+    try:
+        eng._warm_up_prefill()
+    finally:
+        del eng.model.prefill  # the class's method again
+    # the FP8 row tiles and the MoE tile switch (16 x 16 experts / top-4 + 1 = 65), all within the
+    # 32-token chunk of this engine
+    assert seen == [16, 32], seen
     st2 = eng.new_state(64)
     after = eng.prefill(p, st2, all_logits=True)
     assert torch.equal(before, after)

@@ -51,9 +51,11 @@ def _kernel():
 
 
 # head widths (dk, dv) fla is used at: verified at 128 (Qwen3.5 / 3.6 / Next) against our rule,
-# chained calls and checkpoint cuts included (tests/test_deltanet_chunks.py); an engine whose
-# DeltaNet heads were 16 wide (the tests' tiny models) prefilled logits 40% off with fla (H200,
-# 49047e7), not diagnosed, so other widths stay on our rule until tested. (fla 0.6 may dispatch
+# chained calls and checkpoint cuts included (tests/test_deltanet_chunks.py: every call the engine
+# makes at 128 agrees with our rule within 0.8%, bench.fla_engine_diag). An engine whose DeltaNet
+# heads were 16 wide prefilled logits 40% off with fla (H200, 49047e7): very likely the tiny random
+# model's bf16 noise (at 128 wide, transformers' own bf16 run is 35% off its fp32 one), but
+# unverified, so other widths stay on our rule until a run shows it. (fla 0.6 may dispatch
 # 128-wide heads on Hopper to its FlashQLA backend when the flash-qla package is installed: not
 # installed where it was verified.)
 HEAD_DIMS = {(128, 128)}

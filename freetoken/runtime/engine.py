@@ -243,9 +243,10 @@ class Engine:
             self.prefill_stream = PrefillStream.for_engine(self)
         self.warm_up()
 
-    # prompt lengths of the load-time warm-up: one under and one over the grouped MoE kernels'
-    # switch from 16- to 64-row tiles (kernels/moe_grouped.py: tokens x top-k against 16 x experts)
-    WARM_UP_TOKENS = (16, 1024)
+    # prompt lengths of the load-time warm-up: each row tile of the dense FP8 GEMM (16 / 32 / 64 /
+    # 128, kernels/fp8_linear.py) and both sides of the grouped MoE kernels' switch from 16- to
+    # 64-row tiles (kernels/moe_grouped.py: tokens x top-k against 16 x experts; added per model)
+    WARM_UP_TOKENS = (16, 32, 64, 128, 1024)
 
     def warm_up(self) -> None:
         """Kernel autotuning and compiles at load, not in the first requests (CUDA): fla's
@@ -266,18 +267,24 @@ class Engine:
         interference rows of 2026-12-03). Resident experts only: a streamed pass (--moe cache)
         would move the whole pool, and the CPU executor has nothing to tune."""
         t0 = time.perf_counter()
-        lengths = sorted({min(n, self.ecfg.prefill_chunk, self.max_len - 1) for n in self.WARM_UP_TOKENS})
+        want = set(self.WARM_UP_TOKENS)
+        if self.cfg.num_experts and self.cfg.top_k:  # just past the MoE tile switch
+            want.add(-(-16 * self.cfg.num_experts // self.cfg.top_k) + 1)
+        cap = min(max(self.ecfg.prefill_chunk, self.ecfg.max_step_tokens or 0), self.max_len - 1)
+        lengths = sorted({min(n, cap) for n in want if min(n, cap) >= 1})
+        if not lengths:
+            return
         gen = torch.Generator().manual_seed(0)
         try:
             st = self.new_state(max(lengths) + 1)
-        except FreeTokenError as e:  # memory this tight will tell again, where it matters
-            log.info("prefill warm-up skipped: %s", e)
-            return
-        with torch.no_grad():
-            for n in lengths:
-                ids = torch.randint(0, self.cfg.vocab_size, (n,), generator=gen).tolist()
-                self.model.prefill(torch.tensor(ids, device=self.device), st, 0, 0)  # [1, V], dropped
+            with torch.no_grad():
+                for n in lengths:
+                    ids = torch.randint(0, self.cfg.vocab_size, (n,), generator=gen).tolist()
+                    self.model.prefill(torch.tensor(ids, device=self.device), st, 0, 0)  # [1, V], dropped
             del st
+        except (FreeTokenError, torch.OutOfMemoryError) as e:  # memory this tight will tell again, where it matters
+            log.info("prefill warm-up skipped: %s", str(e).splitlines()[0])
+            st = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()  # what the memory plan sees free is free

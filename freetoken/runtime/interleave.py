@@ -125,6 +125,8 @@ class CostModel:
     def __init__(self, window: int = 8):
         self.samples: deque[tuple[int, float]] = deque(maxlen=window)
         self.fixed = 0.0
+        self.added = 0  # samples ever added
+        self.doubled_at = -window  # `added` when the chunk last doubled (at most once per window)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -132,6 +134,7 @@ class CostModel:
     def add(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:  # a mixed step no slower than a plain one: noise, no sample
             self.samples.append((tokens, seconds))
+            self.added += 1
 
     def fit(self) -> tuple[float, float] | None:
         """(fixed seconds, seconds per token now), or None before any sample."""
@@ -174,7 +177,7 @@ class CostModel:
         tok/s). "One size" is read over the latest RECENT forwards, not the window: stalled first
         forwards of other sizes would hold it at 32 tokens until they left the window (on the
         H200 at c471646, most of a 32k prompt's 151 forwards). At such sizes that chunk may pass
-        the ceiling: one forward in RECENT."""
+        the ceiling: one forward in a window."""
         fixed, per_token = self.fit()
         ns = [n for n, _ in self.samples]  # the whole window
         floor = min(int(fixed / per_token), 2 * max(ns))
@@ -185,7 +188,11 @@ class CostModel:
         recent = ns[-RECENT:]
         stuck = (len(recent) >= RECENT and min(recent) <= want < self.SPREAD * min(recent)
                  and max(recent) < self.SPREAD * min(recent))
-        if stuck and (fixed == 0 or want < 2 * MIN_PREFILL):
+        # once per window (asked again before the doubled chunk's sample: the same answer), so
+        # where a chunk that small is right, 1 forward in 8 passes the ceiling, not 1 in 4
+        again = self.added - self.doubled_at >= self.samples.maxlen or self.added == self.doubled_at
+        if stuck and again and (fixed == 0 or want < 2 * MIN_PREFILL):
+            self.doubled_at = self.added
             return 2 * min(recent)
         return want
 

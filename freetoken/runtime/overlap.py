@@ -156,14 +156,15 @@ class DecodeOverlap:
 
         worker = threading.Thread(target=work, name="ft-decode-overlap", daemon=True)
         switch = sys.getswitchinterval()
-        if self.switch_s is not None:
-            sys.setswitchinterval(min(switch, self.switch_s))
-        worker.start()
         try:
+            if self.switch_s is not None:
+                sys.setswitchinterval(min(switch, self.switch_s))
+            worker.start()
             yield
         finally:
             stop.set()
-            worker.join()
+            if worker.is_alive():
+                worker.join()
             sys.setswitchinterval(switch)
             if self.stream is not None:
                 torch.cuda.current_stream(self.device).wait_stream(self.stream)  # what comes after
