@@ -32,20 +32,30 @@ step() {
   timeout "$limit" "$@" >> "$LOG" 2>&1
   echo "=== rc $? $name ($(date +%T))" >> "$LOG"
 }
-case "$STAGE" in
-0)  # 580 s: the CPU kernels on the engine's huge-page banks (bench.cpu_experts since db6c38e), with
-  # the prefetches as volatile asm (GCC 12 had dropped them; GCC 13 here kept them: a check that
-  # nothing changed), int8 against exact, and torch's GEMMs against the C++ kernel on prefill
-  # chunks with AMX (FLOAT_TORCH_THRESHOLD stays 32 here: is that right?)
-  FT_TAG=plan0 FT_PER_FILE=90 bash bench/device_tests.sh tests/test_cpu_prefetch.py tests/test_cpu_executor.py > /dev/null
-  for f in bf16 mxfp4 nvfp4 fp8_block; do
-    for t in 6 16; do
+# cpu_rows "FORMATS" "THREADS": the C++ executor's batch 1 and 4 rows on huge-page banks (issue 12),
+# after building it (a 45 s step limit had killed the JIT build three times in stage 8)
+cpu_rows() {
+  step 120 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
+  for f in $1; do
+    for t in $2; do
       step 45 "cpu_experts-$f-t$t" python3 -m bench.cpu_experts --format $f --experts 512 --threads $t \
         --batches 1,4 --iters 20 --name "cpu_experts-$f-huge-t$t"
     done
   done
+}
+# the AMX prefill threshold: torch's GEMMs against the C++ kernel on prefill chunks
+prefill_threshold() {
   step 100 cpu_experts-bf16-prefill python3 -m bench.cpu_experts --format bf16 --experts 256 --threads 6 \
     --batches 16,32,64,128,256,512 --iters 4 --name cpu_experts-bf16-prefill-threshold-t6
+}
+case "$STAGE" in
+0)  # 580 s: the CPU kernels on the engine's huge-page banks (bench.cpu_experts since db6c38e), with
+  # the prefetches as volatile asm (GCC 12 had dropped them; GCC 13 here kept them: a check that
+  # nothing changed), int8 against exact, and torch's GEMMs against the C++ kernel on prefill
+  # chunks with AMX (FLOAT_TORCH_THRESHOLD: 256 since stage 8 measured it)
+  FT_TAG=plan0 FT_PER_FILE=90 bash bench/device_tests.sh tests/test_cpu_prefetch.py tests/test_cpu_executor.py > /dev/null
+  cpu_rows "bf16 mxfp4 nvfp4 fp8_block" "6 16"
+  prefill_threshold
   ;;
 1)  # 560 s
   FT_TAG=plan1 FT_PER_FILE=120 bash bench/device_tests.sh tests/test_cpu_int8_act.py tests/test_cpu_quantized.py > /dev/null
@@ -109,14 +119,8 @@ case "$STAGE" in
   # AMX prefill threshold (issue 12; stage 0 without the rows stage 1 already has)
   FT_TAG=plan8 FT_PER_FILE=200 bash bench/device_tests.sh tests/test_deltanet_chunks.py > /dev/null
   step 60 fla-engine-diag python3 -m bench.fla_engine_diag
-  for f in bf16 fp8_block; do
-    for t in 6 16; do
-      step 45 "cpu_experts-$f-t$t" python3 -m bench.cpu_experts --format $f --experts 512 --threads $t \
-        --batches 1,4 --iters 20 --name "cpu_experts-$f-huge-t$t"
-    done
-  done
-  step 100 cpu_experts-bf16-prefill python3 -m bench.cpu_experts --format bf16 --experts 256 --threads 6 \
-    --batches 16,32,64,128,256,512 --iters 4 --name cpu_experts-bf16-prefill-threshold-t6
+  cpu_rows "bf16 fp8_block" "6 16"
+  prefill_threshold
   ;;
 9)  # 510 s: the 32k interference rows with the load-time prefill warm-up (stage 7's interleaved
   # run had a 0.75 s autotune inside its first long chunk) and the overlap with a 0.2 ms GIL
@@ -124,11 +128,7 @@ case "$STAGE" in
   # fp8 rows stage 8 lost to the C++ executor's build (45 s limits: build it first)
   step 330 interference python3 -m bench.interference --full-size --long 32768 --settings interleave,overlap,overlap-gil5ms \
     --name interference-full-warmup-gil
-  step 120 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
-  for f in bf16 fp8_block; do
-    step 45 "cpu_experts-$f-t6" python3 -m bench.cpu_experts --format $f --experts 512 --threads 6 \
-      --batches 1,4 --iters 20 --name "cpu_experts-$f-huge-t6"
-  done
+  cpu_rows "bf16 fp8_block" "6"
   ;;
 10) # 300 s: the 32k interference rows with the warm-ups the full-size bench engine had skipped
   # (bench/fullsize.py builds its engine without Engine.__init__: no fla warm-up, no prefill

@@ -276,19 +276,19 @@ class Engine:
             return
         gen = torch.Generator().manual_seed(0)
         try:
-            st = self.new_state(max(lengths) + 1)
+            st = self.new_state(max(lengths) + 1)  # freed on return, before the memory plan
             with torch.no_grad():
                 for n in lengths:
                     ids = torch.randint(0, self.cfg.vocab_size, (n,), generator=gen).tolist()
                     self.model.prefill(torch.tensor(ids, device=self.device), st, 0, 0)  # [1, V], dropped
-            del st
+            done = f"prefill kernels warmed up in {time.perf_counter() - t0:.1f} s (prompt lengths {lengths})"
         except (FreeTokenError, torch.OutOfMemoryError) as e:  # memory this tight will tell again, where it matters
-            log.info("prefill warm-up skipped: %s", str(e).splitlines()[0])
-            st = None
+            done = f"prefill warm-up skipped: {str(e).splitlines()[0]}"
+        st = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()  # what the memory plan sees free is free
-        log.info("prefill kernels warmed up in %.1f s (prompt lengths %s)", time.perf_counter() - t0, lengths)
+        log.info(done)
 
     def _lookahead_layers(self) -> int:
         """MoE layers that hand the next layer's predicted routes to the expert cache."""
