@@ -17,9 +17,10 @@
 # Call 6: fla's tests and the production configs again, the interleaved 32k prompt again.
 # Call 9: the interference rows with the warm-up and the GIL switch interval.
 # Call 8: fla in the engine call by call; the CPU kernels' bf16/fp8 rows on huge banks.
+# Call 11: call 10 again with the wider warm-up, then the rest of call 0's CPU rows.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10}
+STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -136,7 +137,14 @@ case "$STAGE" in
   step 290 interference python3 -m bench.interference --full-size --long 32768 --settings interleave,overlap \
     --name interference-full-warm
   ;;
-*) echo "stage 0 to 10"; exit 2 ;;
+11) # 420 s: stage 10 again with the warm-up's wider lengths and the chunk doubling cap (7c74452,
+  # not yet run on a GPU), then the rest of stage 0's CPU rows on huge-page banks (issue 12)
+  step 290 interference python3 -m bench.interference --full-size --long 32768 --settings interleave,overlap \
+    --name interference-full-warm2
+  cpu_rows "mxfp4 nvfp4" "6 16"
+  cpu_rows "bf16" "16"
+  ;;
+*) echo "stage 0 to 11"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)
