@@ -48,10 +48,22 @@ def device_read_bw(dev) -> float:
     return 10 * x.numel() * 4 / (time.perf_counter() - t0) / 1e9
 
 
-def build(cfg: dict, dev, experts_on: str, seed=0, max_len: int = 8192):
+def build(cfg: dict, dev, experts_on: str, seed=0, max_len: int = 8192, cpu_threads: int = 6):
+    """experts_on: gpu (every expert in VRAM), cpu (pinned host banks, the C++ executor) or
+    cache (pinned host banks on huge pages behind a GPU expert cache whose slots the serving
+    loop's memory plan sizes, the C++ executor for its CPU branch, the split adaptive)."""
     mc = ModelConfig.from_hf(cfg)
     g = torch.Generator(device=dev).manual_seed(seed)
     w = {n: random_tensor(n, s, g, device=dev, embed_std=0.02) for n, s in weight_shapes(mc, experts=False).items()}
+    if experts_on == "cache":
+        from bench.prefill_stream import make_experts
+        from freetoken.experts.cached import CachedExpertExecutor
+        from freetoken.experts.cpu import CpuExpertExecutor
+        gu_h, dn_h = make_experts(mc, dev, seed)  # made layer by layer on the device: never all in VRAM
+        ex = CachedExpertExecutor(gu_h, dn_h, None, dev, torch.bfloat16, CpuExpertExecutor(gu_h, dn_h, cpu_threads),
+                                  None, "recent", mc.num_experts)
+        model = model_class(mc.arch)(mc, w, ex, dev, torch.bfloat16, max_len)
+        return mc, w, ex, model
     n, i, h = mc.num_flat_experts, mc.moe_intermediate_size, mc.hidden_size
     gu = torch.randn(n, 2 * i, h, generator=g, device=dev, dtype=torch.bfloat16).mul_(h ** -0.5)
     dn = torch.randn(n, h, i, generator=g, device=dev, dtype=torch.bfloat16).mul_(i ** -0.5)

@@ -18,9 +18,10 @@
 # Call 9: the interference rows with the warm-up and the GIL switch interval.
 # Call 8: fla in the engine call by call; the CPU kernels' bf16/fp8 rows on huge banks.
 # Call 11: call 10 again with the wider warm-up, then the rest of call 0's CPU rows.
+# Call 12: decode steps inside streamed prefill passes (issue 11), their GPU tests.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11}
+STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -144,7 +145,13 @@ case "$STAGE" in
   cpu_rows "mxfp4 nvfp4" "6 16"
   cpu_rows "bf16" "16"
   ;;
-*) echo "stage 0 to 11"; exit 2 ;;
+12) # 560 s: decode steps between the layers of streamed prefill passes (issue 11: a stream decoding
+  # beside a 32k prompt with the experts offloaded), against decode between passes only
+  FT_TAG=plan12 FT_PER_FILE=170 FT_K=cuda bash bench/device_tests.sh tests/test_prefill_stream.py > /dev/null
+  step 370 interference-cache python3 -m bench.interference --full-size --moe cache --expert-cache 16GB \
+    --long 32768 --settings budget,interleave --warm-long 4096 --name interference-full-cache
+  ;;
+*) echo "stage 0 to 12"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)

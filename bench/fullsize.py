@@ -11,18 +11,23 @@ from freetoken.runtime.engine import Engine, EngineConfig
 
 def full_size_engine(layers: int = 40, device: str = "cuda", experts_on: str = "gpu", max_len: int = 8192,
                      **ecfg) -> Engine:
-    """ecfg: EngineConfig fields (max_step_tokens, cuda_graphs, ...)."""
+    """experts_on: gpu, cpu or cache (bench.decode.build); ecfg: EngineConfig fields
+    (max_step_tokens, cuda_graphs, expert_cache, ...)."""
     from bench.decode import QWEN36_35B_A3B, build
     dev = torch.device(device)
     mc, w, ex, model = build(dict(QWEN36_35B_A3B, num_hidden_layers=layers), dev, experts_on, max_len=max_len)
     demo = Engine(demo_path(), EngineConfig(device="cpu", experts="cpu"))
     eng = Engine.__new__(Engine)
-    eng.ecfg = EngineConfig(device=device, experts=experts_on, **ecfg)
+    where = {"moe": "cache"} if experts_on == "cache" else {"experts": experts_on}
+    eng.ecfg = EngineConfig(device=device, **where, **ecfg)
     eng.device, eng.dtype, eng.experts_on = dev, torch.bfloat16, experts_on
     eng.cfg, eng.model, eng.executor, eng.max_len = mc, model, ex, max_len
     eng.tokenizer, eng.eos_ids, eng.files, eng.meta, eng.load_s = demo.tokenizer, demo.eos_ids, demo.files, {}, 0.0
     eng.weight_bytes = 0  # already allocated: the budget below is what is free now
     eng.budget = device_budget(dev, eng.ecfg.vram_budget)
     eng._runner = None
+    if experts_on == "cache":  # the engine's streamed prefill (issue 11), as Engine.__init__ sets it up
+        from freetoken.runtime.prefill_stream import PrefillStream
+        eng.prefill_stream = PrefillStream.for_engine(eng)
     eng.warm_up()  # as Engine.__init__ does (without it the first long chunk took 0.75-3.4 s in one layer)
     return eng

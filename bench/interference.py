@@ -111,9 +111,10 @@ def run_setting(eng, name: str, a) -> dict:
             srv.step()
 
     # warm-up: every shape once
-    w = Request(prompt(a.short, 1, vocab), opts(4))
-    srv.sched.add(w)
-    run_until(lambda: w.finished_at)
+    for n in [a.short] + ([a.warm_long] if a.warm_long else []):
+        w = Request(prompt(n, 1, vocab), opts(4))
+        srv.sched.add(w)
+        run_until(lambda: w.finished_at)
     # unloaded: the streams alone, then the short request alone
     streams = [Request(prompt(a.short, 10 + i, vocab), opts(10_000)) for i in range(a.streams)]
     for r in streams:
@@ -195,9 +196,17 @@ def main():
     ap.add_argument("--full-size", action="store_true", help="Qwen3.6-35B-A3B shape, random weights (GPU machine)")
     ap.add_argument("--layers", type=int, default=40, help="with --full-size")
     ap.add_argument("--name", default=None, help="result name (default interference[-full])")
+    ap.add_argument("--moe", default="resident", choices=["resident", "cache"],
+                    help="with --full-size: every expert in VRAM, or pinned host banks behind a GPU expert cache "
+                         "of --expert-cache (prompts prefill in streamed passes, issue 11)")
+    ap.add_argument("--expert-cache", default="16GB", help="with --moe cache: VRAM for expert slots")
+    ap.add_argument("--warm-long", type=int, default=0,
+                    help="tokens of one more warm-up prompt (the streamed passes' kernels tuned at that size)")
     a = ap.parse_args()
     ctx = a.long + a.short + 64
-    if a.full_size:
+    if a.full_size and a.moe == "cache":
+        eng = full_size_engine(a.layers, "cuda", experts_on="cache", max_len=ctx, expert_cache=a.expert_cache)
+    elif a.full_size:
         eng = full_size_engine(a.layers, "cuda", max_len=ctx)
     else:
         eng = Engine(demo_path(), EngineConfig(max_seq_len=ctx))
@@ -207,6 +216,9 @@ def main():
         print(rows[-1], flush=True)
     write_result(a.name or ("interference-full" if a.full_size else "interference"),
                  {"model": f"Qwen3.6-35B-A3B shape, {a.layers} layers" if a.full_size else "demo",
+                  "moe": a.moe if a.full_size else eng.experts_on,
+                  "expert_cache": a.expert_cache if a.full_size and a.moe == "cache" else None,
+                  "prefill_passes": eng.prefill_stream.stats() if eng.prefill_stream is not None else None,
                   "device": str(eng.device), "long_prompt": a.long, "short_prompt": a.short,
                   "decoding_streams": a.streams, "settings": rows})
 

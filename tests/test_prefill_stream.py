@@ -217,26 +217,74 @@ def test_served_through_streamed_passes_equals_transformers(ftw):
     assert eng.prefill_stream.stats()["passes"] == 3  # 32 + 13 tokens, then 9
 
 
-def test_no_decode_steps_inside_a_streamed_pass(ftw):
-    """A stream decodes while a long prompt streams its passes: the pass's layer buffers are
-    slots of the cache's pool and its residency a host mirror written back at the end, so the
-    loop keeps decode steps out of it (between passes only); both requests get transformers'
-    tokens."""
+@pytest.mark.parametrize("slots", [None, 40])
+def test_decode_steps_inside_a_streamed_pass(ftw, slots):
+    """A stream decodes while a long prompt streams its passes: its decode steps run between
+    the passes' layers with the cache frozen (hits where they lie, misses on the CPU, no fill),
+    both requests get transformers' tokens, and the residency the passes write back is
+    consistent. slots 40 (of 64): a pool with a single region (E = 16) and keep slots beside it."""
     path, model = ftw
-    eng = engine(path, max_pass_tokens=64)
+    eng = engine(path, slots=slots, max_pass_tokens=64)
     srv = ServingEngine(eng, max_batch=2, max_queue=4, record_logits=True, start=False,
                         cache=CacheConfig(enabled=False))
-    assert not srv.between.enabled
+    assert srv.between.enabled and srv.streamed
+    fills = []
+    real = eng.executor._call
+
+    def spy(*args, **kw):  # fills of every decode call made inside a pass (the cache frozen)
+        before = int(eng.executor._acc[3])
+        out = real(*args, **kw)
+        if eng.executor.is_frozen:
+            fills.append(int(eng.executor._acc[3]) - before)
+        return out
+    eng.executor._call = spy
     prompts = [prompt(9, seed=13), prompt(150, seed=14)]
     reqs = drive(srv, [Request(prompts[0], SamplingOptions(temperature=0, max_tokens=24, ignore_eos=True)),
                        Request(prompts[1], SamplingOptions(temperature=0, max_tokens=3, ignore_eos=True))],
                  arrive=[0, 3])
-    assert srv.between.steps == 0 and eng.prefill_stream.stats()["passes"] >= 3
+    assert srv.between.steps > 0 and eng.prefill_stream.stats()["passes"] >= 3
+    assert fills and set(fills) == {0}  # no decode call inside a pass filled a slot
+    assert not eng.executor.is_frozen and float(eng.executor.fill_share) == 1.0  # r restored
+    assert residency_ok(eng.executor)
     for p, r in zip(prompts, reqs):
         ref = hf_models.reference_logits(model, p + r.output_ids)
         assert r.output_ids == ref[len(p) - 1:-1].argmax(-1).tolist()
         for j, lg in enumerate(r.logits):
             assert rel(lg, ref[len(p) - 1 + j]) < 1e-4
+
+
+def test_frozen_cache_reads_kept_experts_and_runs_misses_on_the_cpu(ftw):
+    """Inside a pass (after begin), a frozen decode call through the loader hits the keep
+    slots' experts only, fills nothing, changes no expert's slot, and equals the resident
+    output; a prefill call while frozen is refused."""
+    path, _ = ftw
+    eng = engine(path, slots=40, max_pass_tokens=64)
+    ex, ps = eng.executor, eng.prefill_stream
+    eng.prefill(prompt(30), eng.new_state(64))  # the pool holds what that pass left
+    res = ex.pool.res
+    kept = (res.id_of >= 0).sum()
+    assert int(kept) > 0
+    ps.loader.begin(64)
+    try:
+        slot_of, id_of = res.slot_of.clone(), res.id_of.clone()
+        assert int((id_of[ps.loader.base:] >= 0).sum()) == 0  # the region reads as empty
+        g = torch.Generator().manual_seed(5)
+        x = torch.randn(3, eng.cfg.hidden_size, generator=g)  # [3, H]
+        ids = torch.stack([torch.randperm(E, generator=g)[:K] + E for _ in range(3)])  # [3, k] layer 1
+        w = torch.rand(3, K, generator=g).softmax(-1)  # [3, k]
+        before = ex._acc.clone()
+        with ex.frozen():
+            out = ps.loader.finish(ps.loader.launch(x, ids, w, layer=1, phase="decode"))
+            with pytest.raises(RuntimeError, match="frozen"):
+                ex.launch(x, ids, w, layer=1, phase="prefill")
+        acc = ex._acc - before
+        assert int(acc[3]) == 0 and int(acc[2]) + int(acc[4]) == int(torch.unique(ids).numel())  # no fill
+        assert torch.equal(res.slot_of, slot_of) and torch.equal(res.id_of, id_of)
+        ref = eng.executor.cpu.finish(eng.executor.cpu.launch(x, ids, w, 1, "decode"))
+        assert rel(out, ref) < 1e-5
+    finally:
+        ps.loader.end()
+    assert residency_ok(ex) and float(ex.fill_share) == 1.0
 
 
 def test_failed_pass_restores_the_model(ftw):
@@ -322,3 +370,35 @@ def test_cuda_streamed_prefill_equals_resident(tmp_path_factory, buffering, pass
         assert rel(db.cpu(), da.cpu()) < 2e-2
         assert residency_ok(eng.executor)
     assert eng.prefill_stream.stats()["passes"] == 2 + (-(-4096 // pass_tokens))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_decode_steps_inside_streamed_passes(tmp_path_factory):
+    """Served on the GPU with a pool of 48 of 64 experts (one region and keep slots): a stream
+    decodes from graphs between the layers of a 3,000-token prompt's passes (the frozen cache's
+    variant captured at start-up); every token's logits of both requests equal the all-resident
+    engine's under the same tokens within bf16 rounding."""
+    d = tmp_path_factory.mktemp("cuda-serve")
+    hf_models.save(hf_models.qwen3_5(44, num_hidden_layers=LAYERS, num_experts=E, num_experts_per_tok=K,
+                                     max_position_embeddings=8192), str(d / "hf"))
+    convert(str(d / "hf"), str(d / "m.ftw"), progress=False)
+    resident = Engine(str(d / "m.ftw"), EngineConfig(device="cuda", dtype="bfloat16", moe="resident"))
+    probe = Engine(str(d / "m.ftw"), EngineConfig(device="cuda", dtype="bfloat16", moe="cache"))
+    size = str(48 * probe.executor.slot_bytes)
+    del probe
+    eng = Engine(str(d / "m.ftw"), EngineConfig(device="cuda", dtype="bfloat16", moe="cache", expert_cache=size))
+    eng.prefill_stream = PrefillStream(eng.model, eng.cfg, eng.executor, eng.ecfg.prefill_chunk, max_pass_tokens=1024)
+    srv = ServingEngine(eng, max_batch=2, max_queue=4, record_logits=True, start=False,
+                        cache=CacheConfig(enabled=False))
+    assert srv.decode.path == "cuda-graphs" and srv.between.enabled and eng.executor.pool.slots == 48
+    prompts = [prompt(20, seed=21), prompt(3000, seed=22)]
+    reqs = drive(srv, [Request(prompts[0], SamplingOptions(temperature=0, max_tokens=40, ignore_eos=True)),
+                       Request(prompts[1], SamplingOptions(temperature=0, max_tokens=3, ignore_eos=True))],
+                 arrive=[0, 3])
+    assert srv.between.steps > 0 and eng.prefill_stream.stats()["passes"] >= 3
+    assert residency_ok(eng.executor)
+    for p, r in zip(prompts, reqs):
+        ids = p + r.output_ids
+        ref = resident.prefill(ids, resident.new_state(len(ids) + 1), all_logits=True).float().cpu()  # [n, V]
+        for j, lg in enumerate(r.logits):
+            assert rel(lg.float(), ref[len(p) - 1 + j]) < 2e-2, (len(p), j)

@@ -45,6 +45,7 @@ Prefill chunks go through the same steps in slices of at most MAX_PAIRS routed p
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -209,6 +210,7 @@ class CachedExpertExecutor(ExpertExecutor):
         self._pf_stream = None  # the lookahead's copies (CUDA): beside the step's own stream
         self._pf = None  # (copies-done event or None, the lookahead's control output) until the next call joins it
         self._acc_pf = torch.zeros(2, dtype=torch.int64, device=device)  # experts prefetched, of them routed next
+        self.is_frozen = False  # inside frozen(): decode steps while a streamed prefill pass holds the pool
         if slots is not None:
             self.allocate(slots)
 
@@ -230,8 +232,31 @@ class CachedExpertExecutor(ExpertExecutor):
                 self.branch_on = r < 1.0
 
     def graph_variant(self) -> str:
-        """Which decode graph the current split needs (the decode runner keys graphs by it)."""
+        """Which decode graph the current split needs (the decode runner keys graphs by it):
+        frozen with the lookahead on is a graph of its own (one without the lookahead's copies)."""
+        if self.is_frozen and self.prefetch:
+            return "frozen"
         return "split" if self.branch_on else "fill-only"
+
+    @contextmanager
+    def frozen(self):
+        """Decode calls that leave the slots alone (issue 11: decode steps between the layers of
+        a streamed prefill pass, whose layer buffers are slots of this pool and whose copies land
+        in free slots on a stream of their own). Inside it r = 0, so no miss is filled and no
+        slot evicted: hits are read where they lie, every miss runs on the CPU, and the
+        lookahead copies nothing. The residency the calls read is the one the pass published at
+        its start (experts/stream.py LayerStreamer.begin: its regions and the free slots it
+        fills read as empty), and nothing they write (stamps, the clock) changes where an expert
+        lies. The device scalar r is restored after: a graph captured for this variant reads it
+        at replay, so the same graph serves every pass."""
+        saved_r, saved_branch = self.fill_share.clone(), self.branch_on
+        self.fill_share.zero_()
+        self.is_frozen, self.branch_on = True, True
+        try:
+            yield self
+        finally:
+            self.fill_share.copy_(saved_r)
+            self.is_frozen, self.branch_on = False, saved_branch
 
     @property
     def num_experts(self) -> int:
@@ -284,8 +309,10 @@ class CachedExpertExecutor(ExpertExecutor):
         step = max(1, MAX_PAIRS // k)  # tokens per control call
         share = self.fill_share if phase == "decode" else self._fill_only
         fill_only = not self.branch_on or phase != "decode"
-        if phase != "decode" or not self.prefetch or t > step:
+        if phase != "decode" or not self.prefetch or t > step or self.is_frozen:
             ahead = None
+        if self.is_frozen and phase != "decode":
+            raise RuntimeError("only decode calls may run while the expert cache is frozen (a streamed pass)")
         outs = [self._call(x[s:s + step], ids[s:s + step], weights[s:s + step], layer, phase, share, fill_only, ahead)
                 for s in range(0, t, step)]
         return Pending(out=outs[0] if len(outs) == 1 else torch.cat(outs))

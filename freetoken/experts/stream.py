@@ -28,8 +28,11 @@ only, never a full-pool stream.
 
 Residency (control.Residency) is read to the host once at the start of a pass, followed there
 (slots evicted and filled), and written back at the end, stamped with a new clock: what the
-regions hold after the pass (the last layers' experts) seeds the decode cache. Nothing else
-touches the residency during a pass (the model runs one forward at a time).
+regions hold after the pass (the last layers' experts) seeds the decode cache. At the start the
+device copy is rewritten with the regions emptied, so that decode steps run between the pass's
+layers (the serving loop, with the cache frozen: no fills, no evictions, misses on the CPU) see
+only the keep slots' experts, which the pass never overwrites; they change nothing of where an
+expert lies, so the write-back at the end loses nothing of theirs.
 On CUDA the copies are copy-engine transfers from the pinned host banks on a copy stream of
 their own, ordered by events: a region is written only after the compute stream is past its
 previous tenant, and a layer's experts compute only after their copy landed. On the CPU the
@@ -115,6 +118,10 @@ class LayerStreamer(ExpertExecutor):
         self._id_of = res.id_of.to("cpu", torch.int64)  # [S]
         for r in range(self.regions):  # the regions start empty: only this pass's layers live there
             self._evict(self.base + r * self.width, self.width)
+        # published: decode steps between the pass's layers (the cache frozen, cached.py) read
+        # this residency, which lists only the keep slots' experts, never overwritten in the pass
+        res.slot_of.copy_(self._slot_of.to(res.slot_of.device, res.slot_of.dtype))
+        res.id_of.copy_(self._id_of.to(res.id_of.device, res.id_of.dtype))
         # free keep slots take copies before the regions: nothing overwrites them in the pass
         self._free = (self._id_of[:self.base] < 0).nonzero()[:, 0].tolist()
         self._free.reverse()  # popped from the end: lowest slot first, so runs stay contiguous
@@ -135,8 +142,12 @@ class LayerStreamer(ExpertExecutor):
         elif self.mode == "single":
             self._prefetch(j)
 
-    def launch(self, x, ids, weights, layer: int = 0, phase: str = "prefill") -> Pending:
-        """x [T, H], ids [T, k] flat ids of MoE layer `layer`, weights [T, k] -> Pending([T, H])."""
+    def launch(self, x, ids, weights, layer: int = 0, phase: str = "prefill", ahead=None) -> Pending:
+        """x [T, H], ids [T, k] flat ids of MoE layer `layer`, weights [T, k] -> Pending([T, H]).
+        A decode call (a decode step between the pass's layers, made eagerly) goes to the cache,
+        which the serving loop has frozen for the pass (cached.py CachedExpertExecutor.frozen)."""
+        if phase == "decode":
+            return self.cache.launch(x, ids, weights, layer, phase, ahead)
         e = self.experts
         live = ids >= 0
         local = torch.where(live, ids - layer * e, 0)  # [T, k] expert within the layer

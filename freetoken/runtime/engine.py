@@ -492,10 +492,10 @@ class Engine:
     def prefill_batch(self, st: DecodeState, segs: list, between=None) -> torch.Tensor | None:
         """segs: [(tokens, slot, start, capture, logits)] -> logits of the segments asking
         for them ([S, V]) or None (model.prefill_batch). between(i): called before layer i
-        (the serving loop's decode steps between layers; not inside streamed passes)."""
+        (the serving loop's decode steps between layers; in streamed passes with the expert
+        cache frozen, runtime/prefill_stream.py)."""
         if self.prefill_stream is not None:  # issue 11: passes, experts streamed
-            assert between is None, "decode steps cannot run inside a streamed pass (runtime/loop.py)"
-            return self.prefill_stream.prefill_batch(st, segs)
+            return self.prefill_stream.prefill_batch(st, segs, between)
         tokens = torch.tensor([t for seg in segs for t in seg[0]], dtype=torch.long, device=self.device)
         return self.model.prefill_batch(tokens, st, [(slot, start, len(toks), cap, want)
                                                      for toks, slot, start, cap, want in segs], hook=between)

@@ -86,19 +86,20 @@ class EngineLoop:
         self.slowdown = ecfg.decode_slowdown
         # decode steps between a prefill forward's layers: where decode is its own forward
         # (graphs), or on eager steps with --decode-between-layers on; eager steps otherwise
-        # share one forward (self.mixed). Not inside a streamed
-        # pass: its layer buffers are slots of the same pool, and its residency is a host
-        # mirror written back at the end, so a decode step there would evict what the pass
-        # reads and be forgotten (experts/stream.py)
+        # share one forward (self.mixed). Inside a streamed pass too (issue 11), with the expert
+        # cache frozen for the pass (experts/cached.py: no fills, misses on the CPU), since the
+        # pass's layer buffers are slots of the same pool (experts/stream.py)
         between = ecfg.decode_between_layers
-        if between == "on" and self.mixed and self.slowdown and engine.prefill_stream is None:
+        if between == "on" and self.mixed and self.slowdown:
             if getattr(engine.model, "per_forward_state", False):
                 log.warning("--decode-between-layers on is off: %s keeps a forward's data in state its "
                             "layers share", type(engine.model).__name__)
             else:
                 self.mixed = False  # decode rows in a forward of their own, between the prompt's layers
-        self.between = Interleaver(self.slowdown if not self.mixed and between != "off"
-                                   and engine.prefill_stream is None else 0.0)
+        self.between = Interleaver(self.slowdown if not self.mixed and between != "off" else 0.0)
+        self.streamed = engine.prefill_stream is not None
+        if self.streamed and self.between.enabled:
+            self._capture_frozen(engine)
         self.jump_ins = 0  # short prompts prefilled between a prompt forward's layers (_jump_in)
         # or, with --decode-overlap, decode steps alongside the prompt forward (runtime/overlap.py)
         self.overlap = None
@@ -156,6 +157,20 @@ class EngineLoop:
             self.eager_reason = str(e)
             log.warning("%s; decoding eagerly (--allow-eager)", e)
         return runner
+
+    def _capture_frozen(self, engine) -> None:
+        """The decode graphs of the frozen cache (decode steps inside a streamed pass), captured
+        at start-up with the others rather than in the middle of a pass."""
+        if not self.decode.graphs or not self.decode._captured:
+            return
+        with engine.executor.frozen():
+            if any(k[0] == engine.executor.graph_variant() for k in self.decode._captured):
+                return
+            try:
+                self.decode.capture()
+            except FreeTokenError as e:
+                self.decode._failed.add(engine.executor.graph_variant())
+                log.warning("%s; decode steps inside streamed prefill passes run eagerly", e)
 
     def describe(self) -> dict:
         """Engine.describe() plus the loop's own choices, for the banner, /health, /metrics."""
@@ -241,6 +256,8 @@ class EngineLoop:
         rows = sum(not r.prefilling for r in self.sched.running.values())
         if not rows or self.overlap is not None:  # overlapped: streams decode while the prompt runs
             return None
+        if self.streamed:  # a pass streams every expert once whatever its size: passes stay whole, and
+            return None  # streams decode between their layers (the budget would make passes of 32 tokens)
         if self.between.enabled:  # streams decode between the layers: a chunk one layer of which fits the gap
             return self.between.budget(self._decode_s, self._costs, len(self.engine.model.layers))
         if not self.slowdown or self._decode_s is None:
@@ -385,6 +402,10 @@ class EngineLoop:
         worker = self.overlap is not None and self.overlap.in_worker
         if worker:
             self.overlap.sync()  # its own stream: a device-wide sync would wait for the prompt too
+        elif self.between.running and decode and eng.device.type == "cuda":
+            # this stream only: inside a streamed pass the copy stream is loading the next
+            # layer's experts, which this step does not wait for
+            torch.cuda.current_stream(eng.device).synchronize()
         else:
             eng.sync()
         dt, n_pre = time.perf_counter() - t0, sum(e - s for _, s, e in group)
@@ -476,7 +497,8 @@ class EngineLoop:
         preempting wait for the step's own decode."""
         if self.between.running:
             return
-        self._jump_in()
+        if not self.streamed:  # a short prompt inside a streamed pass would be a pass inside a pass
+            self._jump_in()
         if self.between.due(self._decode_s, i):
             with self._lock:
                 rows = [r for r in self.sched.running.values()

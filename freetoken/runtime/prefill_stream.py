@@ -20,11 +20,18 @@ layer) and compute it in sub-chunks. Only the residual stream lives for the whol
 The model runs the pass through its own varlen prefill (DecoderModel.prefill_batch with one
 segment per piece and a per-layer hook); its MoE layers are pointed at the loader for the
 pass and back at the cache's executor after it.
+
+Serving: streams that are decoding keep decoding during a pass. The serving loop's hook runs
+decode steps between the pass's layers (runtime/interleave.py decides when), with the expert
+cache frozen for the pass (experts/cached.py): a decode step reads the experts the cache kept
+where they lie and runs its misses on the CPU, never touching the slots the pass loads into.
+A 32k pass of the full-size model takes seconds; between passes only, a decoding stream would
+wait that long for each token.
 """
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -92,14 +99,16 @@ class PrefillStream:
             out = self._pass(st, [(ids[s:s + n], slot, start + s, capture, logits and last)])
         return out
 
-    def prefill_batch(self, st, segs: list) -> torch.Tensor | None:
+    def prefill_batch(self, st, segs: list, between=None) -> torch.Tensor | None:
         """segs [(tokens, slot, start, capture, logits)] as Engine.prefill_batch, in passes of
         at most pass_tokens() tokens (a segment crossing a pass's end is split there) ->
-        logits [S, V] of the segments asking for them, or None."""
+        logits [S, V] of the segments asking for them, or None. between(i): the serving loop's
+        hook before layer i of each pass (decode steps of the streams that are decoding), run
+        with the expert cache frozen (_pass)."""
         cap, rows, batch, used = self.pass_tokens(), [], [], 0
 
         def flush():
-            lg = self._pass(st, batch)
+            lg = self._pass(st, batch, between)
             if lg is not None:
                 rows.append(lg)
         for toks, slot, start, capture, want in segs:
@@ -116,8 +125,10 @@ class PrefillStream:
         return torch.cat(rows) if rows else None
 
     # ---- one pass ----------------------------------------------------------------------------
-    def _pass(self, st, segs: list) -> torch.Tensor | None:
-        """One layer-major pass over segments -> logits of those asking, or None."""
+    def _pass(self, st, segs: list, between=None) -> torch.Tensor | None:
+        """One layer-major pass over segments -> logits of those asking, or None. between(i),
+        if given, runs before layer i after the loader's hook (so the next layer's copies are
+        queued first and run under whatever between queues), the cache frozen meanwhile."""
         pieces, flat = [], []
         for toks, slot, start, capture, want in segs:
             for a in range(0, len(toks), self.sub):
@@ -126,9 +137,14 @@ class PrefillStream:
             flat += list(toks)
         tokens = torch.tensor(flat, dtype=torch.long, device=self.model.device)  # [P]
         mode = self.loader.begin(len(flat))
+        hook = self._before_layer
+        if between is not None:
+            def hook(i):
+                self._before_layer(i)
+                between(i)
         try:
-            with self._experts_streamed():
-                out = self.model.prefill_batch(tokens, st, pieces, hook=self._before_layer)
+            with self._experts_streamed(), (self.loader.cache.frozen() if between is not None else nullcontext()):
+                out = self.model.prefill_batch(tokens, st, pieces, hook=hook)
         finally:
             done = self.loader.end()
         log.info("prefill pass: %d tokens, %s buffering, %d layers loaded whole, %d from their routed experts, "
