@@ -164,6 +164,7 @@ def run_setting(eng, name: str, a) -> dict:
            "loaded_gaps": len(loaded), "loaded_gap_max5_ms": [ms(g) for g in sorted(loaded)[-5:]], "idle_short_ttft_s": round(idle_ttft, 3),
            "short_ttft_behind_long_s": round(short_ttft, 3), "long_ttft_s": round(long_ttft, 2),
            "long_prefill_tok_s": round(a.long / long_ttft, 1)}
+    out["expert_slots"] = srv.plan.expert_slots  # the memory plan's (0: no expert cache)
     out["longest_gaps"] = anatomy(srv.events, pairs)
     out["prompt_chunks"] = chunk_summary(srv.between.history)
     out["p99_gap_over_unloaded_p50"] = round(quantile(loaded, 0.99) / statistics.median(unloaded), 2)

@@ -253,6 +253,21 @@ def test_decode_steps_inside_a_streamed_pass(ftw, slots):
             assert rel(lg, ref[len(p) - 1 + j]) < 1e-4
 
 
+def test_decode_rows_do_not_shorten_a_pass(ftw):
+    """A prompt of two passes' tokens beside a decoding stream prefills in two passes, where
+    the step's budget equals a pass (CUDA: 2,048-token steps, 32k passes): the rows' tokens had
+    cut each pass short by one token per row and left a pass of a few tokens that streamed
+    every layer again."""
+    path, _ = ftw
+    eng = engine(path, max_pass_tokens=256)
+    eng.ecfg.max_step_tokens = 256
+    srv = ServingEngine(eng, max_batch=2, max_queue=4, start=False, cache=CacheConfig(enabled=False))
+    drive(srv, [Request(prompt(9, seed=15), SamplingOptions(temperature=0, max_tokens=12, ignore_eos=True)),
+                Request(prompt(512, seed=16), SamplingOptions(temperature=0, max_tokens=2, ignore_eos=True))],
+          arrive=[0, 2])
+    assert eng.prefill_stream.stats()["passes"] == 3  # the stream's prompt, then 256 + 256
+
+
 def test_frozen_cache_reads_kept_experts_and_runs_misses_on_the_cpu(ftw):
     """Inside a pass (after begin), a frozen decode call through the loader hits the keep
     slots' experts only, fills nothing, changes no expert's slot, and equals the resident
@@ -376,17 +391,18 @@ def test_cuda_streamed_prefill_equals_resident(tmp_path_factory, buffering, pass
 def test_cuda_decode_steps_inside_streamed_passes(tmp_path_factory):
     """Served on the GPU with a pool of 48 of 64 experts (one region and keep slots): a stream
     decodes from graphs between the layers of a 3,000-token prompt's passes (the frozen cache's
-    variant captured at start-up); every token's logits of both requests equal the all-resident
-    engine's under the same tokens within bf16 rounding."""
+    variant captured at start-up, the pass's copies on their own stream); every token's logits
+    of both requests equal the all-resident engine's under the same tokens. In float32: in bf16
+    this random model's own rounding drifts a decode 2-10% from a prefill over 15 tokens (H200,
+    264ce62), as large as what a slot read mid-copy would do."""
     d = tmp_path_factory.mktemp("cuda-serve")
     hf_models.save(hf_models.qwen3_5(44, num_hidden_layers=LAYERS, num_experts=E, num_experts_per_tok=K,
                                      max_position_embeddings=8192), str(d / "hf"))
     convert(str(d / "hf"), str(d / "m.ftw"), progress=False)
-    resident = Engine(str(d / "m.ftw"), EngineConfig(device="cuda", dtype="bfloat16", moe="resident"))
-    probe = Engine(str(d / "m.ftw"), EngineConfig(device="cuda", dtype="bfloat16", moe="cache"))
-    size = str(48 * probe.executor.slot_bytes)
-    del probe
-    eng = Engine(str(d / "m.ftw"), EngineConfig(device="cuda", dtype="bfloat16", moe="cache", expert_cache=size))
+    cfg = dict(device="cuda", dtype="float32")
+    resident = Engine(str(d / "m.ftw"), EngineConfig(moe="resident", **cfg))
+    size = str(48 * Engine(str(d / "m.ftw"), EngineConfig(moe="cache", **cfg)).executor.slot_bytes)
+    eng = Engine(str(d / "m.ftw"), EngineConfig(moe="cache", expert_cache=size, **cfg))
     eng.prefill_stream = PrefillStream(eng.model, eng.cfg, eng.executor, eng.ecfg.prefill_chunk, max_pass_tokens=1024)
     srv = ServingEngine(eng, max_batch=2, max_queue=4, record_logits=True, start=False,
                         cache=CacheConfig(enabled=False))
@@ -399,6 +415,6 @@ def test_cuda_decode_steps_inside_streamed_passes(tmp_path_factory):
     assert residency_ok(eng.executor)
     for p, r in zip(prompts, reqs):
         ids = p + r.output_ids
-        ref = resident.prefill(ids, resident.new_state(len(ids) + 1), all_logits=True).float().cpu()  # [n, V]
-        for j, lg in enumerate(r.logits):
-            assert rel(lg.float(), ref[len(p) - 1 + j]) < 2e-2, (len(p), j)
+        ref = resident.prefill(ids, resident.new_state(len(ids) + 1), all_logits=True).cpu()  # [n, V]
+        errs = [rel(lg, ref[len(p) - 1 + j]) for j, lg in enumerate(r.logits)]
+        assert max(errs) < 1e-3, (len(p), [round(e, 5) for e in errs])

@@ -79,7 +79,11 @@ class EngineLoop:
         # pass, and it runs alone (a mixed forward would run its mixers over the pass at once)
         if engine.prefill_stream is not None:
             chunk = engine.prefill_stream.pass_tokens()
-            step_tokens = max(step_tokens, chunk)
+            # a whole pass beside every decode row, and never more prompt tokens than one pass
+            # (_prefill_budget): the rows' tokens must not shorten it (a 32k prompt beside 2
+            # streams had run a 32,766-token pass and a 2-token one, which streamed every
+            # layer's routed experts again for 2 tokens; H200, 264ce62)
+            step_tokens = max(step_tokens, chunk + max_batch)
             self.mixed = False
         # ---- end issue 11
         self.sched = Scheduler(max_batch, max_queue, chunk, step_tokens)
@@ -253,11 +257,11 @@ class EngineLoop:
         A prefill forward of its own after the decode step: a fixed part plus a part per token
         fitted to the recent forwards (a rate alone would read the fixed part of small chunks
         as slowness and shrink the budget to nothing)."""
+        if self.streamed:  # a pass streams every expert once whatever its size: one whole pass, its
+            return self.sched.chunk  # streams decoding between its layers (a latency budget would make 32-token passes)
         rows = sum(not r.prefilling for r in self.sched.running.values())
         if not rows or self.overlap is not None:  # overlapped: streams decode while the prompt runs
             return None
-        if self.streamed:  # a pass streams every expert once whatever its size: passes stay whole, and
-            return None  # streams decode between their layers (the budget would make passes of 32 tokens)
         if self.between.enabled:  # streams decode between the layers: a chunk one layer of which fits the gap
             return self.between.budget(self._decode_s, self._costs, len(self.engine.model.layers))
         if not self.slowdown or self._decode_s is None:
