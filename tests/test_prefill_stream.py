@@ -217,12 +217,13 @@ def test_served_through_streamed_passes_equals_transformers(ftw):
     assert eng.prefill_stream.stats()["passes"] == 3  # 32 + 13 tokens, then 9
 
 
-@pytest.mark.parametrize("slots", [None, 40])
-def test_decode_steps_inside_a_streamed_pass(ftw, slots):
+@pytest.mark.parametrize("slots,mode", [(None, "double"), (40, "double"), (24, "single"), (12, "on-demand")])
+def test_decode_steps_inside_a_streamed_pass(ftw, slots, mode):
     """A stream decodes while a long prompt streams its passes: its decode steps run between
     the passes' layers with the cache frozen (hits where they lie, misses on the CPU, no fill),
     both requests get transformers' tokens, and the residency the passes write back is
-    consistent. slots 40 (of 64): a pool with a single region (E = 16) and keep slots beside it."""
+    consistent. Pools of 64 experts (E = 16 per layer): all of them; 40 (two regions and 8 keep
+    slots); 24 (one region, 8 keep slots); 12 (on demand, in groups)."""
     path, model = ftw
     eng = engine(path, slots=slots, max_pass_tokens=64)
     srv = ServingEngine(eng, max_batch=2, max_queue=4, record_logits=True, start=False,
@@ -243,6 +244,7 @@ def test_decode_steps_inside_a_streamed_pass(ftw, slots):
                        Request(prompts[1], SamplingOptions(temperature=0, max_tokens=3, ignore_eos=True))],
                  arrive=[0, 3])
     assert srv.between.steps > 0 and eng.prefill_stream.stats()["passes"] >= 3
+    assert eng.prefill_stream.stats()["last_mode"] == mode
     assert fills and set(fills) == {0}  # no decode call inside a pass filled a slot
     assert not eng.executor.is_frozen and float(eng.executor.fill_share) == 1.0  # r restored
     assert residency_ok(eng.executor)
@@ -270,36 +272,54 @@ def test_decode_rows_do_not_shorten_a_pass(ftw):
 
 def test_frozen_cache_reads_kept_experts_and_runs_misses_on_the_cpu(ftw):
     """Inside a pass (after begin), a frozen decode call through the loader hits the keep
-    slots' experts only, fills nothing, changes no expert's slot, and equals the resident
-    output; a prefill call while frozen is refused."""
+    slots' experts (and only them), fills nothing, changes no expert's slot, and equals the
+    resident output; a prefill call while frozen is refused."""
     path, _ = ftw
     eng = engine(path, slots=40, max_pass_tokens=64)
     ex, ps = eng.executor, eng.prefill_stream
     eng.prefill(prompt(30), eng.new_state(64))  # the pool holds what that pass left
     res = ex.pool.res
-    kept = (res.id_of >= 0).sum()
-    assert int(kept) > 0
     ps.loader.begin(64)
     try:
         slot_of, id_of = res.slot_of.clone(), res.id_of.clone()
-        assert int((id_of[ps.loader.base:] >= 0).sum()) == 0  # the region reads as empty
+        assert int((id_of[ps.loader.base:] >= 0).sum()) == 0  # the regions read as empty
+        kept = id_of[:ps.loader.base][id_of[:ps.loader.base] >= 0].long()  # flat ids in keep slots
+        assert kept.numel() > 0
+        layer = int(kept[0]) // E
+        mine = kept[kept // E == layer]  # the kept experts of that layer
+        others = torch.tensor([layer * E + e for e in range(E) if layer * E + e not in mine.tolist()])
         g = torch.Generator().manual_seed(5)
+        pick = lambda pool: pool[torch.randperm(pool.numel(), generator=g)[:K // 2]]  # noqa: E731
+        ids = torch.stack([torch.cat([pick(mine), pick(others)])[:K] for _ in range(3)])  # [3, <=k] flat ids
+        k = ids.shape[1]
         x = torch.randn(3, eng.cfg.hidden_size, generator=g)  # [3, H]
-        ids = torch.stack([torch.randperm(E, generator=g)[:K] + E for _ in range(3)])  # [3, k] layer 1
-        w = torch.rand(3, K, generator=g).softmax(-1)  # [3, k]
+        w = torch.rand(3, k, generator=g).softmax(-1)  # [3, k]
         before = ex._acc.clone()
         with ex.frozen():
-            out = ps.loader.finish(ps.loader.launch(x, ids, w, layer=1, phase="decode"))
+            out = ps.loader.finish(ps.loader.launch(x, ids, w, layer=layer, phase="decode"))
             with pytest.raises(RuntimeError, match="frozen"):
-                ex.launch(x, ids, w, layer=1, phase="prefill")
-        acc = ex._acc - before
-        assert int(acc[3]) == 0 and int(acc[2]) + int(acc[4]) == int(torch.unique(ids).numel())  # no fill
+                ex.launch(x, ids, w, layer=layer, phase="prefill")
+        acc = ex._acc - before  # calls, pairs, hits, fills, cpu experts
+        hit = int(torch.isin(torch.unique(ids), mine).sum())
+        assert hit > 0 and int(acc[2]) == hit and int(acc[3]) == 0
+        assert int(acc[4]) == torch.unique(ids).numel() - hit  # every miss on the CPU
         assert torch.equal(res.slot_of, slot_of) and torch.equal(res.id_of, id_of)
-        ref = eng.executor.cpu.finish(eng.executor.cpu.launch(x, ids, w, 1, "decode"))
+        ref = ex.cpu.finish(ex.cpu.launch(x, ids, w, layer, "decode"))
         assert rel(out, ref) < 1e-5
     finally:
         ps.loader.end()
     assert residency_ok(ex) and float(ex.fill_share) == 1.0
+
+
+def test_no_decode_inside_passes_for_models_with_shared_forward_state(ftw, caplog):
+    """A model that keeps a forward's data in state its layers share (DeepSeek-V4, GLM) cannot
+    run an eager decode forward between a pass's layers: without decode graphs (the CPU) its
+    streams decode between passes, said in the log."""
+    path, _ = ftw
+    eng = engine(path, max_pass_tokens=64)
+    eng.model.per_forward_state = True
+    srv = ServingEngine(eng, max_batch=2, max_queue=4, start=False, cache=CacheConfig(enabled=False))
+    assert not srv.between.enabled and "no decode steps inside streamed prefill passes" in caplog.text
 
 
 def test_failed_pass_restores_the_model(ftw):
@@ -388,8 +408,10 @@ def test_cuda_streamed_prefill_equals_resident(tmp_path_factory, buffering, pass
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_decode_steps_inside_streamed_passes(tmp_path_factory):
-    """Served on the GPU with a pool of 48 of 64 experts (one region and keep slots): a stream
+@pytest.mark.parametrize("slots", [48, 24])
+def test_cuda_decode_steps_inside_streamed_passes(tmp_path_factory, slots):
+    """Served on the GPU with a pool of 48 of 64 experts (double buffering beside 16 keep slots) or
+    24 (one region beside 8): a stream
     decodes from graphs between the layers of a 3,000-token prompt's passes (the frozen cache's
     variant captured at start-up, the pass's copies on their own stream); every token's logits
     of both requests equal the all-resident engine's under the same tokens. In float32: in bf16
@@ -401,12 +423,15 @@ def test_cuda_decode_steps_inside_streamed_passes(tmp_path_factory):
     convert(str(d / "hf"), str(d / "m.ftw"), progress=False)
     cfg = dict(device="cuda", dtype="float32")
     resident = Engine(str(d / "m.ftw"), EngineConfig(moe="resident", **cfg))
-    size = str(48 * Engine(str(d / "m.ftw"), EngineConfig(moe="cache", **cfg)).executor.slot_bytes)
+    size = str(slots * Engine(str(d / "m.ftw"), EngineConfig(moe="cache", **cfg)).executor.slot_bytes)
     eng = Engine(str(d / "m.ftw"), EngineConfig(moe="cache", expert_cache=size, **cfg))
     eng.prefill_stream = PrefillStream(eng.model, eng.cfg, eng.executor, eng.ecfg.prefill_chunk, max_pass_tokens=1024)
     srv = ServingEngine(eng, max_batch=2, max_queue=4, record_logits=True, start=False,
                         cache=CacheConfig(enabled=False))
-    assert srv.decode.path == "cuda-graphs" and srv.between.enabled and eng.executor.pool.slots == 48
+    assert srv.decode.path == "cuda-graphs" and srv.between.enabled and eng.executor.pool.slots == slots
+    assert not srv.decode._failed and any(v == eng.executor.graph_variant() for v, _ in srv.decode._captured)
+    with eng.executor.frozen():  # the frozen variant's graphs were captured at start-up
+        assert any(v == eng.executor.graph_variant() for v, _ in srv.decode._captured)
     prompts = [prompt(20, seed=21), prompt(3000, seed=22)]
     reqs = drive(srv, [Request(prompts[0], SamplingOptions(temperature=0, max_tokens=40, ignore_eos=True)),
                        Request(prompts[1], SamplingOptions(temperature=0, max_tokens=3, ignore_eos=True))],

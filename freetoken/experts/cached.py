@@ -231,6 +231,13 @@ class CachedExpertExecutor(ExpertExecutor):
                 self.fill_share.fill_(r)
                 self.branch_on = r < 1.0
 
+    def check_branch(self) -> None:
+        """Raise if a stream-ordered CPU branch call failed (a replayed graph cannot raise it):
+        after each decode step that observe_step does not see (steps between a prompt's layers,
+        inside a streamed pass every miss runs on the CPU)."""
+        if self.host is not None:
+            self.host.check()
+
     def graph_variant(self) -> str:
         """Which decode graph the current split needs (the decode runner keys graphs by it):
         frozen with the lookahead on is a graph of its own (one without the lookahead's copies)."""

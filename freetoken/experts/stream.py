@@ -114,6 +114,9 @@ class LayerStreamer(ExpertExecutor):
         self.width = e if self.mode != "on-demand" else min(s, e)  # slots per region
         self.base = s - self.regions * self.width
         res = pool.res
+        pf = getattr(self.cache, "_pf_stream", None)
+        if pf is not None:  # lookahead copies a failed decode step left in flight land before any slot is reused
+            torch.cuda.current_stream(self.device).wait_stream(pf)
         self._slot_of = res.slot_of.to("cpu", torch.int64)  # [N] host mirror for the pass
         self._id_of = res.id_of.to("cpu", torch.int64)  # [S]
         for r in range(self.regions):  # the regions start empty: only this pass's layers live there

@@ -105,8 +105,8 @@ class EngineConfig:
                 "decode is its own forward (CUDA graphs); on: also on eager steps (the CPU, CUDA without "
                 "graphs), where a prompt chunk otherwise shares one forward with the decode rows: decoding streams keep their gaps "
                 "(2-core CPU, 32k prompt: p99 2.0-2.2x their unloaded gap against 3.0-3.6x) and the long prompt "
-                "prefills 1.3-2x slower; off: never. With --moe cache also inside streamed prefill passes, the "
-                "expert cache frozen meanwhile (misses on the CPU)"})
+                "prefills 1.3-2x slower; off: never. With --moe cache also inside streamed prefill passes (decode is "
+                "its own forward there on any device), the expert cache frozen meanwhile (misses on the CPU)"})
     decode_overlap: bool = field(default=False, metadata={
         "help": "decoding streams step on a second, high-priority CUDA stream while a prompt forward "
                 "runs, instead of between its layers (experts in VRAM, decode graphs; experimental: on the H200 "

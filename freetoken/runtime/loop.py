@@ -103,7 +103,10 @@ class EngineLoop:
         self.between = Interleaver(self.slowdown if not self.mixed and between != "off" else 0.0)
         self.streamed = engine.prefill_stream is not None
         if self.streamed and self.between.enabled:
-            self._capture_frozen(engine)
+            why = self._capture_frozen(engine)
+            if why is not None:  # decode between passes only, as before
+                log.warning("no decode steps inside streamed prefill passes: %s", why)
+                self.between = Interleaver(0.0)
         self.jump_ins = 0  # short prompts prefilled between a prompt forward's layers (_jump_in)
         # or, with --decode-overlap, decode steps alongside the prompt forward (runtime/overlap.py)
         self.overlap = None
@@ -162,19 +165,28 @@ class EngineLoop:
             log.warning("%s; decoding eagerly (--allow-eager)", e)
         return runner
 
-    def _capture_frozen(self, engine) -> None:
-        """The decode graphs of the frozen cache (decode steps inside a streamed pass), captured
-        at start-up with the others rather than in the middle of a pass."""
+    def _capture_frozen(self, engine) -> str | None:
+        """Decode steps inside a streamed pass, with the expert cache frozen: their graphs are
+        captured here, at start-up with the others, never in the middle of a pass. -> None, or
+        why they cannot run there: a model that keeps a forward's data in state its layers share
+        (DeepSeek-V4's hash routing, GLM's shared indexer) cannot run a decode forward's Python
+        between a pass's layers, so it needs the graphs; a cache on CUDA without the
+        stream-ordered CPU branch would sync once per layer in every such step (every miss runs
+        on the CPU) and its frozen graph cannot be captured."""
+        ex = engine.executor
+        shared = getattr(engine.model, "per_forward_state", False)
+        if engine.device.type == "cuda" and getattr(ex, "host", None) is None:
+            return "the expert cache has no stream-ordered CPU branch here (the C++ executor's host node)"
         if not self.decode.graphs or not self.decode._captured:
-            return
-        with engine.executor.frozen():
-            if any(k[0] == engine.executor.graph_variant() for k in self.decode._captured):
-                return
+            return f"{type(engine.model).__name__} needs decode graphs for it" if shared else None
+        with ex.frozen():
+            if any(k[0] == ex.graph_variant() for k in self.decode._captured):
+                return None
             try:
                 self.decode.capture()
-            except FreeTokenError as e:
-                self.decode._failed.add(engine.executor.graph_variant())
-                log.warning("%s; decode steps inside streamed prefill passes run eagerly", e)
+            except Exception as e:  # noqa: BLE001 - the frozen variant only: decode elsewhere keeps its graphs
+                return f"its decode graph could not be captured ({type(e).__name__}: {e})"
+        return None
 
     def describe(self) -> dict:
         """Engine.describe() plus the loop's own choices, for the banner, /health, /metrics."""
@@ -421,6 +433,10 @@ class EngineLoop:
                 if observe is not None:  # the expert cache's adaptive split learns from real steps
                     observe(len(decode), dt)
                 self.between.decoded()
+            else:  # a failed CPU branch fails this step's rows here, before their tokens go out
+                check = getattr(eng.executor, "check_branch", None)
+                if check is not None:
+                    check()
             if self.metrics:
                 self.metrics.decode_step(len(decode), dt)
         if group:
