@@ -37,6 +37,8 @@ SETTINGS = {
     "one-chunk": dict(order="arrival", step_tokens=None, slowdown=0.0, interleave=False),
     "budget": dict(order="shortest", step_tokens=0, slowdown=None, interleave=False),
     "interleave": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True),
+    # decode steps before whole layers only (interleave.MID_LAYER off: the grain before 2026-12-03's tenth session)
+    "interleave-layers": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True, mid_layer=False),
     "overlap": dict(order="shortest", step_tokens=0, slowdown=None, interleave=False, overlap=True),
     # the overlap with Python's default 5 ms GIL switch interval (DecodeOverlap.SWITCH_S's reason)
     "overlap-gil5ms": dict(order="shortest", step_tokens=0, slowdown=None, interleave=False, overlap=True,
@@ -97,6 +99,7 @@ def run_setting(eng, name: str, a) -> dict:
     if s["interleave"]:  # decode steps between the prompt forward's layers (the default where
         srv.mixed = False  # decode is its own forward: CUDA graphs); on eager steps, instead of one mixed forward
     srv.between = Interleaver(srv.slowdown if s["interleave"] else 0.0)
+    srv.between.mid_layer = s.get("mid_layer", srv.between.mid_layer)
     srv.overlap = None
     if s.get("overlap"):
         why = eligible(eng, srv.decode)

@@ -56,6 +56,33 @@ def test_streams_and_prompt_get_the_same_tokens_with_decode_between_layers(eng):
         assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4  # fp32; decode batches differ in shape
 
 
+def test_decode_steps_also_run_between_a_layers_mixer_and_its_mlp(eng):
+    """With mid_layer (interleave.MID_LAYER, the default) the hook runs at i + 0.5 too, decode
+    steps land there as well as before layers, and every token is the one whole-layer points
+    give (fp32)."""
+    g = torch.Generator().manual_seed(8)
+    ps = [torch.randint(5, eng.cfg.vocab_size, (n,), generator=g).tolist() for n in (17, 250)]
+    runs = {}
+    for mid in (False, True):
+        srv = serving(eng, True)
+        srv.between.mid_layer = mid
+        points, real = [], srv._between_layers
+
+        def spy(i, real=real, srv=srv, points=points):
+            before = srv.between.steps
+            real(i)
+            if srv.between.steps > before:
+                points.append(i)
+        srv._between_layers = spy
+        reqs = drive(srv, [greedy(ps[0], 30), greedy(ps[1], 4)], arrive=[0, 3])
+        assert points and any(p != int(p) for p in points) == mid
+        assert all(p != int(p) or p in range(len(eng.model.layers)) for p in points)
+        runs[mid] = [r.output_ids for r in reqs], [r.logprobs for r in reqs]
+    assert runs[True][0] == runs[False][0]
+    for a, b in zip(runs[True][1], runs[False][1]):
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+
+
 def test_a_stream_that_finishes_between_layers_is_not_decoded_again(eng):
     g = torch.Generator().manual_seed(8)
     ps = [torch.randint(5, eng.cfg.vocab_size, (n,), generator=g).tolist() for n in (12, 400)]

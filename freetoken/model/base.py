@@ -78,18 +78,22 @@ class DecoderModel:
                 names += [m + n + ".weight" for n in ("gate_proj", "up_proj", "down_proj")]
         return names
 
-    def _stack(self, x: torch.Tensor, mix, phase: str, active=None, hook=None) -> torch.Tensor:
+    def _stack(self, x: torch.Tensor, mix, phase: str, active=None, hook=None, mid_layer: bool = False) -> torch.Tensor:
         """Embeddings [N, H] through every layer -> final-normed hidden states [N, H].
 
         Each residual add is fused with the norm that follows it (the next sub-layer's input
         norm, or the final norm): pre-norm blocks, the same arithmetic as the reference.
-        hook(i), if given, runs before layer i (the prefill expert loader's schedule)."""
+        hook(i), if given, runs before layer i (the prefill expert loader's schedule); with
+        mid_layer also hook(i + 0.5) between layer i's token mixer and its MLP (the serving
+        loop's decode steps: a finer grain than a layer, runtime/interleave.py)."""
         eps, oc = self.cfg.rms_norm_eps, self.one_centered_norm
         normed = rms_norm(x, self.layers[0][2], eps, oc)
         for i, (mixer, mlp, _, ln2) in enumerate(self.layers):
             if hook is not None:
                 hook(i)
             x, normed = add_rms_norm(x, mix(mixer, normed), ln2, eps, oc)
+            if hook is not None and mid_layer:
+                hook(i + 0.5)
             nxt = self.layers[i + 1][2] if i + 1 < len(self.layers) else self.norm
             x, normed = add_rms_norm(x, mlp(normed, phase, active), nxt, eps, oc)
         return normed
@@ -108,13 +112,14 @@ class DecoderModel:
         return lm_head(h if all_logits else h[-1:], self.lm_head).float()
 
     @torch.inference_mode()
-    def prefill_batch(self, tokens: torch.Tensor, st: DecodeState, segs: list, hook=None) -> torch.Tensor | None:
+    def prefill_batch(self, tokens: torch.Tensor, st: DecodeState, segs: list, hook=None,
+                      mid_layer: bool = False) -> torch.Tensor | None:
         """Prompt chunks of several sequences as one varlen forward: the dense layers and the
         experts see every token at once, attention and DeltaNet run per segment, in order
         (consecutive segments of one sequence: a layer-major pass, runtime/prefill_stream.py).
         tokens: [N] (the chunks back to back); segs: [(slot, start, length, capture, logits)];
-        hook(i): called before layer i -> logits [S, V] of the last token of each segment with
-        logits=True, or None."""
+        hook(i): called before layer i (and with mid_layer at i + 0.5, between its mixer and its
+        MLP: _stack) -> logits [S, V] of the last token of each segment with logits=True, or None."""
         x = self.embed[tokens].to(self.dtype)  # [N, H]
         ends = torch.tensor([s[2] for s in segs]).cumsum(0).tolist()
         bounds = list(zip([0] + ends[:-1], ends))
@@ -125,7 +130,7 @@ class DecoderModel:
                 return m.prefill(h, st, slot, start, capture)
             return torch.cat([m.prefill(h[a:b], st, slot, start, capture)
                               for (a, b), (slot, start, _, capture, _) in zip(bounds, segs)])
-        h = self._stack(x, mix, "prefill", hook=hook)
+        h = self._stack(x, mix, "prefill", hook=hook, mid_layer=mid_layer)
         rows = [b - 1 for (_, b), seg in zip(bounds, segs) if seg[4]]
         if not rows:
             return None

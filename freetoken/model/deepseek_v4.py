@@ -109,9 +109,10 @@ class DeepseekV4Model(DecoderModel):
         self.ids["tokens"] = tokens
         return super().decode(tokens, *args, **kw)
 
-    def _stack(self, x: torch.Tensor, mix, phase: str, active=None, hook=None) -> torch.Tensor:
+    def _stack(self, x: torch.Tensor, mix, phase: str, active=None, hook=None, mid_layer: bool = False) -> torch.Tensor:
         """Embeddings [N, H] -> the hc_mult streams [N, hc, H] through every layer -> collapsed by
-        the head and final-normed [N, H]. hook(i), if given, runs before layer i."""
+        the head and final-normed [N, H]. hook(i), if given, runs before layer i (and with
+        mid_layer at i + 0.5, between its attention and its MLP)."""
         c, eps = self.cfg, self.cfg.rms_norm_eps
         h = x[:, None, :].expand(-1, c.hc_mult, -1).contiguous()  # [N, hc, H]
         for i, ((mixer, mlp, ln1, ln2), (attn_hc, ffn_hc)) in enumerate(zip(self.layers, self.hc)):
@@ -119,6 +120,8 @@ class DeepseekV4Model(DecoderModel):
                 hook(i)
             post, comb, inp = hc_pre(h, *attn_hc, c.hc_sinkhorn_iters, c.hc_eps, eps)
             h = hc_post(h, mix(mixer, rms_weighted(inp, ln1, eps)), post, comb)
+            if hook is not None and mid_layer:
+                hook(i + 0.5)
             post, comb, inp = hc_pre(h, *ffn_hc, c.hc_sinkhorn_iters, c.hc_eps, eps)
             h = hc_post(h, mlp(rms_weighted(inp, ln2, eps), phase, active), post, comb)
         return rms_weighted(hc_head(h, *self.head, c.hc_eps, eps), self.norm, eps)

@@ -400,6 +400,8 @@ class EngineLoop:
                 self.between.tokens = sum(e - s for _, s, e in group)
                 self.between.first_tokens = all(e == r.prefill_end <= self.sched.step_tokens for r, _, e in group)
             kw = {"between": self._between_layers} if self.between.enabled and not nested else {}
+            if kw and not self.streamed:  # between each layer's halves too (runtime/interleave.py MID_LAYER)
+                kw["mid_layer"] = self.between.mid_layer
             self._prompt_forward = True
             try:
                 if self.overlap is not None and not nested:
@@ -510,8 +512,9 @@ class EngineLoop:
         # its time is not the queued layers' cost: the next cycle measures afresh
         self.between.decoded()
 
-    def _between_layers(self, i: int) -> None:
-        """The prefill forward's hook before layer i: short requests that arrived meanwhile
+    def _between_layers(self, i: float) -> None:
+        """The prefill forward's hook before layer i (or at i + 0.5, between layer i's mixer and
+        its MLP: runtime/interleave.py MID_LAYER): short requests that arrived meanwhile
         prefill whole (_jump_in); a decode step for the streams that are decoding, when one is
         due (runtime/interleave.py). Rows that need a KV page the pool cannot give without
         preempting wait for the step's own decode."""
