@@ -37,8 +37,9 @@ SETTINGS = {
     "one-chunk": dict(order="arrival", step_tokens=None, slowdown=0.0, interleave=False),
     "budget": dict(order="shortest", step_tokens=0, slowdown=None, interleave=False),
     "interleave": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True),
-    # decode steps before whole layers only (interleave.MID_LAYER off: the grain before 2026-12-03's tenth session)
+    # decode steps before whole layers only, and also between each layer's mixer and MLP (interleave.MID_LAYER)
     "interleave-layers": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True, mid_layer=False),
+    "interleave-halves": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True, mid_layer=True),
     "overlap": dict(order="shortest", step_tokens=0, slowdown=None, interleave=False, overlap=True),
     # the overlap with Python's default 5 ms GIL switch interval (DecodeOverlap.SWITCH_S's reason)
     "overlap-gil5ms": dict(order="shortest", step_tokens=0, slowdown=None, interleave=False, overlap=True,

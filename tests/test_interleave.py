@@ -57,7 +57,7 @@ def test_streams_and_prompt_get_the_same_tokens_with_decode_between_layers(eng):
 
 
 def test_decode_steps_also_run_between_a_layers_mixer_and_its_mlp(eng):
-    """With mid_layer (interleave.MID_LAYER, the default) the hook runs at i + 0.5 too, decode
+    """With mid_layer (interleave.MID_LAYER; off by default) the hook runs at i + 0.5 too, decode
     steps land there as well as before layers, and every token is the one whole-layer points
     give (fp32)."""
     g = torch.Generator().manual_seed(8)

@@ -101,6 +101,12 @@ class DecodeRunner:
         x = self.inputs[:, :b]
         return self.model.decode(x[0], self.state, x[1], x[2] != 0)
 
+    def replays(self, n: int) -> bool:
+        """Whether a step of n rows would replay a graph already captured (no capture, no eager
+        step: no model code runs on the host)."""
+        b = next(s for s in self.sizes if s >= n)
+        return (self._variant(), b) in self._captured
+
     def __call__(self, tokens: list[int], pos: list[int], active: list[bool]) -> torch.Tensor:
         """tokens, pos, active: rows 0..n-1 (rows not decoding: active False) -> logits
         [>= n, V] on the device (rows past n are not meaningful). The result may be

@@ -11,7 +11,7 @@ same stream, so it runs on the device after the layers already queued and before
 The prompt's own rows are not in that step (mid-prefill rows are inactive), and nothing it
 has written is touched.
 
-Points: before each layer, and between each layer's token mixer and its MLP (MID_LAYER; the
+Points: before each layer and, with MID_LAYER, between each layer's token mixer and its MLP (the
 hook at i + 0.5), so the grain is half a layer and a layer's fixed part is split in two; each
 point has its own learned cost, and "layer" below means such a half where both are points.
 
@@ -55,10 +55,12 @@ RECENT = 4  # forwards whose costliest layer gives the per-token cost (it grows 
 GAP_CEILING = 1.75
 OUTLIER = 2.0  # a sample over this many times the fit of the others is a stall, not a cost
 # decode steps may also run between a layer's token mixer and its MLP (the hook at i + 0.5): the
-# finest grain at which they interleave is then half a layer. Where a layer's fixed part (its
-# launches on the H200: 4-6 ms of a 32-token layer against a 6.4 ms decode step) is more than the
-# gap's room, whole layers alone held the streams' p99 at 2.3x their unloaded gap
-MID_LAYER = True
+# finest grain at which they interleave is then half a layer. Meant for the H200, where a layer's
+# fixed part (its launches: 4-6 ms of a 32-token layer against a 6.4 ms decode step) is more than
+# the gap's room and whole layers held the streams' p99 at 2.3x their unloaded gap; not measured
+# there yet. Off: on the 2-core CPU it did not help (32k prompt: p99 2.51x against 2.32x, the
+# prompt 365 tok/s against 399; one half of a layer costs about what the layer does there)
+MID_LAYER = False
 
 
 def affine_fit(costs) -> tuple[float, float]:
@@ -286,11 +288,11 @@ class Interleaver:
         self.this_forward = {}
 
     def budget(self, decode_s: float | None, costs=(), layers: int = 1) -> int | None:
-        """Prompt tokens for the next forward, so its costliest layer fits the gap between
-        decode steps (a layer is the finest grain at which they can interleave); None: no
-        limit. The costliest layer's cost model (CostModel) from the recent forwards' samples;
+        """Prompt tokens for the next forward, so its costliest layer (half a layer with
+        MID_LAYER) fits the gap between decode steps (the finest grain at which they can
+        interleave); None: no limit. The costliest layer's cost model (CostModel) from the recent forwards' samples;
         before two of them, the recent prompt forwards `costs` [(tokens, seconds)] spread
-        over their `layers` stand in."""
+        over their `layers` (points, with MID_LAYER) stand in."""
         if not self.enabled or decode_s is None:
             return None
         model = self.samples

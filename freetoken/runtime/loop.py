@@ -275,7 +275,8 @@ class EngineLoop:
         if not rows or self.overlap is not None:  # overlapped: streams decode while the prompt runs
             return None
         if self.between.enabled:  # streams decode between the layers: a chunk one layer of which fits the gap
-            return self.between.budget(self._decode_s, self._costs, len(self.engine.model.layers))
+            points = len(self.engine.model.layers) * (2 if self.between.mid_layer else 1)
+            return self.between.budget(self._decode_s, self._costs, points)
         if not self.slowdown or self._decode_s is None:
             return None
         if self.mixed:  # the prompt's share of a mixed step: its time less a plain decode step's
@@ -400,7 +401,7 @@ class EngineLoop:
                 self.between.tokens = sum(e - s for _, s, e in group)
                 self.between.first_tokens = all(e == r.prefill_end <= self.sched.step_tokens for r, _, e in group)
             kw = {"between": self._between_layers} if self.between.enabled and not nested else {}
-            if kw and not self.streamed:  # between each layer's halves too (runtime/interleave.py MID_LAYER)
+            if kw and not self.streamed:  # between each layer's halves too, if asked (runtime/interleave.py MID_LAYER)
                 kw["mid_layer"] = self.between.mid_layer
             self._prompt_forward = True
             try:
@@ -527,6 +528,8 @@ class EngineLoop:
                 rows = [r for r in self.sched.running.values()
                         if not r.prefilling and not r.cancelled and r.finished_at is None and r.slot is not None]
             rows = sorted((r for r in rows if self._grow_now(r)), key=lambda r: r.slot)
+            if rows and self._shared_state and not self.decode.replays(rows[-1].slot + 1):
+                rows = []  # an eager decode forward would overwrite the state the prompt's layers share
             if rows:
                 self.between.running = True
                 try:
