@@ -296,6 +296,8 @@ def test_frozen_cache_reads_kept_experts_and_runs_misses_on_the_cpu(ftw):
         w = torch.rand(3, k, generator=g).softmax(-1)  # [3, k]
         before = ex._acc.clone()
         with ex.frozen():
+            st = ex.stats()  # /metrics meanwhile: the split serving chose, and that the cache is frozen
+            assert st["fill_share"] == 1.0 and st["frozen"] == 1 and float(ex.fill_share) == 0.0
             out = ps.loader.finish(ps.loader.launch(x, ids, w, layer=layer, phase="decode"))
             with pytest.raises(RuntimeError, match="frozen"):
                 ex.launch(x, ids, w, layer=layer, phase="prefill")

@@ -211,6 +211,7 @@ class CachedExpertExecutor(ExpertExecutor):
         self._pf = None  # (copies-done event or None, the lookahead's control output) until the next call joins it
         self._acc_pf = torch.zeros(2, dtype=torch.int64, device=device)  # experts prefetched, of them routed next
         self.is_frozen = False  # inside frozen(): decode steps while a streamed prefill pass holds the pool
+        self._saved_r = None  # r while frozen() holds it at 0
         if slots is not None:
             self.allocate(slots)
 
@@ -257,6 +258,7 @@ class CachedExpertExecutor(ExpertExecutor):
         lies. The device scalar r is restored after: a graph captured for this variant reads it
         at replay, so the same graph serves every pass."""
         saved_r, saved_branch = self.fill_share.clone(), self.branch_on
+        self._saved_r = saved_r  # what stats() reports meanwhile: the split serving chose, not the pass's 0
         self.fill_share.zero_()
         self.is_frozen, self.branch_on = True, True
         try:
@@ -264,6 +266,7 @@ class CachedExpertExecutor(ExpertExecutor):
         finally:
             self.fill_share.copy_(saved_r)
             self.is_frozen, self.branch_on = False, saved_branch
+            self._saved_r = None
 
     @property
     def num_experts(self) -> int:
@@ -425,7 +428,9 @@ class CachedExpertExecutor(ExpertExecutor):
             return out
         res = self.pool.res
         return {**out, "slots": self.pool.slots, "slots_used": int((res.id_of >= 0).sum()),
-                "bytes_moved": (fills + pre) * self.pool.slot_bytes, "fill_share": float(self.fill_share),
+                "bytes_moved": (fills + pre) * self.pool.slot_bytes,
+                "fill_share": float(self.fill_share if self._saved_r is None else self._saved_r),
+                "frozen": int(self.is_frozen),  # 1 while a streamed prefill pass holds the slots
                 "fill_share_adaptive": int(self.tuner is not None),
                 "fill_share_decisions": self.tuner.decisions if self.tuner is not None else 0,
                 "transfer": "zero-copy kernel" if self.pool.zero_copy else "copy (one sync per layer)",
