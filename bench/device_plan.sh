@@ -157,10 +157,10 @@ case "$STAGE" in
   # (stage 12's bf16 version drifted 2-10%, the size of a real fault), the other CUDA streamed
   # prefill tests with time enough (stage 12's 170 s limit cut them), the interference rows
   # again with passes kept whole beside decode rows (153a26e)
-  FT_TAG=plan13 FT_PER_FILE=330 FT_K=cuda FT_ARGS="-o faulthandler_timeout=300" \
+  FT_TAG=plan13 FT_PER_FILE=280 FT_K=cuda FT_ARGS="-o faulthandler_timeout=250" \
     bash bench/device_tests.sh tests/test_prefill_stream.py > /dev/null
-  step 220 interference-cache python3 -m bench.interference --full-size --moe cache --expert-cache 16GB \
-    --long 32768 --settings interleave --warm-long 4096 --name interference-full-cache-whole
+  step 260 interference-cache python3 -m bench.interference --full-size --moe cache --expert-cache 16GB \
+    --long 32768 --settings interleave --warm-long 4096 --cache-warmup 240 --name interference-full-cache-whole
   ;;
 14) # 330 s, written for the next session: the 32k interference rows with the experts in VRAM and
   # decode steps also between each layer's mixer and MLP (interleave.MID_LAYER, off by default) against

@@ -124,6 +124,8 @@ def run_setting(eng, name: str, a) -> dict:
     for r in streams:
         srv.sched.add(r)
     run_until(lambda: all(len(r.output_ids) > 4 for r in streams))
+    if a.cache_warmup:  # the expert cache's adaptive split climbs in probes of 24 steps (experts/share.py)
+        run_until(lambda: all(len(r.output_ids) > 4 + a.cache_warmup for r in streams))
     mark = {r.id: len(srv.stamps[r.id]) for r in streams}
     run_until(lambda: all(len(srv.stamps[r.id]) - mark[r.id] >= a.tokens for r in streams))
     unloaded = [b - c for r in streams for c, b in zip(srv.stamps[r.id][mark[r.id]:], srv.stamps[r.id][mark[r.id] + 1:])]
@@ -169,6 +171,9 @@ def run_setting(eng, name: str, a) -> dict:
            "short_ttft_behind_long_s": round(short_ttft, 3), "long_ttft_s": round(long_ttft, 2),
            "long_prefill_tok_s": round(a.long / long_ttft, 1)}
     out["expert_slots"] = srv.plan.expert_slots  # the memory plan's (0: no expert cache)
+    ex_stats = eng.executor.stats() if eng.executor is not None else {}
+    out["fill_share"] = ex_stats.get("fill_share")  # the split the streams decoded with at the end
+    out["hit_rate"] = ex_stats.get("hit_rate")
     out["longest_gaps"] = anatomy(srv.events, pairs)
     out["prompt_chunks"] = chunk_summary(srv.between.history)
     out["p99_gap_over_unloaded_p50"] = round(quantile(loaded, 0.99) / statistics.median(unloaded), 2)
@@ -205,6 +210,9 @@ def main():
                     help="with --full-size: every expert in VRAM, or pinned host banks behind a GPU expert cache "
                          "of --expert-cache (prompts prefill in streamed passes, issue 11)")
     ap.add_argument("--expert-cache", default="16GB", help="with --moe cache: VRAM for expert slots")
+    ap.add_argument("--cache-warmup", type=int, default=0,
+                    help="decode steps the streams take before the unloaded gaps are measured (with --moe cache: "
+                         "time for the adaptive split to settle; it probes each share for 24 steps)")
     ap.add_argument("--warm-long", type=int, default=0,
                     help="tokens of one more warm-up prompt (the streamed passes' kernels tuned at that size)")
     a = ap.parse_args()
