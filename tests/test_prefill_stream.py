@@ -255,6 +255,36 @@ def test_decode_steps_inside_a_streamed_pass(ftw, slots, mode):
             assert rel(lg, ref[len(p) - 1 + j]) < 1e-4
 
 
+def test_streams_that_end_inside_a_pass(ftw):
+    """Inside a streamed pass one stream is cancelled (its next decode step skips it) and
+    another reaches max_tokens in a decode step between the pass's layers: both end there, the
+    long prompt's tokens are still transformers', and every page and slot comes back."""
+    path, model = ftw
+    eng = engine(path, slots=40, max_pass_tokens=64)
+    srv = ServingEngine(eng, max_batch=3, max_queue=4, record_logits=True, start=False,
+                        cache=CacheConfig(enabled=False))
+    opts = lambda n: SamplingOptions(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
+    gone, short, long = Request(prompt(7, seed=17), opts(200)), Request(prompt(8, seed=18), opts(7)), \
+        Request(prompt(180, seed=19), opts(3))
+    seen, inside, real = [], [], srv._between_layers
+
+    def hook(i):
+        running = short.finished_at is None
+        real(i)
+        if running and short.finished_at is not None:
+            inside.append(i)  # short ended in the decode step just run between a pass's layers
+        if long.slot is not None and long.prefilling and not gone.cancelled and srv.between.steps >= 2:
+            srv.cancel(gone)  # mid-pass: the client went away
+            seen.append(len(gone.output_ids))
+    srv._between_layers = hook
+    drive(srv, [gone, short, long], arrive=[0, 0, 2])
+    assert seen and gone.finish_reason == "cancelled" and len(gone.output_ids) <= seen[0] + 1
+    assert short.finish_reason == "length" and len(short.output_ids) == 7 and inside
+    ref = hf_models.reference_logits(model, long.prompt_ids + long.output_ids)
+    assert long.output_ids == ref[len(long.prompt_ids) - 1:-1].argmax(-1).tolist()
+    assert not srv.sched.running and srv.state.pages.used == 0 and residency_ok(eng.executor)
+
+
 def test_decode_rows_do_not_shorten_a_pass(ftw):
     """A prompt of two passes' tokens beside a decoding stream prefills in two passes, where
     the step's budget equals a pass (CUDA: 2,048-token steps, 32k passes): the rows' tokens had
