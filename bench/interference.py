@@ -14,7 +14,12 @@ the default on eager steps) and `interleave` (decode steps between the prompt fo
 runtime/interleave.py; the default where decode is its own forward, CUDA graphs) and `overlap`
 (decode steps on a high-priority stream alongside the prompt forward, runtime/overlap.py,
 --decode-overlap; experts in VRAM only).
+With --full-size --moe cache the experts sit in pinned host memory behind a GPU expert cache
+of --expert-cache, and prompts prefill in streamed passes (issue 11): `budget` then decodes
+between passes only, `interleave` inside them too (the cache frozen). Each row also gives the
+streams' tok/s while the long prompt prefills against their unloaded rate.
     python -m bench.interference [--long 32768] [--short 200] [--streams 2] [--full-size]
+        [--moe resident|cache] [--expert-cache 16GB] [--cache-warmup N] [--warm-long N]
 """
 from __future__ import annotations
 
@@ -170,6 +175,13 @@ def run_setting(eng, name: str, a) -> dict:
            "loaded_gaps": len(loaded), "loaded_gap_max5_ms": [ms(g) for g in sorted(loaded)[-5:]], "idle_short_ttft_s": round(idle_ttft, 3),
            "short_ttft_behind_long_s": round(short_ttft, 3), "long_ttft_s": round(long_ttft, 2),
            "long_prefill_tok_s": round(a.long / long_ttft, 1)}
+    # what a decoding stream gets while the long prompt prefills (issue 11): its tokens emitted
+    # between the long prompt's arrival and its first token, over that time (mean over streams),
+    # against its unloaded rate
+    t_first = srv.stamps[long.id][0]
+    during = [sum(t_long < t <= t_first for t in srv.stamps[r.id]) / long_ttft for r in streams]
+    out["stream_tok_s_during_long_prefill"] = round(statistics.mean(during), 2)
+    out["stream_tok_s_unloaded"] = round(1 / statistics.median(unloaded), 2)
     out["expert_slots"] = srv.plan.expert_slots  # the memory plan's (0: no expert cache)
     ex_stats = eng.executor.stats() if eng.executor is not None else {}
     out["fill_share"] = ex_stats.get("fill_share")  # the split the streams decoded with at the end
