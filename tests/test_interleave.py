@@ -83,6 +83,23 @@ def test_decode_steps_also_run_between_a_layers_mixer_and_its_mlp(eng):
         assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
 
 
+def test_no_eager_decode_step_between_the_layers_of_a_model_with_shared_forward_state(eng):
+    """A model that keeps a forward's data in state its layers share (DeepSeek-V4, GLM) gets
+    decode steps between a prompt's layers only where they replay a graph: an eager one (the
+    CPU here, or a variant whose capture failed) would overwrite that state mid-forward. The
+    streams then decode after the prompt forward, with the same tokens."""
+    g = torch.Generator().manual_seed(9)
+    ps = [torch.randint(5, eng.cfg.vocab_size, (n,), generator=g).tolist() for n in (15, 200)]
+    runs = {}
+    for shared in (False, True):
+        srv = serving(eng, True)
+        srv._shared_state = shared
+        reqs = drive(srv, [greedy(ps[0], 20), greedy(ps[1], 3)], arrive=[0, 3])
+        assert (srv.between.steps > 0) != shared and not srv.decode.replays(1)
+        runs[shared] = [r.output_ids for r in reqs]
+    assert runs[True] == runs[False]
+
+
 def test_a_stream_that_finishes_between_layers_is_not_decoded_again(eng):
     g = torch.Generator().manual_seed(8)
     ps = [torch.randint(5, eng.cfg.vocab_size, (n,), generator=g).tolist() for n in (12, 400)]
