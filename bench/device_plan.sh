@@ -154,10 +154,10 @@ case "$STAGE" in
     --long 32768 --settings budget,interleave --warm-long 4096 --name interference-full-cache
   ;;
 13) # 560 s, written for the next session: the float32 CUDA test of decode inside streamed passes
-  # (stage 12's bf16 version drifted 2-10%, the size of a real fault), the other CUDA streamed
-  # prefill tests with time enough (stage 12's 170 s limit cut them), the interference rows
-  # again with passes kept whole beside decode rows (153a26e)
-  FT_TAG=plan13 FT_PER_FILE=280 FT_K=cuda FT_ARGS="-o faulthandler_timeout=250" \
+  # (stage 12's bf16 version drifted 2-10%, the size of a real fault; ~50 s a case), the
+  # interference rows again with passes kept whole beside decode rows (153a26e). The other CUDA
+  # streamed prefill tests need a call of their own: one case took ~190 s in stage 12
+  FT_TAG=plan13 FT_PER_FILE=240 FT_K=cuda_decode_steps FT_ARGS="-o faulthandler_timeout=220" \
     bash bench/device_tests.sh tests/test_prefill_stream.py > /dev/null
   step 260 interference-cache python3 -m bench.interference --full-size --moe cache --expert-cache 16GB \
     --long 32768 --settings interleave --warm-long 4096 --cache-warmup 240 --name interference-full-cache-whole
