@@ -210,8 +210,7 @@ class CachedExpertExecutor(ExpertExecutor):
         self._pf_stream = None  # the lookahead's copies (CUDA): beside the step's own stream
         self._pf = None  # (copies-done event or None, the lookahead's control output) until the next call joins it
         self._acc_pf = torch.zeros(2, dtype=torch.int64, device=device)  # experts prefetched, of them routed next
-        self.is_frozen = False  # inside frozen(): decode steps while a streamed prefill pass holds the pool
-        self._saved_r = None  # r while frozen() holds it at 0
+        self._saved_r = None  # inside frozen(): r as serving chose it, while the device scalar holds 0
         if slots is not None:
             self.allocate(slots)
 
@@ -246,6 +245,11 @@ class CachedExpertExecutor(ExpertExecutor):
             return "frozen"
         return "split" if self.branch_on else "fill-only"
 
+    @property
+    def is_frozen(self) -> bool:
+        """Inside frozen(): decode steps while a streamed prefill pass holds the pool."""
+        return self._saved_r is not None
+
     @contextmanager
     def frozen(self):
         """Decode calls that leave the slots alone (issue 11: decode steps between the layers of
@@ -257,16 +261,14 @@ class CachedExpertExecutor(ExpertExecutor):
         fills read as empty), and nothing they write (stamps, the clock) changes where an expert
         lies. The device scalar r is restored after: a graph captured for this variant reads it
         at replay, so the same graph serves every pass."""
-        saved_r, saved_branch = self.fill_share.clone(), self.branch_on
-        self._saved_r = saved_r  # what stats() reports meanwhile: the split serving chose, not the pass's 0
+        self._saved_r, saved_branch = self.fill_share.clone(), self.branch_on  # stats() reports it meanwhile
         self.fill_share.zero_()
-        self.is_frozen, self.branch_on = True, True
+        self.branch_on = True
         try:
             yield self
         finally:
-            self.fill_share.copy_(saved_r)
-            self.is_frozen, self.branch_on = False, saved_branch
-            self._saved_r = None
+            self.fill_share.copy_(self._saved_r)
+            self._saved_r, self.branch_on = None, saved_branch
 
     @property
     def num_experts(self) -> int:
@@ -317,12 +319,12 @@ class CachedExpertExecutor(ExpertExecutor):
             raise RuntimeError("the expert cache has no slots yet: allocate() comes with the memory plan")
         t, k = ids.shape
         step = max(1, MAX_PAIRS // k)  # tokens per control call
+        if self.is_frozen and phase != "decode":
+            raise RuntimeError("only decode calls may run while the expert cache is frozen (a streamed pass)")
         share = self.fill_share if phase == "decode" else self._fill_only
         fill_only = not self.branch_on or phase != "decode"
         if phase != "decode" or not self.prefetch or t > step or self.is_frozen:
             ahead = None
-        if self.is_frozen and phase != "decode":
-            raise RuntimeError("only decode calls may run while the expert cache is frozen (a streamed pass)")
         outs = [self._call(x[s:s + step], ids[s:s + step], weights[s:s + step], layer, phase, share, fill_only, ahead)
                 for s in range(0, t, step)]
         return Pending(out=outs[0] if len(outs) == 1 else torch.cat(outs))

@@ -123,8 +123,7 @@ class LayerStreamer(ExpertExecutor):
             self._evict(self.base + r * self.width, self.width)
         # published: decode steps between the pass's layers (the cache frozen, cached.py) read
         # this residency, which lists only the keep slots' experts, never overwritten in the pass
-        res.slot_of.copy_(self._slot_of.to(res.slot_of.device, res.slot_of.dtype))
-        res.id_of.copy_(self._id_of.to(res.id_of.device, res.id_of.dtype))
+        self._publish(res)
         # free keep slots take copies before the regions: nothing overwrites them in the pass
         self._free = (self._id_of[:self.base] < 0).nonzero()[:, 0].tolist()
         self._free.reverse()  # popped from the end: lowest slot first, so runs stay contiguous
@@ -180,8 +179,7 @@ class LayerStreamer(ExpertExecutor):
             torch.cuda.current_stream(self.device).wait_stream(self._copy)
         res = self.cache.pool.res
         dev = res.slot_of.device
-        res.slot_of.copy_(self._slot_of.to(dev, res.slot_of.dtype))
-        res.id_of.copy_(self._id_of.to(dev, res.id_of.dtype))
+        self._publish(res)
         res.clock.add_(1)
         held = self._used & (self._id_of >= 0)  # slots read this pass that still hold their expert
         if bool(held.any()):
@@ -197,6 +195,11 @@ class LayerStreamer(ExpertExecutor):
         c[f"passes_{self.mode.replace('-', '_')}"] += 1
         c["tokens"] += self.last["tokens"]
         return dict(self.last)
+
+    def _publish(self, res) -> None:
+        """The host mirror's slot_of / id_of -> the device residency."""
+        res.slot_of.copy_(self._slot_of.to(res.slot_of.device, res.slot_of.dtype))
+        res.id_of.copy_(self._id_of.to(res.id_of.device, res.id_of.dtype))
 
     # ---- loading ----------------------------------------------------------------------------
     def _prefetch(self, j: int) -> None:

@@ -177,10 +177,10 @@ class EngineLoop:
         shared = getattr(engine.model, "per_forward_state", False)
         if engine.device.type == "cuda" and getattr(ex, "host", None) is None:
             return "the expert cache has no stream-ordered CPU branch here (the C++ executor's host node)"
-        if not self.decode.graphs or not self.decode._captured:
+        if self.decode.path != "cuda-graphs":
             return f"{type(engine.model).__name__} needs decode graphs for it" if shared else None
         with ex.frozen():
-            if any(k[0] == ex.graph_variant() for k in self.decode._captured):
+            if self.decode.replays(1):  # the variant is one serving already captured
                 return None
             try:
                 self.decode.capture()
