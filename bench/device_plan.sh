@@ -21,9 +21,10 @@
 # Call 12: decode steps inside streamed prefill passes (issue 11), their GPU tests.
 # Call 13: the float32 CUDA test of it, the CUDA streamed prefill tests, its interference row again.
 # Call 14: the interference rows with decode steps between a layer's halves too (MID_LAYER).
+# Call 15: the doorbell's late-thread fix on the GPU, one CUDA streamed-prefill case.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14}
+STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -168,7 +169,15 @@ case "$STAGE" in
   step 320 interference python3 -m bench.interference --full-size --long 32768 --settings interleave-halves,interleave-layers \
     --name interference-full-midlayer
   ;;
-*) echo "stage 0 to 14"; exit 2 ;;
+15) # 560 s: the doorbell's late-thread fix (the thread took a ring made before it started as
+  # already seen: "rung 1, seq 1, entered 0"; the split cases of the quantized cache test failed
+  # with it in plans 3 and earlier), then one CUDA streamed-prefill case (~190 s alone)
+  FT_TAG=plan15 FT_PER_FILE=120 bash bench/device_tests.sh tests/test_hostcall.py > /dev/null
+  FT_TAG=plan15 FT_PER_FILE=300 FT_K=on_cuda bash bench/device_tests.sh tests/test_expert_cache_quant.py > /dev/null
+  FT_TAG=plan15 FT_PER_FILE=230 FT_K="cuda_streamed and double-32768" FT_ARGS="-o faulthandler_timeout=210" \
+    bash bench/device_tests.sh tests/test_prefill_stream.py > /dev/null
+  ;;
+*) echo "stage 0 to 15"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)

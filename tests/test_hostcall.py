@@ -114,6 +114,34 @@ def test_doorbell_answers_each_ring_with_the_executors_result(dtype):
         bell.close()
 
 
+def test_doorbell_answers_a_ring_made_before_its_thread_started():
+    """A thread scheduled late (a loaded machine: the H200 run had 16 executor threads and
+    several bells in one process) starts after the GPU's first ring. It must still answer it:
+    the thread once took the ring count it found at start as already seen and never answered
+    call 1 ("rung 1, seq 1, entered 0", idle polls growing)."""
+    pytest.importorskip("triton")
+    from freetoken.experts.cpu.hostcall import Doorbell, call_buffers
+    from freetoken.kernels import doorbell as kd
+    g = torch.Generator().manual_seed(12)
+    n, h, i, k = 8, 32, 16, 2
+    cpu = CpuExpertExecutor(torch.randn(n, 2 * i, h, generator=g), torch.randn(n, h, i, generator=g), threads=1)
+    bell = Doorbell(DEV, start_delay_us=300_000)
+    try:
+        xb, ib, wb, ob, d = call_buffers(cpu, extension().executor_address(cpu.handle), 1, k, h, False,
+                                         pin=DEV == "cuda")
+        x, ids, w = torch.randn(1, h, generator=g), torch.tensor([[1, 5]]), torch.tensor([[0.25, 0.75]])
+        bell.ring(x.to(DEV), ids.to(DEV), w.to(DEV), xb, ib, wb, ctypes.addressof(d))
+        if DEV == "cuda":
+            torch.cuda.synchronize()
+        assert int(bell.words[kd.SEQ]) == 1 and int(bell.words[kd.ENTERED]) == 0  # rung before the thread ran
+        out = torch.zeros(1, h, device=DEV)
+        kd.wait(bell.counter, bell.words, ob, out, limit=10_000_000 if DEV == "cuda" else 200_000)
+        assert not bell.gave_up(), bell.state()
+        assert torch.equal(out.cpu(), cpu.kernel(x, ids, w)) and bell.calls() == 1
+    finally:
+        bell.close()
+
+
 def test_doorbell_wait_gives_up_when_nobody_answers():
     """A stopped thread: the wait kernel stops polling after its limit and flags it, instead
     of spinning forever (on a GPU: a hung device)."""

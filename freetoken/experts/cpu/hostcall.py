@@ -129,13 +129,13 @@ class Doorbell:
     is kernels/doorbell.py. On the CPU (tests) the same protocol runs on plain host memory with
     the kernels under the Triton interpreter."""
 
-    def __init__(self, device):
+    def __init__(self, device, start_delay_us: int = 0):
         from ...kernels import doorbell
         from ...kernels.expert_transfer import zero_copy_ok
         from . import extension
         self.ext, self.k = extension(), doorbell
         self.device = torch.device(device)
-        self.addr = self.ext.bell_create()
+        self.addr = self.ext.bell_create(start_delay_us)  # the delay: tests (a thread scheduled late)
         self.words = torch.frombuffer((ctypes.c_int64 * 512).from_address(self.addr), dtype=torch.int64)  # [512]
         if self.device.type == "cuda":
             err = torch.cuda.cudart().cudaHostRegister(self.addr, 4096, 0)

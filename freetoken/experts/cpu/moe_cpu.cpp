@@ -1486,9 +1486,14 @@ struct Bell {
   int64_t idle_polls;  // CPU -> Python: sleeping polls so far (the thread is alive if it grows)
 };
 
-void bell_loop(Bell* b) {
+void bell_loop(Bell* b, int64_t start_delay_us) {
   using clk = std::chrono::steady_clock;
-  int64_t seen = __atomic_load_n(&b->seq, __ATOMIC_ACQUIRE);
+  if (start_delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(start_delay_us));
+  // the last call answered, not the ring count seen at start: a thread scheduled late (a loaded
+  // machine, many threads) could start after the GPU's first ring, take seq 1 as already seen
+  // and never answer it (measured on the H200: "rung 1, seq 1, entered 0", idle polls growing).
+  // `done` is 0 on a fresh page (zeroed before the thread starts) and only this thread writes it
+  int64_t seen = __atomic_load_n(&b->done, __ATOMIC_ACQUIRE);
   auto last = clk::now();
   for (;;) {
     const int64_t s = __atomic_load_n(&b->seq, __ATOMIC_ACQUIRE);
@@ -1513,11 +1518,11 @@ void bell_loop(Bell* b) {
   }
 }
 
-int64_t bell_create() {
+int64_t bell_create(int64_t start_delay_us) {
   void* p = nullptr;
   TORCH_CHECK(posix_memalign(&p, 4096, 4096) == 0, "bell_create: out of memory");
   std::memset(p, 0, 4096);
-  std::thread(bell_loop, static_cast<Bell*>(p)).detach();
+  std::thread(bell_loop, static_cast<Bell*>(p), start_delay_us).detach();
   return reinterpret_cast<int64_t>(p);
 }
 
@@ -1539,7 +1544,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qbanks_create", &qbanks_create, "quantized banks for HostCall.qbanks (forward_q's bank arguments); returns its address");
   m.def("qbanks_free", &qbanks_free, "free a qbanks_create result");
   m.def("executor_address", &executor_address, "address of an executor, for HostCall.executor");
-  m.def("bell_create", &bell_create, "a doorbell (4 KiB, never freed) and its resident thread; returns its address");
+  m.def("bell_create", &bell_create, "a doorbell (4 KiB, never freed) and its resident thread; returns its address "
+        "(start_delay_us: the thread starts that late, as on a loaded machine; tests)", py::arg("start_delay_us") = 0);
   m.def("bell_stop", &bell_stop, "the doorbell's thread returns (its memory stays)");
   m.def("host_call_size", &host_call_size, "sizeof the HostCall descriptor (checked against hostcall.py)");
   m.def("create", &create, "create an executor with a pinned thread pool");
