@@ -49,7 +49,8 @@ MIN_PREFILL = 32  # prompt tokens a step takes at least, whatever the latency bu
 # token it gives): they are few and short, and a decode step every half decode step of their work
 # would triple their time to first token
 FIRST_TOKEN_SLOWDOWN = 2.0
-RECENT = 4  # forwards whose costliest layer gives the per-token cost (it grows with the context)
+RECENT = 4  # forwards of about one size before a stuck chunk doubles (CostModel.tokens_within)
+RATE_SAMPLES = 2  # the latest forwards whose least delayed one gives the per-token cost (it grows with the context)
 # the decode gap the chunk floor may reach (in decode steps): a layer that costs more than
 # the fixed part's chunk would push decoding streams' p99 past 2x their unloaded gap
 GAP_CEILING = 1.75
@@ -156,12 +157,17 @@ class CostModel:
             fit = robust_fit(self.samples)
             if fit is not None:  # else the last fit stands (a failed one is no evidence of none)
                 self.fixed = min(fit[0], min(t for _, t in self.samples))
-        # the median rate of the latest samples: one stalled forward among them does not set it.
-        # Never below 1/32 of a sample's plain rate: a fixed part fitted on noise can exceed its
-        # time (an eighth was too much where the fixed part is most of a small chunk's time)
-        rates = sorted(max(t - self.fixed, t / 32) / n for n, t in list(self.samples)[-RECENT:])
-        mid = len(rates) // 2
-        per_token = rates[mid] if len(rates) % 2 else (rates[mid - 1] + rates[mid]) / 2
+        # the smaller rate of the latest RATE_SAMPLES: a stall only ever adds time, so the least
+        # delayed sample is the best estimate, and a stall in one of them does not set the rate.
+        # The median of four did not do: where the fixed part is most of a small chunk's time,
+        # a stall of a few ms over 70 tokens reads as tens of us a token, and at least two of
+        # four samples carried one (the H200's halves of a layer, 2.5-11.5 ms at 32-41 tokens:
+        # chunks held at 32-170 tokens, the 32k prompt at 397 tok/s against 2,114 with whole
+        # layers; benchmarks/README.md, eleventh session). Two, not four: the rate grows with
+        # the context, and the newest samples follow it. Never below 1/32 of a sample's plain
+        # rate: a fixed part fitted on noise can exceed its time (an eighth was too much where
+        # the fixed part is most of a small chunk's time)
+        per_token = min(max(t - self.fixed, t / 32) / n for n, t in list(self.samples)[-RATE_SAMPLES:])
         return self.fixed, max(per_token, 1e-9)
 
     def tokens_within(self, room: float, ceiling: float | None = None) -> int:
