@@ -389,3 +389,33 @@ def test_control_dispatch_and_buffers_reused():
     assert same_out(control(ids, w, res.clone(), share(0.5), 4, "gate"), want)
     with pytest.raises(AssertionError):
         control(ids, w, res, share(0.5), 4, "clairvoyant")  # not a policy
+
+
+def _compiled_variants(kernel) -> int:
+    """Compiled variants of a Triton kernel across devices (Triton 3.x keeps one cache per device)."""
+    caches = getattr(kernel, "device_caches", None) or {}
+    return sum(len(c[0]) for c in caches.values())
+
+
+def test_warm_up_compiles_every_prefill_call_size_in_advance():
+    """The control kernel's prefill variants are compiled at load (warm_up_control): one per
+    power of two of the call's pairs, on a scratch residency. On the GPU, calls of any pair
+    count up to the bound (max_fill = their pairs, as the cache asks) then compile nothing more:
+    before, the fill count was a compile-time constant and every prompt size compiled its own
+    variant inside a request. Under the interpreter nothing compiles; the calls must still run
+    and leave a real residency's invariants as the reference does."""
+    from freetoken.experts.control import _control_kernel, warm_up_control
+    n, s = 96, 40
+    assert warm_up_control(n, s, DEV, "recent", max_pairs=64) == [2, 4, 8, 16, 32, 64]
+    before = _compiled_variants(_control_kernel)
+    g = torch.Generator().manual_seed(21)
+    res, ref = Residency.empty(n, s, DEV), Residency.empty(n, s, "cpu")
+    for pairs in (3, 12, 13, 31, 50, 64):
+        ids = torch.randint(0, n, (pairs, 1), generator=g)
+        w = torch.rand(pairs, 1, generator=g)
+        one = torch.ones(1)
+        a = control_triton(ids.to(DEV), w.to(DEV), res, one.to(DEV), pairs, "recent")
+        b = control_reference(ids, w, ref, one, pairs, "recent")
+        assert torch.equal(a.route.cpu(), b.route) and torch.equal(res.slot_of.cpu(), ref.slot_of), pairs
+    if DEV == "cuda":
+        assert _compiled_variants(_control_kernel) == before

@@ -51,7 +51,8 @@ from dataclasses import replace
 import torch
 
 from ..kernels.expert_transfer import transfer_reference, transfer_triton, zero_copy_ok
-from .control import CPU, MAX_PAIRS, POLICIES, Residency, control
+from ..kernels import use_triton
+from .control import CPU, MAX_PAIRS, POLICIES, Residency, control, warm_up_control
 from .executor import GRAPH_CAPTURE, NO_EXPERT, SILU, Activation, ExpertExecutor, Pending, TorchExpertExecutor
 
 log = logging.getLogger("freetoken.experts")
@@ -303,6 +304,22 @@ class CachedExpertExecutor(ExpertExecutor):
             self.gpu = self.slot_executor()  # expert ids = slot ids
             if self.prefetch and self.device.type == "cuda":  # made here, never inside a graph capture
                 self._pf_stream = torch.cuda.Stream(self.device)
+            if self.device.type == "cuda" and use_triton(self.pool.res.slot_of):
+                self._warm_up_control()
+
+    def _warm_up_control(self) -> None:
+        """The control kernel's prefill variants compiled now, at load (control.warm_up_control),
+        not inside the first prompts; a variant that fails to compile fails its real call too,
+        which then says so in a request: here only a warning."""
+        import time
+        t0 = time.perf_counter()
+        try:
+            warmed = warm_up_control(self.pool.res.slot_of.numel(), self.pool.slots, self.device, self.policy)
+            torch.cuda.synchronize(self.device)
+            log.info("expert cache control kernel compiled for %d call sizes (up to %d pairs) in %.1f s",
+                     len(warmed), warmed[-1], time.perf_counter() - t0)
+        except Exception as e:  # noqa: BLE001
+            log.warning("expert cache control kernel warm-up failed: %s", str(e).splitlines()[0] if str(e) else e)
 
     def slot_executor(self, layer_experts: int | None = None) -> TorchExpertExecutor:
         """The resident executor over the slot banks (slot ids for expert ids): the bf16 kernels

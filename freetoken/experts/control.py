@@ -328,13 +328,15 @@ if HAS_TRITON:
             r = tl.min(tl.reshape(tl.sort(x), [x.shape[0] // N, N]), axis=0)
         return r
 
-    @triton.jit
+    # P and K unspecialized: Triton would compile a variant per value class (1, a multiple of 16,
+    # other) of each; the sizes that shape the program are P_PAD and K_PAD
+    @triton.jit(do_not_specialize=["P", "K"])
     def _control_kernel(ids_ptr, w_ptr, share_ptr,  # [P] int64, [P] gate weights, [1] float32
                         slot_of_ptr, id_of_ptr, stamp_ptr, seen_ptr, clock_ptr,  # residency (in place)
                         score_ptr, base_ptr, credit_ptr,  # residency: "lfu", the fill share's credit
                         route_ptr, fill_src_ptr, fill_dst_ptr, cpu_ptr, counts_ptr,  # outputs
-                        P, S, N, HALF,
-                        K: tl.constexpr, P_PAD: tl.constexpr, K_PAD: tl.constexpr,
+                        P, S, N, HALF, K,  # K: most fills (a runtime int: a constexpr compiled a variant per call size)
+                        P_PAD: tl.constexpr, K_PAD: tl.constexpr,
                         BLOCK_S: tl.constexpr, RECENT: tl.constexpr, LFU: tl.constexpr, TOPK: tl.constexpr,
                         TICK: tl.constexpr, COUNT: tl.constexpr):
         clock = tl.load(clock_ptr)  # a peek stamps with the last call's clock
@@ -476,7 +478,29 @@ def control_triton(ids, weights, res: Residency, fill_share, max_fill: int, poli
         ids.reshape(-1).to(torch.int64).contiguous(), weights.reshape(-1).contiguous(), fill_share,
         res.slot_of, res.id_of, res.stamp, res.seen, res.clock, res.score, res.base, res.credit,
         out.route, out.fill_src, out.fill_dst, out.cpu_ids, out.counts,
-        pairs, s, res.num_flat_experts, res.half, K=max_fill, P_PAD=p_pad, K_PAD=k_pad, BLOCK_S=block_s,
+        pairs, s, res.num_flat_experts, res.half, max_fill, P_PAD=p_pad, K_PAD=k_pad, BLOCK_S=block_s,
         RECENT=policy == "recent", LFU=policy == "lfu", TOPK=topk, TICK=not peek,
         COUNT=policy == "lfu" and not peek, num_warps=4, enable_fp_fusion=False)
     return out
+
+
+def warm_up_control(num_flat_experts: int, num_slots: int, device, policy: str = "recent",
+                    max_pairs: int = MAX_PAIRS) -> list[int]:
+    """Compile the control kernel's variants for prefill calls before a request needs them:
+    one per power of two of a call's (token, expert) pairs up to max_pairs, with every pair
+    allowed to fill (as the cache's calls ask). The kernel is one program sized by those
+    powers, so each is a separate compile. Unwarmed, a serving engine compiled them inside
+    its first prompts of each size: a CUDA test of streamed prefill spent its whole 230 s
+    limit in them on a fresh H200 (benchmarks/README.md, eleventh session). Runs on a
+    scratch Residency of the pool's shape (the same scan blocks; the real one untouched);
+    decode sizes compile when the decode graphs are captured. -> the pair counts warmed."""
+    res = Residency.empty(num_flat_experts, num_slots, device)
+    share = torch.ones(1, dtype=torch.float32, device=device)
+    g = torch.Generator().manual_seed(0)
+    warmed, p = [], 2
+    while p <= max_pairs:
+        ids = torch.randint(0, num_flat_experts, (p, 1), generator=g).to(device)  # [P, 1]
+        control_triton(ids, torch.rand(p, 1, generator=g).to(device), res, share, p, policy)
+        warmed.append(p)
+        p *= 2
+    return warmed
