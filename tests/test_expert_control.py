@@ -406,13 +406,13 @@ def test_warm_up_compiles_every_prefill_call_size_in_advance():
     and leave a real residency's invariants as the reference does."""
     from freetoken.experts.control import _control_kernel, warm_up_control
     n, s = 96, 40
-    assert warm_up_control(n, s, DEV, "recent", max_pairs=64) == [2, 4, 8, 16, 32, 64]
+    assert warm_up_control(n, s, DEV, "recent", torch.bfloat16, max_pairs=64) == [2, 4, 8, 16, 32, 64]
     before = _compiled_variants(_control_kernel)
     g = torch.Generator().manual_seed(21)
     res, ref = Residency.empty(n, s, DEV), Residency.empty(n, s, "cpu")
-    for pairs in (3, 12, 13, 31, 50, 64):
+    for pairs in (3, 12, 13, 31, 50, 64):  # bf16 gate weights, as a bf16 model's router gives them
         ids = torch.randint(0, n, (pairs, 1), generator=g)
-        w = torch.rand(pairs, 1, generator=g)
+        w = torch.rand(pairs, 1, generator=g).to(torch.bfloat16)
         one = torch.ones(1)
         a = control_triton(ids.to(DEV), w.to(DEV), res, one.to(DEV), pairs, "recent")
         b = control_reference(ids, w, ref, one, pairs, "recent")

@@ -125,11 +125,18 @@ def test_doorbell_answers_a_ring_made_before_its_thread_started():
     g = torch.Generator().manual_seed(12)
     n, h, i, k = 8, 32, 16, 2
     cpu = CpuExpertExecutor(torch.randn(n, 2 * i, h, generator=g), torch.randn(n, h, i, generator=g), threads=1)
-    bell = Doorbell(DEV, start_delay_us=300_000)
+    buffers = call_buffers(cpu, extension().executor_address(cpu.handle), 1, k, h, False, pin=DEV == "cuda")
+    x, ids, w = torch.randn(1, h, generator=g), torch.tensor([[1, 5]]), torch.tensor([[0.25, 0.75]])
+    # the ring and wait kernels compiled first: on a fresh GPU that can take longer than the
+    # delay below, and the late thread would then start before the ring
+    warm = Doorbell(DEV)
     try:
-        xb, ib, wb, ob, d = call_buffers(cpu, extension().executor_address(cpu.handle), 1, k, h, False,
-                                         pin=DEV == "cuda")
-        x, ids, w = torch.randn(1, h, generator=g), torch.tensor([[1, 5]]), torch.tensor([[0.25, 0.75]])
+        _bell_call(warm, cpu, buffers, x, ids, w)
+    finally:
+        warm.close()
+    bell = Doorbell(DEV, start_delay_us=1_000_000)
+    try:
+        xb, ib, wb, ob, d = buffers
         bell.ring(x.to(DEV), ids.to(DEV), w.to(DEV), xb, ib, wb, ctypes.addressof(d))
         if DEV == "cuda":
             torch.cuda.synchronize()

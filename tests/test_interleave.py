@@ -185,11 +185,6 @@ def test_the_cost_model_separates_the_fixed_part_only_from_samples_of_different_
     fixed, per_token = cm.fit()
     assert fixed == pytest.approx(0.003)
     assert per_token == pytest.approx(1e-5 + 2e-6 * 5.5, rel=0.01)  # the median of the last four
-    one = CostModel(one_sided=True)  # measured layer times: the least delayed of the last two
-    for n, t in cm.samples:
-        one.add(n, t)
-    one.fixed = cm.fixed
-    assert one.fit()[1] == pytest.approx(1e-5 + 2e-6 * 6, rel=0.01)
     assert cm.tokens_within(0.013) == pytest.approx(0.010 / 2.1e-5, rel=0.01)
     assert cm.tokens_within(0.002) == pytest.approx(0.003 / 2.1e-5, rel=0.01)  # below the fixed part: the floor
     cm.fixed = 0.5  # a fixed part the noise inflated: the floor stays within twice the chunks measured
@@ -210,17 +205,15 @@ def test_a_stalled_forward_does_not_shrink_the_chunks():
     a rate ~100x the real one, and the chunks fell to MIN_PREFILL for good."""
     rnd = random.Random(1)
     fixed, per_token, room = 0.003, 2e-6, 0.0028  # the gap is below the fixed part: the floor rule
-    for stalls, one_sided in ((False, False), (True, False), (False, True), (True, True)):
-        cm, sizes = CostModel(one_sided=one_sided), []
+    for stalls in (False, True):
+        cm, sizes = CostModel(), []
         for i in range(60):
             n = (2048, 1024)[i] if i < 2 else min(2048, cm.tokens_within(room))
             t = (fixed + per_token * n) * (1 + 0.1 * rnd.random())
             cm.add(n, t + (0.05 if stalls and i % 10 == 5 else 0.0))
             sizes.append(n)
-        assert min(sizes[-20:]) > 1000, (stalls, one_sided, sizes)  # the floor rule: per-token part ~ fixed part
-        # one-sided, the chunks spread less (sized from the least delayed rate), so the
-        # intercept is less determined: within a quarter (3.56 ms for 3 ms, no stalls, seed 1)
-        assert cm.fit()[0] == pytest.approx(fixed, rel=0.25 if one_sided else 0.15)
+        assert min(sizes[-20:]) > 1000, (stalls, sizes)  # the floor rule: per-token part ~ fixed part
+        assert cm.fit()[0] == pytest.approx(fixed, rel=0.15)
 
 
 def test_the_rate_is_the_median_of_the_latest_samples_and_a_different_size_is_kept():
@@ -234,10 +227,6 @@ def test_the_rate_is_the_median_of_the_latest_samples_and_a_different_size_is_ke
     cm.add(2048, 0.060)  # a stall
     fixed, per_token = cm.fit()
     assert fixed == pytest.approx(0.003, rel=0.05) and per_token == pytest.approx(1e-6, rel=0.05)
-    one = CostModel(one_sided=True)  # the least delayed of the latest two: the stall does not set it either
-    for n, t in cm.samples:
-        one.add(n, t)
-    assert one.fit()[1] == pytest.approx(1e-6, rel=0.05)
 
 
 def test_chunks_stuck_at_one_small_size_grow_back():
@@ -256,51 +245,6 @@ def test_chunks_stuck_at_one_small_size_grow_back():
     grown = sizes[sizes.index(128):]
     assert sizes[-1] >= 2048 and grown == sorted(grown)  # doubling up
     assert cm.fit() == (pytest.approx(0.003), pytest.approx(1e-6))
-
-
-def test_one_sided_chunks_stuck_at_one_small_size_grow_back():
-    """The same start with a layer's measured times (one_sided): the four first samples (3.5
-    ms at 32 tokens) are slower than the device then is (3.03 ms), and until they leave the
-    window the fit finds no fixed part, so the chunks drift down from the doubled one and
-    double again once per window: slower than the median (which read those samples' rate and
-    fell straight to the floor, from where it doubles), but up within ten forwards."""
-    cm = CostModel(one_sided=True)
-    for _ in range(4):
-        cm.add(MIN_PREFILL, 0.0035)
-    sizes = []
-    for _ in range(16):
-        n = cm.tokens_within(0.0028)
-        sizes.append(n)
-        cm.add(n, 0.003 + 1e-6 * n)
-    assert sizes[0] == 2 * MIN_PREFILL and max(sizes[:8]) == 2 * MIN_PREFILL
-    start = next(i for i, n in enumerate(sizes) if i and n >= 2 * sizes[i - 1])  # the first doubling
-    grown = sizes[start:]
-    assert start <= 9 and sizes[-1] >= 2048 and grown == sorted(grown), sizes
-    assert cm.fit() == (pytest.approx(0.003), pytest.approx(1e-6))
-
-
-def test_noisy_small_chunks_with_a_large_fixed_part_still_grow():
-    """The H200's halves of a layer (MID_LAYER at da39882): the first eight samples of its 32k
-    prompt, then a device whose costliest half costs 2.9 ms + 0.35 us a token, each forward
-    delayed by up to 50% and one in three stalled 3 ms more (timing noise only adds time). The
-    median of four rates read those stalls as tens of us a token and held the chunks small
-    (the prompt at 397 tok/s against 2,114 with whole layers there); the least delayed of the
-    latest two (the interleaver's one_sided model) lets them grow, and no chunk's own cost
-    passes the ceiling."""
-    first = [(501, 63.38), (301, 17.64), (32, 2.49), (34, 8.24), (32, 3.55), (38, 4.25), (64, 3.81), (41, 11.54)]
-    decode, med = 5.66e-3, {}
-    for one_sided in (False, True):
-        rnd, m, sizes = random.Random(7), CostModel(one_sided=one_sided), []
-        for n, ms in first:
-            m.add(n, ms / 1e3)
-        for _ in range(40):
-            n = min(2048, m.tokens_within(0.5 * decode, (GAP_CEILING - 1) * decode))
-            sizes.append(n)
-            m.add(n, (2.9e-3 + 0.35e-6 * n) * (1 + 0.5 * rnd.random()) + (3e-3 if rnd.random() < 0.3 else 0.0))
-        assert all(2.9e-3 + 0.35e-6 * n <= (GAP_CEILING - 1) * decode for n in sizes), sizes
-        med[one_sided] = sorted(sizes[20:])[10]
-    assert med[True] >= 512 and med[True] >= 2 * med[False], med
-    assert Interleaver(1.5).samples.one_sided
 
 
 def test_a_mixed_step_is_sized_from_its_prompt_part_beyond_a_decode_step(eng):
@@ -410,7 +354,7 @@ def test_chunks_recover_from_a_stalled_start_within_a_few_forwards():
     layer costs 5.5 ms + 0.7 us a token (nearly flat: the host's launches): the chunk must
     double out of 32 tokens from the latest RECENT forwards, not wait for the stalled ones
     to leave the window (it took 13 forwards to pass 1,024 tokens that way; 8 now)."""
-    m = CostModel(one_sided=True)  # the interleaver's (it was the median before, and passed as well)
+    m = CostModel()
     for n, ms in [(244, 79.95), (49, 26.48), (47, 17.13), (32, 16.84), (32, 5.91), (32, 5.73), (32, 5.94), (32, 5.77)]:
         m.add(n, ms / 1e3)
     decode = 5.56e-3

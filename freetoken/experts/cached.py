@@ -314,11 +314,13 @@ class CachedExpertExecutor(ExpertExecutor):
         import time
         t0 = time.perf_counter()
         try:
-            warmed = warm_up_control(self.pool.res.slot_of.numel(), self.pool.slots, self.device, self.policy)
+            warmed = warm_up_control(self.pool.res.slot_of.numel(), self.pool.slots, self.device, self.policy,
+                                     self.dtype)
             torch.cuda.synchronize(self.device)
             log.info("expert cache control kernel compiled for %d call sizes (up to %d pairs) in %.1f s",
                      len(warmed), warmed[-1], time.perf_counter() - t0)
         except Exception as e:  # noqa: BLE001
+            torch.cuda.synchronize(self.device)  # a broken CUDA context is an error here, not a warning
             log.warning("expert cache control kernel warm-up failed: %s", str(e).splitlines()[0] if str(e) else e)
 
     def slot_executor(self, layer_experts: int | None = None) -> TorchExpertExecutor:

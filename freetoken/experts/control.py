@@ -485,22 +485,25 @@ def control_triton(ids, weights, res: Residency, fill_share, max_fill: int, poli
 
 
 def warm_up_control(num_flat_experts: int, num_slots: int, device, policy: str = "recent",
-                    max_pairs: int = MAX_PAIRS) -> list[int]:
-    """Compile the control kernel's variants for prefill calls before a request needs them:
-    one per power of two of a call's (token, expert) pairs up to max_pairs, with every pair
-    allowed to fill (as the cache's calls ask). The kernel is one program sized by those
-    powers, so each is a separate compile. Unwarmed, a serving engine compiled them inside
-    its first prompts of each size: a CUDA test of streamed prefill spent its whole 230 s
-    limit in them on a fresh H200 (benchmarks/README.md, eleventh session). Runs on a
-    scratch Residency of the pool's shape (the same scan blocks; the real one untouched);
-    decode sizes compile when the decode graphs are captured. -> the pair counts warmed."""
+                    weight_dtype: torch.dtype = torch.bfloat16, max_pairs: int = MAX_PAIRS) -> list[int]:
+    """Compile the control kernel's variants before a request needs them: one per power of two
+    of a call's (token, expert) pairs up to max_pairs, with every pair allowed to fill (as the
+    cache's calls ask, decode and prefill alike), gate weights in weight_dtype (the model's
+    activations: Triton compiles a variant per pointer type). The kernel is one program sized
+    by those powers, so each is a separate compile. Unwarmed, a serving engine compiled them
+    inside its first prompts of each size: a CUDA test of streamed prefill spent its whole
+    230 s limit in them on a fresh H200 (benchmarks/README.md, eleventh session). Runs on a
+    scratch Residency of the pool's shape (the same scan blocks; the real one untouched). Not
+    warmed: the lookahead's peek calls (decode only, compiled when the decode graphs are
+    captured at start-up). -> the pair counts warmed."""
     res = Residency.empty(num_flat_experts, num_slots, device)
     share = torch.ones(1, dtype=torch.float32, device=device)
     g = torch.Generator().manual_seed(0)
     warmed, p = [], 2
     while p <= max_pairs:
         ids = torch.randint(0, num_flat_experts, (p, 1), generator=g).to(device)  # [P, 1]
-        control_triton(ids, torch.rand(p, 1, generator=g).to(device), res, share, p, policy)
+        w = torch.rand(p, 1, generator=g).to(device, weight_dtype)  # [P, 1]
+        control_triton(ids, w, res, share, p, policy)
         warmed.append(p)
         p *= 2
     return warmed

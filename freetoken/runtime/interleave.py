@@ -49,9 +49,7 @@ MIN_PREFILL = 32  # prompt tokens a step takes at least, whatever the latency bu
 # token it gives): they are few and short, and a decode step every half decode step of their work
 # would triple their time to first token
 FIRST_TOKEN_SLOWDOWN = 2.0
-RECENT = 4  # forwards whose median rate gives a mixed step's per-token cost (it grows with the
-# context), and of about one size before a stuck chunk doubles (CostModel.tokens_within)
-RATE_SAMPLES = 2  # the latest measured forwards whose least delayed one gives a layer's per-token cost
+RECENT = 4  # forwards whose costliest layer gives the per-token cost (it grows with the context)
 # the decode gap the chunk floor may reach (in decode steps): a layer that costs more than
 # the fixed part's chunk would push decoding streams' p99 past 2x their unloaded gap
 GAP_CEILING = 1.75
@@ -135,12 +133,7 @@ class CostModel:
     SPREAD = 2.0  # max/min tokens among the recent samples before the fixed part is refitted (under
     # about 2x, the noise of a shared machine's timings reads as any fixed part at all)
 
-    def __init__(self, window: int = 8, one_sided: bool = False):
-        """one_sided: the samples are measured times (a layer's, a forward's), whose noise only
-        adds, so the rate is the least delayed of the latest RATE_SAMPLES; else (a mixed
-        step's prompt part: its time less an estimated decode step, noise either way) the
-        median of the latest RECENT."""
-        self.one_sided = one_sided
+    def __init__(self, window: int = 8):
         self.samples: deque[tuple[int, float]] = deque(maxlen=window)
         self.fixed = 0.0
         self.added = 0  # samples ever added
@@ -163,23 +156,10 @@ class CostModel:
             fit = robust_fit(self.samples)
             if fit is not None:  # else the last fit stands (a failed one is no evidence of none)
                 self.fixed = min(fit[0], min(t for _, t in self.samples))
+        # the median rate of the latest samples: one stalled forward among them does not set it.
         # Never below 1/32 of a sample's plain rate: a fixed part fitted on noise can exceed its
         # time (an eighth was too much where the fixed part is most of a small chunk's time)
-        rate = lambda n, t: max(t - self.fixed, t / 32) / n  # noqa: E731
-        if self.one_sided:
-            # the smaller rate of the latest RATE_SAMPLES: a stall only ever adds time, so the
-            # least delayed sample is the best estimate, and a stall in one of them does not set
-            # it. The median of four did not do: where the fixed part is most of a small chunk's
-            # time, a stall of a few ms over 70 tokens reads as tens of us a token, and at least
-            # two of four samples carried one (the H200's halves of a layer, 2.5-11.5 ms at 32-41
-            # tokens: chunks held at 32-170 tokens, the 32k prompt at 397 tok/s against 2,114
-            # with whole layers; benchmarks/README.md, eleventh session). Two, not four: the rate
-            # grows with the context, and the newest samples follow it
-            return self.fixed, max(min(rate(n, t) for n, t in list(self.samples)[-RATE_SAMPLES:]), 1e-9)
-        # the median rate of the latest samples: one stalled forward among them does not set it
-        # (a mixed step's prompt part is its time less an estimated decode step: the least of
-        # them would be the one whose decode part ran fast, and size the chunk past its room)
-        rates = sorted(rate(n, t) for n, t in list(self.samples)[-RECENT:])
+        rates = sorted(max(t - self.fixed, t / 32) / n for n, t in list(self.samples)[-RECENT:])
         mid = len(rates) // 2
         per_token = rates[mid] if len(rates) % 2 else (rates[mid - 1] + rates[mid]) / 2
         return self.fixed, max(per_token, 1e-9)
@@ -241,7 +221,7 @@ class Interleaver:
         self.tokens = 0  # prompt tokens of the forward in flight (set by the loop)
         self.first_tokens = False  # every prompt of the forward in flight finishes in it (set by the loop)
         # (prompt tokens, seconds) of each forward's costliest layer: what sizes the chunk
-        self.samples = CostModel(one_sided=True)
+        self.samples = CostModel()
         self.this_forward: dict[int, float] = {}  # layer -> seconds, in the forward in flight
         self.history: deque[tuple[int, float]] = deque(maxlen=4096)  # (tokens, costliest layer s)
         # of the latest forwards (telemetry: bench.interference's chunk sizes)
@@ -317,7 +297,7 @@ class Interleaver:
             return None
         model = self.samples
         if len(model) < 2:
-            model = CostModel(one_sided=True)
+            model = CostModel()
             for n, t in costs:
                 model.add(n, t / max(1, layers))
             if len(model) < 2:
