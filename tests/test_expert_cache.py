@@ -114,6 +114,10 @@ def test_model_served_through_the_cache_equals_transformers(tmp_path, prefetch):
     eng = Engine(str(tmp_path / "m.ftw"), EngineConfig(device="cpu", dtype="float32", moe="cache", fill_share=0.5,
                                                        prefill_chunk=16, expert_prefetch=prefetch))
     assert eng.experts_on == "cache" and eng.describe()["expert_backend"] == "gpu-cache"
+    assert eng.executor.warm_control  # the control kernel's call sizes compiled at allocate (on CUDA)
+    if prefetch == 0:  # --no-warm-up skips that too
+        cold = Engine(str(tmp_path / "m.ftw"), EngineConfig(device="cpu", dtype="float32", moe="cache", warm_up=False))
+        assert cold.executor.warm_control is False
     slot = eng.executor.slot_bytes
     srv = ServingEngine(eng, max_batch=2, max_queue=4, start=False, record_logits=True,
                         cache=CacheConfig(enabled=False))

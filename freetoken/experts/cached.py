@@ -178,6 +178,7 @@ class CachedExpertExecutor(ExpertExecutor):
         self.quantized = not isinstance(host_gate_up, torch.Tensor)  # QuantBanks: slots hold their bytes
         self.activation, self.gate_up_bias, self.down_bias = activation, gate_up_bias, down_bias
         self.pool = self.gpu = None
+        self.warm_control = True  # compile the control kernel's call sizes at allocate (the engine's --no-warm-up: off)
         self.cpu = cpu
         self.device = torch.device(device)
         self.policy = policy
@@ -304,7 +305,7 @@ class CachedExpertExecutor(ExpertExecutor):
             self.gpu = self.slot_executor()  # expert ids = slot ids
             if self.prefetch and self.device.type == "cuda":  # made here, never inside a graph capture
                 self._pf_stream = torch.cuda.Stream(self.device)
-            if self.device.type == "cuda" and use_triton(self.pool.res.slot_of):
+            if self.warm_control and self.device.type == "cuda" and use_triton(self.pool.res.slot_of):
                 self._warm_up_control()
 
     def _warm_up_control(self) -> None:

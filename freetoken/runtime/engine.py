@@ -115,8 +115,9 @@ class EngineConfig:
     cuda_graphs: bool = field(default=True, metadata={
         "help": "replay decode steps from one CUDA graph per batch size (CUDA, experts in VRAM)"})
     warm_up: bool = field(default=True, metadata={
-        "help": "at load on CUDA with experts in VRAM, prefill two short scratch prompts so Triton's "
-                "autotuning happens then, not in the first requests (seconds, once per process)"})
+        "help": "at load on CUDA with experts in VRAM, prefill a few short scratch prompts so Triton's "
+                "autotuning happens then, not in the first requests (seconds, once per process); with "
+                "--moe cache, compile the cache's control kernel for each prefill call size"})
     allow_eager: bool = field(default=False, metadata={
         "help": "decode eagerly when a CUDA graph cannot be captured, instead of failing at start-up"})
 
@@ -224,6 +225,8 @@ class Engine:
             self.executor = self._quantized_executor(banks)
         else:
             self.executor = self._executor(banks.gate_up if banks else None, banks.down if banks else None)
+        if hasattr(self.executor, "warm_control"):  # the expert cache's control kernel, compiled when its pool is sized
+            self.executor.warm_control = self.ecfg.warm_up
         cls = model_class(self.cfg.arch)
         # the class's fp32 modules; quantized weights dequantized (quant.py) but FP8 ones kept if asked
         dense = dense_weights(meta, w, self.device, self.dtype, getattr(cls, "KEEP_FP32", ()), self.keep_fp8,
