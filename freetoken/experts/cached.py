@@ -45,6 +45,7 @@ Prefill chunks go through the same steps in slices of at most MAX_PAIRS routed p
 from __future__ import annotations
 
 import logging
+import time
 from contextlib import contextmanager
 from dataclasses import replace
 
@@ -305,14 +306,13 @@ class CachedExpertExecutor(ExpertExecutor):
             self.gpu = self.slot_executor()  # expert ids = slot ids
             if self.prefetch and self.device.type == "cuda":  # made here, never inside a graph capture
                 self._pf_stream = torch.cuda.Stream(self.device)
-            if self.warm_control and self.device.type == "cuda" and use_triton(self.pool.res.slot_of):
+            if self.warm_control and use_triton(self.pool.res.slot_of):  # CUDA with Triton
                 self._warm_up_control()
 
     def _warm_up_control(self) -> None:
         """The control kernel's prefill variants compiled now, at load (control.warm_up_control),
         not inside the first prompts; a variant that fails to compile fails its real call too,
         which then says so in a request: here only a warning."""
-        import time
         t0 = time.perf_counter()
         try:
             warmed = warm_up_control(self.pool.res.slot_of.numel(), self.pool.slots, self.device, self.policy,
