@@ -23,9 +23,10 @@
 # Call 14: the interference rows with decode steps between a layer's halves too (MID_LAYER).
 # Call 15: the doorbell's late-thread fix on the GPU, one CUDA streamed-prefill case.
 # Call 16: the control kernel's warm-up on the GPU, two CUDA streamed-prefill cases.
+# Call 17: GLM-5's 20-layer slice CPU-only (issue 14).
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16}
+STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -181,11 +182,17 @@ case "$STAGE" in
 16) # 450 s, written for the next session: the control kernel's warm-up (a8d0563: K a runtime int,
   # the prefill variants compiled at allocate; the test asserts no compile after it), then the
   # CUDA streamed-prefill cases that plan 15's compiles had timed out, two at first
-  FT_TAG=plan16 FT_PER_FILE=200 bash bench/device_tests.sh tests/test_expert_control.py > /dev/null
-  FT_TAG=plan16 FT_PER_FILE=240 FT_K="cuda_streamed and (double-32768 or single)" FT_ARGS="-o faulthandler_timeout=220" \
+  FT_TAG=plan16 FT_PER_FILE=60 FT_K=before_its_thread bash bench/device_tests.sh tests/test_hostcall.py > /dev/null
+  FT_TAG=plan16 FT_PER_FILE=180 bash bench/device_tests.sh tests/test_expert_control.py > /dev/null
+  FT_TAG=plan16 FT_PER_FILE=230 FT_K="cuda_streamed and (double-32768 or single)" FT_ARGS="-o faulthandler_timeout=220" \
     bash bench/device_tests.sh tests/test_prefill_stream.py > /dev/null
   ;;
-*) echo "stage 0 to 16"; exit 2 ;;
+17) # 460 s: GLM-5's 20-layer slice CPU-only (issue 14: the row the 20-layer run had no time for;
+  # 92.4 GB of NVFP4 in host RAM, as the cache row held them)
+  step 450 glm-20l-cpu python3 -m bench.large_models --arch glm_moe_dsa --layers 20 --modes cpu-only \
+    --threads 6 --name large_models-glm_moe_dsa-20l-cpu-only
+  ;;
+*) echo "stage 0 to 17"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)
