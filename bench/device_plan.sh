@@ -24,9 +24,11 @@
 # Call 15: the doorbell's late-thread fix on the GPU, one CUDA streamed-prefill case.
 # Call 16: the control kernel's warm-up on the GPU, two CUDA streamed-prefill cases.
 # Call 17: GLM-5's 20-layer slice CPU-only (issue 14).
+# Call 18: the prompt chunks' MoE graphs: tests, chunked prefill with and without.
+# Call 19: the 32k interference rows with and without them.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17}
+STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -192,7 +194,17 @@ case "$STAGE" in
   step 450 glm-20l-cpu python3 -m bench.large_models --arch glm_moe_dsa --layers 20 --modes cpu-only \
     --threads 6 --name large_models-glm_moe_dsa-20l-cpu-only
   ;;
-*) echo "stage 0 to 17"; exit 2 ;;
+18) # 400 s: the prompt chunks' MoE graphs (runtime/prefill_graphs.py, issue 9): their tests, then a
+  # prompt in chunks of 32 to 512 tokens with the graphs and eagerly (ms per chunk: the host time saved)
+  FT_TAG=plan18 FT_PER_FILE=170 bash bench/device_tests.sh tests/test_prefill_graphs.py > /dev/null
+  step 220 prefill-graphs python3 -m bench.prefill --lengths 2048 --chunks 32,64,128,256,512 --total 1024 \
+    --name prefill-graphs
+  ;;
+19) # 420 s: the 32k interference rows, experts in VRAM, with the MoE prefill graphs and without (issue 9)
+  step 410 interference python3 -m bench.interference --full-size --long 32768 --settings interleave,interleave-eager-moe \
+    --name interference-full-prefill-graphs
+  ;;
+*) echo "stage 0 to 19"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)

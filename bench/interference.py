@@ -45,6 +45,9 @@ SETTINGS = {
     # decode steps before whole layers only, and also between each layer's mixer and MLP (interleave.MID_LAYER)
     "interleave-layers": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True, mid_layer=False),
     "interleave-halves": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True, mid_layer=True),
+    # the interleave with the prompt chunks' MoE blocks eager (no prefill graphs: runtime/prefill_graphs.py)
+    "interleave-eager-moe": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True,
+                                 prefill_graphs=False),
     "overlap": dict(order="shortest", step_tokens=0, slowdown=None, interleave=False, overlap=True),
     # the overlap with Python's default 5 ms GIL switch interval (DecodeOverlap.SWITCH_S's reason)
     "overlap-gil5ms": dict(order="shortest", step_tokens=0, slowdown=None, interleave=False, overlap=True,
@@ -106,6 +109,9 @@ def run_setting(eng, name: str, a) -> dict:
         srv.mixed = False  # decode is its own forward: CUDA graphs); on eager steps, instead of one mixed forward
     srv.between = Interleaver(srv.slowdown if s["interleave"] else 0.0)
     srv.between.mid_layer = s.get("mid_layer", srv.between.mid_layer)
+    graphs = getattr(eng, "prefill_graphs", None)
+    if graphs is not None:
+        graphs.enabled, graphs.replays = s.get("prefill_graphs", True), 0
     srv.overlap = None
     if s.get("overlap"):
         why = eligible(eng, srv.decode)
@@ -188,6 +194,7 @@ def run_setting(eng, name: str, a) -> dict:
     out["hit_rate"] = ex_stats.get("hit_rate")
     out["longest_gaps"] = anatomy(srv.events, pairs)
     out["prompt_chunks"] = chunk_summary(srv.between.history)
+    out["prefill_graph_replays"] = graphs.replays if graphs is not None and graphs.enabled else 0
     out["p99_gap_over_unloaded_p50"] = round(quantile(loaded, 0.99) / statistics.median(unloaded), 2)
     out["short_ttft_over_idle"] = round(short_ttft / idle_ttft, 2)
     return out

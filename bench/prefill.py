@@ -2,6 +2,9 @@
 where a prefill chunk's time goes (GPU kernel time against wall time, top kernels, top host
 functions), to aim the next prefill work.
     python -m bench.prefill [--lengths 512,2048,8192] [--layers 40]
+With --chunks 64,128,...: a --total-token prompt prefilled in chunks of each size, with the MoE
+blocks replayed from the prompt chunks' graphs (runtime/prefill_graphs.py) and eagerly, in one
+run: what the graphs save per chunk (the serving loop's interleaved chunks are this small).
 """
 from __future__ import annotations
 
@@ -33,15 +36,19 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="512,2048,8192")
     ap.add_argument("--layers", type=int, default=40)
+    ap.add_argument("--chunks", default="", help="chunk sizes for the graphs-against-eager rows (empty: none)")
+    ap.add_argument("--total", type=int, default=4096, help="prompt tokens of each --chunks row")
+    ap.add_argument("--name", default="prefill")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.prefill needs a CUDA device")
     dev = torch.device("cuda")
-    mc, _, _, model = build(dict(QWEN36_35B_A3B, num_hidden_layers=a.layers), dev, "gpu")
+    mc, _, ex, model = build(dict(QWEN36_35B_A3B, num_hidden_layers=a.layers), dev, "gpu")
     lengths = [int(x) for x in a.lengths.split(",")]
     chunk = 2048  # the engine's default prefill chunk
-    st = DecodeState(mc, 1, max(lengths) + 8, dev, torch.bfloat16, chunk=chunk)  # rings sized for a chunk
-    prompt = torch.randint(0, mc.vocab_size, (max(lengths),), device=dev)
+    need = max(max(lengths), a.total if a.chunks else 0)
+    st = DecodeState(mc, 1, need + 8, dev, torch.bfloat16, chunk=chunk)  # rings sized for a chunk
+    prompt = torch.randint(0, mc.vocab_size, (need,), device=dev)
 
     def prefill(n):
         st.reset(0)
@@ -67,8 +74,44 @@ def main():
         rows.append(row)
         print({k: v for k, v in row.items() if k in ("prompt_tokens", "wall_s", "tok_s")},
               "gpu_ms" in row.get("gpu", {}) and row["gpu"]["gpu_ms"], flush=True)
-    write_result("prefill", {"model": f"Qwen3.6-35B-A3B shape, {a.layers} layers, random BF16, experts in VRAM",
-                             "config": dict(QWEN36_35B_A3B, num_hidden_layers=a.layers), "chunk": chunk, "runs": rows})
+    chunked = chunk_rows(model, ex, st, prompt, [int(c) for c in a.chunks.split(",") if c], a.total, dev) if a.chunks else []
+    write_result(a.name, {"model": f"Qwen3.6-35B-A3B shape, {a.layers} layers, random BF16, experts in VRAM",
+                          "config": dict(QWEN36_35B_A3B, num_hidden_layers=a.layers), "chunk": chunk, "runs": rows,
+                          "chunked": chunked})
+
+
+def chunk_rows(model, ex, st, prompt, chunks, total, dev) -> list:
+    """A `total`-token prompt in chunks of each size, MoE blocks through the prefill graphs and
+    eagerly (best of three each): ms per chunk, tok/s, and their ratio."""
+    from freetoken.runtime.prefill_graphs import attach
+    graphs = attach(model, ex, dev, torch.bfloat16)
+    if graphs is None:
+        return [{"skipped": "the prefill graphs could not be captured here (see the log)"}]
+    out = []
+    for c in chunks:
+        row = {"chunk": c}
+        for on in (True, False):
+            graphs.enabled = on
+
+            def run():
+                st.reset(0)
+                for s in range(0, total, c):
+                    model.prefill(prompt[s:min(total, s + c)], st, 0, s, logits=False)
+                torch.cuda.synchronize()
+            run()  # warm
+            best = float("inf")
+            for _ in range(3):
+                t0 = time.perf_counter()
+                run()
+                best = min(best, time.perf_counter() - t0)
+            n = -(-total // c)
+            key = "graphs" if on else "eager"
+            row[key] = {"ms_per_chunk": round(best / n * 1e3, 2), "tok_s": round(total / best, 1)}
+        row["speedup"] = round(row["graphs"]["tok_s"] / row["eager"]["tok_s"], 2)
+        print(row, flush=True)
+        out.append(row)
+    graphs.enabled = True
+    return out
 
 
 if __name__ == "__main__":

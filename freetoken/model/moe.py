@@ -65,6 +65,7 @@ class MoE:
         nxt = next((l for l in cfg.moe_layers if l > layer), None)
         self.ahead = bool(getattr(executor, "prefetch", 0)) and nxt is not None
         self.ahead_w = self.ahead_b = None
+        self.prefill_graphs = None  # runtime.prefill_graphs.MoEPrefillGraphs, where captured
 
     def route(self, logits: torch.Tensor, dtype):
         """router logits [T, E] -> flat ids [T, k] int64, weights [T, k] in the activation dtype."""
@@ -85,7 +86,16 @@ class MoE:
 
     def __call__(self, x: torch.Tensor, phase: str = "prefill", active: torch.Tensor | None = None) -> torch.Tensor:
         """x: [T, H] -> [T, H]. phase: "prefill" | "decode"; active [T] bool marks the decode
-        rows that are running (the others route to no expert)."""
+        rows that are running (the others route to no expert). A prompt chunk short enough
+        replays a captured graph of this block where there is one (runtime/prefill_graphs.py)."""
+        if self.prefill_graphs is not None and phase == "prefill" and active is None:
+            y = self.prefill_graphs.run(self, x)
+            if y is not None:
+                return y
+        return self.forward(x, phase, active)
+
+    def forward(self, x: torch.Tensor, phase: str = "prefill", active: torch.Tensor | None = None) -> torch.Tensor:
+        """The block, eagerly (or as a graph records it): as __call__."""
         parts = self.in_proj(x)  # router logits [T, E] (+ shared gate [T, Is], up [T, Is], gate [T, 1])
         ids, weights = self.route(parts[0], x.dtype)  # [T, k]
         if active is not None:

@@ -114,6 +114,9 @@ class EngineConfig:
                 "the streams' p99 gap is 1.3x their unloaded one, but the prompt prefills ~20x slower than alone)"})
     cuda_graphs: bool = field(default=True, metadata={
         "help": "replay decode steps from one CUDA graph per batch size (CUDA, experts in VRAM)"})
+    prefill_graphs: bool = field(default=True, metadata={
+        "help": "replay a prompt chunk's MoE blocks from CUDA graphs captured at load, one per layer and token "
+                "bucket up to 512 tokens (CUDA, experts in VRAM): short chunks are bound by host launch time"})
     warm_up: bool = field(default=True, metadata={
         "help": "at load on CUDA with experts in VRAM, prefill a few short scratch prompts so Triton's "
                 "autotuning happens then, not in the first requests (seconds, once per process); with "
@@ -255,7 +258,9 @@ class Engine:
 
     def warm_up(self) -> None:
         """Kernel autotuning and compiles at load, not in the first requests (CUDA): fla's
-        DeltaNet kernels, then one prompt forward of each kind of length (_warm_up_prefill)."""
+        DeltaNet kernels, then one prompt forward of each kind of length (_warm_up_prefill);
+        then the prompt chunks' MoE graphs (runtime/prefill_graphs.py)."""
+        self.prefill_graphs = None
         if self.device.type != "cuda":
             return
         if self.cfg.linear_layers:
@@ -263,6 +268,9 @@ class Engine:
             fla_delta.warm_up(self.cfg, self.device, self.dtype)  # also its proof (kernels/fla_delta.py)
         if self.experts_on == "gpu" and self.ecfg.warm_up:
             self._warm_up_prefill()
+        if self.experts_on == "gpu" and self.ecfg.prefill_graphs and self.ecfg.cuda_graphs:
+            from .prefill_graphs import attach
+            self.prefill_graphs = attach(self.model, self.executor, self.device, self.dtype)
 
     def _warm_up_prefill(self) -> None:
         """One prompt forward of each kind of length on a scratch state, at load: Triton
@@ -357,7 +365,7 @@ class Engine:
                 "experts": self.experts_on, "expert_backend": ex.backend if ex is not None else "none",
                 "expert_isa": getattr(ex, "isa", None), "expert_threads": getattr(ex, "threads", None),
                 "expert_format": self.expert_format, "cpu_act": self._cpu_act(ex), "dense_fp8": self.dense_fp8,
-                "context": self.max_len}
+                "context": self.max_len, "prefill_graphs": getattr(self, "prefill_graphs", None) is not None}
 
     @staticmethod
     def _cpu_act(ex) -> str | None:

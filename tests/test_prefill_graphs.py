@@ -1,0 +1,130 @@
+"""A prompt chunk's MoE block replayed from a graph of its token bucket (runtime/prefill_graphs.py):
+the padded, masked block equals the block on the chunk's rows alone; a whole prefill through
+the graphs equals the eager one; on CUDA the captured graphs replay what the eager block
+computes."""
+import pytest
+import torch
+
+import hf_models
+from freetoken.model.moe import MoE
+from freetoken.runtime.engine import Engine, EngineConfig
+from freetoken.runtime.prefill_graphs import BUCKETS, MoEPrefillGraphs, bucket_for, graphable
+from freetoken.weights.convert import convert
+
+CUDA = torch.cuda.is_available()
+
+
+def build(tmp_path_factory, device: str, **kw) -> Engine:
+    d = tmp_path_factory.mktemp("pgraphs")
+    hf_models.save(hf_models.qwen3_5(61, num_hidden_layers=4, max_position_embeddings=2048), str(d / "hf"))
+    convert(str(d / "hf"), str(d / "m.ftw"), progress=False)
+    return Engine(str(d / "m.ftw"), EngineConfig(device=device, dtype="float32", experts=("gpu" if device == "cuda" else "cpu"), **kw))
+
+
+@pytest.fixture(scope="module")
+def eng(tmp_path_factory):
+    return build(tmp_path_factory, "cpu")
+
+
+def moes(eng):
+    return [layer[1] for layer in eng.model.layers if isinstance(layer[1], MoE)]
+
+
+class ReplayEagerly:
+    """A stand-in for a captured graph on the CPU: replay() computes what the graph records
+    (the padded, masked block) into the shared output."""
+
+    def __init__(self, graphs, moe, b):
+        self.graphs, self.moe, self.b = graphs, moe, b
+
+    def replay(self):
+        self.graphs.out[:self.b].copy_(self.graphs.padded(self.moe, self.b))
+
+
+def test_bucket_for_takes_the_smallest_bucket_that_holds_the_chunk():
+    assert bucket_for(1, BUCKETS) == BUCKETS[0]
+    assert bucket_for(BUCKETS[3], BUCKETS) == BUCKETS[3]
+    assert bucket_for(BUCKETS[3] + 1, BUCKETS) == BUCKETS[4]
+    assert bucket_for(BUCKETS[-1] + 1, BUCKETS) is None
+    assert all(b / a <= 1.5 for a, b in zip(BUCKETS, BUCKETS[1:]))  # padding bounded
+
+
+def test_graphable_says_why_not_on_the_cpu(eng):
+    assert graphable(eng.executor, torch.device("cpu")) == "not on CUDA"
+    if CUDA:  # a host executor behind a CUDA model is not the resident kernel chain
+        assert "VRAM" in graphable(eng.executor, torch.device("cuda"))
+    assert eng.prefill_graphs is None and eng.describe()["prefill_graphs"] is False
+
+
+@pytest.mark.parametrize("t", [1, 5, 16, 23, 50])
+def test_the_padded_masked_block_equals_the_block_on_the_chunk_alone(eng, t):
+    m = moes(eng)[1]
+    g = MoEPrefillGraphs([m], eng.cfg.hidden_size, torch.device("cpu"), torch.float32, buckets=(8, 16, 24, 64))
+    try:
+        gen = torch.Generator().manual_seed(t)
+        g.x.copy_(torch.randn(g.x.shape, generator=gen) * 4)  # stale rows past the chunk: large, not zero
+        x = torch.randn(t, eng.cfg.hidden_size, generator=gen)  # [T, H]
+        b = bucket_for(t, g.buckets)
+        g.stage(x, b)
+        got = g.padded(m, b)[:t]
+        want = m.forward(x, "prefill")
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert want.abs().max() > 0.01  # the experts did run
+    finally:
+        m.prefill_graphs = None
+
+
+def test_a_prefill_through_the_graphs_equals_the_eager_one(eng):
+    """Every MoE block of a whole prefill (chunks of several sizes, one past the largest
+    bucket) through the graph dispatch, the graphs replayed eagerly: the same logits and state."""
+    ms = moes(eng)
+    g = MoEPrefillGraphs(ms, eng.cfg.hidden_size, torch.device("cpu"), torch.float32, buckets=(8, 16, 32))
+    try:
+        g.x.normal_()
+        for m in ms:
+            for b in g.buckets:
+                g.graphs[(id(m), b)] = ReplayEagerly(g, m, b)
+        gen = torch.Generator().manual_seed(3)
+        ids = torch.randint(5, eng.cfg.vocab_size, (90,), generator=gen)
+        runs = {}
+        for on in (False, True):
+            g.enabled, g.replays = on, 0
+            st = eng.new_state(128)
+            out, s = [], 0
+            for n in (7, 16, 30, 37):  # 37: past the largest bucket, eager
+                out.append(eng.model.prefill(ids[s:s + n], st, 0, s, all_logits=True))
+                s += n
+            runs[on] = (torch.cat(out), st.rec[0][0].clone(), g.replays)
+        assert runs[False][2] == 0 and runs[True][2] == 3 * len(ms)  # three chunks of four through graphs
+        torch.testing.assert_close(runs[True][0], runs[False][0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(runs[True][1], runs[False][1], rtol=1e-4, atol=1e-4)
+    finally:
+        for m in ms:
+            m.prefill_graphs = None
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def test_captured_graphs_replay_the_eager_block_on_cuda(tmp_path_factory):
+    e = build(tmp_path_factory, "cuda", max_seq_len=2048)
+    g = e.prefill_graphs
+    assert g is not None and e.describe()["prefill_graphs"] is True
+    assert len(g.graphs) == len(moes(e)) * len(g.buckets)
+    gen = torch.Generator().manual_seed(9)
+    for m in moes(e)[:2]:
+        for t in (1, 17, 100, 512):
+            x = torch.randn(t, e.cfg.hidden_size, generator=gen).cuda()
+            got = g.run(m, x).clone()
+            want = m.forward(x, "prefill")
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert g.run(m, torch.randn(g.buckets[-1] + 1, e.cfg.hidden_size).cuda()) is None  # past the buckets: eager
+    # a whole prompt through the graphs against the same engine with them off
+    ids = torch.randint(5, e.cfg.vocab_size, (300,), generator=gen).cuda()
+    runs = {}
+    for on in (False, True):
+        g.enabled, g.replays = on, 0
+        st = e.new_state(512)
+        out = [e.model.prefill(ids[s:s + 100], st, 0, s, all_logits=True) for s in range(0, 300, 100)]
+        runs[on] = (torch.cat(out), g.replays)
+    assert runs[True][1] == 3 * len(moes(e))
+    torch.testing.assert_close(runs[True][0], runs[False][0], rtol=1e-3, atol=1e-3)
