@@ -28,7 +28,7 @@
 # Call 19: the 32k interference rows with and without them.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19}
+STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -204,7 +204,14 @@ case "$STAGE" in
   step 410 interference python3 -m bench.interference --full-size --long 32768 --settings interleave,interleave-eager-moe \
     --name interference-full-prefill-graphs
   ;;
-*) echo "stage 0 to 19"; exit 2 ;;
+20) # 380 s: where stage 16's two files spent their time (both ran out of it with no output): each
+  # test's duration and, past a minute in one test, every thread's stack
+  FT_TAG=plan20 FT_PER_FILE=170 FT_ARGS="-v --durations=0 -o faulthandler_timeout=60" \
+    bash bench/device_tests.sh tests/test_expert_control.py > /dev/null
+  FT_TAG=plan20 FT_PER_FILE=200 FT_K="cuda_streamed and single" FT_ARGS="-v -o faulthandler_timeout=90" \
+    bash bench/device_tests.sh tests/test_prefill_stream.py > /dev/null
+  ;;
+*) echo "stage 0 to 20"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)
