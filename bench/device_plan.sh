@@ -26,9 +26,10 @@
 # Call 17: GLM-5's 20-layer slice CPU-only (issue 14).
 # Call 18: the prompt chunks' MoE graphs: tests, chunked prefill with and without.
 # Call 19: the 32k interference rows with and without them.
+# Call 21: the graphs with the DeltaNet mixers, the headroom rule: tests, chunked prefill, interference.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20}
+STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -211,7 +212,16 @@ case "$STAGE" in
   FT_TAG=plan20 FT_PER_FILE=200 FT_K="cuda_streamed and single" FT_ARGS="-v -o faulthandler_timeout=90" \
     bash bench/device_tests.sh tests/test_prefill_stream.py > /dev/null
   ;;
-*) echo "stage 0 to 20"; exit 2 ;;
+21) # 500 s: the prompt chunks' graphs with the DeltaNet mixers too, and the chunk growth on
+  # measured headroom (interleave.HEADROOM): their tests, the chunked prefill rows, the 32k
+  # interference row with graphs (stage 19 has the eager row of f56b5de)
+  FT_TAG=plan21 FT_PER_FILE=150 bash bench/device_tests.sh tests/test_prefill_graphs.py > /dev/null
+  step 150 prefill-graphs python3 -m bench.prefill --lengths 2048 --chunks 32,128,512 --total 1024 \
+    --name prefill-graphs-mixers
+  step 190 interference python3 -m bench.interference --full-size --long 32768 --settings interleave \
+    --name interference-full-prefill-graphs-mixers
+  ;;
+*) echo "stage 0 to 21"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)

@@ -195,6 +195,7 @@ def run_setting(eng, name: str, a) -> dict:
     out["longest_gaps"] = anatomy(srv.events, pairs)
     out["prompt_chunks"] = chunk_summary(srv.between.history)
     out["prefill_graph_replays"] = graphs.replays if graphs is not None and graphs.enabled else 0
+    out["prefill_graphed"] = sorted(graphs.blocks) if graphs is not None and graphs.enabled else []
     out["p99_gap_over_unloaded_p50"] = round(quantile(loaded, 0.99) / statistics.median(unloaded), 2)
     out["short_ttft_over_idle"] = round(short_ttft / idle_ttft, 2)
     return out

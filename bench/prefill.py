@@ -89,7 +89,7 @@ def chunk_rows(model, ex, st, prompt, chunks, total, dev) -> list:
         return [{"skipped": "the prefill graphs could not be captured here (see the log)"}]
     out = []
     for c in chunks:
-        row = {"chunk": c}
+        row = {"chunk": c, "graphed": sorted(graphs.blocks)}
         for on in (True, False):
             graphs.enabled = on
 

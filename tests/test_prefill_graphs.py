@@ -1,14 +1,15 @@
-"""A prompt chunk's MoE block replayed from a graph of its token bucket (runtime/prefill_graphs.py):
-the padded, masked block equals the block on the chunk's rows alone; a whole prefill through
-the graphs equals the eager one; on CUDA the captured graphs replay what the eager block
-computes."""
+"""A prompt chunk's MoE block and DeltaNet mixer replayed from graphs of its token bucket
+(runtime/prefill_graphs.py): the padded, masked block equals the block on the chunk's rows
+alone (the mixer's state too); a whole prefill through the graphs equals the eager one; on CUDA
+the captured graphs replay what the eager blocks compute."""
 import pytest
 import torch
 
 import hf_models
 from freetoken.model.moe import MoE
 from freetoken.runtime.engine import Engine, EngineConfig
-from freetoken.runtime.prefill_graphs import BUCKETS, MoEPrefillGraphs, bucket_for, graphable
+from freetoken.model.deltanet import GatedDeltaNet
+from freetoken.runtime.prefill_graphs import BUCKETS, PrefillGraphs, bucket_for, graphable
 from freetoken.weights.convert import convert
 
 CUDA = torch.cuda.is_available()
@@ -30,15 +31,28 @@ def moes(eng):
     return [layer[1] for layer in eng.model.layers if isinstance(layer[1], MoE)]
 
 
+def mixers(eng):
+    return [layer[0] for layer in eng.model.layers if isinstance(layer[0], GatedDeltaNet)]
+
+
+def graphs_for(eng, buckets, kinds=("moe", "deltanet")):
+    g = PrefillGraphs(eng.cfg.hidden_size, torch.device("cpu"), torch.float32, buckets=buckets)
+    if "moe" in kinds:
+        g.add("moe", moes(eng))
+    if "deltanet" in kinds:
+        g.add("deltanet", mixers(eng))
+    return g
+
+
 class ReplayEagerly:
     """A stand-in for a captured graph on the CPU: replay() computes what the graph records
     (the padded, masked block) into the shared output."""
 
-    def __init__(self, graphs, moe, b):
-        self.graphs, self.moe, self.b = graphs, moe, b
+    def __init__(self, graphs, block, b):
+        self.graphs, self.block, self.b = graphs, block, b
 
     def replay(self):
-        self.graphs.out[:self.b].copy_(self.graphs.padded(self.moe, self.b))
+        self.graphs.out[:self.b].copy_(self.graphs.padded(self.block, self.b))
 
 
 def test_bucket_for_takes_the_smallest_bucket_that_holds_the_chunk():
@@ -59,7 +73,7 @@ def test_graphable_says_why_not_on_the_cpu(eng):
 @pytest.mark.parametrize("t", [1, 5, 16, 23, 50])
 def test_the_padded_masked_block_equals_the_block_on_the_chunk_alone(eng, t):
     m = moes(eng)[1]
-    g = MoEPrefillGraphs([m], eng.cfg.hidden_size, torch.device("cpu"), torch.float32, buckets=(8, 16, 24, 64))
+    g = graphs_for(eng, (8, 16, 24, 64), ("moe",))
     try:
         gen = torch.Generator().manual_seed(t)
         g.x.copy_(torch.randn(g.x.shape, generator=gen) * 4)  # stale rows past the chunk: large, not zero
@@ -72,14 +86,46 @@ def test_the_padded_masked_block_equals_the_block_on_the_chunk_alone(eng, t):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert want.abs().max() > 0.01  # the experts did run
     finally:
+        g.drop("moe")
+
+
+@pytest.mark.parametrize("t", [1, 2, 5, 16, 23, 50])
+def test_the_padded_mixer_equals_the_mixer_on_the_chunk_alone_state_included(eng, t):
+    """A DeltaNet mixer on a chunk padded to its bucket (stale rows past it): the chunk's rows,
+    the conv state (the inputs before the chunk's real end, also for a chunk shorter than the
+    conv window) and the recurrent state equal the eager prefill's, from a state that is not zero."""
+    m = mixers(eng)[0]
+    g = graphs_for(eng, (8, 16, 24, 64), ("deltanet",))
+    try:
+        gen = torch.Generator().manual_seed(100 + t)
+        st = eng.new_state(256)
+        warm = torch.randn(37, eng.cfg.hidden_size, generator=gen)
         m.prefill_graphs = None
+        m.prefill(warm, st, 0, 0)  # eager: a state that is not zero
+        m.prefill_graphs = g
+        conv0, rec0 = st.conv[m.layer][0].clone(), st.rec[m.layer][0].clone()
+        x = torch.randn(t, eng.cfg.hidden_size, generator=gen)  # [T, H]
+        g.x.copy_(torch.randn(g.x.shape, generator=gen) * 4)  # stale rows: large, not zero
+        b = bucket_for(t, g.buckets)
+        g.stage(x, b)
+        g.conv.copy_(conv0)
+        g.rec.copy_(rec0)
+        got = g.padded(m, b)[:t]
+        m.prefill_graphs = None
+        want = m.prefill(x, st, 0, 37)  # eager from the same state
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(g.conv, st.conv[m.layer][0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(g.rec, st.rec[m.layer][0], rtol=1e-5, atol=1e-5)
+        assert (st.rec[m.layer][0] - rec0).abs().max() > 1e-3  # the chunk did move the state
+    finally:
+        g.drop("deltanet")
 
 
 def test_a_prefill_through_the_graphs_equals_the_eager_one(eng):
     """Every MoE block of a whole prefill (chunks of several sizes, one past the largest
     bucket) through the graph dispatch, the graphs replayed eagerly: the same logits and state."""
-    ms = moes(eng)
-    g = MoEPrefillGraphs(ms, eng.cfg.hidden_size, torch.device("cpu"), torch.float32, buckets=(8, 16, 32))
+    ms = moes(eng) + mixers(eng)
+    g = graphs_for(eng, (8, 16, 32))
     try:
         g.x.normal_()
         for m in ms:
@@ -95,13 +141,14 @@ def test_a_prefill_through_the_graphs_equals_the_eager_one(eng):
             for n in (7, 16, 30, 37):  # 37: past the largest bucket, eager
                 out.append(eng.model.prefill(ids[s:s + n], st, 0, s, all_logits=True))
                 s += n
-            runs[on] = (torch.cat(out), st.rec[0][0].clone(), g.replays)
+            runs[on] = (torch.cat(out), st.rec[mixers(eng)[0].layer][0].clone(), g.replays)
         assert runs[False][2] == 0 and runs[True][2] == 3 * len(ms)  # three chunks of four through graphs
+        assert mixers(eng) and moes(eng)  # both kinds ran through them
         torch.testing.assert_close(runs[True][0], runs[False][0], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(runs[True][1], runs[False][1], rtol=1e-4, atol=1e-4)
     finally:
-        for m in ms:
-            m.prefill_graphs = None
+        g.drop("moe")
+        g.drop("deltanet")
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
@@ -109,7 +156,7 @@ def test_captured_graphs_replay_the_eager_block_on_cuda(tmp_path_factory):
     e = build(tmp_path_factory, "cuda", max_seq_len=2048)
     g = e.prefill_graphs
     assert g is not None and e.describe()["prefill_graphs"] is True
-    assert len(g.graphs) == len(moes(e)) * len(g.buckets)
+    assert len(g.graphs) == (len(moes(e)) + len(mixers(e))) * len(g.buckets)
     gen = torch.Generator().manual_seed(9)
     for m in moes(e)[:2]:
         for t in (1, 17, 100, 512):
@@ -126,5 +173,5 @@ def test_captured_graphs_replay_the_eager_block_on_cuda(tmp_path_factory):
         st = e.new_state(512)
         out = [e.model.prefill(ids[s:s + 100], st, 0, s, all_logits=True) for s in range(0, 300, 100)]
         runs[on] = (torch.cat(out), g.replays)
-    assert runs[True][1] == 3 * len(moes(e))
+    assert runs[True][1] == 3 * (len(moes(e)) + len(mixers(e)))
     torch.testing.assert_close(runs[True][0], runs[False][0], rtol=1e-3, atol=1e-3)

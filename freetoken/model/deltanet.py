@@ -131,6 +131,7 @@ class GatedDeltaNet:
         # the fused decode kernels need power-of-two head dims and no conv bias
         self.fusable = _pow2(self.dk) and _pow2(self.dv) and self.kernel >= 2 and self.conv_b is None
         self.fla = fla_delta.supports(self.dk, self.dv)  # head widths fla is verified at
+        self.prefill_graphs = None  # runtime.prefill_graphs.PrefillGraphs, where captured
 
     def _raw_heads(self, mixed, a, b):
         """Split conv output into q, k [N, Hk, dk] and v [N, Hv, dv] heads (mixed's dtype, q/k
@@ -164,13 +165,17 @@ class GatedDeltaNet:
         cache.prefix.StateCapture) receives the conv and recurrent state at its positions
         inside this chunk."""
         t = x.shape[0]
+        cuts = capture.offsets(start, t) if capture is not None else []
+        if self.prefill_graphs is not None and not cuts:  # a captured graph of this chunk's bucket
+            y = self.prefill_graphs.run_mixer(self, x, st.conv[self.layer][slot], st.rec[self.layer][slot])
+            if y is not None:
+                return y
         mixed, z, b, a = self.in_proj(x)  # [T, C], [T, Hv*dv], [T, Hv], [T, Hv]
         conv_state = st.conv[self.layer][slot]  # [C, K-1]
         seq = torch.cat([conv_state, mixed.t().to(conv_state.dtype)], dim=-1)  # [C, K-1+T]
         conv = F.conv1d(seq[None], self.conv_w[:, None, :], self.conv_b, groups=seq.shape[0])
         mixed = F.silu(conv[0]).t().to(x.dtype)  # [T, C]
         conv_state.copy_(seq[:, seq.shape[1] - conv_state.shape[1]:])
-        cuts = capture.offsets(start, t) if capture is not None else []
         rec = st.rec[self.layer][slot]  # [Hv, dk, dv] fp32
         done = None
         if self.fla and fla_delta.available(x):  # CUDA: flash-linear-attention's kernels (kernels/fla_delta.py)
@@ -185,6 +190,33 @@ class GatedDeltaNet:
         w = conv_state.shape[1]
         for c, snap in zip(cuts, snaps):  # conv state after c tokens: the K-1 inputs before it
             capture.store(self.layer, start + c, seq[:, c:c + w], snap)
+        return self._finish(core, z, x.dtype)
+
+    def prefill_padded(self, x: torch.Tensor, n: torch.Tensor, rows: torch.Tensor, conv_state: torch.Tensor,
+                       rec: torch.Tensor) -> torch.Tensor:
+        """prefill() of a chunk in the first n rows of x, static shapes and no host sync (what a
+        prompt chunk's graph records: runtime/prefill_graphs.py). x: [B, H]; n: device scalar,
+        1 <= n <= B; rows: arange(B) on the device; conv_state [C, K-1] and rec [Hv, dk, dv] fp32,
+        one sequence's, updated in place. The rows >= n get decay 0 and beta 0: they neither
+        decay nor write the recurrent state (as the chunk rule's own padding), and the conv
+        state is the K-1 inputs before row n. -> [B, H], rows >= n meaningless."""
+        mixed, z, b, a = self.in_proj(x)  # [B, C], [B, Hv*dv], [B, Hv], [B, Hv]
+        w = conv_state.shape[1]
+        seq = torch.cat([conv_state, mixed.t().to(conv_state.dtype)], dim=-1)  # [C, K-1+B]
+        conv = F.conv1d(seq[None], self.conv_w[:, None, :], self.conv_b, groups=seq.shape[0])
+        mixed = F.silu(conv[0]).t().to(x.dtype)  # [B, C]
+        # column c of seq is input c - w: the inputs n-w .. n-1 are columns n .. n+w-1
+        conv_state.copy_(seq.index_select(1, n + rows[:w]))
+        real = (rows < n)[:, None]  # [B, 1]
+        done = None
+        if self.fla and fla_delta.available(x):
+            q, k, v, g, beta = self._raw_heads(mixed, a, b)
+            done = fla_delta.try_chunk_delta_fla(q, k, v, g * real, beta * real, rec, self.dk ** -0.5)
+        if done is None:
+            q, k, v, g, beta = self._gates_and_heads(mixed, a, b)
+            done = chunk_gated_delta_rule(q, k, v, g * real, beta * real, rec)
+        core, new, _ = done
+        rec.copy_(new)
         return self._finish(core, z, x.dtype)
 
     def decode(self, x: torch.Tensor, st: DecodeState, pos: torch.Tensor,

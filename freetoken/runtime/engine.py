@@ -115,8 +115,9 @@ class EngineConfig:
     cuda_graphs: bool = field(default=True, metadata={
         "help": "replay decode steps from one CUDA graph per batch size (CUDA, experts in VRAM)"})
     prefill_graphs: bool = field(default=True, metadata={
-        "help": "replay a prompt chunk's MoE blocks from CUDA graphs captured at load, one per layer and token "
-                "bucket up to 512 tokens (CUDA, experts in VRAM): short chunks are bound by host launch time"})
+        "help": "replay a prompt chunk's MoE blocks and DeltaNet mixers from CUDA graphs captured at load, one per "
+                "layer and token bucket up to 512 tokens (CUDA, experts in VRAM): short chunks are bound by host "
+                "launch time"})
     warm_up: bool = field(default=True, metadata={
         "help": "at load on CUDA with experts in VRAM, prefill a few short scratch prompts so Triton's "
                 "autotuning happens then, not in the first requests (seconds, once per process); with "

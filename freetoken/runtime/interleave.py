@@ -54,6 +54,15 @@ RECENT = 4  # forwards whose costliest layer gives the per-token cost (it grows 
 # the fixed part's chunk would push decoding streams' p99 past 2x their unloaded gap
 GAP_CEILING = 1.75
 OUTLIER = 2.0  # a sample over this many times the fit of the others is a stall, not a cost
+# measured headroom: while the largest recent chunk's costliest layer costs under this share of
+# the ceiling, chunks keep that size even where the model asks for less, and grow by GROW once
+# per RECENT forwards. Where a layer's cost is nearly flat in its tokens (the H200 with the
+# prompt chunks' MoE graphs: ~3 ms a layer from 32 to 512 tokens), the rate read at small chunks
+# is timing noise over a few tokens (+-0.5 ms over 32 tokens reads as 15 us a token, ~10x the
+# real one) and kept the chunks at 32-160 tokens: a 32k prompt at 407 tok/s against 1,658
+# eagerly (benchmarks/README.md, interference-full-prefill-graphs). A measured cost is no model.
+HEADROOM = 0.85
+GROW = 1.5
 # decode steps may also run between a layer's token mixer and its MLP (the hook at i + 0.5): the
 # finest grain at which they interleave is then half a layer. Meant for the H200, where a layer's
 # fixed part (its launches: 4-6 ms of a 32-token layer against a 6.4 ms decode step) is more than
@@ -138,6 +147,7 @@ class CostModel:
         self.fixed = 0.0
         self.added = 0  # samples ever added
         self.doubled_at = -window  # `added` when the chunk last doubled (at most once per window)
+        self.grown_at = -window  # `added` when a chunk last grew on measured headroom (HEADROOM)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -205,7 +215,23 @@ class CostModel:
         if stuck and again and (fixed == 0 or want < 2 * MIN_PREFILL):
             self.doubled_at = self.added
             return 2 * min(recent)
-        return want
+        return self._headroom(want, ceiling)
+
+    def _headroom(self, want: int, ceiling: float | None) -> int:
+        """want, or more where a larger chunk was measured under HEADROOM x ceiling (see HEADROOM):
+        the largest of the latest RECENT chunks if its (latest) cost was, and GROW times it
+        once per RECENT forwards, so the next size gets measured before the next growth."""
+        recent = list(self.samples)[-RECENT:]
+        if ceiling is None or len(recent) < RECENT:
+            return want
+        big = max(n for n, _ in recent)
+        cost = [t for n, t in recent if n == big][-1]
+        if want >= big or cost > HEADROOM * ceiling:
+            return want
+        if self.added - self.grown_at >= RECENT:
+            self.grown_at = self.added
+            return int(big * GROW)
+        return big
 
 
 class Interleaver:

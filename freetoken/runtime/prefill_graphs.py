@@ -1,30 +1,40 @@
-"""Prompt chunks' MoE blocks replayed from CUDA graphs: one per (MoE layer, token bucket).
+"""Prompt chunks' MoE blocks and DeltaNet mixers replayed from CUDA graphs, one per (block,
+token bucket).
 
 A prompt forward of a short chunk is bound by host time, not by the GPU: on the H200 a
 2,048-token forward of the full-size Qwen3.6 shape took 194 ms of wall time against 73.7 ms of
 kernels (4,785 launches, about 120 a layer; benchmarks/README.md, prefill-profile-ec9d29b).
 Each layer therefore costs a few ms whatever the chunk's size, which is what keeps the serving
 loop's interleaved prompt chunks (decode steps between a prompt forward's layers, issue 9)
-either slow to prefill or long between decode steps. The MoE block (router, the grouped
-experts' tiling and GEMMs, the shared expert) is about a third of those launches, and it is a
-pure function of its input rows, with no per-sequence state: it can be recorded once per row
-count and replayed as one launch.
+either slow to prefill or long between decode steps. Two parts of a layer have static shapes
+for a given row count and can be recorded once per row count and replayed as one launch:
 
-A chunk of T <= the largest bucket tokens takes the smallest bucket B >= T: its rows are
-copied into a static input [B, H] and the rows past T are masked as not running (`active`:
-they route to no expert, MoE's own decode-row mask; the shared expert computes them and they
-are dropped). The rows [:T] of the graph's output are the block's result. The result is the
-eager block's up to the rounding of GEMMs with a different row count (cuBLAS may pick another
-kernel for B rows than for T): the same latitude as a decode graph against an eager step.
+- the MoE block (router, the grouped experts' tiling and GEMMs, the shared expert): a pure
+  function of its rows. The rows past the chunk are masked as not running (`active`, MoE's own
+  decode-row mask: they route to no expert; the shared expert computes them, they are dropped).
+  Measured alone (f56b5de, prefill-graphs-gpu.json): chunks of 32-512 tokens 1.58-1.84x faster.
+- the gated DeltaNet mixer (model/deltanet.py prefill_padded): it carries the sequence's conv
+  and recurrent state, which the graph reads from and writes to static buffers (copied from and
+  back to the slot's state around the replay: a graph records addresses, and a slot or a state
+  object may differ from call to call). The rows past the chunk get decay 0 and beta 0, so they
+  neither decay nor write the state, and the conv state is taken at the chunk's real end.
 
-The layers' graphs share one static input, one static output and one memory pool: they
-replay one after another on one stream, and each output is read (by the residual add that
-follows the block, in stream order) before the next replay. Larger chunks run eagerly: there the launches are a small share.
+A chunk of T <= the largest bucket tokens takes the smallest bucket B >= T: its rows are copied
+into a static input [B, H] and the real row count into a device scalar; the rows [:T] of the
+static output are the block's result. The result is the eager block's up to the rounding of
+GEMMs with a different row count (cuBLAS may pick another kernel for B rows than for T): the
+same latitude as a decode graph against an eager step.
+
+Every graph shares the static input, the static output and one memory pool: they replay one
+after another on one stream, and each output is read (by the residual add that follows the
+block, in stream order) before the next replay. Larger chunks run eagerly, as do chunks with
+prefix-cache checkpoints inside them (their states are taken mid-chunk).
 
 Only where it can be captured: CUDA, the experts in VRAM behind an executor whose prefill is a
 static-shape kernel chain (the Triton grouped kernels of the GPU-resident executor: no host
 sync, no device-to-host read). The GPU expert cache, the CPU executor and the torch paths keep
-the eager block.
+the eager blocks. A kind whose capture fails (fla's kernels, say) stays eager; the other keeps
+its graphs.
 """
 from __future__ import annotations
 
@@ -38,8 +48,8 @@ from ..kernels import use_triton
 
 log = logging.getLogger("freetoken.prefill_graphs")
 
-# token buckets: ~1.4x apart, so a chunk pads by at most 41% (the MoE block's GPU time grows
-# with it; the host time saved is per layer, whatever T)
+# token buckets: ~1.4x apart, so a chunk pads by at most 50% (the blocks' GPU time grows with
+# it; the host time saved is per layer, whatever T)
 BUCKETS = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 
@@ -49,7 +59,7 @@ def bucket_for(t: int, buckets) -> int | None:
 
 
 def graphable(executor, device: torch.device) -> str | None:
-    """Why the MoE block cannot be captured for prompt chunks here, or None if it can."""
+    """Why the prompt chunks' blocks cannot be captured here, or None if they can."""
     if device.type != "cuda":
         return "not on CUDA"
     if not isinstance(executor, TorchExpertExecutor) or executor.device.type != "cuda":
@@ -59,13 +69,12 @@ def graphable(executor, device: torch.device) -> str | None:
     return None
 
 
-class MoEPrefillGraphs:
-    """The MoE blocks' graphs of one model. moes: the model's MoE blocks (model.moe.MoE), each
-    given this object as its `prefill_graphs`; hidden, dtype: their input rows' width and dtype."""
+class PrefillGraphs:
+    """The graphs of one model's blocks. Blocks are model.moe.MoE (kind "moe") and
+    model.deltanet.GatedDeltaNet (kind "deltanet"); each added block gets this object as its
+    `prefill_graphs`. hidden, dtype: the blocks' input rows' width and dtype."""
 
-    def __init__(self, moes: list, hidden: int, device: torch.device, dtype: torch.dtype,
-                 buckets=BUCKETS):
-        self.moes = list(moes)
+    def __init__(self, hidden: int, device: torch.device, dtype: torch.dtype, buckets=BUCKETS):
         self.buckets = tuple(sorted(buckets))
         top = self.buckets[-1]
         self.device = device
@@ -73,17 +82,36 @@ class MoEPrefillGraphs:
         self.out = torch.zeros(top, hidden, dtype=dtype, device=device)  # [Bmax, H] every graph's output
         self.n = torch.zeros((), dtype=torch.long, device=device)  # real rows of the call
         self.rows = torch.arange(top, device=device)  # [Bmax]
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.conv = self.rec = None  # a DeltaNet mixer's state, static: [C, K-1], [Hv, dk, dv] fp32
+        self.blocks: dict[str, list] = {}
+        self.graphs: dict[tuple[int, int], object] = {}  # (id(block), bucket) -> CUDAGraph
         self.enabled = True  # off: every block eager (a bench's comparison row)
         self.replays = 0
-        for m in self.moes:
+
+    def add(self, kind: str, blocks: list) -> None:
+        if not blocks:
+            return
+        if kind == "deltanet" and self.conv is None:
+            m = blocks[0]
+            self.conv = torch.zeros(m.conv_w.shape[0], m.kernel - 1, dtype=self.x.dtype, device=self.device)
+            self.rec = torch.zeros(m.hv, m.dk, m.dv, dtype=torch.float32, device=self.device)
+        self.blocks[kind] = list(blocks)
+        for m in blocks:
             m.prefill_graphs = self
 
-    def padded(self, moe, b: int) -> torch.Tensor:
+    def drop(self, kind: str) -> None:
+        """Back to eager for every block of `kind`."""
+        for m in self.blocks.pop(kind, []):
+            m.prefill_graphs = None
+            for b in self.buckets:
+                self.graphs.pop((id(m), b), None)
+
+    def padded(self, block, b: int) -> torch.Tensor:
         """The block on the static input's first b rows, rows >= n masked: [b, H]. What each
         graph records; run eagerly, the same arithmetic (the CPU tests check it there)."""
-        active = self.rows[:b] < self.n  # [b] the real rows
-        return moe.forward(self.x[:b], "prefill", active)
+        if block in self.blocks.get("deltanet", ()):
+            return block.prefill_padded(self.x[:b], self.n, self.rows[:b], self.conv, self.rec)
+        return block.forward(self.x[:b], "prefill", self.rows[:b] < self.n)
 
     def stage(self, x: torch.Tensor, b: int) -> None:
         """Copy a chunk's rows x [T, H] into the static input and mark T rows real."""
@@ -91,74 +119,109 @@ class MoEPrefillGraphs:
         self.x[:t].copy_(x)
         self.n.fill_(t)
 
-    def capture(self) -> float:
+    def capture(self, kind: str) -> float:
         """Warm up (Triton autotunes, cuBLAS picks its kernels) on a side stream, then capture
-        every (block, bucket), largest bucket first. Returns the seconds it took. On a failure
-        the graphs captured so far are dropped and the error raised (the caller keeps eager)."""
+        every (block of `kind`, bucket), largest bucket first. Returns the seconds it took. On a
+        failure that kind's graphs are dropped and the error raised (the caller keeps eager)."""
         t0 = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
+        if not hasattr(self, "_pool"):
+            self._pool = torch.cuda.graph_pool_handle()
+        blocks = self.blocks.get(kind, [])
         with GRAPH_CAPTURE, torch.inference_mode():
-            self.x.normal_()  # finite rows everywhere: padded rows are read (the shared expert)
+            self.x.normal_()  # finite rows everywhere: padded rows are read
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
                 for b in self.buckets:
-                    self.n.fill_(b)
-                    for m in self.moes:
+                    self.n.fill_(max(1, b - 1))  # a padded row too
+                    for m in blocks:
+                        self._reset_state()
                         self.padded(m, b)
             torch.cuda.current_stream(self.device).wait_stream(side)
             torch.cuda.synchronize(self.device)
             try:
                 for b in reversed(self.buckets):
-                    for m in self.moes:
+                    for m in blocks:
                         g = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(g, pool=pool):  # the block's own output freed: the pool reuses it
+                        with torch.cuda.graph(g, pool=self._pool):  # the block's own output freed: the pool reuses it
                             self.out[:b].copy_(self.padded(m, b))
                         self.graphs[(id(m), b)] = g
             except Exception:
-                self.graphs.clear()
+                self.drop(kind)
                 raise
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
 
-    def run(self, moe, x: torch.Tensor) -> torch.Tensor | None:
-        """A chunk's block through its graph: x [T, H] -> [T, H], or None where there is none
-        (T past the largest bucket, not captured, or turned off): the caller runs it eagerly.
-        The result is a view of the shared output, valid until the next replay of any block."""
+    def _reset_state(self) -> None:
+        if self.conv is not None:  # warm-up calls chain through the static state: keep it small
+            self.conv.zero_()
+            self.rec.zero_()
+
+    def _graph(self, block, t: int):
         if not self.enabled:
             return None
-        t = x.shape[0]
         b = bucket_for(t, self.buckets)
-        graph = self.graphs.get((id(moe), b)) if b is not None else None
+        return self.graphs.get((id(block), b)) if b is not None else None
+
+    def run(self, block, x: torch.Tensor) -> torch.Tensor | None:
+        """A chunk's MoE block through its graph: x [T, H] -> [T, H], or None where there is
+        none (T past the largest bucket, not captured, or turned off): the caller runs it
+        eagerly. The result is a view of the shared output, valid until the next replay."""
+        graph = self._graph(block, x.shape[0])
         if graph is None:
             return None
         with torch.inference_mode():  # the buffers may be inference tensors (made in a forward)
-            self.stage(x, b)
+            self.stage(x, 0)
         graph.replay()
         self.replays += 1
-        return self.out[:t]
+        return self.out[:x.shape[0]]
+
+    def run_mixer(self, block, x: torch.Tensor, conv: torch.Tensor, rec: torch.Tensor) -> torch.Tensor | None:
+        """A chunk through a DeltaNet mixer's graph, continuing from (and updating) one
+        sequence's conv state [C, K-1] and recurrent state [Hv, dk, dv]: as run()."""
+        graph = self._graph(block, x.shape[0])
+        if graph is None:
+            return None
+        with torch.inference_mode():
+            self.stage(x, 0)
+            self.conv.copy_(conv)
+            self.rec.copy_(rec)
+            graph.replay()
+            conv.copy_(self.conv)
+            rec.copy_(self.rec)
+        self.replays += 1
+        return self.out[:x.shape[0]]
 
 
-def attach(model, executor, device: torch.device, dtype: torch.dtype) -> MoEPrefillGraphs | None:
-    """Capture the prompt chunks' MoE graphs of `model` where they can be (graphable), else
-    None with the reason logged. A capture that fails leaves every block eager."""
+def attach(model, executor, device: torch.device, dtype: torch.dtype) -> PrefillGraphs | None:
+    """Capture the prompt chunks' graphs of `model` where they can be (graphable), else None
+    with the reason logged. A kind whose capture fails stays eager (logged); None if none is left."""
+    from ..model.deltanet import GatedDeltaNet
     from ..model.moe import MoE
     why = graphable(executor, device)
-    moes = [layer[1] for layer in getattr(model, "layers", []) if isinstance(layer, tuple) and isinstance(layer[1], MoE)]
-    if why is None and not moes:
+    layers = [layer for layer in getattr(model, "layers", []) if isinstance(layer, tuple)]
+    kinds = {"moe": [layer[1] for layer in layers if isinstance(layer[1], MoE)],
+             "deltanet": [layer[0] for layer in layers if isinstance(layer[0], GatedDeltaNet)]}
+    if why is None and not kinds["moe"]:
         why = "the model has no MoE blocks of the Qwen / GPT-OSS kind"
     if why is not None:
-        log.info("prompt chunks' MoE blocks run eagerly: %s", why)
+        log.info("prompt chunks' blocks run eagerly: %s", why)
         return None
-    graphs = MoEPrefillGraphs(moes, model.cfg.hidden_size, device, dtype)
-    try:
-        s = graphs.capture()
-    except Exception as e:  # noqa: BLE001 - eager is correct, only slower
-        for m in moes:
-            m.prefill_graphs = None
-        log.warning("capturing the prompt chunks' MoE graphs failed (%s: %s); they run eagerly",
-                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+    graphs = PrefillGraphs(model.cfg.hidden_size, device, dtype)
+    done = []
+    for kind, blocks in kinds.items():
+        if not blocks:
+            continue
+        graphs.add(kind, blocks)
+        try:
+            s = graphs.capture(kind)
+        except Exception as e:  # noqa: BLE001 - eager is correct, only slower
+            graphs.drop(kind)
+            log.warning("capturing the prompt chunks' %s graphs failed (%s: %s); those blocks run eagerly",
+                        kind, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            continue
+        done.append(f"{len(blocks)} {kind} blocks in {s:.1f} s")
+    if not done:
         return None
-    log.info("captured the prompt chunks' MoE graphs: %d blocks x buckets %s in %.1f s",
-             len(moes), list(graphs.buckets), s)
+    log.info("captured the prompt chunks' graphs (buckets %s): %s", list(graphs.buckets), ", ".join(done))
     return graphs
