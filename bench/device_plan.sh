@@ -212,13 +212,13 @@ case "$STAGE" in
   FT_TAG=plan20 FT_PER_FILE=200 FT_K="cuda_streamed and single" FT_ARGS="-v -o faulthandler_timeout=90" \
     bash bench/device_tests.sh tests/test_prefill_stream.py > /dev/null
   ;;
-21) # 500 s: the prompt chunks' graphs with the DeltaNet mixers too, and the chunk growth on
+21) # 410 s: the prompt chunks' graphs with the DeltaNet mixers too, and the chunk growth on
   # measured headroom (interleave.HEADROOM): their tests, the chunked prefill rows, the 32k
   # interference row with graphs (stage 19 has the eager row of f56b5de)
-  FT_TAG=plan21 FT_PER_FILE=150 bash bench/device_tests.sh tests/test_prefill_graphs.py > /dev/null
-  step 150 prefill-graphs python3 -m bench.prefill --lengths 2048 --chunks 32,128,512 --total 1024 \
+  FT_TAG=plan21 FT_PER_FILE=110 bash bench/device_tests.sh tests/test_prefill_graphs.py > /dev/null
+  step 120 prefill-graphs python3 -m bench.prefill --lengths 2048 --chunks 32,128,512 --total 1024 \
     --name prefill-graphs-mixers
-  step 190 interference python3 -m bench.interference --full-size --long 32768 --settings interleave \
+  step 175 interference python3 -m bench.interference --full-size --long 32768 --settings interleave \
     --name interference-full-prefill-graphs-mixers
   ;;
 *) echo "stage 0 to 21"; exit 2 ;;
