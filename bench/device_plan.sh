@@ -27,9 +27,10 @@
 # Call 18: the prompt chunks' MoE graphs: tests, chunked prefill with and without.
 # Call 19: the 32k interference rows with and without them.
 # Call 21: the graphs with the DeltaNet mixers, the headroom rule: tests, chunked prefill, interference.
+# Call 22: the prefill graphs up to 2,048-token chunks: chunked prefill, interference.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21}
+STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -221,7 +222,15 @@ case "$STAGE" in
   step 175 interference python3 -m bench.interference --full-size --long 32768 --settings interleave \
     --name interference-full-prefill-graphs-mixers
   ;;
-*) echo "stage 0 to 21"; exit 2 ;;
+22) # 480 s, written for the next session: the prefill graphs up to 2,048-token chunks
+  # (--prefill-graph-tokens 2048; stage 21 at 512: the cost model took eager 2,046-token chunks,
+  # p99 2.21x), the chunked rows up to 2,048 and the 32k interference row with them
+  step 200 prefill-graphs python3 -m bench.prefill --lengths 2048 --chunks 128,512,1024,2048 --total 4096 \
+    --graph-tokens 2048 --name prefill-graphs-2048
+  step 200 interference python3 -m bench.interference --full-size --long 32768 --settings interleave \
+    --prefill-graph-tokens 2048 --name interference-full-prefill-graphs-2048
+  ;;
+*) echo "stage 0 to 22"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)

@@ -235,12 +235,14 @@ def main():
                          "time for the adaptive split to settle; it probes each share for 24 steps)")
     ap.add_argument("--warm-long", type=int, default=0,
                     help="tokens of one more warm-up prompt (the streamed passes' kernels tuned at that size)")
+    ap.add_argument("--prefill-graph-tokens", type=int, default=512,
+                    help="largest prompt chunk replayed from the prefill graphs (the engine flag)")
     a = ap.parse_args()
     ctx = a.long + a.short + 64
     if a.full_size and a.moe == "cache":
         eng = full_size_engine(a.layers, "cuda", experts_on="cache", max_len=ctx, expert_cache=a.expert_cache)
     elif a.full_size:
-        eng = full_size_engine(a.layers, "cuda", max_len=ctx)
+        eng = full_size_engine(a.layers, "cuda", max_len=ctx, prefill_graph_tokens=a.prefill_graph_tokens)
     else:
         eng = Engine(demo_path(), EngineConfig(max_seq_len=ctx))
     rows = []
@@ -253,7 +255,7 @@ def main():
                   "expert_cache": a.expert_cache if a.full_size and a.moe == "cache" else None,
                   "prefill_passes": eng.prefill_stream.stats() if eng.prefill_stream is not None else None,
                   "device": str(eng.device), "long_prompt": a.long, "short_prompt": a.short,
-                  "decoding_streams": a.streams, "settings": rows})
+                  "decoding_streams": a.streams, "prefill_graph_tokens": a.prefill_graph_tokens, "settings": rows})
 
 
 if __name__ == "__main__":

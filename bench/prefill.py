@@ -38,6 +38,7 @@ def main():
     ap.add_argument("--layers", type=int, default=40)
     ap.add_argument("--chunks", default="", help="chunk sizes for the graphs-against-eager rows (empty: none)")
     ap.add_argument("--total", type=int, default=4096, help="prompt tokens of each --chunks row")
+    ap.add_argument("--graph-tokens", type=int, default=512, help="largest chunk the prefill graphs take")
     ap.add_argument("--name", default="prefill")
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -74,17 +75,18 @@ def main():
         rows.append(row)
         print({k: v for k, v in row.items() if k in ("prompt_tokens", "wall_s", "tok_s")},
               "gpu_ms" in row.get("gpu", {}) and row["gpu"]["gpu_ms"], flush=True)
-    chunked = chunk_rows(model, ex, st, prompt, [int(c) for c in a.chunks.split(",") if c], a.total, dev) if a.chunks else []
+    chunked = chunk_rows(model, ex, st, prompt, [int(c) for c in a.chunks.split(",") if c], a.total, dev,
+                         a.graph_tokens) if a.chunks else []
     write_result(a.name, {"model": f"Qwen3.6-35B-A3B shape, {a.layers} layers, random BF16, experts in VRAM",
                           "config": dict(QWEN36_35B_A3B, num_hidden_layers=a.layers), "chunk": chunk, "runs": rows,
                           "chunked": chunked})
 
 
-def chunk_rows(model, ex, st, prompt, chunks, total, dev) -> list:
+def chunk_rows(model, ex, st, prompt, chunks, total, dev, graph_tokens: int = 512) -> list:
     """A `total`-token prompt in chunks of each size, MoE blocks through the prefill graphs and
     eagerly (best of three each): ms per chunk, tok/s, and their ratio."""
     from freetoken.runtime.prefill_graphs import attach
-    graphs = attach(model, ex, dev, torch.bfloat16)
+    graphs = attach(model, ex, dev, torch.bfloat16, graph_tokens)
     if graphs is None:
         return [{"skipped": "the prefill graphs could not be captured here (see the log)"}]
     out = []

@@ -9,7 +9,8 @@ import hf_models
 from freetoken.model.moe import MoE
 from freetoken.runtime.engine import Engine, EngineConfig
 from freetoken.model.deltanet import GatedDeltaNet
-from freetoken.runtime.prefill_graphs import BUCKETS, PrefillGraphs, bucket_for, graphable
+from freetoken.errors import FreeTokenError
+from freetoken.runtime.prefill_graphs import BUCKETS, MAX_TOKENS, PrefillGraphs, bucket_for, buckets_upto, graphable
 from freetoken.weights.convert import convert
 
 CUDA = torch.cuda.is_available()
@@ -61,6 +62,14 @@ def test_bucket_for_takes_the_smallest_bucket_that_holds_the_chunk():
     assert bucket_for(BUCKETS[3] + 1, BUCKETS) == BUCKETS[4]
     assert bucket_for(BUCKETS[-1] + 1, BUCKETS) is None
     assert all(b / a <= 1.5 for a, b in zip(BUCKETS, BUCKETS[1:]))  # padding bounded
+
+
+def test_the_buckets_reach_the_largest_chunk_asked_for():
+    assert BUCKETS == buckets_upto(MAX_TOKENS) and BUCKETS[-1] == MAX_TOKENS
+    assert buckets_upto(2048)[-1] == 2048 and buckets_upto(2000)[-1] == 2048  # the bucket holding it
+    assert buckets_upto(10) == (16,) and buckets_upto(10 ** 6)[-1] == 4096
+    with pytest.raises(FreeTokenError, match="prefill-graph-tokens"):
+        EngineConfig(prefill_graph_tokens=0)
 
 
 def test_graphable_says_why_not_on_the_cpu(eng):

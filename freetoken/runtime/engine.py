@@ -116,8 +116,11 @@ class EngineConfig:
         "help": "replay decode steps from one CUDA graph per batch size (CUDA, experts in VRAM)"})
     prefill_graphs: bool = field(default=True, metadata={
         "help": "replay a prompt chunk's MoE blocks and DeltaNet mixers from CUDA graphs captured at load, one per "
-                "layer and token bucket up to 512 tokens (CUDA, experts in VRAM): short chunks are bound by host "
-                "launch time"})
+                "layer and token bucket up to --prefill-graph-tokens (CUDA, experts in VRAM): short chunks are bound "
+                "by host launch time"})
+    prefill_graph_tokens: int = field(default=512, metadata={
+        "help": "largest prompt chunk replayed from the prefill graphs (buckets ~1.4x apart up to it; larger chunks "
+                "run eagerly). More buckets cost capture time at load and a larger graph memory pool"})
     warm_up: bool = field(default=True, metadata={
         "help": "at load on CUDA with experts in VRAM, prefill a few short scratch prompts so Triton's "
                 "autotuning happens then, not in the first requests (seconds, once per process); with "
@@ -135,6 +138,8 @@ class EngineConfig:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise FreeTokenError("--device cuda: no CUDA device is available")
         self.fill_share_value()  # refuses a bad value now
+        if self.prefill_graph_tokens < 1:
+            raise FreeTokenError(f"--prefill-graph-tokens must be >= 1, got {self.prefill_graph_tokens}")
         if self.expert_prefetch < 0:
             raise FreeTokenError(f"--expert-prefetch must be >= 0 experts (0: off), got {self.expert_prefetch}")
         if self.dense_fp8 not in ("auto", "keep", "dequant"):
@@ -271,7 +276,8 @@ class Engine:
             self._warm_up_prefill()
         if self.experts_on == "gpu" and self.ecfg.prefill_graphs and self.ecfg.cuda_graphs:
             from .prefill_graphs import attach
-            self.prefill_graphs = attach(self.model, self.executor, self.device, self.dtype)
+            self.prefill_graphs = attach(self.model, self.executor, self.device, self.dtype,
+                                         self.ecfg.prefill_graph_tokens)
 
     def _warm_up_prefill(self) -> None:
         """One prompt forward of each kind of length on a scratch state, at load: Triton

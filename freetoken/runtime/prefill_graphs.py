@@ -12,7 +12,8 @@ for a given row count and can be recorded once per row count and replayed as one
 - the MoE block (router, the grouped experts' tiling and GEMMs, the shared expert): a pure
   function of its rows. The rows past the chunk are masked as not running (`active`, MoE's own
   decode-row mask: they route to no expert; the shared expert computes them, they are dropped).
-  Measured alone (f56b5de, prefill-graphs-gpu.json): chunks of 32-512 tokens 1.58-1.84x faster.
+  Measured alone (f56b5de, prefill-graphs-gpu.json): chunks of 32-512 tokens 1.58-1.84x faster;
+  with the mixers too (2f06f17, prefill-graphs-mixers-gpu.json): 5.68x at 32 tokens, 2.72x at 512.
 - the gated DeltaNet mixer (model/deltanet.py prefill_padded): it carries the sequence's conv
   and recurrent state, which the graph reads from and writes to static buffers (copied from and
   back to the slot's state around the replay: a graph records addresses, and a slot or a state
@@ -49,8 +50,17 @@ from ..kernels import use_triton
 log = logging.getLogger("freetoken.prefill_graphs")
 
 # token buckets: ~1.4x apart, so a chunk pads by at most 50% (the blocks' GPU time grows with
-# it; the host time saved is per layer, whatever T)
-BUCKETS = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+# it; the host time saved is per layer, whatever T). The engine captures those up to
+# --prefill-graph-tokens (default MAX_TOKENS: measured there, see the module docstring)
+ALL_BUCKETS = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
+MAX_TOKENS = 512
+BUCKETS = tuple(b for b in ALL_BUCKETS if b <= MAX_TOKENS)
+
+
+def buckets_upto(tokens: int) -> tuple:
+    """The buckets of chunks up to `tokens` (the smallest bucket holding it included)."""
+    top = bucket_for(tokens, ALL_BUCKETS) or ALL_BUCKETS[-1]
+    return tuple(b for b in ALL_BUCKETS if b <= top)
 
 
 def bucket_for(t: int, buckets) -> int | None:
@@ -193,9 +203,11 @@ class PrefillGraphs:
         return self.out[:x.shape[0]]
 
 
-def attach(model, executor, device: torch.device, dtype: torch.dtype) -> PrefillGraphs | None:
-    """Capture the prompt chunks' graphs of `model` where they can be (graphable), else None
-    with the reason logged. A kind whose capture fails stays eager (logged); None if none is left."""
+def attach(model, executor, device: torch.device, dtype: torch.dtype,
+           max_tokens: int = MAX_TOKENS) -> PrefillGraphs | None:
+    """Capture the prompt chunks' graphs of `model` for chunks up to max_tokens where they can
+    be (graphable), else None with the reason logged. A kind whose capture fails stays eager
+    (logged); None if none is left."""
     from ..model.deltanet import GatedDeltaNet
     from ..model.moe import MoE
     why = graphable(executor, device)
@@ -207,7 +219,7 @@ def attach(model, executor, device: torch.device, dtype: torch.dtype) -> Prefill
     if why is not None:
         log.info("prompt chunks' blocks run eagerly: %s", why)
         return None
-    graphs = PrefillGraphs(model.cfg.hidden_size, device, dtype)
+    graphs = PrefillGraphs(model.cfg.hidden_size, device, dtype, buckets_upto(max_tokens))
     done = []
     for kind, blocks in kinds.items():
         if not blocks:
