@@ -86,12 +86,15 @@ def chunk_rows(model, ex, st, prompt, chunks, total, dev, graph_tokens: int = 51
     """A `total`-token prompt in chunks of each size, MoE blocks through the prefill graphs and
     eagerly (best of three each): ms per chunk, tok/s, and their ratio."""
     from freetoken.runtime.prefill_graphs import attach
+    t0 = time.perf_counter()
     graphs = attach(model, ex, dev, torch.bfloat16, graph_tokens)
+    capture_s = round(time.perf_counter() - t0, 2)  # warm-up and capture of every (block, bucket)
     if graphs is None:
         return [{"skipped": "the prefill graphs could not be captured here (see the log)"}]
     out = []
     for c in chunks:
-        row = {"chunk": c, "graphed": sorted(graphs.blocks)}
+        row = {"chunk": c, "graphed": sorted(graphs.blocks), "graphs_captured": len(graphs.graphs),
+               "capture_s": capture_s}
         for on in (True, False):
             graphs.enabled = on
 
