@@ -366,32 +366,56 @@ def test_chunks_recover_from_a_stalled_start_within_a_few_forwards():
     assert sizes[0] == 64 and sizes == sorted(sizes) and sizes[-1] >= 1024, sizes
 
 
-def test_chunks_grow_on_measured_headroom_where_a_layer_costs_nearly_the_same_at_any_size():
-    """The H200 with the prompt chunks' MoE graphs (interference-full-prefill-graphs, f56b5de):
-    a layer costs ~2.9 ms from 32 to 512 tokens, timings vary by +-0.5 ms, and a rate read over
-    32 tokens from that noise (~15 us a token, ~10x the real one) held the chunks at 32-160
-    tokens (a 32k prompt at 407 tok/s). Chunks measured under HEADROOM x the ceiling keep their
-    size and grow; a cost that rises with the context (attention) brings them back down."""
-    from freetoken.runtime.interleave import HEADROOM
-    rnd = random.Random(5)
-    decode = 5.74e-3
-    room, ceiling = 0.5 * decode, (GAP_CEILING - 1) * decode
-    m = CostModel()
-    for n, ms in [(233, 88.55), (142, 12.37), (32, 3.94), (32, 3.95), (32, 2.7), (32, 3.53), (64, 3.34), (32, 2.99)]:
-        m.add(n, ms / 1e3)  # the run's first eight forwards: compiles in the first two
+def test_chunks_keep_and_grow_a_size_measured_under_the_ceiling():
+    """HEADROOM: where the model asks for less than the largest recent chunk, and that chunk's
+    costliest layer was measured under HEADROOM x the ceiling, the chunk keeps its size; it
+    grows by GROW (once per RECENT forwards, never past the prefill graphs' cap from within it)
+    only where GROW times its cost is within the ceiling; over HEADROOM the model decides."""
+    from freetoken.runtime.interleave import GROW, HEADROOM, RECENT
+    ceiling = 4e-3
 
-    def run(per_token, forwards):
-        sizes = []
-        for _ in range(forwards):
-            n = min(2048, m.tokens_within(room, ceiling))
-            sizes.append(n)
-            m.add(n, (2.9e-3 + per_token * n) * (1 + rnd.uniform(-0.1, 0.2)))
-        return sizes
-    sizes = run(1e-6, 60)
-    assert sorted(sizes[-30:])[15] >= 400, sizes  # the median chunk (without the headroom rule: 96)
-    over = [n for n in sizes if 2.9e-3 + 1e-6 * n > ceiling * 1.15]  # the model's own noise
-    assert len(over) <= len(sizes) // 10, sizes
-    # the context grows: a token costs 4 us now (the ceiling's chunk: 351 tokens); back down
-    late = sorted(run(4e-6, 30)[-15:])
-    assert late[7] <= 1.2 * (ceiling - 2.9e-3) / 4e-6 and late[-1] < 2 * (ceiling - 2.9e-3) / 4e-6, late
-    assert HEADROOM < 1
+    def model(cost_of_big, big=128):
+        m = CostModel()
+        for n in (64, 64, 64, big):
+            m.add(n, 1e-3 if n != big else cost_of_big)
+        return m
+    m = model(1e-3)  # 1.5 x 1 ms is well within 4 ms: grows
+    assert m._headroom(40, ceiling, None) == int(128 * GROW)
+    assert m._headroom(40, ceiling, None) == int(128 * GROW)  # asked again before its sample: the same
+    m.add(int(128 * GROW), 1.2e-3)
+    assert m._headroom(40, ceiling, None) == int(128 * GROW)  # held, not grown again within RECENT forwards
+    for _ in range(RECENT):
+        m.add(int(128 * GROW), 1.2e-3)
+    assert m._headroom(40, ceiling, None) == int(128 * GROW * GROW)
+    assert model(1e-3)._headroom(40, ceiling, 160) == 160  # the graphs' largest chunk caps the growth
+    assert model(1e-3, big=160)._headroom(40, ceiling, 160) == 160  # and holds there
+    assert model(1e-3, big=600)._headroom(40, ceiling, 512) == 900  # a chunk already past it: not capped
+    held = 0.8 * ceiling  # under HEADROOM, but 1.5x of it would pass the ceiling: held, not grown
+    assert held <= HEADROOM * ceiling and model(held)._headroom(40, ceiling, None) == 128
+    assert model(0.9 * ceiling)._headroom(40, ceiling, None) == 40  # over HEADROOM: the model's answer
+    assert model(1e-3)._headroom(200, ceiling, None) == 200  # the model asks for more: its answer
+    assert model(1e-3)._headroom(40, None, None) == 40  # no ceiling, no headroom
+    # through tokens_within: grow=False (the loop's bootstrap model, rebuilt each call) never grows
+    m = model(1e-3)
+    want = m.tokens_within(0.5e-3, ceiling, grow=False)
+    assert want < 128 and m.tokens_within(0.5e-3, ceiling) == int(128 * GROW)
+
+
+def test_the_bootstrap_model_does_not_grow_chunks(monkeypatch):
+    """Before two forwards' samples, budget() sizes the chunk from the recent forwards' costs
+    with a model it rebuilds each call: growth on headroom there (its once-per-RECENT limit
+    reset each call) would compound call after call. Only the interleaver's own model grows."""
+    grows = []
+    real = CostModel.tokens_within
+
+    def spy(self, room, ceiling=None, cap=None, grow=True):
+        grows.append(grow)
+        return real(self, room, ceiling, cap, grow)
+    monkeypatch.setattr(CostModel, "tokens_within", spy)
+    iv = Interleaver(1.5)
+    costs = [(64, 40e-3), (128, 41e-3), (64, 40e-3), (64, 40e-3)]  # whole forwards of 40 layers
+    assert iv.budget(0.006, costs, 40) is not None and grows == [False]
+    for n in (64, 128):
+        iv.samples.add(n, 1e-3)
+    iv.budget(0.006, costs, 40, cap=512)
+    assert grows == [False, True]

@@ -65,7 +65,7 @@ class MoE:
         nxt = next((l for l in cfg.moe_layers if l > layer), None)
         self.ahead = bool(getattr(executor, "prefetch", 0)) and nxt is not None
         self.ahead_w = self.ahead_b = None
-        self.prefill_graphs = None  # runtime.prefill_graphs.MoEPrefillGraphs, where captured
+        self.prefill_graphs = None  # runtime.prefill_graphs.PrefillGraphs, where captured
 
     def route(self, logits: torch.Tensor, dtype):
         """router logits [T, E] -> flat ids [T, k] int64, weights [T, k] in the activation dtype."""

@@ -265,8 +265,9 @@ class Engine:
     def warm_up(self) -> None:
         """Kernel autotuning and compiles at load, not in the first requests (CUDA): fla's
         DeltaNet kernels, then one prompt forward of each kind of length (_warm_up_prefill);
-        then the prompt chunks' MoE graphs (runtime/prefill_graphs.py)."""
+        then the prompt chunks' graphs of the MoE blocks and DeltaNet mixers (runtime/prefill_graphs.py)."""
         self.prefill_graphs = None
+        self.prefill_graph_bytes = 0  # device memory they hold: the memory plan counts it with the weights
         if self.device.type != "cuda":
             return
         if self.cfg.linear_layers:
@@ -278,6 +279,7 @@ class Engine:
             from .prefill_graphs import attach
             self.prefill_graphs = attach(self.model, self.executor, self.device, self.dtype,
                                          self.ecfg.prefill_graph_tokens)
+            self.prefill_graph_bytes = self.prefill_graphs.bytes if self.prefill_graphs is not None else 0
 
     def _warm_up_prefill(self) -> None:
         """One prompt forward of each kind of length on a scratch state, at load: Triton

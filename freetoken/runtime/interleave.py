@@ -54,13 +54,16 @@ RECENT = 4  # forwards whose costliest layer gives the per-token cost (it grows 
 # the fixed part's chunk would push decoding streams' p99 past 2x their unloaded gap
 GAP_CEILING = 1.75
 OUTLIER = 2.0  # a sample over this many times the fit of the others is a stall, not a cost
-# measured headroom: while the largest recent chunk's costliest layer costs under this share of
-# the ceiling, chunks keep that size even where the model asks for less, and grow by GROW once
-# per RECENT forwards. Where a layer's cost is nearly flat in its tokens (the H200 with the
-# prompt chunks' MoE graphs: ~3 ms a layer from 32 to 512 tokens), the rate read at small chunks
-# is timing noise over a few tokens (+-0.5 ms over 32 tokens reads as 15 us a token, ~10x the
-# real one) and kept the chunks at 32-160 tokens: a 32k prompt at 407 tok/s against 1,658
-# eagerly (benchmarks/README.md, interference-full-prefill-graphs). A measured cost is no model.
+# measured headroom: while the largest recent chunk's costliest layer costs under HEADROOM x the
+# ceiling, chunks keep that size even where the model asks for less, and where even GROW times
+# that cost stays under the ceiling (the worst case: a cost in proportion to the tokens), they
+# grow by GROW, once per RECENT forwards. Where a layer's cost is nearly flat in its tokens (the
+# H200 with the prompt chunks' MoE graphs: ~3 ms a layer from 32 to 512 tokens), the rate read
+# at small chunks is timing noise over a few tokens (+-0.5 ms over 32 tokens reads as 15 us a
+# token, ~10x the real one) and kept the chunks at 32-160 tokens: a 32k prompt at 407 tok/s
+# against 1,658 eagerly (benchmarks/README.md, interference-full-prefill-graphs). A measured
+# cost is no model. Growth stops at the largest chunk the prefill graphs take (`cap`): past
+# it a layer runs eagerly, several times dearer, a step no fit of this model sees coming.
 HEADROOM = 0.85
 GROW = 1.5
 # decode steps may also run between a layer's token mixer and its MLP (the hook at i + 0.5): the
@@ -148,6 +151,7 @@ class CostModel:
         self.added = 0  # samples ever added
         self.doubled_at = -window  # `added` when the chunk last doubled (at most once per window)
         self.grown_at = -window  # `added` when a chunk last grew on measured headroom (HEADROOM)
+        self.grown_to = 0  # to what size
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -174,7 +178,8 @@ class CostModel:
         per_token = rates[mid] if len(rates) % 2 else (rates[mid - 1] + rates[mid]) / 2
         return self.fixed, max(per_token, 1e-9)
 
-    def tokens_within(self, room: float, ceiling: float | None = None) -> int:
+    def tokens_within(self, room: float, ceiling: float | None = None, cap: int | None = None,
+                      grow: bool = True) -> int:
         """Tokens whose work fits `room` seconds (there must be a sample); never below
         MIN_PREFILL, nor below the chunk whose per-token part equals the fixed part (smaller
         ones would slow the prompt without shortening the wait much), that floor itself at
@@ -198,7 +203,10 @@ class CostModel:
         tok/s). "One size" is read over the latest RECENT forwards, not the window: stalled first
         forwards of other sizes would hold it at 32 tokens until they left the window (on the
         H200 at c471646, most of a 32k prompt's 151 forwards). At such sizes that chunk may pass
-        the ceiling: one forward in a window."""
+        the ceiling: one forward in a window.
+
+        Then the measured headroom (HEADROOM, with `grow`): a larger chunk measured well under
+        the ceiling keeps its size and may grow, up to `cap` (the prefill graphs' largest chunk)."""
         fixed, per_token = self.fit()
         ns = [n for n, _ in self.samples]  # the whole window
         floor = min(int(fixed / per_token), 2 * max(ns))
@@ -215,12 +223,15 @@ class CostModel:
         if stuck and again and (fixed == 0 or want < 2 * MIN_PREFILL):
             self.doubled_at = self.added
             return 2 * min(recent)
-        return self._headroom(want, ceiling)
+        return self._headroom(want, ceiling, cap) if grow else want
 
-    def _headroom(self, want: int, ceiling: float | None) -> int:
+    def _headroom(self, want: int, ceiling: float | None, cap: int | None) -> int:
         """want, or more where a larger chunk was measured under HEADROOM x ceiling (see HEADROOM):
         the largest of the latest RECENT chunks if its (latest) cost was, and GROW times it
-        once per RECENT forwards, so the next size gets measured before the next growth."""
+        (at most `cap`, where it was within it) once per RECENT forwards where GROW times its
+        cost is within the ceiling, so each size is measured before the next growth."""
+        if self.added == self.grown_at:  # asked again before the grown chunk's sample: the same answer
+            return max(want, self.grown_to)
         recent = list(self.samples)[-RECENT:]
         if ceiling is None or len(recent) < RECENT:
             return want
@@ -228,9 +239,12 @@ class CostModel:
         cost = [t for n, t in recent if n == big][-1]
         if want >= big or cost > HEADROOM * ceiling:
             return want
-        if self.added - self.grown_at >= RECENT:
-            self.grown_at = self.added
-            return int(big * GROW)
+        grown = int(big * GROW)
+        if cap is not None and big <= cap:
+            grown = min(grown, cap)
+        if grown > big and cost * GROW <= ceiling and self.added - self.grown_at >= RECENT:
+            self.grown_at, self.grown_to = self.added, grown
+            return grown
         return big
 
 
@@ -313,19 +327,22 @@ class Interleaver:
             self.history.append((self.tokens, max(self.this_forward.values())))
         self.this_forward = {}
 
-    def budget(self, decode_s: float | None, costs=(), layers: int = 1) -> int | None:
+    def budget(self, decode_s: float | None, costs=(), layers: int = 1, cap: int | None = None) -> int | None:
         """Prompt tokens for the next forward, so its costliest layer (half a layer with
         MID_LAYER) fits the gap between decode steps (the finest grain at which they can
         interleave); None: no limit. The costliest layer's cost model (CostModel) from the recent forwards' samples;
         before two of them, the recent prompt forwards `costs` [(tokens, seconds)] spread
-        over their `layers` (points, with MID_LAYER) stand in."""
+        over their `layers` (points, with MID_LAYER) stand in (no growth on measured headroom
+        from those: a model rebuilt each call would grow every call). cap: the largest chunk
+        the prefill graphs take (CostModel.tokens_within)."""
         if not self.enabled or decode_s is None:
             return None
-        model = self.samples
+        model, grow = self.samples, True
         if len(model) < 2:
-            model = CostModel()
+            model, grow = CostModel(), False
             for n, t in costs:
                 model.add(n, t / max(1, layers))
             if len(model) < 2:
                 return None
-        return model.tokens_within((self.slowdown - 1) * decode_s, (max(self.slowdown, GAP_CEILING) - 1) * decode_s)
+        return model.tokens_within((self.slowdown - 1) * decode_s, (max(self.slowdown, GAP_CEILING) - 1) * decode_s,
+                                   cap, grow)

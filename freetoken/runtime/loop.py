@@ -54,7 +54,8 @@ class EngineLoop:
                         "raise --checkpoint-budget / set --checkpoint-policy, or pass --sliding-kv full")
         ex = engine.executor
         slots = ex if getattr(ex, "pool", 0) is None else None  # a GPU expert cache still to size
-        self.plan = plan_memory(cfg, engine.device, engine.dtype, engine.budget, engine.weight_bytes, max_batch,
+        weights = engine.weight_bytes + getattr(engine, "prefill_graph_bytes", 0)  # the prefill graphs' pool too
+        self.plan = plan_memory(cfg, engine.device, engine.dtype, engine.budget, weights, max_batch,
                                 engine.max_len, ecfg.prefill_chunk, page_size, ckpt,
                                 ecfg.kv_cache_tokens if kv_tokens is None else kv_tokens,
                                 slots.slot_bytes if slots else 0, slots.num_experts if slots else 0,
@@ -276,7 +277,9 @@ class EngineLoop:
             return None
         if self.between.enabled:  # streams decode between the layers: a chunk one layer of which fits the gap
             points = len(self.engine.model.layers) * (2 if self.between.mid_layer else 1)
-            return self.between.budget(self._decode_s, self._costs, points)
+            graphs = getattr(self.engine, "prefill_graphs", None)  # past its largest chunk a layer runs eagerly
+            cap = graphs.buckets[-1] if graphs is not None and graphs.enabled else None
+            return self.between.budget(self._decode_s, self._costs, points, cap)
         if not self.slowdown or self._decode_s is None:
             return None
         if self.mixed:  # the prompt's share of a mixed step: its time less a plain decode step's

@@ -27,9 +27,12 @@ GEMMs with a different row count (cuBLAS may pick another kernel for B rows than
 same latitude as a decode graph against an eager step.
 
 Every graph shares the static input, the static output and one memory pool: they replay one
-after another on one stream, and each output is read (by the residual add that follows the
-block, in stream order) before the next replay. Larger chunks run eagerly, as do chunks with
-prefix-cache checkpoints inside them (their states are taken mid-chunk).
+after another on the device's default stream, under a lock, and each result is copied out of
+the shared output before the lock is let go (a forward of several prompts calls a mixer once per
+prompt before it joins the results: a view would have been overwritten). Rows past the chunk
+are zeroed when it is staged: stale rows of an earlier chunk never reach a computation. A call
+on another stream (a side stream's forward) runs eagerly. Larger chunks run eagerly, as do
+chunks with prefix-cache checkpoints inside them (their states are taken mid-chunk).
 
 Only where it can be captured: CUDA, the experts in VRAM behind an executor whose prefill is a
 static-shape kernel chain (the Triton grouped kernels of the GPU-resident executor: no host
@@ -40,6 +43,7 @@ its graphs.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import torch
@@ -97,6 +101,8 @@ class PrefillGraphs:
         self.graphs: dict[tuple[int, int], object] = {}  # (id(block), bucket) -> CUDAGraph
         self.enabled = True  # off: every block eager (a bench's comparison row)
         self.replays = 0
+        self.bytes = 0  # device memory the graphs hold (their pool and the static buffers), set by attach
+        self._lock = threading.Lock()  # stage + replay + copy-out as one step, whatever the thread
 
     def add(self, kind: str, blocks: list) -> None:
         if not blocks:
@@ -124,9 +130,12 @@ class PrefillGraphs:
         return block.forward(self.x[:b], "prefill", self.rows[:b] < self.n)
 
     def stage(self, x: torch.Tensor, b: int) -> None:
-        """Copy a chunk's rows x [T, H] into the static input and mark T rows real."""
+        """Copy a chunk's rows x [T, H] into the static input's first b rows (zeros past T) and
+        mark T rows real."""
         t = x.shape[0]
         self.x[:t].copy_(x)
+        if b > t:
+            self.x[t:b].zero_()
         self.n.fill_(t)
 
     def capture(self, kind: str) -> float:
@@ -168,39 +177,47 @@ class PrefillGraphs:
             self.rec.zero_()
 
     def _graph(self, block, t: int):
+        """(graph, bucket) for a chunk of t rows of `block`, or None: turned off, t past the
+        largest bucket, not captured, or called on a stream other than the device's default
+        one (the graphs' static buffers are ordered by that stream)."""
         if not self.enabled:
             return None
         b = bucket_for(t, self.buckets)
-        return self.graphs.get((id(block), b)) if b is not None else None
+        graph = self.graphs.get((id(block), b)) if b is not None else None
+        if graph is None or (self.device.type == "cuda" and
+                             torch.cuda.current_stream(self.device) != torch.cuda.default_stream(self.device)):
+            return None
+        return graph, b
 
     def run(self, block, x: torch.Tensor) -> torch.Tensor | None:
         """A chunk's MoE block through its graph: x [T, H] -> [T, H], or None where there is
-        none (T past the largest bucket, not captured, or turned off): the caller runs it
-        eagerly. The result is a view of the shared output, valid until the next replay."""
-        graph = self._graph(block, x.shape[0])
-        if graph is None:
+        none (see _graph): the caller runs it eagerly."""
+        hit = self._graph(block, x.shape[0])
+        if hit is None:
             return None
-        with torch.inference_mode():  # the buffers may be inference tensors (made in a forward)
-            self.stage(x, 0)
-        graph.replay()
-        self.replays += 1
-        return self.out[:x.shape[0]]
+        t = x.shape[0]
+        with self._lock, torch.inference_mode():  # the buffers may be inference tensors (made in a forward)
+            self.stage(x, hit[1])
+            hit[0].replay()
+            self.replays += 1
+            return self.out[:t].clone()
 
     def run_mixer(self, block, x: torch.Tensor, conv: torch.Tensor, rec: torch.Tensor) -> torch.Tensor | None:
         """A chunk through a DeltaNet mixer's graph, continuing from (and updating) one
         sequence's conv state [C, K-1] and recurrent state [Hv, dk, dv]: as run()."""
-        graph = self._graph(block, x.shape[0])
-        if graph is None:
+        hit = self._graph(block, x.shape[0])
+        if hit is None:
             return None
-        with torch.inference_mode():
-            self.stage(x, 0)
+        t = x.shape[0]
+        with self._lock, torch.inference_mode():
+            self.stage(x, hit[1])
             self.conv.copy_(conv)
             self.rec.copy_(rec)
-            graph.replay()
+            hit[0].replay()
             conv.copy_(self.conv)
             rec.copy_(self.rec)
-        self.replays += 1
-        return self.out[:x.shape[0]]
+            self.replays += 1
+            return self.out[:t].clone()
 
 
 def attach(model, executor, device: torch.device, dtype: torch.dtype,
@@ -219,6 +236,8 @@ def attach(model, executor, device: torch.device, dtype: torch.dtype,
     if why is not None:
         log.info("prompt chunks' blocks run eagerly: %s", why)
         return None
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_reserved(device)
     graphs = PrefillGraphs(model.cfg.hidden_size, device, dtype, buckets_upto(max_tokens))
     done = []
     for kind, blocks in kinds.items():
@@ -235,5 +254,9 @@ def attach(model, executor, device: torch.device, dtype: torch.dtype,
         done.append(f"{len(blocks)} {kind} blocks in {s:.1f} s")
     if not done:
         return None
-    log.info("captured the prompt chunks' graphs (buckets %s): %s", list(graphs.buckets), ", ".join(done))
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()  # the eager warm-up's freed blocks: what stays reserved is the graphs'
+    graphs.bytes = max(0, torch.cuda.memory_reserved(device) - before)
+    log.info("captured the prompt chunks' graphs (buckets %s, %.0f MiB): %s", list(graphs.buckets),
+             graphs.bytes / (1 << 20), ", ".join(done))
     return graphs
