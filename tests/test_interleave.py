@@ -419,3 +419,29 @@ def test_the_bootstrap_model_does_not_grow_chunks(monkeypatch):
         iv.samples.add(n, 1e-3)
     iv.budget(0.006, costs, 40, cap=512)
     assert grows == [False, True]
+
+
+def test_graphed_and_eager_forwards_keep_their_own_layer_costs():
+    """Where prefill graphs take chunks up to `cap` tokens, a layer of such a chunk costs a
+    fraction of an eager one: a short prompt's forward (200 tokens, graphed) is judged at the
+    graphed layers' costs, not at the long prompt's eager ones (which gave it a decode step
+    every layer or two); before any graphed forward was measured, at the eager costs."""
+    iv = Interleaver(1.5)
+    iv.cap = 512
+    decode = 0.006
+    iv.tokens = 2000  # a long prompt's eager chunk
+    iv.cost = {i: 4e-3 for i in range(4)}
+    iv.tokens, iv.first_tokens = 200, True  # a short prompt, through the graphs
+    assert iv.graphed and iv.cost == {}
+    iv.decoded()
+    iv.layer_queued(0)
+    assert iv.due(decode, 1)  # no graphed cost yet: judged at the eager ones (4 + 2 ms >= 6 ms)
+    iv.cost = {i: 0.6e-3 for i in range(4)}
+    iv.decoded()
+    iv.layer_queued(0)
+    assert not iv.due(decode, 1)  # 0.6 + 0.3 ms, far within the gap
+    iv.tokens = 2000
+    assert not iv.graphed and iv.cost == {i: 4e-3 for i in range(4)}  # the eager table kept
+    iv.cap = None  # no graphs: one table whatever the size
+    iv.tokens = 200
+    assert not iv.graphed and iv.cost == {i: 4e-3 for i in range(4)}

@@ -254,8 +254,13 @@ class Interleaver:
         self.slowdown = slowdown
         self.last_decode: float | None = None  # perf_counter at the end of the last decode step
         self.queued: list[int] = []  # indices of the layers queued since then
-        self.cost: dict[int, float] = {}  # seconds of prompt work of layer i (EMA): layers differ
-        # (full attention reads the whole context, a DeltaNet layer does not)
+        # seconds of prompt work of layer i (EMA): layers differ (full attention reads the whole
+        # context, a DeltaNet layer does not). Two tables where prefill graphs run (`cap`): a layer
+        # of a chunk they take costs a fraction of an eager one (on the H200 ~0.6 against ~3-4.5
+        # ms), and a short prompt's forward judged at the long prompt's eager costs got a decode
+        # step every layer or two (its TTFT 4.81x idle: benchmarks/README.md, twelfth session)
+        self._costs: dict[bool, dict[float, float]] = {False: {}, True: {}}
+        self.cap: int | None = None  # the largest chunk the prefill graphs take (set by the loop; None: none)
         self.steps = 0  # decode steps run between layers (telemetry)
         self.running = False  # inside such a step (its own forward must not recurse)
         self.tokens = 0  # prompt tokens of the forward in flight (set by the loop)
@@ -270,6 +275,26 @@ class Interleaver:
     @property
     def enabled(self) -> bool:
         return self.slowdown >= 1
+
+    @property
+    def graphed(self) -> bool:
+        """Whether the forward in flight is of a size the prefill graphs take."""
+        return self.cap is not None and 0 < self.tokens <= self.cap
+
+    @property
+    def cost(self) -> dict:
+        """The learned layer costs of the forward in flight's kind (graphed or eager)."""
+        return self._costs[self.graphed]
+
+    @cost.setter
+    def cost(self, table: dict) -> None:
+        self._costs[self.graphed] = table
+
+    def _cost(self, j: float) -> float | None:
+        """Layer j's learned cost for this kind of forward, else the other kind's (a graphed
+        forward before any was measured is judged at eager costs: decode steps early, not late)."""
+        c = self.cost.get(j)
+        return c if c is not None else self._costs[not self.graphed].get(j)
 
     @property
     def layers(self) -> int:
@@ -291,13 +316,15 @@ class Interleaver:
             return False
         gap = (max(self.slowdown, FIRST_TOKEN_SLOWDOWN) if self.first_tokens else self.slowdown) - 1
         gap *= decode_s
-        if i not in self.cost or any(j not in self.cost for j in self.queued):
+        known = [self._cost(j) for j in self.queued]
+        nxt = self._cost(i)
+        if nxt is None or any(c is None for c in known):
             return True  # a cost not known yet: one layer at a time until each is measured
         # the queued work: its learned cost, or the time since the last decode step where that is
         # more (on the CPU a layer runs as it is called; a learned cost can lag a growing context)
-        queued = max(sum(self.cost[j] for j in self.queued), time.perf_counter() - self.last_decode)
+        queued = max(sum(known), time.perf_counter() - self.last_decode)
         # the next layer would take the gap past its target by more than it would fall short
-        return queued + self.cost[i] / 2 >= gap
+        return queued + nxt / 2 >= gap
 
     def layer_queued(self, i: float = 0) -> None:
         self.queued.append(i)
@@ -308,7 +335,7 @@ class Interleaver:
         proportion to what they are known to cost (equally while any is unknown)."""
         if self.last_decode is not None and self.queued:
             total = max(0.0, time.perf_counter() - self.last_decode - decode_s)
-            known = [self.cost.get(j) for j in self.queued]
+            known = [self._cost(j) for j in self.queued]
             weights = known if all(k for k in known) else [1.0] * len(known)
             for j, wj in zip(self.queued, weights):
                 v = total * wj / sum(weights)

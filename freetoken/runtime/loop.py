@@ -277,9 +277,7 @@ class EngineLoop:
             return None
         if self.between.enabled:  # streams decode between the layers: a chunk one layer of which fits the gap
             points = len(self.engine.model.layers) * (2 if self.between.mid_layer else 1)
-            graphs = getattr(self.engine, "prefill_graphs", None)  # past its largest chunk a layer runs eagerly
-            cap = graphs.buckets[-1] if graphs is not None and graphs.enabled else None
-            return self.between.budget(self._decode_s, self._costs, points, cap)
+            return self.between.budget(self._decode_s, self._costs, points, self._graph_cap())
         if not self.slowdown or self._decode_s is None:
             return None
         if self.mixed:  # the prompt's share of a mixed step: its time less a plain decode step's
@@ -295,6 +293,12 @@ class EngineLoop:
         # half its speed, and decoding streams wait at most about twice a fixed part
         floor = max(MIN_PREFILL, int(fixed / per_token))
         return max(floor, int(room / per_token) if room > 0 else 0)
+
+    def _graph_cap(self) -> int | None:
+        """The largest prompt chunk the prefill graphs take (past it a layer runs eagerly, several
+        times dearer), or None without them."""
+        graphs = getattr(self.engine, "prefill_graphs", None)
+        return graphs.buckets[-1] if graphs is not None and graphs.enabled else None
 
     # ---- before the forward ---------------------------------------------------------------------
     def _prepare_prefill(self, items: list[tuple[Request, int, int]]) -> list[list[tuple[Request, int, int]]]:
@@ -402,6 +406,7 @@ class EngineLoop:
             nested = self.between.running  # a short prompt prefilling between another forward's layers
             if not nested:
                 self.between.tokens = sum(e - s for _, s, e in group)
+                self.between.cap = self._graph_cap()  # which layer costs it is judged at (graphed or eager)
                 self.between.first_tokens = all(e == r.prefill_end <= self.sched.step_tokens for r, _, e in group)
             kw = {"between": self._between_layers} if self.between.enabled and not nested else {}
             if kw and not self.streamed:  # between each layer's halves too, if asked (runtime/interleave.py MID_LAYER)
