@@ -222,9 +222,11 @@ case "$STAGE" in
   step 175 interference python3 -m bench.interference --full-size --long 32768 --settings interleave \
     --name interference-full-prefill-graphs-mixers
   ;;
-22) # 480 s, written for the next session: the prefill graphs up to 2,048-token chunks
-  # (--prefill-graph-tokens 2048; stage 21 at 512: the cost model took eager 2,046-token chunks,
-  # p99 2.21x), the chunked rows up to 2,048 and the 32k interference row with them
+22) # 560 s, written for the next session: the prefill graphs' tests on the post-review code (8d9f7cc
+  # and later: results copied out, pad rows zeroed, layer costs by kind), then the graphs up to
+  # 2,048-token chunks (--prefill-graph-tokens 2048; stage 21 at 512: the cost model took eager
+  # 2,046-token chunks, p99 2.21x), the chunked rows up to 2,048 and the 32k interference row with them
+  FT_TAG=plan22 FT_PER_FILE=110 bash bench/device_tests.sh tests/test_prefill_graphs.py > /dev/null
   step 200 prefill-graphs python3 -m bench.prefill --lengths 2048 --chunks 128,512,1024,2048 --total 4096 \
     --graph-tokens 2048 --name prefill-graphs-2048
   step 200 interference python3 -m bench.interference --full-size --long 32768 --settings interleave \
