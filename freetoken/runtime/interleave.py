@@ -63,7 +63,9 @@ OUTLIER = 2.0  # a sample over this many times the fit of the others is a stall,
 # token, ~10x the real one) and kept the chunks at 32-160 tokens: a 32k prompt at 407 tok/s
 # against 1,658 eagerly (benchmarks/README.md, interference-full-prefill-graphs). A measured
 # cost is no model. Growth stops at the largest chunk the prefill graphs take (`cap`): past
-# it a layer runs eagerly, several times dearer, a step no fit of this model sees coming.
+# it a layer runs eagerly, several times dearer, a step no fit of this model sees coming. Only
+# where prefill graphs run (the serving loop passes their cap): elsewhere a layer's cost grows
+# with its tokens and the model's rate is no noise (the 2-core CPU's rows were measured without it).
 HEADROOM = 0.85
 GROW = 1.5
 # decode steps may also run between a layer's token mixer and its MLP (the hook at i + 0.5): the
@@ -364,7 +366,7 @@ class Interleaver:
         the prefill graphs take (CostModel.tokens_within)."""
         if not self.enabled or decode_s is None:
             return None
-        model, grow = self.samples, True
+        model, grow = self.samples, cap is not None  # the headroom rule where prefill graphs run only
         if len(model) < 2:
             model, grow = CostModel(), False
             for n, t in costs:

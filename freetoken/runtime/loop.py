@@ -284,7 +284,8 @@ class EngineLoop:
             if not self._mixed:
                 return None
             return self._mixed.tokens_within((self.slowdown - 1) * self._decode_s,
-                                             (max(self.slowdown, GAP_CEILING) - 1) * self._decode_s)
+                                             (max(self.slowdown, GAP_CEILING) - 1) * self._decode_s,
+                                             grow=False)  # an eager mixed step: no headroom rule (interleave.HEADROOM)
         if len(self._costs) < 2:
             return None
         fixed, per_token = affine_fit(self._costs)
