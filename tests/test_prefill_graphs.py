@@ -130,6 +130,32 @@ def test_the_padded_mixer_equals_the_mixer_on_the_chunk_alone_state_included(eng
         g.drop("deltanet")
 
 
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
+def test_other_moe_families_padded_blocks_equal_their_eager_ones(tmp_path_factory, family):
+    """The MoE blocks of the other families the graphs take (GPT-OSS: top-k-then-softmax router
+    with a bias, clamped SwiGLU experts with biases; Qwen3-MoE: no shared expert), padded and
+    masked as a graph records them, equal the block on the chunk's rows alone."""
+    d = tmp_path_factory.mktemp(family)
+    hf_models.save(getattr(hf_models, family)(7), str(d / "hf"))
+    convert(str(d / "hf"), str(d / "m.ftw"), progress=False)
+    e = Engine(str(d / "m.ftw"), EngineConfig(device="cpu", dtype="float32", experts="cpu"))
+    ms = moes(e)
+    assert ms
+    g = PrefillGraphs(e.cfg.hidden_size, torch.device("cpu"), torch.float32, buckets=(8, 16, 32))
+    g.add("moe", ms)
+    try:
+        gen = torch.Generator().manual_seed(4)
+        for t in (3, 16, 21):
+            x = torch.randn(t, e.cfg.hidden_size, generator=gen)  # [T, H]
+            b = bucket_for(t, g.buckets)
+            g.stage(x, b)
+            want = ms[-1].forward(x, "prefill")
+            torch.testing.assert_close(g.padded(ms[-1], b)[:t], want, rtol=1e-5, atol=1e-5)
+            assert want.abs().max() > 1e-3
+    finally:
+        g.drop("moe")
+
+
 def test_a_prefill_through_the_graphs_equals_the_eager_one(eng):
     """Every MoE block of a whole prefill (chunks of several sizes, one past the largest
     bucket) through the graph dispatch, the graphs replayed eagerly: the same logits and state."""
