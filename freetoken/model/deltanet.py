@@ -160,6 +160,15 @@ class GatedDeltaNet:
         o = gated_rms_norm(core, z.view(n, self.hv, self.dv), self.norm_w, self.eps)
         return linear(o.reshape(n, self.hv * self.dv), self.w_out)
 
+    def _conv_in(self, x: torch.Tensor, conv_state: torch.Tensor):
+        """The in-projection and causal conv of a chunk x [N, H] after conv_state [C, K-1] ->
+        (mixed [N, C] after the conv and SiLU, z [N, Hv*dv], b, a [N, Hv], seq [C, K-1+N]: the
+        conv's inputs, from which the next conv state is taken)."""
+        mixed, z, b, a = self.in_proj(x)  # [N, C], [N, Hv*dv], [N, Hv], [N, Hv]
+        seq = torch.cat([conv_state, mixed.t().to(conv_state.dtype)], dim=-1)  # [C, K-1+N]
+        conv = F.conv1d(seq[None], self.conv_w[:, None, :], self.conv_b, groups=seq.shape[0])
+        return F.silu(conv[0]).t().to(x.dtype), z, b, a, seq
+
     def prefill(self, x: torch.Tensor, st: DecodeState, slot: int, start: int, capture=None) -> torch.Tensor:
         """x: [T, H] for one sequence, continuing from the state in `slot`. capture (a
         cache.prefix.StateCapture) receives the conv and recurrent state at its positions
@@ -170,11 +179,8 @@ class GatedDeltaNet:
             y = self.prefill_graphs.run_mixer(self, x, st.conv[self.layer][slot], st.rec[self.layer][slot])
             if y is not None:
                 return y
-        mixed, z, b, a = self.in_proj(x)  # [T, C], [T, Hv*dv], [T, Hv], [T, Hv]
         conv_state = st.conv[self.layer][slot]  # [C, K-1]
-        seq = torch.cat([conv_state, mixed.t().to(conv_state.dtype)], dim=-1)  # [C, K-1+T]
-        conv = F.conv1d(seq[None], self.conv_w[:, None, :], self.conv_b, groups=seq.shape[0])
-        mixed = F.silu(conv[0]).t().to(x.dtype)  # [T, C]
+        mixed, z, b, a, seq = self._conv_in(x, conv_state)  # mixed [T, C], seq [C, K-1+T]
         conv_state.copy_(seq[:, seq.shape[1] - conv_state.shape[1]:])
         rec = st.rec[self.layer][slot]  # [Hv, dk, dv] fp32
         done = None
@@ -200,11 +206,8 @@ class GatedDeltaNet:
         one sequence's, updated in place. The rows >= n get decay 0 and beta 0: they neither
         decay nor write the recurrent state (as the chunk rule's own padding), and the conv
         state is the K-1 inputs before row n. -> [B, H], rows >= n meaningless."""
-        mixed, z, b, a = self.in_proj(x)  # [B, C], [B, Hv*dv], [B, Hv], [B, Hv]
         w = conv_state.shape[1]
-        seq = torch.cat([conv_state, mixed.t().to(conv_state.dtype)], dim=-1)  # [C, K-1+B]
-        conv = F.conv1d(seq[None], self.conv_w[:, None, :], self.conv_b, groups=seq.shape[0])
-        mixed = F.silu(conv[0]).t().to(x.dtype)  # [B, C]
+        mixed, z, b, a, seq = self._conv_in(x, conv_state)  # mixed [B, C], seq [C, K-1+B]
         # column c of seq is input c - w: the inputs n-w .. n-1 are columns n .. n+w-1
         conv_state.copy_(seq.index_select(1, n + rows[:w]))
         real = (rows < n)[:, None]  # [B, 1]

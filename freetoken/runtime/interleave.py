@@ -58,9 +58,10 @@ OUTLIER = 2.0  # a sample over this many times the fit of the others is a stall,
 # ceiling, chunks keep that size even where the model asks for less, and where even GROW times
 # that cost stays under the ceiling (the worst case: a cost in proportion to the tokens), they
 # grow by GROW, once per RECENT forwards. Where a layer's cost is nearly flat in its tokens (the
-# H200 with the prompt chunks' MoE graphs: ~3 ms a layer from 32 to 512 tokens), the rate read
-# at small chunks is timing noise over a few tokens (+-0.5 ms over 32 tokens reads as 15 us a
-# token, ~10x the real one) and kept the chunks at 32-160 tokens: a 32k prompt at 407 tok/s
+# H200 with the prompt chunks' MoE graphs: a forward of 32 to 512 tokens cost 70-91 ms,
+# prefill-graphs-gpu.json), the rate read at small chunks is mostly timing noise over a few tokens
+# (for example, 0.5 ms over 32 tokens reads as 15 us a token) and kept the chunks at 32-160
+# tokens (p10/p90; costliest layer 2.98-7.37 ms): a 32k prompt at 407 tok/s
 # against 1,658 eagerly (benchmarks/README.md, interference-full-prefill-graphs). A measured
 # cost is no model. Growth stops at the largest chunk the prefill graphs take (`cap`): past
 # it a layer runs eagerly, several times dearer, a step no fit of this model sees coming. Only
@@ -258,9 +259,10 @@ class Interleaver:
         self.queued: list[int] = []  # indices of the layers queued since then
         # seconds of prompt work of layer i (EMA): layers differ (full attention reads the whole
         # context, a DeltaNet layer does not). Two tables where prefill graphs run (`cap`): a layer
-        # of a chunk they take costs a fraction of an eager one (on the H200 ~0.6 against ~3-4.5
-        # ms), and a short prompt's forward judged at the long prompt's eager costs got a decode
-        # step every layer or two (its TTFT 4.81x idle: benchmarks/README.md, twelfth session)
+        # of a chunk they take costs a fraction of an eager one (on the H200 a graphed 32-token
+        # forward took 22.7 ms, 0.57 ms a layer; the interleaved eager layers averaged 3.22 ms), and
+        # a short prompt's forward judged at the long prompt's eager costs got, very likely, a
+        # decode step every layer or two (its TTFT 4.81x idle: benchmarks/README.md, twelfth session)
         self._costs: dict[bool, dict[float, float]] = {False: {}, True: {}}
         self.cap: int | None = None  # the largest chunk the prefill graphs take (set by the loop; None: none)
         self.steps = 0  # decode steps run between layers (telemetry)

@@ -103,6 +103,7 @@ class PrefillGraphs:
         self.replays = 0
         self.bytes = 0  # device memory the graphs hold (their pool and the static buffers), set by attach
         self._lock = threading.Lock()  # stage + replay + copy-out as one step, whatever the thread
+        self._pool = None  # the graphs' shared memory pool (CUDA), made at the first capture
 
     def add(self, kind: str, blocks: list) -> None:
         if not blocks:
@@ -143,7 +144,7 @@ class PrefillGraphs:
         every (block of `kind`, bucket), largest bucket first. Returns the seconds it took. On a
         failure that kind's graphs are dropped and the error raised (the caller keeps eager)."""
         t0 = time.perf_counter()
-        if not hasattr(self, "_pool"):
+        if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         blocks = self.blocks.get(kind, [])
         with GRAPH_CAPTURE, torch.inference_mode():
