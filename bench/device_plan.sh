@@ -28,9 +28,10 @@
 # Call 19: the 32k interference rows with and without them.
 # Call 21: the graphs with the DeltaNet mixers, the headroom rule: tests, chunked prefill, interference.
 # Call 22: the prefill graphs up to 2,048-token chunks: chunked prefill, interference.
+# Call 23: the control kernel's compile time per call size (fill_cap), the streamed-prefill test.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22}
+STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -232,7 +233,13 @@ case "$STAGE" in
   step 200 interference python3 -m bench.interference --full-size --long 32768 --settings interleave \
     --prefill-graph-tokens 2048 --name interference-full-prefill-graphs-2048
   ;;
-*) echo "stage 0 to 22"; exit 2 ;;
+23) # 470 s: the control kernel's compile per call size, K sized by fill_cap against K = pairs
+  # (stage 20: the streamed-prefill test spent its 90 s in the warm-up's compiles), then that test
+  step 230 control-compile python3 -m bench.control_compile --experts 256 --layers 40 --slots 2048 --old-max 1024
+  FT_TAG=plan23 FT_PER_FILE=220 FT_K="cuda_streamed and single" FT_ARGS="-v --durations=0 -o faulthandler_timeout=200" \
+    bash bench/device_tests.sh tests/test_prefill_stream.py > /dev/null
+  ;;
+*) echo "stage 0 to 23"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)

@@ -53,7 +53,7 @@ import torch
 
 from ..kernels.expert_transfer import transfer_reference, transfer_triton, zero_copy_ok
 from ..kernels import use_triton
-from .control import CPU, MAX_PAIRS, POLICIES, Residency, control, warm_up_control
+from .control import CPU, MAX_PAIRS, POLICIES, Residency, control, fill_cap, warm_up_control
 from .executor import GRAPH_CAPTURE, NO_EXPERT, SILU, Activation, ExpertExecutor, Pending, TorchExpertExecutor
 
 log = logging.getLogger("freetoken.experts")
@@ -316,7 +316,7 @@ class CachedExpertExecutor(ExpertExecutor):
         t0 = time.perf_counter()
         try:
             warmed = warm_up_control(self.pool.res.slot_of.numel(), self.pool.slots, self.device, self.policy,
-                                     self.dtype)
+                                     self.dtype, layer_experts=self.layer_experts)
             torch.cuda.synchronize(self.device)
             log.info("expert cache control kernel compiled for %d call sizes (up to %d pairs) in %.1f s",
                      len(warmed), warmed[-1], time.perf_counter() - t0)
@@ -352,7 +352,8 @@ class CachedExpertExecutor(ExpertExecutor):
     def _call(self, x, ids, weights, layer, phase, share, fill_only, ahead=None) -> torch.Tensor:
         ids = ids.to(self.device)
         weights = weights.to(self.device)
-        ctl = control(ids, weights, self.pool.res, share, ids.numel(), self.policy)
+        ctl = control(ids, weights, self.pool.res, share, fill_cap(ids.numel(), self.layer_experts, self.pool.slots),
+                      self.policy)
         # at r = 1 a miss runs on the CPU only when the pool cannot hold the call's distinct
         # experts (fewer slots than pairs, a tiny pool): then the CPU branch must run
         cpu_branch = not fill_only or self.pool.slots < min(ids.numel(), self.layer_experts or ids.numel())

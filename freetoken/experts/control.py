@@ -66,6 +66,19 @@ GATE_CAP = 256.0  # a weight counts at most this much (keeps the fixed-point sum
 MAX_PAIRS = 4096  # pairs (T * k) per call the kernel's composite sort keys are sized for
 
 
+def fill_cap(pairs: int, layer_experts: int | None = None, slots: int | None = None) -> int:
+    """The K (max_fill) a call needs to fill every miss it may: a call is one MoE layer's, so
+    its distinct misses are at most min(pairs, experts per layer), and it fills at most the pool's
+    slots. Any larger K changes no output, but the kernel's fill-list sort and victim scan are
+    sized by K: at K = pairs a 4,096-pair prefill call compiled a [4096] top-k per scan chunk,
+    minutes of Triton compile on the H200 (benchmarks/README.md, thirteenth session)."""
+    k = pairs
+    for bound in (layer_experts, slots):
+        if bound:
+            k = min(k, bound)
+    return max(1, k)
+
+
 @dataclass
 class Residency:
     """Where each flat expert id lives in the slot pool; device tensors, updated in place.
@@ -485,7 +498,8 @@ def control_triton(ids, weights, res: Residency, fill_share, max_fill: int, poli
 
 
 def warm_up_control(num_flat_experts: int, num_slots: int, device, policy: str = "recent",
-                    weight_dtype: torch.dtype = torch.bfloat16, max_pairs: int = MAX_PAIRS) -> list[int]:
+                    weight_dtype: torch.dtype = torch.bfloat16, max_pairs: int = MAX_PAIRS,
+                    layer_experts: int | None = None) -> list[int]:
     """Compile the control kernel's variants before a request needs them: one per power of two
     of a call's (token, expert) pairs up to max_pairs, with every pair allowed to fill (as the
     cache's calls ask, decode and prefill alike), gate weights in weight_dtype (the model's
@@ -495,7 +509,8 @@ def warm_up_control(num_flat_experts: int, num_slots: int, device, policy: str =
     230 s limit in them on a fresh H200 (benchmarks/README.md, eleventh session). Runs on a
     scratch Residency of the pool's shape (the same scan blocks; the real one untouched). Not
     warmed: the lookahead's peek calls (decode only, compiled when the decode graphs are
-    captured at start-up). -> the pair counts warmed."""
+    captured at start-up). The fill list is sized as the cache's calls size it (fill_cap: K by
+    the layer's experts and the slots). -> the pair counts warmed."""
     res = Residency.empty(num_flat_experts, num_slots, device)
     share = torch.ones(1, dtype=torch.float32, device=device)
     g = torch.Generator().manual_seed(0)
@@ -503,7 +518,7 @@ def warm_up_control(num_flat_experts: int, num_slots: int, device, policy: str =
     while p <= max_pairs:
         ids = torch.randint(0, num_flat_experts, (p, 1), generator=g).to(device)  # [P, 1]
         w = torch.rand(p, 1, generator=g).to(device, weight_dtype)  # [P, 1]
-        control_triton(ids, w, res, share, p, policy)
+        control_triton(ids, w, res, share, fill_cap(p, layer_experts, num_slots), policy)
         warmed.append(p)
         p *= 2
     return warmed
