@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from freetoken.experts.control import (CPU, POLICIES, ControlOut, Residency, control,
-                                       control_reference, control_triton)
+                                       control_reference, control_triton, fill_cap)
 from freetoken.experts.executor import NO_EXPERT, reference_experts
 
 triton = pytest.importorskip("triton")
@@ -399,23 +399,58 @@ def _compiled_variants(kernel) -> int:
 
 def test_warm_up_compiles_every_prefill_call_size_in_advance():
     """The control kernel's prefill variants are compiled at load (warm_up_control): one per
-    power of two of the call's pairs, on a scratch residency. On the GPU, calls of any pair
-    count up to the bound (max_fill = their pairs, as the cache asks) then compile nothing more:
-    before, the fill count was a compile-time constant and every prompt size compiled its own
-    variant inside a request. Under the interpreter nothing compiles; the calls must still run
-    and leave a real residency's invariants as the reference does."""
+    power of two of the call's pairs, on a scratch residency, the fill list sized as the cache
+    sizes it (fill_cap). On the GPU, calls of any pair count up to the bound then compile
+    nothing more: before, the fill count was a compile-time constant and every prompt size
+    compiled its own variant inside a request. Under the interpreter nothing compiles; the calls
+    must still run and leave a real residency's invariants as the reference does."""
     from freetoken.experts.control import _control_kernel, warm_up_control
-    n, s = 96, 40
-    assert warm_up_control(n, s, DEV, "recent", torch.bfloat16, max_pairs=64) == [2, 4, 8, 16, 32, 64]
+    layers, experts, s = 3, 32, 40
+    n = layers * experts
+    assert warm_up_control(n, s, DEV, "recent", torch.bfloat16, max_pairs=128,
+                           layer_experts=experts) == [2, 4, 8, 16, 32, 64, 128]
     before = _compiled_variants(_control_kernel)
     g = torch.Generator().manual_seed(21)
     res, ref = Residency.empty(n, s, DEV), Residency.empty(n, s, "cpu")
-    for pairs in (3, 12, 13, 31, 50, 64):  # bf16 gate weights, as a bf16 model's router gives them
-        ids = torch.randint(0, n, (pairs, 1), generator=g)
+    for pairs in (3, 12, 13, 31, 50, 64, 100):  # bf16 gate weights, as a bf16 model's router gives them
+        base = int(torch.randint(0, layers, (1,), generator=g)) * experts  # one layer's experts per call
+        ids = base + torch.randint(0, experts, (pairs, 1), generator=g)
         w = torch.rand(pairs, 1, generator=g).to(torch.bfloat16)
-        one = torch.ones(1)
-        a = control_triton(ids.to(DEV), w.to(DEV), res, one.to(DEV), pairs, "recent")
-        b = control_reference(ids, w, ref, one, pairs, "recent")
+        one, k = torch.ones(1), fill_cap(pairs, experts, s)
+        a = control_triton(ids.to(DEV), w.to(DEV), res, one.to(DEV), k, "recent")
+        b = control_reference(ids, w, ref, one, k, "recent")
         assert torch.equal(a.route.cpu(), b.route) and torch.equal(res.slot_of.cpu(), ref.slot_of), pairs
     if DEV == "cuda":
         assert _compiled_variants(_control_kernel) == before
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_fill_cap_changes_no_output(policy):
+    """K = fill_cap(pairs, experts per layer, slots) fills exactly what K = pairs fills: a call's
+    distinct misses are one layer's experts at most, and no call fills more than the pool's slots.
+    Consecutive calls of one-layer routes, state carried, at every fill share; the fills compared
+    as their first n_fill entries (the lists' lengths differ)."""
+    assert fill_cap(4096, 256, 2048) == 256 and fill_cap(6, 256, 2048) == 6 and fill_cap(4096, None, 100) == 100
+    for case in range(6):
+        g = torch.Generator().manual_seed(70 + case)
+        layers, experts = 3, int(torch.randint(4, 13, (1,), generator=g))
+        n = layers * experts
+        s = int(torch.randint(1, n + 3, (1,), generator=g))
+        wide = Residency.empty(n, s, "cpu") if case % 2 == 0 else random_residency(g, n, s)
+        narrow = wide.clone()
+        for call in range(4):
+            t, k = int(torch.randint(1, 17, (1,), generator=g)), int(torch.randint(1, min(8, experts) + 1, (1,), generator=g))
+            ids, w = random_route(g, layers, experts, t, k, wide)
+            r = share(SHARES[int(torch.randint(0, 4, (1,), generator=g))])
+            if call == 0:  # every expert of a layer routed, fill-only: the call fills min(experts, slots)
+                ids = (torch.arange(experts) + experts * (case % layers)).view(experts, 1)  # [T, 1]
+                t, k, w, r = experts, 1, torch.rand(experts, 1, generator=g), share(1.0)
+            cap = fill_cap(t * k, experts, s)
+            a = control_reference(ids, w, wide, r, t * k, policy)
+            b = control_reference(ids, w, narrow, r, cap, policy)
+            where = f"case {case} call {call}: n={n} s={s} t={t} k={k} cap={cap}"
+            q = int(a.counts[0])
+            assert int(b.counts[0]) == q and torch.equal(a.counts, b.counts), where
+            assert torch.equal(a.route, b.route) and torch.equal(a.cpu_ids, b.cpu_ids), where
+            assert torch.equal(a.fill_src[:q], b.fill_src[:q]) and torch.equal(a.fill_dst[:q], b.fill_dst[:q]), where
+            assert same_res(wide, narrow), where
