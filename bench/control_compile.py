@@ -10,6 +10,7 @@ so a run stopped by its time limit keeps the rows it finished.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import tempfile
 import time
@@ -19,24 +20,46 @@ os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="ft-control-co
 import torch  # noqa: E402
 
 from bench.common import write_result  # noqa: E402
-from freetoken.experts.control import MAX_PAIRS, Residency, control_triton, fill_cap  # noqa: E402
+from freetoken.experts.control import (MAX_PAIRS, Residency, control_reference, control_triton,  # noqa: E402
+                                       control_warps, fill_cap)
 
 
-def first_and_second(n_flat: int, experts: int, slots: int, pairs: int, k: int, policy: str, dev) -> dict:
-    res = Residency.empty(n_flat, slots, dev)
-    share = torch.ones(1, dtype=torch.float32, device=dev)
+def first_and_second(n_flat: int, experts: int, slots: int, pairs: int, k: int, policy: str, dev,
+                     num_warps: int | None = None) -> dict:
+    """Two calls of `pairs` one-layer routes on a fresh pool (the first compiles), each checked
+    against the torch reference call for call (outputs and residency)."""
+    res, ref = Residency.empty(n_flat, slots, dev), Residency.empty(n_flat, slots, "cpu")
+    share = torch.ones(1, dtype=torch.float32)
     g = torch.Generator().manual_seed(pairs)
-    ids = torch.randint(0, experts, (pairs, 1), generator=g).to(dev)  # [P, 1] one layer's experts
-    w = torch.rand(pairs, 1, generator=g).to(dev, torch.bfloat16)  # [P, 1]
-    times = []
+    times, same = [], True
     for _ in range(2):
+        ids = torch.randint(0, experts, (pairs, 1), generator=g)  # [P, 1] one layer's experts
+        w = torch.rand(pairs, 1, generator=g).to(torch.bfloat16)  # [P, 1]
+        ids_d, w_d, share_d = ids.to(dev), w.to(dev), share.to(dev)
         torch.cuda.synchronize(dev)
         t0 = time.perf_counter()
-        control_triton(ids, w, res, share, k, policy)
+        out = control_triton(ids_d, w_d, res, share_d, k, policy, num_warps=num_warps)
         torch.cuda.synchronize(dev)
         times.append(time.perf_counter() - t0)
-    return {"pairs": pairs, "max_fill": k, "compile_s": round(times[0] - times[1], 2),
-            "run_ms": round(times[1] * 1e3, 3)}
+        want = control_reference(ids, w, ref, share, k, policy)
+        same = same and _equal(want, _cpu(out)) and _equal(ref, _cpu(res))
+    return {"pairs": pairs, "max_fill": k, "num_warps": num_warps or control_warps(max(2, 1 << (pairs - 1).bit_length())),
+            "compile_s": round(times[0] - times[1], 2), "run_ms": round(times[1] * 1e3, 3), "equals_reference": same}
+
+
+def _tensors(x) -> dict:
+    return {f.name: getattr(x, f.name) for f in dataclasses.fields(x) if isinstance(getattr(x, f.name), torch.Tensor)}
+
+
+def _cpu(x):
+    """A ControlOut or Residency with every tensor field on the CPU."""
+    return dataclasses.replace(x, **{n: t.cpu() for n, t in _tensors(x).items()})
+
+
+def _equal(a, b) -> bool:
+    """Every tensor field equal (a ControlOut or a Residency)."""
+    tb = _tensors(b)
+    return all(torch.equal(t, tb[n]) for n, t in _tensors(a).items())
 
 
 def main() -> None:
@@ -46,6 +69,8 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=2048)
     ap.add_argument("--policy", default="recent")
     ap.add_argument("--old-max", type=int, default=1024, help="largest pairs measured with K = pairs too")
+    ap.add_argument("--pairs", default="", help="comma-separated pair counts (default: every power of two)")
+    ap.add_argument("--warps", default="", help="comma-separated num_warps to measure beside the default rule")
     ap.add_argument("--name", default="control-compile")
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -53,19 +78,19 @@ def main() -> None:
     dev = torch.device("cuda")
     n_flat = a.experts * a.layers
     rows, total = [], {"fill_cap": 0.0, "pairs": 0.0}
-    p = 2
-    while p <= MAX_PAIRS:
-        sizings = [("fill_cap", fill_cap(p, a.experts, a.slots))]
+    sizes = [int(x) for x in a.pairs.split(",")] if a.pairs else [1 << i for i in range(1, MAX_PAIRS.bit_length())]
+    for p in sizes:
+        sizings = [("fill_cap", fill_cap(p, a.experts, a.slots), None)]
+        sizings += [("fill_cap", fill_cap(p, a.experts, a.slots), int(w)) for w in a.warps.split(",") if w]
         if p <= a.old_max and fill_cap(p, a.experts, a.slots) != p:
-            sizings.append(("pairs", p))
-        for sizing, k in sizings:
-            row = {"sizing": sizing, **first_and_second(n_flat, a.experts, a.slots, p, k, a.policy, dev)}
+            sizings.append(("pairs", p, None))
+        for sizing, k, warps in sizings:
+            row = {"sizing": sizing, **first_and_second(n_flat, a.experts, a.slots, p, k, a.policy, dev, warps)}
             total[sizing] += row["compile_s"]
             rows.append(row)
             print(row, flush=True)
             write_result(a.name, {"experts": a.experts, "layers": a.layers, "slots": a.slots, "policy": a.policy,
                                   "rows": rows, "compile_s_total": {s: round(v, 2) for s, v in total.items()}})
-        p *= 2
 
 
 if __name__ == "__main__":

@@ -29,9 +29,10 @@
 # Call 21: the graphs with the DeltaNet mixers, the headroom rule: tests, chunked prefill, interference.
 # Call 22: the prefill graphs up to 2,048-token chunks: chunked prefill, interference.
 # Call 23: the control kernel's compile time per call size (fill_cap), the streamed-prefill test.
+# Call 24: the control kernel's large variants with more warps.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23}
+STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -239,7 +240,11 @@ case "$STAGE" in
   FT_TAG=plan23 FT_PER_FILE=220 FT_K="cuda_streamed and single" FT_ARGS="-v --durations=0 -o faulthandler_timeout=200" \
     bash bench/device_tests.sh tests/test_prefill_stream.py > /dev/null
   ;;
-*) echo "stage 0 to 23"; exit 2 ;;
+24) # 220 s: the control kernel's 2,048- and 4,096-pair variants at control_warps' 8 and 16 warps
+  # (stage 23 at 4 warps: 42 and 51 s of compile), checked against the reference
+  step 150 control-compile python3 -m bench.control_compile --pairs 2048,4096 --old-max 0 --name control-compile-warps
+  ;;
+*) echo "stage 0 to 24"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)

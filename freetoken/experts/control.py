@@ -472,10 +472,11 @@ if HAS_TRITON:
 
 def control_triton(ids, weights, res: Residency, fill_share, max_fill: int, policy: str = "recent",
                    out: ControlOut | None = None, topk: bool | None = None,
-                   block_s: int | None = None, peek: bool = False) -> ControlOut:
+                   block_s: int | None = None, peek: bool = False, num_warps: int | None = None) -> ControlOut:
     """The Triton kernel: one single-program launch, no host sync, CUDA-graph capturable.
     topk: use tl.topk in the victim scan (default: when this Triton has it); block_s: slots
-    per chunk of the scan (default up to 1024; a power of two, at least K's)."""
+    per chunk of the scan (default up to 1024; a power of two, at least K's); num_warps:
+    default control_warps(pairs)."""
     _check_args(ids, weights, res, fill_share, max_fill, policy)
     t, k = ids.shape
     pairs, s = t * k, res.num_slots
@@ -493,8 +494,16 @@ def control_triton(ids, weights, res: Residency, fill_share, max_fill: int, poli
         out.route, out.fill_src, out.fill_dst, out.cpu_ids, out.counts,
         pairs, s, res.num_flat_experts, res.half, max_fill, P_PAD=p_pad, K_PAD=k_pad, BLOCK_S=block_s,
         RECENT=policy == "recent", LFU=policy == "lfu", TOPK=topk, TICK=not peek,
-        COUNT=policy == "lfu" and not peek, num_warps=4, enable_fp_fusion=False)
+        COUNT=policy == "lfu" and not peek, num_warps=num_warps or control_warps(p_pad), enable_fp_fusion=False)
     return out
+
+
+def control_warps(p_pad: int) -> int:
+    """Warps of the control program for a call of p_pad (padded) pairs: 4 up to 1,024 pairs, then
+    about 8 pairs per thread (16 warps at 4,096). Each thread's share of the [P_PAD] sorts is
+    unrolled code: at 4 warps a 4,096-pair variant (32 a thread) took 51 s to compile on the H200
+    (benchmarks/results/control-compile-gpu.json)."""
+    return max(4, min(16, p_pad // 256))
 
 
 def warm_up_control(num_flat_experts: int, num_slots: int, device, policy: str = "recent",
