@@ -21,7 +21,7 @@ import torch  # noqa: E402
 
 from bench.common import write_result  # noqa: E402
 from freetoken.experts.control import (MAX_PAIRS, Residency, control_reference, control_triton,  # noqa: E402
-                                       control_warps, fill_cap)
+                                       control_warps, fill_cap, pair_bucket)
 
 
 def first_and_second(n_flat: int, experts: int, slots: int, pairs: int, k: int, policy: str, dev,
@@ -43,8 +43,16 @@ def first_and_second(n_flat: int, experts: int, slots: int, pairs: int, k: int, 
         times.append(time.perf_counter() - t0)
         want = control_reference(ids, w, ref, share, k, policy)
         same = same and _equal(want, _cpu(out)) and _equal(ref, _cpu(res))
-    return {"pairs": pairs, "max_fill": k, "num_warps": num_warps or control_warps(max(2, 1 << (pairs - 1).bit_length())),
+    return {"pairs": pairs, "max_fill": k, "num_warps": num_warps or control_warps(pair_bucket(pairs)),
             "compile_s": round(times[0] - times[1], 2), "run_ms": round(times[1] * 1e3, 3), "equals_reference": same}
+
+
+def buckets() -> list[int]:
+    """The pair buckets the cache's warm-up compiles, up to MAX_PAIRS."""
+    out = [pair_bucket(1)]
+    while out[-1] < MAX_PAIRS:
+        out.append(pair_bucket(out[-1] + 1))
+    return out
 
 
 def _tensors(x) -> dict:
@@ -69,7 +77,7 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=2048)
     ap.add_argument("--policy", default="recent")
     ap.add_argument("--old-max", type=int, default=1024, help="largest pairs measured with K = pairs too")
-    ap.add_argument("--pairs", default="", help="comma-separated pair counts (default: every power of two)")
+    ap.add_argument("--pairs", default="", help="comma-separated pair counts (default: each pair_bucket, as warmed)")
     ap.add_argument("--warps", default="", help="comma-separated num_warps to measure beside the default rule")
     ap.add_argument("--name", default="control-compile")
     a = ap.parse_args()
@@ -78,7 +86,7 @@ def main() -> None:
     dev = torch.device("cuda")
     n_flat = a.experts * a.layers
     rows, total = [], {"fill_cap": 0.0, "pairs": 0.0}
-    sizes = [int(x) for x in a.pairs.split(",")] if a.pairs else [1 << i for i in range(1, MAX_PAIRS.bit_length())]
+    sizes = [int(x) for x in a.pairs.split(",")] if a.pairs else buckets()
     for p in sizes:
         sizings = [("fill_cap", fill_cap(p, a.experts, a.slots), None)]
         sizings += [("fill_cap", fill_cap(p, a.experts, a.slots), int(w)) for w in a.warps.split(",") if w]

@@ -30,9 +30,10 @@
 # Call 22: the prefill graphs up to 2,048-token chunks: chunked prefill, interference.
 # Call 23: the control kernel's compile time per call size (fill_cap), the streamed-prefill test.
 # Call 24: the control kernel's large variants with more warps.
+# Call 25: the control kernel's pair buckets, its GPU tests, the interference row with cost_model.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24}
+STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -244,7 +245,15 @@ case "$STAGE" in
   # (stage 23 at 4 warps: 42 and 51 s of compile), checked against the reference
   step 150 control-compile python3 -m bench.control_compile --pairs 2048,4096 --old-max 0 --name control-compile-warps
   ;;
-*) echo "stage 0 to 24"; exit 2 ;;
+25) # 560 s, written for the next session: the control kernel's five pair buckets (the whole
+  # warm-up's compile, fresh cache), test_expert_control.py whole on the GPU, the 32k interference
+  # row with graphs to 2,048 and the cost_model field (which layer is each forward's costliest)
+  step 130 control-compile python3 -m bench.control_compile --old-max 0 --name control-compile-buckets
+  FT_TAG=plan25 FT_PER_FILE=200 FT_ARGS="--durations=10" bash bench/device_tests.sh tests/test_expert_control.py > /dev/null
+  step 200 interference python3 -m bench.interference --full-size --long 32768 --settings interleave \
+    --prefill-graph-tokens 2048 --name interference-full-costs
+  ;;
+*) echo "stage 0 to 25"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)

@@ -194,10 +194,31 @@ def run_setting(eng, name: str, a) -> dict:
     out["hit_rate"] = ex_stats.get("hit_rate")
     out["longest_gaps"] = anatomy(srv.events, pairs)
     out["prompt_chunks"] = chunk_summary(srv.between.history)
+    out["cost_model"] = cost_summary(srv.between, srv._decode_s)
     out["prefill_graph_replays"] = graphs.replays if graphs is not None and graphs.enabled else 0
     out["prefill_graphed"] = sorted(graphs.blocks) if graphs is not None and graphs.enabled else []
     out["p99_gap_over_unloaded_p50"] = round(quantile(loaded, 0.99) / statistics.median(unloaded), 2)
     out["short_ttft_over_idle"] = round(short_ttft / idle_ttft, 2)
+    return out
+
+
+def cost_summary(between, decode_s=None) -> dict:
+    """What sized the chunks at the end of the run: the learned cost of each point (layer index;
+    i + 0.5 a layer's MLP) of graphed and eager forwards, the costliest six of each, which points
+    were each forward's costliest (how often), and the cost model's fit (fixed part, rate) against
+    its ceiling. Where the costliest layer's cost is flat in the chunk's tokens and above the
+    ceiling, the chunk sizing stops capping the chunk (CostModel.tokens_within)."""
+    from collections import Counter
+
+    from freetoken.runtime.interleave import GAP_CEILING
+    top = lambda table: {str(k): round(v * 1e3, 2) for k, v in sorted(table.items(), key=lambda kv: -kv[1])[:6]}  # noqa: E731
+    out = {"layer_ms_top6": {"graphed": top(between._costs[True]), "eager": top(between._costs[False])},
+           "costliest_point_counts": {str(k): n for k, n in Counter(between.costliest_at).most_common(6)}}
+    fit = between.samples.fit()
+    if fit is not None:
+        out["fixed_ms"], out["per_token_us"] = round(fit[0] * 1e3, 3), round(fit[1] * 1e6, 4)
+    if decode_s:
+        out["ceiling_ms"] = round((max(between.slowdown, GAP_CEILING) - 1) * decode_s * 1e3, 2)
     return out
 
 

@@ -353,7 +353,7 @@ class CachedExpertExecutor(ExpertExecutor):
         ids = ids.to(self.device)
         weights = weights.to(self.device)
         ctl = control(ids, weights, self.pool.res, share, fill_cap(ids.numel(), self.layer_experts, self.pool.slots),
-                      self.policy)
+                      self.policy)  # K per pair bucket: the variants warm_up_control compiled
         # at r = 1 a miss runs on the CPU only when the pool cannot hold the call's distinct
         # experts (fewer slots than pairs, a tiny pool): then the CPU branch must run
         cpu_branch = not fill_only or self.pool.slots < min(ids.numel(), self.layer_experts or ids.numel())

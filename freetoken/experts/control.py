@@ -66,13 +66,25 @@ GATE_CAP = 256.0  # a weight counts at most this much (keeps the fixed-point sum
 MAX_PAIRS = 4096  # pairs (T * k) per call the kernel's composite sort keys are sized for
 
 
+def pair_bucket(pairs: int) -> int:
+    """The padded pair count (P_PAD) the kernel is compiled for: 16, 64, 256, 1,024 or 4,096.
+    Each P_PAD is a separate Triton compile of seconds to tens of seconds (bench.control_compile:
+    2.8 s at 2 pairs, 30 s at 4,096 on the H200); powers of four need five variants where powers
+    of two needed twelve, and the sorts of a [4x] padded call cost a few microseconds more."""
+    b = 16
+    while b < pairs:
+        b *= 4
+    return b
+
+
 def fill_cap(pairs: int, layer_experts: int | None = None, slots: int | None = None) -> int:
     """The K (max_fill) a call needs to fill every miss it may: a call is one MoE layer's, so
     its distinct misses are at most min(pairs, experts per layer), and it fills at most the pool's
-    slots. Any larger K changes no output, but the kernel's fill-list sort and victim scan are
-    sized by K: at K = pairs a 4,096-pair prefill call compiled a [4096] top-k per scan chunk,
-    minutes of Triton compile on the H200 (benchmarks/README.md, thirteenth session)."""
-    k = pairs
+    slots. Any larger K changes no output, so pairs count as their bucket (pair_bucket): one K,
+    and one compiled variant, per bucket. K sizes the kernel's fill-list sort and victim scan:
+    at K = pairs a 4,096-pair prefill call compiled a [4096] top-k per scan chunk, minutes of
+    Triton compile on the H200 (benchmarks/README.md, thirteenth session)."""
+    k = pair_bucket(pairs)
     for bound in (layer_experts, slots):
         if bound:
             k = min(k, bound)
@@ -482,7 +494,7 @@ def control_triton(ids, weights, res: Residency, fill_share, max_fill: int, poli
     pairs, s = t * k, res.num_slots
     assert 1 <= pairs <= MAX_PAIRS, f"{pairs} pairs: the kernel handles 1..{MAX_PAIRS}"
     out = out or ControlOut.empty(t, k, max_fill, ids.device)
-    p_pad = max(2, triton.next_power_of_2(pairs))
+    p_pad = pair_bucket(pairs)
     k_pad = max(2, triton.next_power_of_2(max_fill))
     block_s = max(k_pad, block_s or min(1024, triton.next_power_of_2(s)))
     assert block_s & (block_s - 1) == 0
@@ -509,25 +521,26 @@ def control_warps(p_pad: int) -> int:
 def warm_up_control(num_flat_experts: int, num_slots: int, device, policy: str = "recent",
                     weight_dtype: torch.dtype = torch.bfloat16, max_pairs: int = MAX_PAIRS,
                     layer_experts: int | None = None) -> list[int]:
-    """Compile the control kernel's variants before a request needs them: one per power of two
-    of a call's (token, expert) pairs up to max_pairs, with every pair allowed to fill (as the
-    cache's calls ask, decode and prefill alike), gate weights in weight_dtype (the model's
-    activations: Triton compiles a variant per pointer type). The kernel is one program sized
-    by those powers, so each is a separate compile. Unwarmed, a serving engine compiled them
+    """Compile the control kernel's variants before a request needs them: one per bucket of a
+    call's (token, expert) pairs (pair_bucket) up to max_pairs, with every pair allowed to fill
+    (as the cache's calls ask, decode and prefill alike), gate weights in weight_dtype (the
+    model's activations: Triton compiles a variant per pointer type). The kernel is one program
+    sized by the bucket, so each is a separate compile. Unwarmed, a serving engine compiled them
     inside its first prompts of each size: a CUDA test of streamed prefill spent its whole
     230 s limit in them on a fresh H200 (benchmarks/README.md, eleventh session). Runs on a
     scratch Residency of the pool's shape (the same scan blocks; the real one untouched). Not
     warmed: the lookahead's peek calls (decode only, compiled when the decode graphs are
     captured at start-up). The fill list is sized as the cache's calls size it (fill_cap: K by
-    the layer's experts and the slots). -> the pair counts warmed."""
+    the layer's experts and the slots). -> the buckets warmed."""
     res = Residency.empty(num_flat_experts, num_slots, device)
     share = torch.ones(1, dtype=torch.float32, device=device)
     g = torch.Generator().manual_seed(0)
-    warmed, p = [], 2
-    while p <= max_pairs:
+    warmed, b = [], pair_bucket(1)
+    while b <= pair_bucket(max_pairs):
+        p = min(b, max_pairs)  # the bucket's largest call
         ids = torch.randint(0, num_flat_experts, (p, 1), generator=g).to(device)  # [P, 1]
         w = torch.rand(p, 1, generator=g).to(device, weight_dtype)  # [P, 1]
         control_triton(ids, w, res, share, fill_cap(p, layer_experts, num_slots), policy)
-        warmed.append(p)
-        p *= 2
+        warmed.append(b)
+        b *= 4
     return warmed

@@ -274,6 +274,7 @@ class Interleaver:
         self.this_forward: dict[int, float] = {}  # layer -> seconds, in the forward in flight
         self.history: deque[tuple[int, float]] = deque(maxlen=4096)  # (tokens, costliest layer s)
         # of the latest forwards (telemetry: bench.interference's chunk sizes)
+        self.costliest_at: deque[float] = deque(maxlen=4096)  # which point was that layer (telemetry)
         self.mid_layer = MID_LAYER  # points between a layer's mixer and MLP too (keys i + 0.5)
 
     @property
@@ -354,8 +355,10 @@ class Interleaver:
         prompt's (first_tokens): its layers at its own short context would mislead the chunk
         size of a long prompt."""
         if self.this_forward and self.tokens and not self.first_tokens:
-            self.samples.add(self.tokens, max(self.this_forward.values()))
-            self.history.append((self.tokens, max(self.this_forward.values())))
+            worst = max(self.this_forward, key=self.this_forward.get)
+            self.samples.add(self.tokens, self.this_forward[worst])
+            self.history.append((self.tokens, self.this_forward[worst]))
+            self.costliest_at.append(worst)
         self.this_forward = {}
 
     def budget(self, decode_s: float | None, costs=(), layers: int = 1, cap: int | None = None) -> int | None:
