@@ -1,6 +1,7 @@
 """Compile time of the expert cache's control kernel per call size: what the cache's start-up
-warm-up (control.warm_up_control) costs, with the fill list sized by fill_cap (K up to the
-layer's experts) and, for comparison, sized by the call's pairs as before (K = pairs).
+warm-up (control.warm_up_control) costs, with the fill list as the cache sizes it (fill_cap, padded
+by fill_pad: up to the layer's experts) and, for comparison, sized by the call's pairs as before
+(K = pairs); --warps adds rows at other warp counts (their own totals).
 
 Each (pairs, K) row is a fresh Triton compile (a fresh cache directory for the run): the first
 call's seconds are the compile, the second call's the run. The JSON is rewritten after every row,
@@ -21,11 +22,11 @@ import torch  # noqa: E402
 
 from bench.common import write_result  # noqa: E402
 from freetoken.experts.control import (MAX_PAIRS, Residency, control_reference, control_triton,  # noqa: E402
-                                       control_warps, fill_cap, pair_bucket)
+                                       control_warps, fill_cap, fill_pad, pair_bucket)
 
 
 def first_and_second(n_flat: int, experts: int, slots: int, pairs: int, k: int, policy: str, dev,
-                     num_warps: int | None = None) -> dict:
+                     num_warps: int | None = None, k_pad: int | None = None) -> dict:
     """Two calls of `pairs` one-layer routes on a fresh pool (the first compiles), each checked
     against the torch reference call for call (outputs and residency)."""
     res, ref = Residency.empty(n_flat, slots, dev), Residency.empty(n_flat, slots, "cpu")
@@ -38,12 +39,12 @@ def first_and_second(n_flat: int, experts: int, slots: int, pairs: int, k: int, 
         ids_d, w_d, share_d = ids.to(dev), w.to(dev), share.to(dev)
         torch.cuda.synchronize(dev)
         t0 = time.perf_counter()
-        out = control_triton(ids_d, w_d, res, share_d, k, policy, num_warps=num_warps)
+        out = control_triton(ids_d, w_d, res, share_d, k, policy, num_warps=num_warps, k_pad=k_pad)
         torch.cuda.synchronize(dev)
         times.append(time.perf_counter() - t0)
         want = control_reference(ids, w, ref, share, k, policy)
         same = same and _equal(want, _cpu(out)) and _equal(ref, _cpu(res))
-    return {"pairs": pairs, "max_fill": k, "num_warps": num_warps or control_warps(pair_bucket(pairs)),
+    return {"pairs": pairs, "max_fill": k, "k_pad": k_pad or max(2, 1 << (k - 1).bit_length()), "num_warps": num_warps or control_warps(pair_bucket(pairs)),
             "compile_s": round(times[0] - times[1], 2), "run_ms": round(times[1] * 1e3, 3), "equals_reference": same}
 
 
@@ -88,13 +89,14 @@ def main() -> None:
     rows, total = [], {"fill_cap": 0.0, "pairs": 0.0}
     sizes = [int(x) for x in a.pairs.split(",")] if a.pairs else buckets()
     for p in sizes:
-        sizings = [("fill_cap", fill_cap(p, a.experts, a.slots), None)]
-        sizings += [("fill_cap", fill_cap(p, a.experts, a.slots), int(w)) for w in a.warps.split(",") if w]
-        if p <= a.old_max and fill_cap(p, a.experts, a.slots) != p:
-            sizings.append(("pairs", p, None))
-        for sizing, k, warps in sizings:
-            row = {"sizing": sizing, **first_and_second(n_flat, a.experts, a.slots, p, k, a.policy, dev, warps)}
-            total[sizing] += row["compile_s"]
+        cap, pad = fill_cap(p, a.experts, a.slots), fill_pad(p, a.experts, a.slots)
+        sizings = [("fill_cap", cap, None, pad)]  # as the cache calls it
+        sizings += [(f"warps{w}", cap, int(w), pad) for w in a.warps.split(",") if w]
+        if p <= a.old_max and cap != p:
+            sizings.append(("pairs", p, None, None))  # K = pairs, as before 028d37b
+        for sizing, k, warps, k_pad in sizings:
+            row = {"sizing": sizing, **first_and_second(n_flat, a.experts, a.slots, p, k, a.policy, dev, warps, k_pad)}
+            total[sizing] = total.get(sizing, 0.0) + row["compile_s"]
             rows.append(row)
             print(row, flush=True)
             write_result(a.name, {"experts": a.experts, "layers": a.layers, "slots": a.slots, "policy": a.policy,

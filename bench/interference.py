@@ -217,7 +217,7 @@ def cost_summary(between, decode_s=None) -> dict:
     fit = between.samples.fit()
     if fit is not None:
         out["fixed_ms"], out["per_token_us"] = round(fit[0] * 1e3, 3), round(fit[1] * 1e6, 4)
-    if decode_s:
+    if decode_s and between.enabled:  # no ceiling where nothing interleaves
         out["ceiling_ms"] = round((max(between.slowdown, GAP_CEILING) - 1) * decode_s * 1e3, 2)
     return out
 

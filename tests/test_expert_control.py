@@ -5,12 +5,14 @@ fills) plus from the host banks (the CPU set) give exactly the all-resident outp
 
 On a CPU machine the kernel runs under TRITON_INTERPRET=1 (set in conftest.py).
 """
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 from freetoken.experts.control import (CPU, POLICIES, ControlOut, Residency, control,
-                                       control_reference, control_triton, fill_cap)
+                                       control_reference, control_triton, fill_cap, fill_pad)
 from freetoken.experts.executor import NO_EXPERT, reference_experts
 
 triton = pytest.importorskip("triton")
@@ -87,6 +89,10 @@ def share(r):
 
 def same_out(a, b):
     return all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("route", "fill_src", "fill_dst", "cpu_ids", "counts"))
+
+
+def to_cpu(out: ControlOut) -> ControlOut:
+    return dataclasses.replace(out, **{f.name: getattr(out, f.name).cpu() for f in dataclasses.fields(out)})
 
 
 def same_res(a, b):
@@ -373,6 +379,26 @@ def test_end_to_end_slots_plus_cpu_equal_all_resident(policy, r):
         assert torch.equal(slot_dn[held], host_dn[res.id_of[held].long()])
 
 
+@pytest.mark.parametrize("policy,calls", [(p, ((257, 1), (65, 4), (52, 5))) for p in POLICIES]
+                         + [("lfu", ((1025, 1),))])
+def test_kernel_large_buckets(policy, calls):
+    """The kernel at the prefill buckets (257-260 pairs: P_PAD 1,024; 1,025: 4,096, 16 warps on a
+    GPU), its fill list padded as the cache pads it (fill_pad), equals the reference on every
+    output and the residency: one layer's experts, state carried, the third call a peek. (The
+    interpreter takes ~15 s a 4,096-pair call: one.)"""
+    g = torch.Generator().manual_seed(90 + len(policy) + len(calls))
+    layers, experts, s = 2, 64, 48
+    ref = random_residency(g, layers * experts, s)
+    got = to(ref, DEV)
+    for call, (t, k) in enumerate(calls):
+        ids, w = random_route(g, layers, experts, t, k, ref)
+        r, peek = share(SHARES[call % 4]), call == 2
+        cap, pad = fill_cap(t * k, experts, s), fill_pad(t * k, experts, s)
+        a = control_reference(ids, w, ref, r, cap, policy, peek=peek)
+        b = control_triton(ids, w, got, r, cap, policy, k_pad=pad, peek=peek)
+        assert same_out(a, b) and same_res(ref, got), f"call {call}: t={t} k={k}"
+
+
 def test_control_dispatch_and_buffers_reused():
     """control() takes the reference for CPU tensors (the kernel on CUDA); `out` buffers
     holding stale values are overwritten entirely, in place."""
@@ -399,8 +425,8 @@ def _compiled_variants(kernel) -> int:
 
 def test_warm_up_compiles_every_prefill_call_size_in_advance():
     """The control kernel's prefill variants are compiled at load (warm_up_control): one per
-    power of two of the call's pairs, on a scratch residency, the fill list sized as the cache
-    sizes it (fill_cap). On the GPU, calls of any pair count up to the bound then compile
+    pair bucket (16, 64, 256, ...), on a scratch residency, the fill list padded as the cache
+    pads it (fill_pad). On the GPU, calls of any pair count up to the bound then compile
     nothing more: before, the fill count was a compile-time constant and every prompt size
     compiled its own variant inside a request. Under the interpreter nothing compiles; the calls
     must still run and leave a real residency's invariants as the reference does."""
@@ -416,22 +442,24 @@ def test_warm_up_compiles_every_prefill_call_size_in_advance():
         base = int(torch.randint(0, layers, (1,), generator=g)) * experts  # one layer's experts per call
         ids = base + torch.randint(0, experts, (pairs, 1), generator=g)
         w = torch.rand(pairs, 1, generator=g).to(torch.bfloat16)
-        one, k = torch.ones(1), fill_cap(pairs, experts, s)
-        a = control_triton(ids.to(DEV), w.to(DEV), res, one.to(DEV), k, "recent")
+        one, k, pad = torch.ones(1), fill_cap(pairs, experts, s), fill_pad(pairs, experts, s)
+        a = control_triton(ids.to(DEV), w.to(DEV), res, one.to(DEV), k, "recent", k_pad=pad)
         b = control_reference(ids, w, ref, one, k, "recent")
-        assert torch.equal(a.route.cpu(), b.route) and torch.equal(res.slot_of.cpu(), ref.slot_of), pairs
+        assert same_out(to_cpu(a), b) and same_res(to(res, "cpu"), ref), pairs
     if DEV == "cuda":
         assert _compiled_variants(_control_kernel) == before
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_fill_cap_changes_no_output(policy):
+def test_fill_cap_changes_no_output(policy):  # the reference's reasoning; the kernel: test_kernel_large_buckets
     """K = fill_cap(pairs, experts per layer, slots) fills exactly what K = pairs fills: a call's
     distinct misses are one layer's experts at most, and no call fills more than the pool's slots.
     Consecutive calls of one-layer routes, state carried, at every fill share; the fills compared
     as their first n_fill entries (the lists' lengths differ)."""
-    assert fill_cap(4096, 256, 2048) == 256 and fill_cap(6, 256, 2048) == 16 and fill_cap(4096, None, 100) == 100
-    assert fill_cap(17, 256, 2048) == 64 and fill_cap(2, 8, 2048) == 8  # one K per pair bucket
+    assert fill_cap(4096, 256, 2048) == 256 and fill_cap(6, 256, 2048) == 6 and fill_cap(4096, None, 100) == 100
+    # the static size: one per pair bucket (16, 64, 256, ...), within the layer's experts and the slots
+    assert fill_pad(6, 256, 2048) == 16 and fill_pad(17, 256, 2048) == 64 and fill_pad(4096, 256, 2048) == 256
+    assert fill_pad(2, 8, 2048) == 8 and fill_pad(3000, 256, 100) == 128
     for case in range(6):
         g = torch.Generator().manual_seed(70 + case)
         layers, experts = 3, int(torch.randint(4, 13, (1,), generator=g))

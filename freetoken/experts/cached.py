@@ -53,7 +53,7 @@ import torch
 
 from ..kernels.expert_transfer import transfer_reference, transfer_triton, zero_copy_ok
 from ..kernels import use_triton
-from .control import CPU, MAX_PAIRS, POLICIES, Residency, control, fill_cap, warm_up_control
+from .control import CPU, MAX_PAIRS, POLICIES, Residency, control, fill_cap, fill_pad, warm_up_control
 from .executor import GRAPH_CAPTURE, NO_EXPERT, SILU, Activation, ExpertExecutor, Pending, TorchExpertExecutor
 
 log = logging.getLogger("freetoken.experts")
@@ -339,6 +339,8 @@ class CachedExpertExecutor(ExpertExecutor):
             raise RuntimeError("the expert cache has no slots yet: allocate() comes with the memory plan")
         t, k = ids.shape
         step = max(1, MAX_PAIRS // k)  # tokens per control call
+        if step >= 8:  # a multiple of 8 tokens: each slice's ids and bf16 weights start 16-byte aligned,
+            step -= step % 8  # as the warmed variants assume (else Triton compiles another in a request)
         if self.is_frozen and phase != "decode":
             raise RuntimeError("only decode calls may run while the expert cache is frozen (a streamed pass)")
         share = self.fill_share if phase == "decode" else self._fill_only
@@ -352,8 +354,11 @@ class CachedExpertExecutor(ExpertExecutor):
     def _call(self, x, ids, weights, layer, phase, share, fill_only, ahead=None) -> torch.Tensor:
         ids = ids.to(self.device)
         weights = weights.to(self.device)
-        ctl = control(ids, weights, self.pool.res, share, fill_cap(ids.numel(), self.layer_experts, self.pool.slots),
-                      self.policy)  # K per pair bucket: the variants warm_up_control compiled
+        n, bounds = ids.numel(), (self.layer_experts, self.pool.slots)
+        # the fill list as long as this call can fill (the transfer runs over it), padded per pair
+        # bucket: the kernel variants warm_up_control compiled. The call's ids are one layer's
+        # (every MoE block calls once per layer), so its distinct misses are at most layer_experts
+        ctl = control(ids, weights, self.pool.res, share, fill_cap(n, *bounds), self.policy, k_pad=fill_pad(n, *bounds))
         # at r = 1 a miss runs on the CPU only when the pool cannot hold the call's distinct
         # experts (fewer slots than pairs, a tiny pool): then the CPU branch must run
         cpu_branch = not fill_only or self.pool.slots < min(ids.numel(), self.layer_experts or ids.numel())

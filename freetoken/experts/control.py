@@ -77,18 +77,32 @@ def pair_bucket(pairs: int) -> int:
     return b
 
 
+assert pair_bucket(MAX_PAIRS) == MAX_PAIRS, "the sort keys are sized for MAX_PAIRS: keep it a bucket"
+
+
 def fill_cap(pairs: int, layer_experts: int | None = None, slots: int | None = None) -> int:
     """The K (max_fill) a call needs to fill every miss it may: a call is one MoE layer's, so
     its distinct misses are at most min(pairs, experts per layer), and it fills at most the pool's
-    slots. Any larger K changes no output, so pairs count as their bucket (pair_bucket): one K,
-    and one compiled variant, per bucket. K sizes the kernel's fill-list sort and victim scan:
-    at K = pairs a 4,096-pair prefill call compiled a [4096] top-k per scan chunk, minutes of
-    Triton compile on the H200 (benchmarks/README.md, thirteenth session)."""
-    k = pair_bucket(pairs)
+    slots. Any larger K changes no output. The kernel's fill-list sort and victim scan are sized
+    by K's padding (fill_pad): at K = pairs a 4,096-pair prefill call compiled a [4096] top-k per
+    scan chunk, minutes of Triton compile on the H200 (benchmarks/README.md, thirteenth session)."""
+    k = pairs
     for bound in (layer_experts, slots):
         if bound:
             k = min(k, bound)
     return max(1, k)
+
+
+def fill_pad(pairs: int, layer_experts: int | None = None, slots: int | None = None) -> int:
+    """The fill list's static size (K_PAD) for a call of `pairs`: fill_cap of its pair bucket, so
+    one compiled variant serves every call of the bucket, while the list itself (and the transfer
+    launched over it, once per decode layer) keeps the call's own fill_cap entries."""
+    return _pow2(fill_cap(pair_bucket(pairs), layer_experts, slots))
+
+
+def _pow2(n: int) -> int:
+    """The next power of two >= n, at least 2 (a tl.arange's smallest useful size)."""
+    return max(2, 1 << (n - 1).bit_length())
 
 
 @dataclass
@@ -184,7 +198,8 @@ class ControlOut:
 
 
 def control(ids: torch.Tensor, weights: torch.Tensor, res: Residency, fill_share: torch.Tensor,
-            max_fill: int, policy: str = "recent", out: ControlOut | None = None, peek: bool = False) -> ControlOut:
+            max_fill: int, policy: str = "recent", out: ControlOut | None = None, peek: bool = False,
+            k_pad: int | None = None) -> ControlOut:
     """One control step for one MoE layer call (see the module docstring).
 
     ids [T, k] int flat ids of one layer (or NO_EXPERT); weights [T, k] gate weights;
@@ -193,11 +208,12 @@ def control(ids: torch.Tensor, weights: torch.Tensor, res: Residency, fill_share
     peek: a step for routes that are only predicted (the cache's lookahead): the clock does not
     advance (hits and fills are stamped with the last call's clock), `seen`, the lfu scores and
     the carried credit are left alone, and no slot the last call used (stamp == clock) is a
-    victim; the policy's state stays what the real routes made it.
+    victim; the policy's state stays what the real routes made it. k_pad: the kernel's static
+    fill-list size (>= max_fill; default its next power of two; the cache passes fill_pad).
     Residency is updated in place. The Triton kernel for CUDA tensors, else the reference.
     """
     if use_triton(ids):
-        return control_triton(ids, weights, res, fill_share, max_fill, policy, out, peek=peek)
+        return control_triton(ids, weights, res, fill_share, max_fill, policy, out, peek=peek, k_pad=k_pad)
     return control_reference(ids, weights, res, fill_share, max_fill, policy, out, peek=peek)
 
 
@@ -409,6 +425,10 @@ if HAS_TRITON:
             sc_new = tl.load(score_ptr + uid, mask=rep, other=0.0)
             if COUNT:  # a peek counts nothing
                 sc_new = sc_new + inc  # one run start per id
+                # every thread holding a copy of an entry (a call of fewer pairs than threads) has
+                # read the old score before one of them writes the new one: a late reader would
+                # count twice and order the misses differently from the others
+                tl.debug_barrier()
                 tl.store(score_ptr + uid, sc_new, mask=rep)
             prio = 2147483647 - sc_new.to(tl.int32, bitcast=True).to(tl.int64)  # highest count first
         elif RECENT:
@@ -484,18 +504,21 @@ if HAS_TRITON:
 
 def control_triton(ids, weights, res: Residency, fill_share, max_fill: int, policy: str = "recent",
                    out: ControlOut | None = None, topk: bool | None = None,
-                   block_s: int | None = None, peek: bool = False, num_warps: int | None = None) -> ControlOut:
+                   block_s: int | None = None, peek: bool = False, num_warps: int | None = None,
+                   k_pad: int | None = None) -> ControlOut:
     """The Triton kernel: one single-program launch, no host sync, CUDA-graph capturable.
     topk: use tl.topk in the victim scan (default: when this Triton has it); block_s: slots
     per chunk of the scan (default up to 1024; a power of two, at least K's); num_warps:
-    default control_warps(pairs)."""
+    default control_warps of the pair bucket; k_pad: the fill list's static size, a power of two
+    >= max_fill (default max_fill's; fill_pad gives one per pair bucket)."""
     _check_args(ids, weights, res, fill_share, max_fill, policy)
     t, k = ids.shape
     pairs, s = t * k, res.num_slots
     assert 1 <= pairs <= MAX_PAIRS, f"{pairs} pairs: the kernel handles 1..{MAX_PAIRS}"
     out = out or ControlOut.empty(t, k, max_fill, ids.device)
     p_pad = pair_bucket(pairs)
-    k_pad = max(2, triton.next_power_of_2(max_fill))
+    k_pad = k_pad or _pow2(max_fill)
+    assert k_pad >= max_fill and k_pad & (k_pad - 1) == 0, f"k_pad {k_pad}: a power of two >= max_fill {max_fill}"
     block_s = max(k_pad, block_s or min(1024, triton.next_power_of_2(s)))
     assert block_s & (block_s - 1) == 0
     if topk is None:
@@ -511,7 +534,7 @@ def control_triton(ids, weights, res: Residency, fill_share, max_fill: int, poli
 
 
 def control_warps(p_pad: int) -> int:
-    """Warps of the control program for a call of p_pad (padded) pairs: 4 up to 1,024 pairs, then
+    """Warps of the control program for a call padded to p_pad pairs (its pair_bucket): 4 up to 1,024 pairs, then
     about 8 pairs per thread (16 warps at 4,096). Each thread's share of the [P_PAD] sorts is
     unrolled code: at 4 warps a 4,096-pair variant (32 a thread) took 51 s to compile on the H200
     (benchmarks/results/control-compile-gpu.json)."""
@@ -530,8 +553,8 @@ def warm_up_control(num_flat_experts: int, num_slots: int, device, policy: str =
     230 s limit in them on a fresh H200 (benchmarks/README.md, eleventh session). Runs on a
     scratch Residency of the pool's shape (the same scan blocks; the real one untouched). Not
     warmed: the lookahead's peek calls (decode only, compiled when the decode graphs are
-    captured at start-up). The fill list is sized as the cache's calls size it (fill_cap: K by
-    the layer's experts and the slots). -> the buckets warmed."""
+    captured at start-up). The fill list is padded as the cache's calls pad it (fill_pad: by the
+    layer's experts and the slots, per bucket). -> the buckets warmed."""
     res = Residency.empty(num_flat_experts, num_slots, device)
     share = torch.ones(1, dtype=torch.float32, device=device)
     g = torch.Generator().manual_seed(0)
@@ -540,7 +563,8 @@ def warm_up_control(num_flat_experts: int, num_slots: int, device, policy: str =
         p = min(b, max_pairs)  # the bucket's largest call
         ids = torch.randint(0, num_flat_experts, (p, 1), generator=g).to(device)  # [P, 1]
         w = torch.rand(p, 1, generator=g).to(device, weight_dtype)  # [P, 1]
-        control_triton(ids, w, res, share, fill_cap(p, layer_experts, num_slots), policy)
+        control_triton(ids, w, res, share, fill_cap(p, layer_experts, num_slots), policy,
+                       k_pad=fill_pad(p, layer_experts, num_slots))
         warmed.append(b)
         b *= 4
     return warmed
