@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 from bench.common import write_result  # noqa: E402
 from freetoken.experts.control import (MAX_PAIRS, Residency, control_reference, control_triton,  # noqa: E402
-                                       control_warps, fill_cap, fill_pad, pair_bucket)
+                                       control_warps, fill_cap, fill_pad, next_pow2, pair_bucket)
 
 
 def first_and_second(n_flat: int, experts: int, slots: int, pairs: int, k: int, policy: str, dev,
@@ -44,7 +44,7 @@ def first_and_second(n_flat: int, experts: int, slots: int, pairs: int, k: int, 
         times.append(time.perf_counter() - t0)
         want = control_reference(ids, w, ref, share, k, policy)
         same = same and _equal(want, _cpu(out)) and _equal(ref, _cpu(res))
-    return {"pairs": pairs, "max_fill": k, "k_pad": k_pad or max(2, 1 << (k - 1).bit_length()), "num_warps": num_warps or control_warps(pair_bucket(pairs)),
+    return {"pairs": pairs, "max_fill": k, "k_pad": k_pad or next_pow2(k), "num_warps": num_warps or control_warps(pair_bucket(pairs)),
             "compile_s": round(times[0] - times[1], 2), "run_ms": round(times[1] * 1e3, 3), "equals_reference": same}
 
 

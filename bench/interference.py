@@ -212,7 +212,7 @@ def cost_summary(between, decode_s=None) -> dict:
 
     from freetoken.runtime.interleave import GAP_CEILING
     top = lambda table: {str(k): round(v * 1e3, 2) for k, v in sorted(table.items(), key=lambda kv: -kv[1])[:6]}  # noqa: E731
-    out = {"layer_ms_top6": {"graphed": top(between._costs[True]), "eager": top(between._costs[False])},
+    out = {"layer_ms_top6": {kind: top(table) for kind, table in between.costs_by_kind.items()},
            "costliest_point_counts": {str(k): n for k, n in Counter(between.costliest_at).most_common(6)}}
     fit = between.samples.fit()
     if fit is not None:

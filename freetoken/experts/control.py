@@ -97,10 +97,10 @@ def fill_pad(pairs: int, layer_experts: int | None = None, slots: int | None = N
     """The fill list's static size (K_PAD) for a call of `pairs`: fill_cap of its pair bucket, so
     one compiled variant serves every call of the bucket, while the list itself (and the transfer
     launched over it, once per decode layer) keeps the call's own fill_cap entries."""
-    return _pow2(fill_cap(pair_bucket(pairs), layer_experts, slots))
+    return next_pow2(fill_cap(pair_bucket(pairs), layer_experts, slots))
 
 
-def _pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
     """The next power of two >= n, at least 2 (a tl.arange's smallest useful size)."""
     return max(2, 1 << (n - 1).bit_length())
 
@@ -517,7 +517,7 @@ def control_triton(ids, weights, res: Residency, fill_share, max_fill: int, poli
     assert 1 <= pairs <= MAX_PAIRS, f"{pairs} pairs: the kernel handles 1..{MAX_PAIRS}"
     out = out or ControlOut.empty(t, k, max_fill, ids.device)
     p_pad = pair_bucket(pairs)
-    k_pad = k_pad or _pow2(max_fill)
+    k_pad = k_pad or next_pow2(max_fill)
     assert k_pad >= max_fill and k_pad & (k_pad - 1) == 0, f"k_pad {k_pad}: a power of two >= max_fill {max_fill}"
     block_s = max(k_pad, block_s or min(1024, triton.next_power_of_2(s)))
     assert block_s & (block_s - 1) == 0
@@ -534,8 +534,8 @@ def control_triton(ids, weights, res: Residency, fill_share, max_fill: int, poli
 
 
 def control_warps(p_pad: int) -> int:
-    """Warps of the control program for a call padded to p_pad pairs (its pair_bucket): 4 up to 1,024 pairs, then
-    about 8 pairs per thread (16 warps at 4,096). Each thread's share of the [P_PAD] sorts is
+    """Warps of the control program for a call padded to p_pad pairs (its pair_bucket): 4 up to
+    1,024 pairs, then about 8 pairs per thread (16 warps at 4,096). Each thread's share of the [P_PAD] sorts is
     unrolled code: at 4 warps a 4,096-pair variant (32 a thread) took 51 s to compile on the H200
     (benchmarks/results/control-compile-gpu.json)."""
     return max(4, min(16, p_pad // 256))

@@ -295,6 +295,11 @@ class Interleaver:
     def cost(self, table: dict) -> None:
         self._costs[self.graphed] = table
 
+    @property
+    def costs_by_kind(self) -> dict[str, dict[float, float]]:
+        """The learned layer costs of graphed and of eager forwards (telemetry)."""
+        return {"graphed": self._costs[True], "eager": self._costs[False]}
+
     def _cost(self, j: float) -> float | None:
         """Layer j's learned cost for this kind of forward, else the other kind's (a graphed
         forward before any was measured is judged at eager costs: decode steps early, not late)."""
