@@ -31,9 +31,11 @@
 # Call 23: the control kernel's compile time per call size (fill_cap), the streamed-prefill test.
 # Call 24: the control kernel's large variants with more warps.
 # Call 25: the control kernel's pair buckets, its GPU tests, the interference row with cost_model.
+# Call 26: the CUDA streamed-prefill cases with the bucketed control kernel, the production configs.
+# Call 27: the 32k interference row with the experts offloaded behind the cache (--moe cache).
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25}
+STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -256,7 +258,19 @@ case "$STAGE" in
   step 200 interference python3 -m bench.interference --full-size --long 32768 --settings interleave \
     --prefill-graph-tokens 2048 --name interference-full-costs
   ;;
-*) echo "stage 0 to 25"; exit 2 ;;
+26) # 570 s: the CUDA streamed-prefill cases on the bucketed control kernel (stage 23 passed
+  # `single-4096` only; the others had run out of time in the warm-up's compiles), the decode steps
+  # inside streamed passes, then the production configs against transformers
+  FT_TAG=plan26 FT_PER_FILE=420 FT_K="cuda and not single" FT_ARGS="-v --durations=0 -o faulthandler_timeout=300" \
+    bash bench/device_tests.sh tests/test_prefill_stream.py > /dev/null
+  FT_TAG=plan26 FT_PER_FILE=140 bash bench/device_tests.sh tests/test_gpu_production.py > /dev/null
+  ;;
+27) # 400 s: the 32k interference row with the experts behind the cache (16 GB of slots), decode
+  # inside the streamed passes, on the bucketed control kernel (issue 10/11's row of stage 13)
+  step 390 interference-cache python3 -m bench.interference --full-size --moe cache --expert-cache 16GB \
+    --long 32768 --settings interleave --warm-long 4096 --cache-warmup 240 --name interference-full-cache-buckets
+  ;;
+*) echo "stage 0 to 27"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)
