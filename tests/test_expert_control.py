@@ -83,8 +83,8 @@ def random_route(g, layers, experts, t, k, res=None):
     return ids.to(DEV), w.to(DEV)
 
 
-def share(r):
-    return torch.tensor([r], dtype=torch.float32, device=DEV)
+def share(r, device=DEV):
+    return torch.tensor([r], dtype=torch.float32, device=device)
 
 
 def same_out(a, b):
@@ -470,10 +470,10 @@ def test_fill_cap_changes_no_output(policy):  # the reference's reasoning; the k
         for call in range(4):
             t, k = int(torch.randint(1, 17, (1,), generator=g)), int(torch.randint(1, min(8, experts) + 1, (1,), generator=g))
             ids, w = random_route(g, layers, experts, t, k, wide)
-            r = share(SHARES[int(torch.randint(0, 4, (1,), generator=g))])
+            r = share(SHARES[int(torch.randint(0, 4, (1,), generator=g))], "cpu")  # the reference's device
             if call == 0:  # every expert of a layer routed, fill-only: the call fills min(experts, slots)
                 ids = (torch.arange(experts) + experts * (case % layers)).view(experts, 1)  # [T, 1]
-                t, k, w, r = experts, 1, torch.rand(experts, 1, generator=g), share(1.0)
+                t, k, w, r = experts, 1, torch.rand(experts, 1, generator=g), share(1.0, "cpu")
             cap = fill_cap(t * k, experts, s)
             a = control_reference(ids, w, wide, r, t * k, policy)
             b = control_reference(ids, w, narrow, r, cap, policy)
