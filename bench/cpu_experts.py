@@ -150,13 +150,19 @@ def main():
                "cpp_bf16act_gbs": round(distinct * per_expert / t_bf / 1e9, 1)}
         if a.format in ("mxfp4", "nvfp4") and ex.handle is not None:  # --cpu-act int8, same executor
             vnni = ex.set_act(True) == "int8"
+            kernel = ex.int8_kernel
             x0, ids0, w0 = calls[0]
             exact = reference_experts(x0, ids0, w0, gu, dn, **fn)
             err = float((ex.kernel(x0, ids0, w0) - exact).norm() / exact.norm())
             t_i8 = run(ex.kernel)
-            ex.set_act(False)
             row.update(cpp_int8_ms=round(t_i8 * 1e3, 3), cpp_int8_gbs=round(distinct * per_expert / t_i8 / 1e9, 1),
-                       int8_vnni=vnni, int8_rel_err=float(f"{err:.2e}"))
+                       int8_vnni=vnni, int8_kernel=kernel, int8_rel_err=float(f"{err:.2e}"))
+            if kernel == "vbmi":  # the VNNI-only kernel beside it, in the same run (A/B)
+                ex.set_act(True, max_kernel="vnni")
+                t_vnni = run(ex.kernel)
+                row.update(cpp_int8_vnni_ms=round(t_vnni * 1e3, 3),
+                           cpp_int8_vnni_gbs=round(distinct * per_expert / t_vnni / 1e9, 1))
+            ex.set_act(False)
         # the torch path's per-expert GEMMs against the C++ kernel decide the executor's
         # FLOAT_TORCH_THRESHOLD (prefill chunks); the quantized reference dequantizes each expert
         if b <= (512 if a.format == "bf16" else 8):
@@ -177,7 +183,7 @@ def main():
     name = "cpu_experts" if a.format == "bf16" else f"cpu_experts-{a.format}"
     res["schedule"] = os.environ.get("FREETOKEN_CPU_SCHEDULE") or "static"
     # the quantized kernels' software look-ahead (moe_cpu.cpp g_pf_hint / g_pf)
-    res["prefetch"] = (f"{os.environ.get('FREETOKEN_CPU_PREFETCH_HINT') or 't0'}:"
+    res["prefetch"] = (f"{os.environ.get('FREETOKEN_CPU_PREFETCH_HINT') or 't2'}:"
                        f"{os.environ.get('FREETOKEN_CPU_PREFETCH_BYTES') or '8192'}")
     write_result(a.name or (name if a.activation == "silu" else f"{name}-{a.activation}"), res)
 

@@ -1,5 +1,5 @@
 """The CPU executor's int8-activation path for MXFP4 / NVFP4 banks (`--cpu-act int8`;
-moe_cpu.cpp's qdot4_fp4_q8 and its scalar form) against its pure-torch reference
+moe_cpu.cpp's qdot4_fp4_q8, its VBMI form and its scalar form) against its pure-torch reference
 (experts/cpu/int8_act.py: the same quantization, float64 sums), on random banks with edge
 values and shapes with tails; then how far it lands from the exact reference, and that it is
 opt-in (the exact kernels stay the default, FP8 banks stay exact)."""
@@ -44,14 +44,15 @@ def test_quantize_int8_blocks():
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-@pytest.mark.parametrize("cap", [3, 0], ids=["vector", "scalar"])
-def test_int8_kernel_matches_its_reference(fmt, cap):
+@pytest.mark.parametrize("kernel", ["vbmi", "vnni", "scalar"])
+def test_int8_kernel_matches_its_reference(fmt, kernel):
     h, i = SHAPES[fmt]
     b = random_banks(fmt, None, N, h, i, seed=21)
-    ex = CpuExpertExecutor(b, threads=2, act_int8=True, isa_cap=cap)
-    if cap == 3 and ex.act != "int8":
-        pytest.skip("no AVX512-VNNI on this CPU")
-    assert ex.act == ("int8" if cap == 3 else "int8-scalar")
+    ex = CpuExpertExecutor(b, threads=2)
+    ex.set_act(True, max_kernel=kernel)
+    if ex.int8_kernel != kernel:
+        pytest.skip(f"this CPU has no {kernel.upper()} kernel (it runs {ex.int8_kernel})")
+    assert ex.act == ("int8" if kernel != "scalar" else "int8-scalar")
     for t in (1, 3, 17, 260):  # 260 tokens: the activation rows quantized over the pool's threads
         x, ids, w = routed(t, h, seed=t)
         ids[0, 1] = -1  # a pair that is not running
@@ -76,6 +77,30 @@ def test_int8_threads_do_not_change_a_bit_and_vector_equals_scalar_closely():
     one = CpuExpertExecutor(b, threads=1, act_int8=True).kernel(x, ids, w)
     scalar = CpuExpertExecutor(b, threads=1, act_int8=True, isa_cap=0).kernel(x, ids, w)
     assert rel(one, scalar) < 1e-6  # the same integers; only the f32 sums' order differs
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_int8_vbmi_kernel_equals_the_vnni_one(fmt):
+    """The VBMI kernel (fewer instructions) computes the VNNI kernel's integers and, for MXFP4,
+    its f32 arithmetic bit for bit; NVFP4 applies its per-row constant (2^8 x scale_2) at the end."""
+    h, i = SHAPES[fmt]
+    b = random_banks(fmt, None, N, h, i, seed=31)
+    ex = CpuExpertExecutor(b, threads=2)
+    if ex.set_act(True) != "int8" or ex.int8_kernel != "vbmi":
+        pytest.skip("this CPU has no AVX512-VBMI with VNNI")
+    for t in (1, 7, 260):
+        x, ids, w = routed(t, h, seed=40 + t)
+        vbmi = ex.kernel(x, ids, w)
+        ex.set_act(True, max_kernel="vnni")
+        assert ex.int8_kernel == "vnni"
+        vnni = ex.kernel(x, ids, w)
+        ex.set_act(True)
+        if fmt == "mxfp4":
+            assert torch.equal(vbmi, vnni), t
+        else:
+            assert rel(vbmi, vnni) < 1e-6, t
+    with pytest.raises(ValueError, match="max_kernel 'avx'"):
+        ex.set_act(True, max_kernel="avx")
 
 
 def test_int8_with_gpt_oss_expert_function():

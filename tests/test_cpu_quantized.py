@@ -266,8 +266,9 @@ torch.save(out, sys.argv[1])
 @pytest.mark.skipif(extension() is None, reason="needs the C++ extension")
 def test_prefetch_settings_give_the_same_bits(tmp_path):
     """FREETOKEN_CPU_PREFETCH_HINT / _BYTES (read once when the library loads: fresh processes)
-    move only where the look-ahead lines go, never a result bit: the default against L2 hints
-    at another distance and against no software prefetch, for the three formats."""
+    move only where the look-ahead lines go, never a result bit: the default (t2: into L2)
+    against L1 and other L2 hints at other distances and against no software prefetch, for the
+    three formats."""
     import os
     import subprocess
     import sys
@@ -277,7 +278,7 @@ def test_prefetch_settings_give_the_same_bits(tmp_path):
     path = str(tmp_path / "default.pt")  # this process loaded the library with the defaults
     exec(compile(PREFETCH_SCRIPT.replace("sys.argv[1]", repr(path)), "prefetch_script", "exec"), {})
     base = torch.load(path)
-    for hint, dist in (("t1", "16384"), ("off", "0")):
+    for hint, dist in (("t0", "4096"), ("t1", "16384"), ("off", "0")):
         path = str(tmp_path / f"{hint}.pt")
         env = dict(os.environ, FREETOKEN_CPU_PREFETCH_HINT=hint, FREETOKEN_CPU_PREFETCH_BYTES=dist, PYTHONPATH=root)
         subprocess.run([sys.executable, "-c", PREFETCH_SCRIPT, path], check=True, env=env, cwd=root, timeout=300)

@@ -435,7 +435,7 @@ inline uint64_t chunk_scales(const uint8_t* p, int n) {
 // thread: mxfp4 7.6 -> 18.8 GB/s). 8 KiB ahead is two 4-row blocks of a 2048-wide fp4 bank, one
 // of fp8 (there, 2 threads: fp8 26-28 GB/s at 4 KiB, 33-40 at 8 KiB; fp4 the same at both).
 // FREETOKEN_CPU_PREFETCH_BYTES sets the distance (default 8192) and FREETOKEN_CPU_PREFETCH_HINT
-// the cache level the lines go to (t0, the default: L1; t1 / t2: L2; nta; off), for A/B runs of
+// the cache level the lines go to (t0: L1; t1 / t2, the default: L2; nta; off), for A/B runs of
 // bench/cpu_experts.py on a new machine class (CpuExpertExecutor checks the values). Why L2 may
 // win there: a T0 prefetch holds one of the core's L1 fill buffers (16 on recent Xeons) until its
 // line arrives, so with a ~110 ns DRAM latency one core cannot have more than ~9 GB/s in flight;
@@ -445,9 +445,13 @@ static const int g_pf = [] {
   const char* v = std::getenv("FREETOKEN_CPU_PREFETCH_BYTES");
   return v != nullptr && *v ? std::max(0, std::atoi(v)) : 8192;
 }();
+// The default is t2: on the dev machine's Xeon (2 threads, MXFP4, int8 activations) 23.2-23.9
+// GB/s against 20.9-21.5 with t0 in three alternating runs, the exact kernels equal; on the H200
+// host's (a2ea4b3, 6 threads, exact kernels) 31.3 / 33.2 against 30.2 / 23.0 at batch 1 / 4.
 static const int g_pf_hint = [] {  // 0 t0, 1 t1, 2 t2, 3 nta, -1 off
   const char* v = std::getenv("FREETOKEN_CPU_PREFETCH_HINT");
-  if (v == nullptr || !*v || !std::strcmp(v, "t0")) return 0;
+  if (v == nullptr || !*v || !std::strcmp(v, "t2")) return 2;
+  if (!std::strcmp(v, "t0")) return 0;
   return !std::strcmp(v, "t1") ? 1 : !std::strcmp(v, "t2") ? 2 : !std::strcmp(v, "nta") ? 3 : -1;
 }();
 // GCC 12 compiled a four-case switch of _mm_prefetch over the hint into nothing: its builds of
@@ -736,6 +740,7 @@ __attribute__((target("avx512f,avx512bw,avx2,fma,f16c"))) void qdot4_fp8_avx512(
 // becomes 2 * e2m1 + 12 in [0, 24] (VPSHUFB), unsigned as VPDPBUSD wants; the offset lane
 // starts at -12 * (the lane's 8 quantized activations), which takes the +12 back out exactly.
 constexpr int Q8_CHUNK = 128;
+enum Q8Kernel { Q8_SCALAR = 0, Q8_VNNI = 1, Q8_VBMI = 2 };  // which int8 kernel runs (Executor::q8k)
 struct Q8Act {  // one quantized row: chunks of [64 even | 64 odd] int8, then per chunk 16 scales, 16 offsets
   const int8_t* q;
   const float* xs;
@@ -796,6 +801,31 @@ void qdot4_fp4_q8_scalar(const QRow* rows, const Q8Act& a, int C, float* out) {
   }
 }
 
+// One 128-column chunk of a quantized activation row, as both int8 kernels read it: its lanes
+// (nl of 16 where the row ends inside it), even and odd columns, lane offsets and scales.
+struct Q8Chunk {
+  int nl;
+  __mmask16 m;
+  __m512i xe, xo, off;
+  __m512 xs;
+  // a row's 64 bytes of packed codes for this chunk (fewer at the row's end), the lines
+  // g_pf bytes ahead prefetched
+  __attribute__((target("avx512f,avx512bw"))) __m512i codes(const QRow& r, int base) const {
+    prefetch_ahead(r.v + base / 2);
+    return nl == 16 ? _mm512_loadu_si512(r.v + base / 2) : _mm512_maskz_loadu_epi32(m, r.v + base / 2);
+  }
+};
+__attribute__((target("avx512f,avx512bw"))) inline Q8Chunk q8_chunk(const Q8Act& a, int C, int base, int ch) {
+  Q8Chunk c;
+  c.nl = std::min(16, (C - base) / 8);
+  c.m = __mmask16((1u << c.nl) - 1);
+  c.xe = _mm512_loadu_si512(a.q + size_t(ch) * Q8_CHUNK);
+  c.xo = _mm512_loadu_si512(a.q + size_t(ch) * Q8_CHUNK + 64);
+  c.off = _mm512_loadu_si512(a.off + ch * 16);
+  c.xs = _mm512_loadu_ps(a.xs + ch * 16);
+  return c;
+}
+
 template <int FMT>
 __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma,f16c"))) void qdot4_fp4_q8(const QRow* rows, const Q8Act& a,
                                                                                       int C, float* out) {
@@ -806,29 +836,81 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma,f16c"))) void qdot4_
   for (int p = 0; p < 4; ++p) acc[p] = _mm512_setzero_ps();
   prefetch_scales(rows, FMT == FMT_MXFP4 ? C / 32 : C / 16);
   for (int base = 0, ch = 0; base < C; base += Q8_CHUNK, ++ch) {
-    const int nl = std::min(16, (C - base) / 8);
-    const __mmask16 m = __mmask16((1u << nl) - 1);
-    const __m512i xe = _mm512_loadu_si512(a.q + size_t(ch) * Q8_CHUNK);
-    const __m512i xo = _mm512_loadu_si512(a.q + size_t(ch) * Q8_CHUNK + 64);
-    const __m512i off = _mm512_loadu_si512(a.off + ch * 16);
-    const __m512 xs = _mm512_loadu_ps(a.xs + ch * 16);
+    const Q8Chunk c = q8_chunk(a, C, base, ch);
     #pragma GCC unroll 4
     for (int p = 0; p < 4; ++p) {
-      prefetch_ahead(rows[p].v + base / 2);
-      const __m512i v = nl == 16 ? _mm512_loadu_si512(rows[p].v + base / 2) : _mm512_maskz_loadu_epi32(m, rows[p].v + base / 2);
+      const __m512i v = c.codes(rows[p], base);
       const __m512i lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, nib));
       const __m512i hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
-      const __m512i t = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(off, lo, xe), hi, xo);
-      acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(fp4_scales_avx512(FMT, rows[p], base, nl), xs), acc[p]);
+      const __m512i t = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(c.off, lo, c.xe), hi, c.xo);
+      acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(fp4_scales_avx512(FMT, rows[p], base, c.nl), c.xs), acc[p]);
     }
   }
   #pragma GCC unroll 4
   for (int p = 0; p < 4; ++p) out[p] = 0.5f * _mm512_reduce_add_ps(acc[p]);
 }
 
-inline void qdot4_q8(bool vnni, int fmt, const QRow* rows, const Q8Act& a, int C, float* out) {
+// The same sums with fewer instructions per 64 bytes where AVX512-VBMI is there (Ice Lake,
+// Sapphire Rapids, Zen 4): at batch 1 the kernel above is bound by its own instructions as much
+// as by DRAM (on the dev machine's Xeon, 2 threads: 27.9 GB/s with the 8 experts in L3 against
+// 20.0 from DRAM and a 28.8 GB/s read probe), so every instruction per chunk counts.
+// - VPERMB looks a code up in a 64-entry table by the low 6 bits of its byte: the low nibble
+//   needs no mask, the high one (a 16-bit shift by 4 leaves the next byte's low bits above it)
+//   none either, each entry repeating the 16-entry table (5 instructions -> 3).
+// - The block scales come from one masked VPERMB of the chunk's scale bytes into byte 0 of each
+//   lane (MXFP4: lane l <- byte l / 4; e8m0 -> f32 bits by a shift, and a 0 byte -> 2^-127 by a
+//   max, as the exact kernels do); NVFP4 into byte 1 of each 16-bit word (lane l <- byte l / 2),
+//   then e4m3 -> f16 as fp4_scales_avx512 does, and the constant 2^8 * scale_2 (the f16
+//   exponent's bias and the tensor's second scale) applied once per row at the end.
+// The integers are the same as the kernel above, and the f32 arithmetic too for MXFP4 (bit for
+// bit); NVFP4's per-row constant moves to the end (within f32 rounding).
+alignas(64) const int8_t E2M1_X2_PLUS12_64[64] = {
+    12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
+    12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+
+template <int FMT>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c"))) void qdot4_fp4_q8_vbmi(
+    const QRow* rows, const Q8Act& a, int C, float* out) {
+  const __m512i lut = _mm512_load_si512(E2M1_X2_PLUS12_64);
+  // MXFP4: dword lane l <- scale byte l / 4 (byte 0 of the lane, the others zeroed by the mask)
+  const __m512i mx_idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  // NVFP4: 16-bit word l <- scale byte l / 2, in the word's high byte (the low byte zeroed)
+  const __m256i nv_idx = _mm256_set_epi16(7 << 8, 7 << 8, 6 << 8, 6 << 8, 5 << 8, 5 << 8, 4 << 8, 4 << 8,
+                                          3 << 8, 3 << 8, 2 << 8, 2 << 8, 1 << 8, 1 << 8, 0, 0);
+  __m512 acc[4];
+  #pragma GCC unroll 4
+  for (int p = 0; p < 4; ++p) acc[p] = _mm512_setzero_ps();
+  prefetch_scales(rows, FMT == FMT_MXFP4 ? C / 32 : C / 16);
+  for (int base = 0, ch = 0; base < C; base += Q8_CHUNK, ++ch) {
+    const Q8Chunk c = q8_chunk(a, C, base, ch);
+    #pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      const __m512i v = c.codes(rows[p], base);
+      const __m512i lo = _mm512_permutexvar_epi8(v, lut);
+      const __m512i hi = _mm512_permutexvar_epi8(_mm512_srli_epi16(v, 4), lut);
+      const __m512i t = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(c.off, lo, c.xe), hi, c.xo);
+      __m512 sw;
+      if (FMT == FMT_MXFP4) {
+        const __m512i b = _mm512_castsi128_si512(_mm_cvtsi32_si128(int(chunk_scales<4>(rows[p].s + base / 32, c.nl / 4))));
+        const __m512i e = _mm512_maskz_permutexvar_epi8(0x1111111111111111ull, mx_idx, b);
+        sw = _mm512_castsi512_ps(_mm512_max_epi32(_mm512_slli_epi32(e, 23), _mm512_set1_epi32(0x00400000)));
+      } else {
+        const __m256i b = _mm256_castsi128_si256(_mm_cvtsi64_si128(int64_t(chunk_scales<8>(rows[p].s + base / 16, c.nl / 2))));
+        const __m256i w = _mm256_maskz_permutexvar_epi8(0xAAAAAAAAu, nv_idx, b);  // byte << 8 per word
+        sw = _mm512_cvtph_ps(_mm256_and_si256(_mm256_srai_epi16(w, 1), _mm256_set1_epi16(short(0xBF80))));
+      }
+      acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(sw, c.xs), acc[p]);
+    }
+  }
+  #pragma GCC unroll 4
+  for (int p = 0; p < 4; ++p)
+    out[p] = (FMT == FMT_MXFP4 ? 0.5f : 0.5f * 256.f * rows[p].s2) * _mm512_reduce_add_ps(acc[p]);
+}
+
+inline void qdot4_q8(int kernel, int fmt, const QRow* rows, const Q8Act& a, int C, float* out) {
   const bool mx = fmt == FMT_MXFP4;
-  if (vnni) return mx ? qdot4_fp4_q8<FMT_MXFP4>(rows, a, C, out) : qdot4_fp4_q8<FMT_NVFP4>(rows, a, C, out);
+  if (kernel == Q8_VBMI) return mx ? qdot4_fp4_q8_vbmi<FMT_MXFP4>(rows, a, C, out) : qdot4_fp4_q8_vbmi<FMT_NVFP4>(rows, a, C, out);
+  if (kernel == Q8_VNNI) return mx ? qdot4_fp4_q8<FMT_MXFP4>(rows, a, C, out) : qdot4_fp4_q8<FMT_NVFP4>(rows, a, C, out);
   return mx ? qdot4_fp4_q8_scalar<FMT_MXFP4>(rows, a, C, out) : qdot4_fp4_q8_scalar<FMT_NVFP4>(rows, a, C, out);
 }
 
@@ -863,7 +945,8 @@ struct Executor {
   std::mutex call_mutex;  // one MoE call at a time: the pool is shared
   // int8 activations for the 4-bit banks (set_act_int8; off: the exact kernels); vnni: the
   // vector kernel, else its scalar form (the scalar ISA cap, tests)
-  bool q8 = false, vnni = false;
+  bool q8 = false;
+  int q8k = Q8_SCALAR;  // the int8 kernel (Q8Kernel)
   Executor(const std::vector<int>& cpus, int isa_cap) : pool(cpus), isa(std::min<Isa>(detect(), Isa(isa_cap))) {}
 
   template <typename W>
@@ -1076,8 +1159,8 @@ struct Executor {
             const int tok = order[q] / K;
             if (i8) {
               const Q8Act xa = q8row(xq, xqs, xqo, chH, tok);
-              qdot4_q8(vnni, fmt, rg, xa, H, g4);
-              qdot4_q8(vnni, fmt, ru, xa, H, v4);
+              qdot4_q8(q8k, fmt, rg, xa, H, g4);
+              qdot4_q8(q8k, fmt, ru, xa, H, v4);
             } else {
               const float* xr = dp ? nullptr : xl.data() + size_t(tok) * H;
               const uint16_t* xbr = dp ? xb.data() + size_t(tok) * H : nullptr;
@@ -1121,7 +1204,7 @@ struct Executor {
                 const int tok = order[q] / K;
                 const float wq = gw[order[q]];
                 if (i8)
-                  qdot4_q8(vnni, fmt, rd, q8row(hq, hqs, hqo, chI, q), I, d4);
+                  qdot4_q8(q8k, fmt, rd, q8row(hq, hqs, hqo, chI, q), I, d4);
                 else
                   qdot4(isa, fmt, dp, rd, dp ? nullptr : hl.data() + size_t(q) * I, dp ? hb.data() + size_t(q) * I : nullptr,
                         I, dn.sdt, d4);
@@ -1162,16 +1245,28 @@ bool cpu_has_vnni() {
 #endif
 }
 
+bool cpu_has_vbmi() {
+  __builtin_cpu_init();
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 10
+  return __builtin_cpu_supports("avx512vbmi");
+#else
+  return false;
+#endif
+}
+
 // int8 activations for the executor's MXFP4 / NVFP4 calls (on) or the exact kernels (off).
-// Returns whether the vector (VNNI) kernel serves them; without VNNI, or under a lower ISA cap,
-// the scalar form does (correct, slow: the caller warns).
-bool set_act_int8(int64_t handle, bool on) {
+// Returns the kernel that serves them: "vbmi" (AVX512-VBMI and VNNI), "vnni", or "scalar"
+// (without VNNI, or under a lower ISA cap: correct, slow; the caller warns); max_kernel caps it
+// (Q8Kernel: 1 keeps the VNNI kernel where VBMI is there too, for tests and A/B runs).
+std::string set_act_int8(int64_t handle, bool on, int64_t max_kernel) {
   Executor& ex = exec_of(handle);
   py::gil_scoped_release nogil;
   std::lock_guard<std::mutex> g(ex.call_mutex);  // not in the middle of a call
   ex.q8 = on;
-  ex.vnni = on && ex.isa >= AVX512 && cpu_has_vnni();
-  return ex.vnni;
+  int k = Q8_SCALAR;
+  if (on && ex.isa >= AVX512 && cpu_has_vnni()) k = cpu_has_vbmi() ? Q8_VBMI : Q8_VNNI;
+  ex.q8k = std::min<int>(k, int(std::max<int64_t>(max_kernel, 0)));
+  return ex.q8k == Q8_VBMI ? "vbmi" : ex.q8k == Q8_VNNI ? "vnni" : "scalar";
 }
 
 // The executor's worker threads end (after the call in flight, if any); the executor itself
@@ -1550,7 +1645,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("host_call_size", &host_call_size, "sizeof the HostCall descriptor (checked against hostcall.py)");
   m.def("create", &create, "create an executor with a pinned thread pool");
   m.def("isa", &isa_of, "ISA level in use: 0 scalar, 1 avx2, 2 avx512, 3 avx512-bf16");
-  m.def("set_act_int8", &set_act_int8, "int8 activations for MXFP4 / NVFP4 banks (on) or exact ones; returns whether VNNI serves them");
+  m.def("set_act_int8", &set_act_int8, "int8 activations for MXFP4 / NVFP4 banks (on) or exact ones; returns the kernel that serves them (vbmi, vnni or scalar)",
+        py::arg("handle"), py::arg("on"), py::arg("max_kernel") = 2);
   m.def("release", &release, "end an executor's worker threads (it then runs on the caller alone)");
   // the expert function's arguments default to SiLU without biases (callers from before them)
   m.def("forward", &forward, "routed experts on the CPU", py::arg("handle"), py::arg("x"), py::arg("ids"),
