@@ -33,9 +33,11 @@
 # Call 25: the control kernel's pair buckets, its GPU tests, the interference row with cost_model.
 # Call 26: the CUDA streamed-prefill cases with the bucketed control kernel, the production configs.
 # Call 27: the 32k interference row with the experts offloaded behind the cache (--moe cache).
+# Call 28: the CPU int8 kernels with VBMI and the L2 look-ahead on the Xeon (issue 12), the fixed
+# control test, the 32k interference row again (issue 9: how far two runs of it differ).
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27}
+STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -270,7 +272,24 @@ case "$STAGE" in
   step 390 interference-cache python3 -m bench.interference --full-size --moe cache --expert-cache 16GB \
     --long 32768 --settings interleave --warm-long 4096 --cache-warmup 240 --name interference-full-cache-buckets
   ;;
-*) echo "stage 0 to 27"; exit 2 ;;
+28) # 560 s: issue 12's CPU rows after the VBMI int8 kernel and the t2 default (each run times the
+  # VNNI kernel beside it: cpp_int8_vnni_gbs), t0 against it at 6 threads; their tests on the Xeon;
+  # the control test fixed after plan 25; the 32k interference row of plan 25 once more
+  FT_TAG=plan28 FT_PER_FILE=100 bash bench/device_tests.sh tests/test_cpu_int8_act.py tests/test_cpu_prefetch.py > /dev/null
+  FT_TAG=plan28 FT_PER_FILE=60 FT_K=fill_cap bash bench/device_tests.sh tests/test_expert_control.py > /dev/null
+  step 120 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
+  for f in mxfp4 nvfp4; do
+    for t in 6 16; do
+      step 45 "cpu_experts-$f-t$t" python3 -m bench.cpu_experts --format $f --experts 2048 --threads $t \
+        --batches 1,4 --iters 30 --name "cpu_experts-$f-vbmi-t$t"
+    done
+    FREETOKEN_CPU_PREFETCH_HINT=t0 step 45 "cpu_experts-$f-t6-t0" python3 -m bench.cpu_experts --format $f \
+      --experts 2048 --threads 6 --batches 1,4 --iters 30 --name "cpu_experts-$f-vbmi-t6-hintt0"
+  done
+  step 160 interference python3 -m bench.interference --full-size --long 32768 --settings interleave \
+    --prefill-graph-tokens 2048 --name interference-full-costs-rerun
+  ;;
+*) echo "stage 0 to 28"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)

@@ -87,6 +87,24 @@ def anatomy(events, gaps, n: int = 5) -> list[str]:
     return out
 
 
+def gap_kinds(events, gaps, over: float) -> dict:
+    """The loaded gaps [(start, end)] by what lies inside them: a prompt forward starting
+    ("start": the step's host work, the forward's set-up and its first layers), one ending ("end":
+    its last layers, its tail and the host's work after it), or only layers between two decode
+    steps ("layers"); per kind the count, p50 / p99 / max (ms) and how many exceed `over`
+    seconds (2x the unloaded p50: which kind holds the p99 past its target)."""
+    kinds: dict[str, list[float]] = {"start": [], "end": [], "layers": []}
+    for a, b in gaps:
+        inside = [what for t, what in events if a < t <= b and "nested" not in what]
+        kind = ("start" if any(w.startswith("prompt") for w in inside)
+                else "end" if any(w.startswith("end-prompt") for w in inside) else "layers")
+        kinds[kind].append(b - a)
+    return {k: {"count": len(v), "p50_ms": round(quantile(v, 0.5) * 1e3, 2) if v else None,
+                "p99_ms": round(quantile(v, 0.99) * 1e3, 2) if v else None,
+                "max_ms": round(max(v) * 1e3, 2) if v else None, "over_2x": sum(g > over for g in v)}
+            for k, v in kinds.items()}
+
+
 def quantile(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
@@ -193,6 +211,7 @@ def run_setting(eng, name: str, a) -> dict:
     out["fill_share"] = ex_stats.get("fill_share")  # the split the streams decoded with at the end
     out["hit_rate"] = ex_stats.get("hit_rate")
     out["longest_gaps"] = anatomy(srv.events, pairs)
+    out["gap_kinds"] = gap_kinds(srv.events, pairs, 2 * statistics.median(unloaded))
     out["prompt_chunks"] = chunk_summary(srv.between.history)
     out["cost_model"] = cost_summary(srv.between, srv._decode_s)
     out["prefill_graph_replays"] = graphs.replays if graphs is not None and graphs.enabled else 0

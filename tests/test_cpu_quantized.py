@@ -74,6 +74,7 @@ def random_banks(fmt, scale_dtype, n, h, i, seed) -> ExpertBanks:
         s[pick(s, 0.02)] = 0x00  # zero scale
         s[pick(s, 0.02)] = 0x03  # subnormal e4m3
         s[pick(s, 0.01)] = 0x7E  # 448, the e4m3 maximum
+        s[pick(s, 0.02)] |= 0x80  # negative scales (e4m3 has a sign; the kernels must keep it)
         s2 = torch.rand(n, halves, generator=g) * 0.02 + 1e-3  # gate's and up's differ
         return QuantBank(fmt, v, s.view(torch.float8_e4m3fn), s2, halves)
 

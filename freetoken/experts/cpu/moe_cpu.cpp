@@ -451,8 +451,7 @@ static const int g_pf = [] {
 static const int g_pf_hint = [] {  // 0 t0, 1 t1, 2 t2, 3 nta, -1 off
   const char* v = std::getenv("FREETOKEN_CPU_PREFETCH_HINT");
   if (v == nullptr || !*v || !std::strcmp(v, "t2")) return 2;
-  if (!std::strcmp(v, "t0")) return 0;
-  return !std::strcmp(v, "t1") ? 1 : !std::strcmp(v, "t2") ? 2 : !std::strcmp(v, "nta") ? 3 : -1;
+  return !std::strcmp(v, "t0") ? 0 : !std::strcmp(v, "t1") ? 1 : !std::strcmp(v, "nta") ? 3 : -1;
 }();
 // GCC 12 compiled a four-case switch of _mm_prefetch over the hint into nothing: its builds of
 // the quantized kernels had no prefetch from 075c2a8 until found in the disassembly (GCC 13,
@@ -943,8 +942,8 @@ struct Executor {
   Pool pool;
   Isa isa;
   std::mutex call_mutex;  // one MoE call at a time: the pool is shared
-  // int8 activations for the 4-bit banks (set_act_int8; off: the exact kernels); vnni: the
-  // vector kernel, else its scalar form (the scalar ISA cap, tests)
+  // int8 activations for the 4-bit banks (set_act_int8; off: the exact kernels); q8k: which
+  // int8 kernel (VBMI, VNNI, or the scalar form: no VNNI, an ISA cap, tests)
   bool q8 = false;
   int q8k = Q8_SCALAR;  // the int8 kernel (Q8Kernel)
   Executor(const std::vector<int>& cpus, int isa_cap) : pool(cpus), isa(std::min<Isa>(detect(), Isa(isa_cap))) {}
@@ -1248,7 +1247,8 @@ bool cpu_has_vnni() {
 bool cpu_has_vbmi() {
   __builtin_cpu_init();
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 10
-  return __builtin_cpu_supports("avx512vbmi");
+  // VL too: the NVFP4 scales' 256-bit masked VPERMB (every VBMI CPU has it; a hypervisor may mask bits)
+  return __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vl");
 #else
   return false;
 #endif
