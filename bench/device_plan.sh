@@ -35,9 +35,10 @@
 # Call 27: the 32k interference row with the experts offloaded behind the cache (--moe cache).
 # Call 28: the CPU int8 kernels with VBMI and the L2 look-ahead on the Xeon (issue 12), the fixed
 # control test, the 32k interference row again (issue 9: how far two runs of it differ).
+# Call 29: the control test again; the 32k interference row with the collector frozen and timed.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28}
+STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -289,7 +290,18 @@ case "$STAGE" in
   step 160 interference python3 -m bench.interference --full-size --long 32768 --settings interleave \
     --prefill-graph-tokens 2048 --name interference-full-costs-rerun
   ;;
-*) echo "stage 0 to 28"; exit 2 ;;
+29) # 560 s, written for the next session: the control test fixed twice (CUDA routes and shares),
+  # then the 32k interference row twice with the start-up objects frozen out of the garbage
+  # collector and every collection timed (gc_pauses_loaded; gap_kinds), and once without the freeze
+  FT_TAG=plan29 FT_PER_FILE=60 FT_K=fill_cap bash bench/device_tests.sh tests/test_expert_control.py > /dev/null
+  for run in 1 2; do
+    step 160 "interference-gc-$run" python3 -m bench.interference --full-size --long 32768 --settings interleave \
+      --prefill-graph-tokens 2048 --name "interference-full-gc-$run"
+  done
+  step 160 interference-nofreeze python3 -m bench.interference --full-size --long 32768 --settings interleave \
+    --prefill-graph-tokens 2048 --gc-freeze off --name interference-full-gc-off
+  ;;
+*) echo "stage 0 to 29"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)

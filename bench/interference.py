@@ -33,6 +33,7 @@ from bench.common import write_result
 from bench.fullsize import full_size_engine
 from freetoken.demo import demo_path
 from freetoken.runtime.engine import Engine, EngineConfig
+from freetoken.runtime.gcwatch import GcWatch
 from freetoken.runtime.interleave import Interleaver
 from freetoken.runtime.overlap import DecodeOverlap, eligible
 from freetoken.runtime.request import Request, SamplingOptions
@@ -87,16 +88,29 @@ def anatomy(events, gaps, n: int = 5) -> list[str]:
     return out
 
 
+def gc_summary(pauses) -> dict:
+    """Collector pauses [(start, generation, seconds)] -> per generation: count, longest and
+    total ms."""
+    out = {}
+    for g in range(3):
+        d = [dt for _, gen, dt in pauses if gen == g]
+        out[f"gen{g}"] = {"count": len(d), "longest_ms": round(max(d, default=0.0) * 1e3, 2),
+                          "total_ms": round(sum(d) * 1e3, 2)}
+    return out
+
+
 def gap_kinds(events, gaps, over: float) -> dict:
-    """The loaded gaps [(start, end)] by what lies inside them: a prompt forward starting
-    ("start": the step's host work, the forward's set-up and its first layers), one ending ("end":
-    its last layers, its tail and the host's work after it), or only layers between two decode
-    steps ("layers"); per kind the count, p50 / p99 / max (ms) and how many exceed `over`
-    seconds (2x the unloaded p50: which kind holds the p99 past its target)."""
-    kinds: dict[str, list[float]] = {"start": [], "end": [], "layers": []}
+    """The loaded gaps [(start, end)] by what lies inside them: a garbage collection of
+    generation 1 or 2 ("gc"), a prompt forward starting ("start": the step's host work, the
+    forward's set-up and its first layers), one ending ("end": its last layers, its tail and the
+    host's work after it), or only layers between two decode steps ("layers"); per kind the
+    count, p50 / p99 / max (ms) and how many exceed `over` seconds (2x the unloaded p50: which
+    kind holds the p99 past its target)."""
+    kinds: dict[str, list[float]] = {"gc": [], "start": [], "end": [], "layers": []}
     for a, b in gaps:
         inside = [what for t, what in events if a < t <= b and "nested" not in what]
-        kind = ("start" if any(w.startswith("prompt") for w in inside)
+        kind = ("gc" if any(w.startswith(("gc1", "gc2")) for w in inside)
+                else "start" if any(w.startswith("prompt") for w in inside)
                 else "end" if any(w.startswith("end-prompt") for w in inside) else "layers")
         kinds[kind].append(b - a)
     return {k: {"count": len(v), "p50_ms": round(quantile(v, 0.5) * 1e3, 2) if v else None,
@@ -148,6 +162,9 @@ def run_setting(eng, name: str, a) -> dict:
         w = Request(prompt(n, 1, vocab), opts(4))
         srv.sched.add(w)
         run_until(lambda: w.finished_at)
+    if a.gc_freeze == "on":  # as `ft serve` does after start-up (runtime/gcwatch.py)
+        srv.freeze_gc()
+    t_unloaded = time.perf_counter()
     # unloaded: the streams alone, then the short request alone
     streams = [Request(prompt(a.short, 10 + i, vocab), opts(10_000)) for i in range(a.streams)]
     for r in streams:
@@ -175,6 +192,7 @@ def run_setting(eng, name: str, a) -> dict:
     long = Request(prompt(a.long, 3, vocab), opts(2))
     short = Request(prompt(a.short, 4, vocab), opts(2))
     mark = {r.id: len(srv.stamps[r.id]) - 1 for r in streams}  # gaps from the last token before it
+    gc_unloaded = gc_summary(GcWatch.shared().pauses(t_unloaded))
     t_long = time.perf_counter()
     srv.sched.add(long)
     srv.step()
@@ -210,6 +228,12 @@ def run_setting(eng, name: str, a) -> dict:
     ex_stats = eng.executor.stats() if eng.executor is not None else {}
     out["fill_share"] = ex_stats.get("fill_share")  # the split the streams decoded with at the end
     out["hit_rate"] = ex_stats.get("hit_rate")
+    loaded_gc = [p for p in GcWatch.shared().pauses(t_long) if p[0] <= t_first]
+    srv.events += [(t, f"gc{g}:{dt * 1e3:.1f}ms") for t, g, dt in loaded_gc]  # into each gap's anatomy
+    srv.events.sort(key=lambda e: e[0])
+    out.update(gc_freeze=a.gc_freeze, gc_frozen=srv.gc_frozen, gc_pauses_unloaded=gc_unloaded,
+               gc_pauses_loaded=gc_summary(loaded_gc))
+    srv.thaw_gc()
     out["longest_gaps"] = anatomy(srv.events, pairs)
     out["gap_kinds"] = gap_kinds(srv.events, pairs, 2 * statistics.median(unloaded))
     out["prompt_chunks"] = chunk_summary(srv.between.history)
@@ -275,6 +299,8 @@ def main():
                          "time for the adaptive split to settle; it probes each share for 24 steps)")
     ap.add_argument("--warm-long", type=int, default=0,
                     help="tokens of one more warm-up prompt (the streamed passes' kernels tuned at that size)")
+    ap.add_argument("--gc-freeze", default="on", choices=["on", "off"],
+                    help="freeze the start-up objects out of the garbage collector's walks, as ft serve does")
     ap.add_argument("--prefill-graph-tokens", type=int, default=512,
                     help="largest prompt chunk replayed from the prefill graphs (the engine flag)")
     a = ap.parse_args()

@@ -469,8 +469,8 @@ def test_fill_cap_changes_no_output(policy):  # the reference's reasoning; the k
         narrow = wide.clone()
         for call in range(4):
             t, k = int(torch.randint(1, 17, (1,), generator=g)), int(torch.randint(1, min(8, experts) + 1, (1,), generator=g))
-            ids, w = random_route(g, layers, experts, t, k, wide)
-            r = share(SHARES[int(torch.randint(0, 4, (1,), generator=g))], "cpu")  # the reference's device
+            ids, w = (x.cpu() for x in random_route(g, layers, experts, t, k, wide))  # the residencies' device
+            r = share(SHARES[int(torch.randint(0, 4, (1,), generator=g))], "cpu")
             if call == 0:  # every expert of a layer routed, fill-only: the call fills min(experts, slots)
                 ids = (torch.arange(experts) + experts * (case % layers)).view(experts, 1)  # [T, 1]
                 t, k, w, r = experts, 1, torch.rand(experts, 1, generator=g), share(1.0, "cpu")

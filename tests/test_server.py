@@ -467,6 +467,9 @@ def test_health_and_metrics_name_the_engine(server):
     snap = scrape(server)
     assert sample(snap, "freetoken_memory_plan_bytes", part="kv") == plan["kv"] > 0
     assert sample(snap, "freetoken_kv_pages_total") == plan["kv_pages"] - 1
+    # the start-up objects (torch, the model, the tokenizer) frozen out of the collector's walks
+    assert sample(snap, "freetoken_gc_frozen_objects") > 50_000
+    assert sample(snap, "freetoken_gc_collections", generation="0") >= 0
 
 
 @pytest.mark.parametrize("path,body", [

@@ -24,6 +24,7 @@ from ..errors import FreeTokenError
 from ..model.state import DecodeState, checkpoint_state_bytes, ring_layers, window_layers
 from .budget import plan_memory
 from .decode_runner import DecodeRunner
+from .gcwatch import GcWatch
 from .grammar import GrammarRunner
 from .interleave import GAP_CEILING, MIN_PREFILL, CostModel, Interleaver, affine_fit
 from .overlap import DecodeOverlap, LayerPacer, eligible as overlap_eligible
@@ -212,6 +213,7 @@ class EngineLoop:
         # numbers only: /metrics exports each as a gauge (the executor's labels, such as how
         # it transfers, are in describe() and /health)
         ex_stats = ex.stats() if ex is not None else {}
+        out.update(GcWatch.shared().stats())  # the collector's pauses (runtime/gcwatch.py)
         return {**out, **{f"experts_{k}": v for k, v in ex_stats.items() if isinstance(v, (int, float))}}
 
     # ---- hooks ------------------------------------------------------------------------------

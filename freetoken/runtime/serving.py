@@ -14,6 +14,7 @@ import threading
 
 import torch
 
+from .gcwatch import freeze_startup_objects, unfreeze
 from .loop import EngineLoop
 from .request import Request, TokenEvent
 from .scheduler import QueueFull
@@ -28,15 +29,18 @@ class ShuttingDown(QueueFull):
 class ServingEngine(EngineLoop):
     def __init__(self, engine, max_batch: int = 8, max_queue: int = 64, metrics=None,
                  max_new_tokens: int = 0, cache=None, record_logits: bool = False, start: bool = True,
-                 page_size: int = 16, kv_tokens: int | None = None):
+                 page_size: int = 16, kv_tokens: int | None = None, gc_freeze: bool = True):
         super().__init__(engine, max_batch, max_queue, metrics, cache, record_logits, page_size, kv_tokens)
         self.max_new_tokens = max_new_tokens  # server-side cap per request (0: none)
+        self.gc_frozen = 0  # objects this engine froze out of the collector's walks (freeze_gc)
         self._wake = threading.Event()
         self._streams: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = False
         self._closing: str | None = None  # why new requests are refused (shutting down)
         self._thread = threading.Thread(target=self._loop, name="ft-engine", daemon=True)
         if start:  # tests drive step() themselves
+            if gc_freeze:  # start-up is over: its objects live as long as the server (runtime/gcwatch.py)
+                self.freeze_gc()
             self._thread.start()
             # the grammar engine's view of the vocabulary, built off the request path now, so the
             # first structured-output request does not wait for it (a worker thread)
@@ -85,7 +89,21 @@ class ServingEngine(EngineLoop):
             self._closing = reason
         self._wake.set()
 
+    def freeze_gc(self) -> int:
+        """Every object alive now out of the cyclic collector's walks (gc.freeze; given back at
+        shutdown): a full collection then walks what serving made, not the model and the
+        libraries (runtime/gcwatch.py); -> how many objects are frozen."""
+        self.gc_frozen = freeze_startup_objects()
+        return self.gc_frozen
+
+    def thaw_gc(self) -> None:
+        """The objects freeze_gc froze back to the collector (at shutdown)."""
+        if self.gc_frozen:
+            unfreeze()
+            self.gc_frozen = 0
+
     def shutdown(self) -> None:
+        self.thaw_gc()
         self.begin_shutdown()
         self._stop = True
         self._wake.set()

@@ -45,6 +45,16 @@ class Metrics:
                    for k in ("kv_pages_total", "kv_pages_used", "kv_pages_high_water")}
         self.experts = Gauge("freetoken_expert_executor", "expert executor counters (calls, routed pairs)",
                              ["counter"], registry=r)
+        # the cyclic garbage collector's pauses (runtime/gcwatch.py): a full collection of an
+        # unfrozen heap stalls every stream for tens of ms
+        self.gc_collections = Gauge("freetoken_gc_collections", "garbage collections by generation",
+                                    ["generation"], registry=r)
+        self.gc_seconds = Gauge("freetoken_gc_pause_seconds", "seconds spent in garbage collections, by generation",
+                                ["generation"], registry=r)
+        self.gc_longest = Gauge("freetoken_gc_longest_pause_seconds", "the longest garbage collection pause, "
+                                "by generation", ["generation"], registry=r)
+        self.gc_frozen = Gauge("freetoken_gc_frozen_objects", "objects frozen out of the collector's walks "
+                               "at start-up", registry=r)
         self.serving = None
 
     def attach(self, serving, describe: dict) -> None:
@@ -93,4 +103,12 @@ class Metrics:
                     self.kv[k].set(v)
                 elif k.startswith("experts_"):
                     self.experts.labels(k[len("experts_"):]).set(v)
+                elif k.startswith("gc_collections_gen"):
+                    self.gc_collections.labels(k[-1]).set(v)
+                elif k.startswith("gc_seconds_gen"):
+                    self.gc_seconds.labels(k[-1]).set(v)
+                elif k.startswith("gc_longest_ms_gen"):
+                    self.gc_longest.labels(k[-1]).set(v / 1e3)
+                elif k == "gc_frozen":
+                    self.gc_frozen.set(v)
         return generate_latest(self.registry)
