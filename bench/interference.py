@@ -100,8 +100,8 @@ def gc_summary(pauses) -> dict:
 
 
 def gap_kinds(events, gaps, over: float) -> dict:
-    """The loaded gaps [(start, end)] by what lies inside them: a garbage collection of
-    generation 1 or 2 ("gc"), a prompt forward starting ("start": the step's host work, the
+    """The loaded gaps [(start, end)] by what lies inside them: a garbage collection of 1 ms or
+    more ("gc"), a prompt forward starting ("start": the step's host work, the
     forward's set-up and its first layers), one ending ("end": its last layers, its tail and the
     host's work after it), or only layers between two decode steps ("layers"); per kind the
     count, p50 / p99 / max (ms) and how many exceed `over` seconds (2x the unloaded p50: which
@@ -109,7 +109,7 @@ def gap_kinds(events, gaps, over: float) -> dict:
     kinds: dict[str, list[float]] = {"gc": [], "start": [], "end": [], "layers": []}
     for a, b in gaps:
         inside = [what for t, what in events if a < t <= b and "nested" not in what]
-        kind = ("gc" if any(w.startswith(("gc1", "gc2")) for w in inside)
+        kind = ("gc" if any(w.startswith("gc") for w in inside)
                 else "start" if any(w.startswith("prompt") for w in inside)
                 else "end" if any(w.startswith("end-prompt") for w in inside) else "layers")
         kinds[kind].append(b - a)
@@ -164,7 +164,6 @@ def run_setting(eng, name: str, a) -> dict:
         run_until(lambda: w.finished_at)
     if a.gc_freeze == "on":  # as `ft serve` does after start-up (runtime/gcwatch.py)
         srv.freeze_gc()
-    t_unloaded = time.perf_counter()
     # unloaded: the streams alone, then the short request alone
     streams = [Request(prompt(a.short, 10 + i, vocab), opts(10_000)) for i in range(a.streams)]
     for r in streams:
@@ -175,6 +174,8 @@ def run_setting(eng, name: str, a) -> dict:
     mark = {r.id: len(srv.stamps[r.id]) for r in streams}
     run_until(lambda: all(len(srv.stamps[r.id]) - mark[r.id] >= a.tokens for r in streams))
     unloaded = [b - c for r in streams for c, b in zip(srv.stamps[r.id][mark[r.id]:], srv.stamps[r.id][mark[r.id] + 1:])]
+    gc_unloaded = gc_summary(GcWatch.shared().pauses(min(srv.stamps[r.id][mark[r.id]] for r in streams),
+                                                     max(srv.stamps[r.id][-1] for r in streams)))
     for r in streams:
         srv.cancel(r)
     run_until(lambda: not srv.sched.busy)
@@ -192,7 +193,6 @@ def run_setting(eng, name: str, a) -> dict:
     long = Request(prompt(a.long, 3, vocab), opts(2))
     short = Request(prompt(a.short, 4, vocab), opts(2))
     mark = {r.id: len(srv.stamps[r.id]) - 1 for r in streams}  # gaps from the last token before it
-    gc_unloaded = gc_summary(GcWatch.shared().pauses(t_unloaded))
     t_long = time.perf_counter()
     srv.sched.add(long)
     srv.step()
@@ -228,8 +228,9 @@ def run_setting(eng, name: str, a) -> dict:
     ex_stats = eng.executor.stats() if eng.executor is not None else {}
     out["fill_share"] = ex_stats.get("fill_share")  # the split the streams decoded with at the end
     out["hit_rate"] = ex_stats.get("hit_rate")
-    loaded_gc = [p for p in GcWatch.shared().pauses(t_long) if p[0] <= t_first]
-    srv.events += [(t, f"gc{g}:{dt * 1e3:.1f}ms") for t, g, dt in loaded_gc]  # into each gap's anatomy
+    loaded_gc = GcWatch.shared().pauses(min(c for c, _ in pairs), max(b for _, b in pairs))  # the gaps' window
+    # into each gap's anatomy: the pauses of 1 ms or more (a gen-0 pause is a fraction of that)
+    srv.events += [(t, f"gc{g}:{dt * 1e3:.1f}ms") for t, g, dt in loaded_gc if dt >= 1e-3]
     srv.events.sort(key=lambda e: e[0])
     out.update(gc_freeze=a.gc_freeze, gc_frozen=srv.gc_frozen, gc_pauses_unloaded=gc_unloaded,
                gc_pauses_loaded=gc_summary(loaded_gc))

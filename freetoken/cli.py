@@ -261,6 +261,7 @@ def _serve(args, socks: list[socket.socket]) -> int:
             async def startup(self, sockets=None):
                 await super().startup(sockets=sockets)
                 if self.started and not self.should_exit:  # listening now: clients may connect
+                    serving.freeze_gc()  # the web app's and the server's objects out of the collector too
                     print(line, file=sys.stderr, flush=True)
 
             def handle_exit(self, sig, frame):

@@ -14,7 +14,7 @@ import threading
 
 import torch
 
-from .gcwatch import freeze_startup_objects, unfreeze
+from .gcwatch import freeze_startup_objects, refreeze, unfreeze
 from .loop import EngineLoop
 from .request import Request, TokenEvent
 from .scheduler import QueueFull
@@ -41,10 +41,14 @@ class ServingEngine(EngineLoop):
         if start:  # tests drive step() themselves
             if gc_freeze:  # start-up is over: its objects live as long as the server (runtime/gcwatch.py)
                 self.freeze_gc()
-            self._thread.start()
-            # the grammar engine's view of the vocabulary, built off the request path now, so the
-            # first structured-output request does not wait for it (a worker thread)
-            self.grammar.warm()
+            try:
+                self._thread.start()
+                # the grammar engine's view of the vocabulary, built off the request path now, so the
+                # first structured-output request does not wait for it (a worker thread)
+                self.grammar.warm()
+            except BaseException:
+                self.thaw_gc()
+                raise
 
     # ---- called from the event loop ---------------------------------------------------
     def submit(self, req: Request) -> asyncio.Queue:
@@ -92,18 +96,19 @@ class ServingEngine(EngineLoop):
     def freeze_gc(self) -> int:
         """Every object alive now out of the cyclic collector's walks (gc.freeze; given back at
         shutdown): a full collection then walks what serving made, not the model and the
-        libraries (runtime/gcwatch.py); -> how many objects are frozen."""
-        self.gc_frozen = freeze_startup_objects()
+        libraries (runtime/gcwatch.py). Called again (the server, once it listens), it freezes
+        what was made since. -> how many objects are frozen."""
+        self.gc_frozen = refreeze() if self.gc_frozen else freeze_startup_objects()
         return self.gc_frozen
 
     def thaw_gc(self) -> None:
-        """The objects freeze_gc froze back to the collector (at shutdown)."""
+        """Let go of this engine's hold on the freeze (the last holder's thaw gives the objects
+        back to the collector)."""
         if self.gc_frozen:
             unfreeze()
             self.gc_frozen = 0
 
     def shutdown(self) -> None:
-        self.thaw_gc()
         self.begin_shutdown()
         self._stop = True
         self._wake.set()
@@ -111,6 +116,7 @@ class ServingEngine(EngineLoop):
             self._thread.join(timeout=10)
         else:  # never started (tests drive step()): end what is left here
             self._abort_all()
+        self.thaw_gc()
 
     # ---- the engine thread --------------------------------------------------------------
     def _loop(self) -> None:
