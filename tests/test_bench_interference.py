@@ -1,0 +1,23 @@
+"""bench.interference's accounting of the loaded gaps: what lies inside each (a collector pause,
+a prompt forward's start or end, layers only) and the collector's pauses per generation."""
+from bench.interference import gap_kinds, gc_summary
+
+
+def test_gap_kinds_sorts_each_gap_by_what_lies_inside_it():
+    events = [(0.5, "prompt300"), (1.0, "L0"), (1.5, "decode2-nested"), (2.0, "L1"), (2.2, "gc2:80.0ms"),
+              (2.6, "prompt20-nested"), (3.0, "end-prompt300"), (3.2, "decode2")]
+    gaps = [(0.0, 1.6), (1.6, 2.1), (2.1, 2.5), (2.5, 2.9), (2.9, 3.3)]
+    k = gap_kinds(events, gaps, over=0.45)
+    assert k["start"]["count"] == 1 and k["start"]["over_2x"] == 1  # the forward's set-up inside
+    assert k["gc"]["count"] == 1 and k["gc"]["max_ms"] == 400.0  # a pause outranks the rest
+    assert k["end"]["count"] == 1 and k["end"]["p50_ms"] == 400.0
+    # a nested short prompt is not a forward boundary: layers only
+    assert k["layers"]["count"] == 2 and k["layers"]["over_2x"] == 1 and k["layers"]["max_ms"] == 500.0
+    assert sum(v["count"] for v in k.values()) == len(gaps)
+
+
+def test_gc_summary_by_generation():
+    s = gc_summary([(0.0, 0, 0.0002), (1.0, 2, 0.08), (2.0, 2, 0.12), (3.0, 1, 0.004)])
+    assert s["gen0"] == {"count": 1, "longest_ms": 0.2, "total_ms": 0.2}
+    assert s["gen1"]["count"] == 1 and s["gen2"] == {"count": 2, "longest_ms": 120.0, "total_ms": 200.0}
+    assert gc_summary([])["gen2"] == {"count": 0, "longest_ms": 0.0, "total_ms": 0.0}
