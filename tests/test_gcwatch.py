@@ -57,7 +57,7 @@ def test_serving_engines_hold_the_freeze_until_the_last_one_shuts_down():
         assert a.gc_frozen > 50_000 and gc.get_freeze_count() > 50_000
         # a full collection now walks only what was made since: far fewer than the frozen heap
         assert len(gc.get_objects()) < a.gc_frozen // 4
-        assert a.stats()["gc_frozen"] == gc.get_freeze_count()
+        assert abs(a.stats()["gc_frozen"] - gc.get_freeze_count()) < 1000  # (threads free frozen objects)
         b = ServingEngine(eng, max_batch=2, start=True)
         assert b.gc_frozen > 50_000
         b.shutdown()

@@ -859,10 +859,12 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma,f16c"))) void qdot4_
 // - The block scales come from one masked VPERMB of the chunk's scale bytes into byte 0 of each
 //   lane (MXFP4: lane l <- byte l / 4; e8m0 -> f32 bits by a shift, and a 0 byte -> 2^-127 by a
 //   max, as the exact kernels do); NVFP4 into byte 1 of each 16-bit word (lane l <- byte l / 2),
-//   then e4m3 -> f16 as fp4_scales_avx512 does, and the constant 2^8 * scale_2 (the f16
-//   exponent's bias and the tensor's second scale) applied once per row at the end.
-// The integers are the same as the kernel above, and the f32 arithmetic too for MXFP4 (bit for
-// bit); NVFP4's per-row constant moves to the end (within f32 rounding).
+//   then e4m3 -> f16 as fp4_scales_avx512 does, times the row's constant 2^8 * scale_2 (the f16
+//   exponent's bias and the tensor's second scale) in one multiply.
+// The integers and the f32 arithmetic are the kernel above's, bit for bit. (With the constant
+// moved to the end of the row instead, the sums differed in their last bits, and the int8
+// rounding of the intermediate activations then flipped more often: a whole-model test saw 4
+// steps of 9 move by ~1e-3 against its reference.)
 alignas(64) const int8_t E2M1_X2_PLUS12_64[64] = {
     12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
     12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
@@ -876,9 +878,15 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,
   // NVFP4: 16-bit word l <- scale byte l / 2, in the word's high byte (the low byte zeroed)
   const __m256i nv_idx = _mm256_set_epi16(7 << 8, 7 << 8, 6 << 8, 6 << 8, 5 << 8, 5 << 8, 4 << 8, 4 << 8,
                                           3 << 8, 3 << 8, 2 << 8, 2 << 8, 1 << 8, 1 << 8, 0, 0);
-  __m512 acc[4];
+  __m512 acc[4], nv_scale[4];
   #pragma GCC unroll 4
-  for (int p = 0; p < 4; ++p) acc[p] = _mm512_setzero_ps();
+  for (int p = 0; p < 4; ++p) {
+    acc[p] = _mm512_setzero_ps();
+    // NVFP4: the f16 exponent's 2^8 times the tensor's scale_2, one product per row: f * (2^8 s2)
+    // rounds as the exact kernels' (f * 2^8) * s2 does (f * 2^8 is exact), so the sums stay
+    // bit for bit those of the VNNI kernel
+    nv_scale[p] = _mm512_set1_ps(FMT == FMT_MXFP4 ? 1.f : 256.f * rows[p].s2);
+  }
   prefetch_scales(rows, FMT == FMT_MXFP4 ? C / 32 : C / 16);
   for (int base = 0, ch = 0; base < C; base += Q8_CHUNK, ++ch) {
     const Q8Chunk c = q8_chunk(a, C, base, ch);
@@ -896,14 +904,14 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,
       } else {
         const __m256i b = _mm256_castsi128_si256(_mm_cvtsi64_si128(int64_t(chunk_scales<8>(rows[p].s + base / 16, c.nl / 2))));
         const __m256i w = _mm256_maskz_permutexvar_epi8(0xAAAAAAAAu, nv_idx, b);  // byte << 8 per word
-        sw = _mm512_cvtph_ps(_mm256_and_si256(_mm256_srai_epi16(w, 1), _mm256_set1_epi16(short(0xBF80))));
+        sw = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_and_si256(_mm256_srai_epi16(w, 1), _mm256_set1_epi16(short(0xBF80)))),
+                           nv_scale[p]);
       }
       acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(sw, c.xs), acc[p]);
     }
   }
   #pragma GCC unroll 4
-  for (int p = 0; p < 4; ++p)
-    out[p] = (FMT == FMT_MXFP4 ? 0.5f : 0.5f * 256.f * rows[p].s2) * _mm512_reduce_add_ps(acc[p]);
+  for (int p = 0; p < 4; ++p) out[p] = 0.5f * _mm512_reduce_add_ps(acc[p]);
 }
 
 inline void qdot4_q8(int kernel, int fmt, const QRow* rows, const Q8Act& a, int C, float* out) {
