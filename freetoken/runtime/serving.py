@@ -14,7 +14,7 @@ import threading
 
 import torch
 
-from .gcwatch import freeze_startup_objects, refreeze, unfreeze
+from .gcwatch import GcWatch, freeze_startup_objects, refreeze, unfreeze
 from .loop import EngineLoop
 from .request import Request, TokenEvent
 from .scheduler import QueueFull
@@ -33,6 +33,7 @@ class ServingEngine(EngineLoop):
         super().__init__(engine, max_batch, max_queue, metrics, cache, record_logits, page_size, kv_tokens)
         self.max_new_tokens = max_new_tokens  # server-side cap per request (0: none)
         self.gc_frozen = 0  # objects this engine froze out of the collector's walks (freeze_gc)
+        GcWatch.shared()  # the collector's pauses timed from now on (/metrics)
         self._wake = threading.Event()
         self._streams: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = False
