@@ -231,6 +231,8 @@ def cmd_serve(args) -> int:
 
 
 def _serve(args, socks: list[socket.socket]) -> int:
+    import asyncio
+
     import uvicorn
     from .cache.config import CacheConfig
     from .runtime.serving import ServingEngine
@@ -258,7 +260,10 @@ def _serve(args, socks: list[socket.socket]) -> int:
         line = banner(name, eng.cfg.arch, url, serving.describe()) + "\nFreeToken: " + serving.plan.summary()
 
         class Server(uvicorn.Server):
+            loop = None  # the event loop, where a signal's shutdown work runs (handle_exit)
+
             async def startup(self, sockets=None):
+                Server.loop = asyncio.get_running_loop()
                 await super().startup(sockets=sockets)
                 if self.started and not self.should_exit:  # listening now: clients may connect
                     serving.freeze_gc()  # the web app's and the server's objects out of the collector too
@@ -266,8 +271,15 @@ def _serve(args, socks: list[socket.socket]) -> int:
 
             def handle_exit(self, sig, frame):
                 # SIGINT/SIGTERM: end every request in flight with an error event that says why
-                # before uvicorn drains the connections (instead of cutting the streams)
-                serving.begin_shutdown()
+                # before uvicorn drains the connections (instead of cutting the streams). Not in
+                # the handler itself: it runs between two bytecodes of the main thread, which may
+                # be inside a lock begin_shutdown takes (a second SIGTERM landing inside the
+                # first one's Event.set hung the server: `timeout ... ft serve` and pkill send
+                # two); the loop runs it next, before uvicorn's shutdown starts
+                if Server.loop is not None and not Server.loop.is_closed():
+                    Server.loop.call_soon_threadsafe(serving.begin_shutdown)
+                else:
+                    serving.begin_shutdown()
                 super().handle_exit(sig, frame)
 
         config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
