@@ -36,9 +36,10 @@
 # Call 28: the CPU int8 kernels with VBMI and the L2 look-ahead on the Xeon (issue 12), the fixed
 # control test, the 32k interference row again (issue 9: how far two runs of it differ).
 # Call 29: the control test again; the 32k interference row with the collector frozen and timed.
+# Call 30: the 32k interference row with the page gather's kept buffers and without, allocator events counted.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29}
+STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -301,7 +302,18 @@ case "$STAGE" in
   step 160 interference-nofreeze python3 -m bench.interference --full-size --long 32768 --settings interleave \
     --prefill-graph-tokens 2048 --gc-freeze off --name interference-full-gc-off
   ;;
-*) echo "stage 0 to 29"; exit 2 ;;
+30) # 520 s: the 32k interference row with the prefill attention's page gather into kept buffers
+  # (kernels/page_gather.py) and without, the allocator's events counted; the control test fixed
+  # a third time (its residency came on CUDA)
+  FT_TAG=plan30 FT_PER_FILE=120 FT_K="fill_cap or workspace" bash bench/device_tests.sh tests/test_expert_control.py tests/test_page_gather.py > /dev/null
+  I="python3 -m bench.interference --full-size --long 32768 --settings interleave --prefill-graph-tokens 2048"
+  step 300 interference-ws-1 $I --gather-workspace on --name interference-full-ws-1
+  step 120 interference-nows $I --gather-workspace off --name interference-full-ws-off
+  step 120 interference-ws-2 $I --gather-workspace on --name interference-full-ws-2
+  step 120 interference-nows-exp env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $I --gather-workspace off \
+    --name interference-full-ws-off-expandable
+  ;;
+*) echo "stage 0 to 30"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)

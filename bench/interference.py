@@ -20,6 +20,9 @@ between passes only, `interleave` inside them too (the cache frozen). Each row a
 streams' tok/s while the long prompt prefills against their unloaded rate.
     python -m bench.interference [--long 32768] [--short 200] [--streams 2] [--full-size]
         [--moe resident|cache] [--expert-cache 16GB] [--cache-warmup N] [--warm-long N]
+        [--gc-freeze on|off] [--gather-workspace on|off]
+Each row also counts the CUDA caching allocator's events over the loaded window
+(cuda_allocator_loaded: segments cudaMalloc'ed and freed, retries after a failed cudaMalloc).
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ import torch
 from bench.common import write_result
 from bench.fullsize import full_size_engine
 from freetoken.demo import demo_path
+from freetoken.kernels import page_gather
 from freetoken.runtime.engine import Engine, EngineConfig
 from freetoken.runtime.gcwatch import GcWatch
 from freetoken.runtime.interleave import Interleaver
@@ -128,6 +132,15 @@ def prompt(n: int, seed: int, vocab: int) -> list[int]:
     return torch.randint(100, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def allocator_counts(device) -> dict:
+    """The CUDA caching allocator's event counters (empty off CUDA)."""
+    if torch.device(device).type != "cuda":
+        return {}
+    st = torch.cuda.memory_stats(device)
+    return {k: int(st.get(k, 0)) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries",
+                                           "num_sync_all_streams", "num_ooms")}
+
+
 def run_setting(eng, name: str, a) -> dict:
     s = SETTINGS[name]
     srv = Stamped(eng, max_batch=a.streams + 2, max_queue=8, start=False)
@@ -193,6 +206,7 @@ def run_setting(eng, name: str, a) -> dict:
     long = Request(prompt(a.long, 3, vocab), opts(2))
     short = Request(prompt(a.short, 4, vocab), opts(2))
     mark = {r.id: len(srv.stamps[r.id]) - 1 for r in streams}  # gaps from the last token before it
+    alloc0 = allocator_counts(eng.device)
     t_long = time.perf_counter()
     srv.sched.add(long)
     srv.step()
@@ -201,6 +215,7 @@ def run_setting(eng, name: str, a) -> dict:
     run_until(lambda: long.first_token_at and short.first_token_at)
     pairs = [(c, b) for r in streams for c, b in zip(srv.stamps[r.id][mark[r.id]:], srv.stamps[r.id][mark[r.id] + 1:])]
     loaded = [b - c for c, b in pairs]
+    alloc1 = allocator_counts(eng.device)
     long_ttft = srv.stamps[long.id][0] - t_long
     short_ttft = srv.stamps[short.id][0] - t_short
     for r in streams:
@@ -235,6 +250,11 @@ def run_setting(eng, name: str, a) -> dict:
     out.update(gc_freeze=a.gc_freeze, gc_frozen=srv.gc_frozen, gc_pauses_unloaded=gc_unloaded,
                gc_pauses_loaded=gc_summary(loaded_gc))
     srv.thaw_gc()
+    # the CUDA caching allocator over the loaded window: segments asked of the driver, and the
+    # retries after a failed cudaMalloc (each frees the cache: a device-wide sync)
+    out["cuda_allocator_loaded"] = {k: alloc1[k] - alloc0[k] for k in alloc0} if alloc0 else None
+    out["gather_workspace"] = {"enabled": page_gather.ENABLED, "grows": page_gather.WORKSPACE.grows,
+                               "mib": round(page_gather.WORKSPACE.nbytes() / 2**20, 1)}
     out["longest_gaps"] = anatomy(srv.events, pairs)
     out["gap_kinds"] = gap_kinds(srv.events, pairs, 2 * statistics.median(unloaded))
     out["prompt_chunks"] = chunk_summary(srv.between.history)
@@ -300,11 +320,15 @@ def main():
                          "time for the adaptive split to settle; it probes each share for 24 steps)")
     ap.add_argument("--warm-long", type=int, default=0,
                     help="tokens of one more warm-up prompt (the streamed passes' kernels tuned at that size)")
+    ap.add_argument("--gather-workspace", default="on", choices=["on", "off"],
+                    help="the prefill attention's page gather into kept buffers (kernels/page_gather.py) "
+                         "or into fresh tensors per layer (the A/B)")
     ap.add_argument("--gc-freeze", default="on", choices=["on", "off"],
                     help="freeze the start-up objects out of the garbage collector's walks, as ft serve does")
     ap.add_argument("--prefill-graph-tokens", type=int, default=512,
                     help="largest prompt chunk replayed from the prefill graphs (the engine flag)")
     a = ap.parse_args()
+    page_gather.ENABLED = a.gather_workspace == "on"
     ctx = a.long + a.short + 64
     if a.full_size and a.moe == "cache":
         eng = full_size_engine(a.layers, "cuda", experts_on="cache", max_len=ctx, expert_cache=a.expert_cache)

@@ -465,7 +465,7 @@ def test_fill_cap_changes_no_output(policy):  # the reference's reasoning; the k
         layers, experts = 3, int(torch.randint(4, 13, (1,), generator=g))
         n = layers * experts
         s = int(torch.randint(1, n + 3, (1,), generator=g))
-        wide = Residency.empty(n, s, "cpu") if case % 2 == 0 else random_residency(g, n, s)
+        wide = Residency.empty(n, s, "cpu") if case % 2 == 0 else to(random_residency(g, n, s), "cpu")  # on CUDA it comes on DEV
         narrow = wide.clone()
         for call in range(4):
             t, k = int(torch.randint(1, 17, (1,), generator=g)), int(torch.randint(1, min(8, experts) + 1, (1,), generator=g))

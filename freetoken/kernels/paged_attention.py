@@ -37,6 +37,7 @@ import triton.language as tl
 
 from ..model.attention import prefill_attention
 from . import INTERPRET, tl_dtype, use_triton
+from .page_gather import gather_for_prefill, gather_pages
 
 LOG2E = 1.4426950408889634
 NEG = tl.constexpr(-1.0e30)  # running-max start: finite, so an all-masked tile gives exp2(-inf) = 0, never NaN
@@ -91,13 +92,6 @@ def _check(q, k_pages, v_pages, block_table):
 # --------------------------------------------------------------------------- torch references
 
 
-def _gather(pages: torch.Tensor, ids: torch.Tensor, length: int) -> torch.Tensor:
-    """pages [num_pages, kvh, P, hd], ids [..., n] -> [..., kvh, n*P, hd][..., :length, :]."""
-    x = pages[ids.long()]  # [..., n, kvh, P, hd]
-    x = x.movedim(-3, -4)  # [..., kvh, n, P, hd]
-    return x.reshape(*x.shape[:-3], x.shape[-3] * x.shape[-2], x.shape[-1])[..., :length, :]
-
-
 def paged_decode_attention_torch(q, k_pages, v_pages, block_table, lens, scale, window=None, sinks=None):
     """q [B, nh, hd]; block_table [B, W]; lens [B]; sinks [nh] or None -> [B, nh, hd] in q's dtype.
 
@@ -117,8 +111,8 @@ def paged_decode_attention_torch(q, k_pages, v_pages, block_table, lens, scale, 
         running = lens[lens > 0]
         first = max(0, int(running.min()) - window) // p  # [B] rows' windows start at or after it
     ids = block_table[:, first:_cdiv(longest, p)]  # [B, n]
-    k = _gather(k_pages, ids, longest - first * p)  # [B, kvh, L', hd]: keys first*p .. longest-1
-    v = _gather(v_pages, ids, longest - first * p)
+    k = gather_pages(k_pages, ids, longest - first * p)  # [B, kvh, L', hd]: keys first*p .. longest-1
+    v = gather_pages(v_pages, ids, longest - first * p)
     j = torch.arange(first * p, longest, device=q.device)
     n = lens.to(q.device, torch.long)[:, None]
     mask = j[None] < n  # [B, L]
@@ -142,15 +136,15 @@ def paged_decode_attention_torch(q, k_pages, v_pages, block_table, lens, scale, 
 def paged_prefill_attention_torch(q, k_pages, v_pages, block_table_row, start, scale, window=None, sinks=None):
     """q [T, nh, hd] at positions start..start+T-1 (their K/V already in the pages);
     block_table_row [W]; sinks [nh] or None -> [T, nh, hd]. Gathers the keys the chunk can see
-    (0..start+T-1; with a window, from the page of the first query's first key on) and calls
-    prefill_attention."""
+    (0..start+T-1; with a window, from the page of the first query's first key on; on CUDA into
+    buffers kept between calls, page_gather.py) and calls prefill_attention."""
     kvh, p, hd, nh = _check(q, k_pages, v_pages, block_table_row)
     t = q.shape[0]
     s = start + t
     first = max(0, start - window + 1) // p if window else 0  # no key before this page is visible
     ids = block_table_row[first:_cdiv(s, p)]
-    k = _gather(k_pages, ids, s - first * p)  # [kvh, S', hd]: keys first*p .. s-1
-    v = _gather(v_pages, ids, s - first * p)
+    k = gather_for_prefill(k_pages, ids, s - first * p, "k")  # [kvh, S', hd]: keys first*p .. s-1
+    v = gather_for_prefill(v_pages, ids, s - first * p, "v")
     mask = None
     if window:
         qp = torch.arange(start, s, device=q.device)[:, None]

@@ -1,0 +1,80 @@
+"""A prefill chunk's keys (or values) gathered from the page pool into buffers kept between calls.
+
+The eager prefill attention (paged_attention.paged_prefill_attention_torch) reads a chunk's
+whole visible context as one contiguous [kvh, S, hd] tensor for SDPA. Gathered with plain
+indexing, that is two fresh allocations per tensor per layer (the page gather, then the copy
+that puts the KV heads first), 4 x 32 MB for K and V at a 32k context on the full-size shape,
+each a little larger than the last chunk's because the context grew. The CUDA caching allocator
+then needs a new segment at the first attention layer of nearly every chunk, and where VRAM is
+held by weights, KV pool and graph pools, a failed cudaMalloc frees its cache (a device-wide
+sync) and retries. Here each KV head's pages go straight into a buffer that only grows (by
+GROW, so a growing context reallocates O(log S) times): one copy, no allocation per layer.
+
+A gathered tensor is a view of the buffer: valid until the next gather with the same tag on
+the same thread and CUDA stream (the caller hands it to the attention kernel at once; work on
+one stream runs in order, so the next layer's gather cannot overwrite it before it is read).
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+GROW = 1.25  # growth factor of a buffer too small for the request
+ALIGN = 64  # pages: buffers are sized in multiples of this (a 16-token page: 1,024 tokens)
+
+
+def gather_pages(pages: torch.Tensor, ids: torch.Tensor, length: int) -> torch.Tensor:
+    """pages [num_pages, kvh, P, hd], ids [..., n] -> [..., kvh, n*P, hd][..., :length, :]: a fresh
+    tensor (the decode reference's gather, and what the workspace is tested against)."""
+    x = pages[ids.long()]  # [..., n, kvh, P, hd]
+    x = x.movedim(-3, -4)  # [..., kvh, n, P, hd]
+    return x.reshape(*x.shape[:-3], x.shape[-3] * x.shape[-2], x.shape[-1])[..., :length, :]
+
+
+class GatherWorkspace(threading.local):
+    """Per thread: tag -> buffer [kvh, capacity pages, P, hd]. Keyed by tag ("k", "v"), device,
+    CUDA stream, dtype and page shape, so two tensors read together never share one."""
+
+    def __init__(self):
+        self.bufs: dict[tuple, torch.Tensor] = {}
+        self.grows = 0  # buffers (re)allocated: O(log S) over a growing context, not one per layer
+
+    def gather(self, pages: torch.Tensor, ids: torch.Tensor, length: int, tag: str) -> torch.Tensor:
+        """gather_pages(pages, ids, length), into this thread's buffer for `tag`."""
+        _, kvh, p, hd = pages.shape
+        n = ids.numel()
+        stream = torch.cuda.current_stream(pages.device).cuda_stream if pages.is_cuda else 0
+        key = (tag, pages.device, stream, pages.dtype, kvh, p, hd)
+        buf = self.bufs.get(key)
+        if buf is None or buf.shape[1] < n:
+            cap = max(n, int(buf.shape[1] * GROW) if buf is not None else 0)
+            cap = -(-cap // ALIGN) * ALIGN
+            self.bufs.pop(key, None)
+            del buf  # the old buffer back to the allocator before the larger one is asked for
+            buf = torch.empty((kvh, cap, p, hd), dtype=pages.dtype, device=pages.device)
+            self.bufs[key] = buf
+            self.grows += 1
+        ids = ids.long()
+        for h in range(kvh):  # one copy per KV head, straight into place: [n, P, hd] each
+            torch.index_select(pages[:, h], 0, ids, out=buf[h, :n])
+        return buf[:, :n].reshape(kvh, n * p, hd)[:, :length]  # a view: n and P merge
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.bufs.values())
+
+    def clear(self) -> None:
+        self.bufs.clear()
+
+
+WORKSPACE = GatherWorkspace()
+# on CUDA by default (the allocator stalls above); off: a fresh tensor per call, as on the CPU,
+# where allocating is cheap and a buffer the size of the longest context would stay in host RAM
+ENABLED = True
+
+
+def gather_for_prefill(pages: torch.Tensor, ids: torch.Tensor, length: int, tag: str) -> torch.Tensor:
+    """The prefill attention's gather: into the workspace on CUDA (when ENABLED), fresh elsewhere."""
+    if ENABLED and pages.is_cuda:
+        return WORKSPACE.gather(pages, ids, length, tag)
+    return gather_pages(pages, ids, length)
