@@ -20,6 +20,13 @@ def rel(a, b):
     return float((a.float() - b.float()).abs().max() / b.float().abs().max())
 
 
+BOUNDS = {"mxfp4": (3.5e-2, 2.5e-2), "nvfp4": (8e-2, 6e-2)}  # int8 against exact: (max, norm) relative
+
+
+def nrel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
 def routed(t, h, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(t, h, generator=g) * torch.rand(t, 1, generator=g) * 3
@@ -62,7 +69,12 @@ def test_int8_kernel_matches_its_reference(fmt, kernel):
         # rounding boundary of its 8-bit grid: among 240 tokens' 960 rows one such flip shows
         assert rel(got, ref) < (1e-5 if t < 100 else 1e-4), t
         exact = reference_experts(x, ids, w, b.gate_up, b.down)
-        assert 1e-4 < rel(got, exact) < 8e-2, t  # int8 activations: not exact, not far (5.2% seen)
+        # int8 activations: not exact, not far. Seen over seeds 21-24 at these sizes: MXFP4 at
+        # most 2.4% (max error over max value) and 1.4% (norms); NVFP4 5.2% and 3.9%, the random
+        # banks' edge values (negative and extreme E4M3 scales) giving it the heavier tail
+        top, norm = BOUNDS[fmt]
+        assert 1e-4 < rel(got, exact) < top, t
+        assert nrel(got, exact) < norm, t
 
 
 def test_int8_threads_do_not_change_a_bit_and_vector_equals_scalar_closely():
