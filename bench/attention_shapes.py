@@ -6,7 +6,8 @@ and GPU time together, as the serving loop's layer timing sees them).
 Two cases per size: a prompt's first chunk (start 0: T == S, where SDPA's causal bias goes
 through the general dispatcher with is_causal) and a later chunk (start 30,000: T < S, straight
 to the flash kernel); each with SDPA's backends as shipped and with cuDNN attention turned off.
-Also the CUDA kernels of one first call of a new size (which backend ran).
+Also the CUDA kernels of one first call of a new size (which backend ran). Since ef4a1dc's run
+model.attention.prefill_attention leaves cuDNN out itself, so both settings should read alike.
     python -m bench.attention_shapes [--sizes 870,444,705,1133,1199,748] [--start 30000]
 """
 from __future__ import annotations

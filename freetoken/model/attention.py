@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from ..cache.pages import SCRATCH
@@ -120,8 +121,16 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     if sinks is not None:
         return sinks_attention(q, k, v, mask, scale, sinks)
     bias = mask if mask is not None else causal_lower_right(t, s)
-    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=bias, scale=scale,
-                                          enable_gqa=True)[0]
+    with sdpa_kernel(NO_CUDNN):
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=bias, scale=scale,
+                                              enable_gqa=True)[0]
+
+
+# SDPA's backends for prefill, cuDNN left out: where the general dispatcher picks it (a prompt's
+# first chunk, T == S, on the H200), it builds a graph for every new shape, 67-70 ms of host time
+# each against 0.5-0.6 ms for the flash kernel (benchmarks/results/attention_shapes-gpu.json):
+# every new prompt length stalled decoding streams and its own first token by that much
+NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def sinks_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
