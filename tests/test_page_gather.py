@@ -58,8 +58,37 @@ def test_prefill_attention_same_with_and_without_the_workspace(device, window, m
     table = torch.randperm(64, generator=g).to(device, torch.int32)
     for start, t in ((0, 37), (37, 100), (137, 3), (140, 400)):
         q = torch.randn(t, nh, hd, generator=g).to(device)
-        monkeypatch.setattr(pa, "gather_for_prefill", lambda pg, ids, n, tag: gather_pages(pg, ids, n))
+        monkeypatch.setattr(pa, "gather_for_prefill", lambda pg, ids, n, tag, limit=0: gather_pages(pg, ids, n))
         a = paged_prefill_attention_torch(q, k, v, table, start, hd ** -0.5, window)
         monkeypatch.setattr(pa, "gather_for_prefill", page_gather.WORKSPACE.gather)
         b = paged_prefill_attention_torch(q, k, v, table, start, hd ** -0.5, window)
         assert torch.equal(a, b), (start, t)
+
+
+def test_workspace_allocated_in_inference_mode_serves_outside_it_and_caps_at_the_limit():
+    """A buffer first made under inference_mode (as every model entry point runs) takes a later
+    gather outside it (a normal tensor, written in place); growth stops at `limit` pages."""
+    g = torch.Generator().manual_seed(6)
+    ws = GatherWorkspace()
+    k = pool(g, 100, 2, 4, 8, torch.float32, "cpu")
+    with torch.inference_mode():
+        ws.gather(k, torch.arange(10), 40, "k")
+    assert ws.bufs[next(iter(ws.bufs))].shape[1] == 64  # ALIGN pages
+    ids = torch.randperm(100, generator=g)[:70]
+    assert torch.equal(ws.gather(k, ids, 280, "k", limit=75), gather_pages(k, ids, 280))
+    assert ws.bufs[next(iter(ws.bufs))].shape[1] == 75  # 128 after growth and rounding, held to 75
+    assert ws.grows == 2
+
+
+def test_workspace_buffers_are_per_thread():
+    import threading
+    g = torch.Generator().manual_seed(7)
+    k = pool(g, 40, 2, 4, 8, torch.float32, "cpu")
+    mine = page_gather.WORKSPACE.gather(k, torch.arange(20), 80, "t")
+    seen = {}
+    th = threading.Thread(target=lambda: seen.update(a=page_gather.WORKSPACE.gather(k, torch.arange(20, 40), 80, "t")))
+    th.start()
+    th.join()
+    assert mine.data_ptr() != seen["a"].data_ptr()
+    assert torch.equal(mine, gather_pages(k, torch.arange(20), 80))  # not overwritten by the other thread
+    page_gather.WORKSPACE.clear()

@@ -9,6 +9,9 @@ then needs a new segment at the first attention layer of nearly every chunk, and
 held by weights, KV pool and graph pools, a failed cudaMalloc frees its cache (a device-wide
 sync) and retries. Here each KV head's pages go straight into a buffer that only grows (by
 GROW, so a growing context reallocates O(log S) times): one copy, no allocation per layer.
+The buffers stay: at most the block table's width in pages each (the memory plan counts K and
+V's, runtime/budget.py); the engine empties them after its start-up warm-up, which runs on
+another thread than serving.
 
 A gathered tensor is a view of the buffer: valid until the next gather with the same tag on
 the same thread and CUDA stream (the caller hands it to the attention kernel at once; work on
@@ -40,8 +43,11 @@ class GatherWorkspace(threading.local):
         self.bufs: dict[tuple, torch.Tensor] = {}
         self.grows = 0  # buffers (re)allocated: O(log S) over a growing context, not one per layer
 
-    def gather(self, pages: torch.Tensor, ids: torch.Tensor, length: int, tag: str) -> torch.Tensor:
-        """gather_pages(pages, ids, length), into this thread's buffer for `tag`."""
+    def gather(self, pages: torch.Tensor, ids: torch.Tensor, length: int, tag: str,
+               limit: int = 0) -> torch.Tensor:
+        """gather_pages(pages, ids, length), into this thread's buffer for `tag`. limit: the
+        most pages a gather can ask for (the block table's width; 0: none), so growth never
+        overshoots the longest possible context."""
         _, kvh, p, hd = pages.shape
         n = ids.numel()
         stream = torch.cuda.current_stream(pages.device).cuda_stream if pages.is_cuda else 0
@@ -50,14 +56,19 @@ class GatherWorkspace(threading.local):
         if buf is None or buf.shape[1] < n:
             cap = max(n, int(buf.shape[1] * GROW) if buf is not None else 0)
             cap = -(-cap // ALIGN) * ALIGN
+            if limit:
+                cap = max(n, min(cap, limit))
             self.bufs.pop(key, None)
             del buf  # the old buffer back to the allocator before the larger one is asked for
-            buf = torch.empty((kvh, cap, p, hd), dtype=pages.dtype, device=pages.device)
+            # a normal tensor, not an inference one, even when the first gather runs under
+            # inference_mode (every model entry point does): a later gather outside it writes
+            # into the buffer in place, which an inference tensor refuses
+            with torch.inference_mode(False):
+                buf = torch.empty((kvh, cap, p, hd), dtype=pages.dtype, device=pages.device)
             self.bufs[key] = buf
             self.grows += 1
-        ids = ids.long()
-        for h in range(kvh):  # one copy per KV head, straight into place: [n, P, hd] each
-            torch.index_select(pages[:, h], 0, ids, out=buf[h, :n])
+        # every KV head's pages straight into place in one copy: [kvh, n, P, hd]
+        torch.index_select(pages.transpose(0, 1), 1, ids.long(), out=buf[:, :n])
         return buf[:, :n].reshape(kvh, n * p, hd)[:, :length]  # a view: n and P merge
 
     def nbytes(self) -> int:
@@ -73,8 +84,16 @@ WORKSPACE = GatherWorkspace()
 ENABLED = True
 
 
-def gather_for_prefill(pages: torch.Tensor, ids: torch.Tensor, length: int, tag: str) -> torch.Tensor:
+def gather_for_prefill(pages: torch.Tensor, ids: torch.Tensor, length: int, tag: str,
+                       limit: int = 0) -> torch.Tensor:
     """The prefill attention's gather: into the workspace on CUDA (when ENABLED), fresh elsewhere."""
     if ENABLED and pages.is_cuda:
-        return WORKSPACE.gather(pages, ids, length, tag)
+        return WORKSPACE.gather(pages, ids, length, tag, limit)
     return gather_pages(pages, ids, length)
+
+
+def workspace_bytes(kvh: int, head_dim: int, max_len: int, dtype) -> int:
+    """What the K and V buffers of one thread can grow to over a context of max_len tokens (the
+    memory plan counts it): the block table's width in pages, at most."""
+    el = torch.empty((), dtype=dtype).element_size()
+    return 2 * kvh * head_dim * el * max_len

@@ -143,8 +143,9 @@ def paged_prefill_attention_torch(q, k_pages, v_pages, block_table_row, start, s
     s = start + t
     first = max(0, start - window + 1) // p if window else 0  # no key before this page is visible
     ids = block_table_row[first:_cdiv(s, p)]
-    k = gather_for_prefill(k_pages, ids, s - first * p, "k")  # [kvh, S', hd]: keys first*p .. s-1
-    v = gather_for_prefill(v_pages, ids, s - first * p, "v")
+    width = block_table_row.numel()
+    k = gather_for_prefill(k_pages, ids, s - first * p, "k", width)  # [kvh, S', hd]: keys first*p .. s-1
+    v = gather_for_prefill(v_pages, ids, s - first * p, "v", width)
     mask = None
     if window:
         qp = torch.arange(start, s, device=q.device)[:, None]

@@ -19,6 +19,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import FreeTokenError
+from ..kernels import page_gather
 from ..model.state import checkpoint_state_bytes, kv_page_bytes, ring_layers, ring_scratch_bytes, slot_state_bytes
 
 GiB = 1 << 30
@@ -120,6 +121,9 @@ def plan_memory(cfg: ModelConfig, device: torch.device, dtype, budget: int, weig
     sliding: "window" keeps sliding-window layers in per-slot rings (model/state.py), out of the
     pool's pages and into the slots' state."""
     work = work_bytes(cfg, chunk, slots, dtype)
+    if torch.device(device).type == "cuda" and page_gather.ENABLED and getattr(cfg, "num_kv_heads", 0):
+        # the prefill attention's kept gather buffers (kernels/page_gather.py): one context's K and V
+        work += page_gather.workspace_bytes(cfg.num_kv_heads, cfg.head_dim, max_len + page_size, dtype)
     ring = ring_layers(cfg, max_len, page_size, chunk, sliding)
     state = slots * slot_state_bytes(cfg, dtype, ring, page_size, chunk) + ring_scratch_bytes(cfg, ring, page_size, dtype)
     ckpt = checkpoint_slots * checkpoint_state_bytes(cfg, dtype, ring)

@@ -20,6 +20,7 @@ import torch
 from ..config import ModelConfig
 from ..errors import ContextOverflowError, FreeTokenError
 from ..experts.banks import ExpertBanks
+from ..kernels import page_gather
 from ..experts.executor import SILU, Activation, QuantizedHostExecutor, TorchExpertExecutor, expert_bias_banks
 from ..model.registry import model_class
 from ..model.state import DecodeState, state_bytes
@@ -309,6 +310,7 @@ class Engine:
         st = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            page_gather.WORKSPACE.clear()  # this thread's gather buffers: serving runs on another
             torch.cuda.empty_cache()  # what the memory plan sees free is free
         log.info(done)
 
