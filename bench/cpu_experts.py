@@ -16,6 +16,9 @@ against the exact reference on the first call, int8_vs_read_bw).
 Results go to cpu_experts (bf16) or cpu_experts-FORMAT.
     python -m bench.cpu_experts [--format bf16|fp8_block|mxfp4|nvfp4] [--experts 512]
                                 [--threads 0] [--batches 1,2,4,8,32] [--activation silu|swiglu_clamp]
+                                [--fixed-cost]
+--fixed-cost adds batch-1 calls on experts already in cache (`fixed_cost`: one expert, and the
+same top-k every call): what a call costs besides streaming its bytes (issue 12).
 """
 from __future__ import annotations
 
@@ -84,6 +87,28 @@ def engine_memory(t: torch.Tensor, plain: bool) -> torch.Tensor:
     return out
 
 
+def fixed_cost_rows(ex, a, h: int, k: int, per_expert: int, g: torch.Generator) -> list[dict]:
+    """Batch-1 calls whose experts sit in the caches (the same ones every call): `one` routes one
+    expert (the others -1), `topk` the same k experts. Their time is what a call costs besides
+    reading its bytes from DRAM: the pool's wake-up and barrier, the activation's quantization,
+    the instructions. GB/s counts the bytes as if read (a compute-bound rate, against which the
+    DRAM rows above say how much is memory). Exact kernels, and int8 where the format has it."""
+    x = torch.randn(1, h, generator=g)
+    w = torch.softmax(torch.randn(1, k, generator=g), -1)
+    cases = {"one": (torch.tensor([[5] + [-1] * (k - 1)]), 1), "topk": (torch.arange(k)[None] + 5, k)}
+    acts = ["exact"] + (["int8"] if a.format in ("mxfp4", "nvfp4") and ex.handle is not None else [])
+    rows = []
+    for act in acts:
+        if act == "int8":
+            ex.set_act(True)
+        for name, (ids, experts) in cases.items():
+            t = timeit(lambda: ex.kernel(x, ids, w), warmup=5, iters=max(a.iters, 50))
+            rows.append({"case": name, "act": act, "experts": experts, "us": round(t * 1e6, 1),
+                         "cached_gbs": round(experts * per_expert / t / 1e9, 1)})
+        ex.set_act(False)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--format", default="bf16", choices=FORMATS,
@@ -98,6 +123,9 @@ def main():
     ap.add_argument("--activation", default="silu", choices=ACTIVATIONS,
                     help="the expert function: silu (no biases), or GPT-OSS's swiglu_clamp with bias banks")
     ap.add_argument("--name", default=None, help="result name (default cpu_experts[-FORMAT][-ACTIVATION])")
+    ap.add_argument("--fixed-cost", action="store_true",
+                    help="also time batch-1 calls on experts already in cache: one expert, and the same "
+                         "top-k every call (what a call costs besides streaming its bytes)")
     ap.add_argument("--plain-banks", action="store_true",
                     help="banks in plain torch tensors instead of the engine's (huge-page) host buffers")
     a = ap.parse_args()
@@ -171,6 +199,9 @@ def main():
                        torch_over_cpp=round(t_ref / min(t_cpp, t_bf), 2))
         res["batches"].append(row)
         print(row, flush=True)
+    if a.fixed_cost:
+        res["fixed_cost"] = fixed_cost_rows(ex, a, h, k, per_expert, g)
+        print(res["fixed_cost"], flush=True)
     # measured last: torch's OpenMP threads keep spinning after a parallel region and would
     # compete with the executor's pinned threads
     res["host_read_gbs"] = round(read_bandwidth(probe, threads), 1)

@@ -37,9 +37,10 @@
 # control test, the 32k interference row again (issue 9: how far two runs of it differ).
 # Call 29: the control test again; the 32k interference row with the collector frozen and timed.
 # Call 30: the 32k interference row with the page gather's kept buffers and without, allocator events counted.
+# Call 31: the 32k interference row twice with cuDNN left out. Call 32: the CPU executor's fixed cost per call.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30}
+STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30|31|32}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -313,7 +314,24 @@ case "$STAGE" in
   step 120 interference-nows-exp env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $I --gather-workspace off \
     --name interference-full-ws-off-expandable
   ;;
-*) echo "stage 0 to 30"; exit 2 ;;
+31) # 440 s, written for the next session: the 32k interference row twice with cuDNN left out of the
+  # prefill attention (61b68ca on): does the first forward's 70-105 ms gap stay gone, and where
+  # does p99 settle (issue 9)
+  I="python3 -m bench.interference --full-size --long 32768 --settings interleave --prefill-graph-tokens 2048"
+  step 300 interference-nocudnn-1 $I --name interference-full-nocudnn-1
+  step 140 interference-nocudnn-2 $I --name interference-full-nocudnn-2
+  ;;
+32) # 370 s, written for the next session: issue 12's fixed cost per call on the Xeon (--fixed-cost:
+  # one expert and the same top-k from cache, beside the DRAM rows), MXFP4 and NVFP4, 6 and 16 threads
+  step 120 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
+  for f in mxfp4 nvfp4; do
+    for t in 6 16; do
+      step 60 "fixed-$f-t$t" python3 -m bench.cpu_experts --format $f --experts 512 --threads $t \
+        --batches 1,4 --iters 20 --fixed-cost --name "cpu_experts-$f-fixedcost-t$t"
+    done
+  done
+  ;;
+*) echo "stage 0 to 32"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)
