@@ -67,8 +67,9 @@ class GatherWorkspace(threading.local):
                 buf = torch.empty((kvh, cap, p, hd), dtype=pages.dtype, device=pages.device)
             self.bufs[key] = buf
             self.grows += 1
-        # every KV head's pages straight into place in one copy: [kvh, n, P, hd]
-        torch.index_select(pages.transpose(0, 1), 1, ids.long(), out=buf[:, :n])
+        ids = ids.long()
+        for h in range(kvh):  # one copy per KV head, straight into place: [n, P, hd] each (the form
+            torch.index_select(pages[:, h], 0, ids, out=buf[h, :n])  # run on the H200, plan 30)
         return buf[:, :n].reshape(kvh, n * p, hd)[:, :length]  # a view: n and P merge
 
     def nbytes(self) -> int:
