@@ -314,10 +314,13 @@ case "$STAGE" in
   step 120 interference-nows-exp env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $I --gather-workspace off \
     --name interference-full-ws-off-expandable
   ;;
-31) # 440 s, written for the next session: the 32k interference row twice with cuDNN left out of the
+31) # 500 s, written for the next session: the 32k interference row twice with cuDNN left out of the
   # prefill attention (61b68ca on): does the first forward's 70-105 ms gap stay gone, and where
-  # does p99 settle (issue 9)
-  I="python3 -m bench.interference --full-size --long 32768 --settings interleave --prefill-graph-tokens 2048"
+  # does p99 settle (issue 9); each stretch of prompt work timed on the device and the host
+  # (--layer-events: is layer 3's extra cost device work or host work around it?); the page
+  # gather's buffers after the review's fixes (its CUDA tests)
+  I="python3 -m bench.interference --full-size --long 32768 --settings interleave --prefill-graph-tokens 2048 --layer-events on"
+  FT_TAG=plan31 FT_PER_FILE=60 bash bench/device_tests.sh tests/test_page_gather.py > /dev/null
   step 300 interference-nocudnn-1 $I --name interference-full-nocudnn-1
   step 140 interference-nocudnn-2 $I --name interference-full-nocudnn-2
   ;;

@@ -34,6 +34,7 @@ import torch
 
 from bench.common import write_result
 from bench.fullsize import full_size_engine
+from bench.layer_timeline import LayerTimeline
 from freetoken.demo import demo_path
 from freetoken.kernels import page_gather
 from freetoken.runtime.engine import Engine, EngineConfig
@@ -68,18 +69,33 @@ class Stamped(ServingEngine):
         if ev.token_ids:
             self.stamps.setdefault(req.id, []).append(time.perf_counter())
 
+    timeline = None  # a LayerTimeline with --layer-events on
+
     def _between_layers(self, i):
         self.events.append((time.perf_counter(), f"L{i}"))
+        if self.timeline is not None:
+            self.timeline.enter(i)
         super()._between_layers(i)
+        if self.timeline is not None:
+            self.timeline.leave(i)
 
     def _alongside_layers(self, i):  # the overlapped prompt forward's layers
         self.events.append((time.perf_counter(), f"L{i}"))
+        if self.timeline is not None:
+            self.timeline.enter(i)
         super()._alongside_layers(i)
+        if self.timeline is not None:
+            self.timeline.leave(i)
 
     def _forward(self, group, decode, captures):
         kind = f"prompt{sum(e - s for _, s, e in group)}" if group else f"decode{len(decode)}"
+        timed = self.timeline is not None and group and not decode and not self.between.running
         self.events.append((time.perf_counter(), kind + ("-nested" if self.between.running else "")))
+        if timed:
+            self.timeline.begin(sum(e - s for _, s, e in group))
         super()._forward(group, decode, captures)
+        if timed:
+            self.timeline.end()
         self.events.append((time.perf_counter(), "end-" + kind))
 
 
@@ -145,6 +161,7 @@ def run_setting(eng, name: str, a) -> dict:
     s = SETTINGS[name]
     srv = Stamped(eng, max_batch=a.streams + 2, max_queue=8, start=False)
     srv.stamps, srv.events = {}, []
+    srv.timeline = LayerTimeline(eng.device) if a.layer_events == "on" else None
     srv.sched.order = s["order"]
     if s["step_tokens"] is None:
         srv.sched.step_tokens = eng.ecfg.prefill_chunk
@@ -207,6 +224,8 @@ def run_setting(eng, name: str, a) -> dict:
     short = Request(prompt(a.short, 4, vocab), opts(2))
     mark = {r.id: len(srv.stamps[r.id]) - 1 for r in streams}  # gaps from the last token before it
     alloc0 = allocator_counts(eng.device)
+    if srv.timeline is not None:  # the long prompt's forwards only (and the short one's)
+        srv.timeline.forwards = []
     t_long = time.perf_counter()
     srv.sched.add(long)
     srv.step()
@@ -259,6 +278,8 @@ def run_setting(eng, name: str, a) -> dict:
     out["gap_kinds"] = gap_kinds(srv.events, pairs, 2 * statistics.median(unloaded))
     out["prompt_chunks"] = chunk_summary(srv.between.history)
     out["cost_model"] = cost_summary(srv.between, srv._decode_s)
+    if srv.timeline is not None:
+        out["layer_timeline"] = srv.timeline.summary(srv._graph_cap())
     out["prefill_graph_replays"] = graphs.replays if graphs is not None and graphs.enabled else 0
     out["prefill_graphed"] = sorted(graphs.blocks) if graphs is not None and graphs.enabled else []
     out["p99_gap_over_unloaded_p50"] = round(quantile(loaded, 0.99) / statistics.median(unloaded), 2)
@@ -323,6 +344,9 @@ def main():
     ap.add_argument("--gather-workspace", default="on", choices=["on", "off"],
                     help="the prefill attention's page gather into kept buffers (kernels/page_gather.py) "
                          "or into fresh tensors per layer (the A/B)")
+    ap.add_argument("--layer-events", default="off", choices=["on", "off"],
+                    help="time each stretch of the prompt forwards' work between hook points on the device "
+                         "(CUDA events) and the host (bench/layer_timeline.py)")
     ap.add_argument("--gc-freeze", default="on", choices=["on", "off"],
                     help="freeze the start-up objects out of the garbage collector's walks, as ft serve does")
     ap.add_argument("--prefill-graph-tokens", type=int, default=512,

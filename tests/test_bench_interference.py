@@ -1,5 +1,7 @@
 """bench.interference's accounting of the loaded gaps: what lies inside each (a collector pause,
 a prompt forward's start or end, layers only) and the collector's pauses per generation."""
+import torch
+
 from bench.interference import gap_kinds, gc_summary
 
 
@@ -21,3 +23,29 @@ def test_gc_summary_by_generation():
     assert s["gen0"] == {"count": 1, "longest_ms": 0.2, "total_ms": 0.2}
     assert s["gen1"]["count"] == 1 and s["gen2"] == {"count": 2, "longest_ms": 120.0, "total_ms": 200.0}
     assert gc_summary([])["gen2"] == {"count": 0, "longest_ms": 0.0, "total_ms": 0.0}
+
+
+def test_layer_timeline_splits_prompt_work_from_the_hooks():
+    """Each point's stretch runs from its hook's return to the next hook's start: time spent
+    inside a hook (a decode step) is no layer's; the set-up and the tail are their own."""
+    import time
+
+    from bench.layer_timeline import LayerTimeline
+    tl = LayerTimeline(torch.device("cpu"))
+    for tokens in (64, 512):
+        tl.begin(tokens)
+        time.sleep(0.002)  # set-up
+        for i in range(3):
+            tl.enter(i)
+            time.sleep(0.02 if i == 1 else 0.0)  # a decode step inside the hook before layer 1
+            tl.leave(i)
+            time.sleep(0.01 if i == 2 else 0.001)  # layer 2 is the costly one
+        tl.end()
+    s = tl.summary(cap=128)
+    assert s["graphed"]["forwards"] == 1 and s["eager"]["forwards"] == 1
+    for kind in ("graphed", "eager"):
+        ms = s[kind]["all_host_dev_ms"]
+        assert set(ms) == {"setup", "0", "1", "tail"}  # the last point's work is the tail
+        assert ms["tail"][0] >= 9 and ms["1"][0] < 9  # the decode step is not layer 0's or 1's
+        assert ms["setup"][0] >= 1.5 and ms["tail"][1] is None  # no device times off CUDA
+        assert next(iter(s[kind]["costliest_host_dev_ms"])) == "tail"
