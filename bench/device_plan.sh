@@ -38,10 +38,10 @@
 # Call 29: the control test again; the 32k interference row with the collector frozen and timed.
 # Call 30: the 32k interference row with the page gather's kept buffers and without, allocator events counted.
 # Call 31: the 32k interference row twice with cuDNN left out. Call 32: the CPU executor's fixed cost per call.
-# Call 33: one prompt chunk's layers profiled (layer 3's extra device time).
+# Call 33: one prompt chunk's layers profiled (layer 3's extra device time). Call 34: the 32k row with halves.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30|31|32|33}
+STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30|31|32|33|34}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -340,7 +340,14 @@ case "$STAGE" in
   # workspace on and off, and its kernels per layer under the profiler, graphed and all eager
   step 280 layer-profile python3 -m bench.layer_profile --context 24576 --chunk 2046 --detail 2,3,4,7,11
   ;;
-*) echo "stage 0 to 33"; exit 2 ;;
+34) # 420 s: the 32k row with decode steps between each layer's halves too (MID_LAYER), now that the
+  # prefill graphs and the headroom rule let chunks grow (plan 14 met the p99 with halves, at 397
+  # tok/s); whole layers between them for the same machine; --layer-events says which stretches
+  # follow a decode step (plan 33: layer 3 alone costs what layer 7 does, 4.18 ms at 24k)
+  step 560 interference-halves python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
+    --layer-events on --settings interleave-halves,interleave-layers,interleave-halves --name interference-full-halves
+  ;;
+*) echo "stage 0 to 34"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)

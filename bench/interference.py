@@ -75,9 +75,10 @@ class Stamped(ServingEngine):
         self.events.append((time.perf_counter(), f"L{i}"))
         if self.timeline is not None:
             self.timeline.enter(i)
+        steps = self.between.steps
         super()._between_layers(i)
         if self.timeline is not None:
-            self.timeline.leave(i)
+            self.timeline.leave(i, self.between.steps > steps)
 
     def _alongside_layers(self, i):  # the overlapped prompt forward's layers
         self.events.append((time.perf_counter(), f"L{i}"))

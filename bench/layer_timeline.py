@@ -39,10 +39,12 @@ class LayerTimeline:
         if self.open is not None:
             self._mark(("in", i))
 
-    def leave(self, i: float) -> None:
-        """The hook before point i returns: point i's prompt work follows."""
+    def leave(self, i: float, stepped: bool = False) -> None:
+        """The hook before point i returns: point i's prompt work follows. stepped: a decode
+        step ran inside the hook (its sync drained the device's queue: the point's work then
+        starts on an idle device, as fast as the host launches it)."""
         if self.open is not None:
-            self._mark(("out", i))
+            self._mark(("out", i, stepped))
 
     def end(self) -> None:
         if self.open is None:
@@ -52,27 +54,30 @@ class LayerTimeline:
         self.forwards = self.forwards[-self.keep:]
         self.open = None
 
-    def stretches(self, fwd: dict) -> list[tuple[str, float, float | None]]:
-        """(name, host ms, device ms or None) of one forward: "setup" (its start to the first
-        hook: the loop's host work, the embedding), each point's work ("3", "3.5": from the hook
-        before it to the next hook) and "tail" (the last point's hook to the forward's end: the
-        last layer, the head, the sync)."""
+    def stretches(self, fwd: dict) -> list[tuple[str, float, float | None, bool]]:
+        """(name, host ms, device ms or None, after a decode step) of one forward: "setup" (its
+        start to the first hook: the loop's host work, the embedding), each point's work ("3",
+        "3.5": from the hook before it to the next hook) and "tail" (the last point's hook to
+        the forward's end: the last layer, the head, the sync)."""
         out, marks = [], fwd["marks"]
         for (a, ta, ea), (b, tb, eb) in zip(marks, marks[1:]):
+            stepped = False
             if a == "begin":
                 name = "setup"
             elif a[0] == "out":
-                name = "tail" if b == "end" else f"{a[1]:g}"
+                name, stepped = ("tail" if b == "end" else f"{a[1]:g}"), a[2]
             else:
                 continue  # in -> out: the hook itself (a decode step), not prompt work
             dev = ea.elapsed_time(eb) if ea is not None else None
-            out.append((name, (tb - ta) * 1e3, dev))
+            out.append((name, (tb - ta) * 1e3, dev, stepped))
         return out
 
     def summary(self, cap: int | None = None, top: int = 8) -> dict | None:
         """Per stretch name, the median host and device ms over the forwards, split into graphed
         (tokens <= cap) and eager forwards; the costliest `top` of each by device time (host time
-        off CUDA), and each stretch's median where it is one of them."""
+        off CUDA), and each stretch's median where it is one of them. after_step: per stretch
+        name, [forwards where a decode step ran just before it, their median device (host off
+        CUDA) ms, the others' median]: what a drained queue costs the work that follows it."""
         if not self.forwards:
             return None
         if self.cuda:
@@ -85,16 +90,21 @@ class LayerTimeline:
                 continue
             host: dict[str, list[float]] = {}
             dev: dict[str, list[float]] = {}
+            split: dict[str, tuple[list, list]] = {}
             for f in fwds:
-                for name, h, d in self.stretches(f):
+                for name, h, d, stepped in self.stretches(f):
                     host.setdefault(name, []).append(h)
                     if d is not None:
                         dev.setdefault(name, []).append(d)
+                    split.setdefault(name, ([], []))[0 if stepped else 1].append(d if d is not None else h)
             med = {n: (statistics.median(host[n]), statistics.median(dev[n]) if n in dev else None) for n in host}
             rank = sorted(med, key=lambda n: -(med[n][1] if med[n][1] is not None else med[n][0]))
             out[kind] = {"forwards": len(fwds), "tokens_p50": statistics.median(f["tokens"] for f in fwds),
                          "costliest_host_dev_ms": {n: [round(med[n][0], 3), None if med[n][1] is None
                                                        else round(med[n][1], 3)] for n in rank[:top]},
                          "all_host_dev_ms": {n: [round(h, 3), None if d is None else round(d, 3)]
-                                             for n, (h, d) in med.items()}}
+                                             for n, (h, d) in med.items()},
+                         "after_step": {n: [len(a), round(statistics.median(a), 3) if a else None,
+                                            round(statistics.median(b), 3) if b else None]
+                                        for n, (a, b) in split.items() if n not in ("setup", "tail")}}
         return out

@@ -38,7 +38,7 @@ def test_layer_timeline_splits_prompt_work_from_the_hooks():
         for i in range(3):
             tl.enter(i)
             time.sleep(0.02 if i == 1 else 0.0)  # a decode step inside the hook before layer 1
-            tl.leave(i)
+            tl.leave(i, stepped=i == 1)
             time.sleep(0.01 if i == 2 else 0.001)  # layer 2 is the costly one
         tl.end()
     s = tl.summary(cap=128)
@@ -49,3 +49,5 @@ def test_layer_timeline_splits_prompt_work_from_the_hooks():
         assert ms["tail"][0] >= 9 and ms["1"][0] < 9  # the decode step is not layer 0's or 1's
         assert ms["setup"][0] >= 1.5 and ms["tail"][1] is None  # no device times off CUDA
         assert next(iter(s[kind]["costliest_host_dev_ms"])) == "tail"
+        assert s[kind]["after_step"]["1"][0] == 1 and s[kind]["after_step"]["0"][0] == 0
+        assert s[kind]["after_step"]["0"][1] is None and s[kind]["after_step"]["0"][2] >= 0.5
