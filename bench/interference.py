@@ -51,6 +51,11 @@ SETTINGS = {
     # decode steps before whole layers only, and also between each layer's mixer and MLP (interleave.MID_LAYER)
     "interleave-layers": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True, mid_layer=False),
     "interleave-halves": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True, mid_layer=True),
+    # the interleave with each decode step's tokens waited for at once (no deferral: the A/B of
+    # runtime/deferred_step.py, which is on by default on CUDA)
+    "interleave-wait": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True, defer=False),
+    "interleave-halves-wait": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True, mid_layer=True,
+                                   defer=False),
     # the interleave with the prompt chunks' MoE blocks eager (no prefill graphs: runtime/prefill_graphs.py)
     "interleave-eager-moe": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True,
                                  prefill_graphs=False),
@@ -70,15 +75,16 @@ class Stamped(ServingEngine):
             self.stamps.setdefault(req.id, []).append(time.perf_counter())
 
     timeline = None  # a LayerTimeline with --layer-events on
+    launched = 0  # decode steps started between layers (a deferred one's tokens come a hook later)
 
     def _between_layers(self, i):
         self.events.append((time.perf_counter(), f"L{i}"))
         if self.timeline is not None:
             self.timeline.enter(i)
-        steps = self.between.steps
+        launched = self.launched
         super()._between_layers(i)
         if self.timeline is not None:
-            self.timeline.leave(i, self.between.steps > steps)
+            self.timeline.leave(i, self.launched > launched)
 
     def _alongside_layers(self, i):  # the overlapped prompt forward's layers
         self.events.append((time.perf_counter(), f"L{i}"))
@@ -91,6 +97,7 @@ class Stamped(ServingEngine):
     def _forward(self, group, decode, captures):
         kind = f"prompt{sum(e - s for _, s, e in group)}" if group else f"decode{len(decode)}"
         timed = self.timeline is not None and group and not decode and not self.between.running
+        self.launched += bool(decode and not group and self.between.running)
         self.events.append((time.perf_counter(), kind + ("-nested" if self.between.running else "")))
         if timed:
             self.timeline.begin(sum(e - s for _, s, e in group))
@@ -163,6 +170,7 @@ def run_setting(eng, name: str, a) -> dict:
     srv = Stamped(eng, max_batch=a.streams + 2, max_queue=8, start=False)
     srv.stamps, srv.events = {}, []
     srv.timeline = LayerTimeline(eng.device) if a.layer_events == "on" else None
+    srv.defer_steps = srv.defer_steps and a.defer_steps == "on" and s.get("defer", True)
     srv.sched.order = s["order"]
     if s["step_tokens"] is None:
         srv.sched.step_tokens = eng.ecfg.prefill_chunk
@@ -244,6 +252,7 @@ def run_setting(eng, name: str, a) -> dict:
     ms = lambda x: round(x * 1e3, 2) if x is not None else None  # noqa: E731
     out = {"setting": name, "step_tokens": srv.sched.step_tokens, "order": srv.sched.order,
            "decode_slowdown": srv.slowdown, "decode_steps_between_layers": srv.between.steps,
+           "decode_steps_deferred": srv.deferred_steps,
            "decode_steps_alongside_prompts": srv.overlap.steps if srv.overlap is not None else 0,
            "prompts_between_layers": srv.jump_ins,
            "prompt_ms_per_layer": ms(srv.between.per_layer),
@@ -348,6 +357,9 @@ def main():
     ap.add_argument("--layer-events", default="off", choices=["on", "off"],
                     help="time each stretch of the prompt forwards' work between hook points on the device "
                          "(CUDA events) and the host (bench/layer_timeline.py)")
+    ap.add_argument("--defer-steps", default="on", choices=["on", "off"],
+                    help="decode steps between layers read their tokens a hook later (runtime/deferred_step.py; "
+                         "CUDA) or wait for them at once (the A/B)")
     ap.add_argument("--gc-freeze", default="on", choices=["on", "off"],
                     help="freeze the start-up objects out of the garbage collector's walks, as ft serve does")
     ap.add_argument("--prefill-graph-tokens", type=int, default=512,

@@ -446,3 +446,79 @@ def test_graphed_and_eager_forwards_keep_their_own_layer_costs():
     iv.cap = None  # no graphs: one table whatever the size
     iv.tokens = 200
     assert not iv.graphed and iv.cost == {i: 4e-3 for i in range(4)}
+
+
+def test_deferred_decode_steps_give_the_same_tokens(eng):
+    """A decode step between a prompt's layers whose tokens are read at the next hook
+    (runtime/deferred_step.py, on by default on CUDA; forced on here): every stream and the
+    prompt get the tokens and log-probabilities the waiting steps give, sampled rows included
+    (their logits come over deferred too), and each step's cycle covers only the points queued
+    before it."""
+    deferred_against_waiting(eng)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: decode graphs, copies in flight")
+def test_deferred_decode_steps_give_the_same_tokens_on_cuda(eng):
+    """The same on CUDA, where the steps replay decode graphs and the picks and logits reach
+    pinned host memory while the next layer is queued behind them."""
+    cuda = Engine(eng.path, EngineConfig(device="cuda", dtype="float32", prefill_chunk=32))
+    deferred_against_waiting(cuda)
+
+
+def deferred_against_waiting(eng):
+    g = torch.Generator().manual_seed(11)
+    ps = [torch.randint(5, eng.cfg.vocab_size, (n,), generator=g).tolist() for n in (14, 21, 260)]
+
+    def reqs():
+        sampled = Request(list(ps[1]), SamplingOptions(temperature=0.8, top_p=0.9, max_tokens=25, ignore_eos=True,
+                                                        top_logprobs=2))
+        return [greedy(ps[0], 25), sampled, greedy(ps[2], 4)]
+    runs = {}
+    for defer in (False, True):
+        srv = serving(eng, True)
+        srv.defer_steps = defer
+        cycles, real = [], srv.between.cycle
+
+        def spy(decode_s, ran=None, real=real, srv=srv, cycles=cycles):
+            cycles.append((list(srv.between.queued), ran))
+            real(decode_s, ran)
+        srv.between.cycle = spy
+        rs = reqs()
+        srv._gens[rs[1].id] = torch.Generator().manual_seed(5)  # as the server seeds it (serving.py)
+        out = drive(srv, rs, arrive=[0, 0, 3])
+        assert all(r.finish_reason == "length" for r in out)
+        assert srv.between.steps > 0 and (srv.deferred_steps > 0) == defer
+        assert srv._deferred is None and not srv.sched.running and srv.state.pages.used == 0
+        if defer:  # each cycle ran the points queued before its step; the one queued after stays
+            assert all(ran is not None and len(queued) <= 1 for queued, ran in cycles)
+        runs[defer] = [r.output_ids for r in out], [r.logprobs for r in out], [r.top_logprobs for r in out]
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][2][1] and runs[True][2][1] == runs[False][2][1]  # the sampled row's alternatives
+    for a, b in zip(runs[True][1], runs[False][1]):
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4  # fp32; decode batches may differ in shape
+
+
+def test_a_deferred_step_that_fails_fails_its_rows_and_the_prompt_goes_on(eng):
+    """The deferred step's copies fail when its tokens are read: its rows end with an error,
+    the prompt forward finishes and its request gets its tokens; the loop keeps serving."""
+    from freetoken.runtime import deferred_step
+    g = torch.Generator().manual_seed(12)
+    ps = [torch.randint(5, eng.cfg.vocab_size, (n,), generator=g).tolist() for n in (10, 230)]
+    srv = serving(eng, True)
+    srv.defer_steps = True
+    real = deferred_step.DeferredStep.wait
+    calls = []
+
+    def failing(self):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("device copy failed")
+        return real(self)
+    deferred_step.DeferredStep.wait = failing
+    try:
+        out = drive(srv, [greedy(ps[0], 30), greedy(ps[1], 3)], arrive=[0, 3])
+    finally:
+        deferred_step.DeferredStep.wait = real
+    assert calls and out[0].finish_reason == "error" and "device copy failed" in out[0].error
+    assert out[1].finish_reason == "length" and len(out[1].output_ids) == 3
+    assert srv._deferred is None and not srv.sched.running and srv.state.pages.used == 0

@@ -339,20 +339,26 @@ class Interleaver:
     def layer_queued(self, i: float = 0) -> None:
         self.queued.append(i)
 
-    def cycle(self, decode_s: float) -> None:
+    def cycle(self, decode_s: float, ran: list | None = None) -> None:
         """A decode step between layers ended; the cycle since the previous decode step ran the
         queued layers of prompt work and that step: their time is shared among them in
-        proportion to what they are known to cost (equally while any is unknown)."""
-        if self.last_decode is not None and self.queued:
+        proportion to what they are known to cost (equally while any is unknown).
+        ran: the points queued before the step (a deferred step, runtime/deferred_step.py: its
+        tokens are read a hook later, and the points queued since run after it on the device:
+        they stay queued, for the next cycle); None: every queued point."""
+        points = self.queued if ran is None else ran
+        if self.last_decode is not None and points:
             total = max(0.0, time.perf_counter() - self.last_decode - decode_s)
-            known = [self._cost(j) for j in self.queued]
+            known = [self._cost(j) for j in points]
             weights = known if all(k for k in known) else [1.0] * len(known)
-            for j, wj in zip(self.queued, weights):
+            for j, wj in zip(points, weights):
                 v = total * wj / sum(weights)
                 self.cost[j] = v if j not in self.cost else (1 - EMA) * self.cost[j] + EMA * v
                 self.this_forward[j] = v
         self.steps += 1
+        after = [] if ran is None else self.queued
         self.decoded()
+        self.queued = after
 
     def forward_done(self) -> None:
         """The prompt forward in flight ended: its costliest layer (as the cycles inside it

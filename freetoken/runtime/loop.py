@@ -29,6 +29,7 @@ from .grammar import GrammarRunner
 from .interleave import GAP_CEILING, MIN_PREFILL, CostModel, Interleaver, affine_fit
 from .overlap import DecodeOverlap, LayerPacer, eligible as overlap_eligible
 from .request import Request, TokenEvent
+from .deferred_step import DeferredStep
 from .sampler import SamplingParams, greedy_rows, sample, top_entries
 from .scheduler import Scheduler
 
@@ -128,6 +129,11 @@ class EngineLoop:
         self._step_lock = threading.Lock()
         self._claim = threading.Event()
         self._prompt_forward = False  # a prompt forward is in flight (its checkpoint captures too)
+        # a decode step between the prompt's layers whose tokens the next hook reads
+        # (runtime/deferred_step.py): on CUDA, where the device would otherwise drain and idle
+        self.defer_steps = engine.device.type == "cuda"
+        self._deferred: DeferredStep | None = None
+        self.deferred_steps = 0  # telemetry
         self._pacer = None  # the overlapped prompt forward's LayerPacer (CUDA)
         # a model that keeps a forward's data in state its layers share cannot run another
         # forward's Python between a forward's layers (a jump-in, an eager decode step)
@@ -204,6 +210,7 @@ class EngineLoop:
     def stats(self) -> dict:
         out = {**self.kv.stats(), **(self.cache.stats() if self.cache is not None else {}),
                "decode_steps_between_layers": self.between.steps,
+               "decode_steps_deferred": self.deferred_steps,  # of those, read a hook later (CUDA)
                "prompts_between_layers": self.jump_ins,
                "decode_steps_alongside_prompts": self.overlap.steps if self.overlap is not None else 0}
         ex = self.engine.executor
@@ -405,6 +412,10 @@ class EngineLoop:
             dec_logits, pre_logits = eng.forward_mixed(self.state, *rows, segs)
         elif decode:
             dec_logits, pre_logits = self.decode(tokens, pos, active), None  # [>= n, V] on the device
+            if self._defer(decode):  # between a prompt's layers: its tokens at the next hook
+                self._deferred = DeferredStep.launch(decode, dec_logits, t0)
+                self.deferred_steps += 1
+                return
         else:  # [finishing, V] or None; decode steps (and short prompts) may run between its layers
             nested = self.between.running  # a short prompt prefilling between another forward's layers
             if not nested:
@@ -421,9 +432,11 @@ class EngineLoop:
                 else:
                     self.between.this_forward = {}
                     dec_logits, pre_logits = None, eng.prefill_batch(self.state, segs, **kw)
+                    self._complete_deferred()  # a step after the last layer's hook
                     if kw:
                         self.between.forward_done()
             finally:
+                self._complete_deferred()  # a forward that failed: the step's rows still get their tokens
                 self._prompt_forward = nested
         # greedy rows are decided on the device: only the others copy their logits over
         # (constrained rows are masked first, on the device)
@@ -532,6 +545,7 @@ class EngineLoop:
         preempting wait for the step's own decode."""
         if self.between.running:
             return
+        self._complete_deferred()  # the previous hook's decode step: its tokens out
         if not self.streamed:  # a short prompt inside a streamed pass would be a pass inside a pass
             self._jump_in()
         if self.between.due(self._decode_s, i):
@@ -547,8 +561,43 @@ class EngineLoop:
                     self._run([], rows)
                 finally:
                     self.between.running = False
-                self.between.cycle(self._decode_s)
+                if self._deferred is None:
+                    self.between.cycle(self._decode_s)
+                else:  # its cycle ends when its tokens are read: the points queued so far are its
+                    self._deferred.queued, self.between.queued = self.between.queued, []
         self.between.layer_queued(i)
+
+    def _defer(self, decode: list[Request]) -> bool:
+        """Whether this decode step's tokens can wait for the next hook: one between a prompt
+        forward's layers (not inside a streamed pass or on the overlap worker) of rows that need
+        nothing from the host before their picks (runtime/deferred_step.py)."""
+        return (self.defer_steps and self.between.running and self._prompt_forward and not self.streamed
+                and self.overlap is None and DeferredStep.eligible(decode, self.record_logits))
+
+    def _complete_deferred(self) -> None:
+        """Wait for the deferred decode step's tokens (not for the layers queued after it), emit
+        them and close its interleaver cycle. A failure fails its rows, as a decode step's does."""
+        d, self._deferred = self._deferred, None
+        if d is None:
+            return
+        try:
+            picks, host = d.wait()
+            check = getattr(self.engine.executor, "check_branch", None)
+            if check is not None:
+                check()
+        except Exception as e:  # noqa: BLE001
+            log.exception("engine step failed for request(s) %s", [r.id for r in d.reqs])
+            for r in d.reqs:
+                if r.finished_at is None:
+                    self._finish(r, "error", error=f"{type(e).__name__}: {e}")
+            self.between.cycle(self._decode_s, d.queued)
+            return
+        if self.metrics:
+            self.metrics.decode_step(len(d.reqs), time.perf_counter() - d.t0)
+        for r in d.reqs:
+            r.computed += 1
+            self._guarded([r], self._accept, r, host[r.slot] if host is not None else None, picks.get(r.id), None)
+        self.between.cycle(self._decode_s, d.queued)
 
     def _prefill_alongside(self, segs):
         """The prompt forward with the decoding streams stepping on the worker meanwhile, until

@@ -70,6 +70,14 @@ def greedy_rows(logits: torch.Tensor, rows: list[int], top_n: int = 0, norm: tor
     norm: the model's log-normalizers [len(norm_rows)] (on the logits' device) of the rows whose
     logits a grammar masked, norm_rows their positions in `rows`: log-probabilities stay the
     model's (the masked rows' own normalizer would inflate them)."""
+    return parse_greedy(greedy_packed(logits, rows, top_n, norm, norm_rows).tolist())  # the one sync
+
+
+def greedy_packed(logits: torch.Tensor, rows: list[int], top_n: int = 0, norm: torch.Tensor | None = None,
+                  norm_rows: list[int] | None = None) -> torch.Tensor:
+    """greedy_rows' device part: [R, 2 (+ 2 top_n)] float64 on the logits' device (token id,
+    logprob, then the top_n ids and logprobs), for the caller to bring over when it chooses
+    (the serving loop's deferred decode steps copy it without waiting: runtime/loop.py)."""
     if rows == list(range(rows[0], rows[0] + len(rows))):
         sel = logits[rows[0]:rows[0] + len(rows)].float()  # [R, V] a view: no index upload
     else:
@@ -87,7 +95,11 @@ def greedy_rows(logits: torch.Tensor, rows: list[int], top_n: int = 0, norm: tor
     if top_n > 0:
         v, i = torch.topk(lsm, min(top_n, lsm.shape[1]), dim=-1)  # [R, n]
         parts += [i.double(), v.double()]
-    host = torch.cat(parts, 1).tolist()  # [R, 2 (+ 2n)]: the one sync
+    return torch.cat(parts, 1)  # [R, 2 (+ 2n)]
+
+
+def parse_greedy(host: list[list[float]]) -> list[tuple]:
+    """greedy_packed's rows, on the host, as [(token id, logprob, [(id, logprob)])]."""
     out = []
     for row in host:
         n = (len(row) - 2) // 2
