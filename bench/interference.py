@@ -27,8 +27,11 @@ Each row also counts the CUDA caching allocator's events over the loaded window
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 import time
+import warnings
 
 import torch
 
@@ -105,6 +108,38 @@ class Stamped(ServingEngine):
         if timed:
             self.timeline.end()
         self.events.append((time.perf_counter(), "end-" + kind))
+
+
+class SyncSites:
+    """Where the host waits for the device inside the loaded window: CUDA's sync debug mode
+    warns at each operation that synchronises (an .item(), a copy to pageable host memory, a
+    nonzero), and each warning's Python location is counted (not the caching allocator's own
+    syncs, nor event or stream waits, which are no operations)."""
+
+    def __init__(self, device):
+        self.on = torch.device(device).type == "cuda"
+        self.counts: dict[str, int] = {}
+
+    def __enter__(self):
+        if self.on:
+            self._catch = warnings.catch_warnings(record=True)
+            self._got = self._catch.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc):
+        if self.on:
+            torch.cuda.set_sync_debug_mode(0)
+            for w in self._got:
+                if "synchroniz" in str(w.message):
+                    where = f"{os.path.relpath(w.filename)}:{w.lineno}"
+                    self.counts[where] = self.counts.get(where, 0) + 1
+            self._catch.__exit__(*exc)
+        return False
+
+    def sites(self) -> dict[str, int]:
+        return dict(sorted(self.counts.items(), key=lambda kv: -kv[1]))
 
 
 def anatomy(events, gaps, n: int = 5) -> list[str]:
@@ -235,12 +270,14 @@ def run_setting(eng, name: str, a) -> dict:
     alloc0 = allocator_counts(eng.device)
     if srv.timeline is not None:  # the long prompt's forwards only (and the short one's)
         srv.timeline.forwards = []
+    syncs = SyncSites(eng.device) if a.sync_debug == "on" else contextlib.nullcontext()
     t_long = time.perf_counter()
-    srv.sched.add(long)
-    srv.step()
-    t_short = time.perf_counter()
-    srv.sched.add(short)
-    run_until(lambda: long.first_token_at and short.first_token_at)
+    with syncs:
+        srv.sched.add(long)
+        srv.step()
+        t_short = time.perf_counter()
+        srv.sched.add(short)
+        run_until(lambda: long.first_token_at and short.first_token_at)
     pairs = [(c, b) for r in streams for c, b in zip(srv.stamps[r.id][mark[r.id]:], srv.stamps[r.id][mark[r.id] + 1:])]
     loaded = [b - c for c, b in pairs]
     alloc1 = allocator_counts(eng.device)
@@ -284,6 +321,8 @@ def run_setting(eng, name: str, a) -> dict:
     out["cuda_allocator_loaded"] = {k: alloc1[k] - alloc0[k] for k in alloc0} if alloc0 else None
     out["gather_workspace"] = {"enabled": page_gather.ENABLED, "grows": page_gather.WORKSPACE.grows,
                                "mib": round(page_gather.WORKSPACE.nbytes() / 2**20, 1)}
+    if a.sync_debug == "on":
+        out["host_syncs_loaded"] = syncs.sites()
     out["longest_gaps"] = anatomy(srv.events, pairs)
     out["gap_kinds"] = gap_kinds(srv.events, pairs, 2 * statistics.median(unloaded))
     out["prompt_chunks"] = chunk_summary(srv.between.history)
@@ -360,6 +399,9 @@ def main():
     ap.add_argument("--defer-steps", default="on", choices=["on", "off"],
                     help="decode steps between layers read their tokens a hook later (runtime/deferred_step.py; "
                          "CUDA) or wait for them at once (the A/B)")
+    ap.add_argument("--sync-debug", default="off", choices=["on", "off"],
+                    help="count where the host synchronises with the device in the loaded window "
+                         "(torch.cuda.set_sync_debug_mode; CUDA)")
     ap.add_argument("--gc-freeze", default="on", choices=["on", "off"],
                     help="freeze the start-up objects out of the garbage collector's walks, as ft serve does")
     ap.add_argument("--prefill-graph-tokens", type=int, default=512,
