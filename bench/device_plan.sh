@@ -40,10 +40,10 @@
 # Call 31: the 32k interference row twice with cuDNN left out. Call 32: the CPU executor's fixed cost per call.
 # Call 33: one prompt chunk's layers profiled (layer 3's extra device time). Call 34: the 32k row with halves.
 # Call 35: decode steps between layers read a hook later (deferred), against waiting ones.
-# Call 36: where the host synchronises in the loaded window (sync debug mode).
+# Call 36: where the host synchronises in the loaded window (sync debug mode). Call 37: its long host calls.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30|31|32|33|34|35|36}
+STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30|31|32|33|34|35|36|37}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -360,7 +360,12 @@ case "$STAGE" in
   step 400 interference-syncs python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
     --sync-debug on --settings interleave,interleave-wait --name interference-full-syncs
   ;;
-*) echo "stage 0 to 36"; exit 2 ;;
+37) # 200 s: what the host waits on inside layer 3 with deferred steps (plan 36: no synchronising
+  # operator there): the host's calls of 1 ms or more under the profiler (runtime calls included)
+  step 200 interference-hostprof python3 -m bench.interference --full-size --long 16384 --prefill-graph-tokens 2048 \
+    --host-profile on --settings interleave --name interference-full-hostprof
+  ;;
+*) echo "stage 0 to 37"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)

@@ -142,6 +142,31 @@ class SyncSites:
         return dict(sorted(self.counts.items(), key=lambda kv: -kv[1]))
 
 
+def host_profiler():
+    """The profiler on the host only (operators and the CUDA runtime's calls, which show a
+    cudaMalloc or a wait that no operator reports)."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    return profile(activities=acts)
+
+
+def long_host_calls(prof, over_ms: float = 1.0, top: int = 20) -> list:
+    """Host events of `over_ms` or more by name: [name, count, max ms, total ms], the longest first
+    (a user range or an operator includes what it calls: read the innermost names)."""
+    by: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type.name != "CPU":
+            continue
+        ms = e.time_range.elapsed_us() / 1e3
+        if ms >= over_ms:
+            row = by.setdefault(e.name[:80], [0, 0.0, 0.0])
+            row[0] += 1
+            row[1] = max(row[1], ms)
+            row[2] += ms
+    rows = sorted(by.items(), key=lambda kv: -kv[1][1])[:top]
+    return [[n, c, round(m, 2), round(t, 1)] for n, (c, m, t) in rows]
+
+
 def anatomy(events, gaps, n: int = 5) -> list[str]:
     """The n longest gaps [(start, end)], each as the events inside it with their offsets (ms)."""
     out = []
@@ -271,8 +296,9 @@ def run_setting(eng, name: str, a) -> dict:
     if srv.timeline is not None:  # the long prompt's forwards only (and the short one's)
         srv.timeline.forwards = []
     syncs = SyncSites(eng.device) if a.sync_debug == "on" else contextlib.nullcontext()
+    prof = host_profiler() if a.host_profile == "on" else contextlib.nullcontext()
     t_long = time.perf_counter()
-    with syncs:
+    with syncs, prof:
         srv.sched.add(long)
         srv.step()
         t_short = time.perf_counter()
@@ -323,6 +349,8 @@ def run_setting(eng, name: str, a) -> dict:
                                "mib": round(page_gather.WORKSPACE.nbytes() / 2**20, 1)}
     if a.sync_debug == "on":
         out["host_syncs_loaded"] = syncs.sites()
+    if a.host_profile == "on":
+        out["host_calls_over_1ms"] = long_host_calls(prof)
     out["longest_gaps"] = anatomy(srv.events, pairs)
     out["gap_kinds"] = gap_kinds(srv.events, pairs, 2 * statistics.median(unloaded))
     out["prompt_chunks"] = chunk_summary(srv.between.history)
@@ -402,6 +430,8 @@ def main():
     ap.add_argument("--sync-debug", default="off", choices=["on", "off"],
                     help="count where the host synchronises with the device in the loaded window "
                          "(torch.cuda.set_sync_debug_mode; CUDA)")
+    ap.add_argument("--host-profile", default="off", choices=["on", "off"],
+                    help="the host's calls of 1 ms or more in the loaded window, under the profiler")
     ap.add_argument("--gc-freeze", default="on", choices=["on", "off"],
                     help="freeze the start-up objects out of the garbage collector's walks, as ft serve does")
     ap.add_argument("--prefill-graph-tokens", type=int, default=512,
