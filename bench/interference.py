@@ -113,8 +113,8 @@ class Stamped(ServingEngine):
 class SyncSites:
     """Where the host waits for the device inside the loaded window: CUDA's sync debug mode
     warns at each operation that synchronises (an .item(), a copy to pageable host memory, a
-    nonzero), and each warning's Python location is counted (not the caching allocator's own
-    syncs, nor event or stream waits, which are no operations)."""
+    nonzero, a stream's synchronize), and each warning's Python location is counted (not the
+    caching allocator's own syncs, nor an event's synchronize)."""
 
     def __init__(self, device):
         self.on = torch.device(device).type == "cuda"
@@ -143,8 +143,9 @@ class SyncSites:
 
 
 def host_profiler():
-    """The profiler on the host only (operators and the CUDA runtime's calls, which show a
-    cudaMalloc or a wait that no operator reports)."""
+    """The profiler on the host's operators and, through CUPTI (ProfilerActivity.CUDA), the CUDA
+    runtime's calls, which show a cudaMalloc or a wait that no operator reports. CUPTI's
+    tracing adds overhead to the window: its timings are for finding stalls, not rows."""
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     return profile(activities=acts)

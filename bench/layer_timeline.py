@@ -41,8 +41,10 @@ class LayerTimeline:
 
     def leave(self, i: float, stepped: bool = False) -> None:
         """The hook before point i returns: point i's prompt work follows. stepped: a decode
-        step ran inside the hook (its sync drained the device's queue: the point's work then
-        starts on an idle device, as fast as the host launches it)."""
+        step started inside the hook. A step that waits for its tokens drains the device's
+        queue (the point's work then starts on an idle device, as fast as the host launches
+        it); a deferred one (runtime/deferred_step.py) does not, so after_step compares
+        different things with deferral on and off."""
         if self.open is not None:
             self._mark(("out", i, stepped))
 

@@ -467,12 +467,12 @@ def test_deferred_decode_steps_give_the_same_tokens_on_cuda(eng):
 
 def deferred_against_waiting(eng):
     g = torch.Generator().manual_seed(11)
-    ps = [torch.randint(5, eng.cfg.vocab_size, (n,), generator=g).tolist() for n in (14, 21, 260)]
+    ps = [torch.randint(5, eng.cfg.vocab_size, (n,), generator=g).tolist() for n in (14, 21, 260, 17)]
 
-    def reqs():
+    def reqs():  # greedy streams in slots 0 and 2, the sampled one between them (a strided pick)
         sampled = Request(list(ps[1]), SamplingOptions(temperature=0.8, top_p=0.9, max_tokens=25, ignore_eos=True,
                                                         top_logprobs=2))
-        return [greedy(ps[0], 25), sampled, greedy(ps[2], 4)]
+        return [greedy(ps[0], 25), sampled, greedy(ps[3], 25), greedy(ps[2], 4)]
     runs = {}
     for defer in (False, True):
         srv = serving(eng, True)
@@ -485,7 +485,19 @@ def deferred_against_waiting(eng):
         srv.between.cycle = spy
         rs = reqs()
         srv._gens[rs[1].id] = torch.Generator().manual_seed(5)  # as the server seeds it (serving.py)
-        out = drive(srv, rs, arrive=[0, 0, 3])
+        from freetoken.runtime.deferred_step import DeferredStep
+        real_launch, spans = DeferredStep.launch, []
+
+        def launch(reqs, logits, t0, real_launch=real_launch, spans=spans):
+            d = real_launch(reqs, logits, t0)
+            spans.append(sorted(r.slot for r in d.greedy))
+            return d
+        DeferredStep.launch = launch
+        try:
+            out = drive(srv, rs, arrive=[0, 0, 0, 3])
+        finally:
+            DeferredStep.launch = real_launch
+        assert (any(len(sl) == 2 and sl[1] - sl[0] > 1 for sl in spans)) == defer  # a strided pick ran
         assert all(r.finish_reason == "length" for r in out)
         assert srv.between.steps > 0 and (srv.deferred_steps > 0) == defer
         assert srv._deferred is None and not srv.sched.running and srv.state.pages.used == 0
@@ -522,3 +534,25 @@ def test_a_deferred_step_that_fails_fails_its_rows_and_the_prompt_goes_on(eng):
     assert calls and out[0].finish_reason == "error" and "device copy failed" in out[0].error
     assert out[1].finish_reason == "length" and len(out[1].output_ids) == 3
     assert srv._deferred is None and not srv.sched.running and srv.state.pages.used == 0
+
+
+def test_a_deferred_steps_cycle_charges_the_points_before_it_and_keeps_the_one_after():
+    """Interleaver.cycle(decode_s, ran): the cycle's time goes to the points queued before the
+    step (ran), in proportion to their known costs; the point queued after it (launched while
+    the step ran) stays queued, uncharged, for the next cycle."""
+    import time
+    il = Interleaver(1.5)
+    il.decoded()
+    il.cost.update({0: 0.001, 1: 0.003})
+    il.layer_queued(0)
+    il.layer_queued(1)
+    ran, il.queued = il.queued, []  # what the loop does when the step is deferred
+    il.layer_queued(2)
+    time.sleep(0.02)
+    il.cycle(0.0, ran)
+    assert il.queued == [2] and 2 not in il.cost and 2 not in il.this_forward
+    assert il.this_forward[1] == pytest.approx(3 * il.this_forward[0])  # shared by known cost
+    assert il.this_forward[0] + il.this_forward[1] >= 0.02
+    assert il.steps == 1
+    il.cycle(0.0)  # a waiting step: every queued point, nothing kept
+    assert il.queued == [] and 2 in il.cost

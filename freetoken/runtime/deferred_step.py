@@ -46,11 +46,12 @@ def to_host(x: torch.Tensor) -> torch.Tensor:
 class DeferredStep:
     """One decode step's results on their way to the host."""
     reqs: list  # the step's requests, in row order
-    greedy: list  # those whose pick was made on the device, in greedy_packed's row order
-    packed: torch.Tensor | None  # [G, 2 (+ 2n)] host copy of the device picks (in flight)
+    greedy: list  # those whose pick was made on the device
+    packed: torch.Tensor | None  # [rows lo..hi, 2 (+ 2n)] host copy of the device picks (in flight)
     logits: torch.Tensor | None  # [B, V] host copy of the logits, for the other rows (in flight)
     event: torch.cuda.Event | None  # recorded after both copies (CUDA)
     t0: float  # when the step's forward started (perf_counter)
+    lo: int = 0  # the first row of `packed` (the greedy requests' lowest slot)
     queued: list = field(default_factory=list)  # the interleaver's points this step's cycle ran
 
     @classmethod
@@ -58,23 +59,30 @@ class DeferredStep:
         """logits [B, V] of a decode step (row r.slot for each request) -> the step, its copies
         queued on the current stream."""
         greedy = [r for r in reqs if r.sampling.temperature == 0 and not r.forcing()]
-        packed = None
+        packed, lo = None, 0
         if greedy:
             top = max(r.sampling.top_logprobs for r in greedy)
-            packed = to_host(greedy_packed(logits, [r.slot for r in greedy], top))
+            # every row from the lowest greedy slot to the highest (a slice: a list of scattered
+            # slots would go up as an index tensor from pageable memory, a sync); rows between
+            # them that are not the step's (idle or mid-prefill slots) are reduced and ignored
+            lo, hi = min(r.slot for r in greedy), max(r.slot for r in greedy)
+            packed = to_host(greedy_packed(logits, list(range(lo, hi + 1)), top))
         host = to_host(logits) if len(greedy) < len(reqs) else None
         event = None
         if logits.is_cuda:
             event = torch.cuda.Event()
-            event.record()
-        return cls(reqs, greedy, packed, host, event, t0)
+            event.record(torch.cuda.current_stream(logits.device))
+        return cls(reqs, greedy, packed, host, event, t0, lo)
 
     def wait(self) -> tuple[dict, torch.Tensor | None]:
         """Wait for the step's copies (not for anything queued after them) -> (picks by
         request id, as the loop's _device_picks gives them; the host logits or None)."""
         if self.event is not None:
             self.event.synchronize()
-        picks = parse_greedy(self.packed.tolist()) if self.packed is not None else []
+        if self.packed is None:
+            return {}, self.logits
+        rows = self.packed.tolist()
+        picks = parse_greedy([rows[r.slot - self.lo] for r in self.greedy])
         return ({r.id: (tok, lp, tops[:r.sampling.top_logprobs])
                  for r, (tok, lp, tops) in zip(self.greedy, picks)}, self.logits)
 

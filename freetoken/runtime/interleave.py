@@ -9,7 +9,9 @@ unloaded gap. Here the forward's per-layer hook (model/base.py `_stack`) asks, b
 layer, whether a decode step is due; if so the loop runs one right there (a graph replay on the
 same stream, so it runs on the device after the layers already queued and before the next).
 The prompt's own rows are not in that step (mid-prefill rows are inactive), and nothing it
-has written is touched.
+has written is touched. On CUDA the step's tokens are read at the next hook, not at once
+(runtime/deferred_step.py): the device goes on to the next layer instead of draining; such a
+step's cycle ends when its tokens are read (cycle's `ran`).
 
 Points: before each layer and, with MID_LAYER, between each layer's token mixer and its MLP (the
 hook at i + 0.5), so the grain is half a layer and a layer's fixed part is split in two; each
