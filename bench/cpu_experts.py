@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 
 import torch
 
 from bench.common import timeit, write_result
 from freetoken.experts.banks import ExpertBanks, QuantBank
-from freetoken.experts.cpu import CpuExpertExecutor, physical_cores
+from freetoken.experts.cpu import CpuExpertExecutor, extension, physical_cores
 from freetoken.experts.executor import ACTIVATIONS, Activation, reference_experts
 from freetoken.weights.hostmem import host_tensor, huge_bytes, thp_mode
 
@@ -87,6 +88,10 @@ def engine_memory(t: torch.Tensor, plain: bool) -> torch.Tensor:
     return out
 
 
+# the parts of a quantized call the C++ executor times (moe_cpu.cpp, Executor::last_us)
+PARTS = ("wrapper", "grouping", "quantize_x", "phase1", "quantize_h", "phase2")
+
+
 def fixed_cost_rows(ex, a, h: int, k: int, per_expert: int, g: torch.Generator) -> list[dict]:
     """Batch-1 calls whose experts sit in the caches (the same ones every call): `one` routes one
     expert (the others -1), `topk` the same k experts. Their time is what a call costs besides
@@ -95,7 +100,10 @@ def fixed_cost_rows(ex, a, h: int, k: int, per_expert: int, g: torch.Generator) 
     DRAM rows above say how much is memory). Exact kernels, and int8 where the format has it."""
     x = torch.randn(1, h, generator=g)
     w = torch.softmax(torch.randn(1, k, generator=g), -1)
-    cases = {"one": (torch.tensor([[5] + [-1] * (k - 1)]), 1), "topk": (torch.arange(k)[None] + 5, k)}
+    # none: every id -1 (no expert runs): the call itself, its phases' hand-offs and the activation's
+    # quantization, with no bank byte read
+    cases = {"none": (torch.full((1, k), -1), 0), "one": (torch.tensor([[5] + [-1] * (k - 1)]), 1),
+             "topk": (torch.arange(k)[None] + 5, k)}
     acts = ["exact"] + (["int8"] if a.format in ("mxfp4", "nvfp4") and ex.handle is not None else [])
     rows = []
     for act in acts:
@@ -103,8 +111,17 @@ def fixed_cost_rows(ex, a, h: int, k: int, per_expert: int, g: torch.Generator) 
             ex.set_act(True)
         for name, (ids, experts) in cases.items():
             t = timeit(lambda: ex.kernel(x, ids, w), warmup=5, iters=max(a.iters, 50))
-            rows.append({"case": name, "act": act, "experts": experts, "us": round(t * 1e6, 1),
-                         "cached_gbs": round(experts * per_expert / t / 1e9, 1)})
+            row = {"case": name, "act": act, "experts": experts, "us": round(t * 1e6, 1),
+                   "cached_gbs": round(experts * per_expert / t / 1e9, 1)}
+            if ex.quantized:  # where the call's time goes (the C++ side's clock, the median of 30 calls)
+                parts = []
+                for _ in range(30):
+                    ex.kernel(x, ids, w)
+                    parts.append(extension().timing(ex.handle))
+                med = [statistics.median(p[j] for p in parts) for j in range(6)]
+                row["parts_us"] = {k: round(v, 1) for k, v in zip(PARTS, med)}
+                row["outside_cpp_us"] = round(t * 1e6 - sum(med), 1)  # Python, pybind, the GIL
+            rows.append(row)
         ex.set_act(False)
     return rows
 

@@ -167,3 +167,30 @@ def test_cpu_act_option_is_checked_and_shown():
              cpu_act="int8")
     assert "(cpp, avx512, 6 threads, int8 activations)" in banner("m", "arch", "http://x", d)
     assert "activations" not in banner("m", "arch", "http://x", dict(d, cpu_act="exact"))
+
+
+def test_vector_quantization_gives_the_scalar_bits():
+    """The activation quantization's AVX-512 form (moe_cpu.cpp quantize_q8_blocks_avx512, what
+    a decode call runs on the caller's thread) against the scalar one, bit for bit: random rows
+    at several scales, a zero block, one-outlier blocks, denormal blocks, NaN and infinities,
+    exact halves (ties round to even), and widths whose last 32-column block is half full."""
+    ext = extension()
+    if not CpuExpertExecutor(random_banks("mxfp4", None, 2, 32, 32, seed=1), threads=1).isa.startswith("avx512"):
+        pytest.skip("no AVX-512 here: only the scalar form runs")
+    g = torch.Generator().manual_seed(3)
+    for c in (16, 48, 272, 2048):
+        x = torch.randn(9, c, generator=g) * torch.logspace(-3, 3, 9)[:, None]
+        x[1, :16] = 0.0
+        x[2, min(7, c - 1)] = -1000.0
+        x[3, :16] = 1e-39
+        x[4, 3] = float("nan")
+        x[5, 5] = float("inf")
+        x[6, 0] = -float("inf")
+        x[7, :16] = torch.arange(16) - 7.5  # with the block's max 7.5 / 127 steps: many exact halves
+        x[8] = torch.round(x[8] * 2) / 2
+        vec, sca = ext.quantize_q8_rows(x, True), ext.quantize_q8_rows(x, False)
+        for a, b, name in zip(vec, sca, ("q", "xs", "off")):
+            assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8) if a.dtype == torch.int8 else a,
+                                                      b.view(torch.uint8) if b.dtype == torch.int8 else b), (c, name)
+        q, _ = quantize_int8(x[:1])  # and the reference's values, in the kernels' order per chunk
+        assert int(vec[0][0].abs().max()) == int(q.abs().max())

@@ -749,7 +749,9 @@ inline int q8_chunks(int C) { return (C + Q8_CHUNK - 1) / Q8_CHUNK; }
 
 // x [C] f32 -> q [chunks * 128] int8, xs [chunks * 16] f32, off [chunks * 16] int32 (C a
 // multiple of 16, as every 4-bit bank's is; the tail of the last chunk is zero).
-inline void quantize_q8(const float* x, int C, int8_t* q, float* xs, int32_t* off) {
+
+// quantize_q8's blocks: the int8 values in the kernels' order and each lane's scale (scalar)
+inline void quantize_q8_blocks(const float* x, int C, int8_t* q, float* xs) {
   const int nch = q8_chunks(C);
   std::memset(q, 0, size_t(nch) * Q8_CHUNK);
   for (int b = 0; b < nch * 4; ++b) {  // 32-column blocks
@@ -766,6 +768,10 @@ inline void quantize_q8(const float* x, int C, int8_t* q, float* xs, int32_t* of
     }
     for (int l = (c0 % Q8_CHUNK) / 8; l < (c0 % Q8_CHUNK) / 8 + 4; ++l) xs[ch * 16 + l] = d;
   }
+}
+
+// quantize_q8's offsets: -12 x the sum of each lane's eight values (the kernels' +12 bias on e2m1)
+inline void q8_offsets(const int8_t* q, int nch, int32_t* off) {
   for (int ch = 0; ch < nch; ++ch)
     for (int l = 0; l < 16; ++l) {
       int32_t sum = 0;
@@ -773,6 +779,48 @@ inline void quantize_q8(const float* x, int C, int8_t* q, float* xs, int32_t* of
         sum += q[size_t(ch) * Q8_CHUNK + 4 * l + j] + q[size_t(ch) * Q8_CHUNK + 64 + 4 * l + j];
       off[ch * 16 + l] = -12 * sum;
     }
+}
+
+// quantize_q8_blocks with AVX-512, the same bits (tests/test_cpu_int8_act.py checks it): a
+// decode call quantizes its activation row and its eight h rows on the caller's thread while
+// the pool waits (on the H200 host's Xeon the scalar form took ~8 us a 2,048-wide row; issue 12's
+// fixed cost per call). Per 32-column block: max |x| with NaN lanes skipped (vmaxps returns its
+// second operand when either is NaN, as std::max(amax, NaN) keeps amax), the product clamped as
+// fmin(fmax(v, -127), 127) clamps it (a NaN product goes to -127), rounded in the current
+// rounding mode (vcvtps2dq, as nearbyint), even columns to the chunk's first half, odd ones to
+// its second. Every byte of the chunks is written (a tail's missing columns load as 0).
+__attribute__((target("avx512f"))) void quantize_q8_blocks_avx512(const float* x, int C, int8_t* q, float* xs) {
+  const int nch = q8_chunks(C);
+  const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  for (int b = 0; b < nch * 4; ++b) {
+    const int c0 = b * 32, n = std::max(0, std::min(32, C - c0));
+    const __mmask16 m0 = n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+    const __mmask16 m1 = n >= 32 ? __mmask16(0xFFFF) : n > 16 ? __mmask16((1u << (n - 16)) - 1) : __mmask16(0);
+    const __m512 a = _mm512_maskz_loadu_ps(m0, x + c0), a2 = _mm512_maskz_loadu_ps(m1, x + c0 + 16);
+    __m512 mx = _mm512_max_ps(_mm512_abs_ps(a), _mm512_setzero_ps());
+    mx = _mm512_max_ps(_mm512_abs_ps(a2), mx);
+    const float amax = _mm512_reduce_max_ps(mx);
+    const float d = amax / 127.f, inv = amax > 127.f / FLT_MAX ? 127.f / amax : 0.f;
+    const __m512 vi = _mm512_set1_ps(inv);
+    const int ch = c0 / Q8_CHUNK, o = (c0 % Q8_CHUNK) / 2;
+    const __m512 pe = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_permutex2var_ps(a, ev, a2), vi), lo), hi);
+    const __m512 po = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_permutex2var_ps(a, od, a2), vi), lo), hi);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + size_t(ch) * Q8_CHUNK + o), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(pe)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + size_t(ch) * Q8_CHUNK + 64 + o),
+                     _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(po)));
+    for (int l = (c0 % Q8_CHUNK) / 8; l < (c0 % Q8_CHUNK) / 8 + 4; ++l) xs[ch * 16 + l] = d;
+  }
+}
+
+// quantize_q8 in the vector form where the CPU has AVX-512 (isa >= AVX512), else the scalar one
+inline void quantize_q8(Isa isa, const float* x, int C, int8_t* q, float* xs, int32_t* off) {
+  if (isa >= AVX512)
+    quantize_q8_blocks_avx512(x, C, q, xs);
+  else
+    quantize_q8_blocks(x, C, q, xs);
+  q8_offsets(q, q8_chunks(C), off);
 }
 
 alignas(16) const int8_t E2M1_X2_PLUS12[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
@@ -954,6 +1002,26 @@ struct Executor {
   // int8 kernel (VBMI, VNNI, or the scalar form: no VNNI, an ISA cap, tests)
   bool q8 = false;
   int q8k = Q8_SCALAR;  // the int8 kernel (Q8Kernel)
+  // the last quantized call's time by part, us (timing(): where a call's fixed cost goes, issue
+  // 12): the wrapper's checks, the grouping and layouts, x's quantization, phase 1, h's
+  // quantization, phase 2. Six clock reads a call (~20 ns each).
+  double last_us[6] = {0, 0, 0, 0, 0, 0};
+  // each column's place in a layout, for the x (k = 0) and h (k = 1) rows: computed once per
+  // (layout, width) instead of every call (a division-heavy 2,560-column loop: 12-14 us of a
+  // decode call's fixed cost on the dev machine). Calls hold call_mutex: one writer at a time.
+  std::vector<int> pos_[2];
+  int pos_key_[2][3] = {{0, 0, -1}, {0, 0, -1}};
+  const std::vector<int>& positions(const Layout& lay, int C, int k) {
+    int* key = pos_key_[k];
+    if (key[0] != lay.g || key[1] != lay.L || key[2] != C) {
+      pos_[k].resize(C);
+      for (int c = 0; c < C; ++c) pos_[k][c] = lay.pos(c, C);
+      key[0] = lay.g, key[1] = lay.L, key[2] = C;
+    }
+    return pos_[k];
+  }
+  using clk = std::chrono::steady_clock;
+  static double us(clk::time_point a, clk::time_point b) { return std::chrono::duration<double, std::micro>(b - a).count(); }
   Executor(const std::vector<int>& cpus, int isa_cap) : pool(cpus), isa(std::min<Isa>(detect(), Isa(isa_cap))) {}
 
   template <typename W>
@@ -1084,6 +1152,7 @@ struct Executor {
   // 4-row block is dequantized in registers by qdot4 for every pair routed to the expert.
   void run_q(const float* x, const int64_t* ids, const float* gw, int T, int K, const QBank& gu, const QBank& dn,
              int H, int I, float* out, bool bf16_act, const ExpertFn& fn = ExpertFn()) {
+    const clk::time_point t0 = clk::now();
     const int fmt = gu.fmt;
     const bool plain = fn.plain();
     const int P = T * K;
@@ -1100,9 +1169,8 @@ struct Executor {
     const bool i8 = q8 && fmt != FMT_FP8;  // fp8 values are not small integers: exact kernels
     const bool dp = !i8 && bf16_act && isa == AVX512_BF16 && fmt != FMT_FP8;
     const Layout lay = i8 ? Layout() : layout_for(fmt, isa, dp);
-    std::vector<int> posH(H), posI(I);
-    for (int c = 0; c < H; ++c) posH[c] = lay.pos(c, H);
-    for (int c = 0; c < I; ++c) posI[c] = lay.pos(c, I);
+    const std::vector<int>& posH = positions(lay, H, 0);
+    const std::vector<int>& posI = positions(lay, I, 1);
     // activations in the kernel's layout (bf16 for the dot-product path); h rows likewise
     std::vector<float> xl, hl;
     std::vector<uint16_t> xb, hb;
@@ -1137,13 +1205,15 @@ struct Executor {
         for (int r = from + tid; r < n; r += pool.size()) f(r);
       });
     };
+    const clk::time_point t1 = clk::now();
     if (i8) {
       xq.resize(size_t(T) * chH * Q8_CHUNK), xqs.resize(size_t(T) * chH * 16), xqo.resize(size_t(T) * chH * 16);
       rows_over_pool(0, T, H, [&](int t) {
-        quantize_q8(x + size_t(t) * H, H, xq.data() + size_t(t) * chH * Q8_CHUNK, xqs.data() + size_t(t) * chH * 16,
+        quantize_q8(isa, x + size_t(t) * H, H, xq.data() + size_t(t) * chH * Q8_CHUNK, xqs.data() + size_t(t) * chH * 16,
                     xqo.data() + size_t(t) * chH * 16);
       });
     }
+    const clk::time_point t2 = clk::now();
     const int nt = pool.size();
     constexpr int RB = 16;  // rows per work unit
     const int ib = (I + RB - 1) / RB;
@@ -1183,13 +1253,15 @@ struct Executor {
         }
       }
     });
+    const clk::time_point t3 = clk::now();
     if (i8) {  // posI is the identity here: hl rows are in natural order
       hq.resize(size_t(P) * chI * Q8_CHUNK), hqs.resize(size_t(P) * chI * 16), hqo.resize(size_t(P) * chI * 16);
       rows_over_pool(first, P, I, [&](int q) {  // pairs before `first` run no expert
-        quantize_q8(hl.data() + size_t(q) * I, I, hq.data() + size_t(q) * chI * Q8_CHUNK,
+        quantize_q8(isa, hl.data() + size_t(q) * I, I, hq.data() + size_t(q) * chI * Q8_CHUNK,
                     hqs.data() + size_t(q) * chI * 16, hqo.data() + size_t(q) * chI * 16);
       });
     }
+    const clk::time_point t4 = clk::now();
     const int hb_blocks = (H + RB - 1) / RB;
     pool.run([&](int tid) {
       float d4[4];
@@ -1225,6 +1297,9 @@ struct Executor {
         }
       }
     });
+    const clk::time_point t5 = clk::now();
+    const clk::time_point ts[6] = {t0, t1, t2, t3, t4, t5};
+    for (int k = 1; k < 6; ++k) last_us[k] = us(ts[k - 1], ts[k]);
   }
 };
 
@@ -1546,6 +1621,7 @@ torch::Tensor forward_q(int64_t handle, torch::Tensor x, torch::Tensor ids, torc
                         torch::Tensor dn_s, torch::Tensor dn_s2, bool bf16_act, int64_t act, double alpha,
                         double limit, c10::optional<torch::Tensor> gate_up_bias,
                         c10::optional<torch::Tensor> down_bias) {
+  const auto t_in = Executor::clk::now();
   TORCH_CHECK(x.dtype() == torch::kFloat32 && ids.dtype() == torch::kInt64 && w.dtype() == torch::kFloat32,
               "moe_cpu.forward_q: x f32, ids i64, w f32 expected");
   TORCH_CHECK(x.dim() == 2 && ids.dim() == 2 && w.sizes() == ids.sizes() && ids.size(0) == x.size(0),
@@ -1564,8 +1640,33 @@ torch::Tensor forward_q(int64_t handle, torch::Tensor x, torch::Tensor ids, torc
   Executor& ex = exec_of(handle);
   py::gil_scoped_release nogil;  // after every check, as forward's
   std::lock_guard<std::mutex> g(ex.call_mutex);
+  const double wrapper = Executor::us(t_in, Executor::clk::now());
   ex.run_q(x.data_ptr<float>(), idp, w.data_ptr<float>(), T, K, gu, dn, H, I, out.data_ptr<float>(), bf16_act, fn);
+  ex.last_us[0] = wrapper;
   return out;
+}
+
+// quantize_q8 on rows x [R, C] f32 with the vector form (vector, where the CPU has AVX-512) or
+// the scalar one -> (q [R, chunks * 128] int8, xs [R, chunks * 16] f32, off [R, chunks * 16] i32):
+// the test hook that checks the two forms give the same bits
+std::vector<torch::Tensor> quantize_q8_rows(torch::Tensor x, bool vector) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) % 16 == 0,
+              "moe_cpu.quantize_q8_rows: x f32 [R, C] with C a multiple of 16 expected");
+  x = x.contiguous();
+  const int R = x.size(0), C = x.size(1), nch = q8_chunks(C);
+  auto q = torch::empty({R, nch * Q8_CHUNK}, torch::kInt8);
+  auto xs = torch::empty({R, nch * 16}, torch::kFloat32);
+  auto off = torch::empty({R, nch * 16}, torch::kInt32);
+  const Isa isa = vector ? detect() : SCALAR;
+  for (int r = 0; r < R; ++r)
+    quantize_q8(isa, x.data_ptr<float>() + size_t(r) * C, C, q.data_ptr<int8_t>() + size_t(r) * nch * Q8_CHUNK,
+                xs.data_ptr<float>() + size_t(r) * nch * 16, off.data_ptr<int32_t>() + size_t(r) * nch * 16);
+  return {q, xs, off};
+}
+
+std::vector<double> timing(int64_t handle) {
+  const Executor& ex = exec_of(handle);
+  return std::vector<double>(ex.last_us, ex.last_us + 6);
 }
 
 // ---------------------------------------------------------------- doorbell
@@ -1655,6 +1756,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa_of, "ISA level in use: 0 scalar, 1 avx2, 2 avx512, 3 avx512-bf16");
   m.def("set_act_int8", &set_act_int8, "int8 activations for MXFP4 / NVFP4 banks (on) or exact ones; returns the kernel that serves them (vbmi, vnni or scalar)",
         py::arg("handle"), py::arg("on"), py::arg("max_kernel") = 2);
+  m.def("quantize_q8_rows", &quantize_q8_rows, "the int8 activation quantization of rows x, vector form or "
+        "scalar (a test hook)");
+  m.def("timing", &timing, "the last quantized call's time by part, us: wrapper, grouping, x quantization, "
+        "phase 1, h quantization, phase 2");
   m.def("release", &release, "end an executor's worker threads (it then runs on the caller alone)");
   // the expert function's arguments default to SiLU without biases (callers from before them)
   m.def("forward", &forward, "routed experts on the CPU", py::arg("handle"), py::arg("x"), py::arg("ids"),
