@@ -41,9 +41,10 @@
 # Call 33: one prompt chunk's layers profiled (layer 3's extra device time). Call 34: the 32k row with halves.
 # Call 35: decode steps between layers read a hook later (deferred), against waiting ones.
 # Call 36: where the host synchronises in the loaded window (sync debug mode). Call 37: its long host calls.
+# Call 38: the pair with larger launch queues. Call 39: the Xeon's fixed cost per CPU call by part.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30|31|32|33|34|35|36|37}
+STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30|31|32|33|34|35|36|37|38|39}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -365,7 +366,25 @@ case "$STAGE" in
   step 200 interference-hostprof python3 -m bench.interference --full-size --long 16384 --prefill-graph-tokens 2048 \
     --host-profile on --settings interleave --name interference-full-hostprof
   ;;
-*) echo "stage 0 to 37"; exit 2 ;;
+38) # 440 s, written for the next session (issue 9): the deferred/waiting pair with the CUDA launch
+  # queues four times larger (plan 37: launches after a deferred step waited up to 6.5 ms each),
+  # then with the profiler on the host's calls
+  I="python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 --settings interleave,interleave-wait"
+  CUDA_SCALE_LAUNCH_QUEUES=4x step 300 interference-queues4x $I --layer-events on --name interference-full-queues4x
+  CUDA_SCALE_LAUNCH_QUEUES=4x step 140 interference-queues4x-prof python3 -m bench.interference --full-size \
+    --long 16384 --prefill-graph-tokens 2048 --settings interleave --host-profile on --name interference-full-queues4x-hostprof
+  ;;
+39) # 300 s, written for the next session (issue 12): the Xeon's fixed cost per call by part after the
+  # vector quantization and the kept layouts (moe_cpu.timing), MXFP4 / NVFP4 at 6 and 16 threads
+  step 120 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
+  for f in mxfp4 nvfp4; do
+    for t in 6 16; do
+      step 60 "parts-$f-t$t" python3 -m bench.cpu_experts --format $f --experts 512 --threads $t \
+        --batches 1,4 --iters 20 --fixed-cost --name "cpu_experts-$f-fixedcost-parts-t$t"
+    done
+  done
+  ;;
+*) echo "stage 0 to 39"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)
