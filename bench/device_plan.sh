@@ -366,9 +366,11 @@ case "$STAGE" in
   step 200 interference-hostprof python3 -m bench.interference --full-size --long 16384 --prefill-graph-tokens 2048 \
     --host-profile on --settings interleave --name interference-full-hostprof
   ;;
-38) # 440 s, written for the next session (issue 9): the deferred/waiting pair with the CUDA launch
+38) # 530 s, written for the next session (issue 9): the deferred/waiting pair with the CUDA launch
   # queues four times larger (plan 37: launches after a deferred step waited up to 6.5 ms each),
   # then with the profiler on the host's calls
+  # first the deferred steps' CUDA tests at the review's fixes (d13ca9f: picks over the slots' range)
+  FT_TAG=plan38 FT_PER_FILE=150 FT_K=deferred bash bench/device_tests.sh tests/test_interleave.py > /dev/null
   I="python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 --settings interleave,interleave-wait"
   CUDA_SCALE_LAUNCH_QUEUES=4x step 300 interference-queues4x $I --layer-events on --name interference-full-queues4x
   CUDA_SCALE_LAUNCH_QUEUES=4x step 140 interference-queues4x-prof python3 -m bench.interference --full-size \
