@@ -41,10 +41,11 @@
 # Call 33: one prompt chunk's layers profiled (layer 3's extra device time). Call 34: the 32k row with halves.
 # Call 35: decode steps between layers read a hook later (deferred), against waiting ones.
 # Call 36: where the host synchronises in the loaded window (sync debug mode). Call 37: its long host calls.
-# Call 38: the pair with larger launch queues. Call 39: the Xeon's fixed cost per CPU call by part.
+# Call 38: the pair with larger launch queues, and point costs on the device's clock. Call 39: the
+# Xeon's fixed cost per CPU call by part. Call 40: the host's long calls with the larger queues.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30|31|32|33|34|35|36|37|38|39}
+STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30|31|32|33|34|35|36|37|38|39|40}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -366,14 +367,17 @@ case "$STAGE" in
   step 200 interference-hostprof python3 -m bench.interference --full-size --long 16384 --prefill-graph-tokens 2048 \
     --host-profile on --settings interleave --name interference-full-hostprof
   ;;
-38) # 530 s, written for the next session (issue 9): the deferred/waiting pair with the CUDA launch
-  # queues four times larger (plan 37: launches after a deferred step waited up to 6.5 ms each),
-  # then with the profiler on the host's calls
+38) # 480 s, written for the next session (issue 9): the deferred/waiting pair with the CUDA launch
+  # queues four times larger (plan 37: launches after a deferred step waited up to 6.5 ms each)
   # first the deferred steps' CUDA tests at the review's fixes (d13ca9f: picks over the slots' range)
   FT_TAG=plan38 FT_PER_FILE=150 FT_K=deferred bash bench/device_tests.sh tests/test_interleave.py > /dev/null
-  I="python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 --settings interleave,interleave-wait"
-  CUDA_SCALE_LAUNCH_QUEUES=4x step 300 interference-queues4x $I --layer-events on --name interference-full-queues4x
-  CUDA_SCALE_LAUNCH_QUEUES=4x step 140 interference-queues4x-prof python3 -m bench.interference --full-size \
+  # the pair and the deferred steps with point costs on the device's clock (interleave-devcost)
+  I="python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048"
+  CUDA_SCALE_LAUNCH_QUEUES=4x step 380 interference-queues4x $I --layer-events on \
+    --settings interleave,interleave-wait,interleave-devcost --name interference-full-queues4x
+  ;;
+40) # 200 s, written for the next session (issue 9): the host's long calls with the larger queues
+  CUDA_SCALE_LAUNCH_QUEUES=4x step 200 interference-queues4x-prof python3 -m bench.interference --full-size \
     --long 16384 --prefill-graph-tokens 2048 --settings interleave --host-profile on --name interference-full-queues4x-hostprof
   ;;
 39) # 300 s, written for the next session (issue 12): the Xeon's fixed cost per call by part after the
@@ -386,7 +390,7 @@ case "$STAGE" in
     done
   done
   ;;
-*) echo "stage 0 to 39"; exit 2 ;;
+*) echo "stage 0 to 40"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)

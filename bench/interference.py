@@ -57,6 +57,8 @@ SETTINGS = {
     # the interleave with each decode step's tokens waited for at once (no deferral: the A/B of
     # runtime/deferred_step.py, which is on by default on CUDA)
     "interleave-wait": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True, defer=False),
+    # deferred steps with the point costs learned on the device's clock (the loop's device_costs)
+    "interleave-devcost": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True, device_costs=True),
     "interleave-halves-wait": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True, mid_layer=True,
                                    defer=False),
     # the interleave with the prompt chunks' MoE blocks eager (no prefill graphs: runtime/prefill_graphs.py)
@@ -232,6 +234,7 @@ def run_setting(eng, name: str, a) -> dict:
     srv.stamps, srv.events = {}, []
     srv.timeline = LayerTimeline(eng.device) if a.layer_events == "on" else None
     srv.defer_steps = srv.defer_steps and a.defer_steps == "on" and s.get("defer", True)
+    srv.device_costs = s.get("device_costs", a.device_costs == "on")
     srv.sched.order = s["order"]
     if s["step_tokens"] is None:
         srv.sched.step_tokens = eng.ecfg.prefill_chunk
@@ -316,7 +319,7 @@ def run_setting(eng, name: str, a) -> dict:
     ms = lambda x: round(x * 1e3, 2) if x is not None else None  # noqa: E731
     out = {"setting": name, "step_tokens": srv.sched.step_tokens, "order": srv.sched.order,
            "decode_slowdown": srv.slowdown, "decode_steps_between_layers": srv.between.steps,
-           "decode_steps_deferred": srv.deferred_steps,
+           "decode_steps_deferred": srv.deferred_steps, "device_costs": srv.device_costs,
            "decode_steps_alongside_prompts": srv.overlap.steps if srv.overlap is not None else 0,
            "prompts_between_layers": srv.jump_ins,
            "prompt_ms_per_layer": ms(srv.between.per_layer),
@@ -433,6 +436,9 @@ def main():
                          "(torch.cuda.set_sync_debug_mode; CUDA)")
     ap.add_argument("--host-profile", default="off", choices=["on", "off"],
                     help="the host's calls of 1 ms or more in the loaded window, under the profiler")
+    ap.add_argument("--device-costs", default="off", choices=["on", "off"],
+                    help="with deferred steps, learn the prompt's point costs on the device's clock "
+                         "(the serving loop's device_costs; off by default there)")
     ap.add_argument("--gc-freeze", default="on", choices=["on", "off"],
                     help="freeze the start-up objects out of the garbage collector's walks, as ft serve does")
     ap.add_argument("--prefill-graph-tokens", type=int, default=512,

@@ -465,6 +465,31 @@ def test_deferred_decode_steps_give_the_same_tokens_on_cuda(eng):
     deferred_against_waiting(cuda)
 
 
+def test_device_costs_time_the_points_between_deferred_steps(eng):
+    """With device_costs (off by default) a deferred step's cycle is charged the time from the
+    previous step's end mark to its own start mark: only the points queued between them (on the
+    CPU the marks are host clock readings). The first cycle of each forward stays on the wall
+    clock; the tokens are the same as without."""
+    g = torch.Generator().manual_seed(13)
+    ps = [torch.randint(5, eng.cfg.vocab_size, (n,), generator=g).tolist() for n in (12, 250)]
+    runs = {}
+    for costs in (False, True):
+        srv = serving(eng, True)
+        srv.defer_steps, srv.device_costs = True, costs
+        works, real = [], srv.between.cycle
+
+        def spy(decode_s, ran=None, work_s=None, real=real, works=works):
+            works.append(work_s)
+            real(decode_s, ran, work_s)
+        srv.between.cycle = spy
+        out = drive(srv, [greedy(ps[0], 30), greedy(ps[1], 3)], arrive=[0, 2])
+        given = [w for w in works if w is not None]
+        assert bool(given) == costs and all(w > 0 for w in given)
+        assert len(given) < len(works) or not costs  # each forward's first cycle: the wall clock
+        runs[costs] = [r.output_ids for r in out]
+    assert runs[True] == runs[False]
+
+
 def deferred_against_waiting(eng):
     g = torch.Generator().manual_seed(11)
     ps = [torch.randint(5, eng.cfg.vocab_size, (n,), generator=g).tolist() for n in (14, 21, 260, 17)]
@@ -479,17 +504,17 @@ def deferred_against_waiting(eng):
         srv.defer_steps = defer
         cycles, real = [], srv.between.cycle
 
-        def spy(decode_s, ran=None, real=real, srv=srv, cycles=cycles):
+        def spy(decode_s, ran=None, work_s=None, real=real, srv=srv, cycles=cycles):
             cycles.append((list(srv.between.queued), ran))
-            real(decode_s, ran)
+            real(decode_s, ran, work_s)
         srv.between.cycle = spy
         rs = reqs()
         srv._gens[rs[1].id] = torch.Generator().manual_seed(5)  # as the server seeds it (serving.py)
         from freetoken.runtime.deferred_step import DeferredStep
         real_launch, spans = DeferredStep.launch, []
 
-        def launch(reqs, logits, t0, real_launch=real_launch, spans=spans):
-            d = real_launch(reqs, logits, t0)
+        def launch(reqs, logits, t0, start=None, real_launch=real_launch, spans=spans):
+            d = real_launch(reqs, logits, t0, start)
             spans.append(sorted(r.slot for r in d.greedy))
             return d
         DeferredStep.launch = launch

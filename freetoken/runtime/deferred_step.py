@@ -25,11 +25,35 @@ returns, so holding the tokens back a layer would only delay them: the loop defe
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from .sampler import greedy_packed, parse_greedy
+
+
+class HostMark:
+    """A point in time on a device that runs each op as it is called (the CPU): what a CUDA
+    timing event is on the GPU (elapsed_time in ms, as torch.cuda.Event's)."""
+
+    def __init__(self):
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, later: HostMark) -> float:
+        return (later.t - self.t) * 1e3
+
+    def synchronize(self) -> None:
+        pass
+
+
+def mark(device: torch.device):
+    """A timing mark on `device`'s current stream: a recorded CUDA event, or a HostMark."""
+    if device.type != "cuda":
+        return HostMark()
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record(torch.cuda.current_stream(device))
+    return ev
 
 
 def to_host(x: torch.Tensor) -> torch.Tensor:
@@ -49,15 +73,16 @@ class DeferredStep:
     greedy: list  # those whose pick was made on the device
     packed: torch.Tensor | None  # [rows lo..hi, 2 (+ 2n)] host copy of the device picks (in flight)
     logits: torch.Tensor | None  # [B, V] host copy of the logits, for the other rows (in flight)
-    event: torch.cuda.Event | None  # recorded after both copies (CUDA)
+    event: torch.cuda.Event | HostMark  # recorded after both copies (a HostMark off CUDA)
     t0: float  # when the step's forward started (perf_counter)
     lo: int = 0  # the first row of `packed` (the greedy requests' lowest slot)
+    start: torch.cuda.Event | HostMark | None = None  # recorded before the step's forward
     queued: list = field(default_factory=list)  # the interleaver's points this step's cycle ran
 
     @classmethod
-    def launch(cls, reqs: list, logits: torch.Tensor, t0: float) -> DeferredStep:
+    def launch(cls, reqs: list, logits: torch.Tensor, t0: float, start=None) -> DeferredStep:
         """logits [B, V] of a decode step (row r.slot for each request) -> the step, its copies
-        queued on the current stream."""
+        queued on the current stream. start: a mark() taken before the step's forward."""
         greedy = [r for r in reqs if r.sampling.temperature == 0 and not r.forcing()]
         packed, lo = None, 0
         if greedy:
@@ -68,17 +93,12 @@ class DeferredStep:
             lo, hi = min(r.slot for r in greedy), max(r.slot for r in greedy)
             packed = to_host(greedy_packed(logits, list(range(lo, hi + 1)), top))
         host = to_host(logits) if len(greedy) < len(reqs) else None
-        event = None
-        if logits.is_cuda:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(logits.device))
-        return cls(reqs, greedy, packed, host, event, t0, lo)
+        return cls(reqs, greedy, packed, host, mark(logits.device), t0, lo, start)
 
     def wait(self) -> tuple[dict, torch.Tensor | None]:
         """Wait for the step's copies (not for anything queued after them) -> (picks by
         request id, as the loop's _device_picks gives them; the host logits or None)."""
-        if self.event is not None:
-            self.event.synchronize()
+        self.event.synchronize()
         if self.packed is None:
             return {}, self.logits
         rows = self.packed.tolist()

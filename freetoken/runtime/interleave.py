@@ -341,16 +341,18 @@ class Interleaver:
     def layer_queued(self, i: float = 0) -> None:
         self.queued.append(i)
 
-    def cycle(self, decode_s: float, ran: list | None = None) -> None:
+    def cycle(self, decode_s: float, ran: list | None = None, work_s: float | None = None) -> None:
         """A decode step between layers ended; the cycle since the previous decode step ran the
         queued layers of prompt work and that step: their time is shared among them in
         proportion to what they are known to cost (equally while any is unknown).
         ran: the points queued before the step (a deferred step, runtime/deferred_step.py: its
         tokens are read a hook later, and the points queued since run after it on the device:
-        they stay queued, for the next cycle); None: every queued point."""
+        they stay queued, for the next cycle); None: every queued point. work_s: those points'
+        time as the device measured it (the loop's device_costs), instead of the cycle's wall
+        time less the decode step's."""
         points = self.queued if ran is None else ran
         if self.last_decode is not None and points:
-            total = max(0.0, time.perf_counter() - self.last_decode - decode_s)
+            total = max(0.0, time.perf_counter() - self.last_decode - decode_s) if work_s is None else work_s
             known = [self._cost(j) for j in points]
             weights = known if all(k for k in known) else [1.0] * len(known)
             for j, wj in zip(points, weights):

@@ -29,7 +29,7 @@ from .grammar import GrammarRunner
 from .interleave import GAP_CEILING, MIN_PREFILL, CostModel, Interleaver, affine_fit
 from .overlap import DecodeOverlap, LayerPacer, eligible as overlap_eligible
 from .request import Request, TokenEvent
-from .deferred_step import DeferredStep
+from .deferred_step import DeferredStep, mark
 from .sampler import SamplingParams, greedy_rows, sample, top_entries
 from .scheduler import Scheduler
 
@@ -134,6 +134,14 @@ class EngineLoop:
         self.defer_steps = engine.device.type == "cuda"
         self._deferred: DeferredStep | None = None
         self.deferred_steps = 0  # telemetry
+        # with deferred steps, learn the prompt's point costs from the device's own clock (the
+        # previous step's end to this step's start: exactly the points queued between them)
+        # instead of host wall time, which launch stalls inflate (benchmarks/README.md, sixteenth
+        # session: the costliest point moved and the chunk sizing swung from run to run). Off
+        # until measured on the GPU (device plan 38); the first cycle of a forward stays on the
+        # host's clock (its set-up is part of the gap)
+        self.device_costs = False
+        self._prev_step_end = None  # the last deferred step's end mark in the prompt forward in flight
         self._pacer = None  # the overlapped prompt forward's LayerPacer (CUDA)
         # a model that keeps a forward's data in state its layers share cannot run another
         # forward's Python between a forward's layers (a jump-in, an eager decode step)
@@ -411,9 +419,11 @@ class EngineLoop:
         if decode and group:
             dec_logits, pre_logits = eng.forward_mixed(self.state, *rows, segs)
         elif decode:
+            defer = self._defer(decode)  # between a prompt's layers: its tokens at the next hook
+            start = mark(eng.device) if defer and self.device_costs else None
             dec_logits, pre_logits = self.decode(tokens, pos, active), None  # [>= n, V] on the device
-            if self._defer(decode):  # between a prompt's layers: its tokens at the next hook
-                self._deferred = DeferredStep.launch(decode, dec_logits, t0)
+            if defer:
+                self._deferred = DeferredStep.launch(decode, dec_logits, t0, start)
                 self.deferred_steps += 1
                 return
         else:  # [finishing, V] or None; decode steps (and short prompts) may run between its layers
@@ -426,6 +436,8 @@ class EngineLoop:
             if kw and not self.streamed:  # between each layer's halves too, if asked (runtime/interleave.py MID_LAYER)
                 kw["mid_layer"] = self.between.mid_layer
             self._prompt_forward = True
+            if not nested:
+                self._prev_step_end = None
             try:
                 if self.overlap is not None and not nested:
                     dec_logits, pre_logits = None, self._prefill_alongside(segs)
@@ -536,6 +548,7 @@ class EngineLoop:
         self.jump_ins += len(ready)
         # its time is not the queued layers' cost: the next cycle measures afresh
         self.between.decoded()
+        self._prev_step_end = None  # nor, on the device's clock, the next step's points
 
     def _between_layers(self, i: float) -> None:
         """The prefill forward's hook before layer i (or at i + 0.5, between layer i's mixer and
@@ -590,6 +603,7 @@ class EngineLoop:
             for r in d.reqs:
                 if r.finished_at is None:
                     self._finish(r, "error", error=f"{type(e).__name__}: {e}")
+            self._prev_step_end = None
             self.between.cycle(self._decode_s, d.queued)
             return
         if self.metrics:
@@ -597,7 +611,11 @@ class EngineLoop:
         for r in d.reqs:
             r.computed += 1
             self._guarded([r], self._accept, r, host[r.slot] if host is not None else None, picks.get(r.id), None)
-        self.between.cycle(self._decode_s, d.queued)
+        work = None
+        if d.start is not None and self._prev_step_end is not None:  # device_costs: the device's clock
+            work = self._prev_step_end.elapsed_time(d.start) / 1e3
+        self._prev_step_end = d.event if d.start is not None else None
+        self.between.cycle(self._decode_s, d.queued, work)
 
     def _prefill_alongside(self, segs):
         """The prompt forward with the decoding streams stepping on the worker meanwhile, until
