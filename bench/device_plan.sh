@@ -58,6 +58,17 @@ step() {
   timeout "$limit" "$@" >> "$LOG" 2>&1
   echo "=== rc $? $name ($(date +%T))" >> "$LOG"
 }
+# fixed_cost_rows TAG: issue 12's batch-1 rows with --fixed-cost (experts from cache beside the DRAM
+# rows), MXFP4 and NVFP4 at 6 and 16 threads, as cpu_experts-FORMAT-TAG-tTHREADS
+fixed_cost_rows() {
+  step 120 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
+  for f in mxfp4 nvfp4; do
+    for t in 6 16; do
+      step 60 "$1-$f-t$t" python3 -m bench.cpu_experts --format $f --experts 512 --threads $t \
+        --batches 1,4 --iters 20 --fixed-cost --name "cpu_experts-$f-$1-t$t"
+    done
+  done
+}
 # cpu_rows "FORMATS" "THREADS": the C++ executor's batch 1 and 4 rows on huge-page banks (issue 12),
 # after building it (a 45 s step limit had killed the JIT build three times in stage 8)
 cpu_rows() {
@@ -331,13 +342,7 @@ case "$STAGE" in
   ;;
 32) # 370 s, written for the next session: issue 12's fixed cost per call on the Xeon (--fixed-cost:
   # one expert and the same top-k from cache, beside the DRAM rows), MXFP4 and NVFP4, 6 and 16 threads
-  step 120 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
-  for f in mxfp4 nvfp4; do
-    for t in 6 16; do
-      step 60 "fixed-$f-t$t" python3 -m bench.cpu_experts --format $f --experts 512 --threads $t \
-        --batches 1,4 --iters 20 --fixed-cost --name "cpu_experts-$f-fixedcost-t$t"
-    done
-  done
+  fixed_cost_rows fixedcost
   ;;
 33) # 200 s: layer 3's extra device time (issue 9: plan 31's --layer-events, 1-2.5 ms above the later
   # attention layers): one 2,046-token chunk at a 24k context, events per layer with the gather
@@ -382,13 +387,7 @@ case "$STAGE" in
   ;;
 39) # 300 s, written for the next session (issue 12): the Xeon's fixed cost per call by part after the
   # vector quantization and the kept layouts (moe_cpu.timing), MXFP4 / NVFP4 at 6 and 16 threads
-  step 120 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
-  for f in mxfp4 nvfp4; do
-    for t in 6 16; do
-      step 60 "parts-$f-t$t" python3 -m bench.cpu_experts --format $f --experts 512 --threads $t \
-        --batches 1,4 --iters 20 --fixed-cost --name "cpu_experts-$f-fixedcost-parts-t$t"
-    done
-  done
+  fixed_cost_rows fixedcost-parts
   ;;
 *) echo "stage 0 to 40"; exit 2 ;;
 esac

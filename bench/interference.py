@@ -82,22 +82,22 @@ class Stamped(ServingEngine):
     timeline = None  # a LayerTimeline with --layer-events on
     launched = 0  # decode steps started between layers (a deferred one's tokens come a hook later)
 
-    def _between_layers(self, i):
+    def _hook(self, i, hook, steps: bool = True):
+        """A prompt forward's hook before point i, stamped, and timed with --layer-events
+        (steps: whether a decode step started inside it is flagged; not for the overlap's)."""
         self.events.append((time.perf_counter(), f"L{i}"))
         if self.timeline is not None:
             self.timeline.enter(i)
         launched = self.launched
-        super()._between_layers(i)
+        hook(i)
         if self.timeline is not None:
-            self.timeline.leave(i, self.launched > launched)
+            self.timeline.leave(i, steps and self.launched > launched)
+
+    def _between_layers(self, i):
+        self._hook(i, super()._between_layers)
 
     def _alongside_layers(self, i):  # the overlapped prompt forward's layers
-        self.events.append((time.perf_counter(), f"L{i}"))
-        if self.timeline is not None:
-            self.timeline.enter(i)
-        super()._alongside_layers(i)
-        if self.timeline is not None:
-            self.timeline.leave(i)
+        self._hook(i, super()._alongside_layers, steps=False)
 
     def _forward(self, group, decode, captures):
         kind = f"prompt{sum(e - s for _, s, e in group)}" if group else f"decode{len(decode)}"

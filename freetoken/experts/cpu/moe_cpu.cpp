@@ -747,9 +747,6 @@ struct Q8Act {  // one quantized row: chunks of [64 even | 64 odd] int8, then pe
 };
 inline int q8_chunks(int C) { return (C + Q8_CHUNK - 1) / Q8_CHUNK; }
 
-// x [C] f32 -> q [chunks * 128] int8, xs [chunks * 16] f32, off [chunks * 16] int32 (C a
-// multiple of 16, as every 4-bit bank's is; the tail of the last chunk is zero).
-
 // quantize_q8's blocks: the int8 values in the kernels' order and each lane's scale (scalar)
 inline void quantize_q8_blocks(const float* x, int C, int8_t* q, float* xs) {
   const int nch = q8_chunks(C);
@@ -783,7 +780,7 @@ inline void q8_offsets(const int8_t* q, int nch, int32_t* off) {
 
 // quantize_q8_blocks with AVX-512, the same bits (tests/test_cpu_int8_act.py checks it): a
 // decode call quantizes its activation row and its eight h rows on the caller's thread while
-// the pool waits (on the H200 host's Xeon the scalar form took ~8 us a 2,048-wide row; issue 12's
+// the pool waits (on the dev machine the scalar form took 7-8 us a 2,048-wide row; issue 12's
 // fixed cost per call). Per 32-column block: max |x| with NaN lanes skipped (vmaxps returns its
 // second operand when either is NaN, as std::max(amax, NaN) keeps amax), the product clamped as
 // fmin(fmax(v, -127), 127) clamps it (a NaN product goes to -127), rounded in the current
@@ -814,7 +811,9 @@ __attribute__((target("avx512f"))) void quantize_q8_blocks_avx512(const float* x
   }
 }
 
-// quantize_q8 in the vector form where the CPU has AVX-512 (isa >= AVX512), else the scalar one
+// x [C] f32 -> q [chunks * 128] int8, xs [chunks * 16] f32, off [chunks * 16] int32 (C a
+// multiple of 16, as every 4-bit bank's is; the tail of the last chunk is zero): in the vector
+// form where the CPU has AVX-512 (isa >= AVX512), else the scalar one
 inline void quantize_q8(Isa isa, const float* x, int C, int8_t* q, float* xs, int32_t* off) {
   if (isa >= AVX512)
     quantize_q8_blocks_avx512(x, C, q, xs);
