@@ -43,9 +43,10 @@
 # Call 36: where the host synchronises in the loaded window (sync debug mode). Call 37: its long host calls.
 # Call 38: the pair with larger launch queues, and point costs on the device's clock. Call 39: the
 # Xeon's fixed cost per CPU call by part. Call 40: the host's long calls with the larger queues.
+# Call 41: the 32k row with the first-token gap floor and 4x queues by default, host and device costs.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30|31|32|33|34|35|36|37|38|39|40}
+STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30|31|32|33|34|35|36|37|38|39|40|41}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -389,7 +390,13 @@ case "$STAGE" in
   # vector quantization and the kept layouts (moe_cpu.timing), MXFP4 / NVFP4 at 6 and 16 threads
   fixed_cost_rows fixedcost-parts
   ;;
-*) echo "stage 0 to 40"; exit 2 ;;
+41) # 330 s (issue 9): the 32k row twice each, deferred steps with host-time and device-time point
+  # costs, after the first-token forwards' 50 ms gap floor and with the launch queues at 4x by
+  # default (freetoken/__init__.py)
+  step 330 interference-firsttoken python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
+    --layer-events on --settings interleave,interleave-devcost,interleave,interleave-devcost --name interference-full-firsttoken
+  ;;
+*) echo "stage 0 to 41"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)

@@ -267,7 +267,8 @@ def test_a_mixed_step_is_sized_from_its_prompt_part_beyond_a_decode_step(eng):
 
 def test_a_forward_of_first_tokens_allows_a_wider_gap(monkeypatch):
     """A forward whose prompts all finish in it (short prompts) waits for decode steps at
-    FIRST_TOKEN_SLOWDOWN: its time to first token is not tripled by them."""
+    FIRST_TOKEN_SLOWDOWN, and not more often than every FIRST_TOKEN_GAP_S: its time to first
+    token is not tripled by them."""
     clock = [0.0]
     monkeypatch.setattr("freetoken.runtime.interleave.time.perf_counter", lambda: clock[0])
     iv = Interleaver(1.5)  # gap: half a 10 ms decode step
@@ -277,7 +278,14 @@ def test_a_forward_of_first_tokens_allows_a_wider_gap(monkeypatch):
     iv.layer_queued(1)
     assert iv.due(0.010, 2)  # 6 ms queued + half of the next: past 5 ms
     iv.first_tokens = True
-    assert not iv.due(0.010, 2)  # the gap is (2 - 1) x 10 ms here
+    assert not iv.due(0.010, 2)  # the gap is (2 - 1) x 10 ms here, and at least 50 ms
+    iv.queued = [0, 1, 2] * 10  # 90 ms of a long prompt's layer costs queued (+ 1.5 of the next)
+    assert not iv.due(0.100, 0)  # (2 - 1) x a 100 ms decode step: over the 50 ms floor
+    assert iv.due(0.080, 0)
+    iv.queued = [0, 1, 2] * 5  # 45 + 1.5 ms: under the floor, however short the decode step
+    assert not iv.due(0.001, 0) and not iv.due(0.030, 0)
+    iv.queued += [0, 1]  # 51 ms: past it
+    assert iv.due(0.001, 2) and iv.due(0.030, 2)
     clock[0] += 0.016
     iv.queued = [0]
     iv.tokens = 50
@@ -432,7 +440,7 @@ def test_graphed_and_eager_forwards_keep_their_own_layer_costs():
     decode = 0.006
     iv.tokens = 2000  # a long prompt's eager chunk
     iv.cost = {i: 4e-3 for i in range(4)}
-    iv.tokens, iv.first_tokens = 200, True  # a short prompt, through the graphs
+    iv.tokens = 200  # a short prompt's chunk, through the graphs (not its whole prompt: FIRST_TOKEN_GAP_S)
     assert iv.graphed and iv.cost == {}
     iv.decoded()
     iv.layer_queued(0)

@@ -33,7 +33,8 @@ while a long prompt prefills goes whole, past the chunk's latency budget (schedu
 short_whole; the long prompt then waits a step), or, where both fit the budget, in a forward
 of its own before the chunk's (the loop's _groups); decode steps inside its forward come at
 FIRST_TOKEN_SLOWDOWN (benchmarks/README.md, the 32k CPU rows: 2.0-2.4x its idle TTFT, against
-2.8-3.9x before).
+2.8-3.9x before), and not more often than every FIRST_TOKEN_GAP_S (on the H200 a decode step is
+6 ms: a short prompt's forward runs whole or nearly, as a jump-in's does).
 
 The CPU: eager decode normally shares one forward with the prompt chunk (the decode rows pay no
 fixed part of their own), but that forward's prompt part has a fixed part about as long as a
@@ -49,8 +50,15 @@ EMA = 0.3  # weight of the newest per-layer sample
 MIN_PREFILL = 32  # prompt tokens a step takes at least, whatever the latency budget says
 # the gap allowed inside a forward of prompts that all finish in it (short prompts, whose first
 # token it gives): they are few and short, and a decode step every half decode step of their work
-# would triple their time to first token
+# would triple their time to first token. The gap is at least FIRST_TOKEN_GAP_S: the layer costs
+# the interleaver has learned are a long prompt's chunk's (on the H200 2-3 ms a layer at 2,048
+# tokens, against ~0.9 ms for a 200-token prompt: 35 ms to its first token on an idle server), so with a 6 ms decode step a short prompt's
+# forward got a decode step every two or three layers and its first token came at 3.3x its idle
+# time (plan 38). A stream's gap of 50 ms, once per short request, is below what a reader of the
+# stream notices and what any client times out on; a short request waiting three times as long
+# is not.
 FIRST_TOKEN_SLOWDOWN = 2.0
+FIRST_TOKEN_GAP_S = 0.050
 RECENT = 4  # forwards whose costliest layer gives the per-token cost (it grows with the context)
 # the decode gap the chunk floor may reach (in decode steps): a layer that costs more than
 # the fixed part's chunk would push decoding streams' p99 past 2x their unloaded gap
@@ -326,8 +334,10 @@ class Interleaver:
         decode_s: the plain decode step's time."""
         if not self.enabled or self.running or decode_s is None or self.last_decode is None or not self.queued:
             return False
-        gap = (max(self.slowdown, FIRST_TOKEN_SLOWDOWN) if self.first_tokens else self.slowdown) - 1
-        gap *= decode_s
+        if self.first_tokens:
+            gap = max((max(self.slowdown, FIRST_TOKEN_SLOWDOWN) - 1) * decode_s, FIRST_TOKEN_GAP_S)
+        else:
+            gap = (self.slowdown - 1) * decode_s
         known = [self._cost(j) for j in self.queued]
         nxt = self._cost(i)
         if nxt is None or any(c is None for c in known):
