@@ -44,9 +44,10 @@
 # Call 38: the pair with larger launch queues, and point costs on the device's clock. Call 39: the
 # Xeon's fixed cost per CPU call by part. Call 40: the host's long calls with the larger queues.
 # Call 41: the 32k row with the first-token gap floor and 4x queues by default, host and device costs.
+# Call 42: where the host's long calls come from (Python frames); the 32k row with device costs by default.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30|31|32|33|34|35|36|37|38|39|40|41}
+STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30|31|32|33|34|35|36|37|38|39|40|41|42}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -396,7 +397,15 @@ case "$STAGE" in
   step 330 interference-firsttoken python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
     --layer-events on --settings interleave,interleave-devcost,interleave,interleave-devcost --name interference-full-firsttoken
   ;;
-*) echo "stage 0 to 41"; exit 2 ;;
+42) # 330 s (issue 9): where the host's longest calls come from with deferred steps (the profiler's
+  # Python frames, 16k), then the 32k row with the defaults (device-time point costs) twice and on
+  # host time once
+  step 150 interference-stacks python3 -m bench.interference --full-size --long 16384 --prefill-graph-tokens 2048 \
+    --settings interleave --host-profile stacks --name interference-full-hoststacks
+  step 300 interference-defaults python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
+    --layer-events on --settings interleave,interleave-hostcost,interleave --name interference-full-defaults
+  ;;
+*) echo "stage 0 to 42"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)

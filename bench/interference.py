@@ -57,8 +57,10 @@ SETTINGS = {
     # the interleave with each decode step's tokens waited for at once (no deferral: the A/B of
     # runtime/deferred_step.py, which is on by default on CUDA)
     "interleave-wait": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True, defer=False),
-    # deferred steps with the point costs learned on the device's clock (the loop's device_costs)
+    # deferred steps with the point costs learned on the device's clock (the loop's device_costs,
+    # its default with deferred steps) and on the host's (the A/B)
     "interleave-devcost": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True, device_costs=True),
+    "interleave-hostcost": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True, device_costs=False),
     "interleave-halves-wait": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True, mid_layer=True,
                                    defer=False),
     # the interleave with the prompt chunks' MoE blocks eager (no prefill graphs: runtime/prefill_graphs.py)
@@ -144,13 +146,33 @@ class SyncSites:
         return dict(sorted(self.counts.items(), key=lambda kv: -kv[1]))
 
 
-def host_profiler():
+def host_profiler(stacks: bool = False):
     """The profiler on the host's operators and, through CUPTI (ProfilerActivity.CUDA), the CUDA
     runtime's calls, which show a cudaMalloc or a wait that no operator reports. CUPTI's
-    tracing adds overhead to the window: its timings are for finding stalls, not rows."""
+    tracing adds overhead to the window: its timings are for finding stalls, not rows.
+    stacks: record each operator's Python stack too (slower still), for long_host_stacks."""
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    return profile(activities=acts)
+    return profile(activities=acts, with_stack=stacks)
+
+
+def long_host_stacks(prof, over_ms: float = 2.0, top: int = 12, frames: int = 6) -> list:
+    """The `top` longest operators of `over_ms` or more called from Python: [name, ms, the
+    innermost `frames` frames outside torch], to say where a launch that waits comes from (an
+    operator's time includes the runtime calls it makes)."""
+    rows = []
+    for e in prof.events():
+        ms = e.time_range.elapsed_us() / 1e3
+        if e.device_type.name != "CPU" or ms < over_ms or "/" in e.name or "(" in e.name:
+            continue  # an operator or a runtime call, not a Python frame
+        ours, up = [], e.cpu_parent  # the Python frames are the event's parents (with_stack)
+        while up is not None and len(ours) < frames:
+            if ".py(" in up.name and "torch/" not in up.name and "site-packages" not in up.name:
+                ours.append(up.name.split("freetoken/")[-1])
+            up = up.cpu_parent
+        if ours:
+            rows.append([e.name[:60], round(ms, 2), ours])
+    return sorted(rows, key=lambda r: -r[1])[:top]
 
 
 def long_host_calls(prof, over_ms: float = 1.0, top: int = 20) -> list:
@@ -234,7 +256,9 @@ def run_setting(eng, name: str, a) -> dict:
     srv.stamps, srv.events = {}, []
     srv.timeline = LayerTimeline(eng.device) if a.layer_events == "on" else None
     srv.defer_steps = srv.defer_steps and a.defer_steps == "on" and s.get("defer", True)
-    srv.device_costs = s.get("device_costs", a.device_costs == "on")
+    if a.device_costs != "default":
+        srv.device_costs = a.device_costs == "on"
+    srv.device_costs = s.get("device_costs", srv.device_costs) and srv.defer_steps
     srv.sched.order = s["order"]
     if s["step_tokens"] is None:
         srv.sched.step_tokens = eng.ecfg.prefill_chunk
@@ -300,7 +324,7 @@ def run_setting(eng, name: str, a) -> dict:
     if srv.timeline is not None:  # the long prompt's forwards only (and the short one's)
         srv.timeline.forwards = []
     syncs = SyncSites(eng.device) if a.sync_debug == "on" else contextlib.nullcontext()
-    prof = host_profiler() if a.host_profile == "on" else contextlib.nullcontext()
+    prof = host_profiler(a.host_profile == "stacks") if a.host_profile != "off" else contextlib.nullcontext()
     t_long = time.perf_counter()
     with syncs, prof:
         srv.sched.add(long)
@@ -353,8 +377,10 @@ def run_setting(eng, name: str, a) -> dict:
                                "mib": round(page_gather.WORKSPACE.nbytes() / 2**20, 1)}
     if a.sync_debug == "on":
         out["host_syncs_loaded"] = syncs.sites()
-    if a.host_profile == "on":
+    if a.host_profile != "off":
         out["host_calls_over_1ms"] = long_host_calls(prof)
+    if a.host_profile == "stacks":
+        out["host_stacks_over_2ms"] = long_host_stacks(prof)
     out["longest_gaps"] = anatomy(srv.events, pairs)
     out["gap_kinds"] = gap_kinds(srv.events, pairs, 2 * statistics.median(unloaded))
     out["prompt_chunks"] = chunk_summary(srv.between.history)
@@ -434,11 +460,12 @@ def main():
     ap.add_argument("--sync-debug", default="off", choices=["on", "off"],
                     help="count where the host synchronises with the device in the loaded window "
                          "(torch.cuda.set_sync_debug_mode; CUDA)")
-    ap.add_argument("--host-profile", default="off", choices=["on", "off"],
-                    help="the host's calls of 1 ms or more in the loaded window, under the profiler")
-    ap.add_argument("--device-costs", default="off", choices=["on", "off"],
+    ap.add_argument("--host-profile", default="off", choices=["on", "stacks", "off"],
+                    help="the host's calls of 1 ms or more in the loaded window, under the profiler "
+                         "(stacks: and where the longest operators were called from)")
+    ap.add_argument("--device-costs", default="default", choices=["on", "off", "default"],
                     help="with deferred steps, learn the prompt's point costs on the device's clock "
-                         "(the serving loop's device_costs; off by default there)")
+                         "(the serving loop's device_costs; on by default there with deferred steps)")
     ap.add_argument("--gc-freeze", default="on", choices=["on", "off"],
                     help="freeze the start-up objects out of the garbage collector's walks, as ft serve does")
     ap.add_argument("--prefill-graph-tokens", type=int, default=512,

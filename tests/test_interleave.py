@@ -474,7 +474,7 @@ def test_deferred_decode_steps_give_the_same_tokens_on_cuda(eng):
 
 
 def test_device_costs_time_the_points_between_deferred_steps(eng):
-    """With device_costs (off by default) a deferred step's cycle is charged the time from the
+    """With device_costs (on by default with deferred steps: CUDA) a deferred step's cycle is charged the time from the
     previous step's end mark to its own start mark: only the points queued between them (on the
     CPU the marks are host clock readings). The first cycle of each forward stays on the wall
     clock; the tokens are the same as without."""

@@ -137,10 +137,12 @@ class EngineLoop:
         # with deferred steps, learn the prompt's point costs from the device's own clock (the
         # previous step's end to this step's start: exactly the points queued between them)
         # instead of host wall time, which launch stalls inflate (benchmarks/README.md, sixteenth
-        # session: the costliest point moved and the chunk sizing swung from run to run). Off
-        # until measured on the GPU (device plan 38); the first cycle of a forward stays on the
-        # host's clock (its set-up is part of the gap)
-        self.device_costs = False
+        # session: the costliest point moved and the chunk sizing swung from run to run). On with
+        # deferred steps: in three side-by-side pairs on the H200 (plans 38 and 41, 32k prompt) it
+        # held a decoding stream's p99 gap at 1.84/1.91/2.03x its unloaded one against 1.99/2.14/
+        # 2.12x on host time, for a prompt 10-20% slower. The first cycle of a forward stays on
+        # the host's clock (its set-up is part of the gap)
+        self.device_costs = self.defer_steps
         self._prev_step_end = None  # the last deferred step's end mark in the prompt forward in flight
         self._pacer = None  # the overlapped prompt forward's LayerPacer (CUDA)
         # a model that keeps a forward's data in state its layers share cannot run another
