@@ -60,6 +60,8 @@ SETTINGS = {
     # deferred steps with the point costs learned on the device's clock (the loop's device_costs,
     # its default with deferred steps) and on the host's (the A/B)
     "interleave-devcost": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True, device_costs=True),
+    # a lower target gap (the engine's --decode-slowdown): how much p99 margin it buys, at what prompt rate
+    "interleave-s1.4": dict(order="shortest", step_tokens=0, slowdown=1.4, interleave=True),
     "interleave-hostcost": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True, device_costs=False),
     "interleave-halves-wait": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True, mid_layer=True,
                                    defer=False),
