@@ -45,9 +45,10 @@
 # Xeon's fixed cost per CPU call by part. Call 40: the host's long calls with the larger queues.
 # Call 41: the 32k row with the first-token gap floor and 4x queues by default, host and device costs.
 # Call 42: where the host's long calls come from (Python frames); the 32k row with device costs by default.
+# Call 43: the first loaded row of a process: Triton specializations and pinned host allocations in it.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30|31|32|33|34|35|36|37|38|39|40|41|42}
+STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30|31|32|33|34|35|36|37|38|39|40|41|42|43}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -405,7 +406,14 @@ case "$STAGE" in
   step 300 interference-defaults python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
     --layer-events on --settings interleave,interleave-hostcost,interleave --name interference-full-defaults
   ;;
-*) echo "stage 0 to 42"; exit 2 ;;
+43) # 250 s, written for the next session (issue 9): the first loaded row of a process, whose chunk
+  # sizing collapsed in three of four processes (p99 2.33-2.54x against 1.83-1.99x after it): the
+  # Triton kernels meeting a new specialization and the pinned host allocations in each row's
+  # loaded window (jit_misses_loaded, host_allocator_loaded; "jit:" events in longest_gaps)
+  step 250 interference-firstrow python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
+    --layer-events on --settings interleave,interleave --name interference-full-firstrow
+  ;;
+*) echo "stage 0 to 43"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)

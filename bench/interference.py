@@ -252,6 +252,41 @@ def allocator_counts(device) -> dict:
                                            "num_sync_all_streams", "num_ooms")}
 
 
+def host_alloc_counts(device) -> dict:
+    """The pinned host allocator's counters (torch.cuda.host_memory_stats; empty off CUDA or where
+    this torch lacks it): a cudaHostAlloc in the loaded window can stall the host."""
+    if torch.device(device).type != "cuda" or not hasattr(torch.cuda, "host_memory_stats"):
+        return {}
+    st = torch.cuda.host_memory_stats()
+    return {k: int(st.get(k, 0)) for k in ("num_host_alloc", "num_host_free")}
+
+
+@contextlib.contextmanager
+def triton_misses(events: list):
+    """Triton kernels that meet a new specialization (an in-process cache miss: a compile, or a
+    load from the disk cache) while this runs, each as a ("jit:NAME") event in `events`, so the
+    anatomy of the longest gaps shows them; a no-op where this Triton has no jit_cache_hook."""
+    try:
+        from triton import knobs
+        runtime = knobs.runtime
+        prev = runtime.jit_cache_hook
+    except (ImportError, AttributeError):
+        yield
+        return
+
+    def hook(*args, **kw):
+        fn = kw.get("fn")
+        name = getattr(getattr(fn, "fn", fn), "__name__", "?")
+        events.append((time.perf_counter(), f"jit:{name}"))
+        return prev(*args, **kw) if prev else None  # None: compile as usual
+
+    runtime.jit_cache_hook = hook
+    try:
+        yield
+    finally:
+        runtime.jit_cache_hook = prev
+
+
 def run_setting(eng, name: str, a) -> dict:
     s = SETTINGS[name]
     srv = Stamped(eng, max_batch=a.streams + 2, max_queue=8, start=False)
@@ -322,13 +357,13 @@ def run_setting(eng, name: str, a) -> dict:
     long = Request(prompt(a.long, 3, vocab), opts(2))
     short = Request(prompt(a.short, 4, vocab), opts(2))
     mark = {r.id: len(srv.stamps[r.id]) - 1 for r in streams}  # gaps from the last token before it
-    alloc0 = allocator_counts(eng.device)
+    alloc0, host0 = allocator_counts(eng.device), host_alloc_counts(eng.device)
     if srv.timeline is not None:  # the long prompt's forwards only (and the short one's)
         srv.timeline.forwards = []
     syncs = SyncSites(eng.device) if a.sync_debug == "on" else contextlib.nullcontext()
     prof = host_profiler(a.host_profile == "stacks") if a.host_profile != "off" else contextlib.nullcontext()
     t_long = time.perf_counter()
-    with syncs, prof:
+    with syncs, prof, triton_misses(srv.events):
         srv.sched.add(long)
         srv.step()
         t_short = time.perf_counter()
@@ -336,7 +371,7 @@ def run_setting(eng, name: str, a) -> dict:
         run_until(lambda: long.first_token_at and short.first_token_at)
     pairs = [(c, b) for r in streams for c, b in zip(srv.stamps[r.id][mark[r.id]:], srv.stamps[r.id][mark[r.id] + 1:])]
     loaded = [b - c for c, b in pairs]
-    alloc1 = allocator_counts(eng.device)
+    alloc1, host1 = allocator_counts(eng.device), host_alloc_counts(eng.device)
     long_ttft = srv.stamps[long.id][0] - t_long
     short_ttft = srv.stamps[short.id][0] - t_short
     for r in streams:
@@ -375,6 +410,9 @@ def run_setting(eng, name: str, a) -> dict:
     # the CUDA caching allocator over the loaded window: segments asked of the driver, and the
     # retries after a failed cudaMalloc (each frees the cache: a device-wide sync)
     out["cuda_allocator_loaded"] = {k: alloc1[k] - alloc0[k] for k in alloc0} if alloc0 else None
+    out["host_allocator_loaded"] = {k: host1[k] - host0[k] for k in host0} if host0 else None
+    jit = [w[4:] for t, w in srv.events if t >= t_long and w.startswith("jit:")]
+    out["jit_misses_loaded"] = {n: jit.count(n) for n in sorted(set(jit))}  # kernel -> new specializations
     out["gather_workspace"] = {"enabled": page_gather.ENABLED, "grows": page_gather.WORKSPACE.grows,
                                "mib": round(page_gather.WORKSPACE.nbytes() / 2**20, 1)}
     if a.sync_debug == "on":
