@@ -407,9 +407,9 @@ case "$STAGE" in
     --layer-events on --settings interleave,interleave-hostcost,interleave --name interference-full-defaults
   ;;
 43) # 250 s, written for the next session (issue 9): the first loaded row of a process, whose chunk
-  # sizing collapsed in three of four processes (p99 2.33-2.54x against 1.83-1.99x after it): the
-  # Triton kernels meeting a new specialization and the pinned host allocations in each row's
-  # loaded window (jit_misses_loaded, host_allocator_loaded; "jit:" events in longest_gaps)
+  # sizing collapsed in four of five processes (p99 2.33-2.79x against 1.83-1.99x after it), with
+  # each point's device and host time after a decode step (layer_timeline.after_step): is the
+  # first row's layer-3 stall device work or device idle while the host is blocked?
   step 250 interference-firstrow python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
     --layer-events on --settings interleave,interleave --name interference-full-firstrow
   ;;
