@@ -155,7 +155,13 @@ def host_profiler(stacks: bool = False):
     stacks: record each operator's Python stack too (slower still), for long_host_stacks."""
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    return profile(activities=acts, with_stack=stacks)
+    kw = {}
+    if stacks:  # some torch versions record the Python frames only in the verbose mode
+        try:
+            kw["experimental_config"] = torch._C._profiler._ExperimentalConfig(verbose=True)
+        except (AttributeError, TypeError):
+            pass
+    return profile(activities=acts, with_stack=stacks, **kw)
 
 
 def long_host_stacks(prof, over_ms: float = 2.0, top: int = 12, frames: int = 6) -> list:
@@ -167,6 +173,9 @@ def long_host_stacks(prof, over_ms: float = 2.0, top: int = 12, frames: int = 6)
         ms = e.time_range.elapsed_us() / 1e3
         if e.device_type.name != "CPU" or ms < over_ms or "/" in e.name or "(" in e.name:
             continue  # an operator or a runtime call, not a Python frame
+        if not e.cpu_parent and e.stack:  # where the frames come as the event's stack instead
+            rows.append([e.name[:60], round(ms, 2), [f.split("freetoken/")[-1] for f in e.stack[:frames]]])
+            continue
         ours, up = [], e.cpu_parent  # the Python frames are the event's parents (with_stack)
         while up is not None and len(ours) < frames:
             if ".py(" in up.name and "torch/" not in up.name and "site-packages" not in up.name:
@@ -215,16 +224,18 @@ def gc_summary(pauses) -> dict:
 
 
 def gap_kinds(events, gaps, over: float) -> dict:
-    """The loaded gaps [(start, end)] by what lies inside them: a garbage collection of 1 ms or
+    """The loaded gaps [(start, end)] by what lies inside them: a Triton kernel meeting a new
+    specialization ("jit", triton_misses), a garbage collection of 1 ms or
     more ("gc"), a prompt forward starting ("start": the step's host work, the
     forward's set-up and its first layers), one ending ("end": its last layers, its tail and the
     host's work after it), or only layers between two decode steps ("layers"); per kind the
     count, p50 / p99 / max (ms) and how many exceed `over` seconds (2x the unloaded p50: which
     kind holds the p99 past its target)."""
-    kinds: dict[str, list[float]] = {"gc": [], "start": [], "end": [], "layers": []}
+    kinds: dict[str, list[float]] = {"jit": [], "gc": [], "start": [], "end": [], "layers": []}
     for a, b in gaps:
         inside = [what for t, what in events if a < t <= b and "nested" not in what]
-        kind = ("gc" if any(w.startswith("gc") for w in inside)
+        kind = ("jit" if any(w.startswith("jit:") for w in inside)
+                else "gc" if any(w.startswith("gc") for w in inside)
                 else "start" if any(w.startswith("prompt") for w in inside)
                 else "end" if any(w.startswith("end-prompt") for w in inside) else "layers")
         kinds[kind].append(b - a)
@@ -275,8 +286,8 @@ def triton_misses(events: list):
         return
 
     def hook(*args, **kw):
-        fn = kw.get("fn")
-        name = getattr(getattr(fn, "fn", fn), "__name__", "?")
+        fn = kw.get("fn")  # a JitFunctionInfo(module, name, jit_function)
+        name = getattr(fn, "name", None) or getattr(getattr(fn, "jit_function", None), "__name__", "?")
         events.append((time.perf_counter(), f"jit:{name}"))
         return prev(*args, **kw) if prev else None  # None: compile as usual
 
@@ -421,6 +432,8 @@ def run_setting(eng, name: str, a) -> dict:
         out["host_calls_over_1ms"] = long_host_calls(prof)
     if a.host_profile == "stacks":
         out["host_stacks_over_2ms"] = long_host_stacks(prof)
+        # none found and no Python frame recorded: this torch's profiler kept no stacks (the H200's 2.11)
+        out["python_frames_recorded"] = sum(".py(" in e.name for e in prof.events())
     out["longest_gaps"] = anatomy(srv.events, pairs)
     out["gap_kinds"] = gap_kinds(srv.events, pairs, 2 * statistics.median(unloaded))
     out["prompt_chunks"] = chunk_summary(srv.between.history)

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from bench.decode import QWEN36_35B_A3B
+from freetoken.cuda_queues import VAR, child_env
 
 ROOT = Path(".llama")
 
@@ -128,11 +129,14 @@ def slice_gguf(cfg: dict, mc, w: dict, gu: torch.Tensor, dn: torch.Tensor, path:
 
 
 def _llama_bench(cmd: list[str]) -> dict:
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    # with the launch queues its user chose, not the 4x freetoken sets for itself (cuda_queues.py)
+    env = child_env()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     if p.returncode != 0:
         raise RuntimeError(f"llama-bench failed ({p.returncode}): {p.stderr[-600:]}")
     row = json.loads(p.stdout)[0]
-    return {"tok_s": round(row["avg_ts"], 1), "stddev": round(row["stddev_ts"], 1), "command": " ".join(cmd[1:])}
+    return {"tok_s": round(row["avg_ts"], 1), "stddev": round(row["stddev_ts"], 1), "command": " ".join(cmd[1:]),
+            "cuda_scale_launch_queues": env.get(VAR)}
 
 
 def bench_decode(binary: Path, model: Path, *, threads: int, n_cpu_moe: int, n_gen: int = 64,

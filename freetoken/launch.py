@@ -29,6 +29,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Callable
 
+from .cuda_queues import child_env
 from .errors import FreeTokenError, notice
 from .paths import cache_dir, file_lock
 
@@ -431,7 +432,8 @@ class Server:
         notice(f"starting ft serve for {name} on {self.url} (log: {self.log_path}) ...")
         log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)  # the terminal's Ctrl-C goes to the client
+                                     start_new_session=True,  # the terminal's Ctrl-C goes to the client
+                                     env=child_env())  # it chooses its own CUDA launch queues
         log.close()
         relayed = 0
         t0 = time.monotonic()
@@ -611,7 +613,7 @@ def cmd_launch(args) -> int:
         setup = client.configure(t)
         for line in write_files(setup.files) + setup.notes:
             notice(line)
-        env = {k: v for k, v in os.environ.items() if k not in setup.unset}
+        env = {k: v for k, v in child_env().items() if k not in setup.unset}
         env.update(setup.env)
         cmd = [binary, *setup.args, *(user_args or setup.default_args)]
         took = f" after {server.start_s:.0f} s" if server.start_s is not None else ""

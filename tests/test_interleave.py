@@ -9,7 +9,7 @@ import torch
 import hf_models
 from drive import drive, drive_with_arrivals_mid_forward
 from freetoken.runtime.engine import Engine, EngineConfig
-from freetoken.runtime.interleave import GAP_CEILING, MIN_PREFILL, CostModel, Interleaver
+from freetoken.runtime.interleave import FIRST_TOKEN_FLOOR_TOKENS, GAP_CEILING, MIN_PREFILL, CostModel, Interleaver
 from freetoken.runtime.request import Request, SamplingOptions
 from freetoken.runtime.serving import ServingEngine
 from freetoken.weights.convert import convert
@@ -267,8 +267,8 @@ def test_a_mixed_step_is_sized_from_its_prompt_part_beyond_a_decode_step(eng):
 
 def test_a_forward_of_first_tokens_allows_a_wider_gap(monkeypatch):
     """A forward whose prompts all finish in it (short prompts) waits for decode steps at
-    FIRST_TOKEN_SLOWDOWN, and not more often than every FIRST_TOKEN_GAP_S: its time to first
-    token is not tripled by them."""
+    FIRST_TOKEN_SLOWDOWN, and, up to FIRST_TOKEN_FLOOR_TOKENS prompt tokens, not more often than
+    every FIRST_TOKEN_GAP_S: its time to first token is not tripled by them."""
     clock = [0.0]
     monkeypatch.setattr("freetoken.runtime.interleave.time.perf_counter", lambda: clock[0])
     iv = Interleaver(1.5)  # gap: half a 10 ms decode step
@@ -286,6 +286,11 @@ def test_a_forward_of_first_tokens_allows_a_wider_gap(monkeypatch):
     assert not iv.due(0.001, 0) and not iv.due(0.030, 0)
     iv.queued += [0, 1]  # 51 ms: past it
     assert iv.due(0.001, 2) and iv.due(0.030, 2)
+    iv.queued = [0, 1, 2] * 5  # 46.5 ms again, in a forward past FIRST_TOKEN_FLOOR_TOKENS: no floor
+    iv.tokens = FIRST_TOKEN_FLOOR_TOKENS + 1
+    assert iv.due(0.030, 0) and not iv.due(0.050, 0)  # (2 - 1) x the decode step alone
+    iv.tokens = FIRST_TOKEN_FLOOR_TOKENS
+    assert not iv.due(0.030, 0)
     clock[0] += 0.016
     iv.queued = [0]
     iv.tokens = 50
@@ -481,6 +486,7 @@ def test_device_costs_time_the_points_between_deferred_steps(eng):
     g = torch.Generator().manual_seed(13)
     ps = [torch.randint(5, eng.cfg.vocab_size, (n,), generator=g).tolist() for n in (12, 250)]
     runs = {}
+    assert serving(eng, True).device_costs == serving(eng, True).defer_steps  # the default: with deferral (CUDA)
     for costs in (False, True):
         srv = serving(eng, True)
         srv.defer_steps, srv.device_costs = True, costs

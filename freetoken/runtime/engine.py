@@ -100,7 +100,8 @@ class EngineConfig:
         "help": "while streams decode, prompt work is paced so their inter-token gap is at most about "
                 "this many times a plain decode step: decode steps run between a prompt forward's layers "
                 "where decode is its own forward (CUDA graphs), else a step's prompt chunk is sized for it "
-                "(0: no limit, prompts get --max-step-tokens)"})
+                "(0: no limit, prompts get --max-step-tokens); a forward of short prompts that all get their "
+                "first token in it (up to 512 tokens) may hold the streams up to 50 ms"})
     decode_between_layers: str = field(default="auto", metadata={
         "choices": ("auto", "on", "off"),
         "help": "decode steps between a prompt forward's layers, paced by --decode-slowdown. auto: where "

@@ -33,8 +33,9 @@ while a long prompt prefills goes whole, past the chunk's latency budget (schedu
 short_whole; the long prompt then waits a step), or, where both fit the budget, in a forward
 of its own before the chunk's (the loop's _groups); decode steps inside its forward come at
 FIRST_TOKEN_SLOWDOWN (benchmarks/README.md, the 32k CPU rows: 2.0-2.4x its idle TTFT, against
-2.8-3.9x before), and not more often than every FIRST_TOKEN_GAP_S (on the H200 a decode step is
-6 ms: a short prompt's forward runs whole or nearly, as a jump-in's does).
+2.8-3.9x before), and for a forward of at most FIRST_TOKEN_FLOOR_TOKENS not more often than every
+FIRST_TOKEN_GAP_S (on the H200 a decode step is 6 ms: such a forward runs whole or nearly, as a
+jump-in's does, and the streams wait up to ~50 ms once).
 
 The CPU: eager decode normally shares one forward with the prompt chunk (the decode rows pay no
 fixed part of their own), but that forward's prompt part has a fixed part about as long as a
@@ -56,9 +57,12 @@ MIN_PREFILL = 32  # prompt tokens a step takes at least, whatever the latency bu
 # forward got a decode step every two or three layers and its first token came at 3.3x its idle
 # time (plan 38). A stream's gap of 50 ms, once per short request, is below what a reader of the
 # stream notices and what any client times out on; a short request waiting three times as long
-# is not.
+# is not. Only for forwards of at most FIRST_TOKEN_FLOOR_TOKENS prompt tokens, so a stream's longer
+# gap is bounded by one small prompt's forward (a 2k-token prompt would hold streams twice for
+# 50 ms; it is paced at FIRST_TOKEN_SLOWDOWN, which keeps its own first token within ~2x).
 FIRST_TOKEN_SLOWDOWN = 2.0
 FIRST_TOKEN_GAP_S = 0.050
+FIRST_TOKEN_FLOOR_TOKENS = 512
 RECENT = 4  # forwards whose costliest layer gives the per-token cost (it grows with the context)
 # the decode gap the chunk floor may reach (in decode steps): a layer that costs more than
 # the fixed part's chunk would push decoding streams' p99 past 2x their unloaded gap
@@ -335,7 +339,9 @@ class Interleaver:
         if not self.enabled or self.running or decode_s is None or self.last_decode is None or not self.queued:
             return False
         if self.first_tokens:
-            gap = max((max(self.slowdown, FIRST_TOKEN_SLOWDOWN) - 1) * decode_s, FIRST_TOKEN_GAP_S)
+            gap = (max(self.slowdown, FIRST_TOKEN_SLOWDOWN) - 1) * decode_s
+            if self.tokens <= FIRST_TOKEN_FLOOR_TOKENS:
+                gap = max(gap, FIRST_TOKEN_GAP_S)
         else:
             gap = (self.slowdown - 1) * decode_s
         known = [self._cost(j) for j in self.queued]

@@ -576,8 +576,9 @@ class EngineLoop:
                     self._run([], rows)
                 finally:
                     self.between.running = False
-                if self._deferred is None:
+                if self._deferred is None:  # a step that waited (not deferrable): timed on the host's clock,
                     self.between.cycle(self._decode_s)
+                    self._prev_step_end = None  # and the next deferred step's span must not reach back past it
                 else:  # its cycle ends when its tokens are read: the points queued so far are its
                     self._deferred.queued, self.between.queued = self.between.queued, []
         self.between.layer_queued(i)
