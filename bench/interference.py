@@ -276,13 +276,14 @@ def host_alloc_counts(device) -> dict:
 def triton_misses(events: list):
     """Triton kernels that meet a new specialization (an in-process cache miss: a compile, or a
     load from the disk cache) while this runs, each as a ("jit:NAME") event in `events`, so the
-    anatomy of the longest gaps shows them; a no-op where this Triton has no jit_cache_hook."""
+    anatomy of the longest gaps shows them; yields whether the hook is in (False where this Triton
+    has no jit_cache_hook: then an empty record says nothing)."""
     try:
         from triton import knobs
         runtime = knobs.runtime
         prev = runtime.jit_cache_hook
     except (ImportError, AttributeError):
-        yield
+        yield False
         return
 
     def hook(*args, **kw):
@@ -293,7 +294,7 @@ def triton_misses(events: list):
 
     runtime.jit_cache_hook = hook
     try:
-        yield
+        yield True
     finally:
         runtime.jit_cache_hook = prev
 
@@ -374,7 +375,7 @@ def run_setting(eng, name: str, a) -> dict:
     syncs = SyncSites(eng.device) if a.sync_debug == "on" else contextlib.nullcontext()
     prof = host_profiler(a.host_profile == "stacks") if a.host_profile != "off" else contextlib.nullcontext()
     t_long = time.perf_counter()
-    with syncs, prof, triton_misses(srv.events):
+    with syncs, prof, triton_misses(srv.events) as jit_hooked:
         srv.sched.add(long)
         srv.step()
         t_short = time.perf_counter()
@@ -424,6 +425,7 @@ def run_setting(eng, name: str, a) -> dict:
     out["host_allocator_loaded"] = {k: host1[k] - host0[k] for k in host0} if host0 else None
     jit = [w[4:] for t, w in srv.events if t >= t_long and w.startswith("jit:")]
     out["jit_misses_loaded"] = {n: jit.count(n) for n in sorted(set(jit))}  # kernel -> new specializations
+    out["jit_hook"] = jit_hooked  # whether that record was kept at all
     out["gather_workspace"] = {"enabled": page_gather.ENABLED, "grows": page_gather.WORKSPACE.grows,
                                "mib": round(page_gather.WORKSPACE.nbytes() / 2**20, 1)}
     if a.sync_debug == "on":
