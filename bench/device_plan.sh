@@ -406,12 +406,16 @@ case "$STAGE" in
   step 300 interference-defaults python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
     --layer-events on --settings interleave,interleave-hostcost,interleave --name interference-full-defaults
   ;;
-43) # 250 s, written for the next session (issue 9): the first loaded row of a process, whose chunk
+43) # 480 s, written for the next session (issue 9): the first loaded row of a process, whose chunk
   # sizing collapsed in four of five processes (p99 2.33-2.79x against 1.83-1.99x after it), with
   # each point's device and host time after a decode step (layer_timeline.after_step): is the
   # first row's layer-3 stall device work or device idle while the host is blocked?
+  # then a second process that starts with the stall filter (interleave.STALL_FILTER): does the
+  # first row keep its chunks and its p99 without the stalled points in its samples?
   step 250 interference-firstrow python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
-    --layer-events on --settings interleave,interleave --name interference-full-firstrow
+    --layer-events on --settings interleave,interleave --name interference-full-firstrow-events
+  step 200 interference-nostall python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
+    --layer-events on --settings interleave-nostall,interleave,interleave-nostall --name interference-full-nostall
   ;;
 *) echo "stage 0 to 43"; exit 2 ;;
 esac

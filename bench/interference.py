@@ -62,6 +62,8 @@ SETTINGS = {
     "interleave-devcost": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True, device_costs=True),
     # a lower target gap (the engine's --decode-slowdown): how much p99 margin it buys, at what prompt rate
     "interleave-s1.4": dict(order="shortest", step_tokens=0, slowdown=1.4, interleave=True),
+    # the forward's sample without a point far above its kind's others (interleave.STALL_FILTER)
+    "interleave-nostall": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True, stall_filter=True),
     "interleave-hostcost": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True, device_costs=False),
     "interleave-halves-wait": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True, mid_layer=True,
                                    defer=False),
@@ -317,6 +319,7 @@ def run_setting(eng, name: str, a) -> dict:
         srv.mixed = False  # decode is its own forward: CUDA graphs); on eager steps, instead of one mixed forward
     srv.between = Interleaver(srv.slowdown if s["interleave"] else 0.0)
     srv.between.mid_layer = s.get("mid_layer", srv.between.mid_layer)
+    srv.between.stall_filter = s.get("stall_filter", srv.between.stall_filter)
     graphs = getattr(eng, "prefill_graphs", None)
     if graphs is not None:
         graphs.enabled, graphs.replays = s.get("prefill_graphs", True), 0
@@ -393,6 +396,7 @@ def run_setting(eng, name: str, a) -> dict:
     out = {"setting": name, "step_tokens": srv.sched.step_tokens, "order": srv.sched.order,
            "decode_slowdown": srv.slowdown, "decode_steps_between_layers": srv.between.steps,
            "decode_steps_deferred": srv.deferred_steps, "device_costs": srv.device_costs,
+           "stall_filter": srv.between.stall_filter, "stalls_dropped": srv.between.stalls_dropped,
            "decode_steps_alongside_prompts": srv.overlap.steps if srv.overlap is not None else 0,
            "prompts_between_layers": srv.jump_ins,
            "prompt_ms_per_layer": ms(srv.between.per_layer),

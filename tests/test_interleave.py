@@ -595,3 +595,26 @@ def test_a_deferred_steps_cycle_charges_the_points_before_it_and_keeps_the_one_a
     assert il.steps == 1
     il.cycle(0.0)  # a waiting step: every queued point, nothing kept
     assert il.queued == [] and 2 in il.cost
+
+
+def test_the_stall_filter_keeps_a_stalled_point_out_of_the_chunk_sizing():
+    """STALL_FILTER: a point that cost over OUTLIER times the median of its kind's points in one
+    forward (the H200's layer 3 after a decode step, the host blocked meanwhile) is not the
+    forward's sample; layers of a dearer kind (full attention at a deep context) still are."""
+    kinds = {i: "full_attention" if i % 4 == 3 else "linear_attention" for i in range(12)}
+    for on, want in ((False, 0.0084), (True, 0.0034)):
+        iv = Interleaver(1.5)
+        iv.stall_filter, iv.kinds, iv.tokens = on, kinds, 2046
+        iv.this_forward = {i: 0.0033 if i % 4 == 3 else 0.0021 for i in range(12)}
+        iv.this_forward[3], iv.this_forward[7] = 0.0084, 0.0034  # a stall; a dearer full layer
+        iv.forward_done()
+        assert list(iv.samples.samples) == [(2046, pytest.approx(want))]
+        assert iv.stalls_dropped == (1 if on else 0)
+    iv.this_forward = {i: 0.0095 if i % 4 == 3 else 0.0021 for i in range(12)}  # attention 4.5x the rest
+    iv.forward_done()  # every full layer as dear: their own kind's median, none dropped
+    assert iv.samples.samples[-1] == (2046, pytest.approx(0.0095)) and iv.stalls_dropped == 1
+    iv.kinds = {}  # one kind, three equal points: none is a stall
+    iv.this_forward = {0: 0.009, 1: 0.009, 2: 0.009}
+    iv.forward_done()
+    assert iv.samples.samples[-1] == (2046, pytest.approx(0.009))
+

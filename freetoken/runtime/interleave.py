@@ -83,6 +83,14 @@ OUTLIER = 2.0  # a sample over this many times the fit of the others is a stall,
 # with its tokens and the model's rate is no noise (the 2-core CPU's rows were measured without it).
 HEADROOM = 0.85
 GROW = 1.5
+# a forward's sample (what sizes the chunks) is its costliest point; with STALL_FILTER, not a point
+# that cost over OUTLIER times the median of its kind's points in that forward. On the H200 the
+# host blocked ~15 ms launching layer 3 right after a decode step, charged to layer 3 (the device
+# idled meanwhile); in the first loaded run of a process that made layer 3 the costliest point of
+# 27 of 42 forwards (p90 8.43 ms against ~3.5 for the other attention layers), the chunks a third
+# of their size and the p99 gap 2.79x (interference-full-firstrow-gpu.json). Off until measured
+# there (device plan 43: bench.interference's interleave-nostall setting)
+STALL_FILTER = False
 # decode steps may also run between a layer's token mixer and its MLP (the hook at i + 0.5): the
 # finest grain at which they interleave is then half a layer. Meant for the H200, where a layer's
 # fixed part (its launches: 4-6 ms of a 32-token layer against a 6.4 ms decode step) is more than
@@ -290,6 +298,11 @@ class Interleaver:
         # of the latest forwards (telemetry: bench.interference's chunk sizes)
         self.costliest_at: deque[float] = deque(maxlen=4096)  # which point was that layer (telemetry)
         self.mid_layer = MID_LAYER  # points between a layer's mixer and MLP too (keys i + 0.5)
+        # STALL_FILTER (see there): each layer's kind (its index -> a label; the loop sets the
+        # model's: full attention or not), and how many points it left out of the samples
+        self.stall_filter = STALL_FILTER
+        self.kinds: dict[int, str] = {}
+        self.stalls_dropped = 0
 
     @property
     def enabled(self) -> bool:
@@ -386,11 +399,25 @@ class Interleaver:
         prompt's (first_tokens): its layers at its own short context would mislead the chunk
         size of a long prompt."""
         if self.this_forward and self.tokens and not self.first_tokens:
-            worst = max(self.this_forward, key=self.this_forward.get)
-            self.samples.add(self.tokens, self.this_forward[worst])
-            self.history.append((self.tokens, self.this_forward[worst]))
+            points = self._without_stalls(self.this_forward) if self.stall_filter else self.this_forward
+            worst = max(points, key=points.get)
+            self.samples.add(self.tokens, points[worst])
+            self.history.append((self.tokens, points[worst]))
             self.costliest_at.append(worst)
         self.this_forward = {}
+
+    def _without_stalls(self, points: dict[float, float]) -> dict[float, float]:
+        """points without those that cost over OUTLIER times the median of their kind's points in
+        the same forward (layers of one kind at one context cost about the same: one far above
+        the others was a stall, not the chunk's cost); all of them where nothing is left."""
+        by: dict[str, list[float]] = {}
+        for j, v in points.items():
+            by.setdefault(self.kinds.get(int(j), ""), []).append(v)
+        med = {k: sorted(v)[len(v) // 2] for k, v in by.items() if len(v) >= 3}
+        kept = {j: v for j, v in points.items()
+                if (m := med.get(self.kinds.get(int(j), ""))) is None or v <= OUTLIER * m}
+        self.stalls_dropped += len(points) - len(kept)
+        return kept or points
 
     def budget(self, decode_s: float | None, costs=(), layers: int = 1, cap: int | None = None) -> int | None:
         """Prompt tokens for the next forward, so its costliest layer (half a layer with

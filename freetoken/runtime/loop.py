@@ -148,6 +148,7 @@ class EngineLoop:
         # a model that keeps a forward's data in state its layers share cannot run another
         # forward's Python between a forward's layers (a jump-in, an eager decode step)
         self._shared_state = bool(getattr(engine.model, "per_forward_state", False))
+        self._layer_kinds = dict(enumerate(getattr(engine.cfg, "layer_types", None) or []))  # i -> its mixer
         self._gens: dict[int, torch.Generator | None] = {}
         # constrained decoding (structured output); builds nothing until a request needs it
         self.grammar = GrammarRunner(engine.tokenizer, cfg.vocab_size, engine.eos_ids, engine.device)
@@ -432,6 +433,7 @@ class EngineLoop:
             nested = self.between.running  # a short prompt prefilling between another forward's layers
             if not nested:
                 self.between.tokens = sum(e - s for _, s, e in group)
+                self.between.kinds = self._layer_kinds  # for its stall filter (interleave.STALL_FILTER)
                 self.between.cap = self._graph_cap()  # which layer costs it is judged at (graphed or eager)
                 self.between.first_tokens = all(e == r.prefill_end <= self.sched.step_tokens for r, _, e in group)
             kw = {"between": self._between_layers} if self.between.enabled and not nested else {}
