@@ -53,9 +53,9 @@ MIN_PREFILL = 32  # prompt tokens a step takes at least, whatever the latency bu
 # token it gives): they are few and short, and a decode step every half decode step of their work
 # would triple their time to first token. The gap is at least FIRST_TOKEN_GAP_S: the layer costs
 # the interleaver has learned are a long prompt's chunk's (on the H200 2-3 ms a layer at 2,048
-# tokens, against ~0.9 ms for a 200-token prompt: 35 ms to its first token on an idle server), so with a 6 ms decode step a short prompt's
-# forward got a decode step every two or three layers and its first token came at 3.3x its idle
-# time (plan 38). A stream's gap of 50 ms, once per short request, is below what a reader of the
+# tokens, against ~0.9 ms for a 200-token prompt: 35 ms to its first token on an idle server),
+# so with a 6 ms decode step a short prompt's forward got a decode step every two or three
+# layers and its first token came at 3.3x its idle time (plan 38). A stream's gap of 50 ms, once per short request, is below what a reader of the
 # stream notices and what any client times out on; a short request waiting three times as long
 # is not. Only for forwards of at most FIRST_TOKEN_FLOOR_TOKENS prompt tokens, so a stream's longer
 # gap is bounded by one small prompt's forward (a 2k-token prompt would hold streams twice for
@@ -85,10 +85,11 @@ HEADROOM = 0.85
 GROW = 1.5
 # a forward's sample (what sizes the chunks) is its costliest point; with STALL_FILTER, not a point
 # that cost over OUTLIER times the median of its kind's points in that forward. On the H200 the
-# host blocked ~15 ms launching layer 3 right after a decode step, charged to layer 3 (the device
-# idled meanwhile); in the first loaded run of a process that made layer 3 the costliest point of
-# 27 of 42 forwards (p90 8.43 ms against ~3.5 for the other attention layers), the chunks a third
-# of their size and the p99 gap 2.79x (interference-full-firstrow-gpu.json). Off until measured
+# host blocked ~15 ms launching layer 3 right after a decode step, and that time (most likely the
+# device idling meanwhile) was charged to layer 3; in the first loaded run of a process layer 3
+# was the costliest point of 27 of 42 forwards (the costliest layer's p90 8.43 ms against 4.62
+# in the next run), its chunks p50 701 tokens against 1,535 and its p99 gap 2.79x against 1.87x
+# (interference-full-firstrow-gpu.json). Off until measured
 # there (device plan 43: bench.interference's interleave-nostall setting)
 STALL_FILTER = False
 # decode steps may also run between a layer's token mixer and its MLP (the hook at i + 0.5): the
@@ -299,7 +300,7 @@ class Interleaver:
         self.costliest_at: deque[float] = deque(maxlen=4096)  # which point was that layer (telemetry)
         self.mid_layer = MID_LAYER  # points between a layer's mixer and MLP too (keys i + 0.5)
         # STALL_FILTER (see there): each layer's kind (its index -> a label; the loop sets the
-        # model's: full attention or not), and how many points it left out of the samples
+        # model's layer types), and how many points it left out of the samples
         self.stall_filter = STALL_FILTER
         self.kinds: dict[int, str] = {}
         self.stalls_dropped = 0
@@ -410,12 +411,12 @@ class Interleaver:
         """points without those that cost over OUTLIER times the median of their kind's points in
         the same forward (layers of one kind at one context cost about the same: one far above
         the others was a stall, not the chunk's cost); all of them where nothing is left."""
+        kind = {j: self.kinds.get(int(j), "") for j in points}
         by: dict[str, list[float]] = {}
         for j, v in points.items():
-            by.setdefault(self.kinds.get(int(j), ""), []).append(v)
+            by.setdefault(kind[j], []).append(v)
         med = {k: sorted(v)[len(v) // 2] for k, v in by.items() if len(v) >= 3}
-        kept = {j: v for j, v in points.items()
-                if (m := med.get(self.kinds.get(int(j), ""))) is None or v <= OUTLIER * m}
+        kept = {j: v for j, v in points.items() if kind[j] not in med or v <= OUTLIER * med[kind[j]]}
         self.stalls_dropped += len(points) - len(kept)
         return kept or points
 
