@@ -459,6 +459,13 @@ def test_graphed_and_eager_forwards_keep_their_own_layer_costs():
     iv.cap = None  # no graphs: one table whatever the size
     iv.tokens = 200
     assert not iv.graphed and iv.cost == {i: 4e-3 for i in range(4)}
+    # the short prompt's whole forward (first_tokens), at its own table too: 12 points queued
+    iv.first_tokens = True
+    iv.decoded()
+    iv.queued = [0, 1, 2, 3] * 3
+    assert iv.due(decode, 0)  # at the eager costs: 48 + 2 ms reaches the 50 ms floor
+    iv.cap = 512
+    assert iv.graphed and not iv.due(decode, 0)  # at the graphed ones: 7.2 + 0.3 ms
 
 
 def test_deferred_decode_steps_give_the_same_tokens(eng):
