@@ -48,7 +48,7 @@
 # Call 43: the first loaded row of a process: Triton specializations and pinned host allocations in it.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30|31|32|33|34|35|36|37|38|39|40|41|42|43}
+STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30|31|32|33|34|35|36|37|38|39|40|41|42|43|44|45|46|47|48}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -414,10 +414,53 @@ case "$STAGE" in
   # first row keep its chunks and its p99 without the stalled points in its samples?
   step 250 interference-firstrow python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
     --layer-events on --settings interleave,interleave --name interference-full-firstrow-events
-  step 200 interference-nostall python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
+  step 260 interference-nostall python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
     --layer-events on --settings interleave-nostall,interleave,interleave-nostall --name interference-full-nostall
   ;;
-*) echo "stage 0 to 43"; exit 2 ;;
+44) # 530 s (issue 9): three fresh processes of two 32k rows each, after the first-token forwards
+  # go by their own clock and teach no layer costs (a 200-token forward had split at layer 24 of
+  # 40: two gaps of 30 and 21 ms per stream where one would do); over_2x_gaps lists each gap past
+  # 2x once, with what ran in it
+  for n in 1 2 3; do
+    step $([ $n = 1 ] && echo 230 || echo 150) interference-floor$n python3 -m bench.interference --full-size \
+      --long 32768 --prefill-graph-tokens 2048 --settings interleave,interleave --name interference-full-floor$n
+  done
+  ;;
+45) # 530 s (issue 9): plan 44 again after each forward's first cycle is timed from a mark at the
+  # forward's start (on the host's clock it had carried the host's work between forwards,
+  # charged mostly to layer 3: costliest in 28-31 of 37-40 forwards, chunks collapsed)
+  for n in 1 2 3; do
+    step $([ $n = 1 ] && echo 230 || echo 150) interference-startmark$n python3 -m bench.interference --full-size \
+      --long 32768 --prefill-graph-tokens 2048 --settings interleave,interleave --name interference-full-startmark$n
+  done
+  ;;
+46) # 300 s (issue 9): plans 44-45 against fd9e29e's pacing on one machine: two processes of three
+  # 32k rows, alternating (interleave-before: the short forward at the learned costs, each
+  # forward's first cycle on the host's clock)
+  step 200 interference-ab1 python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
+    --settings interleave-before,interleave,interleave-before --name interference-full-ab1
+  step 120 interference-ab2 python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
+    --settings interleave,interleave-before,interleave --name interference-full-ab2
+  ;;
+47) # 400 s, written for the next session (issue 9): steps before eagerly launched points waited
+  # for (interleave-eagerwait: the loop's wait_before_eager, off by default) and every step waited
+  # (interleave-wait) against the deferred default (plan 46's anatomy: 7 of 11 gaps past 2x were
+  # the host reaching the hook after a full-attention layer 12-14 ms after the step before it):
+  # two processes, alternating
+  step 230 interference-eagerwait1 python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
+    --settings interleave-eagerwait,interleave,interleave-wait,interleave-eagerwait --name interference-full-eagerwait1
+  step 150 interference-eagerwait2 python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
+    --settings interleave,interleave-eagerwait,interleave-wait,interleave --name interference-full-eagerwait2
+  ;;
+48) # 330 s, written for the next session (issue 9): the loop's start_marks and interleave.BY_CLOCK
+  # each alone against the defaults (plans 44-46 ran them together: BY_CLOCK brought gaps past 2x
+  # at the forwards' ends in 11 of 14 rows)
+  step 200 interference-marks python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
+    --settings interleave-startmarks,interleave,interleave-startmarks --name interference-full-startmarks-ab
+  step 130 interference-byclock python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
+    --settings interleave-byclock,interleave,interleave-byclock --name interference-full-byclock-ab
+  ;;
+*) echo "stage 0 to 48"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)

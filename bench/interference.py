@@ -64,6 +64,18 @@ SETTINGS = {
     "interleave-s1.4": dict(order="shortest", step_tokens=0, slowdown=1.4, interleave=True),
     # the forward's sample without a point far above its kind's others (interleave.STALL_FILTER)
     "interleave-nostall": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True, stall_filter=True),
+    # fd9e29e's pacing, the defaults again since (the A/B of plan 46): a short prompt's forward at
+    # the learned costs against the 50 ms floor, each forward's first cycle on the host's clock;
+    # "interleave" ran plans 44-46 with both on (interleave.BY_CLOCK, the loop's start_marks)
+    "interleave-before": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True, by_clock=False,
+                              start_marks=False),
+    "interleave-byclock": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True, by_clock=True),
+    "interleave-startmarks": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True, start_marks=True),
+    "interleave-both": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True, by_clock=True,
+                            start_marks=True),
+    # a decode step before an eagerly launched point waits for its tokens (the loop's wait_before_eager)
+    "interleave-eagerwait": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True,
+                                 wait_before_eager=True),
     "interleave-hostcost": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True, device_costs=False),
     "interleave-halves-wait": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True, mid_layer=True,
                                    defer=False),
@@ -320,6 +332,9 @@ def run_setting(eng, name: str, a) -> dict:
     srv.between = Interleaver(srv.slowdown if s["interleave"] else 0.0)
     srv.between.mid_layer = s.get("mid_layer", srv.between.mid_layer)
     srv.between.stall_filter = s.get("stall_filter", srv.between.stall_filter)
+    srv.between.by_clock = s.get("by_clock", srv.between.by_clock)
+    srv.start_marks = s.get("start_marks", srv.start_marks)
+    srv.wait_before_eager = s.get("wait_before_eager", srv.wait_before_eager)
     graphs = getattr(eng, "prefill_graphs", None)
     if graphs is not None:
         graphs.enabled, graphs.replays = s.get("prefill_graphs", True), 0
@@ -397,6 +412,8 @@ def run_setting(eng, name: str, a) -> dict:
            "decode_slowdown": srv.slowdown, "decode_steps_between_layers": srv.between.steps,
            "decode_steps_deferred": srv.deferred_steps, "device_costs": srv.device_costs,
            "stall_filter": srv.between.stall_filter, "stalls_dropped": srv.between.stalls_dropped,
+           "by_clock": srv.between.by_clock, "start_marks": srv.start_marks,
+           "wait_before_eager": srv.wait_before_eager,
            "decode_steps_alongside_prompts": srv.overlap.steps if srv.overlap is not None else 0,
            "prompts_between_layers": srv.jump_ins,
            "prompt_ms_per_layer": ms(srv.between.per_layer),
@@ -441,6 +458,11 @@ def run_setting(eng, name: str, a) -> dict:
         # none found and no Python frame recorded: this torch's profiler kept no stacks (the H200's 2.11)
         out["python_frames_recorded"] = sum(".py(" in e.name for e in prof.events())
     out["longest_gaps"] = anatomy(srv.events, pairs)
+    # every gap past 2x, once (the streams share each step, so each gap comes once per stream):
+    # the p99's target allows about 1% of the gaps past it
+    once = {round(b, 4): (a, b) for a, b in pairs}.values()  # one stamp per step to 0.1 ms
+    over = [g for g in once if g[1] - g[0] > 2 * statistics.median(unloaded)]
+    out["over_2x_gaps"] = anatomy(srv.events, over, n=24)
     out["gap_kinds"] = gap_kinds(srv.events, pairs, 2 * statistics.median(unloaded))
     out["prompt_chunks"] = chunk_summary(srv.between.history)
     out["cost_model"] = cost_summary(srv.between, srv._decode_s)

@@ -307,6 +307,50 @@ def test_a_forward_of_first_tokens_allows_a_wider_gap(monkeypatch):
     assert iv.this_forward == {} and list(iv.samples.samples) == [(50, pytest.approx(0.0045))]
 
 
+def test_by_clock_a_short_forward_goes_by_its_own_time(monkeypatch):
+    """With by_clock (interleave.BY_CLOCK, off by default), a forward of short prompts that all
+    finish in it, up to FIRST_TOKEN_FLOOR_TOKENS prompt tokens, takes decode steps not more often
+    than every FIRST_TOKEN_GAP_S by the time it has taken (the learned costs are a long prompt's
+    chunk's), and teaches no layer costs."""
+    clock = [0.0]
+    monkeypatch.setattr("freetoken.runtime.interleave.time.perf_counter", lambda: clock[0])
+    iv = Interleaver(1.5)  # gap: half a 10 ms decode step
+    iv.by_clock = True
+    table = {0: 0.003, 1: 0.003, 2: 0.003}
+    iv.cost = dict(table)
+    iv.tokens = 200
+    iv.decoded()
+    iv.layer_queued(0)
+    iv.layer_queued(1)
+    assert iv.due(0.010, 2)  # 6 ms queued + half of the next: past 5 ms
+    iv.first_tokens = True
+    assert iv.floored and not iv.due(0.010, 2)  # 6 ms of learned costs, but no time spent
+    iv.queued = [0, 1, 2] * 10  # 90 ms of a long prompt's layer costs queued: not what counts
+    clock[0] += 0.030
+    assert not iv.due(0.010, 0)  # 30 ms spent + half its mean point (0.5 ms): under 50 ms
+    clock[0] += 0.019
+    assert not iv.due(0.001, 0)  # 49 + 0.8 ms, however short the decode step
+    clock[0] += 0.001
+    assert iv.due(0.001, 0) and iv.due(0.030, 0)  # 50 ms spent
+    assert not iv.due(0.100, 0)  # (2 - 1) x a 100 ms decode step: over the 50 ms floor
+    iv.tokens = FIRST_TOKEN_FLOOR_TOKENS + 1  # past it: the learned costs, at FIRST_TOKEN_SLOWDOWN
+    iv.decoded()
+    iv.queued = [0, 1, 2] * 5  # 45 + 1.5 ms, none spent yet
+    assert not iv.floored and iv.due(0.030, 0) and not iv.due(0.050, 0)
+    iv.tokens = FIRST_TOKEN_FLOOR_TOKENS
+    assert not iv.due(0.030, 0)
+    clock[0] += 0.016
+    iv.queued = [0]
+    iv.tokens = 50
+    iv.cycle(0.010)  # 6 ms of layer 0 of a short prompt: not layer 0's cost in a long one
+    assert iv.cost == table
+    iv.by_clock = False  # off: the same cycle teaches it
+    clock[0] += 0.016
+    iv.queued = [0]
+    iv.cycle(0.010)
+    assert iv.cost != table
+
+
 def test_prompts_that_finish_run_before_a_long_chunk_when_decode_steps_interleave():
     a, b, c = (Request(list(range(n)), SamplingOptions(max_tokens=2)) for n in (5, 300, 7))
     ready = [(b, 0, 100), (a, 0, 5), (c, 0, 7)]
@@ -489,14 +533,15 @@ def test_device_costs_time_the_points_between_deferred_steps(eng):
     """With device_costs (on by default with deferred steps: CUDA) a deferred step's cycle is charged the time from the
     previous step's end mark to its own start mark: only the points queued between them (on the
     CPU the marks are host clock readings). The first cycle of each forward stays on the wall
-    clock; the tokens are the same as without."""
+    clock, or with start_marks (off by default) is timed from a mark at the forward's start; the
+    tokens are the same as without."""
     g = torch.Generator().manual_seed(13)
     ps = [torch.randint(5, eng.cfg.vocab_size, (n,), generator=g).tolist() for n in (12, 250)]
     runs = {}
     assert serving(eng, True).device_costs == serving(eng, True).defer_steps  # the default: with deferral (CUDA)
-    for costs in (False, True):
+    for costs, marks in ((False, False), (True, False), (True, True)):
         srv = serving(eng, True)
-        srv.defer_steps, srv.device_costs = True, costs
+        srv.defer_steps, srv.device_costs, srv.start_marks = True, costs, marks
         works, real = [], srv.between.cycle
 
         def spy(decode_s, ran=None, work_s=None, real=real, works=works):
@@ -506,9 +551,42 @@ def test_device_costs_time_the_points_between_deferred_steps(eng):
         out = drive(srv, [greedy(ps[0], 30), greedy(ps[1], 3)], arrive=[0, 2])
         given = [w for w in works if w is not None]
         assert bool(given) == costs and all(w > 0 for w in given)
-        assert len(given) < len(works) or not costs  # each forward's first cycle: the wall clock
-        runs[costs] = [r.output_ids for r in out]
+        assert (len(given) == len(works)) == marks or not costs  # each forward's first cycle: its mark
+        runs[costs, marks] = [r.output_ids for r in out]
+    assert runs[True, True] == runs[True, False] == runs[False, False]
+
+
+def test_a_step_before_an_eagerly_launched_point_waits_for_its_tokens(eng):
+    """wait_before_eager (off by default): a decode step before a point whose prompt work
+    launches eagerly waits for its tokens instead of deferring them. Without prefill graphs
+    (the CPU) every point is eager: no step defers, the tokens are the same; with graphs, the
+    points they do not take (full attention here) are the eager ones."""
+    from types import SimpleNamespace
+    g = torch.Generator().manual_seed(17)
+    ps = [torch.randint(5, eng.cfg.vocab_size, (n,), generator=g).tolist() for n in (12, 250)]
+    runs = {}
+    for wait in (False, True):
+        srv = serving(eng, True)
+        srv.defer_steps, srv.wait_before_eager = True, wait
+        out = drive(srv, [greedy(ps[0], 30), greedy(ps[1], 3)], arrive=[0, 2])
+        assert srv.between.steps > 0 and (srv.deferred_steps == 0) == wait
+        runs[wait] = [r.output_ids for r in out]
     assert runs[True] == runs[False]
+    srv = serving(eng, True)
+    kinds = eng.cfg.layer_types  # Qwen3.5: DeltaNet layers with a full-attention one every fourth
+    att, lin = kinds.index("full_attention"), kinds.index("linear_attention")
+    engine, old = srv.engine, getattr(srv.engine, "prefill_graphs", None)
+    try:
+        engine.prefill_graphs = SimpleNamespace(enabled=True, blocks={"deltanet": [], "moe": []}, buckets=[64])
+        srv.between.cap, srv.between.tokens = 64, 48  # a chunk the graphs take
+        assert srv._eager_point(att) and not srv._eager_point(lin) and not srv._eager_point(att + 0.5)
+        srv.between.tokens = 96  # past their cap: the whole forward is eager
+        assert srv._eager_point(lin) and srv._eager_point(lin + 0.5)
+        srv.between.tokens = 48
+        engine.prefill_graphs.blocks = {"deltanet": []}  # the MoE blocks eager: every point
+        assert srv._eager_point(lin) and srv._eager_point(att + 0.5)
+    finally:
+        engine.prefill_graphs = old
 
 
 def deferred_against_waiting(eng):

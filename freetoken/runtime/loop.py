@@ -134,15 +134,31 @@ class EngineLoop:
         self.defer_steps = engine.device.type == "cuda"
         self._deferred: DeferredStep | None = None
         self.deferred_steps = 0  # telemetry
+        # a step before a point whose prompt work launches eagerly waits for its tokens instead
+        # (off: the A/B, device plan 47). On the H200 most gaps past 2x were the host reaching
+        # the hook after a full-attention layer 12-14 ms after the step before it (ab2's first
+        # row: 7 of 11): that layer's many small launches most likely queue behind the decode
+        # graph's, so its tokens are read only once the device is through nearly all of both.
+        # A waited step drains the queue first (the device then idles while those launch)
+        self.wait_before_eager = False
+        self._step_point: float | None = None  # the point a decode step between layers runs before
         # with deferred steps, learn the prompt's point costs from the device's own clock (the
         # previous step's end to this step's start: exactly the points queued between them)
         # instead of host wall time, which launch stalls inflate (benchmarks/README.md, sixteenth
         # session: the costliest point moved and the chunk sizing swung from run to run). On with
         # deferred steps: in three side-by-side pairs on the H200 (plans 38 and 41, 32k prompt) it
         # held a decoding stream's p99 gap at 1.84/1.91/2.03x its unloaded one against 1.99/2.14/
-        # 2.12x on host time, for a prompt 10-20% slower. The first cycle of a forward stays on
-        # the host's clock (its set-up is part of the gap)
+        # 2.12x on host time, for a prompt 10-20% slower.
         self.device_costs = self.defer_steps
+        # start_marks: a forward's first cycle timed from a mark at the forward's start (and a
+        # step's after a waited step or a jump-in) instead of on the host's clock, which carries
+        # the host's work between forwards (the previous forward's sync and sampling, the
+        # scheduling), charged mostly to layer 3, the costliest-known point of that cycle
+        # (costliest in 28-31 of 37-40 forwards where the chunks collapsed:
+        # interference-full-floor{1,2}-gpu.json, plan 44). Off: not shown to help; with it
+        # layer 3 stayed the costliest in 10-27 forwards of the first rows and the p99 gap
+        # moved by noise only (plan 45: 2.20x mean of six rows against 2.23x in plan 44)
+        self.start_marks = False
         self._prev_step_end = None  # the last deferred step's end mark in the prompt forward in flight
         self._pacer = None  # the overlapped prompt forward's LayerPacer (CUDA)
         # a model that keeps a forward's data in state its layers share cannot run another
@@ -441,7 +457,7 @@ class EngineLoop:
                 kw["mid_layer"] = self.between.mid_layer
             self._prompt_forward = True
             if not nested:
-                self._prev_step_end = None
+                self._prev_step_end = self._work_mark()
             try:
                 if self.overlap is not None and not nested:
                     dec_logits, pre_logits = None, self._prefill_alongside(segs)
@@ -552,7 +568,7 @@ class EngineLoop:
         self.jump_ins += len(ready)
         # its time is not the queued layers' cost: the next cycle measures afresh
         self.between.decoded()
-        self._prev_step_end = None  # nor, on the device's clock, the next step's points
+        self._prev_step_end = self._work_mark()  # nor, on the device's clock, the next step's points
 
     def _between_layers(self, i: float) -> None:
         """The prefill forward's hook before layer i (or at i + 0.5, between layer i's mixer and
@@ -573,24 +589,43 @@ class EngineLoop:
             if rows and self._shared_state and not self.decode.replays(rows[-1].slot + 1):
                 rows = []  # an eager decode forward would overwrite the state the prompt's layers share
             if rows:
-                self.between.running = True
+                self.between.running, self._step_point = True, i
                 try:
                     self._run([], rows)
                 finally:
-                    self.between.running = False
+                    self.between.running, self._step_point = False, None
                 if self._deferred is None:  # a step that waited (not deferrable): timed on the host's clock,
                     self.between.cycle(self._decode_s)
-                    self._prev_step_end = None  # and the next deferred step's span must not reach back past it
+                    self._prev_step_end = self._work_mark()  # and the next deferred step's span starts here
                 else:  # its cycle ends when its tokens are read: the points queued so far are its
                     self._deferred.queued, self.between.queued = self.between.queued, []
         self.between.layer_queued(i)
+
+    def _work_mark(self):
+        """Where the next deferred step's span of prompt work starts (device_costs with
+        start_marks), else None (that span then falls back to the host's clock)."""
+        return mark(self.engine.device) if self.device_costs and self.start_marks else None
 
     def _defer(self, decode: list[Request]) -> bool:
         """Whether this decode step's tokens can wait for the next hook: one between a prompt
         forward's layers (not inside a streamed pass or on the overlap worker) of rows that need
         nothing from the host before their picks (runtime/deferred_step.py)."""
+        if self.wait_before_eager and self._step_point is not None and self._eager_point(self._step_point):
+            return False
         return (self.defer_steps and self.between.running and self._prompt_forward and not self.streamed
                 and self.overlap is None and DeferredStep.eligible(decode, self.record_logits))
+
+    def _eager_point(self, i: float) -> bool:
+        """Whether point i's prompt work in the forward in flight launches eagerly: the whole
+        forward past the prefill graphs' cap (or without them), else the part of layer i they
+        do not take (a full-attention mixer; with MID_LAYER, i + 0.5 is the MLP alone)."""
+        graphs = getattr(self.engine, "prefill_graphs", None)
+        if graphs is None or not graphs.enabled or not self.between.graphed:
+            return True
+        if i != int(i):
+            return "moe" not in graphs.blocks
+        mixer = "deltanet" if self._layer_kinds.get(int(i)) == "linear_attention" else "attention"
+        return mixer not in graphs.blocks or "moe" not in graphs.blocks
 
     def _complete_deferred(self) -> None:
         """Wait for the deferred decode step's tokens (not for the layers queued after it), emit
