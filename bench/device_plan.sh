@@ -45,10 +45,13 @@
 # Xeon's fixed cost per CPU call by part. Call 40: the host's long calls with the larger queues.
 # Call 41: the 32k row with the first-token gap floor and 4x queues by default, host and device costs.
 # Call 42: where the host's long calls come from (Python frames); the 32k row with device costs by default.
-# Call 43: the first loaded row of a process: Triton specializations and pinned host allocations in it.
+# Call 43: the first loaded row of a process, layer events on; the stall filter in a second process.
+# Calls 44-46: a short prompt's forward by its own clock (BY_CLOCK), start marks, and both against
+# fd9e29e's pacing. Calls 47-49 (written for the next session): waiting for steps before eager
+# points, start_marks and BY_CLOCK each alone, the tail points' cycles (TAIL_CYCLES).
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30|31|32|33|34|35|36|37|38|39|40|41|42|43|44|45|46|47|48}
+STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30|31|32|33|34|35|36|37|38|39|40|41|42|43|44|45|46|47|48|49}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -406,7 +409,7 @@ case "$STAGE" in
   step 300 interference-defaults python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
     --layer-events on --settings interleave,interleave-hostcost,interleave --name interference-full-defaults
   ;;
-43) # 480 s, written for the next session (issue 9): the first loaded row of a process, whose chunk
+43) # 510 s, written for the next session (issue 9): the first loaded row of a process, whose chunk
   # sizing collapsed in four of five processes (p99 2.33-2.79x against 1.83-1.99x after it), with
   # each point's device and host time after a decode step (layer_timeline.after_step): is the
   # first row's layer-3 stall device work or device idle while the host is blocked?
@@ -423,7 +426,7 @@ case "$STAGE" in
   # 2x once, with what ran in it
   for n in 1 2 3; do
     step $([ $n = 1 ] && echo 230 || echo 150) interference-floor$n python3 -m bench.interference --full-size \
-      --long 32768 --prefill-graph-tokens 2048 --settings interleave,interleave --name interference-full-floor$n
+      --long 32768 --prefill-graph-tokens 2048 --settings interleave-byclock,interleave-byclock --name interference-full-floor$n
   done
   ;;
 45) # 530 s (issue 9): plan 44 again after each forward's first cycle is timed from a mark at the
@@ -431,16 +434,16 @@ case "$STAGE" in
   # charged mostly to layer 3: costliest in 28-31 of 37-40 forwards, chunks collapsed)
   for n in 1 2 3; do
     step $([ $n = 1 ] && echo 230 || echo 150) interference-startmark$n python3 -m bench.interference --full-size \
-      --long 32768 --prefill-graph-tokens 2048 --settings interleave,interleave --name interference-full-startmark$n
+      --long 32768 --prefill-graph-tokens 2048 --settings interleave-both,interleave-both --name interference-full-startmark$n
   done
   ;;
-46) # 300 s (issue 9): plans 44-45 against fd9e29e's pacing on one machine: two processes of three
+46) # 320 s (issue 9): plans 44-45 against fd9e29e's pacing on one machine: two processes of three
   # 32k rows, alternating (interleave-before: the short forward at the learned costs, each
   # forward's first cycle on the host's clock)
   step 200 interference-ab1 python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
-    --settings interleave-before,interleave,interleave-before --name interference-full-ab1
+    --settings interleave-before,interleave-both,interleave-before --name interference-full-ab1
   step 120 interference-ab2 python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
-    --settings interleave,interleave-before,interleave --name interference-full-ab2
+    --settings interleave-both,interleave-before,interleave-both --name interference-full-ab2
   ;;
 47) # 400 s, written for the next session (issue 9): steps before eagerly launched points waited
   # for (interleave-eagerwait: the loop's wait_before_eager, off by default) and every step waited
@@ -453,14 +456,22 @@ case "$STAGE" in
     --settings interleave,interleave-eagerwait,interleave-wait,interleave --name interference-full-eagerwait2
   ;;
 48) # 330 s, written for the next session (issue 9): the loop's start_marks and interleave.BY_CLOCK
-  # each alone against the defaults (plans 44-46 ran them together: BY_CLOCK brought gaps past 2x
-  # at the forwards' ends in 11 of 14 rows)
+  # each alone against the defaults (start_marks never ran alone; BY_CLOCK, alone in plan 44 and
+  # with start_marks in 45-46, brought gaps past 2x at the forwards' ends in 13 of 15 rows)
   step 200 interference-marks python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
     --settings interleave-startmarks,interleave,interleave-startmarks --name interference-full-startmarks-ab
   step 130 interference-byclock python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
     --settings interleave-byclock,interleave,interleave-byclock --name interference-full-byclock-ab
   ;;
-*) echo "stage 0 to 48"; exit 2 ;;
+49) # 330 s, written for the next session (issue 9): interleave.TAIL_CYCLES (the points after a
+  # forward's last decode step learn their costs at its end; without it they keep the costs they
+  # were first given, at the first chunk's short context) against the default, two processes
+  step 200 interference-tail1 python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
+    --settings interleave-tail,interleave,interleave-tail --name interference-full-tail1
+  step 130 interference-tail2 python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
+    --settings interleave,interleave-tail,interleave --name interference-full-tail2
+  ;;
+*) echo "stage 0 to 49"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)

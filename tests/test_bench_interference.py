@@ -2,7 +2,7 @@
 a prompt forward's start or end, layers only) and the collector's pauses per generation."""
 import torch
 
-from bench.interference import gap_kinds, gc_summary
+from bench.interference import gap_kinds, gc_summary, once_per_step
 
 
 def test_gap_kinds_sorts_each_gap_by_what_lies_inside_it():
@@ -51,3 +51,11 @@ def test_layer_timeline_splits_prompt_work_from_the_hooks():
         assert next(iter(s[kind]["costliest_host_dev_ms"])) == "tail"
         assert s[kind]["after_step"]["1"][0] == 1 and s[kind]["after_step"]["0"][0] == 0
         assert s[kind]["after_step"]["0"][1] is None and s[kind]["after_step"]["0"][2] >= 0.5
+
+
+def test_once_per_step_keeps_one_gap_of_the_streams_of_a_step():
+    """Two streams of one decode step emit their tokens microseconds apart: their gaps count once;
+    a gap of the next step (ending 2 ms later) is kept."""
+    gaps = [(0.0100, 0.0250), (0.01002, 0.02504), (0.0250, 0.0270), (0.02504, 0.02703)]
+    assert once_per_step(gaps) == [(0.0100, 0.0250), (0.0250, 0.0270)]
+    assert once_per_step([]) == []

@@ -556,6 +556,42 @@ def test_device_costs_time_the_points_between_deferred_steps(eng):
     assert runs[True, True] == runs[True, False] == runs[False, False]
 
 
+def test_tail_cycles_teach_the_points_after_a_forwards_last_step(eng):
+    """With tail_cycles (interleave.TAIL_CYCLES, off by default) the points queued after an
+    interleaved forward's last decode step learn their costs at the forward's end, on the host's
+    clock (waited steps, the CPU) or the device's (deferred steps with device_costs: here host
+    marks): every point of a forward with a step in it has a cost from that forward. Without it
+    those points learn nothing in it. The tokens are the same either way."""
+    g = torch.Generator().manual_seed(19)
+    ps = [torch.randint(5, eng.cfg.vocab_size, (n,), generator=g).tolist() for n in (12, 250)]
+    runs = {}
+    for tail, defer in ((False, False), (True, False), (True, True)):
+        srv = serving(eng, True)
+        srv.tail_cycles = tail
+        srv.defer_steps = srv.device_costs = defer
+        iv, seen, missed = srv.between, [], []
+        real_done, real_queued = iv.forward_done, iv.layer_queued
+
+        def queued(i, seen=seen, real=real_queued):
+            seen.append(i)
+            real(i)
+
+        def done(iv=iv, seen=seen, missed=missed, real=real_done):
+            if iv.steps and not iv.first_tokens:  # a long prompt's forward
+                missed.append(sorted(set(seen) - set(iv.this_forward)))
+            seen.clear()
+            real()
+        iv.layer_queued, iv.forward_done = queued, done
+        out = drive(srv, [greedy(ps[0], 40), greedy(ps[1], 3)], arrive=[0, 2])
+        assert missed, "no interleaved forward of the long prompt"
+        if tail:
+            assert all(m == [] for m in missed), missed
+        else:
+            assert any(m for m in missed)  # its last points learned nothing in some forward
+        runs[tail, defer] = [r.output_ids for r in out]
+    assert runs[True, False] == runs[False, False] == runs[True, True]
+
+
 def test_a_step_before_an_eagerly_launched_point_waits_for_its_tokens(eng):
     """wait_before_eager (off by default): a decode step before a point whose prompt work
     launches eagerly waits for its tokens instead of deferring them. Without prefill graphs
@@ -585,6 +621,8 @@ def test_a_step_before_an_eagerly_launched_point_waits_for_its_tokens(eng):
         srv.between.tokens = 48
         engine.prefill_graphs.blocks = {"deltanet": []}  # the MoE blocks eager: every point
         assert srv._eager_point(lin) and srv._eager_point(att + 0.5)
+        srv.between.mid_layer = True  # point i is then the mixer alone
+        assert not srv._eager_point(lin) and srv._eager_point(lin + 0.5) and srv._eager_point(att)
     finally:
         engine.prefill_graphs = old
 

@@ -66,12 +66,15 @@ MIN_PREFILL = 32  # prompt tokens a step takes at least, whatever the latency bu
 # BY_CLOCK: such a forward (up to FIRST_TOKEN_FLOOR_TOKENS) judged by the time it has taken since
 # the last decode step, teaching no layer costs, instead of at the learned costs against the floor.
 # Off: on the H200 (plans 43-46, 23 rows of a 32k prompt) it ran the 200-token forward whole (one
-# gap of 44-48 ms per stream against two of 25-31 and 15-21) and took the short request's TTFT
+# gap of 44-54 ms per stream against two of 25-31 and 15-21) and took the short request's TTFT
 # from 1.15-1.39x to 0.87-1.08x its idle one, both far within the 3x target; but gaps past 2x at
-# the long prompt's forward ends (12.3-12.5 ms: the last layers, the tail and a decode step)
+# the long prompt's forward ends (11.3-16.1 ms: the last layers, the tail and a decode step)
 # appeared in 13 of 15 rows with it against 0 of 8 without, and 1 of its 15 rows had the p99 gap
 # under 2x against 3 of 8 (benchmarks/README.md, eighteenth session). Why is not known yet.
 BY_CLOCK = False
+# TAIL_CYCLES: the points after a forward's last decode step learn their costs at the forward's end
+# (Interleaver.tail); off until measured on the H200 (device plan 48)
+TAIL_CYCLES = False
 FIRST_TOKEN_SLOWDOWN = 2.0
 FIRST_TOKEN_GAP_S = 0.050
 FIRST_TOKEN_FLOOR_TOKENS = 512
@@ -377,7 +380,7 @@ class Interleaver:
             # H200 at 2,048 tokens against ~0.9 ms here), which split a 200-token forward at
             # layer 24 of 40: the streams waited twice (30 and 21 ms) where once would do
             # (interference-full-firstrow-events-gpu.json, plan 43). By its clock it ran whole
-            # (one 44-48 ms gap) and the short request's TTFT was 0.98-1.01x idle against
+            # (one 44-54 ms gap) and the short request's TTFT was 0.98-1.01x idle against
             # 1.30-1.35x in the same processes (interference-full-ab{1,2}-gpu.json, plan 46)
             gap = max((max(self.slowdown, FIRST_TOKEN_SLOWDOWN) - 1) * decode_s, FIRST_TOKEN_GAP_S)
             spent = time.perf_counter() - self.last_decode
@@ -411,20 +414,38 @@ class Interleaver:
         time as the device measured it (the loop's device_costs), instead of the cycle's wall
         time less the decode step's."""
         points = self.queued if ran is None else ran
-        # a floored forward's points are a short prompt's at its own context: averaged into the
-        # table they would have the long prompt's next chunk queue more per step than fits
-        if self.last_decode is not None and points and not self.floored:
-            total = max(0.0, time.perf_counter() - self.last_decode - decode_s) if work_s is None else work_s
-            known = [self._cost(j) for j in points]
-            weights = known if all(k for k in known) else [1.0] * len(known)
-            for j, wj in zip(points, weights):
-                v = total * wj / sum(weights)
-                self.cost[j] = v if j not in self.cost else (1 - EMA) * self.cost[j] + EMA * v
-                self.this_forward[j] = v
+        if self.last_decode is not None and points:
+            self._learn(points, max(0.0, time.perf_counter() - self.last_decode - decode_s) if work_s is None
+                        else work_s)
         self.steps += 1
         after = [] if ran is None else self.queued
         self.decoded()
         self.queued = after
+
+    def tail(self, work_s: float | None = None) -> None:
+        """The forward in flight ended: the points queued since its last decode step (its last
+        layers) learn from the time since that step too (work_s: on the device's clock; else the
+        host's, where that step waited for its tokens). Without it they learn only in forwards
+        whose last step comes after them: where it seldom does, the costs they were first given
+        (at the first chunk's short context) stay while their real ones grow with the context,
+        and the forwards' last gaps run long (TAIL_CYCLES)."""
+        if self.last_decode is not None and self.queued:
+            self._learn(self.queued, time.perf_counter() - self.last_decode if work_s is None else work_s)
+        self.queued = []
+
+    def _learn(self, points: list, total: float) -> None:
+        """The points' share of `total` seconds, in proportion to what they are known to cost
+        (equally while any is unknown), into the cost table and this forward's points."""
+        # a floored forward's points are a short prompt's at its own context: averaged into the
+        # table they would have the long prompt's next chunk queue more per step than fits
+        if self.floored:
+            return
+        known = [self._cost(j) for j in points]
+        weights = known if all(k for k in known) else [1.0] * len(known)
+        for j, wj in zip(points, weights):
+            v = total * wj / sum(weights)
+            self.cost[j] = v if j not in self.cost else (1 - EMA) * self.cost[j] + EMA * v
+            self.this_forward[j] = v
 
     def forward_done(self) -> None:
         """The prompt forward in flight ended: its costliest layer (as the cycles inside it

@@ -26,7 +26,7 @@ from .budget import plan_memory
 from .decode_runner import DecodeRunner
 from .gcwatch import GcWatch
 from .grammar import GrammarRunner
-from .interleave import GAP_CEILING, MIN_PREFILL, CostModel, Interleaver, affine_fit
+from .interleave import GAP_CEILING, MIN_PREFILL, TAIL_CYCLES, CostModel, Interleaver, affine_fit
 from .overlap import DecodeOverlap, LayerPacer, eligible as overlap_eligible
 from .request import Request, TokenEvent
 from .deferred_step import DeferredStep, mark
@@ -136,8 +136,8 @@ class EngineLoop:
         self.deferred_steps = 0  # telemetry
         # a step before a point whose prompt work launches eagerly waits for its tokens instead
         # (off: the A/B, device plan 47). On the H200 most gaps past 2x were the host reaching
-        # the hook after a full-attention layer 12-14 ms after the step before it (ab2's first
-        # row: 7 of 11): that layer's many small launches most likely queue behind the decode
+        # the hook after a full-attention layer 12-15 ms after the step before it (ab2's first
+        # row: 8 of 12): that layer's many small launches most likely queue behind the decode
         # graph's, so its tokens are read only once the device is through nearly all of both.
         # A waited step drains the queue first (the device then idles while those launch)
         self.wait_before_eager = False
@@ -159,6 +159,8 @@ class EngineLoop:
         # layer 3 stayed the costliest in 10-27 forwards of the first rows and the p99 gap
         # moved by noise only (plan 45: 2.20x mean of six rows against 2.23x in plan 44)
         self.start_marks = False
+        self.tail_cycles = TAIL_CYCLES  # a forward's last points learn at its end (Interleaver.tail)
+        self._tail_on_host = True  # the host's clock times the points since the last step (it waited)
         self._prev_step_end = None  # the last deferred step's end mark in the prompt forward in flight
         self._pacer = None  # the overlapped prompt forward's LayerPacer (CUDA)
         # a model that keeps a forward's data in state its layers share cannot run another
@@ -457,7 +459,7 @@ class EngineLoop:
                 kw["mid_layer"] = self.between.mid_layer
             self._prompt_forward = True
             if not nested:
-                self._prev_step_end = self._work_mark()
+                self._prev_step_end, self._tail_on_host = self._work_mark(), True
             try:
                 if self.overlap is not None and not nested:
                     dec_logits, pre_logits = None, self._prefill_alongside(segs)
@@ -466,6 +468,8 @@ class EngineLoop:
                     dec_logits, pre_logits = None, eng.prefill_batch(self.state, segs, **kw)
                     self._complete_deferred()  # a step after the last layer's hook
                     if kw:
+                        if self.tail_cycles:
+                            self._close_tail()
                         self.between.forward_done()
             finally:
                 self._complete_deferred()  # a forward that failed: the step's rows still get their tokens
@@ -596,10 +600,27 @@ class EngineLoop:
                     self.between.running, self._step_point = False, None
                 if self._deferred is None:  # a step that waited (not deferrable): timed on the host's clock,
                     self.between.cycle(self._decode_s)
-                    self._prev_step_end = self._work_mark()  # and the next deferred step's span starts here
+                    self._tail_on_host = True
+                    # the next deferred step's span starts here: the host has just waited for the
+                    # device, so a mark is exact (with wait_before_eager most steps are such)
+                    self._prev_step_end = mark(self.engine.device) if self.device_costs else None
                 else:  # its cycle ends when its tokens are read: the points queued so far are its
                     self._deferred.queued, self.between.queued = self.between.queued, []
         self.between.layer_queued(i)
+
+    def _close_tail(self) -> None:
+        """The interleaved forward's points after its last decode step learn their costs
+        (Interleaver.tail): on the device's clock from that step's end mark (waiting for the
+        forward's end, which the loop does next anyway), else on the host's where the last step
+        waited and each op runs as it is called (the CPU); not where neither clock times them."""
+        if not self.between.queued:
+            return
+        if self._prev_step_end is not None:
+            end = mark(self.engine.device)
+            end.synchronize()
+            self.between.tail(self._prev_step_end.elapsed_time(end) / 1e3)
+        elif self._tail_on_host and self.engine.device.type != "cuda":
+            self.between.tail()
 
     def _work_mark(self):
         """Where the next deferred step's span of prompt work starts (device_costs with
@@ -609,7 +630,8 @@ class EngineLoop:
     def _defer(self, decode: list[Request]) -> bool:
         """Whether this decode step's tokens can wait for the next hook: one between a prompt
         forward's layers (not inside a streamed pass or on the overlap worker) of rows that need
-        nothing from the host before their picks (runtime/deferred_step.py)."""
+        nothing from the host before their picks (runtime/deferred_step.py), and with
+        wait_before_eager not before a point whose prompt work launches eagerly."""
         if self.wait_before_eager and self._step_point is not None and self._eager_point(self._step_point):
             return False
         return (self.defer_steps and self.between.running and self._prompt_forward and not self.streamed
@@ -625,7 +647,8 @@ class EngineLoop:
         if i != int(i):
             return "moe" not in graphs.blocks
         mixer = "deltanet" if self._layer_kinds.get(int(i)) == "linear_attention" else "attention"
-        return mixer not in graphs.blocks or "moe" not in graphs.blocks
+        # with MID_LAYER the point is the mixer alone (its MLP is point i + 0.5)
+        return mixer not in graphs.blocks or ("moe" not in graphs.blocks and not self.between.mid_layer)
 
     def _complete_deferred(self) -> None:
         """Wait for the deferred decode step's tokens (not for the layers queued after it), emit
@@ -651,7 +674,7 @@ class EngineLoop:
         for r in d.reqs:
             r.computed += 1
             self._guarded([r], self._accept, r, host[r.slot] if host is not None else None, picks.get(r.id), None)
-        work = None
+        work, self._tail_on_host = None, False
         if d.start is not None and self._prev_step_end is not None:  # device_costs: the device's clock
             work = self._prev_step_end.elapsed_time(d.start) / 1e3
         self._prev_step_end = d.event if d.start is not None else None
