@@ -48,10 +48,11 @@
 # Call 43: the first loaded row of a process, layer events on; the stall filter in a second process.
 # Calls 44-46: a short prompt's forward by its own clock (BY_CLOCK), start marks, and both against
 # fd9e29e's pacing. Calls 47-49 (written for the next session): waiting for steps before eager
-# points, start_marks and BY_CLOCK each alone, the tail points' cycles (TAIL_CYCLES).
+# points, start_marks and BY_CLOCK each alone, the tail points' cycles (TAIL_CYCLES). Call 50:
+# the CPU executor at 15 threads beside 16 and 6, each row routed afresh.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30|31|32|33|34|35|36|37|38|39|40|41|42|43|44|45|46|47|48|49}
+STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30|31|32|33|34|35|36|37|38|39|40|41|42|43|44|45|46|47|48|49|50}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -471,7 +472,18 @@ case "$STAGE" in
   step 130 interference-tail2 python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
     --settings interleave,interleave-tail,interleave --name interference-full-tail2
   ;;
-*) echo "stage 0 to 49"; exit 2 ;;
+50) # ~100 s (limits 480), written for the next session (issue 12): the batch-1 rows at 16 threads were disturbed
+  # in every call (13-16 GB/s against 67-92 at batch 4): 15 threads beside 16 and 6, each row
+  # routed afresh (the VNNI-only int8 kernel against the VBMI one without the L3 carry-over)
+  step 120 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
+  for f in mxfp4 nvfp4; do
+    for t in 6 15 16; do
+      step 60 "threads-$f-t$t" python3 -m bench.cpu_experts --format $f --experts 512 --threads $t \
+        --batches 1,4 --iters 20 --name "cpu_experts-$f-fresh-t$t"
+    done
+  done
+  ;;
+*) echo "stage 0 to 50"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)
