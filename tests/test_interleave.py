@@ -565,31 +565,53 @@ def test_tail_cycles_teach_the_points_after_a_forwards_last_step(eng):
     g = torch.Generator().manual_seed(19)
     ps = [torch.randint(5, eng.cfg.vocab_size, (n,), generator=g).tolist() for n in (12, 250)]
     runs = {}
+    import time
     for tail, defer in ((False, False), (True, False), (True, True)):
         srv = serving(eng, True)
         srv.tail_cycles = tail
         srv.defer_steps = srv.device_costs = defer
-        iv, seen, missed = srv.between, [], []
-        real_done, real_queued = iv.forward_done, iv.layer_queued
+        iv, seen, missed, spans = srv.between, [], [], []
+        real_done, real_queued, real_prefill = iv.forward_done, iv.layer_queued, srv.engine.prefill_batch
+        at_start = {}
 
         def queued(i, seen=seen, real=real_queued):
             seen.append(i)
             real(i)
 
-        def done(iv=iv, seen=seen, missed=missed, real=real_done):
-            if iv.steps and not iv.first_tokens:  # a long prompt's forward
+        def prefill(*a, at_start=at_start, real=real_prefill, iv=iv, **kw):
+            at_start.update(t=time.perf_counter(), steps=iv.steps)
+            return real(*a, **kw)
+
+        def done(iv=iv, seen=seen, missed=missed, real=real_done, at_start=at_start, spans=spans):
+            if iv.steps > at_start["steps"] and not iv.first_tokens:  # a long prompt's forward with a step
                 missed.append(sorted(set(seen) - set(iv.this_forward)))
+                # what its points learned is time inside it (a first cycle also holds the host's
+                # work since the step before the forward: milliseconds here)
+                spans.append(sum(iv.this_forward.values()) - (time.perf_counter() - at_start["t"]))
             seen.clear()
             real()
-        iv.layer_queued, iv.forward_done = queued, done
-        out = drive(srv, [greedy(ps[0], 40), greedy(ps[1], 3)], arrive=[0, 2])
+        iv.layer_queued, iv.forward_done, srv.engine.prefill_batch = queued, done, prefill
+        try:
+            out = drive(srv, [greedy(ps[0], 40), greedy(ps[1], 3)], arrive=[0, 2])
+        finally:
+            del srv.engine.prefill_batch  # the engine is the module's: its own method again
         assert missed, "no interleaved forward of the long prompt"
+        assert max(spans) < 0.05, spans
         if tail:
             assert all(m == [] for m in missed), missed
         else:
             assert any(m for m in missed)  # its last points learned nothing in some forward
         runs[tail, defer] = [r.output_ids for r in out]
     assert runs[True, False] == runs[False, False] == runs[True, True]
+    # a forward with no decode step in it (no stream decoding) learns nothing at its end: the
+    # host's time since the last decode step holds the server's idle time
+    srv = serving(eng, True)
+    srv.tail_cycles = True
+    drive(srv, [greedy(ps[0], 4)])
+    table, samples = dict(srv.between.cost), len(srv.between.samples)
+    time.sleep(0.3)
+    drive(srv, [greedy(ps[1], 2)])
+    assert srv.between.cost == table and len(srv.between.samples) == samples
 
 
 def test_a_step_before_an_eagerly_launched_point_waits_for_its_tokens(eng):

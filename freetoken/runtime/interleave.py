@@ -294,6 +294,7 @@ class Interleaver:
         """slowdown: --decode-slowdown (>= 1; 0 turns interleaving off)."""
         self.slowdown = slowdown
         self.last_decode: float | None = None  # perf_counter at the end of the last decode step
+        self.learn_from: float | None = None  # where a host-clock cycle's span starts (decoded(), tail())
         self.queued: list[int] = []  # indices of the layers queued since then
         # seconds of prompt work of layer i (EMA): layers differ (full attention reads the whole
         # context, a DeltaNet layer does not). Two tables where prefill graphs run (`cap`): a layer
@@ -369,6 +370,7 @@ class Interleaver:
     def decoded(self) -> None:
         """A decode step (plain or between layers) just ended."""
         self.last_decode, self.queued = time.perf_counter(), []
+        self.learn_from = self.last_decode  # where a host-clock cycle's span starts (tail() moves it)
 
     def due(self, decode_s: float | None, i: float = 0) -> bool:
         """Before point i (layer i, or i + 0.5: its MLP after its mixer): is a decode step due?
@@ -415,7 +417,7 @@ class Interleaver:
         time less the decode step's."""
         points = self.queued if ran is None else ran
         if self.last_decode is not None and points:
-            self._learn(points, max(0.0, time.perf_counter() - self.last_decode - decode_s) if work_s is None
+            self._learn(points, max(0.0, time.perf_counter() - self.learn_from - decode_s) if work_s is None
                         else work_s)
         self.steps += 1
         after = [] if ran is None else self.queued
@@ -430,8 +432,9 @@ class Interleaver:
         (at the first chunk's short context) stay while their real ones grow with the context,
         and the forwards' last gaps run long (TAIL_CYCLES)."""
         if self.last_decode is not None and self.queued:
-            self._learn(self.queued, time.perf_counter() - self.last_decode if work_s is None else work_s)
-        self.queued = []
+            self._learn(self.queued, time.perf_counter() - self.learn_from if work_s is None else work_s)
+        # the next cycle's host-clock span starts here (its streams' gap, for due(), still at the last step)
+        self.queued, self.learn_from = [], time.perf_counter()
 
     def _learn(self, points: list, total: float) -> None:
         """The points' share of `total` seconds, in proportion to what they are known to cost

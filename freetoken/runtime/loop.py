@@ -160,7 +160,7 @@ class EngineLoop:
         # moved by noise only (plan 45: 2.20x mean of six rows against 2.23x in plan 44)
         self.start_marks = False
         self.tail_cycles = TAIL_CYCLES  # a forward's last points learn at its end (Interleaver.tail)
-        self._tail_on_host = True  # the host's clock times the points since the last step (it waited)
+        self._tail_on_host = False  # the host's clock times the points since the last step (one in this forward, waited)
         self._prev_step_end = None  # the last deferred step's end mark in the prompt forward in flight
         self._pacer = None  # the overlapped prompt forward's LayerPacer (CUDA)
         # a model that keeps a forward's data in state its layers share cannot run another
@@ -459,7 +459,7 @@ class EngineLoop:
                 kw["mid_layer"] = self.between.mid_layer
             self._prompt_forward = True
             if not nested:
-                self._prev_step_end, self._tail_on_host = self._work_mark(), True
+                self._prev_step_end, self._tail_on_host = self._work_mark(), False
             try:
                 if self.overlap is not None and not nested:
                     dec_logits, pre_logits = None, self._prefill_alongside(segs)
@@ -612,7 +612,9 @@ class EngineLoop:
         """The interleaved forward's points after its last decode step learn their costs
         (Interleaver.tail): on the device's clock from that step's end mark (waiting for the
         forward's end, which the loop does next anyway), else on the host's where the last step
-        waited and each op runs as it is called (the CPU); not where neither clock times them."""
+        waited inside this forward and each op runs as it is called (the CPU); not where neither
+        clock times them (a forward without a step: the host's time since the last decode step
+        can hold idle time and earlier forwards)."""
         if not self.between.queued:
             return
         if self._prev_step_end is not None:
@@ -666,7 +668,7 @@ class EngineLoop:
             for r in d.reqs:
                 if r.finished_at is None:
                     self._finish(r, "error", error=f"{type(e).__name__}: {e}")
-            self._prev_step_end = None
+            self._prev_step_end, self._tail_on_host = None, False
             self.between.cycle(self._decode_s, d.queued)
             return
         if self.metrics:
