@@ -47,44 +47,44 @@ from freetoken.runtime.overlap import DecodeOverlap, eligible
 from freetoken.runtime.request import Request, SamplingOptions
 from freetoken.runtime.serving import ServingEngine
 
+def interleaved(**kw) -> dict:
+    """A setting with decode steps between the prompt's layers (the loop's default scheduling), and kw."""
+    return {"order": "shortest", "step_tokens": 0, "slowdown": None, "interleave": True, **kw}
+
+
 SETTINGS = {
     "one-chunk": dict(order="arrival", step_tokens=None, slowdown=0.0, interleave=False),
     "budget": dict(order="shortest", step_tokens=0, slowdown=None, interleave=False),
-    "interleave": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True),
+    "interleave": interleaved(),
     # decode steps before whole layers only, and also between each layer's mixer and MLP (interleave.MID_LAYER)
-    "interleave-layers": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True, mid_layer=False),
-    "interleave-halves": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True, mid_layer=True),
+    "interleave-layers": interleaved(mid_layer=False),
+    "interleave-halves": interleaved(mid_layer=True),
     # the interleave with each decode step's tokens waited for at once (no deferral: the A/B of
     # runtime/deferred_step.py, which is on by default on CUDA)
-    "interleave-wait": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True, defer=False),
+    "interleave-wait": interleaved(defer=False),
     # deferred steps with the point costs learned on the device's clock (the loop's device_costs,
     # its default with deferred steps) and on the host's (the A/B)
-    "interleave-devcost": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True, device_costs=True),
+    "interleave-devcost": interleaved(device_costs=True),
     # a lower target gap (the engine's --decode-slowdown): how much p99 margin it buys, at what prompt rate
-    "interleave-s1.4": dict(order="shortest", step_tokens=0, slowdown=1.4, interleave=True),
+    "interleave-s1.4": interleaved(slowdown=1.4),
     # the forward's sample without a point far above its kind's others (interleave.STALL_FILTER)
-    "interleave-nostall": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True, stall_filter=True),
+    "interleave-nostall": interleaved(stall_filter=True),
     # fd9e29e's pacing, the defaults again since (the A/B of plan 46): a short prompt's forward at
     # the learned costs against the 50 ms floor, each forward's first cycle on the host's clock.
     # The files of plans 44-46 name "interleave" what was then the default: interleave.BY_CLOCK on
     # (44-46) and the loop's start_marks on (45-46), now interleave-byclock and interleave-both
-    "interleave-before": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True, by_clock=False,
-                              start_marks=False),
-    "interleave-byclock": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True, by_clock=True),
-    "interleave-startmarks": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True, start_marks=True),
-    "interleave-both": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True, by_clock=True,
-                            start_marks=True),
+    "interleave-before": interleaved(by_clock=False, start_marks=False),
+    "interleave-byclock": interleaved(by_clock=True),
+    "interleave-startmarks": interleaved(start_marks=True),
+    "interleave-both": interleaved(by_clock=True, start_marks=True),
     # a decode step before an eagerly launched point waits for its tokens (the loop's wait_before_eager)
-    "interleave-eagerwait": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True,
-                                 wait_before_eager=True),
+    "interleave-eagerwait": interleaved(wait_before_eager=True),
     # the points after a forward's last decode step learn at its end (interleave.TAIL_CYCLES)
-    "interleave-tail": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True, tail_cycles=True),
-    "interleave-hostcost": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True, device_costs=False),
-    "interleave-halves-wait": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True, mid_layer=True,
-                                   defer=False),
+    "interleave-tail": interleaved(tail_cycles=True),
+    "interleave-hostcost": interleaved(device_costs=False),
+    "interleave-halves-wait": interleaved(mid_layer=True, defer=False),
     # the interleave with the prompt chunks' MoE blocks eager (no prefill graphs: runtime/prefill_graphs.py)
-    "interleave-eager-moe": dict(order="shortest", step_tokens=0, slowdown=None, interleave=True,
-                                 prefill_graphs=False),
+    "interleave-eager-moe": interleaved(prefill_graphs=False),
     "overlap": dict(order="shortest", step_tokens=0, slowdown=None, interleave=False, overlap=True),
     # the overlap with Python's default 5 ms GIL switch interval (DecodeOverlap.SWITCH_S's reason)
     "overlap-gil5ms": dict(order="shortest", step_tokens=0, slowdown=None, interleave=False, overlap=True,
