@@ -50,9 +50,10 @@
 # fd9e29e's pacing. Calls 47-49 (written for the next session): waiting for steps before eager
 # points, start_marks and BY_CLOCK each alone, the tail points' cycles (TAIL_CYCLES). Call 50:
 # the CPU executor at 15 threads beside 16 and 6, each row routed afresh.
+# Call 51: the polled overlap (decode graphs on a high-priority stream from the loop's thread).
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30|31|32|33|34|35|36|37|38|39|40|41|42|43|44|45|46|47|48|49|50}
+STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30|31|32|33|34|35|36|37|38|39|40|41|42|43|44|45|46|47|48|49|50|51}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -483,7 +484,16 @@ case "$STAGE" in
     done
   done
   ;;
-*) echo "stage 0 to 50"; exit 2 ;;
+51) # 520 s (issue 9): the polled overlap (DecodeOverlap.POLLED: decode graphs on the high-priority
+  # stream launched from the loop's thread at the prompt's hooks and LayerPacer's waits, spaced by
+  # --decode-slowdown; overlap-b2b back to back) against the interleave (plans 47 and 49: 2.0-2.9x
+  # in first rows, the host held 12-15 ms in layer 3 behind a decode graph on the same stream)
+  FT_TAG=plan51 FT_PER_FILE=150 FT_K=cuda bash bench/device_tests.sh tests/test_overlap.py > /dev/null
+  I="python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048"
+  step 300 interference-polled1 $I --settings overlap,interleave,overlap-b2b,overlap --name interference-full-polled1
+  step 160 interference-polled2 $I --settings interleave,overlap,overlap-b2b --name interference-full-polled2
+  ;;
+*) echo "stage 0 to 51"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)

@@ -85,9 +85,15 @@ SETTINGS = {
     "interleave-halves-wait": interleaved(mid_layer=True, defer=False),
     # the interleave with the prompt chunks' MoE blocks eager (no prefill graphs: runtime/prefill_graphs.py)
     "interleave-eager-moe": interleaved(prefill_graphs=False),
+    # DecodeOverlap.POLLED (the default): steps launched from the loop's thread, spaced by --decode-slowdown
     "overlap": dict(order="shortest", step_tokens=0, slowdown=None, interleave=False, overlap=True),
+    # the same back to back (each step launched as soon as the last one's tokens are out)
+    "overlap-b2b": dict(order="shortest", step_tokens=0, slowdown=0.0, interleave=False, overlap=True),
+    # the worker thread stepping back to back (before POLLED)
+    "overlap-worker": dict(order="shortest", step_tokens=0, slowdown=None, interleave=False, overlap=True,
+                           polled=False),
     # the overlap with Python's default 5 ms GIL switch interval (DecodeOverlap.SWITCH_S's reason)
-    "overlap-gil5ms": dict(order="shortest", step_tokens=0, slowdown=None, interleave=False, overlap=True,
+    "overlap-gil5ms": dict(order="shortest", step_tokens=0, slowdown=None, interleave=False, overlap=True, polled=False,
                            switch_s=None),
 }
 
@@ -119,6 +125,17 @@ class Stamped(ServingEngine):
 
     def _alongside_layers(self, i):  # the overlapped prompt forward's layers
         self._hook(i, super()._alongside_layers, steps=False)
+
+    def _side_poll(self):  # the polled overlap: its launches and emits in the anatomy
+        before = self._side
+        super()._side_poll()
+        if self._side is not None and self._side is not before:
+            self.events.append((time.perf_counter(), f"side-decode{len(self._side.reqs)}"))
+
+    def _emit_step(self, d):
+        ok = super()._emit_step(d)
+        self.events.append((time.perf_counter(), f"end-decode{len(d.reqs)}"))
+        return ok
 
     def _forward(self, group, decode, captures):
         kind = f"prompt{sum(e - s for _, s, e in group)}" if group else f"decode{len(decode)}"
@@ -357,7 +374,8 @@ def run_setting(eng, name: str, a) -> dict:
         why = eligible(eng, srv.decode)
         if why is not None:
             return {"setting": name, "skipped": why}
-        srv.overlap, srv.mixed = DecodeOverlap(eng.device, s.get("switch_s", DecodeOverlap.SWITCH_S)), False
+        srv.overlap = DecodeOverlap(eng.device, s.get("switch_s", DecodeOverlap.SWITCH_S), s.get("polled"))
+        srv.mixed = False
     vocab = eng.cfg.vocab_size
     opts = lambda n: SamplingOptions(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
 
@@ -429,6 +447,7 @@ def run_setting(eng, name: str, a) -> dict:
            "by_clock": srv.between.by_clock, "start_marks": srv.start_marks,
            "wait_before_eager": srv.wait_before_eager, "tail_cycles": srv.tail_cycles,
            "decode_steps_alongside_prompts": srv.overlap.steps if srv.overlap is not None else 0,
+           "overlap_polled": srv.overlap.polled if srv.overlap is not None else None,
            "prompts_between_layers": srv.jump_ins,
            "prompt_ms_per_layer": ms(srv.between.per_layer),
            "unloaded_gap_p50_ms": ms(quantile(unloaded, 0.5)), "unloaded_gap_p99_ms": ms(quantile(unloaded, 0.99)),

@@ -163,6 +163,8 @@ class EngineLoop:
         self._tail_on_host = False  # the host's clock times the points since the last step (one in this forward, waited)
         self._prev_step_end = None  # the last deferred step's end mark in the prompt forward in flight
         self._pacer = None  # the overlapped prompt forward's LayerPacer (CUDA)
+        self._side: DeferredStep | None = None  # the polled overlap's decode step in flight
+        self._side_last = None  # when the polled overlap launched its last step (perf_counter)
         # a model that keeps a forward's data in state its layers share cannot run another
         # forward's Python between a forward's layers (a jump-in, an eager decode step)
         self._shared_state = bool(getattr(engine.model, "per_forward_state", False))
@@ -658,6 +660,19 @@ class EngineLoop:
         d, self._deferred = self._deferred, None
         if d is None:
             return
+        if not self._emit_step(d):
+            self._prev_step_end, self._tail_on_host = None, False
+            self.between.cycle(self._decode_s, d.queued)
+            return
+        work, self._tail_on_host = None, False
+        if d.start is not None and self._prev_step_end is not None:  # device_costs: the device's clock
+            work = self._prev_step_end.elapsed_time(d.start) / 1e3
+        self._prev_step_end = d.event if d.start is not None else None
+        self.between.cycle(self._decode_s, d.queued, work)
+
+    def _emit_step(self, d: DeferredStep) -> bool:
+        """Wait for a deferred decode step's tokens and emit them; False if it failed (its
+        rows failed, as a decode step's are)."""
         try:
             picks, host = d.wait()
             check = getattr(self.engine.executor, "check_branch", None)
@@ -668,25 +683,21 @@ class EngineLoop:
             for r in d.reqs:
                 if r.finished_at is None:
                     self._finish(r, "error", error=f"{type(e).__name__}: {e}")
-            self._prev_step_end, self._tail_on_host = None, False
-            self.between.cycle(self._decode_s, d.queued)
-            return
+            return False
         if self.metrics:
             self.metrics.decode_step(len(d.reqs), time.perf_counter() - d.t0)
         for r in d.reqs:
             r.computed += 1
             self._guarded([r], self._accept, r, host[r.slot] if host is not None else None, picks.get(r.id), None)
-        work, self._tail_on_host = None, False
-        if d.start is not None and self._prev_step_end is not None:  # device_costs: the device's clock
-            work = self._prev_step_end.elapsed_time(d.start) / 1e3
-        self._prev_step_end = d.event if d.start is not None else None
-        self.between.cycle(self._decode_s, d.queued, work)
+        return True
 
     def _prefill_alongside(self, segs):
         """The prompt forward with the decoding streams stepping on the worker meanwhile, until
         the prompt's work is done on the device (runtime/overlap.py); requests that finished
         on the worker are finished here, after it."""
         ov = self.overlap
+        if ov.polled:
+            return self._prefill_polled(segs)
         # on CUDA the hooks must come as the device reaches each layer, not as the host queues it
         self._pacer = LayerPacer(self.engine.device) if self.engine.device.type == "cuda" else None
         try:
@@ -700,6 +711,82 @@ class EngineLoop:
                 self._finish(*args)
         return logits
 
+    def _prefill_polled(self, segs):
+        """The prompt forward with the decoding streams stepping on the high-priority stream,
+        launched and emitted from this thread (DecodeOverlap.POLLED): at each layer's hook and
+        while LayerPacer holds the host two layers ahead of the device, then until the
+        forward's work is done. Requests that finished in a step are finished after it."""
+        ov, dev = self.overlap, self.engine.device
+        cuda = dev.type == "cuda"
+        self._pacer = LayerPacer(dev, idle=self._side_poll) if cuda else None
+        if ov.stream is not None:
+            ov.stream.wait_stream(torch.cuda.current_stream(dev))  # what came before
+        self._side_last = None
+        try:
+            logits = self.engine.prefill_batch(self.state, segs, between=self._alongside_layers)
+            if cuda:  # the forward's last layers and logits: the streams keep stepping meanwhile
+                end = torch.cuda.Event()
+                end.record(torch.cuda.current_stream(dev))
+                self._pacer.wait(end)
+        finally:
+            try:
+                self._side_drain()
+            finally:
+                if ov.stream is not None:
+                    torch.cuda.current_stream(dev).wait_stream(ov.stream)  # what comes after
+                done, ov.deferred = ov.deferred, []
+                for args in done:
+                    self._finish(*args)
+        return logits
+
+    def _side_poll(self) -> None:
+        """The polled overlap: emit the step in flight once the device has run it; launch the
+        next when the last launched at least --decode-slowdown plain decode steps ago (back
+        to back with --decode-slowdown 0). Each step is the worker's would be (as_worker)."""
+        ov = self.overlap
+        d = self._side
+        if d is not None:
+            if not d.event.query():
+                return
+            self._side = None
+            with ov.as_worker():
+                self._emit_step(d)
+        now = time.perf_counter()
+        gap = self.slowdown * self._decode_s if self.slowdown and self._decode_s is not None else 0.0
+        if self._side_last is not None and now - self._side_last < gap:
+            return
+        held = {id(r) for r, _, _ in ov.deferred}
+        with self._lock:
+            rows = [r for r in self.sched.running.values()
+                    if not r.prefilling and not r.cancelled and r.finished_at is None and r.slot is not None
+                    and id(r) not in held]
+        if not rows:
+            return
+        with ov.as_worker():  # the rows' new pages and their block-table rows on the step's stream
+            rows = sorted((r for r in rows if self._grow_now(r)), key=lambda r: r.slot)
+            if not rows:
+                return
+            self._side_last = now
+            ov.steps += 1
+            if not DeferredStep.eligible(rows, self.record_logits):
+                self._run([], rows)  # rows the host must see first (grammar masks): it waits for its stream
+                return
+            try:
+                logits = self.decode(*self._decode_rows(rows))  # [>= n, V] on the device
+                self._side = DeferredStep.launch(rows, logits, now)
+            except Exception as e:  # noqa: BLE001 - the rows fail, as a decode step's do
+                log.exception("engine step failed for request(s) %s", [r.id for r in rows])
+                for r in rows:
+                    if r.finished_at is None:
+                        self._finish(r, "error", error=f"{type(e).__name__}: {e}")
+
+    def _side_drain(self) -> None:
+        """The polled overlap's step in flight, emitted (the prompt forward's end or failure)."""
+        d, self._side = self._side, None
+        if d is not None:
+            with self.overlap.as_worker():
+                self._emit_step(d)
+
     def _alongside_layers(self, i: int) -> None:
         """The overlapped prompt forward's hook before layer i: short requests that arrived
         meanwhile prefill whole here (_jump_in; on the H200 a short request waited 7.7 s, 73x
@@ -708,6 +795,8 @@ class EngineLoop:
         must not do at the same time (_exclusive)."""
         if self._pacer is not None and not self.between.running:
             self._pacer.before_layer()
+        if self.overlap.polled and not self.between.running:
+            self._side_poll()
         if self.sched.waiting and not self.between.running:  # read without the locks: every layer
             self._jump_in(self._exclusive())
 

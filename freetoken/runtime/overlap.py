@@ -62,20 +62,27 @@ class LayerPacer:
     overlap worker keeps the GIL meanwhile) until the event of `ahead` layers back has run.
     Two layers: the device always has the next layer queued, no bubble."""
 
-    def __init__(self, device: torch.device, ahead: int = 2, event=None):
+    def __init__(self, device: torch.device, ahead: int = 2, event=None, idle=None):
+        """idle: called while the host waits (the polled overlap's decode steps: DecodeOverlap.polled)."""
         self.ahead = ahead
         self.device = device
         self.events: deque = deque()
         self._event = event or (lambda: torch.cuda.Event())  # a fake in the tests
+        self._idle = idle
 
     def before_layer(self) -> None:
         ev = self._event()
         ev.record(torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None)
         self.events.append(ev)
         while len(self.events) > self.ahead:
-            oldest = self.events.popleft()
-            while not oldest.query():
-                time.sleep(0.0002)
+            self.wait(self.events.popleft())
+
+    def wait(self, ev) -> None:
+        """Until the device has run what `ev` marks, polling (and calling `idle` meanwhile)."""
+        while not ev.query():
+            if self._idle is not None:
+                self._idle()
+            time.sleep(0.0002)
 
 
 def eligible(engine, runner) -> str | None:
@@ -115,10 +122,21 @@ class DecodeOverlap:
     # prefilled at 591 tok/s against 1,301 interleaved (benchmarks/README.md, 2026-12-03).
     SWITCH_S = 2e-4
 
-    def __init__(self, device: torch.device, switch_s: float | None = SWITCH_S):
-        """switch_s: the GIL switch interval while a prompt forward overlaps (None: leave it)."""
+    # POLLED: no worker thread. The loop's own thread launches each decode step on the
+    # high-priority stream from the prompt forward's hooks and from LayerPacer's waits (the host
+    # polls there anyway, the device two layers behind), and emits its tokens a poll after the
+    # device has run it (runtime/deferred_step.py). The worker's Python competed with the
+    # prompt's launches for the GIL, and its steps ran back to back: on the H200 the prompt
+    # prefilled ~20x slower than alone. The loop spaces the polled steps by --decode-slowdown
+    # times a plain decode step instead (ServingEngine._side_poll)
+    POLLED = True
+
+    def __init__(self, device: torch.device, switch_s: float | None = SWITCH_S, polled: bool | None = None):
+        """switch_s: the GIL switch interval while a prompt forward overlaps (None: leave it);
+        polled: steps from the loop's thread (POLLED) or on a worker thread."""
         self.device = device
         self.switch_s = switch_s
+        self.polled = self.POLLED if polled is None else polled
         # high priority: its kernels are scheduled ahead of the prompt's as SMs free up
         self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
         self.local = threading.local()  # .worker: True on the worker thread
@@ -134,6 +152,18 @@ class DecodeOverlap:
         """The worker's own stream only (a device-wide sync would wait for the prompt too)."""
         if self.stream is not None:
             self.stream.synchronize()
+
+    @contextlib.contextmanager
+    def as_worker(self):
+        """The polled overlap's decode step on the loop's thread: on the high-priority stream,
+        and treated as the worker's (requests that finish in it are finished after the prompt
+        forward; no prefix-cache eviction meanwhile)."""
+        self.local.worker = True
+        try:
+            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+                yield
+        finally:
+            self.local.worker = False
 
     @contextlib.contextmanager
     def alongside(self, step):
