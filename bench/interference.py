@@ -85,13 +85,13 @@ SETTINGS = {
     "interleave-halves-wait": interleaved(mid_layer=True, defer=False),
     # the interleave with the prompt chunks' MoE blocks eager (no prefill graphs: runtime/prefill_graphs.py)
     "interleave-eager-moe": interleaved(prefill_graphs=False),
-    # DecodeOverlap.POLLED (the default): steps launched from the loop's thread, spaced by --decode-slowdown
-    "overlap": dict(order="shortest", step_tokens=0, slowdown=None, interleave=False, overlap=True),
+    # the worker thread stepping back to back (DecodeOverlap.POLLED off, the default)
+    "overlap": dict(order="shortest", step_tokens=0, slowdown=None, interleave=False, overlap=True, polled=False),
+    # DecodeOverlap.POLLED: steps launched from the loop's thread, spaced by --decode-slowdown
+    "overlap-polled": dict(order="shortest", step_tokens=0, slowdown=None, interleave=False, overlap=True,
+                           polled=True),
     # the same back to back (each step launched as soon as the last one's tokens are out)
-    "overlap-b2b": dict(order="shortest", step_tokens=0, slowdown=0.0, interleave=False, overlap=True),
-    # the worker thread stepping back to back (before POLLED)
-    "overlap-worker": dict(order="shortest", step_tokens=0, slowdown=None, interleave=False, overlap=True,
-                           polled=False),
+    "overlap-b2b": dict(order="shortest", step_tokens=0, slowdown=0.0, interleave=False, overlap=True, polled=True),
     # the overlap with Python's default 5 ms GIL switch interval (DecodeOverlap.SWITCH_S's reason)
     "overlap-gil5ms": dict(order="shortest", step_tokens=0, slowdown=None, interleave=False, overlap=True, polled=False,
                            switch_s=None),
@@ -584,7 +584,13 @@ def main():
                     help="freeze the start-up objects out of the garbage collector's walks, as ft serve does")
     ap.add_argument("--prefill-graph-tokens", type=int, default=512,
                     help="largest prompt chunk replayed from the prefill graphs (the engine flag)")
+    ap.add_argument("--stacks-every", type=float, default=0,
+                    help="every this many seconds, every thread's Python stack to stderr (faulthandler): "
+                         "where the host is when a row stalls (0: off)")
     a = ap.parse_args()
+    if a.stacks_every > 0:
+        import faulthandler
+        faulthandler.dump_traceback_later(a.stacks_every, repeat=True)
     page_gather.ENABLED = a.gather_workspace == "on"
     ctx = a.long + a.short + 64
     if a.full_size and a.moe == "cache":

@@ -128,8 +128,11 @@ class DecodeOverlap:
     # device has run it (runtime/deferred_step.py). The worker's Python competed with the
     # prompt's launches for the GIL, and its steps ran back to back: on the H200 the prompt
     # prefilled ~20x slower than alone. The loop spaces the polled steps by --decode-slowdown
-    # times a plain decode step instead (ServingEngine._side_poll)
-    POLLED = True
+    # times a plain decode step instead (ServingEngine._side_poll). Off by default: exact on the
+    # CPU and on CUDA (tests/test_overlap.py), but on the H200 (device plan 51, full-size shape,
+    # 32k prompt) no polled row finished within 150-180 s, against ~45 s for an interleaved one:
+    # the prompt stalled or crawled, cause not yet known (benchmarks/README.md, nineteenth session)
+    POLLED = False
 
     def __init__(self, device: torch.device, switch_s: float | None = SWITCH_S, polled: bool | None = None):
         """switch_s: the GIL switch interval while a prompt forward overlaps (None: leave it);
