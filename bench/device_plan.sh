@@ -51,9 +51,11 @@
 # points, start_marks and BY_CLOCK each alone, the tail points' cycles (TAIL_CYCLES). Call 50:
 # the CPU executor at 15 threads beside 16 and 6, each row routed afresh.
 # Call 51: the polled overlap (decode graphs on a high-priority stream from the loop's thread).
+# Call 52: the polled overlap on an 8k prompt, stacks and progress lines. Call 53: the 32k interleave
+# rows after the decode runner's whole-buffer input copy.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30|31|32|33|34|35|36|37|38|39|40|41|42|43|44|45|46|47|48|49|50|51|52}
+STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30|31|32|33|34|35|36|37|38|39|40|41|42|43|44|45|46|47|48|49|50|51|52|53}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -493,13 +495,25 @@ case "$STAGE" in
   step 300 interference-polled1 $I --settings overlap-polled,interleave,overlap-b2b,overlap-polled --name interference-full-polled1
   step 160 interference-polled2 $I --settings interleave,overlap-polled,overlap-b2b --name interference-full-polled2
   ;;
-52) # ~330 s (limits 400), written for the next session (issue 9): plan 51 ran out of time with no polled
-  # row done. An 8k prompt, every thread's stack every 60 s (where the host is), the layer timeline
-  # (how far the prompt gets): the polled overlap, then the worker's, then the interleave
-  step 400 interference-polled-8k python3 -m bench.interference --full-size --long 8192 --prefill-graph-tokens 2048 \
-    --layer-events on --stacks-every 60 --settings overlap-polled,overlap,interleave --name interference-full-polled-8k
+52) # ~360 s (limits 420), written for the next session (issue 9): plan 51 ran out of time with no polled
+  # row done. First the decode runner's and the overlap's CUDA tests (the decode graphs now on their
+  # own capture stream, the whole input buffer copied), then an 8k prompt with every thread's stack
+  # every 60 s and a progress line every 5 s (a stall: the layers stop; a crawl: they creep): the
+  # polled overlap, then the worker's, then the interleave
+  FT_TAG=plan52 FT_PER_FILE=150 FT_K="cuda or graphs_replay" bash bench/device_tests.sh tests/test_gpu_production.py tests/test_overlap.py tests/test_interleave.py > /dev/null
+  step 300 interference-polled-8k python3 -m bench.interference --full-size --long 8192 --prefill-graph-tokens 2048 \
+    --layer-events on --stacks-every 60 --progress-every 5 --settings overlap-polled,overlap,interleave \
+    --name interference-full-polled-8k
   ;;
-*) echo "stage 0 to 52"; exit 2 ;;
+53) # ~230 s (limit 260), written for the next session (issue 9): the 32k interleave rows after the decode
+  # runner's input copy stopped going through a pageable temporary (a [:, :b] slice of the pinned
+  # buffer with b < rows: every interleaved step of two streams in a 4-slot bench). The host's
+  # 12-15 ms in layer 3 after a deferred step was the most common gap past 2x; the first rows
+  # missed in all 14 processes so far (2.01-2.86x)
+  step 260 interference-hostcopy python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
+    --settings interleave,interleave,interleave --name interference-full-hostcopy
+  ;;
+*) echo "stage 0 to 53"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)

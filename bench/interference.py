@@ -134,7 +134,8 @@ class Stamped(ServingEngine):
 
     def _emit_step(self, d):
         ok = super()._emit_step(d)
-        self.events.append((time.perf_counter(), f"end-decode{len(d.reqs)}"))
+        if self.overlap is not None:  # the polled overlap's (an interleaved step's have their own events)
+            self.events.append((time.perf_counter(), f"emit-side-decode{len(d.reqs)}"))
         return ok
 
     def _forward(self, group, decode, captures):
@@ -343,10 +344,31 @@ def triton_misses(events: list):
         runtime.jit_cache_hook = prev
 
 
+CURRENT: dict = {}  # the setting running now and its loop ("srv"), for the progress lines
+
+
+def progress(every: float, stop) -> None:
+    """Every `every` seconds to stderr: the setting running, how many prompt layers, decode
+    steps and overlap steps its loop has passed, and the allocator's retries and all-stream
+    syncs (a stalled row: the layers stop; a crawling one: they creep)."""
+    import sys
+    while not stop.wait(every):
+        srv = CURRENT.get("srv")
+        if srv is None:
+            continue
+        ev = list(srv.events)
+        count = lambda p: sum(1 for _, w in ev if w.startswith(p))  # noqa: E731
+        mem = torch.cuda.memory_stats() if torch.cuda.is_available() else {}
+        print(f"progress {CURRENT.get('name')}: layers {count('L')}, steps {count('decode')}, side launches "
+              f"{count('side-decode')}, side emits {count('emit-side')}, alloc retries {mem.get('num_alloc_retries')}, "
+              f"all-stream syncs {mem.get('num_sync_all_streams')}", file=sys.stderr, flush=True)
+
+
 def run_setting(eng, name: str, a) -> dict:
     s = SETTINGS[name]
     srv = Stamped(eng, max_batch=a.streams + 2, max_queue=8, start=False)
     srv.stamps, srv.events = {}, []
+    CURRENT.update(srv=srv, name=name)
     srv.timeline = LayerTimeline(eng.device) if a.layer_events == "on" else None
     srv.defer_steps = srv.defer_steps and a.defer_steps == "on" and s.get("defer", True)
     if a.device_costs != "default":
@@ -587,10 +609,15 @@ def main():
     ap.add_argument("--stacks-every", type=float, default=0,
                     help="every this many seconds, every thread's Python stack to stderr (faulthandler): "
                          "where the host is when a row stalls (0: off)")
+    ap.add_argument("--progress-every", type=float, default=0,
+                    help="every this many seconds, a progress line to stderr (layers, steps, allocator retries; 0: off)")
     a = ap.parse_args()
     if a.stacks_every > 0:
         import faulthandler
         faulthandler.dump_traceback_later(a.stacks_every, repeat=True)
+    if a.progress_every > 0:
+        import threading
+        threading.Thread(target=progress, args=(a.progress_every, threading.Event()), daemon=True).start()
     page_gather.ENABLED = a.gather_workspace == "on"
     ctx = a.long + a.short + 64
     if a.full_size and a.moe == "cache":

@@ -99,6 +99,24 @@ def test_polled_steps_carry_sampled_rows_and_a_failing_step_fails_only_its_rows(
     assert out[1].finish_reason == "length" and out[1].output_ids == ref[1].output_ids
     assert srv.overlap.deferred == [] and not srv.sched.running and srv.state.pages.used == 0
 
+    # an error outside a step's launch (taking the row's next page): the steps stop for that
+    # forward, the stream decodes after it, and every token is the one it gets without overlap
+    greedy_ref = drive(serving(engine(path, False)), [greedy(ps[0], 30), greedy(ps[1], 4)], arrive=[0, 2])
+    srv = serving(engine(path, True))
+    srv.slowdown = 0.0
+    real_grow, calls = srv._grow_now, []
+
+    def grow(req):
+        if srv._prompt_forward and not calls:
+            calls.append(req)
+            raise RuntimeError("the page table broke")
+        return real_grow(req)
+    srv._grow_now = grow
+    out = drive(srv, [greedy(ps[0], 30), greedy(ps[1], 4)], arrive=[0, 2])
+    assert calls and srv.overlap.failures == 1
+    assert [r.output_ids for r in out] == [r.output_ids for r in greedy_ref]
+    assert all(r.finish_reason == "length" for r in out) and srv.state.pages.used == 0
+
 
 @MODES
 def test_a_stream_that_finishes_alongside_is_finished_after_the_prompt(path, polled):

@@ -48,12 +48,18 @@ class DecodeRunner:
         # static inputs, one upload per step: token, position and running flag of each row
         self.inputs = torch.zeros(3, rows, dtype=torch.long, device=dev)  # [3, rows]
         self._host = torch.zeros(3, rows, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self._copied = None  # a CUDA event after the last copy of _host (rewritten only once it ran)
         # graphs by (variant, batch size): an executor whose step can take two shapes (the expert
         # cache with or without its CPU branch) says which one it needs now (graph_variant());
         # a variant is captured the first time it is needed, then kept
         self._captured: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._variant = variant or (lambda: None)
         self._pool = None
+        # the stream the graphs are captured on, their own: a captured GEMM keeps the cuBLAS
+        # workspace of its capture stream, and graphs captured on torch's shared default capture
+        # stream (the prefill graphs are) would share one; where a decode graph replays while a
+        # prompt's graph runs (--decode-overlap) they would write it at the same time
+        self._capture_stream = None
         self._failed: set = set()  # variants whose capture failed while serving: eager
 
     @property
@@ -82,10 +88,12 @@ class DecodeRunner:
                     self._eager(b)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream()
         for b in reversed(self.sizes):
             g = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(g, pool=pool):
+                with torch.cuda.graph(g, pool=pool, stream=self._capture_stream):
                     out = self._eager(b)
             except Exception as e:  # noqa: BLE001 - something in the step cannot be captured
                 self._on_abort()
@@ -120,9 +128,17 @@ class DecodeRunner:
             except FreeTokenError as e:  # keep serving: that variant decodes eagerly
                 self._failed.add(key[0])
                 log.warning("%s; the %s variant decodes eagerly", e, key[0])
-        self._host[:, :b].zero_()
+        if self._copied is not None:  # the last step's copy has read _host (normally long since)
+            self._copied.synchronize()
+        self._host.zero_()
         self._host[:, :n] = torch.tensor([tokens, pos, active], dtype=torch.long)
-        self.inputs[:, :b].copy_(self._host[:, :b], non_blocking=True)
+        # the whole buffer: a [:, :b] slice of it is not contiguous where b < rows, and copy_ then
+        # stages it through a pageable temporary, a copy the driver may hold the host for until the
+        # stream reaches it (behind every prompt layer queued before a decode step between layers)
+        self.inputs.copy_(self._host, non_blocking=True)
+        if self.inputs.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         hit = self._captured.get(key)
         if hit is not None:
             hit[0].replay()

@@ -165,6 +165,7 @@ class EngineLoop:
         self._pacer = None  # the overlapped prompt forward's LayerPacer (CUDA)
         self._side: DeferredStep | None = None  # the polled overlap's decode step in flight
         self._side_last = None  # when the polled overlap launched its last step (perf_counter)
+        self._side_off = False  # the polled overlap's steps stopped for the forward in flight (an error)
         # a model that keeps a forward's data in state its layers share cannot run another
         # forward's Python between a forward's layers (a jump-in, an eager decode step)
         self._shared_state = bool(getattr(engine.model, "per_forward_state", False))
@@ -721,7 +722,7 @@ class EngineLoop:
         self._pacer = LayerPacer(dev, idle=self._side_poll) if cuda else None
         if ov.stream is not None:
             ov.stream.wait_stream(torch.cuda.current_stream(dev))  # what came before
-        self._side_last = None
+        self._side_last, self._side_off = None, False
         try:
             logits = self.engine.prefill_batch(self.state, segs, between=self._alongside_layers)
             if cuda:  # the forward's last layers and logits: the streams keep stepping meanwhile
@@ -731,9 +732,9 @@ class EngineLoop:
         finally:
             try:
                 self._side_drain()
-            finally:
                 if ov.stream is not None:
                     torch.cuda.current_stream(dev).wait_stream(ov.stream)  # what comes after
+            finally:  # whatever failed above: the requests that finished in a step still finish
                 done, ov.deferred = ov.deferred, []
                 for args in done:
                     self._finish(*args)
@@ -742,7 +743,20 @@ class EngineLoop:
     def _side_poll(self) -> None:
         """The polled overlap: emit the step in flight once the device has run it; launch the
         next when the last launched at least --decode-slowdown plain decode steps ago (back
-        to back with --decode-slowdown 0). Each step is the worker's would be (as_worker)."""
+        to back with --decode-slowdown 0). Each step is the worker's would be (as_worker).
+        An unexpected error stops the steps for the rest of the forward (the streams decode
+        after it, as after a failed worker) instead of failing the prompt forward it runs in."""
+        if self._side_off:
+            return
+        try:
+            self._side_poll_once()
+        except Exception:  # noqa: BLE001 - not the prompt's fault: it is not failed for it
+            log.exception("a decode step alongside a prompt forward failed; the streams decode after it")
+            self.overlap.failures += 1
+            self._side_off, self._side = True, None
+            self.overlap.sync()  # what it launched, before the next step rewrites its inputs
+
+    def _side_poll_once(self) -> None:
         ov = self.overlap
         d = self._side
         if d is not None:
@@ -776,6 +790,7 @@ class EngineLoop:
                 self._side = DeferredStep.launch(rows, logits, now)
             except Exception as e:  # noqa: BLE001 - the rows fail, as a decode step's do
                 log.exception("engine step failed for request(s) %s", [r.id for r in rows])
+                ov.sync()  # a step replayed before the failure: done before the next rewrites its inputs
                 for r in rows:
                     if r.finished_at is None:
                         self._finish(r, "error", error=f"{type(e).__name__}: {e}")
