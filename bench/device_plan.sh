@@ -495,13 +495,15 @@ case "$STAGE" in
   step 300 interference-polled1 $I --settings overlap-polled,interleave,overlap-b2b,overlap-polled --name interference-full-polled1
   step 160 interference-polled2 $I --settings interleave,overlap-polled,overlap-b2b --name interference-full-polled2
   ;;
-52) # ~360 s (limits 420), written for the next session (issue 9): plan 51 ran out of time with no polled
-  # row done. First the decode runner's and the overlap's CUDA tests (the decode graphs now on their
-  # own capture stream, the whole input buffer copied), then an 8k prompt with every thread's stack
-  # every 60 s and a progress line every 5 s (a stall: the layers stop; a crawl: they creep): the
-  # polled overlap, then the worker's, then the interleave
-  FT_TAG=plan52 FT_PER_FILE=150 FT_K="cuda or graphs_replay" bash bench/device_tests.sh tests/test_gpu_production.py tests/test_overlap.py tests/test_interleave.py > /dev/null
-  step 300 interference-polled-8k python3 -m bench.interference --full-size --long 8192 --prefill-graph-tokens 2048 \
+52) # ~400 s (limits 570), written for the next session (issue 9): plan 51 ran out of time with no polled
+  # row done. First the shared-workspace race alone (bench/graph_race.py: two GEMM graphs replayed
+  # at once on two streams, captured on their own streams, then on one). Then the CUDA tests of the
+  # decode graphs (now on their own capture stream, the whole input buffer copied) and the overlap.
+  # Then an 8k prompt with every thread's stack every 60 s and a progress line every 5 s (a stall:
+  # the layers stop; a crawl: they creep): the polled overlap, the worker's, the interleave
+  step 90 graph-race python3 -m bench.graph_race --name graph_race
+  FT_TAG=plan52 FT_PER_FILE=120 FT_K="cuda or graphs_replay" bash bench/device_tests.sh tests/test_gpu_production.py tests/test_overlap.py > /dev/null
+  step 240 interference-polled-8k python3 -m bench.interference --full-size --long 8192 --prefill-graph-tokens 2048 \
     --layer-events on --stacks-every 60 --progress-every 5 --settings overlap-polled,overlap,interleave \
     --name interference-full-polled-8k
   ;;
