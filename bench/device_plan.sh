@@ -501,7 +501,7 @@ case "$STAGE" in
   # decode graphs (now on their own capture stream, the whole input buffer copied) and the overlap.
   # Then an 8k prompt with every thread's stack every 60 s and a progress line every 5 s (a stall:
   # the layers stop; a crawl: they creep): the polled overlap, the worker's, the interleave
-  step 90 graph-race python3 -m bench.graph_race --name graph_race
+  step 90 graph-race timeout -k 10 85 python3 -m bench.graph_race --name graph_race
   FT_TAG=plan52 FT_PER_FILE=120 FT_K="cuda or graphs_replay" bash bench/device_tests.sh tests/test_gpu_production.py tests/test_overlap.py > /dev/null
   step 240 interference-polled-8k python3 -m bench.interference --full-size --long 8192 --prefill-graph-tokens 2048 \
     --layer-events on --stacks-every 60 --progress-every 5 --settings overlap-polled,overlap,interleave \

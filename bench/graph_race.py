@@ -8,19 +8,29 @@ on one stream (the interleave) that is harmless. Replayed at once on two streams
 graphs on the overlap's high-priority stream beside the prompt's prefill graphs) both would
 write it: wrong results, or, where split-K kernels keep their counters there, a kernel that
 spins forever. On the H200 no overlapped 32k row finished (benchmarks/README.md, nineteenth
-session). Here, with nothing else: a "decode" graph (a chain of GEMMs of 2 rows) replayed back
-to back on a high-priority stream while a "prefill" graph (the same chain over 2,048 rows)
-replays on the default stream, each replay's result checked against its eager one on the
-device. Per mode (`separate`: each graph on its own capture stream, as DecodeRunner now does;
-`shared`: both on the default capture stream), whether both finished within --timeout,
-how many replays differed from eager, and the time. A mode that does not finish ends the
-process after writing the result (a spinning kernel cannot be stopped), so `shared` runs last.
+session). Here, with nothing else:
+- a "decode" graph: a chain of MLP-shaped GEMM pairs over 2 rows ([2, H] @ [H, 4H], then
+  [2, 4H] @ [4H, H]: a long K at a small M, where cuBLAS likes split-K), replayed back to back
+  on a high-priority stream;
+- a "prefill" graph: the same chain over --rows rows (256 by default: few output tiles, split-K
+  again), replayed meanwhile on the default stream.
+Each graph ends by comparing its result with the eager one, on the device, inside the graph (one
+launch a replay; a NaN counts as a mismatch), and both streams are held behind a device sleep
+until both queues are full, so the replays do overlap (the overlap in ms is in the result).
+Per mode (`separate`: each graph on its own capture stream, as the engine's graph families now
+are, runtime/capture_stream.py; `shared`: both on torch's default capture stream): whether both
+finished within --timeout, mismatching replays and the largest difference, the time, and the
+kernels each chain ran (split-K ones are what would use the workspace). A result saying
+"finished": false is written before each mode runs; a mode that hangs ends the process (exit
+status 3) with that result in place (a spinning kernel cannot be stopped), so `shared` runs last.
 
-    python -m bench.graph_race [--hidden 2048] [--layers 8] [--replays 400] [--prefill-replays 100] [--timeout 30]
+    python -m bench.graph_race [--hidden 2048] [--rows 256] [--layers 8] [--replays 400]
+        [--prefill-replays 100] [--timeout 30]
 """
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import time
 
@@ -29,11 +39,42 @@ import torch
 from bench.common import write_result
 
 
-def chain(x: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor:
-    """x [M, H] through GEMMs [H, H] (each output scaled back to unit size): [M, H]."""
-    for w in ws:
-        x = x @ w  # [M, H]
+def chain(x: torch.Tensor, ws: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """x [M, H] through GEMM pairs (up [H, 4H], down [4H, H]): [M, H]."""
+    for up, down in ws:
+        x = (x @ up) @ down  # [M, 4H] -> [M, H]
     return x
+
+
+def kernels(fn) -> list[str]:
+    """The CUDA kernels one call of fn runs (names, deduplicated)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+    return sorted(n[:120] for n in names)
+
+
+class Checked:
+    """A chain on static input rows, compared with its eager result on the device: `bad` counts
+    replays whose largest difference was not within tol (NaN included), `worst` keeps the
+    largest difference seen."""
+
+    def __init__(self, x: torch.Tensor, ws, tol: float):
+        self.x, self.ws = x, ws
+        self.ref = chain(x, ws).float()  # eager, before any graph
+        self.tol = tol * float(self.ref.abs().max())
+        self.bad = torch.zeros((), dtype=torch.int32, device=x.device)
+        self.worst = torch.zeros((), dtype=torch.float32, device=x.device)
+
+    def __call__(self) -> None:
+        d = (chain(self.x, self.ws).float() - self.ref).abs().max()
+        self.bad.add_((~(d <= self.tol)).int())
+        self.worst.copy_(torch.maximum(self.worst, torch.nan_to_num(d, nan=float("inf"))))
+
+    def reset(self) -> None:
+        self.bad.zero_()
+        self.worst.zero_()
 
 
 def capture(fn, stream: torch.cuda.Stream | None) -> torch.cuda.CUDAGraph:
@@ -53,56 +94,61 @@ def capture(fn, stream: torch.cuda.Stream | None) -> torch.cuda.CUDAGraph:
 def run_mode(mode: str, a, dev) -> dict:
     gen = torch.Generator(device=dev).manual_seed(0)
     h = a.hidden
-    ws = [torch.randn(h, h, device=dev, generator=gen, dtype=torch.bfloat16) / h ** 0.5 for _ in range(a.layers)]
-    x_dec = torch.randn(2, h, device=dev, generator=gen, dtype=torch.bfloat16)  # [2, H]
-    x_pre = torch.randn(a.rows, h, device=dev, generator=gen, dtype=torch.bfloat16)  # [rows, H]
-    ref_dec, ref_pre = chain(x_dec, ws), chain(x_pre, ws)  # eager, before any graph
-    out = {}
-
-    def dec():
-        out["dec"] = chain(x_dec, ws)
-
-    def pre():
-        out["pre"] = chain(x_pre, ws)
+    bf = torch.bfloat16
+    ws = [(torch.randn(h, 4 * h, device=dev, generator=gen, dtype=bf) / h ** 0.5,
+           torch.randn(4 * h, h, device=dev, generator=gen, dtype=bf) / (4 * h) ** 0.5) for _ in range(a.layers)]
+    dec = Checked(torch.randn(2, h, device=dev, generator=gen, dtype=bf), ws, a.tol)  # [2, H]
+    pre = Checked(torch.randn(a.rows, h, device=dev, generator=gen, dtype=bf), ws, a.tol)  # [rows, H]
+    names = {"decode_kernels": kernels(lambda: chain(dec.x, ws)), "prefill_kernels": kernels(lambda: chain(pre.x, ws))}
     own = mode == "separate"
     g_dec = capture(dec, torch.cuda.Stream() if own else None)
     g_pre = capture(pre, torch.cuda.Stream() if own else None)
-    o_dec, o_pre = out["dec"], out["pre"]  # the graphs' static outputs
-    bad_dec = torch.zeros((), dtype=torch.int32, device=dev)
-    bad_pre = torch.zeros((), dtype=torch.int32, device=dev)
-    tol = 0.05  # bf16 rounding of one chain, far below a wrong result's difference
-    hi = torch.cuda.Stream(priority=-1)
-    hi.wait_stream(torch.cuda.current_stream())
-    t0 = time.perf_counter()
+    dec.reset()
+    pre.reset()
+    torch.cuda.synchronize()
+    main, hi = torch.cuda.current_stream(), torch.cuda.Stream(priority=-1)
+    t0 = torch.cuda.Event(enable_timing=True)
+    t0.record(main)
+    hi.wait_stream(main)
+    ev = {k: torch.cuda.Event(enable_timing=True) for k in ("dec_start", "dec_end", "pre_start", "pre_end")}
+    gate = int(a.gate_ms * 1e6)  # cycles at ~1 GHz and more: both queues fill before either runs
     with torch.cuda.stream(hi):  # the decode graph back to back on the high-priority stream
+        torch.cuda._sleep(gate)
+        ev["dec_start"].record()
         for _ in range(a.replays):
             g_dec.replay()
-            bad_dec.add_(((o_dec.float() - ref_dec.float()).abs().max() > tol).int())
-        done_dec = torch.cuda.Event()
-        done_dec.record()
-    for _ in range(a.prefill_replays):  # meanwhile the prefill graph on the default stream
+        ev["dec_end"].record()
+    torch.cuda._sleep(gate)  # meanwhile the prefill graph on the default stream
+    ev["pre_start"].record(main)
+    for _ in range(a.prefill_replays):
         g_pre.replay()
-        bad_pre.add_(((o_pre.float() - ref_pre.float()).abs().max() > tol).int())
-    done_pre = torch.cuda.Event()
-    done_pre.record()
-    deadline = t0 + a.timeout
-    while not (done_dec.query() and done_pre.query()):
-        if time.perf_counter() > deadline:
-            return {"mode": mode, "finished": False, "timeout_s": a.timeout,
-                    "decode_done": done_dec.query(), "prefill_done": done_pre.query()}
+    ev["pre_end"].record(main)
+    start = time.perf_counter()
+    while not (ev["dec_end"].query() and ev["pre_end"].query()):
+        if time.perf_counter() - start > a.timeout:
+            return {"mode": mode, "finished": False, "timeout_s": a.timeout, **names,
+                    "decode_done": ev["dec_end"].query(), "prefill_done": ev["pre_end"].query()}
         time.sleep(0.001)
-    return {"mode": mode, "finished": True, "seconds": round(time.perf_counter() - t0, 3),
-            "decode_replays": a.replays, "decode_mismatches": int(bad_dec), "prefill_replays": a.prefill_replays,
-            "prefill_mismatches": int(bad_pre)}
+    ms = {k: t0.elapsed_time(e) for k, e in ev.items()}
+    overlap = min(ms["dec_end"], ms["pre_end"]) - max(ms["dec_start"], ms["pre_start"])
+    return {"mode": mode, "finished": True, "seconds": round(time.perf_counter() - start, 3),
+            "decode_ms": round(ms["dec_end"] - ms["dec_start"], 2), "prefill_ms": round(ms["pre_end"] - ms["pre_start"], 2),
+            "overlap_ms": round(overlap, 2),
+            "decode_replays": a.replays, "decode_mismatches": int(dec.bad), "decode_max_diff": float(dec.worst),
+            "prefill_replays": a.prefill_replays, "prefill_mismatches": int(pre.bad), "prefill_max_diff": float(pre.worst),
+            **names}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--rows", type=int, default=2048, help="rows of the prefill graph's GEMMs")
-    ap.add_argument("--layers", type=int, default=8, help="GEMMs in each chain")
+    ap.add_argument("--rows", type=int, default=256, help="rows of the prefill graph's GEMMs")
+    ap.add_argument("--layers", type=int, default=8, help="GEMM pairs in each chain")
     ap.add_argument("--replays", type=int, default=400, help="decode graph replays")
     ap.add_argument("--prefill-replays", type=int, default=100, help="prefill graph replays meanwhile")
+    ap.add_argument("--tol", type=float, default=0.02, help="a mismatch: a difference past this share of the "
+                    "result's largest value (graph and eager run the same kernels: normally exactly 0)")
+    ap.add_argument("--gate-ms", type=float, default=50.0, help="device sleep holding both streams at the start")
     ap.add_argument("--timeout", type=float, default=30.0)
     ap.add_argument("--modes", default="separate,shared")
     ap.add_argument("--name", default="graph_race")
@@ -112,12 +158,17 @@ def main():
         return
     dev = torch.device("cuda")
     rows = []
+    meta = {"hidden": a.hidden, "rows": a.rows, "layers": a.layers}
     for mode in a.modes.split(","):
+        # in place before the mode runs: a hang that blocks the host in a launch still leaves it
+        write_result(a.name, {**meta, "modes": rows + [{"mode": mode, "finished": False, "note": "did not return"}]})
+        faulthandler.dump_traceback_later(a.timeout + 30, exit=True)  # a host blocked in a launch: out
         rows.append(run_mode(mode, a, dev))
+        faulthandler.cancel_dump_traceback_later()
         print(rows[-1], flush=True)
-        write_result(a.name, {"hidden": a.hidden, "rows": a.rows, "layers": a.layers, "modes": rows})
+        write_result(a.name, {**meta, "modes": rows})
         if not rows[-1]["finished"]:
-            os._exit(0)  # a kernel spinning on the device: the process cannot end otherwise
+            os._exit(3)  # a kernel spinning on the device: the process cannot end otherwise
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import torch
 from ..errors import FreeTokenError
 from ..experts.executor import GRAPH_CAPTURE
 from ..model.state import DecodeState
+from .capture_stream import own_capture_stream
 
 log = logging.getLogger("freetoken.decode")
 
@@ -48,18 +49,19 @@ class DecodeRunner:
         # static inputs, one upload per step: token, position and running flag of each row
         self.inputs = torch.zeros(3, rows, dtype=torch.long, device=dev)  # [3, rows]
         self._host = torch.zeros(3, rows, dtype=torch.long, pin_memory=dev.type == "cuda")
-        self._copied = None  # a CUDA event after the last copy of _host (rewritten only once it ran)
+        # a CUDA event after the last copy of _host (rewritten only once it ran)
+        self._copied = torch.cuda.Event() if dev.type == "cuda" else None
         # graphs by (variant, batch size): an executor whose step can take two shapes (the expert
         # cache with or without its CPU branch) says which one it needs now (graph_variant());
         # a variant is captured the first time it is needed, then kept
         self._captured: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._variant = variant or (lambda: None)
         self._pool = None
-        # the stream the graphs are captured on, their own: a captured GEMM keeps the cuBLAS
-        # workspace of its capture stream, and graphs captured on torch's shared default capture
-        # stream (the prefill graphs are) would share one; where a decode graph replays while a
-        # prompt's graph runs (--decode-overlap) they would write it at the same time
+        # the stream the graphs are captured on, their own (runtime/capture_stream.py: a captured
+        # GEMM keeps its capture stream's cuBLAS workspace; where a decode graph replays while a
+        # prompt's graph runs, --decode-overlap, a shared one would be written at the same time)
         self._capture_stream = None
+        self._dropped: list = []  # graphs of a variant whose capture failed, kept (capture_stream.py)
         self._failed: set = set()  # variants whose capture failed while serving: eager
 
     @property
@@ -89,7 +91,7 @@ class DecodeRunner:
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         if self._capture_stream is None:
-            self._capture_stream = torch.cuda.Stream()
+            self._capture_stream = own_capture_stream(self.inputs.device, "decode")
         for b in reversed(self.sizes):
             g = torch.cuda.CUDAGraph()
             try:
@@ -97,6 +99,7 @@ class DecodeRunner:
                     out = self._eager(b)
             except Exception as e:  # noqa: BLE001 - something in the step cannot be captured
                 self._on_abort()
+                self._dropped += [g] + [v for k, v in self._captured.items() if k[0] == variant]
                 self._captured = {k: v for k, v in self._captured.items() if k[0] != variant}
                 raise FreeTokenError(f"CUDA graph capture of the decode step failed at batch size {b} "
                                      f"({type(e).__name__}: {e}); pass --allow-eager to decode without "
@@ -128,17 +131,16 @@ class DecodeRunner:
             except FreeTokenError as e:  # keep serving: that variant decodes eagerly
                 self._failed.add(key[0])
                 log.warning("%s; the %s variant decodes eagerly", e, key[0])
-        if self._copied is not None:  # the last step's copy has read _host (normally long since)
-            self._copied.synchronize()
+        if self._copied is not None:  # the last step's copy has read _host (normally long since;
+            self._copied.synchronize()  # an event never recorded returns at once)
         self._host.zero_()
         self._host[:, :n] = torch.tensor([tokens, pos, active], dtype=torch.long)
         # the whole buffer: a [:, :b] slice of it is not contiguous where b < rows, and copy_ then
         # stages it through a pageable temporary, a copy the driver may hold the host for until the
         # stream reaches it (behind every prompt layer queued before a decode step between layers)
         self.inputs.copy_(self._host, non_blocking=True)
-        if self.inputs.is_cuda:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+        if self._copied is not None:
+            self._copied.record(torch.cuda.current_stream(self.inputs.device))  # the copy's stream
         hit = self._captured.get(key)
         if hit is not None:
             hit[0].replay()

@@ -50,6 +50,7 @@ import torch
 
 from ..experts.executor import GRAPH_CAPTURE, TorchExpertExecutor
 from ..kernels import use_triton
+from .capture_stream import own_capture_stream
 
 log = logging.getLogger("freetoken.prefill_graphs")
 
@@ -104,6 +105,8 @@ class PrefillGraphs:
         self.bytes = 0  # device memory the graphs hold (their pool and the static buffers), set by attach
         self._lock = threading.Lock()  # stage + replay + copy-out as one step, whatever the thread
         self._pool = None  # the graphs' shared memory pool (CUDA), made at the first capture
+        self._capture_stream = None  # their own capture stream (runtime/capture_stream.py), at the first capture
+        self._dropped: list = []  # graphs dropped (a failed capture), kept alive (capture_stream.py)
 
     def add(self, kind: str, blocks: list) -> None:
         if not blocks:
@@ -121,7 +124,9 @@ class PrefillGraphs:
         for m in self.blocks.pop(kind, []):
             m.prefill_graphs = None
             for b in self.buckets:
-                self.graphs.pop((id(m), b), None)
+                g = self.graphs.pop((id(m), b), None)
+                if g is not None:  # kept: destroying it may free the workspace the others use
+                    self._dropped.append(g)
 
     def padded(self, block, b: int) -> torch.Tensor:
         """The block on the static input's first b rows, rows >= n masked: [b, H]. What each
@@ -146,6 +151,8 @@ class PrefillGraphs:
         t0 = time.perf_counter()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
+        if self._capture_stream is None:
+            self._capture_stream = own_capture_stream(self.device, "prefill")
         blocks = self.blocks.get(kind, [])
         with GRAPH_CAPTURE, torch.inference_mode():
             self.x.normal_()  # finite rows everywhere: padded rows are read
@@ -159,14 +166,18 @@ class PrefillGraphs:
                         self.padded(m, b)
             torch.cuda.current_stream(self.device).wait_stream(side)
             torch.cuda.synchronize(self.device)
+            g = None
             try:
                 for b in reversed(self.buckets):
                     for m in blocks:
                         g = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(g, pool=self._pool):  # the block's own output freed: the pool reuses it
+                        # the block's own output freed: the pool reuses it; on a stream of the
+                        # prefill graphs' own (runtime/capture_stream.py)
+                        with torch.cuda.graph(g, pool=self._pool, stream=self._capture_stream):
                             self.out[:b].copy_(self.padded(m, b))
                         self.graphs[(id(m), b)] = g
             except Exception:
+                self._dropped.append(g)  # the one whose capture failed, kept as drop() keeps the others
                 self.drop(kind)
                 raise
             torch.cuda.synchronize(self.device)
