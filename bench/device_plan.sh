@@ -52,10 +52,11 @@
 # the CPU executor at 15 threads beside 16 and 6, each row routed afresh.
 # Call 51: the polled overlap (decode graphs on a high-priority stream from the loop's thread).
 # Call 52: the polled overlap on an 8k prompt, stacks and progress lines. Call 53: the 32k interleave
-# rows after the decode runner's whole-buffer input copy.
+# rows after the decode runner's whole-buffer input copy. Call 54: the 32k rows after a throwaway
+# 8k loaded window (--warm-loaded).
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30|31|32|33|34|35|36|37|38|39|40|41|42|43|44|45|46|47|48|49|50|51|52|53}
+STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30|31|32|33|34|35|36|37|38|39|40|41|42|43|44|45|46|47|48|49|50|51|52|53|54}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -515,7 +516,17 @@ case "$STAGE" in
   step 260 interference-hostcopy python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
     --settings interleave,interleave,interleave --name interference-full-hostcopy
   ;;
-*) echo "stage 0 to 53"; exit 2 ;;
+54) # ~330 s (limits 380), written for the next session (issue 9): the first loaded row of a process missed
+  # the p99 in all 14 processes so far, each row with a loop (and interleaver) of its own: the
+  # process's first loaded window, not the row's learning. Two processes whose rows come after
+  # a throwaway 8k loaded window (--warm-loaded): if their first rows hold, a warm-up window at
+  # start-up is the server's answer
+  for p in 1 2; do
+    step 190 "interference-warmloaded$p" python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
+      --warm-loaded 8192 --settings interleave,interleave --name "interference-full-warmloaded$p"
+  done
+  ;;
+*) echo "stage 0 to 54"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)

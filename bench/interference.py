@@ -19,7 +19,7 @@ of --expert-cache, and prompts prefill in streamed passes (issue 11): `budget` t
 between passes only, `interleave` inside them too (the cache frozen). Each row also gives the
 streams' tok/s while the long prompt prefills against their unloaded rate.
     python -m bench.interference [--long 32768] [--short 200] [--streams 2] [--full-size]
-        [--moe resident|cache] [--expert-cache 16GB] [--cache-warmup N] [--warm-long N]
+        [--moe resident|cache] [--expert-cache 16GB] [--cache-warmup N] [--warm-long N] [--warm-loaded N]
         [--gc-freeze on|off] [--gather-workspace on|off]
 Each row also counts the CUDA caching allocator's events over the loaded window
 (cuda_allocator_loaded: segments cudaMalloc'ed and freed, retries after a failed cudaMalloc).
@@ -611,6 +611,10 @@ def main():
                          "where the host is when a row stalls (0: off)")
     ap.add_argument("--progress-every", type=float, default=0,
                     help="every this many seconds, a progress line to stderr (layers, steps, allocator retries; 0: off)")
+    ap.add_argument("--warm-loaded", type=int, default=0,
+                    help="a loaded window before the rows, not one of them: streams decoding while a prompt of this "
+                         "many tokens prefills, with the first setting (does the first row of a process miss only "
+                         "for being its first? 0: none)")
     a = ap.parse_args()
     if a.stacks_every > 0:
         import faulthandler
@@ -626,6 +630,16 @@ def main():
         eng = full_size_engine(a.layers, "cuda", max_len=ctx, prefill_graph_tokens=a.prefill_graph_tokens)
     else:
         eng = Engine(demo_path(), EngineConfig(max_seq_len=ctx))
+    warm = None
+    if a.warm_loaded:
+        import copy
+        wa = copy.copy(a)
+        wa.long = a.warm_loaded
+        w = run_setting(eng, a.settings.split(",")[0], wa)
+        warm = {k: w.get(k) for k in ("setting", "p99_gap_over_unloaded_p50", "short_ttft_over_idle", "long_prefill_tok_s",
+                                      "prompt_chunks")}
+        warm["long_prompt"] = a.warm_loaded
+        print("warm-up loaded window:", warm, flush=True)
     rows = []
     for name in a.settings.split(","):
         rows.append(run_setting(eng, name, a))
@@ -636,7 +650,8 @@ def main():
                   "expert_cache": a.expert_cache if a.full_size and a.moe == "cache" else None,
                   "prefill_passes": eng.prefill_stream.stats() if eng.prefill_stream is not None else None,
                   "device": str(eng.device), "long_prompt": a.long, "short_prompt": a.short,
-                  "decoding_streams": a.streams, "prefill_graph_tokens": a.prefill_graph_tokens, "settings": rows})
+                  "decoding_streams": a.streams, "prefill_graph_tokens": a.prefill_graph_tokens,
+                  "warm_loaded": warm, "settings": rows})
 
 
 if __name__ == "__main__":
