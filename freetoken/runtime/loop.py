@@ -743,7 +743,7 @@ class EngineLoop:
     def _side_poll(self) -> None:
         """The polled overlap: emit the step in flight once the device has run it; launch the
         next when the last launched at least --decode-slowdown plain decode steps ago (back
-        to back with --decode-slowdown 0). Each step is the worker's would be (as_worker).
+        to back with --decode-slowdown 0). Each step runs as the worker's would (as_worker).
         An unexpected error stops the steps for the rest of the forward (the streams decode
         after it, as after a failed worker) instead of failing the prompt forward it runs in."""
         if self._side_off:
