@@ -73,7 +73,8 @@ MIN_PREFILL = 32  # prompt tokens a step takes at least, whatever the latency bu
 # under 2x against 3 of 8 (benchmarks/README.md, eighteenth session). Why is not known yet.
 BY_CLOCK = False
 # TAIL_CYCLES: the points after a forward's last decode step learn their costs at the forward's end
-# (Interleaver.tail); off until measured on the H200 (device plan 48)
+# (Interleaver.tail). Off: on the H200 (plan 49) 2.16/1.85/2.25x against the default's
+# 2.29/1.89/1.85x in the same processes, within the noise (benchmarks/README.md, nineteenth session)
 TAIL_CYCLES = False
 FIRST_TOKEN_SLOWDOWN = 2.0
 FIRST_TOKEN_GAP_S = 0.050

@@ -134,12 +134,14 @@ class EngineLoop:
         self.defer_steps = engine.device.type == "cuda"
         self._deferred: DeferredStep | None = None
         self.deferred_steps = 0  # telemetry
-        # a step before a point whose prompt work launches eagerly waits for its tokens instead
-        # (off: the A/B, device plan 47). On the H200 most gaps past 2x were the host reaching
-        # the hook after a full-attention layer 12-15 ms after the step before it (ab2's first
-        # row: 8 of 12): that layer's many small launches most likely queue behind the decode
-        # graph's, so its tokens are read only once the device is through nearly all of both.
-        # A waited step drains the queue first (the device then idles while those launch)
+        # a step before a point whose prompt work launches eagerly waits for its tokens instead.
+        # Off: on the H200 (plan 47) 2.86/2.35/1.85x against the default's 2.45/2.14/2.04x in the
+        # same processes, the prompt at 2,304 tok/s where it held. Why it was tried: most gaps
+        # past 2x were the host reaching the hook after a full-attention layer 12-15 ms after the
+        # step before it (ab2's first row: 8 of 12): that layer's many small launches most likely
+        # queue behind the decode graph's, so its tokens are read only once the device is through
+        # nearly all of both. A waited step drains the queue first (the device then idles while
+        # those launch)
         self.wait_before_eager = False
         self._step_point: float | None = None  # the point a decode step between layers runs before
         # with deferred steps, learn the prompt's point costs from the device's own clock (the
@@ -415,9 +417,7 @@ class EngineLoop:
             reqs = [r for r, _, _ in group] + decode
             if len(group) + bool(decode) == 1 and (decode or len(group) == 1):
                 log.exception("engine step failed for request(s) %s", [r.id for r in reqs])
-                for r in reqs:
-                    if r.finished_at is None:
-                        self._finish(r, "error", error=f"{type(e).__name__}: {e}")
+                self._fail(reqs, e)
                 return
             log.warning("a shared forward failed (%s: %s); its requests start over, each alone",
                         type(e).__name__, e)
@@ -589,10 +589,7 @@ class EngineLoop:
         if not self.streamed:  # a short prompt inside a streamed pass would be a pass inside a pass
             self._jump_in()
         if self.between.due(self._decode_s, i):
-            with self._lock:
-                rows = [r for r in self.sched.running.values()
-                        if not r.prefilling and not r.cancelled and r.finished_at is None and r.slot is not None]
-            rows = sorted((r for r in rows if self._grow_now(r)), key=lambda r: r.slot)
+            rows = self._step_rows()
             if rows and self._shared_state and not self.decode.replays(rows[-1].slot + 1):
                 rows = []  # an eager decode forward would overwrite the state the prompt's layers share
             if rows:
@@ -681,9 +678,7 @@ class EngineLoop:
                 check()
         except Exception as e:  # noqa: BLE001
             log.exception("engine step failed for request(s) %s", [r.id for r in d.reqs])
-            for r in d.reqs:
-                if r.finished_at is None:
-                    self._finish(r, "error", error=f"{type(e).__name__}: {e}")
+            self._fail(d.reqs, e)
             return False
         if self.metrics:
             self.metrics.decode_step(len(d.reqs), time.perf_counter() - d.t0)
@@ -769,15 +764,8 @@ class EngineLoop:
         gap = self.slowdown * self._decode_s if self.slowdown and self._decode_s is not None else 0.0
         if self._side_last is not None and now - self._side_last < gap:
             return
-        held = {id(r) for r, _, _ in ov.deferred}
-        with self._lock:
-            rows = [r for r in self.sched.running.values()
-                    if not r.prefilling and not r.cancelled and r.finished_at is None and r.slot is not None
-                    and id(r) not in held]
-        if not rows:
-            return
         with ov.as_worker():  # the rows' new pages and their block-table rows on the step's stream
-            rows = sorted((r for r in rows if self._grow_now(r)), key=lambda r: r.slot)
+            rows = self._step_rows(held={id(r) for r, _, _ in ov.deferred})
             if not rows:
                 return
             self._side_last = now
@@ -791,9 +779,7 @@ class EngineLoop:
             except Exception as e:  # noqa: BLE001 - the rows fail, as a decode step's do
                 log.exception("engine step failed for request(s) %s", [r.id for r in rows])
                 ov.sync()  # a step replayed before the failure: done before the next rewrites its inputs
-                for r in rows:
-                    if r.finished_at is None:
-                        self._finish(r, "error", error=f"{type(e).__name__}: {e}")
+                self._fail(rows, e)
 
     def _side_drain(self) -> None:
         """The polled overlap's step in flight, emitted (the prompt forward's end or failure)."""
@@ -838,16 +824,21 @@ class EngineLoop:
             return self._overlap_step_locked()
 
     def _overlap_step_locked(self) -> bool:
-        held = {id(r) for r, _, _ in self.overlap.deferred}
-        with self._lock:
-            rows = [r for r in self.sched.running.values()
-                    if not r.prefilling and not r.cancelled and r.finished_at is None and r.slot is not None
-                    and id(r) not in held]
-        rows = sorted((r for r in rows if self._grow_now(r)), key=lambda r: r.slot)
+        rows = self._step_rows(held={id(r) for r, _, _ in self.overlap.deferred})
         if not rows:
             return False
         self._run([], rows)
         return True
+
+    def _step_rows(self, held=()) -> list[Request]:
+        """The requests a decode step between or alongside a prompt's layers takes, in slot
+        order: those decoding (not `held`: finished on the overlap, awaiting the forward's end)
+        whose next position has a page at hand (no preemption mid-forward)."""
+        with self._lock:
+            rows = [r for r in self.sched.running.values()
+                    if not r.prefilling and not r.cancelled and r.finished_at is None and r.slot is not None
+                    and id(r) not in held]
+        return sorted((r for r in rows if self._grow_now(r)), key=lambda r: r.slot)
 
     def _grow_now(self, req: Request) -> bool:
         try:
@@ -868,9 +859,13 @@ class EngineLoop:
             fn(*args)
         except Exception as e:  # a bug: fail these requests, keep serving
             log.exception("engine step failed for request(s) %s", [r.id for r in reqs])
-            for req in reqs:
-                if req.finished_at is None:
-                    self._finish(req, "error", error=f"{type(e).__name__}: {e}")
+            self._fail(reqs, e)
+
+    def _fail(self, reqs: list[Request], e: BaseException) -> None:
+        """Finish with the error each of these requests not finished yet."""
+        for req in reqs:
+            if req.finished_at is None:
+                self._finish(req, "error", error=f"{type(e).__name__}: {e}")
 
     def _device_picks(self, reqs: list[Request], logits: torch.Tensor, rows: list[int]):
         """Greedy rows are decided where the logits are; only the others copy theirs over.

@@ -128,10 +128,11 @@ class DecodeOverlap:
     # device has run it (runtime/deferred_step.py). The worker's Python competed with the
     # prompt's launches for the GIL, and its steps ran back to back: on the H200 the prompt
     # prefilled ~20x slower than alone. The loop spaces the polled steps by --decode-slowdown
-    # times a plain decode step instead (ServingEngine._side_poll). Off by default: exact on the
+    # times a plain decode step instead (EngineLoop._side_poll). Off by default: exact on the
     # CPU and on CUDA (tests/test_overlap.py), but on the H200 (device plan 51, full-size shape,
-    # 32k prompt) no polled row finished within 150-180 s, against ~45 s for an interleaved one:
-    # the prompt stalled or crawled, cause not yet known (benchmarks/README.md, nineteenth session)
+    # 32k prompt) no polled row finished within 150-180 s, against ~45 s for an interleaved one.
+    # The likely cause, since fixed and not yet measured: the decode and prefill graphs shared one
+    # cuBLAS workspace through a shared capture stream (runtime/capture_stream.py)
     POLLED = False
 
     def __init__(self, device: torch.device, switch_s: float | None = SWITCH_S, polled: bool | None = None):
@@ -163,10 +164,14 @@ class DecodeOverlap:
         forward; no prefix-cache eviction meanwhile)."""
         self.local.worker = True
         try:
-            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            with self._on_stream():
                 yield
         finally:
             self.local.worker = False
+
+    def _on_stream(self):
+        """The high-priority stream as the current one (nothing off CUDA)."""
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def alongside(self, step):
@@ -178,9 +183,8 @@ class DecodeOverlap:
 
         def work():
             self.local.worker = True
-            ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
             try:
-                with ctx:
+                with self._on_stream():
                     while not stop.is_set() and step():
                         self.steps += 1
             except Exception:  # noqa: BLE001 - _run fails its own rows; anything else is a bug
