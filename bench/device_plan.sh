@@ -526,7 +526,16 @@ case "$STAGE" in
       --warm-loaded 8192 --settings interleave,interleave --name "interference-full-warmloaded$p"
   done
   ;;
-*) echo "stage 0 to 54"; exit 2 ;;
+55) # ~330 s (limits 200 + 200), issue 9: which Python line holds the host in the first attention layer
+  # after a deferred decode step (11 ms of host against 2.4 in the other attention layers at 8k,
+  # plan 52; the profiler named aten::mm and cudaMemcpyAsync but no frame): --layer-lines stamps
+  # each line of the prompt's stretches (bench/line_trace.py). An 8k pair, then a 32k first row
+  step 200 interference-lines-8k python3 -m bench.interference --full-size --long 8192 --prefill-graph-tokens 2048 \
+    --layer-lines on --settings interleave,interleave --name interference-full-lines-8k
+  step 200 interference-lines-32k python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
+    --layer-lines on --settings interleave --name interference-full-lines-32k
+  ;;
+*) echo "stage 0 to 55"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)

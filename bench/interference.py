@@ -38,6 +38,7 @@ import torch
 from bench.common import write_result
 from bench.fullsize import full_size_engine
 from bench.layer_timeline import LayerTimeline
+from bench.line_trace import LineTrace
 from freetoken.demo import demo_path
 from freetoken.kernels import page_gather
 from freetoken.runtime.engine import Engine, EngineConfig
@@ -369,7 +370,8 @@ def run_setting(eng, name: str, a) -> dict:
     srv = Stamped(eng, max_batch=a.streams + 2, max_queue=8, start=False)
     srv.stamps, srv.events = {}, []
     CURRENT.update(srv=srv, name=name)
-    srv.timeline = LayerTimeline(eng.device) if a.layer_events == "on" else None
+    lines = LineTrace() if a.layer_lines == "on" else None
+    srv.timeline = LayerTimeline(eng.device, lines=lines) if a.layer_events == "on" or lines else None
     srv.defer_steps = srv.defer_steps and a.defer_steps == "on" and s.get("defer", True)
     if a.device_costs != "default":
         srv.device_costs = a.device_costs == "on"
@@ -444,6 +446,8 @@ def run_setting(eng, name: str, a) -> dict:
     alloc0, host0 = allocator_counts(eng.device), host_alloc_counts(eng.device)
     if srv.timeline is not None:  # the long prompt's forwards only (and the short one's)
         srv.timeline.forwards = []
+        if srv.timeline.lines is not None:
+            srv.timeline.lines.sites = {}
     syncs = SyncSites(eng.device) if a.sync_debug == "on" else contextlib.nullcontext()
     prof = host_profiler(a.host_profile == "stacks") if a.host_profile != "off" else contextlib.nullcontext()
     t_long = time.perf_counter()
@@ -523,6 +527,8 @@ def run_setting(eng, name: str, a) -> dict:
     out["cost_model"] = cost_summary(srv.between, srv._decode_s)
     if srv.timeline is not None:
         out["layer_timeline"] = srv.timeline.summary(srv._graph_cap())
+        if srv.timeline.lines is not None:
+            out["slow_lines"] = srv.timeline.lines.summary()
     out["prefill_graph_replays"] = graphs.replays if graphs is not None and graphs.enabled else 0
     out["prefill_graphed"] = sorted(graphs.blocks) if graphs is not None and graphs.enabled else []
     out["p99_gap_over_unloaded_p50"] = round(quantile(loaded, 0.99) / statistics.median(unloaded), 2)
@@ -590,6 +596,9 @@ def main():
     ap.add_argument("--layer-events", default="off", choices=["on", "off"],
                     help="time each stretch of the prompt forwards' work between hook points on the device "
                          "(CUDA events) and the host (bench/layer_timeline.py)")
+    ap.add_argument("--layer-lines", default="off", choices=["on", "off"],
+                    help="with the layer timeline (implied): the Python lines that held the host 1 ms or more "
+                         "in each stretch of prompt work (bench/line_trace.py; slows the host: for diagnosis)")
     ap.add_argument("--defer-steps", default="on", choices=["on", "off"],
                     help="decode steps between layers read their tokens a hook later (runtime/deferred_step.py; "
                          "CUDA) or wait for them at once (the A/B)")

@@ -16,8 +16,11 @@ import torch
 
 
 class LayerTimeline:
-    def __init__(self, device: torch.device, keep: int = 512):
+    def __init__(self, device: torch.device, keep: int = 512, lines=None):
+        """lines: a bench.line_trace.LineTrace that stamps each stretch's Python lines (or None)."""
         self.cuda = torch.device(device).type == "cuda"
+        self.lines = lines
+        self._stretch: str | None = None  # the stretch the line tracer is in
         self.keep = keep  # forwards kept (the oldest dropped): a 32k prompt runs tens of them
         self.forwards: list[dict] = []
         self.open: dict | None = None
@@ -33,10 +36,12 @@ class LayerTimeline:
         """A prompt forward (not one nested between another's layers) starts."""
         self.open = {"tokens": tokens, "marks": []}
         self._mark("begin")
+        self._trace("setup")
 
     def enter(self, i: float) -> None:
         """The hook before point i starts (a decode step may run inside it)."""
         if self.open is not None:
+            self._trace(None)
             self._mark(("in", i))
 
     def leave(self, i: float, stepped: bool = False) -> None:
@@ -47,14 +52,28 @@ class LayerTimeline:
         different things with deferral on and off."""
         if self.open is not None:
             self._mark(("out", i, stepped))
+            self._trace(f"{i:g}")
 
     def end(self) -> None:
         if self.open is None:
             return
+        if self._stretch not in (None, "setup"):
+            self._stretch = "tail"  # the last point's work is the tail, as stretches() names it
+        self._trace(None)
         self._mark("end")
         self.forwards.append(self.open)
         self.forwards = self.forwards[-self.keep:]
         self.open = None
+
+    def _trace(self, stretch: str | None) -> None:
+        """The line tracer leaves the stretch it is in, and enters `stretch` (None: none)."""
+        if self.lines is None:
+            return
+        if self._stretch is not None:
+            self.lines.stop(self._stretch)
+        self._stretch = stretch
+        if stretch is not None:
+            self.lines.start()
 
     def stretches(self, fwd: dict) -> list[tuple[str, float, float | None, bool]]:
         """(name, host ms, device ms or None, after a decode step) of one forward: "setup" (its

@@ -53,6 +53,36 @@ def test_layer_timeline_splits_prompt_work_from_the_hooks():
         assert s[kind]["after_step"]["0"][1] is None and s[kind]["after_step"]["0"][2] >= 0.5
 
 
+def _blocking_layer(ms: float) -> None:
+    import time
+    time.sleep(ms / 1e3)  # the line that holds the host
+
+
+def test_line_trace_names_the_line_that_held_the_host():
+    """With a LineTrace, the stretch whose work sleeps 8 ms names the sleeping line, under its
+    point, with its source; lines faster than min_ms are not kept, and tracing stops at end()."""
+    import sys
+
+    from bench.layer_timeline import LayerTimeline
+    from bench.line_trace import LineTrace
+    lines = LineTrace(min_ms=4.0)
+    tl = LayerTimeline(torch.device("cpu"), lines=lines)
+    for _ in range(2):
+        tl.begin(64)
+        for i in range(3):
+            tl.enter(i)
+            tl.leave(i)
+            _blocking_layer(8.0 if i == 1 else 0.5)
+        tl.end()
+    assert sys.gettrace() is None
+    rows = lines.summary()
+    assert len(rows) == 1, rows
+    r = rows[0]
+    assert r["stretch"] == "1" and r["count"] == 2 and r["after"] == "line"
+    assert r["site"].startswith("tests/test_bench_interference.py:") and "time.sleep" in r["code"]
+    assert 7.0 <= r["p50_ms"] <= r["max_ms"]
+
+
 def test_once_per_step_keeps_one_gap_of_the_streams_of_a_step():
     """Two streams of one decode step emit their tokens microseconds apart: their gaps count once;
     a gap of the next step (ending 2 ms later) is kept."""

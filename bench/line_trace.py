@@ -1,0 +1,81 @@
+"""Which Python line the host is blocked in, during a stretch of prompt work (bench.interference
+--layer-lines). The profiler's host view of the H200 runs named the operators that held the host
+(aten::mm, cudaMemcpyAsync up to 6-7 ms) but not where they were called from (torch 2.11's
+profiler recorded no Python frames there). Here sys.settrace stamps every line, call and return
+event of the loop's thread while a stretch runs; the time from one event to the next belongs to
+the earlier event's line (a C call inside a line emits nothing until the line ends). Lines that
+took `min_ms` or more are kept, by stretch and site.
+
+The tracer costs ~1-2 us a line: a traced layer's host time grows, so read the sites, not the
+row's ratios (the flag is for diagnosis only)."""
+from __future__ import annotations
+
+import linecache
+import statistics
+import sys
+import time
+
+
+def _site(code, line: int) -> str:
+    """'freetoken/model/attention.py:64' (a path shortened to the package or site-packages)."""
+    path = code.co_filename
+    for root in ("freetoken/", "site-packages/", "bench/", "tests/"):
+        k = path.rfind(root)
+        if k >= 0:
+            path = path[k + (len("site-packages/") if root == "site-packages/" else 0):]
+            break
+    return f"{path}:{line}"
+
+
+class LineTrace:
+    def __init__(self, min_ms: float = 1.0, keep: int = 20):
+        self.min_ns = int(min_ms * 1e6)
+        self.keep = keep
+        self.sites: dict[tuple[str, str, str], list[float]] = {}  # (stretch, site, event) -> ms each time
+        self.code: dict[str, str] = {}  # site -> its source line
+        self._events: list | None = None
+
+    def _trace(self, frame, event, arg):
+        ev = self._events
+        if ev is not None and event in ("call", "line", "return"):
+            ev.append((time.perf_counter_ns(), frame.f_code, frame.f_lineno, event))
+        return self._trace
+
+    def start(self) -> None:
+        """From here on this thread's lines are stamped (and the frames already running: the
+        forward's layer loop that calls the hooks is one of them)."""
+        self._events = []
+        f = sys._getframe(1)
+        while f is not None:  # settrace reaches new frames only; these get their line events too
+            f.f_trace = self._trace
+            f = f.f_back
+        sys.settrace(self._trace)
+        self._events.append((time.perf_counter_ns(), None, 0, "start"))
+
+    def stop(self, stretch: str) -> None:
+        """The stretch ends: its slow lines are kept under `stretch`."""
+        if self._events is None:
+            return
+        sys.settrace(None)
+        f = sys._getframe(1)
+        while f is not None:
+            f.f_trace = None
+            f = f.f_back
+        ev, self._events = self._events, None
+        ev.append((time.perf_counter_ns(), None, 0, "stop"))
+        for (t0, code, line, kind), (t1, *_) in zip(ev, ev[1:]):
+            if t1 - t0 < self.min_ns or code is None:
+                continue
+            site = _site(code, line)
+            self.code.setdefault(site, linecache.getline(code.co_filename, line).strip()[:120])
+            self.sites.setdefault((stretch, site, kind), []).append((t1 - t0) / 1e6)
+
+    def summary(self) -> list[dict]:
+        """The sites by how often they held the host `min_ms` or more: stretch, site, its source,
+        the event the time followed (line: the line itself; call: entering a function; return: the
+        caller's code after a return), count, p50 and max ms."""
+        rows = [{"stretch": s, "site": site, "code": self.code.get(site, ""), "after": kind, "count": len(ms),
+                 "p50_ms": round(statistics.median(ms), 2), "max_ms": round(max(ms), 2)}
+                for (s, site, kind), ms in self.sites.items()]
+        rows.sort(key=lambda r: (-r["count"], -r["max_ms"]))
+        return rows[:self.keep]
