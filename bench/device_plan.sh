@@ -535,7 +535,17 @@ case "$STAGE" in
   step 200 interference-lines-32k python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
     --layer-lines on --settings interleave --name interference-full-lines-32k
   ;;
-*) echo "stage 0 to 55"; exit 2 ;;
+56) # ~420 s (limits 60 + 150 + 330), issue 9: plan 55 found the host held 3.6-7 ms in layer 3's q/k/v
+  # F.linear right after a deferred decode step. bench/launch_block.py: is it any launch on the
+  # stream behind the decode graph, or cuBLAS's, and does a step on its own stream (ordered by
+  # events) leave the host free. Then the deferred steps' CUDA test with the step stream, and the
+  # 32k rows alternating the step stream (interleave-side, new) with the default
+  step 60 launch-block python3 -m bench.launch_block --name launch_block
+  FT_TAG=plan56 FT_PER_FILE=150 FT_K="deferred and cuda" bash bench/device_tests.sh tests/test_interleave.py > /dev/null
+  step 330 interference-side python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
+    --settings interleave-side,interleave,interleave-side,interleave --name interference-full-side
+  ;;
+*) echo "stage 0 to 56"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)

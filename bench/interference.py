@@ -83,6 +83,8 @@ SETTINGS = {
     # the points after a forward's last decode step learn at its end (interleave.TAIL_CYCLES)
     "interleave-tail": interleaved(tail_cycles=True),
     "interleave-hostcost": interleaved(device_costs=False),
+    # deferred steps launched on a stream of their own, ordered by events (the loop's step_stream)
+    "interleave-side": interleaved(step_stream=True),
     "interleave-halves-wait": interleaved(mid_layer=True, defer=False),
     # the interleave with the prompt chunks' MoE blocks eager (no prefill graphs: runtime/prefill_graphs.py)
     "interleave-eager-moe": interleaved(prefill_graphs=False),
@@ -390,6 +392,7 @@ def run_setting(eng, name: str, a) -> dict:
     srv.start_marks = s.get("start_marks", srv.start_marks)
     srv.wait_before_eager = s.get("wait_before_eager", srv.wait_before_eager)
     srv.tail_cycles = s.get("tail_cycles", srv.tail_cycles)
+    srv.step_stream = s.get("step_stream", srv.step_stream)
     graphs = getattr(eng, "prefill_graphs", None)
     if graphs is not None:
         graphs.enabled, graphs.replays = s.get("prefill_graphs", True), 0
@@ -472,6 +475,7 @@ def run_setting(eng, name: str, a) -> dict:
            "stall_filter": srv.between.stall_filter, "stalls_dropped": srv.between.stalls_dropped,
            "by_clock": srv.between.by_clock, "start_marks": srv.start_marks,
            "wait_before_eager": srv.wait_before_eager, "tail_cycles": srv.tail_cycles,
+           "step_stream": srv.step_stream,
            "decode_steps_alongside_prompts": srv.overlap.steps if srv.overlap is not None else 0,
            "overlap_polled": srv.overlap.polled if srv.overlap is not None else None,
            "prompts_between_layers": srv.jump_ins,

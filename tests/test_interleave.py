@@ -522,11 +522,13 @@ def test_deferred_decode_steps_give_the_same_tokens(eng):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: decode graphs, copies in flight")
-def test_deferred_decode_steps_give_the_same_tokens_on_cuda(eng):
+@pytest.mark.parametrize("step_stream", [False, True])
+def test_deferred_decode_steps_give_the_same_tokens_on_cuda(eng, step_stream):
     """The same on CUDA, where the steps replay decode graphs and the picks and logits reach
-    pinned host memory while the next layer is queued behind them."""
+    pinned host memory while the next layer is queued behind them; with step_stream, the steps
+    on a stream of their own, ordered against the prompt's layers by events."""
     cuda = Engine(eng.path, EngineConfig(device="cuda", dtype="float32", prefill_chunk=32))
-    deferred_against_waiting(cuda)
+    deferred_against_waiting(cuda, step_stream)
 
 
 def test_device_costs_time_the_points_between_deferred_steps(eng):
@@ -649,7 +651,7 @@ def test_a_step_before_an_eagerly_launched_point_waits_for_its_tokens(eng):
         engine.prefill_graphs = old
 
 
-def deferred_against_waiting(eng):
+def deferred_against_waiting(eng, step_stream: bool = False):
     g = torch.Generator().manual_seed(11)
     ps = [torch.randint(5, eng.cfg.vocab_size, (n,), generator=g).tolist() for n in (14, 21, 260, 17)]
 
@@ -660,7 +662,7 @@ def deferred_against_waiting(eng):
     runs = {}
     for defer in (False, True):
         srv = serving(eng, True)
-        srv.defer_steps = defer
+        srv.defer_steps, srv.step_stream = defer, step_stream
         cycles, real = [], srv.between.cycle
 
         def spy(decode_s, ran=None, work_s=None, real=real, srv=srv, cycles=cycles):

@@ -143,6 +143,12 @@ class EngineLoop:
         # nearly all of both. A waited step drains the queue first (the device then idles while
         # those launch)
         self.wait_before_eager = False
+        # a deferred step's launches (its graph, the copies of its picks) on a stream of their
+        # own, ordered against the prompt's by events on the device: the prompt's first eager
+        # launch after a step (its first attention layer's q/k/v GEMM) held the host 3.6-7 ms on
+        # the H200, about the step's device time (bench/line_trace.py, plan 55). Off until measured
+        self.step_stream = False
+        self._step_stream = None
         self._step_point: float | None = None  # the point a decode step between layers runs before
         # with deferred steps, learn the prompt's point costs from the device's own clock (the
         # previous step's end to this step's start: exactly the points queued between them)
@@ -444,11 +450,13 @@ class EngineLoop:
             dec_logits, pre_logits = eng.forward_mixed(self.state, *rows, segs)
         elif decode:
             defer = self._defer(decode)  # between a prompt's layers: its tokens at the next hook
-            start = mark(eng.device) if defer and self.device_costs else None
-            dec_logits, pre_logits = self.decode(tokens, pos, active), None  # [>= n, V] on the device
+            with self._on_step_stream(defer):
+                start = mark(eng.device) if defer and self.device_costs else None
+                dec_logits, pre_logits = self.decode(tokens, pos, active), None  # [>= n, V] on the device
+                if defer:
+                    self._deferred = DeferredStep.launch(decode, dec_logits, t0, start)
+                    self.deferred_steps += 1
             if defer:
-                self._deferred = DeferredStep.launch(decode, dec_logits, t0, start)
-                self.deferred_steps += 1
                 return
         else:  # [finishing, V] or None; decode steps (and short prompts) may run between its layers
             nested = self.between.running  # a short prompt prefilling between another forward's layers
@@ -638,6 +646,24 @@ class EngineLoop:
             return False
         return (self.defer_steps and self.between.running and self._prompt_forward and not self.streamed
                 and self.overlap is None and DeferredStep.eligible(decode, self.record_logits))
+
+    @contextlib.contextmanager
+    def _on_step_stream(self, defer: bool):
+        """A deferred step between layers on its own stream (step_stream), in the prompt's
+        order all the same: it waits for the layers queued before it and the layers after it
+        wait for it, both on the device. Nothing otherwise."""
+        if not (defer and self.step_stream and self.engine.device.type == "cuda"):
+            yield
+            return
+        if self._step_stream is None:
+            self._step_stream = torch.cuda.Stream(self.engine.device)
+        cur = torch.cuda.current_stream(self.engine.device)
+        self._step_stream.wait_stream(cur)
+        try:
+            with torch.cuda.stream(self._step_stream):
+                yield
+        finally:
+            cur.wait_stream(self._step_stream)
 
     def _eager_point(self, i: float) -> bool:
         """Whether point i's prompt work in the forward in flight launches eagerly: the whole
