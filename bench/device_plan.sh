@@ -545,7 +545,15 @@ case "$STAGE" in
   step 330 interference-side python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
     --settings interleave-side,interleave,interleave-side,interleave --name interference-full-side
   ;;
-*) echo "stage 0 to 56"; exit 2 ;;
+57) # ~330 s (limit 330), issue 9: plan 56 ruled out the launch queue (bench.launch_block's probe
+  # launches after a decode graph took 0.01-0.1 ms; the step stream left the 12-15 ms gaps). Is
+  # the F.linear that holds the host a wait for the GIL? The line tracer now keeps the thread's
+  # CPU time beside each slow line (asleep or off the CPU: ~0), and interleave-gil runs the row
+  # at a 0.1 ms switch interval
+  step 330 interference-gil python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
+    --layer-lines on --settings interleave,interleave-gil,interleave,interleave-gil --name interference-full-gil
+  ;;
+*) echo "stage 0 to 57"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)

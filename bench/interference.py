@@ -30,6 +30,8 @@ import argparse
 import contextlib
 import os
 import statistics
+import sys
+import threading
 import time
 import warnings
 
@@ -85,6 +87,9 @@ SETTINGS = {
     "interleave-hostcost": interleaved(device_costs=False),
     # deferred steps launched on a stream of their own, ordered by events (the loop's step_stream)
     "interleave-side": interleaved(step_stream=True),
+    # Python's GIL switch interval at 0.1 ms for the row (sys default 5 ms): whether the host
+    # time lost in a prompt layer is a wait to take the GIL back from another thread
+    "interleave-gil": interleaved(switch_s=1e-4),
     "interleave-halves-wait": interleaved(mid_layer=True, defer=False),
     # the interleave with the prompt chunks' MoE blocks eager (no prefill graphs: runtime/prefill_graphs.py)
     "interleave-eager-moe": interleaved(prefill_graphs=False),
@@ -354,7 +359,6 @@ def progress(every: float, stop) -> None:
     """Every `every` seconds to stderr: the setting running, how many prompt layers, decode
     steps and overlap steps its loop has passed, and the allocator's retries and all-stream
     syncs (a stalled row: the layers stop; a crawling one: they creep)."""
-    import sys
     while not stop.wait(every):
         srv = CURRENT.get("srv")
         if srv is None:
@@ -368,6 +372,21 @@ def progress(every: float, stop) -> None:
 
 
 def run_setting(eng, name: str, a) -> dict:
+    """One setting's row; an interleaved setting's switch_s is the GIL switch interval meanwhile."""
+    s = SETTINGS[name]
+    switch = sys.getswitchinterval()
+    if s.get("interleave") and s.get("switch_s") is not None:
+        sys.setswitchinterval(s["switch_s"])
+    try:
+        out = _run_setting(eng, name, a)
+    finally:
+        sys.setswitchinterval(switch)
+    out["switch_interval_s"] = s.get("switch_s") if s.get("interleave") and s.get("switch_s") is not None else switch
+    out["python_threads"] = sorted(t.name for t in threading.enumerate())
+    return out
+
+
+def _run_setting(eng, name: str, a) -> dict:
     s = SETTINGS[name]
     srv = Stamped(eng, max_batch=a.streams + 2, max_queue=8, start=False)
     srv.stamps, srv.events = {}, []
@@ -633,7 +652,6 @@ def main():
         import faulthandler
         faulthandler.dump_traceback_later(a.stacks_every, repeat=True)
     if a.progress_every > 0:
-        import threading
         threading.Thread(target=progress, args=(a.progress_every, threading.Event()), daemon=True).start()
     page_gather.ENABLED = a.gather_workspace == "on"
     ctx = a.long + a.short + 64

@@ -38,7 +38,7 @@ class LineTrace:
     def _trace(self, frame, event, arg):
         ev = self._events
         if ev is not None and event in ("call", "line", "return"):
-            ev.append((time.perf_counter_ns(), frame.f_code, frame.f_lineno, event))
+            ev.append((time.perf_counter_ns(), time.thread_time_ns(), frame.f_code, frame.f_lineno, event))
         return self._trace
 
     def start(self) -> None:
@@ -50,7 +50,7 @@ class LineTrace:
             f.f_trace = self._trace
             f = f.f_back
         sys.settrace(self._trace)
-        self._events.append((time.perf_counter_ns(), None, 0, "start"))
+        self._events.append((time.perf_counter_ns(), time.thread_time_ns(), None, 0, "start"))
 
     def stop(self, stretch: str) -> None:
         """The stretch ends: its slow lines are kept under `stretch`."""
@@ -62,20 +62,23 @@ class LineTrace:
             f.f_trace = None
             f = f.f_back
         ev, self._events = self._events, None
-        ev.append((time.perf_counter_ns(), None, 0, "stop"))
-        for (t0, code, line, kind), (t1, *_) in zip(ev, ev[1:]):
+        ev.append((time.perf_counter_ns(), time.thread_time_ns(), None, 0, "stop"))
+        for (t0, c0, code, line, kind), (t1, c1, *_) in zip(ev, ev[1:]):
             if t1 - t0 < self.min_ns or code is None:
                 continue
             site = _site(code, line)
             self.code.setdefault(site, linecache.getline(code.co_filename, line).strip()[:120])
-            self.sites.setdefault((stretch, site, kind), []).append((t1 - t0) / 1e6)
+            self.sites.setdefault((stretch, site, kind), []).append(((t1 - t0) / 1e6, (c1 - c0) / 1e6))
 
     def summary(self) -> list[dict]:
         """The sites by how often they held the host `min_ms` or more: stretch, site, its source,
         the event the time followed (line: the line itself; call: entering a function; return: the
-        caller's code after a return), count, p50 and max ms."""
+        caller's code after a return), count, p50 and max ms, and the p50 of the thread's CPU time
+        meanwhile (near the wall time: the thread ran, spinning in a driver's wait say; near 0: it
+        slept, on a lock such as the GIL, or was off the CPU)."""
         rows = [{"stretch": s, "site": site, "code": self.code.get(site, ""), "after": kind, "count": len(ms),
-                 "p50_ms": round(statistics.median(ms), 2), "max_ms": round(max(ms), 2)}
+                 "p50_ms": round(statistics.median(w for w, _ in ms), 2), "max_ms": round(max(w for w, _ in ms), 2),
+                 "cpu_p50_ms": round(statistics.median(c for _, c in ms), 2)}
                 for (s, site, kind), ms in self.sites.items()]
         rows.sort(key=lambda r: (-r["count"], -r["max_ms"]))
         return rows[:self.keep]

@@ -81,6 +81,7 @@ def test_line_trace_names_the_line_that_held_the_host():
     assert r["stretch"] == "1" and r["count"] == 2 and r["after"] == "line"
     assert r["site"].startswith("tests/test_bench_interference.py:") and "time.sleep" in r["code"]
     assert 7.0 <= r["p50_ms"] <= r["max_ms"]
+    assert r["cpu_p50_ms"] < 2.0  # asleep: off the CPU
 
 
 def test_once_per_step_keeps_one_gap_of_the_streams_of_a_step():
