@@ -553,7 +553,18 @@ case "$STAGE" in
   step 330 interference-gil python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
     --layer-lines on --settings interleave,interleave-gil,interleave,interleave-gil --name interference-full-gil
   ;;
-*) echo "stage 0 to 57"; exit 2 ;;
+58) # ~330 s (limits 60 + 90 + 260), issue 9: plan 57 showed the thread on the CPU all through the
+  # 4.6 ms F.linear (not the GIL: a 0.1 ms switch interval changed nothing): cuBLAS picking a
+  # kernel for a row count it had not met, once per forward. Rows now padded to multiples of 64 and
+  # every padded count warmed at load (model/linear.py). launch_block's new-rows cases show the
+  # pick's cost; then the linear tests, and a fresh process's 32k rows (the first row missed in
+  # every process so far)
+  step 60 launch-block python3 -m bench.launch_block --name launch_block-rows
+  FT_TAG=plan58 FT_PER_FILE=90 FT_K="linear_pad" bash bench/device_tests.sh tests/test_kernels.py > /dev/null
+  step 260 interference-padrows python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
+    --settings interleave,interleave --name interference-full-padrows
+  ;;
+*) echo "stage 0 to 58"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)

@@ -14,6 +14,10 @@ probe returned (the host waited for it). Cases:
   linear-after-side     the graph on a high-priority side stream, the main stream waiting on it
                         through an event (device-side; the launch queues differ)
   linear-no-graph       no decode graph: the probe's host time behind the busy device alone
+  linear-new-rows       no decode graph, the probe GEMM at a row count it has not met before
+                        (a prompt chunk's T: new at almost every forward)
+  linear-padded-rows    the same through model.linear.linear, its rows padded to a multiple of
+                        ROW_GRANULE, after warm_gemm_rows
 
     python -m bench.launch_block [--hidden 2048] [--layers 40] [--busy-ms 3] [--reps 40]
 """
@@ -120,6 +124,22 @@ def main():
             done += bool(end.query())  # the step had finished when the probe returned: it waited
         rows.append({"case": name, "probe_host_ms_p50": round(statistics.median(host), 3),
                      "probe_host_ms_max": round(max(host), 3), "step_done_at_return": done, "reps": a.reps})
+        print(rows[-1], flush=True)
+    from freetoken.model import linear as lin
+    for name, fn in (("linear-new-rows", F.linear), ("linear-padded-rows", lin.linear)):
+        if fn is lin.linear:
+            lin.linear(xp[:100], wp)  # the weight seen, then every padded row count through it
+            lin.warm_gemm_rows(a.rows)
+            torch.cuda.synchronize()
+        host = []
+        for r in range(a.reps):
+            m = a.rows // 2 + 7 * r + (3 if fn is lin.linear else 1)  # row counts neither case met before
+            torch.cuda.synchronize()
+            s = time.perf_counter()
+            fn(xp[:m], wp)
+            host.append((time.perf_counter() - s) * 1e3)
+        rows.append({"case": name, "probe_host_ms_p50": round(statistics.median(host), 3),
+                     "probe_host_ms_max": round(max(host), 3), "reps": a.reps})
         print(rows[-1], flush=True)
     write_result(a.name, {"hidden": h, "layers": a.layers, "rows": a.rows, "busy_ms": a.busy_ms,
                           "decode_graph_ms": round(decode_ms, 3), "cases": rows})

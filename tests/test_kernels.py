@@ -246,3 +246,39 @@ def test_rows_routed_to_no_expert_add_nothing(grouped):
                 CpuExpertExecutor(gu.cpu(), dn.cpu()).kernel(x.cpu(), routed.cpu(), w.cpu()).to(DEV)):
         assert float(got[idle].abs().max()) == 0.0
         assert rel(got[~idle], live) < 1e-5
+
+
+def test_linear_pads_cuda_rows_and_warms_each_padded_count():
+    """model.linear: a CUDA GEMM's rows past ROW_GRANULE run padded to its next multiple (cuBLAS
+    then meets few shapes); warm_gemm_rows runs every padded count up to a cap through each weight
+    seen, and skips weights that are gone (it holds them weakly)."""
+    import gc
+    import weakref
+
+    from freetoken.model import linear as lin
+    assert [lin.padded_rows(m) for m in (1, 64, 65, 128, 129, 2046)] == [1, 64, 128, 128, 192, 2048]
+    w = torch.randn(24, 16)
+    saved = dict(lin.SEEN)
+    lin.SEEN.clear()
+    try:
+        lin.SEEN[(24, 16, w.dtype, w.device, False)] = (weakref.ref(w), None)
+        assert lin.warm_gemm_rows(200) == 4  # 64, 128, 192, 256
+        del w
+        gc.collect()
+        assert lin.warm_gemm_rows(200) == 0
+    finally:
+        lin.SEEN.clear()
+        lin.SEEN.update(saved)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: rows are padded there only")
+def test_linear_padded_rows_equal_the_plain_gemm_on_cuda():
+    from freetoken.model import linear as lin
+    g = torch.Generator(device="cuda").manual_seed(3)
+    w = torch.randn(96, 64, device="cuda", generator=g)
+    b = torch.randn(96, device="cuda", generator=g)
+    for m in (5, 64, 65, 130):
+        x = torch.randn(m, 64, device="cuda", generator=g)
+        y = lin.linear(x, w, b)
+        assert y.shape == (m, 96)
+        torch.testing.assert_close(y, torch.nn.functional.linear(x, w, b), rtol=1e-4, atol=1e-4)

@@ -14,6 +14,8 @@ there, and a GEMM then pays no dequantization); keeping FP8 there is for hosts s
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -21,12 +23,58 @@ from ..kernels import use_triton
 from ..weights.dense_fp8 import Fp8BlockWeight
 
 
+# cuBLAS picks a GEMM's kernel by its heuristics once per shape and keeps the pick; a prompt
+# chunk's row count is new at almost every forward, and on the H200 each new one held the host
+# ~4.6 ms on the CPU inside F.linear (the first attention layer's q/k/v projection of each
+# forward, which the decode steps between layers then waited for: bench/line_trace.py, device
+# plans 55 and 57; it showed less in a process's later rows as the picks accumulated). On CUDA
+# the rows of a plain GEMM past ROW_GRANULE are padded up to a multiple of it, so a prompt meets
+# at most cap / ROW_GRANULE shapes per weight, and Engine.warm_up runs them all at load
+# (warm_gemm_rows). Rows never mix in a GEMM, so the padding changes no real row's inputs.
+ROW_GRANULE = 64
+PAD_ROWS = True
+# (N, K, dtype, device, bias?) -> weak references to (w, b): a plain weight of each shape linear()
+# ran on CUDA (weak: an engine's weights are not kept alive by having run here)
+SEEN: dict[tuple, tuple] = {}
+
+
+def padded_rows(m: int) -> int:
+    """The row count a CUDA GEMM of m rows runs at: m up to ROW_GRANULE, else the next multiple."""
+    return m if m <= ROW_GRANULE else -(-m // ROW_GRANULE) * ROW_GRANULE
+
+
 def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K], w [N, K] (a tensor or an Fp8BlockWeight), b [N] or None -> [..., N] in x's dtype."""
     if not isinstance(w, Fp8BlockWeight):
-        return F.linear(x, w, b)
+        if not (x.is_cuda and PAD_ROWS and x.dim() == 2) or torch.cuda.is_current_stream_capturing():
+            return F.linear(x, w, b)
+        key = (w.shape[0], w.shape[1], w.dtype, w.device, b is not None)
+        if key not in SEEN or SEEN[key][0]() is None:
+            SEEN[key] = (weakref.ref(w), weakref.ref(b) if b is not None else None)
+        m = x.shape[0]
+        mp = padded_rows(m)
+        if mp == m:
+            return F.linear(x, w, b)
+        return F.linear(F.pad(x, (0, 0, 0, mp - m)), w, b)[:m]  # [mp, N] -> its first m rows
     if use_triton(x):
         from ..kernels.fp8_linear import fp8_linear_triton
         return fp8_linear_triton(x, w.values, w.scale_inv, b)
     out = F.linear(x.float(), w.dequantize(torch.float32), None if b is None else b.float())  # [..., N]
     return out.to(x.dtype)
+
+
+def warm_gemm_rows(cap: int) -> int:
+    """Every padded row count up to cap through each plain weight linear() has run on CUDA (the
+    load-time prompt forwards' weights), so cuBLAS has picked its kernels before a request
+    meets them. Returns the GEMMs run."""
+    n = 0
+    with torch.no_grad():
+        for (_, k, dtype, device, _), (wr, br) in list(SEEN.items()):
+            w, b = wr(), br() if br is not None else None
+            if w is None or (br is not None and b is None):
+                continue
+            x = torch.randn(padded_rows(cap), k, dtype=dtype, device=device)
+            for m in range(ROW_GRANULE, padded_rows(cap) + 1, ROW_GRANULE):
+                F.linear(x[:m], w, b)
+                n += 1
+    return n
