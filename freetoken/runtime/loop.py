@@ -138,15 +138,15 @@ class EngineLoop:
         # Off: on the H200 (plan 47) 2.86/2.35/1.85x against the default's 2.45/2.14/2.04x in the
         # same processes, the prompt at 2,304 tok/s where it held. Why it was tried: most gaps
         # past 2x were the host reaching the hook after a full-attention layer 12-15 ms after the
-        # step before it (ab2's first row: 8 of 12): that layer's many small launches most likely
-        # queue behind the decode graph's, so its tokens are read only once the device is through
-        # nearly all of both. A waited step drains the queue first (the device then idles while
-        # those launch)
+        # step before it (ab2's first row: 8 of 12). That turned out to be cuBLAS picking a kernel
+        # for the forward's new row count inside the layer's first GEMM (~4.6 ms of host CPU;
+        # bench/line_trace.py, plans 55-58), fixed by padding the rows (model/linear.py)
         self.wait_before_eager = False
         # a deferred step's launches (its graph, the copies of its picks) on a stream of their
-        # own, ordered against the prompt's by events on the device: the prompt's first eager
-        # launch after a step (its first attention layer's q/k/v GEMM) held the host 3.6-7 ms on
-        # the H200, about the step's device time (bench/line_trace.py, plan 55). Off until measured
+        # own, ordered against the prompt's by events on the device. Tried because the prompt's
+        # first eager GEMM after a step held the host 3.6-7 ms on the H200 (plan 55); off: it
+        # changed nothing (plan 56: 2.34/1.91x against 2.26/1.82x in one process), the hold was
+        # cuBLAS picking a kernel for each new row count (model/linear.py ROW_GRANULE)
         self.step_stream = False
         self._step_stream = None
         self._step_point: float | None = None  # the point a decode step between layers runs before

@@ -129,10 +129,12 @@ class DecodeOverlap:
     # prompt's launches for the GIL, and its steps ran back to back: on the H200 the prompt
     # prefilled ~20x slower than alone. The loop spaces the polled steps by --decode-slowdown
     # times a plain decode step instead (EngineLoop._side_poll). Off by default: exact on the
-    # CPU and on CUDA (tests/test_overlap.py), but on the H200 (device plan 51, full-size shape,
-    # 32k prompt) no polled row finished within 150-180 s, against ~45 s for an interleaved one.
-    # The likely cause, since fixed and not yet measured: the decode and prefill graphs shared one
-    # cuBLAS workspace through a shared capture stream (runtime/capture_stream.py)
+    # CPU and on CUDA (tests/test_overlap.py). On the H200 no 32k polled row finished (plan 51)
+    # while the decode and prefill graphs shared one cuBLAS workspace through one capture stream
+    # (bench/graph_race.py: replays at once mismatched in that mode, never in separate ones;
+    # runtime/capture_stream.py). Since, an 8k row finished (plan 52): the prompt at 13,665 tok/s
+    # but a stream's p99 gap at 3.62x unloaded (the interleave 2.57x, the worker 1.38x with a
+    # short request's first token at 17.9x idle)
     POLLED = False
 
     def __init__(self, device: torch.device, switch_s: float | None = SWITCH_S, polled: bool | None = None):
