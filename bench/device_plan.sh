@@ -564,7 +564,25 @@ case "$STAGE" in
   step 260 interference-padrows python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
     --settings interleave,interleave --name interference-full-padrows
   ;;
-*) echo "stage 0 to 58"; exit 2 ;;
+59) # ~480 s (limits 3 x 160), issue 9: the padded GEMM rows (ccd13a6) held the p99 in the first row
+  # of one fresh process (1.72x, then 1.73x). Three more fresh processes, two rows each: does
+  # every first row hold now
+  for p in 1 2 3; do
+    step 160 "interference-padrows$p" python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
+      --settings interleave,interleave --name "interference-full-padrows$p"
+  done
+  ;;
+60) # ~450 s (limits 150 + 150 + 150), issue 9 at other prompt lengths with the padded rows (8k and
+  # 16k: new row counts weigh more where a forward is shorter), then issue 11's decode inside
+  # streamed passes (--moe cache, 2.4x before) with them
+  step 150 interference-padrows-8k python3 -m bench.interference --full-size --long 8192 --prefill-graph-tokens 2048 \
+    --settings interleave,interleave --name interference-full-padrows-8k
+  step 150 interference-padrows-16k python3 -m bench.interference --full-size --long 16384 --prefill-graph-tokens 2048 \
+    --settings interleave,interleave --name interference-full-padrows-16k
+  step 150 interference-padrows-cache python3 -m bench.interference --full-size --long 32768 --moe cache \
+    --settings interleave --name interference-full-padrows-cache
+  ;;
+*) echo "stage 0 to 60"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)

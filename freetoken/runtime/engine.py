@@ -284,6 +284,8 @@ class Engine:
                                          self.ecfg.prefill_graph_tokens)
             self.prefill_graph_bytes = self.prefill_graphs.bytes if self.prefill_graphs is not None else 0
 
+    WARM_GEMM_ROWS = 4096  # the padded row counts warmed at load go up to this (or the chunk cap)
+
     def _warm_up_gemms(self) -> None:
         """cuBLAS's kernel picks for every padded row count of a prompt chunk (model/linear.py
         ROW_GRANULE) through the dense weights the warm-up forwards ran, at load: each new one
@@ -291,7 +293,9 @@ class Engine:
         from ..model import linear as lin
         t0 = time.perf_counter()
         cap = min(max(self.ecfg.prefill_chunk, self.ecfg.max_step_tokens or 0), self.max_len - 1)
-        n = lin.warm_gemm_rows(cap)
+        # past a few thousand rows a GEMM's own device time hides a pick's host time behind the
+        # queue, and warming every count of a 16k-token chunk would take seconds at each start
+        n = lin.warm_gemm_rows(min(cap, self.WARM_GEMM_ROWS))
         torch.cuda.synchronize(self.device)
         log.info("dense GEMMs warmed up: %d shapes in %.1f s", n, time.perf_counter() - t0)
 
