@@ -153,7 +153,12 @@ class Stamped(ServingEngine):
         self.events.append((time.perf_counter(), kind + ("-nested" if self.between.running else "")))
         if timed:
             self.timeline.begin(sum(e - s for _, s, e in group))
-        super()._forward(group, decode, captures)
+        try:
+            super()._forward(group, decode, captures)
+        except BaseException:
+            if timed:  # a failed forward: not kept, and its line tracer off before the loop goes on
+                self.timeline.abort()
+            raise
         if timed:
             self.timeline.end()
         self.events.append((time.perf_counter(), "end-" + kind))
@@ -381,8 +386,14 @@ def run_setting(eng, name: str, a) -> dict:
         out = _run_setting(eng, name, a)
     finally:
         sys.setswitchinterval(switch)
-    out["switch_interval_s"] = s.get("switch_s") if s.get("interleave") and s.get("switch_s") is not None else switch
-    out["python_threads"] = sorted(t.name for t in threading.enumerate())
+    if s.get("interleave") and s.get("switch_s") is not None:
+        out["switch_interval_s"] = s["switch_s"]
+    elif s.get("overlap"):  # DecodeOverlap's own while a prompt forward overlaps
+        st = s.get("switch_s", DecodeOverlap.SWITCH_S)
+        out["switch_interval_s"] = switch if st is None else min(switch, st)
+    else:
+        out["switch_interval_s"] = switch
+    out["python_threads"] = sorted(t.name for t in threading.enumerate())  # at the row's end (an overlap worker has ended)
     return out
 
 

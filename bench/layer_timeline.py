@@ -65,6 +65,12 @@ class LayerTimeline:
         self.forwards = self.forwards[-self.keep:]
         self.open = None
 
+    def abort(self) -> None:
+        """The forward failed: it is not kept, and the line tracer stops."""
+        self._stretch = None if self._stretch is None else "failed"
+        self._trace(None)
+        self.open = None
+
     def _trace(self, stretch: str | None) -> None:
         """The line tracer leaves the stretch it is in, and enters `stretch` (None: none)."""
         if self.lines is None:

@@ -11,19 +11,27 @@ row's ratios (the flag is for diagnosis only)."""
 from __future__ import annotations
 
 import linecache
+import os
 import statistics
 import sys
 import time
 
+import freetoken
+
+
+# the repository's root (the folder holding the freetoken package): its files are named from it
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(freetoken.__file__))) + os.sep
+
 
 def _site(code, line: int) -> str:
-    """'freetoken/model/attention.py:64' (a path shortened to the package or site-packages)."""
+    """'freetoken/model/attention.py:64': a path from the repository's root, or from
+    site-packages for a library's file."""
     path = code.co_filename
-    for root in ("freetoken/", "site-packages/", "bench/", "tests/"):
-        k = path.rfind(root)
-        if k >= 0:
-            path = path[k + (len("site-packages/") if root == "site-packages/" else 0):]
-            break
+    k = path.rfind("site-packages" + os.sep)
+    if k >= 0:
+        path = path[k + len("site-packages" + os.sep):]
+    elif path.startswith(_ROOT):
+        path = path[len(_ROOT):]
     return f"{path}:{line}"
 
 
@@ -34,33 +42,43 @@ class LineTrace:
         self.sites: dict[tuple[str, str, str], list[float]] = {}  # (stretch, site, event) -> ms each time
         self.code: dict[str, str] = {}  # site -> its source line
         self._events: list | None = None
+        self._prev = None  # the thread's tracer before start() (a debugger's, coverage's), put back at stop()
+        self._frames: list = []  # (frame, its f_trace before start())
 
     def _trace(self, frame, event, arg):
         ev = self._events
-        if ev is not None and event in ("call", "line", "return"):
-            ev.append((time.perf_counter_ns(), time.thread_time_ns(), frame.f_code, frame.f_lineno, event))
-        return self._trace
+        if ev is not None:
+            if event == "return" and frame.f_back is not None:  # what follows runs in the caller's line
+                ev.append((time.perf_counter_ns(), time.thread_time_ns(), frame.f_back.f_code,
+                           frame.f_back.f_lineno, event))
+            elif event in ("call", "line", "return"):
+                ev.append((time.perf_counter_ns(), time.thread_time_ns(), frame.f_code, frame.f_lineno, event))
+            return self._trace
+        return None  # stopped: a frame that kept this tracer (a generator's) traces no further
 
     def start(self) -> None:
         """From here on this thread's lines are stamped (and the frames already running: the
         forward's layer loop that calls the hooks is one of them)."""
         self._events = []
+        self._prev = sys.gettrace()
+        self._frames = []
         f = sys._getframe(1)
         while f is not None:  # settrace reaches new frames only; these get their line events too
+            self._frames.append((f, f.f_trace))
             f.f_trace = self._trace
             f = f.f_back
         sys.settrace(self._trace)
         self._events.append((time.perf_counter_ns(), time.thread_time_ns(), None, 0, "start"))
 
     def stop(self, stretch: str) -> None:
-        """The stretch ends: its slow lines are kept under `stretch`."""
+        """The stretch ends: its slow lines are kept under `stretch`; the thread's tracer and
+        the frames' are what they were before start()."""
         if self._events is None:
             return
-        sys.settrace(None)
-        f = sys._getframe(1)
-        while f is not None:
-            f.f_trace = None
-            f = f.f_back
+        sys.settrace(self._prev)
+        for f, old in self._frames:
+            f.f_trace = old
+        self._frames, self._prev = [], None
         ev, self._events = self._events, None
         ev.append((time.perf_counter_ns(), time.thread_time_ns(), None, 0, "stop"))
         for (t0, c0, code, line, kind), (t1, c1, *_) in zip(ev, ev[1:]):
@@ -73,9 +91,10 @@ class LineTrace:
     def summary(self) -> list[dict]:
         """The sites by how often they held the host `min_ms` or more: stretch, site, its source,
         the event the time followed (line: the line itself; call: entering a function; return: the
-        caller's code after a return), count, p50 and max ms, and the p50 of the thread's CPU time
-        meanwhile (near the wall time: the thread ran, spinning in a driver's wait say; near 0: it
-        slept, on a lock such as the GIL, or was off the CPU)."""
+        rest of the caller's line after a call returned, named by the caller's site), count, p50
+        and max ms, and the p50 of the thread's CPU time meanwhile (near the wall time: the thread
+        ran, spinning in a driver's wait say; near 0: it slept, on a lock such as the GIL, or was
+        off the CPU)."""
         rows = [{"stretch": s, "site": site, "code": self.code.get(site, ""), "after": kind, "count": len(ms),
                  "p50_ms": round(statistics.median(w for w, _ in ms), 2), "max_ms": round(max(w for w, _ in ms), 2),
                  "cpu_p50_ms": round(statistics.median(c for _, c in ms), 2)}

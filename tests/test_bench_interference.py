@@ -53,18 +53,24 @@ def test_layer_timeline_splits_prompt_work_from_the_hooks():
         assert s[kind]["after_step"]["0"][1] is None and s[kind]["after_step"]["0"][2] >= 0.5
 
 
+def _seconds(ms: float) -> float:
+    return ms / 1e3
+
+
 def _blocking_layer(ms: float) -> None:
     import time
-    time.sleep(ms / 1e3)  # the line that holds the host
+    time.sleep(_seconds(ms))  # the line that holds the host, after _seconds returns
 
 
 def test_line_trace_names_the_line_that_held_the_host():
-    """With a LineTrace, the stretch whose work sleeps 8 ms names the sleeping line, under its
-    point, with its source; lines faster than min_ms are not kept, and tracing stops at end()."""
+    """With a LineTrace, the stretch whose work sleeps 8 ms names the sleeping line (the time
+    after _seconds returned: the caller's line, by the caller's site), under its point, with its
+    source; lines faster than min_ms are not kept, and the thread's tracer is put back at end()."""
     import sys
 
     from bench.layer_timeline import LayerTimeline
     from bench.line_trace import LineTrace
+    before, frame_before = sys.gettrace(), sys._getframe().f_trace
     lines = LineTrace(min_ms=4.0)
     tl = LayerTimeline(torch.device("cpu"), lines=lines)
     for _ in range(2):
@@ -74,11 +80,11 @@ def test_line_trace_names_the_line_that_held_the_host():
             tl.leave(i)
             _blocking_layer(8.0 if i == 1 else 0.5)
         tl.end()
-    assert sys.gettrace() is None
+    assert sys.gettrace() is before and sys._getframe().f_trace is frame_before
     rows = lines.summary()
     assert len(rows) == 1, rows
     r = rows[0]
-    assert r["stretch"] == "1" and r["count"] == 2 and r["after"] == "line"
+    assert r["stretch"] == "1" and r["count"] == 2 and r["after"] == "return"
     assert r["site"].startswith("tests/test_bench_interference.py:") and "time.sleep" in r["code"]
     assert 7.0 <= r["p50_ms"] <= r["max_ms"]
     assert r["cpu_p50_ms"] < 2.0  # asleep: off the CPU

@@ -687,6 +687,7 @@ def deferred_against_waiting(eng, step_stream: bool = False):
         assert all(r.finish_reason == "length" for r in out)
         assert srv.between.steps > 0 and (srv.deferred_steps > 0) == defer
         assert srv._deferred is None and not srv.sched.running and srv.state.pages.used == 0
+        assert (srv._step_stream is not None) == (defer and step_stream and eng.device.type == "cuda")
         if defer:  # each cycle ran the points queued before its step; the one queued after stays
             assert all(ran is not None and len(queued) <= 1 for queued, ran in cycles)
         runs[defer] = [r.output_ids for r in out], [r.logprobs for r in out], [r.top_logprobs for r in out]

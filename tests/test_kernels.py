@@ -251,7 +251,8 @@ def test_rows_routed_to_no_expert_add_nothing(grouped):
 def test_linear_pads_cuda_rows_and_warms_each_padded_count():
     """model.linear: a CUDA GEMM's rows past ROW_GRANULE run padded to its next multiple (cuBLAS
     then meets few shapes); warm_gemm_rows runs every padded count up to a cap through each weight
-    seen, and skips weights that are gone (it holds them weakly)."""
+    seen (every count up to it, then each multiple), and skips weights that are gone (it holds
+    them weakly)."""
     import gc
     import weakref
 
@@ -262,7 +263,7 @@ def test_linear_pads_cuda_rows_and_warms_each_padded_count():
     lin.SEEN.clear()
     try:
         lin.SEEN[(24, 16, w.dtype, w.device, False)] = (weakref.ref(w), None)
-        assert lin.warm_gemm_rows(200) == 4  # 64, 128, 192, 256
+        assert lin.warm_gemm_rows(200) == 64 + 3  # 1..64, then 128, 192, 256
         del w
         gc.collect()
         assert lin.warm_gemm_rows(200) == 0
@@ -281,4 +282,7 @@ def test_linear_padded_rows_equal_the_plain_gemm_on_cuda():
         x = torch.randn(m, 64, device="cuda", generator=g)
         y = lin.linear(x, w, b)
         assert y.shape == (m, 96)
+        # the GEMM ran at the padded row count: its output's storage holds those rows
+        assert y.untyped_storage().nbytes() == lin.padded_rows(m) * 96 * 4
         torch.testing.assert_close(y, torch.nn.functional.linear(x, w, b), rtol=1e-4, atol=1e-4)
+    assert lin.SEEN[(96, 64, torch.float32, w.device, True)][0]() is w

@@ -1,7 +1,9 @@
 """linear(x, w, b): what the model calls where it would call F.linear on a dense weight that may
 be kept quantized (weights/dense_fp8.py Fp8BlockWeight).
 
-  plain tensor    F.linear, unchanged (bit for bit what the engine did before)
+  plain tensor    F.linear; on CUDA with the rows past ROW_GRANULE padded to a multiple of it
+                  (below): another row count can pick another cuBLAS kernel, so results may
+                  differ from an unpadded call by rounding, never by which rows meet
   Fp8BlockWeight  CUDA: the Triton kernel reading the FP8 bytes in place (kernels/fp8_linear.py)
                   CPU:  dequantized per call to fp32 (bit for bit quant.py's), then F.linear
                         in fp32, rounded once to x's dtype
@@ -49,7 +51,8 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
         if not (x.is_cuda and PAD_ROWS and x.dim() == 2) or torch.cuda.is_current_stream_capturing():
             return F.linear(x, w, b)
         key = (w.shape[0], w.shape[1], w.dtype, w.device, b is not None)
-        if key not in SEEN or SEEN[key][0]() is None:
+        held = SEEN.get(key)
+        if held is None or held[0]() is None or (held[1] is not None and held[1]() is None):
             SEEN[key] = (weakref.ref(w), weakref.ref(b) if b is not None else None)
         m = x.shape[0]
         mp = padded_rows(m)
@@ -64,17 +67,19 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
 
 
 def warm_gemm_rows(cap: int) -> int:
-    """Every padded row count up to cap through each plain weight linear() has run on CUDA (the
-    load-time prompt forwards' weights), so cuBLAS has picked its kernels before a request
-    meets them. Returns the GEMMs run."""
+    """Every row count a CUDA GEMM of up to cap rows runs at (1..ROW_GRANULE, then each multiple
+    of it) through each plain weight linear() has run on CUDA (the load-time prompt forwards'
+    weights), so cuBLAS has picked its kernels before a request meets them. Returns the GEMMs run."""
+    top = padded_rows(max(cap, 1))
+    counts = list(range(1, min(ROW_GRANULE, top) + 1)) + list(range(2 * ROW_GRANULE, top + 1, ROW_GRANULE))
     n = 0
     with torch.no_grad():
         for (_, k, dtype, device, _), (wr, br) in list(SEEN.items()):
             w, b = wr(), br() if br is not None else None
             if w is None or (br is not None and b is None):
                 continue
-            x = torch.randn(padded_rows(cap), k, dtype=dtype, device=device)
-            for m in range(ROW_GRANULE, padded_rows(cap) + 1, ROW_GRANULE):
+            x = torch.randn(top, k, dtype=dtype, device=device)
+            for m in counts:
                 F.linear(x[:m], w, b)
                 n += 1
     return n

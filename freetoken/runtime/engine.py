@@ -287,17 +287,23 @@ class Engine:
     WARM_GEMM_ROWS = 4096  # the padded row counts warmed at load go up to this (or the chunk cap)
 
     def _warm_up_gemms(self) -> None:
-        """cuBLAS's kernel picks for every padded row count of a prompt chunk (model/linear.py
-        ROW_GRANULE) through the dense weights the warm-up forwards ran, at load: each new one
-        held the host ~4.6 ms on the H200 inside the forward that met it."""
+        """cuBLAS's kernel picks for every row count a prompt chunk's dense GEMMs run at (model/
+        linear.py ROW_GRANULE) through the weights the warm-up forwards ran, at load: each new
+        one held the host ~4.6 ms on the H200 inside the forward that met it. Up to the largest
+        step the loop runs (its step budget, 2,048 tokens by default on CUDA, or the chunk),
+        capped at WARM_GEMM_ROWS."""
         from ..model import linear as lin
         t0 = time.perf_counter()
-        cap = min(max(self.ecfg.prefill_chunk, self.ecfg.max_step_tokens or 0), self.max_len - 1)
-        # past a few thousand rows a GEMM's own device time hides a pick's host time behind the
-        # queue, and warming every count of a 16k-token chunk would take seconds at each start
-        n = lin.warm_gemm_rows(min(cap, self.WARM_GEMM_ROWS))
+        step = max(self.ecfg.prefill_chunk, self.ecfg.max_step_tokens or 2048)
+        cap = min(step, self.max_len - 1, self.WARM_GEMM_ROWS)
+        try:
+            n = lin.warm_gemm_rows(cap)
+            done = f"dense GEMMs warmed up: {n} row counts x weights in {time.perf_counter() - t0:.1f} s"
+        except torch.OutOfMemoryError as e:  # memory this tight will tell again, where it matters
+            done = f"dense GEMM warm-up skipped: {str(e).splitlines()[0]}"
         torch.cuda.synchronize(self.device)
-        log.info("dense GEMMs warmed up: %d shapes in %.1f s", n, time.perf_counter() - t0)
+        torch.cuda.empty_cache()  # what the memory plan (and the prefill graphs' count) sees free is free
+        log.info(done)
 
     def _warm_up_prefill(self) -> None:
         """One prompt forward of each kind of length on a scratch state, at load: Triton
