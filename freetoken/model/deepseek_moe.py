@@ -14,7 +14,6 @@ Routing (cfg.router "sigmoid_group"), per token, in fp32 as the reference does:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..experts.executor import NO_EXPERT
 from .layers import FusedLinear, silu_mul
@@ -45,7 +44,7 @@ class DeepseekMoE:
 
     def route(self, x: torch.Tensor):
         """x [T, H] -> flat ids [T, k] int64, weights [T, k] in x's dtype. Static shapes."""
-        scores = torch.sigmoid(F.linear(x.float(), self.router))  # [T, E]
+        scores = torch.sigmoid(linear(x.float(), self.router))  # [T, E] (CUDA: rows padded, model/linear.py)
         choice = scores + self.bias
         t = choice.shape[0]
         if self.groups > 1:  # groups outside the best topk_group are not eligible

@@ -22,6 +22,7 @@ from .csa import CompressedAttention, rms_weighted, rope_tables
 from .deepseek_moe import DeepseekMoE
 from .hyper import hc_head, hc_post, hc_pre
 from .layers import FusedLinear
+from .linear import linear
 from .moe import check_executor
 
 
@@ -55,7 +56,7 @@ class DeepseekV4MoE(DeepseekMoE):
 
     def route(self, x: torch.Tensor):
         """x [T, H] -> flat ids [T, k] int64, weights [T, k] in x's dtype. Static shapes."""
-        scores = self.score(F.linear(x.float(), self.router))  # [T, E]
+        scores = self.score(linear(x.float(), self.router))  # [T, E] (CUDA: rows padded, model/linear.py)
         if self.hashed:
             idx = self.tid2eid[self.ids["tokens"]]  # [T, k]
         else:

@@ -208,7 +208,7 @@ class LatentAttention:
                               INDEXER_NORM_EPS)
         if not self.full:
             return q, row, None
-        hw = F.linear(x.float(), self.iw) * self.ih ** -0.5  # [N, ih]
+        hw = linear(x.float(), self.iw) * self.ih ** -0.5  # [N, ih] (CUDA: rows padded, model/linear.py)
         return q, row, (iq, ik, hw)
 
     def _output(self, o_lat: torch.Tensor) -> torch.Tensor:
