@@ -20,10 +20,9 @@ def main():
     ap.add_argument("--prompt", type=int, default=20000)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--decode-threads", type=int, default=0, help="EngineConfig.decode_threads (0: torch's own)")
     ap.add_argument("--name", default="demo")
     a = ap.parse_args()
-    eng = Engine(demo_path(), EngineConfig(device=a.device, decode_threads=a.decode_threads))
+    eng = Engine(demo_path(), EngineConfig(device=a.device))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 240000, (a.prompt,), generator=g).tolist()
     eng.generate(ids[:64], 4)  # warm-up: JIT, allocator
@@ -34,7 +33,7 @@ def main():
            "prompt_tokens": a.prompt, "prefill_s": round(out.prefill_s, 2),
            "prefill_tok_s": round(a.prompt / out.prefill_s, 1),
            "decode_tokens": len(out.token_ids), "decode_tok_s": round((len(out.token_ids) - 1) / out.decode_s, 2),
-           "torch_threads": torch.get_num_threads(), "decode_threads": a.decode_threads}
+           "torch_threads": torch.get_num_threads(), "cpu_spin": getattr(eng.executor, "spin", None)}
     write_result(a.name, res)
 
 

@@ -50,6 +50,37 @@ def test_thread_counts_agree(threads):
     assert torch.equal(CpuExpertExecutor(gu, dn, threads=threads).kernel(x, ids, w), one)
 
 
+def test_pool_spin_changes_no_result_and_the_env_override_wins(monkeypatch):
+    """spin (the pool's pause loops before a worker sleeps): 0, a small one and the default give
+    the same bits over repeated calls (workers that slept wake for each); FREETOKEN_CPU_SPIN,
+    when set, overrides what the caller asked (A/B runs)."""
+    gu, dn = banks(16, 64, 48, torch.bfloat16, 3)
+    x, ids, w = inputs(3, 64, 4, 16, 4)
+    monkeypatch.delenv("FREETOKEN_CPU_SPIN", raising=False)
+    default = CpuExpertExecutor(gu, dn, threads=3)
+    assert default.spin is None
+    want = default.kernel(x, ids, w)
+    for spin in (0, 50):
+        ex = CpuExpertExecutor(gu, dn, threads=3, spin=spin)
+        assert ex.spin == spin
+        for _ in range(5):
+            assert torch.equal(ex.kernel(x, ids, w), want)
+    monkeypatch.setenv("FREETOKEN_CPU_SPIN", "0")
+    assert CpuExpertExecutor(gu, dn, threads=2, spin=100).spin is None
+
+
+def test_a_cpu_engine_runs_the_pool_without_spin(monkeypatch, tmp_path):
+    """On a CPU engine torch computes on the pool's cores between its calls: the pool does not
+    spin (experts/cpu SPIN_SHARED); the default everywhere else."""
+    from freetoken.experts.cpu import SPIN_SHARED
+    from freetoken.runtime.engine import Engine
+    monkeypatch.delenv("FREETOKEN_CPU_SPIN", raising=False)
+    fake = type("E", (), {"device": torch.device("cpu")})()
+    assert Engine._cpu_spin(fake) == SPIN_SHARED == 0
+    fake.device = torch.device("cuda")
+    assert Engine._cpu_spin(fake) is None
+
+
 def test_released_executor_ends_its_threads_and_still_computes():
     """An executor's pinned workers end when it is garbage collected (a process that makes
     many does not pile up threads); one released while still referenced computes the same

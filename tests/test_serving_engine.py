@@ -219,25 +219,3 @@ def test_the_load_time_warm_up_leaves_no_trace(eng):
     assert torch.equal(before, after)
     assert not torch.equal(before[:-1], before[1:])  # fresh logits at each position, not a constant
 
-
-def test_decode_threads_hold_for_decode_steps_only(eng):
-    """--decode-threads: a decode step on the CPU runs with that many torch intra-op threads and
-    gives them back after; prompt forwards keep torch's own; the tokens are the default's."""
-    import dataclasses
-    n = torch.get_num_threads()
-    ids = list(range(5, 45))
-    plain = eng.generate(ids, 6).token_ids
-    seen = {"decode": set(), "prefill": set()}
-    real_decode, real_prefill = eng.model.decode, eng.prefill_batch
-    eng.model.decode = lambda *a, **k: seen["decode"].add(torch.get_num_threads()) or real_decode(*a, **k)
-    eng.prefill_batch = lambda *a, **k: seen["prefill"].add(torch.get_num_threads()) or real_prefill(*a, **k)
-    old_cfg, old_runner = eng.ecfg, eng._runner
-    eng.ecfg, eng._runner = dataclasses.replace(eng.ecfg, decode_threads=1), None
-    try:
-        out = eng.generate(ids, 6).token_ids
-    finally:
-        del eng.model.decode, eng.prefill_batch  # the classes' methods again
-        eng.ecfg, eng._runner = old_cfg, old_runner
-    assert out == plain
-    assert seen["decode"] == {1} and seen["prefill"] == {n}
-    assert torch.get_num_threads() == n

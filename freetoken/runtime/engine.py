@@ -67,10 +67,6 @@ class EngineConfig:
     cpu_threads: int = field(default=0, metadata={
         "help": "CPU expert threads (0: the physical cores; on CUDA all but two, left to the thread that "
                 "launches the GPU work and the one that runs the CPU branch of a decode step)"})
-    decode_threads: int = field(default=0, metadata={
-        "help": "torch's intra-op threads while a decode step runs on the CPU (0: torch's own, every core; "
-                "prompt chunks always get those). The C++ expert pool's pinned threads share the cores "
-                "with torch's: on a 2-core machine 1 made the demo's decode 1.44-1.8x faster"})
     cpu_act: str = field(default="exact", metadata={
         "help": "activations of MXFP4 / NVFP4 experts on the CPU executor: exact = as the model computes them "
                 "(f32 / bf16); int8 = quantized per 32 values for integer dot products (AVX512-VNNI, as "
@@ -430,7 +426,7 @@ class Engine:
         from ..experts.cpu import CpuExpertExecutor, extension
         if extension() is not None:
             host = CpuExpertExecutor(banks, threads=self._cpu_threads(), act_int8=self.ecfg.cpu_act == "int8",
-                                     **self.expert_fn)
+                                     spin=self._cpu_spin(), **self.expert_fn)
         else:
             log.warning("%s experts: the C++ expert executor could not be built; the experts run on the torch "
                         "path on the host (slower%s)", banks.format,
@@ -454,7 +450,7 @@ class Engine:
         if self.ecfg.cpu_act == "int8":
             log.info("--cpu-act int8: %s experts stay exact (int8 activations serve MXFP4 / NVFP4 banks)",
                      self.expert_format)
-        cpu = CpuExpertExecutor(gate_up, down, threads=self._cpu_threads(), **self.expert_fn)
+        cpu = CpuExpertExecutor(gate_up, down, threads=self._cpu_threads(), spin=self._cpu_spin(), **self.expert_fn)
         if self.experts_on != "cache":
             from ..experts.cpu.hostcall import StreamedCpuExecutor, host_branch_ok
             if self.device.type == "cuda" and host_branch_ok(cpu):  # decode steps in stream order: one graph
@@ -477,6 +473,12 @@ class Engine:
         return CachedExpertExecutor(gate_up, down, None, self.device, self.dtype, cpu,
                                     self.ecfg.fill_share_value(), self.ecfg.cache_policy, self.cfg.num_experts,
                                     start_share=start, prefetch=self.ecfg.expert_prefetch, **self.expert_fn)
+
+    def _cpu_spin(self) -> int | None:
+        """The C++ pool's spin: none where torch computes on the same cores (a CPU engine:
+        experts/cpu SPIN_SHARED), the pool's default on CUDA."""
+        from ..experts.cpu import SPIN_SHARED
+        return SPIN_SHARED if self.device.type == "cpu" else None
 
     def _cpu_threads(self) -> int:
         """--cpu-threads, or its default: every physical core on a CPU-only machine; on CUDA two

@@ -450,7 +450,7 @@ class EngineLoop:
             dec_logits, pre_logits = eng.forward_mixed(self.state, *rows, segs)
         elif decode:
             defer = self._defer(decode)  # between a prompt's layers: its tokens at the next hook
-            with self._on_step_stream(defer), self._decode_threads():
+            with self._on_step_stream(defer):
                 start = mark(eng.device) if defer and self.device_costs else None
                 dec_logits, pre_logits = self.decode(tokens, pos, active), None  # [>= n, V] on the device
                 if defer:
@@ -646,25 +646,6 @@ class EngineLoop:
             return False
         return (self.defer_steps and self.between.running and self._prompt_forward and not self.streamed
                 and self.overlap is None and DeferredStep.eligible(decode, self.record_logits))
-
-    @contextlib.contextmanager
-    def _decode_threads(self):
-        """torch's intra-op threads at --decode-threads for a decode step on the CPU, then back.
-        Why: the C++ expert pool's pinned workers spin a little after each call and torch's
-        OpenMP workers after each parallel region, on the same cores; a decode step alternates
-        the two every layer, and on the 2-core dev machine the demo decoded at 36.3 / 30.6 tok/s
-        (4k / 30k context) with both of torch's threads against 65.6 / 44.2 with one
-        (bench.demo_cpu, benchmarks/README.md). Prompt chunks are GEMMs that want every core."""
-        n = self.engine.ecfg.decode_threads
-        prev = torch.get_num_threads()
-        if not n or self.engine.device.type != "cpu" or n == prev:
-            yield
-            return
-        torch.set_num_threads(n)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(prev)
 
     @contextlib.contextmanager
     def _on_step_stream(self, defer: bool):

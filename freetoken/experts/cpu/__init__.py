@@ -158,6 +158,16 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.uint8 else t.view(torch.uint8)
 
 
+# The pool's spin where torch's own ops run on the same cores between its calls (a CPU engine):
+# a worker spinning for the next call holds a core torch's next op wants, and a decode step
+# alternates the two every layer. On the 2-core dev machine (demo, 2 threads) a decode step
+# took 12.2-12.8 ms with no spin against 19-28 ms with the default's (bursts of ~28 ms), and
+# bench.demo_cpu decoded at 52.7 / 66.6 tok/s against 42.7 / 36.1, prefill unchanged
+# (benchmarks/README.md, twentieth session). On CUDA torch leaves the host's cores alone, and the
+# default spin keeps a decode step's calls from waking sleeping workers
+SPIN_SHARED = 0
+
+
 class CpuExpertExecutor(ExpertExecutor):
     """Runs routed experts from host banks. Returns results on x's device and dtype.
 
@@ -171,7 +181,7 @@ class CpuExpertExecutor(ExpertExecutor):
     def __init__(self, gate_up, down=None, threads: int = 0,
                  torch_batch_threshold: int | None = None, isa_cap: int = 3, activation: Activation = SILU,
                  gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
-                 act_int8: bool = False):
+                 act_int8: bool = False, spin: int | None = None):
         """gate_up, down: float banks (bf16 / f32 tensors) or QuantBanks of one format; or
         gate_up an ExpertBanks (down None). activation, gate_up_bias [N, 2I], down_bias [N, H]:
         the expert function (executor.py), as TorchExpertExecutor takes it (GPT-OSS: the clamped
@@ -182,7 +192,9 @@ class CpuExpertExecutor(ExpertExecutor):
         on the 2-core dev machine the C++ kernel still takes 0.74 s against 1.19 s for a
         2048-token nvfp4 chunk over 128 experts of 2048 x 512). act_int8: MXFP4 / NVFP4 banks
         compute with int8 activations (int8_act.py; `--cpu-act int8`; not bit-exact); calls past
-        torch_batch_threshold and FP8 / float banks stay exact."""
+        torch_batch_threshold and FP8 / float banks stay exact. spin: pause loops the pool's
+        workers spin for the next call before they sleep (None: FREETOKEN_CPU_SPIN, else 20000;
+        SPIN_SHARED where torch computes on the same cores: Engine passes it on the CPU)."""
         if isinstance(gate_up, ExpertBanks):
             if down is not None:
                 raise TypeError("CpuExpertExecutor: give an ExpertBanks or a (gate_up, down) pair, not both")
@@ -222,7 +234,10 @@ class CpuExpertExecutor(ExpertExecutor):
         if threads:
             cpus = (cpus * threads)[:threads]
         self.threads = len(cpus)
-        self.handle = ext.create(cpus, isa_cap) if ext is not None else None
+        if os.environ.get("FREETOKEN_CPU_SPIN") is not None:
+            spin = None  # the A/B override wins (moe_cpu.cpp reads it)
+        self.spin = spin
+        self.handle = ext.create(cpus, isa_cap, -1 if spin is None else int(spin)) if ext is not None else None
         self.isa = ISA_NAMES[ext.isa(self.handle)] if ext is not None else "torch"
         if ext is not None and hasattr(ext, "release"):  # its pinned threads end with this object
             weakref.finalize(self, ext.release, self.handle).atexit = False  # at exit the process ends them

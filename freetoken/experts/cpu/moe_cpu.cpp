@@ -36,10 +36,17 @@
 namespace {
 
 // ---------------------------------------------------------------- thread pool
+// Pause loops a worker spins for the next job before it sleeps, where the caller does not say:
+// FREETOKEN_CPU_SPIN (A/B runs), else 20000 (decode calls come every few hundred microseconds)
+static int default_spin() {
+  const char* v = std::getenv("FREETOKEN_CPU_SPIN");
+  return v != nullptr ? std::max(0, std::atoi(v)) : 20000;
+}
+
 class Pool {
  public:
   // spin: pause loops a worker spins for the next job before it sleeps
-  explicit Pool(const std::vector<int>& cpus, int spin = 20000) : n_(std::max<size_t>(1, cpus.size())), spin_(spin) {
+  explicit Pool(const std::vector<int>& cpus, int spin = default_spin()) : n_(std::max<size_t>(1, cpus.size())), spin_(spin) {
     // the caller runs share 0 unpinned: pinning it would also confine Python and torch
     for (int t = 1; t < n_; ++t) workers_.emplace_back([this, t, cpus] { loop(t, cpus[t]); });
   }
@@ -1021,7 +1028,8 @@ struct Executor {
   }
   using clk = std::chrono::steady_clock;
   static double us(clk::time_point a, clk::time_point b) { return std::chrono::duration<double, std::micro>(b - a).count(); }
-  Executor(const std::vector<int>& cpus, int isa_cap) : pool(cpus), isa(std::min<Isa>(detect(), Isa(isa_cap))) {}
+  Executor(const std::vector<int>& cpus, int isa_cap, int spin)
+      : pool(cpus, spin < 0 ? default_spin() : spin), isa(std::min<Isa>(detect(), Isa(isa_cap))) {}
 
   template <typename W>
   void run(const float* x, const int64_t* ids, const float* gw, int T, int K, const W* gu, const W* dn,
@@ -1309,9 +1317,10 @@ Executor& exec_of(int64_t handle) {  // a literal message (see BANK_CHECK), not 
   return *g_execs[handle];
 }
 
-int64_t create(std::vector<int64_t> cpus, int64_t isa_cap) {
+// spin: the pool's pause loops before a worker sleeps (-1: FREETOKEN_CPU_SPIN or 20000)
+int64_t create(std::vector<int64_t> cpus, int64_t isa_cap, int64_t spin) {
   std::vector<int> c(cpus.begin(), cpus.end());
-  g_execs.emplace_back(new Executor(c, int(isa_cap)));
+  g_execs.emplace_back(new Executor(c, int(isa_cap), int(spin)));
   return int64_t(g_execs.size()) - 1;
 }
 
@@ -1751,7 +1760,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(start_delay_us: the thread starts that late, as on a loaded machine; tests)", py::arg("start_delay_us") = 0);
   m.def("bell_stop", &bell_stop, "the doorbell's thread returns (its memory stays)");
   m.def("host_call_size", &host_call_size, "sizeof the HostCall descriptor (checked against hostcall.py)");
-  m.def("create", &create, "create an executor with a pinned thread pool");
+  m.def("create", &create, "create an executor with a pinned thread pool", py::arg("cpus"), py::arg("isa_cap"),
+        py::arg("spin") = -1);
   m.def("isa", &isa_of, "ISA level in use: 0 scalar, 1 avx2, 2 avx512, 3 avx512-bf16");
   m.def("set_act_int8", &set_act_int8, "int8 activations for MXFP4 / NVFP4 banks (on) or exact ones; returns the kernel that serves them (vbmi, vnni or scalar)",
         py::arg("handle"), py::arg("on"), py::arg("max_kernel") = 2);
