@@ -6,6 +6,7 @@ Real clients send ~20k-token prompts; the demo must prefill them well under a mi
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
@@ -33,7 +34,8 @@ def main():
            "prompt_tokens": a.prompt, "prefill_s": round(out.prefill_s, 2),
            "prefill_tok_s": round(a.prompt / out.prefill_s, 1),
            "decode_tokens": len(out.token_ids), "decode_tok_s": round((len(out.token_ids) - 1) / out.decode_s, 2),
-           "torch_threads": torch.get_num_threads(), "cpu_spin": getattr(eng.executor, "spin", None)}
+           "torch_threads": torch.get_num_threads(), "cpu_spin": getattr(eng.executor, "spin", None),
+           "cpu_spin_env": os.environ.get("FREETOKEN_CPU_SPIN")}  # the A/B override (None: the engine's)
     write_result(a.name, res)
 
 

@@ -67,6 +67,11 @@ def test_pool_spin_changes_no_result_and_the_env_override_wins(monkeypatch):
             assert torch.equal(ex.kernel(x, ids, w), want)
     monkeypatch.setenv("FREETOKEN_CPU_SPIN", "0")
     assert CpuExpertExecutor(gu, dn, threads=2, spin=100).spin is None
+    from freetoken.errors import FreeTokenError
+    for bad in ("fast", "-5", ""):
+        monkeypatch.setenv("FREETOKEN_CPU_SPIN", bad)
+        with pytest.raises(FreeTokenError, match="FREETOKEN_CPU_SPIN"):
+            CpuExpertExecutor(gu, dn, threads=2)
 
 
 def test_a_cpu_engine_runs_the_pool_without_spin(monkeypatch, tmp_path):

@@ -218,4 +218,3 @@ def test_the_load_time_warm_up_leaves_no_trace(eng):
     after = eng.prefill(p, st2, all_logits=True)
     assert torch.equal(before, after)
     assert not torch.equal(before[:-1], before[1:])  # fresh logits at each position, not a constant
-

@@ -160,10 +160,10 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
 
 # The pool's spin where torch's own ops run on the same cores between its calls (a CPU engine):
 # a worker spinning for the next call holds a core torch's next op wants, and a decode step
-# alternates the two every layer. On the 2-core dev machine (demo, 2 threads) a decode step
-# took 12.2-12.8 ms with no spin against 19-28 ms with the default's (bursts of ~28 ms), and
-# bench.demo_cpu decoded at 52.7 / 66.6 tok/s against 42.7 / 36.1, prefill unchanged
-# (benchmarks/README.md, twentieth session). On CUDA torch leaves the host's cores alone, and the
+# alternates the two every layer. On the 2-core dev machine (demo, 2 threads) bench.demo_cpu
+# decoded at 73.8-76.4 tok/s with no spin against 44.8-49.1 with the default's at 4k context, and
+# 57.0 against 36.6 at 30k, prefill within the machine's noise (benchmarks/README.md, twentieth
+# session). On CUDA torch leaves the host's cores alone, and the
 # default spin keeps a decode step's calls from waking sleeping workers
 SPIN_SHARED = 0
 
@@ -234,7 +234,12 @@ class CpuExpertExecutor(ExpertExecutor):
         if threads:
             cpus = (cpus * threads)[:threads]
         self.threads = len(cpus)
-        if os.environ.get("FREETOKEN_CPU_SPIN") is not None:
+        env_spin = os.environ.get("FREETOKEN_CPU_SPIN")
+        if env_spin is not None:
+            if not env_spin.strip().isdigit():  # moe_cpu.cpp would read a bad value as 0
+                from ...errors import FreeTokenError
+                raise FreeTokenError(f"FREETOKEN_CPU_SPIN must be a whole number of pause loops (0 or more), "
+                                     f"got {env_spin!r}")
             spin = None  # the A/B override wins (moe_cpu.cpp reads it)
         self.spin = spin
         self.handle = ext.create(cpus, isa_cap, -1 if spin is None else int(spin)) if ext is not None else None
