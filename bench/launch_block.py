@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import write_result
+from bench.graph_race import capture  # warm-up on a side stream, then the capture
 
 
 def decode_like(x: torch.Tensor, ws) -> torch.Tensor:
@@ -40,21 +41,6 @@ def decode_like(x: torch.Tensor, ws) -> torch.Tensor:
         g, u = (h @ up).chunk(2, dim=-1)  # [2, I] each
         x = x + (F.silu(g) * u) @ down
     return x
-
-
-def capture(fn) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=torch.cuda.Stream()):
-        fn()
-    torch.cuda.synchronize()
-    return g
 
 
 def main():
@@ -76,10 +62,10 @@ def main():
     ws = [(torch.randn(h, 2 * a.inter, device=dev, dtype=bf, generator=gen) / h ** 0.5,
            torch.randn(a.inter, h, device=dev, dtype=bf, generator=gen) / a.inter ** 0.5) for _ in range(a.layers)]
     xd = torch.randn(2, h, device=dev, dtype=bf, generator=gen)
-    g_dec = capture(lambda: decode_like(xd, ws))
+    g_dec = capture(lambda: decode_like(xd, ws), torch.cuda.Stream())
     xp = torch.randn(a.rows, h, device=dev, dtype=bf, generator=gen)  # [rows, H]
     wp = torch.randn(3 * h, h, device=dev, dtype=bf, generator=gen) / h ** 0.5  # a q/k/v projection
-    g_small = capture(lambda: F.linear(xp, wp))
+    g_small = capture(lambda: F.linear(xp, wp), torch.cuda.Stream())
     for _ in range(3):  # the probes' own first calls out of the way
         F.linear(xp, wp)
         xp.add_(0)
