@@ -62,6 +62,8 @@ SETTINGS = {
     # decode steps before whole layers only, and also between each layer's mixer and MLP (interleave.MID_LAYER)
     "interleave-layers": interleaved(mid_layer=False),
     "interleave-halves": interleaved(mid_layer=True),
+    # no decode steps between the key pieces of a long context's attention (interleave.KEY_POINTS; the CPU)
+    "interleave-nokeys": interleaved(key_points=False),
     # the interleave with each decode step's tokens waited for at once (no deferral: the A/B of
     # runtime/deferred_step.py, which is on by default on CUDA)
     "interleave-wait": interleaved(defer=False),
@@ -303,6 +305,22 @@ def gap_kinds(events, gaps, over: float) -> dict:
             for k, v in kinds.items()}
 
 
+def decode_step_times(events, span) -> dict:
+    """The host's time of each decode forward that started inside span (t0, t1): from its start
+    event to its end event (a step between layers included; on CUDA a deferred step's launch
+    only) -> its count and p50/p90/p99 in ms. A stream's gap is at least one such step: with the
+    steps' own tail near 2x their median (the 2-core CPU), no gap's tail can stay under it."""
+    steps, start = [], None
+    for t, kind in events:
+        if kind.startswith("decode") and span[0] <= t <= span[1]:
+            start = t
+        elif kind.startswith("end-decode") and start is not None:
+            steps.append(t - start)
+            start = None
+    return {"count": len(steps), **{f"p{q}_ms": round(quantile(steps, q / 100) * 1e3, 2) if steps else None
+                                    for q in (50, 90, 99)}}
+
+
 def quantile(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
@@ -417,6 +435,7 @@ def _run_setting(eng, name: str, a) -> dict:
         srv.mixed = False  # decode is its own forward: CUDA graphs); on eager steps, instead of one mixed forward
     srv.between = Interleaver(srv.slowdown if s["interleave"] else 0.0)
     srv.between.mid_layer = s.get("mid_layer", srv.between.mid_layer)
+    srv.between.key_points = s.get("key_points", srv.between.key_points)
     srv.between.stall_filter = s.get("stall_filter", srv.between.stall_filter)
     srv.between.by_clock = s.get("by_clock", srv.between.by_clock)
     srv.start_marks = s.get("start_marks", srv.start_marks)
@@ -457,8 +476,8 @@ def _run_setting(eng, name: str, a) -> dict:
     mark = {r.id: len(srv.stamps[r.id]) for r in streams}
     run_until(lambda: all(len(srv.stamps[r.id]) - mark[r.id] >= a.tokens for r in streams))
     unloaded = [b - c for r in streams for c, b in zip(srv.stamps[r.id][mark[r.id]:], srv.stamps[r.id][mark[r.id] + 1:])]
-    gc_unloaded = gc_summary(GcWatch.shared().pauses(min(srv.stamps[r.id][mark[r.id]] for r in streams),
-                                                     max(srv.stamps[r.id][-1] for r in streams)))
+    unloaded_span = (min(srv.stamps[r.id][mark[r.id]] for r in streams), max(srv.stamps[r.id][-1] for r in streams))
+    gc_unloaded = gc_summary(GcWatch.shared().pauses(*unloaded_span))
     for r in streams:
         srv.cancel(r)
     run_until(lambda: not srv.sched.busy)
@@ -492,6 +511,7 @@ def _run_setting(eng, name: str, a) -> dict:
         run_until(lambda: long.first_token_at and short.first_token_at)
     pairs = [(c, b) for r in streams for c, b in zip(srv.stamps[r.id][mark[r.id]:], srv.stamps[r.id][mark[r.id] + 1:])]
     loaded = [b - c for c, b in pairs]
+    loaded_span = (t_long, time.perf_counter())
     alloc1, host1 = allocator_counts(eng.device), host_alloc_counts(eng.device)
     long_ttft = srv.stamps[long.id][0] - t_long
     short_ttft = srv.stamps[short.id][0] - t_short
@@ -509,7 +529,7 @@ def _run_setting(eng, name: str, a) -> dict:
     out = {"setting": name, "step_tokens": srv.sched.step_tokens, "order": srv.sched.order,
            "decode_slowdown": srv.slowdown, "decode_steps_between_layers": srv.between.steps,
            "decode_steps_deferred": srv.deferred_steps, "device_costs": srv.device_costs,
-           "stall_filter": srv.between.stall_filter, "stalls_dropped": srv.between.stalls_dropped,
+           "stall_filter": srv.between.stall_filter, "key_points": srv.between.key_points, "stalls_dropped": srv.between.stalls_dropped,
            "by_clock": srv.between.by_clock, "start_marks": srv.start_marks,
            "wait_before_eager": srv.wait_before_eager, "tail_cycles": srv.tail_cycles,
            "step_stream": srv.step_stream,
@@ -521,7 +541,9 @@ def _run_setting(eng, name: str, a) -> dict:
            "loaded_gap_p50_ms": ms(quantile(loaded, 0.5)), "loaded_gap_p99_ms": ms(quantile(loaded, 0.99)),
            "loaded_gaps": len(loaded), "loaded_gap_max5_ms": [ms(g) for g in sorted(loaded)[-5:]], "idle_short_ttft_s": round(idle_ttft, 3),
            "short_ttft_behind_long_s": round(short_ttft, 3), "long_ttft_s": round(long_ttft, 2),
-           "long_prefill_tok_s": round(a.long / long_ttft, 1)}
+           "long_prefill_tok_s": round(a.long / long_ttft, 1),
+           "decode_step_host_unloaded": decode_step_times(srv.events, unloaded_span),
+           "decode_step_host_loaded": decode_step_times(srv.events, loaded_span)}
     # what a decoding stream gets while the long prompt prefills (issue 11): its tokens emitted
     # between the long prompt's arrival and its first token, over that time (mean over streams),
     # against its unloaded rate

@@ -35,6 +35,28 @@ def serving(eng, interleave: bool, step_tokens: int = 96):
     return srv
 
 
+def same_tokens(a, b) -> None:
+    """Two runs' ([output ids], [logprobs]) of the same requests: the same tokens, logprobs within
+    fp32 noise (decode batches differ in shape)."""
+    assert a[0] == b[0]
+    for x, y in zip(a[1], b[1]):
+        assert max(abs(u - v) for u, v in zip(x, y)) < 1e-4
+
+
+def spy_points(srv) -> tuple[list, list]:
+    """(points where a decode step ran, every point the hook was called at), filled as srv runs."""
+    points, hooks, real = [], [], srv._between_layers
+
+    def spy(i):
+        hooks.append(i)
+        before = srv.between.steps
+        real(i)
+        if srv.between.steps > before:
+            points.append(i)
+    srv._between_layers = spy
+    return points, hooks
+
+
 def test_streams_and_prompt_get_the_same_tokens_with_decode_between_layers(eng):
     g = torch.Generator().manual_seed(7)
     ps = [torch.randint(5, eng.cfg.vocab_size, (n,), generator=g).tolist() for n in (20, 33, 300, 9)]
@@ -51,9 +73,7 @@ def test_streams_and_prompt_get_the_same_tokens_with_decode_between_layers(eng):
         assert all(n <= 96 for n, _ in srv.between.samples.samples)
         assert not srv.sched.running and srv.state.pages.used == 0
     assert runs[False][2] == 0 and runs[True][2] > 0  # decode steps did run between layers
-    assert runs[True][0] == runs[False][0]
-    for a, b in zip(runs[True][1], runs[False][1]):
-        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4  # fp32; decode batches differ in shape
+    same_tokens(runs[True], runs[False])
 
 
 def test_decode_steps_also_run_between_a_layers_mixer_and_its_mlp(eng):
@@ -66,21 +86,39 @@ def test_decode_steps_also_run_between_a_layers_mixer_and_its_mlp(eng):
     for mid in (False, True):
         srv = serving(eng, True)
         srv.between.mid_layer = mid
-        points, real = [], srv._between_layers
-
-        def spy(i, real=real, srv=srv, points=points):
-            before = srv.between.steps
-            real(i)
-            if srv.between.steps > before:
-                points.append(i)
-        srv._between_layers = spy
+        points, _ = spy_points(srv)
         reqs = drive(srv, [greedy(ps[0], 30), greedy(ps[1], 4)], arrive=[0, 3])
         assert points and any(p != int(p) for p in points) == mid
         assert all(p != int(p) or p in range(len(eng.model.layers)) for p in points)
         runs[mid] = [r.output_ids for r in reqs], [r.logprobs for r in reqs]
-    assert runs[True][0] == runs[False][0]
-    for a, b in zip(runs[True][1], runs[False][1]):
-        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+    same_tokens(runs[True], runs[False])
+
+
+def test_decode_steps_also_run_between_the_key_pieces_of_a_long_attention(eng, monkeypatch):
+    """On the CPU with key_points (interleave.KEY_POINTS) a prompt chunk's attention over more
+    than a piece of context runs in key pieces (kernels/split_keys.py; 64 keys a piece here)
+    with the hook at i + k * POINT_STEP between them: decode steps land there too, and every
+    token is the one whole-layer points give (fp32)."""
+    from freetoken.kernels import split_keys
+    monkeypatch.setattr(split_keys, "KEY_PIECE", 64)
+    g = torch.Generator().manual_seed(9)
+    ps = [torch.randint(5, eng.cfg.vocab_size, (n,), generator=g).tolist() for n in (17, 400)]
+    attn = [i for i, t in enumerate(eng.cfg.layer_types) if t == "full_attention"]
+    runs = {}
+    for keys in (False, True):
+        srv = serving(eng, True)
+        srv.between.key_points = keys
+        points, hooks = spy_points(srv)
+        reqs = drive(srv, [greedy(ps[0], 40), greedy(ps[1], 4)], arrive=[0, 3])
+        fractional = {round(i - int(i), 6) for i in hooks if i != int(i)}
+        if keys:  # hooks inside the attention layers only, at their key pieces
+            assert fractional and all(round(f / split_keys.POINT_STEP) >= 1 for f in fractional)
+            assert all(int(i) in attn for i in hooks if i != int(i))
+            assert any(p != int(p) for p in points)  # and decode steps ran there
+        else:
+            assert not fractional
+        runs[keys] = [r.output_ids for r in reqs], [r.logprobs for r in reqs]
+    same_tokens(runs[True], runs[False])
 
 
 def test_no_eager_decode_step_between_the_layers_of_a_model_with_shared_forward_state(eng):

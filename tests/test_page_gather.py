@@ -5,7 +5,7 @@ import torch
 
 from freetoken.kernels import page_gather
 from freetoken.kernels import paged_attention as pa
-from freetoken.kernels.page_gather import GatherWorkspace, gather_pages
+from freetoken.kernels.page_gather import GatherWorkspace, gather_fresh, gather_pages
 from freetoken.kernels.paged_attention import paged_prefill_attention_torch
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -29,6 +29,22 @@ def test_workspace_gather_equals_fresh_gather(device, dtype):
         assert torch.equal(a, gather_pages(k, ids, length)), n
         assert torch.equal(b, gather_pages(v, ids, length)), n  # "v" did not overwrite "k"
         assert a.data_ptr() != b.data_ptr()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fresh_gather_by_head_equals_plain_indexing(device, dtype):
+    """gather_fresh (what the CPU's prefill attention gathers with) against gather_pages, on
+    shuffled pages including the pool's last page, a partly full last page and one page."""
+    g = torch.Generator().manual_seed(6)
+    k = pool(g, 90, 3, 16, 24, dtype, device)
+    for n in (1, 2, 17, 90):
+        ids = torch.randperm(90, generator=g)[:n].to(device, torch.int32)
+        length = n * 16 - int(torch.randint(0, 16, (1,), generator=g))
+        out = gather_fresh(k, ids, length)
+        assert out.shape == (3, length, 24) and out.stride(-1) == 1
+        assert torch.equal(out, gather_pages(k, ids, length)), n
+    assert gather_fresh(k, torch.tensor([4], device=device), 0).shape == (3, 0, 24)
 
 
 def test_workspace_grows_geometrically_and_a_gather_overwrites_the_last():

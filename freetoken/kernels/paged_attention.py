@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from ..model.attention import prefill_attention
-from . import INTERPRET, tl_dtype, use_triton
+from . import INTERPRET, split_keys, tl_dtype, use_triton
 from .page_gather import gather_for_prefill, gather_pages
 
 LOG2E = 1.4426950408889634
@@ -139,6 +139,8 @@ def paged_prefill_attention_torch(q, k_pages, v_pages, block_table_row, start, s
     (0..start+T-1; with a window, from the page of the first query's first key on; on CUDA into
     buffers kept between calls, page_gather.py) and calls prefill_attention."""
     kvh, p, hd, nh = _check(q, k_pages, v_pages, block_table_row)
+    if split_keys.wanted(q, start, window, sinks):  # in pieces, decode steps between them (CPU interleave)
+        return split_keys.split_prefill_attention(q, k_pages, v_pages, block_table_row, start, scale)
     t = q.shape[0]
     s = start + t
     first = max(0, start - window + 1) // p if window else 0  # no key before this page is visible

@@ -9,11 +9,19 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
+from ..kernels import split_keys
 from .attention import Attention
 from .deltanet import GatedDeltaNet
 from .layers import Rope, add_rms_norm, lm_head, rms_norm
 from .moe import DenseMLP, MoE, link_lookahead
 from .state import DecodeState
+
+
+def _key_hook(hook, i: int):
+    """hook(i + k * POINT_STEP) for key piece k of layer i (kernels/split_keys.py), or None."""
+    if hook is None:
+        return None
+    return lambda k: hook(i + k * split_keys.POINT_STEP)
 
 
 class DecoderModel:
@@ -78,20 +86,25 @@ class DecoderModel:
                 names += [m + n + ".weight" for n in ("gate_proj", "up_proj", "down_proj")]
         return names
 
-    def _stack(self, x: torch.Tensor, mix, phase: str, active=None, hook=None, mid_layer: bool = False) -> torch.Tensor:
+    def _stack(self, x: torch.Tensor, mix, phase: str, active=None, hook=None, mid_layer: bool = False,
+               key_points: bool = False) -> torch.Tensor:
         """Embeddings [N, H] through every layer -> final-normed hidden states [N, H].
 
         Each residual add is fused with the norm that follows it (the next sub-layer's input
         norm, or the final norm): pre-norm blocks, the same arithmetic as the reference.
         hook(i), if given, runs before layer i (the prefill expert loader's schedule); with
         mid_layer also hook(i + 0.5) between layer i's token mixer and its MLP (the serving
-        loop's decode steps: a finer grain than a layer, runtime/interleave.py)."""
+        loop's decode steps: a finer grain than a layer, runtime/interleave.py); with key_points
+        also hook(i + k * POINT_STEP) before key piece k of a long context's attention, where it
+        runs in pieces (kernels/split_keys.py: the CPU)."""
         eps, oc = self.cfg.rms_norm_eps, self.one_centered_norm
         normed = rms_norm(x, self.layers[0][2], eps, oc)
         for i, (mixer, mlp, _, ln2) in enumerate(self.layers):
             if hook is not None:
                 hook(i)
-            x, normed = add_rms_norm(x, mix(mixer, normed), ln2, eps, oc)
+            with split_keys.key_points(_key_hook(hook, i) if key_points else None):
+                mixed = mix(mixer, normed)
+            x, normed = add_rms_norm(x, mixed, ln2, eps, oc)
             if hook is not None and mid_layer:
                 hook(i + 0.5)
             nxt = self.layers[i + 1][2] if i + 1 < len(self.layers) else self.norm
@@ -113,13 +126,14 @@ class DecoderModel:
 
     @torch.inference_mode()
     def prefill_batch(self, tokens: torch.Tensor, st: DecodeState, segs: list, hook=None,
-                      mid_layer: bool = False) -> torch.Tensor | None:
+                      mid_layer: bool = False, key_points: bool = False) -> torch.Tensor | None:
         """Prompt chunks of several sequences as one varlen forward: the dense layers and the
         experts see every token at once, attention and DeltaNet run per segment, in order
         (consecutive segments of one sequence: a layer-major pass, runtime/prefill_stream.py).
         tokens: [N] (the chunks back to back); segs: [(slot, start, length, capture, logits)];
         hook(i): called before layer i (and with mid_layer at i + 0.5, between its mixer and its
-        MLP: _stack) -> logits [S, V] of the last token of each segment with logits=True, or None."""
+        MLP; with key_points between key pieces of a long context's attention: _stack)
+        -> logits [S, V] of the last token of each segment with logits=True, or None."""
         x = self.embed[tokens].to(self.dtype)  # [N, H]
         ends = torch.tensor([s[2] for s in segs]).cumsum(0).tolist()
         bounds = list(zip([0] + ends[:-1], ends))
@@ -130,7 +144,7 @@ class DecoderModel:
                 return m.prefill(h, st, slot, start, capture)
             return torch.cat([m.prefill(h[a:b], st, slot, start, capture)
                               for (a, b), (slot, start, _, capture, _) in zip(bounds, segs)])
-        h = self._stack(x, mix, "prefill", hook=hook, mid_layer=mid_layer)
+        h = self._stack(x, mix, "prefill", hook=hook, mid_layer=mid_layer, key_points=key_points and hook is not None)
         rows = [b - 1 for (_, b), seg in zip(bounds, segs) if seg[4]]
         if not rows:
             return None

@@ -110,10 +110,12 @@ class DeepseekV4Model(DecoderModel):
         self.ids["tokens"] = tokens
         return super().decode(tokens, *args, **kw)
 
-    def _stack(self, x: torch.Tensor, mix, phase: str, active=None, hook=None, mid_layer: bool = False) -> torch.Tensor:
+    def _stack(self, x: torch.Tensor, mix, phase: str, active=None, hook=None, mid_layer: bool = False,
+               key_points: bool = False) -> torch.Tensor:
         """Embeddings [N, H] -> the hc_mult streams [N, hc, H] through every layer -> collapsed by
         the head and final-normed [N, H]. hook(i), if given, runs before layer i (and with
-        mid_layer at i + 0.5, between its attention and its MLP)."""
+        mid_layer at i + 0.5, between its attention and its MLP). key_points: no effect (its
+        attention does not run in key pieces, kernels/split_keys.py)."""
         c, eps = self.cfg, self.cfg.rms_norm_eps
         h = x[:, None, :].expand(-1, c.hc_mult, -1).contiguous()  # [N, hc, H]
         for i, ((mixer, mlp, ln1, ln2), (attn_hc, ffn_hc)) in enumerate(zip(self.layers, self.hc)):

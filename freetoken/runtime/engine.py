@@ -542,18 +542,22 @@ class Engine:
             outs.append(out)
         return torch.cat(outs) if all_logits else outs[-1]
 
-    def prefill_batch(self, st: DecodeState, segs: list, between=None, mid_layer: bool = False) -> torch.Tensor | None:
+    def prefill_batch(self, st: DecodeState, segs: list, between=None, mid_layer: bool = False,
+                      key_points: bool = False) -> torch.Tensor | None:
         """segs: [(tokens, slot, start, capture, logits)] -> logits of the segments asking
         for them ([S, V]) or None (model.prefill_batch). between(i): called before layer i
         (the serving loop's decode steps between layers; in streamed passes with the expert
         cache frozen, runtime/prefill_stream.py); mid_layer: also between each layer's mixer and
-        its MLP, at i + 0.5 (not in streamed passes: a decode step there costs the pass)."""
+        its MLP, at i + 0.5 (not in streamed passes: a decode step there costs the pass);
+        key_points: also between the key pieces of a long context's attention on the CPU
+        (kernels/split_keys.py; not in streamed passes either)."""
         if self.prefill_stream is not None:  # issue 11: passes, experts streamed
             return self.prefill_stream.prefill_batch(st, segs, between)
         tokens = torch.tensor([t for seg in segs for t in seg[0]], dtype=torch.long, device=self.device)
         return self.model.prefill_batch(tokens, st, [(slot, start, len(toks), cap, want)
                                                      for toks, slot, start, cap, want in segs], hook=between,
-                                        mid_layer=mid_layer and between is not None)
+                                        mid_layer=mid_layer and between is not None,
+                                        key_points=key_points and between is not None)
 
     def forward_mixed(self, st: DecodeState, tokens: list[int], pos: list[int], active: list[bool],
                       segs: list) -> tuple[torch.Tensor, torch.Tensor | None]:

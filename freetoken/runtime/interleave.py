@@ -115,6 +115,11 @@ STALL_FILTER = False
 # there yet. Off: on the 2-core CPU it did not help (32k prompt: p99 2.51x against 2.32x, the
 # prompt 365 tok/s against 399; one half of a layer costs about what the layer does there)
 MID_LAYER = False
+# on the CPU, decode steps may also run between the key pieces of a prompt chunk's attention over
+# a long context (kernels/split_keys.py: points i + k * POINT_STEP): there a 32-token chunk's
+# attention layer at 32k keys took ~22 ms against a ~19 ms decode step (demo model, 2-core dev
+# machine), so a gap holding one was past 2x the streams' unloaded gap whatever the chunk size
+KEY_POINTS = True
 
 
 def affine_fit(costs) -> tuple[float, float]:
@@ -316,6 +321,7 @@ class Interleaver:
         # of the latest forwards (telemetry: bench.interference's chunk sizes)
         self.costliest_at: deque[float] = deque(maxlen=4096)  # which point was that layer (telemetry)
         self.mid_layer = MID_LAYER  # points between a layer's mixer and MLP too (keys i + 0.5)
+        self.key_points = KEY_POINTS  # and between key pieces of a long attention (keys i + k * 0.01; the CPU)
         # STALL_FILTER (see there): each layer's kind (its index -> a label; the loop sets the
         # model's layer types), and how many points it left out of the samples
         self.stall_filter = STALL_FILTER

@@ -468,6 +468,8 @@ class EngineLoop:
             kw = {"between": self._between_layers} if self.between.enabled and not nested else {}
             if kw and not self.streamed:  # between each layer's halves too, if asked (runtime/interleave.py MID_LAYER)
                 kw["mid_layer"] = self.between.mid_layer
+                # and between the key pieces of a long context's attention (interleave.KEY_POINTS; the CPU)
+                kw["key_points"] = self.between.key_points and eng.device.type == "cpu"
             self._prompt_forward = True
             if not nested:
                 self._prev_step_end, self._tail_on_host = self._work_mark(), False

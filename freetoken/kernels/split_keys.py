@@ -1,0 +1,129 @@
+"""A prefill chunk's attention over a long context in pieces of keys, with a hook between them.
+
+On the CPU a prompt chunk's attention layer at a long context is the costliest stretch of its
+forward, whatever the chunk's size: on the 2-core dev machine a 32-token chunk's SDPA over 32k
+keys of the demo shape takes ~15 ms, a decode step of the streams ~12-19 ms. The serving loop
+runs decode steps between a prompt forward's layers (runtime/interleave.py), so a stream's gap
+is at least a decode step plus the costliest stretch between two hooks: with a whole attention
+layer in it, over 2x the stream's unloaded gap. Here the chunk's queries attend to the context
+in pieces of KEY_PIECE keys, each giving its output and its log-sum-exp; the pieces are merged
+by their log-sum-exp (the flash-decoding merge), and between two pieces the hook in effect
+(key_points, set by the model's layer loop for the interleaving loop) may run a decode step.
+
+Only where a hook is set (the serving loop's interleave on the CPU): a piece's output is rounded
+to the compute dtype before the merge, one more bf16 rounding than the whole-context kernel.
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+
+import torch
+
+from .page_gather import gather_fresh
+
+KEY_PIECE = 8192  # keys per piece (a multiple of any page size in use): ~4 ms of a 32-token chunk there
+POINT_STEP = 0.01  # the interleaver's point before key piece k of layer i: i + k * POINT_STEP
+
+
+class _Hook(threading.local):
+    fn = None  # fn(k): called before key piece k >= 1 of a split attention
+
+
+HOOK = _Hook()
+
+
+@contextmanager
+def key_points(fn):
+    """Within it, a split attention on this thread calls fn(k) before its key piece k (k >= 1).
+    None: no hook (also what a hook's own work sees: a forward nested in it does not split)."""
+    prev, HOOK.fn = HOOK.fn, fn
+    try:
+        yield
+    finally:
+        HOOK.fn = prev
+
+
+def splits(start: int, page: int) -> list[tuple[int, int]]:
+    """The pieces [a, b) of keys 0..start-1 (those every query of a chunk at `start` sees), each
+    starting at a page boundary."""
+    step = max(page, KEY_PIECE // page * page)
+    return [(a, min(a + step, start)) for a in range(0, start, step)]
+
+
+def wanted(q: torch.Tensor, start: int, window, sinks) -> bool:
+    """Whether a chunk's attention runs in pieces here: a hook set, the CPU (the kernel below),
+    a full-attention layer without sinks, and at least two pieces of context before the chunk."""
+    return (HOOK.fn is not None and q.device.type == "cpu" and not window and sinks is None
+            and start > KEY_PIECE and _flash_lse is not None)
+
+
+def attention_lse_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                        causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference: q [nh, T, hd], k/v [kvh, S, hd] (causal: the T queries are the last T of
+    the S keys' positions) -> (o [nh, T, hd] in q's dtype, lse [nh, T] fp32), in fp32."""
+    g = q.shape[0] // k.shape[0]
+    s = q.float() @ k.float().repeat_interleave(g, 0).transpose(1, 2) * scale  # [nh, T, S]
+    if causal:
+        t, n = q.shape[1], k.shape[1]
+        seen = torch.ones(t, n, dtype=torch.bool, device=q.device).tril(n - t)  # [T, S]
+        s = s.masked_fill(~seen, float("-inf"))
+    lse = torch.logsumexp(s, -1)  # [nh, T]
+    o = torch.softmax(s, -1) @ v.float().repeat_interleave(g, 0)
+    return o.to(q.dtype), lse
+
+
+_flash_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """attention_lse_torch on torch's CPU flash kernel, which returns the log-sum-exp. Without a
+    mask a KV head's query heads go in as one head of g x T rows (each row sees every key: no
+    K/V copy per query head); causal pieces (the chunk's own keys: S == T) go head by head."""
+    nh, t, hd = q.shape
+    kvh = k.shape[0]
+    g = nh // kvh
+    if causal:
+        if k.shape[1] != t:
+            raise ValueError(f"a causal piece is the chunk's own keys: {k.shape[1]} keys for {t} queries")
+        k, v = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)  # [nh, T, hd]: T keys, small
+        o, lse = _flash_lse(q[None], k[None], v[None], 0.0, True, scale=scale)[:2]
+        return o[0].reshape(nh, t, hd), lse[0].reshape(nh, t)
+    qg = q.reshape(kvh, g * t, hd)  # [kvh, g*T, hd]: q [nh, T, hd] with head h = kv*g + j
+    o, lse = _flash_lse(qg[None], k[None], v[None], 0.0, False, scale=scale)[:2]
+    return o[0].reshape(nh, t, hd), lse[0].reshape(nh, t)
+
+
+def merge(parts: list[tuple[torch.Tensor, torch.Tensor]], dtype) -> torch.Tensor:
+    """Partial outputs over disjoint key sets [(o [nh, T, hd], lse [nh, T])] -> the output over
+    their union [nh, T, hd], weighted by each part's softmax mass, in fp32."""
+    lse = torch.stack([p[1] for p in parts])  # [n, nh, T]
+    w = torch.softmax(lse, 0)  # [n, nh, T]: each part's share of the whole softmax mass
+    o = sum(p[0].float() * w[i, ..., None] for i, p in enumerate(parts))
+    return o.to(dtype)
+
+
+def split_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                            table: torch.Tensor, start: int, scale: float, lse_fn=attention_lse) -> torch.Tensor:
+    """q [T, nh, hd] at positions start..start+T-1 (their K/V already in the pages);
+    table [W] -> [T, nh, hd]: the pieces of splits(start) one by one, the hook in effect called
+    before each but the first, then the chunk's own keys (causal), merged."""
+    t = q.shape[0]
+    p = k_pages.shape[2]
+    qh = q.transpose(0, 1).contiguous()  # [nh, T, hd]
+    hook, parts = HOOK.fn, []
+    for n, (a, b) in enumerate(splits(start, p)):
+        if n and hook is not None:
+            with key_points(None):  # a forward inside the hook (a short prompt's) does not split
+                hook(n)
+        ids = table[a // p:-(-b // p)]  # [pages of the piece]
+        parts.append(lse_fn(qh, gather_fresh(k_pages, ids, b - a), gather_fresh(v_pages, ids, b - a),
+                            scale, False))
+    first = start // p  # the chunk's own keys: from the page holding `start`
+    ids = table[first:-(-(start + t) // p)]
+    off = start - first * p
+    k = gather_fresh(k_pages, ids, start + t - first * p)[:, off:]  # [kvh, T, hd]
+    v = gather_fresh(v_pages, ids, start + t - first * p)[:, off:]
+    parts.append(lse_fn(qh, k, v, scale, True))
+    return merge(parts, q.dtype).transpose(0, 1).contiguous()  # [T, nh, hd]
