@@ -582,7 +582,15 @@ case "$STAGE" in
   step 150 interference-padrows-cache python3 -m bench.interference --full-size --long 32768 --moe cache \
     --settings interleave --name interference-full-padrows-cache
   ;;
-*) echo "stage 0 to 60"; exit 2 ;;
+61) # ~420 s (limit 420), issue 9's CPU side on the Xeon host: the demo engine on the host's cores
+  # alone (no GPU visible), a 32k prompt while two streams decode, with decode steps between the
+  # attention layers' key pieces (kernels/split_keys.py) and without, and the CPU default (one
+  # mixed forward). On the 2-core dev machine: 2.24x against 2.95-3.07x, bounded there by the
+  # decode step's own tail (twenty-first session)
+  CUDA_VISIBLE_DEVICES= step 420 interference-cpu-keys python3 -m bench.interference --long 32768 \
+    --settings interleave,interleave-nokeys,interleave,budget --name interference-32k-xeon-keys
+  ;;
+*) echo "stage 0 to 61"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)
