@@ -97,7 +97,7 @@ def test_decode_steps_also_run_between_a_layers_mixer_and_its_mlp(eng):
 def test_decode_steps_also_run_between_the_key_pieces_of_a_long_attention(eng, monkeypatch):
     """On the CPU with key_points (interleave.KEY_POINTS) a prompt chunk's attention over more
     than a piece of context runs in key pieces (kernels/split_keys.py; 64 keys a piece here)
-    with the hook at i + k * POINT_STEP between them: decode steps land there too, and every
+    with the hook at split_keys.point(i, n) between them: decode steps land there too, and every
     token is the one whole-layer points give (fp32)."""
     from freetoken.kernels import split_keys
     monkeypatch.setattr(split_keys, "KEY_PIECE", 64)
@@ -112,13 +112,51 @@ def test_decode_steps_also_run_between_the_key_pieces_of_a_long_attention(eng, m
         reqs = drive(srv, [greedy(ps[0], 40), greedy(ps[1], 4)], arrive=[0, 3])
         fractional = {round(i - int(i), 6) for i in hooks if i != int(i)}
         if keys:  # hooks inside the attention layers only, at their key pieces
-            assert fractional and all(round(f / split_keys.POINT_STEP) >= 1 for f in fractional)
+            assert fractional and all(0 < f < 0.5 for f in fractional)
             assert all(int(i) in attn for i in hooks if i != int(i))
             assert any(p != int(p) for p in points)  # and decode steps ran there
         else:
             assert not fractional
         runs[keys] = [r.output_ids for r in reqs], [r.logprobs for r in reqs]
     same_tokens(runs[True], runs[False])
+
+
+def test_key_points_of_a_batch_count_on_across_its_segments(eng, monkeypatch):
+    """Two long segments in one prompt forward: each attention splits on its own, and the labels
+    of a layer's key points go on increasing across them (never one label twice in a forward);
+    the logits are those of the unsplit forward (fp32)."""
+    from freetoken.kernels import split_keys
+    monkeypatch.setattr(split_keys, "KEY_PIECE", 64)
+    g = torch.Generator().manual_seed(10)
+    ids = [torch.randint(5, eng.cfg.vocab_size, (330,), generator=g).tolist() for _ in range(2)]
+    segs = [(ids[0][300:], 0, 300, None, True), (ids[1][300:], 1, 300, None, True)]
+
+    def state():  # two sequences 300 tokens in
+        st = eng.new_state(512, slots=2)
+        for slot in (0, 1):
+            eng.prefill(ids[slot][:300], st, slot, logits=False)
+        return st
+    seen, st = [], state()
+    out = eng.prefill_batch(st, segs, between=seen.append, key_points=True)
+    plain = eng.prefill_batch(state(), segs, between=lambda i: None, key_points=False)
+    torch.testing.assert_close(out, plain, atol=1e-5, rtol=1e-5)
+    keyed = [j for j in seen if split_keys.is_key_point(j)]
+    attn = [i for i, t in enumerate(eng.cfg.layer_types) if t == "full_attention"]
+    per_piece = len(split_keys.splits(300, st.page_size)) - 1  # points a segment's attention makes
+    for i in attn:
+        mine = [j for j in keyed if int(j) == i]
+        assert mine == sorted(mine) and len(set(mine)) == len(mine) == 2 * per_piece, (i, mine)
+    assert {int(j) for j in keyed} == set(attn)
+
+
+def test_key_point_labels_stay_below_the_mid_layer_point_and_borrow_a_known_cost():
+    from freetoken.kernels import split_keys
+    assert split_keys.point(3, 1) == 3.001 and split_keys.point(3, 10_000) < 3.5
+    assert split_keys.is_key_point(3.001) and not split_keys.is_key_point(3.5) and not split_keys.is_key_point(3)
+    il = Interleaver(1.5)
+    il.cost = {3: 0.004, 3.001: 0.002, 3.002: 0.003, 4: 0.001}
+    assert il._cost(3.004) == 0.003  # a piece not met yet costs what the layer's latest earlier one does
+    assert il._cost(4.001) is None and il._cost(5) is None  # no earlier piece of that layer: unknown
 
 
 def test_no_eager_decode_step_between_the_layers_of_a_model_with_shared_forward_state(eng):

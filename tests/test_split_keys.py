@@ -70,6 +70,7 @@ def test_no_split_without_a_hook_with_a_window_or_short_context(small_pieces):
         assert not split_keys.wanted(q, 500, 128, None)  # a sliding window reads its window only
         assert not split_keys.wanted(q, 500, None, torch.zeros(4))  # sinks: the sinks' own path
         assert not split_keys.wanted(q, 64, None, None)  # one piece of context: nothing to split
+        assert not split_keys.wanted(q[:0], 500, None, None)  # an empty chunk (the CPU kernel dies on one)
         with key_points(None):  # what a forward inside the hook sees
             assert not split_keys.wanted(q, 500, None, None)
 

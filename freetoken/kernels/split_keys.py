@@ -23,7 +23,22 @@ import torch
 from .page_gather import gather_fresh
 
 KEY_PIECE = 8192  # keys per piece (a multiple of any page size in use): ~4 ms of a 32-token chunk there
-POINT_STEP = 0.01  # the interleaver's point before key piece k of layer i: i + k * POINT_STEP
+# the interleaver's point before the n-th key piece (n >= 1) of layer i's attention in a forward:
+# i + min(n, MAX_POINTS) * POINT_STEP, below i + 0.5 (the MID_LAYER point) whatever the context
+# (400 pieces: 3.3M keys); n counts on across the segments of a batch, so labels never repeat
+# within a layer but for the last, shared past MAX_POINTS
+POINT_STEP = 0.001
+MAX_POINTS = 400
+
+
+def point(i: int, n: int) -> float:
+    """The interleaver's label of the point before layer i's n-th key piece (see POINT_STEP)."""
+    return round(i + min(n, MAX_POINTS) * POINT_STEP, 3)
+
+
+def is_key_point(j: float) -> bool:
+    """Whether label j is a key piece's point (not a layer's, nor the MID_LAYER i + 0.5)."""
+    return 0 < j - int(j) < 0.5
 
 
 class _Hook(threading.local):
@@ -53,9 +68,11 @@ def splits(start: int, page: int) -> list[tuple[int, int]]:
 
 def wanted(q: torch.Tensor, start: int, window, sinks) -> bool:
     """Whether a chunk's attention runs in pieces here: a hook set, the CPU (the kernel below),
-    a full-attention layer without sinks, and at least two pieces of context before the chunk."""
+    a full-attention layer without sinks, at least two pieces of context before the chunk, and
+    a chunk of at least one token (torch's CPU flash kernel dies of a division by zero, not an
+    exception, on empty inputs)."""
     return (HOOK.fn is not None and q.device.type == "cpu" and not window and sinks is None
-            and start > KEY_PIECE and _flash_lse is not None)
+            and start > KEY_PIECE and q.shape[0] > 0 and _flash_lse is not None)
 
 
 def attention_lse_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -95,35 +112,55 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     return o[0].reshape(nh, t, hd), lse[0].reshape(nh, t)
 
 
+class Merge:
+    """Partial outputs over disjoint key sets, folded in as they come (o [nh, T, hd], lse [nh, T])
+    -> the output over their union, each part weighted by its share of the whole softmax mass,
+    in fp32. One running output: memory does not grow with the number of pieces."""
+
+    def __init__(self):
+        self.o: torch.Tensor | None = None  # [nh, T, hd] fp32
+        self.lse: torch.Tensor | None = None  # [nh, T] fp32
+
+    def add(self, o: torch.Tensor, lse: torch.Tensor) -> None:
+        if self.o is None:
+            self.o, self.lse = o.float(), lse.float()
+            return
+        total = torch.logaddexp(self.lse, lse)  # [nh, T]
+        self.o = self.o * torch.exp(self.lse - total)[..., None] + o.float() * torch.exp(lse - total)[..., None]
+        self.lse = total
+
+    def result(self, dtype) -> torch.Tensor:
+        return self.o.to(dtype)
+
+
 def merge(parts: list[tuple[torch.Tensor, torch.Tensor]], dtype) -> torch.Tensor:
-    """Partial outputs over disjoint key sets [(o [nh, T, hd], lse [nh, T])] -> the output over
-    their union [nh, T, hd], weighted by each part's softmax mass, in fp32."""
-    lse = torch.stack([p[1] for p in parts])  # [n, nh, T]
-    w = torch.softmax(lse, 0)  # [n, nh, T]: each part's share of the whole softmax mass
-    o = sum(p[0].float() * w[i, ..., None] for i, p in enumerate(parts))
-    return o.to(dtype)
+    """Merge of every part at once [(o, lse)] -> [nh, T, hd] in dtype."""
+    m = Merge()
+    for o, lse in parts:
+        m.add(o, lse)
+    return m.result(dtype)
 
 
 def split_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                             table: torch.Tensor, start: int, scale: float, lse_fn=attention_lse) -> torch.Tensor:
     """q [T, nh, hd] at positions start..start+T-1 (their K/V already in the pages);
     table [W] -> [T, nh, hd]: the pieces of splits(start) one by one, the hook in effect called
-    before each but the first, then the chunk's own keys (causal), merged."""
+    before each but the first (hook(n), n = 1, 2, ...), then the chunk's own keys (causal),
+    merged as they come."""
     t = q.shape[0]
     p = k_pages.shape[2]
     qh = q.transpose(0, 1).contiguous()  # [nh, T, hd]
-    hook, parts = HOOK.fn, []
+    hook, out = HOOK.fn, Merge()
     for n, (a, b) in enumerate(splits(start, p)):
         if n and hook is not None:
             with key_points(None):  # a forward inside the hook (a short prompt's) does not split
                 hook(n)
         ids = table[a // p:-(-b // p)]  # [pages of the piece]
-        parts.append(lse_fn(qh, gather_fresh(k_pages, ids, b - a), gather_fresh(v_pages, ids, b - a),
-                            scale, False))
+        out.add(*lse_fn(qh, gather_fresh(k_pages, ids, b - a), gather_fresh(v_pages, ids, b - a), scale, False))
     first = start // p  # the chunk's own keys: from the page holding `start`
     ids = table[first:-(-(start + t) // p)]
     off = start - first * p
     k = gather_fresh(k_pages, ids, start + t - first * p)[:, off:]  # [kvh, T, hd]
     v = gather_fresh(v_pages, ids, start + t - first * p)[:, off:]
-    parts.append(lse_fn(qh, k, v, scale, True))
-    return merge(parts, q.dtype).transpose(0, 1).contiguous()  # [T, nh, hd]
+    out.add(*lse_fn(qh, k, v, scale, True))
+    return out.result(q.dtype).transpose(0, 1).contiguous()  # [T, nh, hd]

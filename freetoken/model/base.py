@@ -6,6 +6,8 @@ lm_head for a prefill chunk of one sequence or a decode step over all batch slot
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..config import ModelConfig
@@ -17,11 +19,19 @@ from .moe import DenseMLP, MoE, link_lookahead
 from .state import DecodeState
 
 
-def _key_hook(hook, i: int):
-    """hook(i + k * POINT_STEP) for key piece k of layer i (kernels/split_keys.py), or None."""
+def _key_points(hook, i: int):
+    """The key pieces' hook of layer i (kernels/split_keys.py) in effect while its mixer runs:
+    hook(split_keys.point(i, n)) before its n-th piece, n counting on across the segments of a
+    batch (each long segment's attention splits on its own); nothing where hook is None."""
     if hook is None:
-        return None
-    return lambda k: hook(i + k * split_keys.POINT_STEP)
+        return contextlib.nullcontext()
+    n = 0
+
+    def at(_piece: int) -> None:
+        nonlocal n
+        n += 1
+        hook(split_keys.point(i, n))
+    return split_keys.key_points(at)
 
 
 class DecoderModel:
@@ -95,14 +105,14 @@ class DecoderModel:
         hook(i), if given, runs before layer i (the prefill expert loader's schedule); with
         mid_layer also hook(i + 0.5) between layer i's token mixer and its MLP (the serving
         loop's decode steps: a finer grain than a layer, runtime/interleave.py); with key_points
-        also hook(i + k * POINT_STEP) before key piece k of a long context's attention, where it
-        runs in pieces (kernels/split_keys.py: the CPU)."""
+        also hook(split_keys.point(i, n)) before the n-th key piece of a long context's attention,
+        where it runs in pieces (kernels/split_keys.py: the CPU)."""
         eps, oc = self.cfg.rms_norm_eps, self.one_centered_norm
         normed = rms_norm(x, self.layers[0][2], eps, oc)
         for i, (mixer, mlp, _, ln2) in enumerate(self.layers):
             if hook is not None:
                 hook(i)
-            with split_keys.key_points(_key_hook(hook, i) if key_points else None):
+            with _key_points(hook if key_points else None, i):
                 mixed = mix(mixer, normed)
             x, normed = add_rms_norm(x, mixed, ln2, eps, oc)
             if hook is not None and mid_layer:

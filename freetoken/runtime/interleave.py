@@ -47,6 +47,8 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from ..kernels import split_keys
+
 EMA = 0.3  # weight of the newest per-layer sample
 MIN_PREFILL = 32  # prompt tokens a step takes at least, whatever the latency budget says
 # the gap allowed inside a forward of prompts that all finish in it (short prompts, whose first
@@ -116,7 +118,7 @@ STALL_FILTER = False
 # prompt 365 tok/s against 399; one half of a layer costs about what the layer does there)
 MID_LAYER = False
 # on the CPU, decode steps may also run between the key pieces of a prompt chunk's attention over
-# a long context (kernels/split_keys.py: points i + k * POINT_STEP): there a 32-token chunk's
+# a long context (kernels/split_keys.py: points i + n * POINT_STEP, below i + 0.5): there a 32-token chunk's
 # attention layer at 32k keys took ~22 ms against a ~19 ms decode step (demo model, 2-core dev
 # machine), so a gap holding one was past 2x the streams' unloaded gap whatever the chunk size
 KEY_POINTS = True
@@ -321,7 +323,7 @@ class Interleaver:
         # of the latest forwards (telemetry: bench.interference's chunk sizes)
         self.costliest_at: deque[float] = deque(maxlen=4096)  # which point was that layer (telemetry)
         self.mid_layer = MID_LAYER  # points between a layer's mixer and MLP too (keys i + 0.5)
-        self.key_points = KEY_POINTS  # and between key pieces of a long attention (keys i + k * 0.01; the CPU)
+        self.key_points = KEY_POINTS  # and between key pieces of a long attention (split_keys.point; the CPU)
         # STALL_FILTER (see there): each layer's kind (its index -> a label; the loop sets the
         # model's layer types), and how many points it left out of the samples
         self.stall_filter = STALL_FILTER
@@ -354,9 +356,18 @@ class Interleaver:
 
     def _cost(self, j: float) -> float | None:
         """Layer j's learned cost for this kind of forward, else the other kind's (a graphed
-        forward before any was measured is judged at eager costs: decode steps early, not late)."""
+        forward before any was measured is judged at eager costs: decode steps early, not late).
+        A key piece's point not met yet (the context just grew past another piece,
+        kernels/split_keys.py) costs what the same layer's latest earlier piece does: pieces
+        are of one size, and an unknown cost would have a decode step before it in every
+        attention layer of the forward."""
         c = self.cost.get(j)
-        return c if c is not None else self._costs[not self.graphed].get(j)
+        if c is None:
+            c = self._costs[not self.graphed].get(j)
+        if c is None and split_keys.is_key_point(j):
+            known = [k for k in self.cost if int(k) == int(j) and split_keys.is_key_point(k) and k < j]
+            c = self.cost[max(known)] if known else None
+        return c
 
     @property
     def layers(self) -> int:
@@ -380,7 +391,8 @@ class Interleaver:
         self.learn_from = self.last_decode  # where a host-clock cycle's span starts (tail() moves it)
 
     def due(self, decode_s: float | None, i: float = 0) -> bool:
-        """Before point i (layer i, or i + 0.5: its MLP after its mixer): is a decode step due?
+        """Before point i (layer i, i + 0.5: its MLP after its mixer, or a key piece of its
+        attention, split_keys.point): is a decode step due?
         decode_s: the plain decode step's time."""
         if not self.enabled or self.running or decode_s is None or self.last_decode is None or not self.queued:
             return False

@@ -477,7 +477,8 @@ class EngineLoop:
                 if self.overlap is not None and not nested:
                     dec_logits, pre_logits = None, self._prefill_alongside(segs)
                 else:
-                    self.between.this_forward = {}
+                    if not nested:  # a short prompt's forward inside this one keeps its points' costs so far
+                        self.between.this_forward = {}
                     dec_logits, pre_logits = None, eng.prefill_batch(self.state, segs, **kw)
                     self._complete_deferred()  # a step after the last layer's hook
                     if kw:
@@ -589,7 +590,8 @@ class EngineLoop:
 
     def _between_layers(self, i: float) -> None:
         """The prefill forward's hook before layer i (or at i + 0.5, between layer i's mixer and
-        its MLP: runtime/interleave.py MID_LAYER): short requests that arrived meanwhile
+        its MLP: runtime/interleave.py MID_LAYER; or before a key piece of its attention on the
+        CPU, kernels/split_keys.py): short requests that arrived meanwhile
         prefill whole (_jump_in); a decode step for the streams that are decoding, when one is
         due (runtime/interleave.py). Rows that need a KV page the pool cannot give without
         preempting wait for the step's own decode."""
@@ -670,7 +672,8 @@ class EngineLoop:
     def _eager_point(self, i: float) -> bool:
         """Whether point i's prompt work in the forward in flight launches eagerly: the whole
         forward past the prefill graphs' cap (or without them), else the part of layer i they
-        do not take (a full-attention mixer; with MID_LAYER, i + 0.5 is the MLP alone)."""
+        do not take (a full-attention mixer; with MID_LAYER, i + 0.5 is the MLP alone). Key
+        pieces' points (kernels/split_keys.py) exist on the CPU only, where nothing is graphed."""
         graphs = getattr(self.engine, "prefill_graphs", None)
         if graphs is None or not graphs.enabled or not self.between.graphed:
             return True
