@@ -6,6 +6,7 @@ full-attention heads, at each --cases (context, chunk), in fp32 and bf16. Pages 
 in the pool. Median of --iters calls each.
 
   python -m bench.cpu_prefill_attention [--cases 8192:2048,32768:64] [--dtypes float32,bfloat16]
+      [--threads N] [--name NAME]
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def main():
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    ap.add_argument("--name", default="cpu_prefill_attention", help="result name")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -59,7 +61,7 @@ def main():
                              "whole_ms": round(1e3 * whole, 2), "pieces_ms": round(1e3 * pieces, 2),
                              "speedup": round(whole / pieces, 2), "default_without_hook": default})
                 print(rows[-1], flush=True)
-    write_result("cpu_prefill_attention", {"threads": torch.get_num_threads(), "key_piece": split_keys.KEY_PIECE,
+    write_result(a.name, {"threads": torch.get_num_threads(), "key_piece": split_keys.KEY_PIECE,
                                            "rows": rows})
 
 

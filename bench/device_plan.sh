@@ -590,7 +590,15 @@ case "$STAGE" in
   CUDA_VISIBLE_DEVICES= step 420 interference-cpu-keys python3 -m bench.interference --long 32768 \
     --settings interleave,interleave-nokeys,interleave,budget --name interference-32k-xeon-keys
   ;;
-*) echo "stage 0 to 61"; exit 2 ;;
+62) # ~240 s (limits 2 x 120): the CPU prefill attention's key pieces (kernels/split_keys.py, the
+  # default in fp32 since 9683ad1) against the whole-context path on the Xeon host, where torch's
+  # CPU flash kernel may use AMX: 1.1-2.1x faster on the 2-core dev machine
+  for t in 6 14; do
+    CUDA_VISIBLE_DEVICES= step 120 "cpu-prefill-attention-t$t" python3 -m bench.cpu_prefill_attention --threads "$t" \
+      --name "cpu_prefill_attention-xeon-t$t"
+  done
+  ;;
+*) echo "stage 0 to 62"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)
