@@ -22,7 +22,13 @@ def main():
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--name", default="demo")
+    ap.add_argument("--attention-pieces", choices=("default", "off"), default="default",
+                    help="off: every prompt chunk's attention over its whole context at once (the A/B of "
+                         "kernels/split_keys.py, whose key pieces the CPU runs in fp32 by default)")
     a = ap.parse_args()
+    if a.attention_pieces == "off":
+        from freetoken.kernels import split_keys
+        split_keys.wanted = lambda *args: False
     eng = Engine(demo_path(), EngineConfig(device=a.device))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 240000, (a.prompt,), generator=g).tolist()
@@ -35,7 +41,8 @@ def main():
            "prefill_tok_s": round(a.prompt / out.prefill_s, 1),
            "decode_tokens": len(out.token_ids), "decode_tok_s": round((len(out.token_ids) - 1) / out.decode_s, 2),
            "torch_threads": torch.get_num_threads(), "cpu_spin": getattr(eng.executor, "spin", None),
-           "cpu_spin_env": os.environ.get("FREETOKEN_CPU_SPIN")}  # the A/B override (None: the engine's)
+           "cpu_spin_env": os.environ.get("FREETOKEN_CPU_SPIN"),  # the A/B override (None: the engine's)
+           "attention_pieces": a.attention_pieces}
     write_result(a.name, res)
 
 
