@@ -39,16 +39,21 @@ def gather_fresh(pages: torch.Tensor, ids: torch.Tensor, length: int) -> torch.T
     """gather_pages for one row of ids [n], into a fresh tensor by one index_select per KV head
     straight into place. Plain indexing (gather_pages) copies twice, the second time through a
     permuted view, and on the CPU its index kernel moves a page's 2 KB row element by element:
-    a 32k context's K on the demo shape took 9.7 ms that way against 0.17 ms here on the 2-core
-    dev machine (/tmp-free: bench.gather_cpu), which made the gather, not the attention, most of
-    a long prompt's attention layer there."""
+    the gather of a 32k context was most of a long prompt's attention layer there
+    (bench.cpu_prefill_attention's gather rows)."""
     _, kvh, p, hd = pages.shape
     n = ids.numel()
-    ids = ids.long()
     out = torch.empty((kvh, n, p, hd), dtype=pages.dtype, device=pages.device)
-    for h in range(kvh):
-        torch.index_select(pages[:, h], 0, ids, out=out[h])  # [n, P, hd]
+    _select_into(pages, ids, out)
     return out.view(kvh, n * p, hd)[:, :length]
+
+
+def _select_into(pages: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
+    """pages [num_pages, kvh, P, hd], ids [n] -> out [kvh, >= n, P, hd][:, :n]: one copy per KV
+    head straight into place ([n, P, hd] each; the form run on the H200, plan 30)."""
+    ids = ids.long()
+    for h in range(out.shape[0]):
+        torch.index_select(pages[:, h], 0, ids, out=out[h, :ids.numel()])
 
 
 class GatherWorkspace(threading.local):
@@ -83,9 +88,7 @@ class GatherWorkspace(threading.local):
                 buf = torch.empty((kvh, cap, p, hd), dtype=pages.dtype, device=pages.device)
             self.bufs[key] = buf
             self.grows += 1
-        ids = ids.long()
-        for h in range(kvh):  # one copy per KV head, straight into place: [n, P, hd] each (the form
-            torch.index_select(pages[:, h], 0, ids, out=buf[h, :n])  # run on the H200, plan 30)
+        _select_into(pages, ids, buf)
         return buf[:, :n].reshape(kvh, n * p, hd)[:, :length]  # a view: n and P merge
 
     def nbytes(self) -> int:

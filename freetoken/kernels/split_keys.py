@@ -2,7 +2,8 @@
 
 On the CPU a prompt chunk's attention layer at a long context is the costliest stretch of its
 forward, whatever the chunk's size: on the 2-core dev machine a 32-token chunk's SDPA over 32k
-keys of the demo shape takes ~15 ms, a decode step of the streams ~12-19 ms. The serving loop
+keys of the demo shape is most of a ~20-30 ms layer, a decode step of the streams ~18-20 ms
+(benchmarks/results/interference-32k-cpu-keys*-cpu.json). The serving loop
 runs decode steps between a prompt forward's layers (runtime/interleave.py), so a stream's gap
 is at least a decode step plus the costliest stretch between two hooks: with a whole attention
 layer in it, over 2x the stream's unloaded gap. Here the chunk's queries attend to the context

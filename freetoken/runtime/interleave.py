@@ -119,7 +119,7 @@ STALL_FILTER = False
 MID_LAYER = False
 # on the CPU, decode steps may also run between the key pieces of a prompt chunk's attention over
 # a long context (kernels/split_keys.py: points i + n * POINT_STEP, below i + 0.5): there a 32-token chunk's
-# attention layer at 32k keys took ~22 ms against a ~19 ms decode step (demo model, 2-core dev
+# attention layer at 32k keys took 19-30 ms against a ~18 ms decode step (demo model, 2-core dev
 # machine), so a gap holding one was past 2x the streams' unloaded gap whatever the chunk size
 KEY_POINTS = True
 
