@@ -598,7 +598,19 @@ case "$STAGE" in
       --name "cpu_prefill_attention-xeon-t$t"
   done
   ;;
-*) echo "stage 0 to 62"; exit 2 ;;
+63) # ~560 s (limits 4 x ~80 + 2 x 160), the first call of the twenty-second session: the GPU tests
+  # of the changes that had not met a GPU (the wider GEMM warm-up, the routers through linear(),
+  # the per-layer stacking context, the shared per-head gather, the jump-in's point costs), the key
+  # pieces' tests on this host's torch, then plan 59's fresh processes of two 32k rows each
+  FT_TAG=plan63 FT_PER_FILE=90 FT_K="linear_pad" bash bench/device_tests.sh tests/test_kernels.py > /dev/null
+  FT_TAG=plan63 FT_PER_FILE=80 bash bench/device_tests.sh tests/test_gpu_production.py tests/test_split_keys.py > /dev/null
+  FT_TAG=plan63 FT_PER_FILE=90 FT_K="cuda" bash bench/device_tests.sh tests/test_interleave.py > /dev/null
+  for p in 1 2; do
+    step 160 "interference-padrows$p" python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
+      --settings interleave,interleave --name "interference-full-padrows-s22-$p"
+  done
+  ;;
+*) echo "stage 0 to 63"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)
