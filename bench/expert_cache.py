@@ -23,6 +23,12 @@ shape must be the model's: `--shape mixtral` for the Mixtral-8x7B traces), or
 `synthetic[:key=value,...]` (SYNTHETIC skewed routing, labelled so). Replayed routes replace
 the router's ids (its gate weights are kept); the tokens still come from the model.
 
+`--pieces 1,2,4`: rows with each expert cut into that many pieces of its intermediate dimension
+(experts/pieces.py: every piece an expert of its own to the cache, so a layer's few large misses
+split between the fills and the CPU); the banks are re-laid in place from one value to the next
+(each must divide the next), so the rows of one value run together, in the order given. Slots,
+misses, fills and CPU experts of a row count pieces (`pieces`); its floors use a piece's bytes.
+
 `--hog N`: a concurrent host-memory hog (bench/hog.py, N threads) runs while each row is measured,
 llama.cpp's included (`hog_gbs`: what it moved meanwhile); with `--threads 2` the two configurations
 the issue asks the adaptive split to survive. `adaptive_vs_fixed`: each `cache` row against the
@@ -60,6 +66,7 @@ from freetoken.config import ModelConfig
 from freetoken.demo import random_tensor, weight_shapes
 from freetoken.experts.cached import CachedExpertExecutor
 from freetoken.experts.executor import ExpertExecutor, TorchExpertExecutor
+from freetoken.experts.pieces import PiecedExecutor, split_banks_
 from freetoken.experts.traces import parse_routing
 from freetoken.model.registry import model_class
 from freetoken.model.state import DecodeState
@@ -311,11 +318,12 @@ def adaptive_vs_fixed(runs: list[dict]) -> list[dict]:
         if row["mode"] != "cache" or "tok_s" not in row:
             continue
         same = [x for x in runs if x["batch"] == row["batch"] and "tok_s" in x and
-                x.get("prefetch", 0) == row.get("prefetch", 0) and
+                x.get("prefetch", 0) == row.get("prefetch", 0) and x.get("pieces", 1) == row.get("pieces", 1) and
                 (x["mode"] == "split" and x["threads"] == row["threads"] or x["mode"] == "fill-only")]
         if same:
             best = max(same, key=lambda x: x["tok_s"])
             out.append({"batch": row["batch"], "threads": row["threads"], "prefetch": row.get("prefetch", 0),
+                        "pieces": row.get("pieces", 1),
                         "cache_tok_s": row["tok_s"],
                         "best_fixed": best["mode"] if best["mode"] == "fill-only" else f"split r={best['fill_share']}",
                         "best_fixed_tok_s": best["tok_s"], "ratio": round(row["tok_s"] / best["tok_s"], 3)})
@@ -373,6 +381,8 @@ def main():
                     "(comma-separated values: a row each; 0 off; not with trace routing, whose routes the model's "
                     "routers cannot predict)")
     ap.add_argument("--routing", default="model")
+    ap.add_argument("--pieces", default="1", help="experts cut into this many pieces of their intermediate dimension "
+                    "(experts/pieces.py; comma-separated: the rows of each value, each dividing the next)")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=48)
     ap.add_argument("--name", default="expert_cache", help="result file name (before -gpu.json)")
@@ -409,7 +419,16 @@ def main():
     llama = side_by_side(a, cfg, mc, w, gu, dn, res) if a.llamacpp else {}
     from freetoken.experts.cpu import CpuExpertExecutor
     resident = {}  # batch -> resident ms per step
-    for batch in [int(b) for b in a.batch.split(",")]:
+    pieces = [int(p) for p in a.pieces.split(",")]
+    if any(p < 1 or q % p for p, q in zip([1] + pieces, pieces)):
+        raise SystemExit(f"--pieces {a.pieces}: each value must divide the next (the banks are cut in place)")
+    cut = 1
+    for p, batch in [(p, int(b)) for p in pieces for b in a.batch.split(",")]:
+        if p != cut:  # the banks re-laid in place: every expert cut into p pieces
+            t0 = time.perf_counter()
+            gu, dn = split_banks_(gu, dn, p // cut)
+            res.setdefault("split_s", {})[p] = round(time.perf_counter() - t0, 1)
+            cut = p
         routes, rinfo = replay_steps(a.routing, mc, batch, dev, SHAPES[a.shape]["num_hidden_layers"])
         res["routing_trace"] = rinfo
         for mode in a.modes.split(","):
@@ -421,7 +440,7 @@ def main():
             for threads in thread_list:
                 for r, pf in [(r, pf) for r in shares for pf in pfs]:
                     if mode == "resident":
-                        ex = TorchExpertExecutor(gu.to(dev), dn.to(dev), layer_experts=mc.num_experts)
+                        ex = TorchExpertExecutor(gu.to(dev), dn.to(dev), layer_experts=mc.num_experts * p)
                     else:
                         cpu = CpuExpertExecutor(gu, dn, threads=threads)
                         if f"bh_{threads}_gbs" not in res:
@@ -433,11 +452,13 @@ def main():
                             bh = res[f"bh_{threads}_gbs"]
                             start = (res["bp_kernel_gbs"] / (res["bp_kernel_gbs"] + bh) if a.start_share == "predicted"
                                      else float(a.start_share))
-                            ex = CachedExpertExecutor(gu, dn, slots, dev, torch.bfloat16, cpu, r, a.policy, mc.num_experts,
-                                                      start_share=start, prefetch=pf)
+                            ex = CachedExpertExecutor(gu, dn, slots * p, dev, torch.bfloat16, cpu, r, a.policy,
+                                                      mc.num_experts * p, start_share=start, prefetch=pf)
+                    if p > 1:
+                        ex = PiecedExecutor(ex, p)
                     row = {"mode": mode, "threads": threads or None, "fill_share": r if mode == "split" else None,
                            "capacity": a.capacity if mode in ("cache", "split", "fill-only") else None,
-                           "routing": a.routing}
+                           "routing": a.routing, "pieces": p}
                     if mode in ("cache", "split", "fill-only"):
                         row["prefetch"] = pf
                     if mode == "cache":
@@ -454,7 +475,7 @@ def main():
                     except Exception as e:  # one failed configuration does not lose the others
                         row["error"] = f"{type(e).__name__}: {e}"[:300]
                     if mode == "resident":
-                        resident[batch] = row.get("ms_per_step")
+                        resident.setdefault(batch, row.get("ms_per_step"))
                     # llama.cpp's equivalent: same threads, same share of the experts in VRAM, batch 1
                     row["llamacpp_tok_s"] = llama.get((threads or None, row["capacity"] if mode != "cpu-only" else 0.0,
                                                        mode == "resident")) if batch == 1 else None
@@ -465,7 +486,8 @@ def main():
     for batch in {row.get("batch") for row in res["runs"]} - set(resident) - {None}:
         # no resident row asked for: its step is still timed (briefly, not a row) for the floors
         try:
-            ex = TorchExpertExecutor(gu.to(dev), dn.to(dev), layer_experts=mc.num_experts)
+            ex = TorchExpertExecutor(gu.to(dev), dn.to(dev), layer_experts=mc.num_experts * cut)
+            ex = PiecedExecutor(ex, cut) if cut > 1 else ex
             routes, _ = replay_steps(a.routing, mc, batch, dev, SHAPES[a.shape]["num_hidden_layers"])
             resident[batch] = run_config(mc, w, ex, dev, batch, 32, 8, routes)["ms_per_step"]
             res.setdefault("resident_ms_for_floor", {})[batch] = resident[batch]
@@ -482,7 +504,7 @@ def main():
         bh = res.get(f"bh_{row['threads'] or 0}_gbs")
         if resident.get(row.get("batch")) and "miss_rate" in row and bh is not None:
             row.update(floors(row, resident[row["batch"]], res["bp_kernel_gbs"], bh, res.get("host_read_gbs"),
-                              expert_bytes))
+                              expert_bytes // row.get("pieces", 1)))
     res["adaptive_vs_fixed"] = adaptive_vs_fixed(res["runs"])
     if a.hog:
         res["hog"] = {"threads": a.hog, "cpus": a.hog_cpus or f"the last {a.hog}"}

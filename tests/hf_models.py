@@ -183,6 +183,17 @@ def reference_logits(model, ids: list[int]) -> torch.Tensor:
     return model(torch.tensor([ids])).logits[0].float()
 
 
+def assert_served_like(model, prompts, reqs, tol: float = 1e-4) -> None:
+    """Greedy requests served by the engine (record_logits) against transformers: the same tokens,
+    and each step's logits within `tol` (max abs error over the max abs logit) of one forward."""
+    for p, r in zip(prompts, reqs):
+        ref = reference_logits(model, p + r.output_ids)
+        assert r.output_ids == ref[len(p) - 1:-1].argmax(-1).tolist()
+        for j, lg in enumerate(r.logits):
+            err = float((lg - ref[len(p) - 1 + j]).abs().max() / ref[len(p) - 1 + j].abs().max())
+            assert err < tol, (j, err)
+
+
 @torch.no_grad()
 def cached_decode_logits(model, prompt: list[int], toks: list[int]) -> torch.Tensor:
     """transformers' own incremental path: prefill the prompt, then one token at a time through

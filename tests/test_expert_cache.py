@@ -129,11 +129,7 @@ def test_model_served_through_the_cache_equals_transformers(tmp_path, prefetch):
     prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (21, 9)]
     reqs = drive(srv, [Request(p, SamplingOptions(temperature=0, max_tokens=8, ignore_eos=True)) for p in prompts],
                  arrive=[0, 2])
-    for p, r in zip(prompts, reqs):
-        ref = hf_models.reference_logits(model, p + r.output_ids)
-        assert r.output_ids == ref[len(p) - 1:-1].argmax(-1).tolist()
-        for j, lg in enumerate(r.logits):
-            assert rel(lg, ref[len(p) - 1 + j]) < 1e-4
+    hf_models.assert_served_like(model, prompts, reqs)
     st = ex.stats()
     assert st["fills"] > 10 and st["cpu_experts"] > 0 and st["slots_used"] == 10
     assert slot * 10 == ex.pool.slot_bytes * 10

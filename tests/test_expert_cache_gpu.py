@@ -44,6 +44,37 @@ def decode_logits(mc, w, ex, dev, tokens):
     return torch.stack(out)
 
 
+def greedy_decode(mc, w, ex, dev, graph: bool, steps: int = 32):
+    """Greedy decode of one row after a 24-token prompt, eagerly or replayed from one CUDA graph
+    -> (tokens, logits [steps, 1, V] fp32 on the host)."""
+    from bench.expert_cache import capture
+    from freetoken.model.registry import model_class
+    from freetoken.model.state import DecodeState
+    model = model_class(mc.arch)(mc, w, ex, dev, torch.bfloat16, 1024)
+    st = DecodeState(mc, 1, 512, dev, torch.bfloat16)
+    st.reserve(0, 512)
+    p = torch.randint(0, mc.vocab_size, (24,), generator=torch.Generator().manual_seed(4)).to(dev)
+    tok = model.prefill(p, st, 0, 0)[-1:].argmax(-1)
+    pos = torch.full((1,), 24, dtype=torch.long, device=dev)
+    saved = [t.clone() for t in (*st.conv.values(), *st.rec.values())]
+    step = lambda: model.decode(tok, st, pos)  # noqa: E731
+    # one warm-up step either way (the capture runs one before recording), so the cache's
+    # residency, and with it the CPU share of each step, evolves alike in both runs
+    fn = capture(step, dev) if graph else step
+    if not graph:
+        step()
+    for t, s in zip((*st.conv.values(), *st.rec.values()), saved):  # undo the warm-up
+        t.copy_(s)
+    toks, logits = [], []
+    for s in range(steps):
+        pos.fill_(24 + s)
+        lg = fn()
+        logits.append(lg.float().cpu())
+        tok.copy_(lg.argmax(-1))
+        toks.append(int(tok))
+    return toks, torch.stack(logits)
+
+
 def rel(a, b):
     return float((a - b).abs().max() / b.abs().max())
 
@@ -146,40 +177,12 @@ def test_graph_equals_eager(mode, signal, monkeypatch):
     if mode == "fill-only" and signal == "doorbell":
         pytest.skip("fill-only has no CPU branch")
     monkeypatch.setenv("FREETOKEN_CPU_BRANCH", signal)
-    from bench.expert_cache import capture
     from freetoken.experts.cached import CachedExpertExecutor
     from freetoken.experts.cpu import CpuExpertExecutor
     from freetoken.experts.cpu.hostcall import StreamedCpuExecutor
     from freetoken.experts.executor import TorchExpertExecutor
-    from freetoken.model.registry import model_class
-    from freetoken.model.state import DecodeState
     mc, w, gu, dn, dev = build()
     slots = mc.num_flat_experts // 3
-
-    def greedy(ex, graph):
-        model = model_class(mc.arch)(mc, w, ex, dev, torch.bfloat16, 1024)
-        st = DecodeState(mc, 1, 512, dev, torch.bfloat16)
-        st.reserve(0, 512)
-        p = torch.randint(0, mc.vocab_size, (24,), generator=torch.Generator().manual_seed(4)).to(dev)
-        tok = model.prefill(p, st, 0, 0)[-1:].argmax(-1)
-        pos = torch.full((1,), 24, dtype=torch.long, device=dev)
-        saved = [t.clone() for t in (*st.conv.values(), *st.rec.values())]
-        step = lambda: model.decode(tok, st, pos)  # noqa: E731
-        # one warm-up step either way (the capture runs one before recording), so the cache's
-        # residency, and with it the CPU share of each step, evolves alike in both runs
-        fn = capture(step, dev) if graph else step
-        if not graph:
-            step()
-        for t, s in zip((*st.conv.values(), *st.rec.values()), saved):  # undo the warm-up
-            t.copy_(s)
-        toks, logits = [], []
-        for s in range(32):
-            pos.fill_(24 + s)
-            lg = fn()
-            logits.append(lg.float().cpu())
-            tok.copy_(lg.argmax(-1))
-            toks.append(int(tok))
-        return toks, torch.stack(logits)
 
     def make():
         cpu = CpuExpertExecutor(gu, dn, threads=4)
@@ -190,14 +193,15 @@ def test_graph_equals_eager(mode, signal, monkeypatch):
         assert ex.host is not None
         return ex
     assert make().capturable
-    eager_toks, eager = greedy(make(), False)
+    eager_toks, eager = greedy_decode(mc, w, make(), dev, False)
     ex = make()
-    graph_toks, graph = greedy(ex, True)
+    graph_toks, graph = greedy_decode(mc, w, ex, dev, True)
     assert graph_toks == eager_toks and torch.equal(graph, eager)
     if mode.startswith("split"):
         assert ex.stats()["cpu_experts"] > 0 and ex.stats()["cpu_branch_calls"] > 0
     if mode == "split+lookahead":  # the side stream's copies were part of the replayed graph
         assert ex.stats()["prefetched"] > 0
     if mode == "fill-only":
-        ref_toks, ref = greedy(TorchExpertExecutor(gu.to(dev), dn.to(dev), layer_experts=mc.num_experts), False)
+        ref_toks, ref = greedy_decode(mc, w, TorchExpertExecutor(gu.to(dev), dn.to(dev), layer_experts=mc.num_experts), dev,
+                                      False)
         assert eager_toks == ref_toks and torch.equal(eager, ref)

@@ -209,11 +209,7 @@ def test_served_through_streamed_passes_equals_transformers(ftw):
     prompts = [prompt(45, seed=11), prompt(9, seed=12)]
     reqs = drive(srv, [Request(p, SamplingOptions(temperature=0, max_tokens=6, ignore_eos=True)) for p in prompts],
                  arrive=[0, 2])
-    for p, r in zip(prompts, reqs):
-        ref = hf_models.reference_logits(model, p + r.output_ids)
-        assert r.output_ids == ref[len(p) - 1:-1].argmax(-1).tolist()
-        for j, lg in enumerate(r.logits):
-            assert rel(lg, ref[len(p) - 1 + j]) < 1e-4
+    hf_models.assert_served_like(model, prompts, reqs)
     assert eng.prefill_stream.stats()["passes"] == 3  # 32 + 13 tokens, then 9
 
 
@@ -248,11 +244,7 @@ def test_decode_steps_inside_a_streamed_pass(ftw, slots, mode):
     assert fills and set(fills) == {0}  # no decode call inside a pass filled a slot
     assert not eng.executor.is_frozen and float(eng.executor.fill_share) == 1.0  # r restored
     assert residency_ok(eng.executor)
-    for p, r in zip(prompts, reqs):
-        ref = hf_models.reference_logits(model, p + r.output_ids)
-        assert r.output_ids == ref[len(p) - 1:-1].argmax(-1).tolist()
-        for j, lg in enumerate(r.logits):
-            assert rel(lg, ref[len(p) - 1 + j]) < 1e-4
+    hf_models.assert_served_like(model, prompts, reqs)
 
 
 def test_streams_that_end_inside_a_pass(ftw):

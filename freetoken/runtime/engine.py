@@ -64,6 +64,11 @@ class EngineConfig:
     expert_prefetch: int = field(default=0, metadata={
         "help": "with --moe cache: experts a decode step's MoE layer copies in ahead for the next MoE "
                 "layer, predicted by that layer's router on this layer's input (0: off)"})
+    expert_pieces: int = field(default=1, metadata={
+        "help": "with --moe cache: cut each expert into this many pieces of its intermediate dimension, each "
+                "cached, filled or run on the CPU as an expert of its own, so that a layer's few large misses "
+                "split between the PCIe fills and the CPU (models with few, large experts: Mixtral-like top-2); "
+                "must divide the intermediate size; dense (bf16) experts only (1: off)"})
     cpu_threads: int = field(default=0, metadata={
         "help": "CPU expert threads (0: the physical cores; on CUDA all but two, left to the thread that "
                 "launches the GPU work and the one that runs the CPU branch of a decode step)"})
@@ -145,6 +150,8 @@ class EngineConfig:
             raise FreeTokenError(f"--prefill-graph-tokens must be >= 1, got {self.prefill_graph_tokens}")
         if self.expert_prefetch < 0:
             raise FreeTokenError(f"--expert-prefetch must be >= 0 experts (0: off), got {self.expert_prefetch}")
+        if self.expert_pieces < 1:
+            raise FreeTokenError(f"--expert-pieces must be >= 1 (1: off), got {self.expert_pieces}")
         if self.dense_fp8 not in ("auto", "keep", "dequant"):
             raise FreeTokenError(f"--dense-fp8 must be auto, keep or dequant, got {self.dense_fp8!r}")
         if self.decode_between_layers not in ("auto", "on", "off"):
@@ -419,6 +426,9 @@ class Engine:
         when the extension cannot be built. The GPU expert cache (--moe cache): slots holding the
         quantized bytes (and bias rows), the quantized kernels over them, that host executor for
         its CPU branch."""
+        if self.ecfg.expert_pieces > 1 and self.experts_on == "cache":
+            raise FreeTokenError(f"--expert-pieces {self.ecfg.expert_pieces}: pieces need dense expert banks (bf16 "
+                                 f"or f32); this model's experts are {banks.format}: leave --expert-pieces at 1")
         if self.experts_on == "gpu":
             if self.ecfg.cpu_act == "int8":
                 log.info("--cpu-act int8: no expert runs on the CPU (--moe resident); ignored")
@@ -451,6 +461,11 @@ class Engine:
         if self.ecfg.cpu_act == "int8":
             log.info("--cpu-act int8: %s experts stay exact (int8 activations serve MXFP4 / NVFP4 banks)",
                      self.expert_format)
+        if self.experts_on == "cache" and self.ecfg.expert_pieces > 1:
+            return self._pieced_cache_executor(gate_up, down)
+        if self.ecfg.expert_pieces > 1:
+            log.warning("--expert-pieces %d has no effect with the experts %s: pieces are for --moe cache",
+                        self.ecfg.expert_pieces, "in VRAM" if self.experts_on == "gpu" else "on the CPU")
         cpu = CpuExpertExecutor(gate_up, down, threads=self._cpu_threads(), spin=self._cpu_spin(), **self.expert_fn)
         if self.experts_on != "cache":
             from ..experts.cpu.hostcall import StreamedCpuExecutor, host_branch_ok
@@ -459,7 +474,24 @@ class Engine:
             return cpu
         return self._cache_executor(gate_up, down, cpu)
 
-    def _cache_executor(self, gate_up, down, cpu):
+    def _pieced_cache_executor(self, gate_up, down):
+        """The expert cache over experts cut into --expert-pieces pieces (experts/pieces.py): the
+        host banks re-laid in place (no second copy of them), the C++ executor and the cache over
+        the pieces, the MoE layers' routes expanded to them per call."""
+        from ..experts.cpu import CpuExpertExecutor
+        from ..experts.pieces import PiecedExecutor, split_banks_, split_biases
+        p = self.ecfg.expert_pieces
+        try:
+            gate_up, down = split_banks_(gate_up, down, p)
+        except ValueError as e:
+            raise FreeTokenError(f"--expert-pieces {p}: {e}") from None
+        gub, dnb = split_biases(self.expert_fn["gate_up_bias"], self.expert_fn["down_bias"], p)
+        fn = dict(self.expert_fn, gate_up_bias=gub, down_bias=dnb)
+        cpu = CpuExpertExecutor(gate_up, down, threads=self._cpu_threads(), spin=self._cpu_spin(), **fn)
+        log.info("experts cut into %d pieces of %d intermediate rows each (--expert-pieces)", p, down.shape[-1])
+        return PiecedExecutor(self._cache_executor(gate_up, down, cpu, pieces=p, expert_fn=fn), p)
+
+    def _cache_executor(self, gate_up, down, cpu, pieces: int = 1, expert_fn: dict | None = None):
         """The GPU expert cache over host banks (dense or QuantBanks) with `cpu` for its CPU
         branch; its slots are sized later by the memory plan (slot_bytes counts every bank)."""
         from ..experts.cached import CachedExpertExecutor
@@ -472,8 +504,9 @@ class Engine:
             prof = load_profile(self.cfg, getattr(cpu, "threads", 0) or 0, self.expert_format)
             start = predicted_share(prof) if prof else 1.0
         return CachedExpertExecutor(gate_up, down, None, self.device, self.dtype, cpu,
-                                    self.ecfg.fill_share_value(), self.ecfg.cache_policy, self.cfg.num_experts,
-                                    start_share=start, prefetch=self.ecfg.expert_prefetch, **self.expert_fn)
+                                    self.ecfg.fill_share_value(), self.ecfg.cache_policy, self.cfg.num_experts * pieces,
+                                    start_share=start, prefetch=self.ecfg.expert_prefetch * pieces,
+                                    **(expert_fn or self.expert_fn))
 
     def _cpu_spin(self) -> int | None:
         """The C++ pool's spin: none where torch computes on the same cores (a CPU engine:

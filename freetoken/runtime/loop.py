@@ -189,7 +189,8 @@ class EngineLoop:
         if getattr(engine, "prefill_stream", None) is None or engine.device.type != "cuda":
             return 0
         from .prefill_stream import MAX_PASS_TOKENS, pass_bytes_per_token
-        return min(MAX_PASS_TOKENS, engine.max_len) * pass_bytes_per_token(engine.cfg, engine.dtype)
+        pieces = getattr(engine.executor, "pieces", 1)  # experts cut into pieces: k x pieces routed pairs a token
+        return min(MAX_PASS_TOKENS, engine.max_len) * pass_bytes_per_token(engine.cfg, engine.dtype, pieces)
 
     def _decode_runner(self, engine) -> DecodeRunner:
         ex = engine.executor

@@ -43,13 +43,13 @@ MAX_PASS_TOKENS = 32768  # past this a pass is compute-bound on the GPU machine:
 PASS_ACTS = 6  # [P, H] tensors alive at once: residual, its norm, the mixer's output, the next two, the embedding
 
 
-def pass_bytes_per_token(cfg, dtype) -> int:
+def pass_bytes_per_token(cfg, dtype, pieces: int = 1) -> int:
     """Device bytes a pass holds per token beyond one sub-chunk's work: PASS_ACTS [P, H]
     tensors, the MoE's router logits and shared-expert rows over the whole pass ([P, E + 3 Is
-    + 1]), the routed ids and weights and the loader's per-pair indices ([P, k])."""
+    + 1]), the routed ids and weights and the loader's per-pair indices ([P, k x pieces])."""
     el = torch.empty((), dtype=dtype).element_size()
     moe = cfg.num_experts + 3 * cfg.shared_expert_intermediate_size + 1
-    return (PASS_ACTS * cfg.hidden_size + moe) * el + cfg.top_k * (8 + el + 8 + 1 + 8)
+    return (PASS_ACTS * cfg.hidden_size + moe) * el + cfg.top_k * pieces * (8 + el + 8 + 1 + 8)
 
 
 class PrefillStream:
@@ -60,8 +60,16 @@ class PrefillStream:
         budget: bytes the engine may hold on a CUDA device (the pass takes what is left of it)."""
         self.model, self.cfg, self.sub = model, cfg, max(1, sub_tokens)
         self.max_pass_tokens, self.budget = max_pass_tokens, budget
-        self.loader = LayerStreamer(cache_executor, len(cfg.moe_layers), cfg.num_experts, cfg.top_k, buffering,
+        # experts cut into pieces (experts/pieces.py): the loader works over the pieces (the cache
+        # inside the wrapper), the MoE layers' routes expanded to them on the way in
+        p = getattr(cache_executor, "pieces", 1)
+        inner = cache_executor.inner if p > 1 else cache_executor
+        self.loader = LayerStreamer(inner, len(cfg.moe_layers), cfg.num_experts * p, cfg.top_k * p, buffering,
                                     dense_share, self.sub)
+        self._pass_executor = self.loader
+        if p > 1:
+            from ..experts.pieces import PiecedExecutor
+            self._pass_executor = PiecedExecutor(self.loader, p)
         self.ordinal = {layer: j for j, layer in enumerate(cfg.moe_layers)}
         self._limited = None  # the budget-limited pass size last logged
 
@@ -80,7 +88,7 @@ class PrefillStream:
         if self.budget is not None and torch.device(dev).type == "cuda":
             dt = self.model.dtype
             room = max(self.budget - torch.cuda.memory_allocated(dev) - work_bytes(self.cfg, self.sub, 1, dt), 0)
-            cap = min(cap, room // pass_bytes_per_token(self.cfg, dt))
+            cap = min(cap, room // pass_bytes_per_token(self.cfg, dt, self.loader.top_k // max(1, self.cfg.top_k)))
             n = max(self.sub, cap // self.sub * self.sub)
             if cap < self.max_pass_tokens and n != self._limited:
                 self._limited = n
@@ -162,7 +170,7 @@ class PrefillStream:
         moes = [mlp for _, mlp, _, _ in self.model.layers if hasattr(mlp, "executor")]
         saved = [m.executor for m in moes]
         for m in moes:
-            m.executor = self.loader
+            m.executor = self._pass_executor
         try:
             yield
         finally:

@@ -1,0 +1,136 @@
+"""Expert pieces: each expert cut into `pieces` equal slices of its intermediate dimension, every
+slice an expert of its own to the executors below (the cache's slots, fills, CPU branch, GPU
+kernels), so that a layer's misses can be shared between the GPU fills and the CPU at a finer
+grain than a whole expert.
+
+Why: the cache splits a layer's m misses q = r m to the fills and m - q to the CPU, and both
+sides run at once. With few, large experts (Mixtral-8x7B: top-2 of 8, 352 MB each in bf16) a
+layer misses 0, 1 or 2 experts, so one side gets a whole expert and the other nothing: the step
+runs at one bandwidth, not at B_P + B_H (issue 10: 70% of the analytic floor on the Mixtral trace).
+Cut into 4 pieces, one missed expert is 4 misses of 88 MB, and r splits them.
+
+Exact by construction: with gu = x Wgu^T split by intermediate rows, an expert's output is
+    down(act(gate(x)) * up(x)) = sum_j down[:, Ij] act(gate_j(x)) * up_j(x)
+because the activation is elementwise per intermediate row and the down projection is linear in
+it; so piece j of expert e is the expert (e, j) with flat id e * pieces + j, gate weight the
+expert's, and the routed output is the sum over the pieces (only the summation order changes).
+
+Layouts (executor.py's, per expert):
+    gate_up [N, 2I, H], rows [gate 0..I | up 0..I]  ->  [N * p, 2I/p, H], piece j: [gate_j | up_j]
+    down    [N, H, I]                               ->  [N * p, H, I/p], piece j: columns of I_j
+    gate_up_bias [N, 2I] as the rows; down_bias [N, H] on piece 0 only (added once).
+`split_banks_` re-lays dense host banks in place (a few hundred MB of scratch at a time: the
+banks of a large model are most of the host's memory, a second copy would not fit) and returns
+views of the same memory, so pinned or registered banks stay so. Splitting into p, then each
+piece into p', equals splitting into p p' at once (piece j's slice jj is slice j p' + jj).
+Quantized banks (QuantBank) are not cut: their block scales run along the down projection's
+intermediate dimension, and a cut would have to fall on block boundaries (not built).
+"""
+from __future__ import annotations
+
+import torch
+
+from .executor import NO_EXPERT, ExpertExecutor, Pending
+
+SCRATCH = 256 << 20  # bytes of experts re-laid per copy (the scratch is one such slice)
+
+
+def check_pieces(inter: int, pieces: int) -> None:
+    if pieces < 1 or inter % pieces:
+        raise ValueError(f"expert pieces must be a divisor of the experts' intermediate size {inter}, "
+                         f"got {pieces}: pick one that divides it (1 turns pieces off)")
+
+
+def split_banks_(gate_up: torch.Tensor, down: torch.Tensor, pieces: int):
+    """Re-lay dense banks gate_up [N, 2I, H] and down [N, H, I] in place into `pieces` pieces
+    per expert; returns the views (gate_up [N p, 2I/p, H], down [N p, H, I/p]) of the same
+    memory. The tensors given must not be read as whole experts after this."""
+    if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
+        raise ValueError("expert pieces need dense banks (bf16/f16/f32); quantized banks are not cut into pieces")
+    n, i2, h = gate_up.shape
+    inter = i2 // 2
+    check_pieces(inter, pieces)
+    if down.shape != (n, h, inter) or not (gate_up.is_contiguous() and down.is_contiguous()):
+        raise ValueError(f"expert banks must be contiguous [N, 2I, H] and [N, H, I], got {tuple(gate_up.shape)} "
+                         f"and {tuple(down.shape)}")
+    ip = inter // pieces
+    if pieces > 1:
+        per = (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
+        step = max(1, SCRATCH // per)
+        for e0 in range(0, n, step):
+            c = min(step, n - e0)
+            g = gate_up[e0:e0 + c]  # [c, 2I, H]
+            src = g.clone().view(c, 2, pieces, ip, h)  # [c, gate|up, piece, Ip, H]
+            g.view(c, pieces, 2, ip, h).copy_(src.transpose(1, 2))  # [c, piece, gate|up, Ip, H]
+            d = down[e0:e0 + c]  # [c, H, I]
+            src = d.clone().view(c, h, pieces, ip)  # [c, H, piece, Ip]
+            d.view(c, pieces, h, ip).copy_(src.permute(0, 2, 1, 3))  # [c, piece, H, Ip]
+    return gate_up.view(n * pieces, 2 * ip, h), down.view(n * pieces, h, ip)
+
+
+def split_biases(gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, pieces: int):
+    """The bias banks of pieced experts (new tensors: they are small): gate_up_bias [N, 2I] ->
+    [N p, 2I/p] as the rows; down_bias [N, H] -> [N p, H], the bias on piece 0 and zeros on the
+    others, so that the pieces' sum adds it once."""
+    gub = dnb = None
+    if gate_up_bias is not None:
+        n, i2 = gate_up_bias.shape
+        check_pieces(i2 // 2, pieces)
+        ip = i2 // 2 // pieces
+        gub = gate_up_bias.view(n, 2, pieces, ip).transpose(1, 2).reshape(n * pieces, 2 * ip)  # [N p, 2Ip]
+    if down_bias is not None:
+        n, h = down_bias.shape
+        dnb = torch.zeros(n, pieces, h, dtype=down_bias.dtype, device=down_bias.device)  # [N, p, H]
+        dnb[:, 0] = down_bias
+        dnb = dnb.view(n * pieces, h)
+    return gub, dnb
+
+
+def expand_routes(ids: torch.Tensor, weights: torch.Tensor, pieces: int):
+    """Routes over experts [T, k] -> routes over their pieces [T, k p]: expert e's pieces
+    e p .. e p + p - 1 side by side, each with e's gate weight; NO_EXPERT stays NO_EXPERT.
+    Fixed shapes, no sync: capturable in a decode graph."""
+    if pieces == 1:
+        return ids, weights
+    t, k = ids.shape
+    j = torch.arange(pieces, dtype=ids.dtype, device=ids.device)  # [p]
+    flat = ids[:, :, None] * pieces + j  # [T, k, p]
+    flat = torch.where(ids[:, :, None] >= 0, flat, torch.full_like(flat, NO_EXPERT))
+    return flat.reshape(t, k * pieces), weights[:, :, None].expand(t, k, pieces).reshape(t, k * pieces)
+
+
+class PiecedExecutor(ExpertExecutor):
+    """An executor built over pieced banks (N p experts), called with routes over whole experts:
+    it expands each call's routes (and the lookahead's predicted ones) to the pieces. Everything
+    else (the slot pool's sizing in pieces, the adaptive split, graph variants, stats) is the
+    inner executor's."""
+
+    def __init__(self, inner: ExpertExecutor, pieces: int):
+        self.__dict__.update(inner=inner, pieces=int(pieces))
+
+    def __getattr__(self, name):  # the inner executor's attributes (pool, tuner, observe_step, ...)
+        return getattr(self.__dict__["inner"], name)
+
+    def __setattr__(self, name, value):  # the engine sets a few (warm_control, pool): the inner's
+        setattr(self.inner, name, value)
+
+    # class attributes of ExpertExecutor that would shadow __getattr__
+    name = property(lambda self: self.inner.name)
+    backend = property(lambda self: self.inner.backend)
+    capturable = property(lambda self: self.inner.capturable)
+    needs_pinned_staging = property(lambda self: self.inner.needs_pinned_staging)
+    activation = property(lambda self: self.inner.activation)
+    gate_up_bias = property(lambda self: self.inner.gate_up_bias)
+    down_bias = property(lambda self: self.inner.down_bias)
+
+    def launch(self, x, ids, weights, layer: int = 0, phase: str = "decode", **kw) -> Pending:
+        ids, weights = expand_routes(ids, weights, self.pieces)
+        if kw.get("ahead") is not None:
+            kw["ahead"] = expand_routes(*kw["ahead"], self.pieces)
+        return self.inner.launch(x, ids, weights, layer, phase, **kw)
+
+    def finish(self, pending: Pending) -> torch.Tensor:
+        return self.inner.finish(pending)
+
+    def stats(self) -> dict:
+        return {**self.inner.stats(), "expert_pieces": self.pieces}
