@@ -612,14 +612,15 @@ case "$STAGE" in
   ;;
 64) # ~590 s (limits 100 + 220 + 140 + 130), issue 10: experts cut into pieces (experts/pieces.py), so a
   # layer's one or two missed Mixtral experts split between the fills and the CPU: the pieced GPU
-  # tests, then the Mixtral trace rows (8 layers, a third in VRAM, 6 threads) at 1, 2 and 4 pieces
+  # tests, then the Mixtral trace rows (8 layers, 6 threads; 24 of the 64 experts in VRAM: the VRAM
+  # llama.cpp's -ncmoe 5 gives its 3 GPU layers, where 0.33 gave us 21) at 1, 2 and 4 pieces
   # with LRU, at 1 and 4 with the LFU policy (fewer misses on these traces in bench/policy_sim.py),
   # and the Qwen3.6 12-layer slice at 1 and 2 pieces
   FT_TAG=plan64 FT_PER_FILE=100 bash bench/device_tests.sh tests/test_expert_pieces.py > /dev/null
-  step 220 mixtral-pieces python3 -m bench.expert_cache --shape mixtral --layers 8 --capacity 0.33 --batch 1 \
+  step 220 mixtral-pieces python3 -m bench.expert_cache --shape mixtral --layers 8 --capacity 0.375 --batch 1 \
     --threads 6 --modes cache,split --fill-shares 0.5 --pieces 1,2,4 --cache-warmup 700 \
     --routing trace:.devcache/humaneval_2_routing.jsonl --name expert_cache-mixtral-pieces-t6
-  step 140 mixtral-pieces-lfu python3 -m bench.expert_cache --shape mixtral --layers 8 --capacity 0.33 --batch 1 \
+  step 140 mixtral-pieces-lfu python3 -m bench.expert_cache --shape mixtral --layers 8 --capacity 0.375 --batch 1 \
     --threads 6 --modes cache --pieces 1,4 --policy lfu --cache-warmup 700 \
     --routing trace:.devcache/humaneval_2_routing.jsonl --name expert_cache-mixtral-pieces-lfu-t6
   step 130 qwen-pieces python3 -m bench.expert_cache --layers 12 --capacity 0.33 --batch 1 --threads 6 \
