@@ -626,7 +626,18 @@ case "$STAGE" in
   step 130 qwen-pieces python3 -m bench.expert_cache --layers 12 --capacity 0.33 --batch 1 --threads 6 \
     --modes cache,split --fill-shares 0.5 --pieces 1,2 --name expert_cache-qwen-pieces-t6
   ;;
-*) echo "stage 0 to 64"; exit 2 ;;
+65) # ~550 s (limits 260 + 150 + 140), issue 10: plan 64 again, smaller. There every step ran out of
+  # time: the banks' re-layout allocated a fresh scratch per copy (0.35 GB/s in page faults; now one
+  # scratch, ~20 GB/s a copy) and the Mixtral cache rows needed 700 warm-up steps. Mixtral trace at
+  # 1 and 4 pieces (the adaptive split and r=0.4), the Qwen3.6 slice at 1 and 2, then the CUDA tests
+  step 260 mixtral-pieces python3 -m bench.expert_cache --shape mixtral --layers 8 --capacity 0.375 --batch 1 \
+    --threads 6 --modes cache,split --fill-shares 0.4 --pieces 1,4 --cache-warmup 500 \
+    --routing trace:.devcache/humaneval_2_routing.jsonl --name expert_cache-mixtral-pieces-t6
+  step 150 qwen-pieces python3 -m bench.expert_cache --layers 12 --capacity 0.33 --batch 1 --threads 6 \
+    --modes cache,split --fill-shares 0.4 --pieces 1,2 --name expert_cache-qwen-pieces-t6
+  FT_TAG=plan65 FT_PER_FILE=140 FT_K="cuda" bash bench/device_tests.sh tests/test_expert_pieces.py > /dev/null
+  ;;
+*) echo "stage 0 to 65"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)

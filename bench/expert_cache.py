@@ -428,6 +428,7 @@ def main():
             t0 = time.perf_counter()
             gu, dn = split_banks_(gu, dn, p // cut)
             res.setdefault("split_s", {})[p] = round(time.perf_counter() - t0, 1)
+            print(f"experts cut into {p} pieces in {res['split_s'][p]} s", flush=True)
             cut = p
         routes, rinfo = replay_steps(a.routing, mc, batch, dev, SHAPES[a.shape]["num_hidden_layers"])
         res["routing_trace"] = rinfo
