@@ -20,9 +20,13 @@ def test_adaptive_split_is_compared_with_the_best_fixed_one_of_its_run():
             dict(mode="split", threads=6, batch=1, tok_s=190.0, fill_share=0.5, prefetch=2),  # lookahead: its own rows
             dict(mode="cache", threads=6, batch=1, tok_s=145.0),
             dict(mode="cache", threads=6, batch=1, tok_s=180.0, prefetch=2),
+            dict(mode="split", threads=6, batch=1, tok_s=200.0, fill_share=0.4, pieces=4),  # pieces: their own rows
+            dict(mode="cache", threads=6, batch=1, tok_s=210.0, pieces=4),
             dict(mode="cache", threads=6, batch=4, error="x")]  # a failed row: no entry
     assert adaptive_vs_fixed(runs) == [
-        dict(batch=1, threads=6, prefetch=0, cache_tok_s=145.0, best_fixed="split r=0.5", best_fixed_tok_s=150.0,
-             ratio=0.967),
-        dict(batch=1, threads=6, prefetch=2, cache_tok_s=180.0, best_fixed="split r=0.5", best_fixed_tok_s=190.0,
-             ratio=0.947)]
+        dict(batch=1, threads=6, prefetch=0, pieces=1, cache_tok_s=145.0, best_fixed="split r=0.5",
+             best_fixed_tok_s=150.0, ratio=0.967),
+        dict(batch=1, threads=6, prefetch=2, pieces=1, cache_tok_s=180.0, best_fixed="split r=0.5",
+             best_fixed_tok_s=190.0, ratio=0.947),
+        dict(batch=1, threads=6, prefetch=0, pieces=4, cache_tok_s=210.0, best_fixed="split r=0.4",
+             best_fixed_tok_s=200.0, ratio=1.05)]
