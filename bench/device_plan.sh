@@ -637,7 +637,15 @@ case "$STAGE" in
     --modes cache,split --fill-shares 0.4 --pieces 1,2 --name expert_cache-qwen-pieces-t6
   FT_TAG=plan65 FT_PER_FILE=140 FT_K="cuda" bash bench/device_tests.sh tests/test_expert_pieces.py > /dev/null
   ;;
-*) echo "stage 0 to 65"; exit 2 ;;
+66) # ~160 s, issue 10: plan 65's pieced rows printed nothing after the cut (1 s): a hang or compiles?
+  # A 4-layer Qwen3.6 slice at 1 and 2 pieces, fixed split, every thread's stack at 140 s
+  step 160 qwen-pieces-diag python3 -X faulthandler -c "import faulthandler, runpy, sys
+faulthandler.dump_traceback_later(140, exit=True)
+sys.argv = ['expert_cache'] + '--layers 4 --capacity 0.33 --batch 1 --threads 6 --modes split --fill-shares 0.4 --pieces 1,2 --tokens 32 --warmup 16 --name expert_cache-qwen-pieces-diag'.split()
+runpy.run_module('bench.expert_cache', run_name='__main__')"
+  grep -v '^$' "$LOG" | tail -60
+  ;;
+*) echo "stage 0 to 66"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)

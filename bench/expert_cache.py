@@ -453,8 +453,12 @@ def main():
                             bh = res[f"bh_{threads}_gbs"]
                             start = (res["bp_kernel_gbs"] / (res["bp_kernel_gbs"] + bh) if a.start_share == "predicted"
                                      else float(a.start_share))
-                            ex = CachedExpertExecutor(gu, dn, slots * p, dev, torch.bfloat16, cpu, r, a.policy,
+                            ex = CachedExpertExecutor(gu, dn, None, dev, torch.bfloat16, cpu, r, a.policy,
                                                       mc.num_experts * p, start_share=start, prefetch=pf)
+                            # decode rows: the control kernel's prefill call sizes (compiled at an engine's
+                            # load, 5 variants, up to a minute) are not met here; a call size compiles when used
+                            ex.warm_control = False
+                            ex.allocate(slots * p)
                     if p > 1:
                         ex = PiecedExecutor(ex, p)
                     row = {"mode": mode, "threads": threads or None, "fill_share": r if mode == "split" else None,
