@@ -637,15 +637,26 @@ case "$STAGE" in
     --modes cache,split --fill-shares 0.4 --pieces 1,2 --name expert_cache-qwen-pieces-t6
   FT_TAG=plan65 FT_PER_FILE=140 FT_K="cuda" bash bench/device_tests.sh tests/test_expert_pieces.py > /dev/null
   ;;
-66) # ~160 s, issue 10: plan 65's pieced rows printed nothing after the cut (1 s): a hang or compiles?
-  # A 4-layer Qwen3.6 slice at 1 and 2 pieces, fixed split, every thread's stack at 140 s
-  step 160 qwen-pieces-diag python3 -X faulthandler -c "import faulthandler, runpy, sys
-faulthandler.dump_traceback_later(140, exit=True)
-sys.argv = ['expert_cache'] + '--layers 4 --capacity 0.33 --batch 1 --threads 6 --modes split --fill-shares 0.4 --pieces 1,2 --tokens 32 --warmup 16 --name expert_cache-qwen-pieces-diag'.split()
+66) # ~570 s (limits 330 + 240), issue 10: plans 64-65's pieced rows printed nothing after the cut (1 s).
+  # A review found the likely cause in compiles, not a hang: a new piece count is a new fill-list size
+  # (K_PAD) and scan block for the control kernel, whose five prefill variants the cache compiled at
+  # allocate (~70 s; the bench no longer does since 477d117), and new autotunes of the decode, grouped
+  # and transfer kernels for the smaller intermediate size. The Mixtral trace at 1 and 4 pieces with
+  # every thread's stack at 320 s if it still runs, then the pieced CUDA tests
+  step 330 mixtral-pieces python3 -X faulthandler -c "import faulthandler, runpy, sys
+faulthandler.dump_traceback_later(320, exit=True)
+sys.argv = ['expert_cache'] + '--shape mixtral --layers 8 --capacity 0.375 --batch 1 --threads 6 --modes cache,split --fill-shares 0.4 --pieces 1,4 --cache-warmup 500 --routing trace:.devcache/humaneval_2_routing.jsonl --name expert_cache-mixtral-pieces-t6'.split()
 runpy.run_module('bench.expert_cache', run_name='__main__')"
-  grep -v '^$' "$LOG" | tail -60
+  FT_TAG=plan66 FT_PER_FILE=240 FT_K="cuda" bash bench/device_tests.sh tests/test_expert_pieces.py > /dev/null
   ;;
-*) echo "stage 0 to 66"; exit 2 ;;
+67) # ~560 s (limits 200 + 360), issue 10 after plan 66: the Qwen3.6 12-layer slice at 1 and 2 pieces; then llama.cpp built
+  # (its binary comes back in pieces for .llama/, so later calls run it side by side without a build)
+  step 200 qwen-pieces python3 -m bench.expert_cache --layers 12 --capacity 0.33 --batch 1 --threads 6 \
+    --modes cache,split --fill-shares 0.4 --pieces 1,2 --name expert_cache-qwen-pieces-t6
+  bash bench/device_llamacpp.sh build  # after the rows: the build takes every core (~330 s)
+  step 360 llama-wait bash bench/device_llamacpp.sh wait
+  ;;
+*) echo "stage 0 to 67"; exit 2 ;;
 esac
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)

@@ -378,6 +378,7 @@ def main():
                     "'predicted' (B_P / (B_P + B_H) as measured here, what `ft bench bw`'s profile gives the engine) or a number (1: fill-only)")
     ap.add_argument("--policy", default="recent", choices=["recent", "gate", "lfu"])
     ap.add_argument("--prefetch", default="0", help="lookahead: experts a layer copies in ahead for the next "
+                    "(with --pieces, that many experts' pieces, as the engine's --expert-prefetch) "
                     "(comma-separated values: a row each; 0 off; not with trace routing, whose routes the model's "
                     "routers cannot predict)")
     ap.add_argument("--routing", default="model")
@@ -454,7 +455,7 @@ def main():
                             start = (res["bp_kernel_gbs"] / (res["bp_kernel_gbs"] + bh) if a.start_share == "predicted"
                                      else float(a.start_share))
                             ex = CachedExpertExecutor(gu, dn, None, dev, torch.bfloat16, cpu, r, a.policy,
-                                                      mc.num_experts * p, start_share=start, prefetch=pf)
+                                                      mc.num_experts * p, start_share=start, prefetch=pf * p)
                             # decode rows: the control kernel's prefill call sizes (compiled at an engine's
                             # load, 5 variants, up to a minute) are not met here; a call size compiles when used
                             ex.warm_control = False

@@ -114,6 +114,28 @@ def test_cache_over_pieces_equals_all_resident(share):
         assert st["fills"] > 0 and st["cpu_experts"] > 0
 
 
+def test_the_wrapper_copies_keeps_its_own_pieces_and_runs():
+    """copy/pickle-style construction finds no attribute rather than failing; `pieces` and `inner`
+    belong to the wrapper, every other attribute set goes to the inner executor; run() expands."""
+    import copy
+    n, h, i = 8, 32, 16
+    gu, dn = banks(n, h, i, seed=8)
+    pgu, pdn = split_banks_(gu.clone(), dn.clone(), 2)
+    inner = TorchExpertExecutor(pgu, pdn, layer_experts=2 * n)
+    ex = PiecedExecutor(inner, 2)
+    twin = copy.copy(ex)
+    assert twin.pieces == 2 and twin.inner is inner
+    ex.warm_control = False
+    assert inner.warm_control is False and "warm_control" not in ex.__dict__
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, h, generator=g)
+    ids, w = routes(3, n, 2, g)
+    ref = reference_experts(x, ids, w, gu, dn)
+    assert rel(ex.run(x, ids, w, "decode"), ref) < 1e-5
+    ex.pieces = 1  # the wrapper's own: the inner executor is untouched
+    assert "pieces" not in inner.__dict__
+
+
 def test_pieced_torch_executor_runs_the_gpu_kernels_path():
     n, h, i, k = 8, 32, 16, 2
     gu, dn = banks(n, h, i, seed=6)
@@ -197,8 +219,9 @@ def test_pieced_cache_on_cuda_within_bf16_rounding_and_graph_equals_eager(share)
 
     def make():
         cpu = CpuExpertExecutor(pgu, pdn, threads=4)
-        inner = CachedExpertExecutor(pgu, pdn, mc.num_flat_experts // 3 * 2, dev, torch.bfloat16, cpu, share,
-                                     "recent", mc.num_experts * 2)
+        inner = CachedExpertExecutor(pgu, pdn, None, dev, torch.bfloat16, cpu, share, "recent", mc.num_experts * 2)
+        inner.warm_control = False  # the prefill call sizes' variants (a minute of compiles) are not met here
+        inner.allocate(mc.num_flat_experts // 3 * 2)
         assert inner.pool.zero_copy and inner.capturable
         return PiecedExecutor(inner, 2)
     ex = make()

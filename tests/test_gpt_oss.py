@@ -162,19 +162,21 @@ def test_serving_loop_matches_transformers(built, name):
     assert [r.output_ids for r in again] == [r.output_ids for r in reqs]
 
 
-def test_served_through_the_expert_cache_matches_transformers(built):
+@pytest.mark.parametrize("pieces", [1, 2])
+def test_served_through_the_expert_cache_matches_transformers(built, pieces):
     """GPT-OSS's experts (clamped SwiGLU, biases) through the expert cache: slots that hold the
     bias rows beside the weights, half the misses on the C++ executor, the lookahead predicting
-    the next layer with its biased router; a pool of 12 of the 48 experts, so fills evict."""
+    the next layer with its biased router; a pool of 12 of the 48 experts, so fills evict. Cut
+    into 2 pieces (--expert-pieces): the gate/up biases cut with their rows, the down bias once."""
     model, ftw = built["yarn-clamped-group4-k3"]
-    eng = cpu_engine(ftw, moe="cache", fill_share="0.5", expert_prefetch=2, prefill_chunk=16)
+    eng = cpu_engine(ftw, moe="cache", fill_share="0.5", expert_prefetch=2, prefill_chunk=16, expert_pieces=pieces)
     assert eng.experts_on == "cache" and eng.describe()["expert_backend"] == "gpu-cache"
     assert eng.executor.activation.kind == "swiglu_clamp" and eng.executor.down_bias is not None
     srv = ServingEngine(eng, max_batch=2, max_queue=4, record_logits=True, start=False,
                         cache=CacheConfig(enabled=False))
     ex = eng.executor
     ex.pool = None
-    ex.allocate(12)
+    ex.allocate(12 * pieces)
     g = torch.Generator().manual_seed(6)
     prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (23, 8)]
     for r in drive(srv, [greedy_req(p, 10) for p in prompts], arrive=[0, 2]):

@@ -111,10 +111,17 @@ class PiecedExecutor(ExpertExecutor):
         self.__dict__.update(inner=inner, pieces=int(pieces))
 
     def __getattr__(self, name):  # the inner executor's attributes (pool, tuner, observe_step, ...)
-        return getattr(self.__dict__["inner"], name)
+        try:
+            inner = self.__dict__["inner"]
+        except KeyError:  # not set up yet (copy, pickle): no attribute, as Python expects
+            raise AttributeError(name) from None
+        return getattr(inner, name)
 
     def __setattr__(self, name, value):  # the engine sets a few (warm_control, pool): the inner's
-        setattr(self.inner, name, value)
+        if name in ("inner", "pieces"):
+            self.__dict__[name] = value
+        else:
+            setattr(self.inner, name, value)
 
     # class attributes of ExpertExecutor that would shadow __getattr__
     name = property(lambda self: self.inner.name)
@@ -133,6 +140,9 @@ class PiecedExecutor(ExpertExecutor):
 
     def finish(self, pending: Pending) -> torch.Tensor:
         return self.inner.finish(pending)
+
+    def run(self, x, ids, weights, phase: str) -> torch.Tensor:
+        return self.inner.run(x, *expand_routes(ids, weights, self.pieces), phase)
 
     def stats(self) -> dict:
         return {**self.inner.stats(), "expert_pieces": self.pieces}

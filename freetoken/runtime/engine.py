@@ -429,6 +429,7 @@ class Engine:
         if self.ecfg.expert_pieces > 1 and self.experts_on == "cache":
             raise FreeTokenError(f"--expert-pieces {self.ecfg.expert_pieces}: pieces need dense expert banks (bf16 "
                                  f"or f32); this model's experts are {banks.format}: leave --expert-pieces at 1")
+        self._warn_pieces_unused()
         if self.experts_on == "gpu":
             if self.ecfg.cpu_act == "int8":
                 log.info("--cpu-act int8: no expert runs on the CPU (--moe resident); ignored")
@@ -446,9 +447,17 @@ class Engine:
                                          **self.expert_fn)
         return self._cache_executor(banks.gate_up, banks.down, host) if self.experts_on == "cache" else host
 
+    def _warn_pieces_unused(self) -> None:
+        if self.ecfg.expert_pieces > 1 and self.experts_on != "cache":
+            log.warning("--expert-pieces %d has no effect with the experts %s: pieces are for --moe cache",
+                        self.ecfg.expert_pieces, "in VRAM" if self.experts_on == "gpu" else "on the CPU")
+
     def _executor(self, gate_up, down):
         if gate_up is None:
             return None
+        self._warn_pieces_unused()
+        if self.experts_on == "cache" and self.ecfg.expert_pieces > 1:
+            return self._pieced_cache_executor(gate_up, down)
         if self.experts_on == "gpu":
             return TorchExpertExecutor(gate_up.to(self.device, self.dtype), down.to(self.device, self.dtype),
                                        layer_experts=self.cfg.num_experts, **self.expert_fn)
@@ -461,11 +470,6 @@ class Engine:
         if self.ecfg.cpu_act == "int8":
             log.info("--cpu-act int8: %s experts stay exact (int8 activations serve MXFP4 / NVFP4 banks)",
                      self.expert_format)
-        if self.experts_on == "cache" and self.ecfg.expert_pieces > 1:
-            return self._pieced_cache_executor(gate_up, down)
-        if self.ecfg.expert_pieces > 1:
-            log.warning("--expert-pieces %d has no effect with the experts %s: pieces are for --moe cache",
-                        self.ecfg.expert_pieces, "in VRAM" if self.experts_on == "gpu" else "on the CPU")
         cpu = CpuExpertExecutor(gate_up, down, threads=self._cpu_threads(), spin=self._cpu_spin(), **self.expert_fn)
         if self.experts_on != "cache":
             from ..experts.cpu.hostcall import StreamedCpuExecutor, host_branch_ok
@@ -478,7 +482,7 @@ class Engine:
         """The expert cache over experts cut into --expert-pieces pieces (experts/pieces.py): the
         host banks re-laid in place (no second copy of them), the C++ executor and the cache over
         the pieces, the MoE layers' routes expanded to them per call."""
-        from ..experts.cpu import CpuExpertExecutor
+        from ..experts.cpu import CpuExpertExecutor, extension
         from ..experts.pieces import PiecedExecutor, split_banks_, split_biases
         p = self.ecfg.expert_pieces
         try:
@@ -487,7 +491,10 @@ class Engine:
             raise FreeTokenError(f"--expert-pieces {p}: {e}") from None
         gub, dnb = split_biases(self.expert_fn["gate_up_bias"], self.expert_fn["down_bias"], p)
         fn = dict(self.expert_fn, gate_up_bias=gub, down_bias=dnb)
-        cpu = CpuExpertExecutor(gate_up, down, threads=self._cpu_threads(), spin=self._cpu_spin(), **fn)
+        if not self.plain_experts and extension() is None:  # as _executor: the torch path on the host
+            cpu = QuantizedHostExecutor(gate_up, down, layer_experts=self.cfg.num_experts * p, **fn)
+        else:
+            cpu = CpuExpertExecutor(gate_up, down, threads=self._cpu_threads(), spin=self._cpu_spin(), **fn)
         log.info("experts cut into %d pieces of %d intermediate rows each (--expert-pieces)", p, down.shape[-1])
         return PiecedExecutor(self._cache_executor(gate_up, down, cpu, pieces=p, expert_fn=fn), p)
 
