@@ -167,6 +167,7 @@ def test_model_served_through_pieced_cache_equals_transformers(tmp_path, prefetc
                                                        prefill_chunk=16, expert_pieces=4, expert_prefetch=prefetch))
     ex = eng.executor
     assert ex.pieces == 4 and ex.num_experts == 4 * 16 * 4 and eng.prefill_stream.loader.experts == 16 * 4
+    assert eng.describe()["expert_pieces"] == 4 and eng.describe()["expert_backend"] == "gpu-cache"
     srv = ServingEngine(eng, max_batch=2, max_queue=4, start=False, record_logits=True,
                         cache=CacheConfig(enabled=False))
     assert srv.plan.expert_slots == 4 * 16 * 4  # every piece fits: the plan counts pieces

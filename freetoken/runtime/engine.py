@@ -406,7 +406,7 @@ class Engine:
         return {"device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
                 "experts": self.experts_on, "expert_backend": ex.backend if ex is not None else "none",
                 "expert_isa": getattr(ex, "isa", None), "expert_threads": getattr(ex, "threads", None),
-                "expert_format": self.expert_format, "cpu_act": self._cpu_act(ex), "dense_fp8": self.dense_fp8,
+                "expert_format": self.expert_format, "expert_pieces": getattr(ex, "pieces", 1), "cpu_act": self._cpu_act(ex), "dense_fp8": self.dense_fp8,
                 "context": self.max_len, "prefill_graphs": getattr(self, "prefill_graphs", None) is not None}
 
     @staticmethod
