@@ -6,3 +6,14 @@ if ls .whl/*.whl >/dev/null 2>&1 && ! { [ -f /tmp/site/.ft-wheels ] && ls .whl |
     && ls .whl > /tmp/site/.ft-wheels
 fi
 export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1
+# One cache folder for every pytest process and bench of a call (tests/conftest.py reads
+# FREETOKEN_TEST_CACHE): each test file used to rebuild the C++ executor (20-60 s) in a fresh one.
+export FREETOKEN_TEST_CACHE="${FREETOKEN_TEST_CACHE:-$HOME/.cache}"
+# Kernels compiled on an earlier machine (bench/device_plan.sh leaves $OUT/warm-cache.tgz: copy it
+# to .devcache/ here): Triton's cache (keyed by source, options and GPU: a stale entry is never used)
+# and the C++ executor's build, extracted with fresh times so they count as newer than the checkout
+# (a changed source still rebuilds: torch's build compares what it compiles, not only times).
+if [ -f .devcache/warm-cache.tgz ] && [ ! -f /tmp/.ft-warm-restored ]; then
+  mkdir -p "$HOME" && tar xzmf .devcache/warm-cache.tgz -C "$HOME" 2>/dev/null && touch /tmp/.ft-warm-restored \
+    && echo "warm cache restored ($(du -sh "$HOME/.triton" 2>/dev/null | cut -f1) of Triton kernels)" >&2
+fi

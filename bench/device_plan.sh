@@ -658,6 +658,11 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   ;;
 *) echo "stage 0 to 67"; exit 2 ;;
 esac
+# the kernels compiled on this machine, for the next (copy $OUT/warm-cache.tgz to .devcache/ here;
+# bench/device_env.sh restores it): Triton's cache and the C++ executor's build, if under 15 MB
+(cd "$HOME" && tar czf /tmp/warm-cache.tgz --exclude=lock --exclude='*.lock' .triton/cache .cache/freetoken/build \
+   2>/dev/null; [ -s /tmp/warm-cache.tgz ] && [ "$(stat -c %s /tmp/warm-cache.tgz)" -lt 15000000 ] \
+   && cp /tmp/warm-cache.tgz "$OUT/warm-cache.tgz") || echo "warm cache not saved" >> "$LOG"
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)
 grep -E '^===|passed|failed|tok/s|Error' "$LOG" | tail -40
