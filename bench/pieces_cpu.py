@@ -9,31 +9,20 @@ With --expert-pieces the cache's CPU branch gets pieces, not experts: a Mixtral-
   pieces     all k x p pieces of the same experts (the same bytes) over the cut banks
   half       half of those pieces (what the CPU branch computes at a fill share of 0.5)
 GB/s counts the expert bytes read; the output of `pieces` equals `whole`'s (checked each run).
+`cut_s` / `cut_gbs`: the in-place re-layout of the whole bank into that many pieces (from the last).
     python -m bench.pieces_cpu [--hidden 4096] [--inter 14336] [--experts 12] [--top-k 2]
                                [--pieces 2,4,8] [--threads 0] [--iters 9]
 """
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 
-from bench.common import write_result
+from bench.common import timeit, write_result
 from freetoken.experts.cpu import CpuExpertExecutor, extension
 from freetoken.experts.pieces import expand_routes, split_banks_
-
-
-def timed(fn, iters: int) -> float:
-    """Median seconds of `iters` calls after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main():
@@ -66,28 +55,31 @@ def main():
 
     whole = CpuExpertExecutor(gu, dn, threads=a.threads)
     ref = whole(x, sets[0], w)
-    timed(lambda: whole(x, ids(), w), a.iters)  # a first timing, dropped: the first row ran slower in every run
+    # a first timing is dropped (warmup=iters): the first row ran slower in every run
     rows = [{"layout": "whole", "pieces": 1, "experts_read": k,
-             "gbs": round(k * expert_bytes / timed(lambda: whole(x, ids(), w), a.iters) / 1e9, 2)}]
+             "gbs": round(k * expert_bytes / timeit(lambda: whole(x, ids(), w), a.iters + 1, a.iters) / 1e9, 2)}]
     print(rows[-1], flush=True)
     del whole
     cut = 1
     for p in [int(v) for v in a.pieces.split(",")]:
         if p % cut:
             raise SystemExit(f"--pieces {a.pieces}: each value must divide the next")
-        gu, dn = split_banks_(gu, dn, p // cut)
+        t0 = time.perf_counter()
+        gu, dn = split_banks_(gu, dn, p // cut)  # in place: what the engine does at load
+        cut_s = time.perf_counter() - t0
         cut = p
         ex = CpuExpertExecutor(gu, dn, threads=a.threads)
         got = ex(x, *expand_routes(sets[0], w, p))
         err = float((got - ref).abs().max() / ref.abs().max())
-        t_all = timed(lambda: ex(x, *expand_routes(ids(), w, p)), a.iters)
+        t_all = timeit(lambda: ex(x, *expand_routes(ids(), w, p)), 1, a.iters)
         half = (k * p) // 2
 
         def half_call():
             pid, pw = expand_routes(ids(), w, p)
             return ex(x, pid[:, :half], pw[:, :half])
-        t_half = timed(half_call, a.iters)
+        t_half = timeit(half_call, 1, a.iters)
         rows.append({"layout": "pieces", "pieces": p, "experts_read": k, "rel_err_vs_whole": err,
+                     "cut_s": round(cut_s, 3), "cut_gbs": round(n * expert_bytes / cut_s / 1e9, 2),
                      "gbs": round(k * expert_bytes / t_all / 1e9, 2)})
         rows.append({"layout": "half", "pieces": p, "pieces_read": half,
                      "gbs": round(half * expert_bytes / p / t_half / 1e9, 2)})
