@@ -627,8 +627,8 @@ case "$STAGE" in
     --modes cache,split --fill-shares 0.5 --pieces 1,2 --name expert_cache-qwen-pieces-t6
   ;;
 65) # ~550 s (limits 260 + 150 + 140), issue 10: plan 64 again, smaller. There every step ran out of
-  # time: the banks' re-layout allocated a fresh scratch per copy (0.35 GB/s in page faults; now one
-  # scratch, ~20 GB/s a copy) and the Mixtral cache rows needed 700 warm-up steps. Mixtral trace at
+  # time: the banks' re-layout allocated a fresh scratch per copy (its page faults every copy; now one
+  # reused scratch) and the Mixtral cache rows needed 700 warm-up steps. Mixtral trace at
   # 1 and 4 pieces (the adaptive split and r=0.4), the Qwen3.6 slice at 1 and 2, then the CUDA tests
   step 260 mixtral-pieces python3 -m bench.expert_cache --shape mixtral --layers 8 --capacity 0.375 --batch 1 \
     --threads 6 --modes cache,split --fill-shares 0.4 --pieces 1,4 --cache-warmup 500 \

@@ -56,8 +56,8 @@ def split_banks_(gate_up: torch.Tensor, down: torch.Tensor, pieces: int):
     ip = inter // pieces
     if pieces > 1:
         step = max(1, SCRATCH // (gate_up[0].numel() * gate_up.element_size()))  # experts per copy
-        # one scratch, reused: a fresh buffer per copy costs its page faults (0.35 GB/s measured,
-        # against ~20 GB/s for the copies themselves)
+        # one scratch, reused: a fresh buffer per copy pays its page faults every time (most of
+        # the cut's time before; bench.pieces_cpu times the cut now: cut_gbs)
         scratch = torch.empty(min(step, n) * gate_up[0].numel(), dtype=gate_up.dtype)
         for e0 in range(0, n, step):
             c = min(step, n - e0)
