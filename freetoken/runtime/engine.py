@@ -456,51 +456,45 @@ class Engine:
         if gate_up is None:
             return None
         self._warn_pieces_unused()
-        if self.experts_on == "cache" and self.ecfg.expert_pieces > 1:
-            return self._pieced_cache_executor(gate_up, down)
         if self.experts_on == "gpu":
             return TorchExpertExecutor(gate_up.to(self.device, self.dtype), down.to(self.device, self.dtype),
                                        layer_experts=self.cfg.num_experts, **self.expert_fn)
+        pieces, fn = (self.ecfg.expert_pieces if self.experts_on == "cache" else 1), self.expert_fn
+        if pieces > 1:  # the cache over experts cut into pieces: every executor below sees pieces
+            gate_up, down, fn = self._cut_experts(gate_up, down, pieces)
         from ..experts.cpu import CpuExpertExecutor, extension
         if not self.plain_experts and extension() is None:  # GPT-OSS without the C++ executor: the torch path
             log.warning("%s experts on the host run on the torch path (the C++ expert executor could not be "
-                        "built; slower)", self.expert_fn["activation"].kind)
-            host = QuantizedHostExecutor(gate_up, down, layer_experts=self.cfg.num_experts, **self.expert_fn)
-            return self._cache_executor(gate_up, down, host) if self.experts_on == "cache" else host
+                        "built; slower)", fn["activation"].kind)
+            host = QuantizedHostExecutor(gate_up, down, layer_experts=self.cfg.num_experts * pieces, **fn)
+            return self._cache_executor(gate_up, down, host, pieces, fn) if self.experts_on == "cache" else host
         if self.ecfg.cpu_act == "int8":
             log.info("--cpu-act int8: %s experts stay exact (int8 activations serve MXFP4 / NVFP4 banks)",
                      self.expert_format)
-        cpu = CpuExpertExecutor(gate_up, down, threads=self._cpu_threads(), spin=self._cpu_spin(), **self.expert_fn)
+        cpu = CpuExpertExecutor(gate_up, down, threads=self._cpu_threads(), spin=self._cpu_spin(), **fn)
         if self.experts_on != "cache":
             from ..experts.cpu.hostcall import StreamedCpuExecutor, host_branch_ok
             if self.device.type == "cuda" and host_branch_ok(cpu):  # decode steps in stream order: one graph
                 return StreamedCpuExecutor(cpu, self.device)
             return cpu
-        return self._cache_executor(gate_up, down, cpu)
+        return self._cache_executor(gate_up, down, cpu, pieces, fn)
 
-    def _pieced_cache_executor(self, gate_up, down):
-        """The expert cache over experts cut into --expert-pieces pieces (experts/pieces.py): the
-        host banks re-laid in place (no second copy of them), the C++ executor and the cache over
-        the pieces, the MoE layers' routes expanded to them per call."""
-        from ..experts.cpu import CpuExpertExecutor, extension
-        from ..experts.pieces import PiecedExecutor, split_banks_, split_biases
-        p = self.ecfg.expert_pieces
+    def _cut_experts(self, gate_up, down, p: int):
+        """Dense banks cut into p pieces per expert (experts/pieces.py), re-laid in place (no second
+        copy of the banks), with the expert function's bias banks cut to match."""
+        from ..experts.pieces import split_banks_, split_biases
         try:
             gate_up, down = split_banks_(gate_up, down, p)
         except ValueError as e:
             raise FreeTokenError(f"--expert-pieces {p}: {e}") from None
         gub, dnb = split_biases(self.expert_fn["gate_up_bias"], self.expert_fn["down_bias"], p)
-        fn = dict(self.expert_fn, gate_up_bias=gub, down_bias=dnb)
-        if not self.plain_experts and extension() is None:  # as _executor: the torch path on the host
-            cpu = QuantizedHostExecutor(gate_up, down, layer_experts=self.cfg.num_experts * p, **fn)
-        else:
-            cpu = CpuExpertExecutor(gate_up, down, threads=self._cpu_threads(), spin=self._cpu_spin(), **fn)
         log.info("experts cut into %d pieces of %d intermediate rows each (--expert-pieces)", p, down.shape[-1])
-        return PiecedExecutor(self._cache_executor(gate_up, down, cpu, pieces=p, expert_fn=fn), p)
+        return gate_up, down, dict(self.expert_fn, gate_up_bias=gub, down_bias=dnb)
 
     def _cache_executor(self, gate_up, down, cpu, pieces: int = 1, expert_fn: dict | None = None):
         """The GPU expert cache over host banks (dense or QuantBanks) with `cpu` for its CPU
-        branch; its slots are sized later by the memory plan (slot_bytes counts every bank)."""
+        branch; its slots are sized later by the memory plan (slot_bytes counts every bank).
+        pieces > 1: the banks are cut (_cut_experts), the MoE layers' routes expanded per call."""
         from ..experts.cached import CachedExpertExecutor
         if self.device.type != "cuda":
             log.warning("--moe cache without CUDA: the expert slots are host memory (a functional test "
@@ -510,10 +504,14 @@ class Engine:
             from .bandwidth import load_profile, predicted_share
             prof = load_profile(self.cfg, getattr(cpu, "threads", 0) or 0, self.expert_format)
             start = predicted_share(prof) if prof else 1.0
-        return CachedExpertExecutor(gate_up, down, None, self.device, self.dtype, cpu,
-                                    self.ecfg.fill_share_value(), self.ecfg.cache_policy, self.cfg.num_experts * pieces,
-                                    start_share=start, prefetch=self.ecfg.expert_prefetch * pieces,
-                                    **(expert_fn or self.expert_fn))
+        cache = CachedExpertExecutor(gate_up, down, None, self.device, self.dtype, cpu,
+                                     self.ecfg.fill_share_value(), self.ecfg.cache_policy, self.cfg.num_experts * pieces,
+                                     start_share=start, prefetch=self.ecfg.expert_prefetch * pieces,
+                                     **(expert_fn or self.expert_fn))
+        if pieces > 1:
+            from ..experts.pieces import PiecedExecutor
+            return PiecedExecutor(cache, pieces)
+        return cache
 
     def _cpu_spin(self) -> int | None:
         """The C++ pool's spin: none where torch computes on the same cores (a CPU engine:
