@@ -354,6 +354,34 @@ def test_engine_serves_a_quantized_model_through_the_cache(quant_ftw, fmt, share
     assert eng.prefill_stream.stats()["bytes_h2d"] == eng.prefill_stream.stats()["experts_h2d"] * want
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_engine_serves_quantized_pieces_through_the_cache(quant_ftw, fmt):
+    """--expert-pieces 2 over quantized banks: each expert's 64 intermediate rows cut into two
+    pieces of whole scale blocks, in place; the slots hold pieces (half an expert's bytes), the
+    CPU branch runs pieces in the C++ executor, and the served logits equal the all-resident
+    engine's over whole experts."""
+    path = quant_ftw[fmt]
+    eng = Engine(path, EngineConfig(device="cpu", dtype="float32", moe="cache", fill_share="0.5",
+                                    prefill_chunk=16, expert_pieces=2))
+    ex = eng.executor
+    assert ex.pieces == 2 and ex.quantized and eng.describe()["expert_pieces"] == 2
+    assert ex.host_down.shape[-1] == DIMS["moe_intermediate_size"] // 2
+    gu, dn = ex.host_gate_up, ex.host_down
+    cut = sum(t.numel() * t.element_size() for t in (gu.values, gu.scale, dn.values, dn.scale))  # the same bytes, re-laid
+    assert ex.slot_bytes == cut // gu.values.shape[0] + (12 if fmt == "nvfp4" else 0)  # nvfp4: scale_2 [2] + [1] a piece
+    ref = torch_experts(Engine(path, EngineConfig(device="cpu", dtype="float32", moe="cpu", prefill_chunk=16)))
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (19, 8)]
+    _, st = check_served(eng, ref, prompts, slots=20)
+    assert st["expert_pieces"] == 2 and st["cpu_experts"] > 0
+
+
+def test_engine_refuses_quantized_pieces_that_cut_a_scale_block(quant_ftw):
+    from freetoken.errors import FreeTokenError
+    with pytest.raises(FreeTokenError, match="--expert-pieces 2: fp8_block expert pieces must hold whole 128-value"):
+        Engine(quant_ftw["fp8_block"], EngineConfig(device="cpu", dtype="float32", moe="cache", expert_pieces=2))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("share,graphs", [("1", "eager-too"), ("0.5", "graphs")])
 @pytest.mark.parametrize("fmt", ["fp8_block", "mxfp4", "nvfp4"])

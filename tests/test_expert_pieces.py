@@ -148,6 +148,69 @@ def test_pieced_torch_executor_runs_the_gpu_kernels_path():
     assert rel(got, ref) < 1e-5
 
 
+QUANT_CASES = [("fp8_block", 256, 2), ("mxfp4", 96, 3), ("nvfp4", 96, 2), ("nvfp4", 96, 6)]  # format, I, pieces
+
+
+def quant_banks(fmt, n, h, i, seed):
+    from test_quant_kernels import random_bank  # edge values: zero and subnormal scales, whole blocks of +-6
+    g = torch.Generator().manual_seed(seed)
+    sdt = torch.bfloat16 if fmt == "fp8_block" else None  # fp8: Qwen's bf16 block scales
+    return random_bank(fmt, sdt, n, 2 * i, h, 2, g), random_bank(fmt, sdt, n, h, i, 1, g)
+
+
+@pytest.mark.parametrize("fmt,i,pieces", QUANT_CASES)
+def test_quantized_pieces_hold_the_whole_experts_bytes(fmt, i, pieces):
+    """Each piece of a quantized expert dequantizes to exactly its rows of the whole expert:
+    gate_j and up_j of gate_up (fp8: its 128-row block scales with them; nvfp4: the expert's
+    scale_2 for each piece), columns I_j of down with their scales."""
+    n, h = 5, 256
+    gu, dn = quant_banks(fmt, n, h, i, seed=pieces)
+    w_gu, w_dn = gu.dequant(torch.arange(n)), dn.dequant(torch.arange(n))  # [N, 2I, H], [N, H, I]
+    before = gu.values.data_ptr(), dn.scale.data_ptr()
+    pgu, pdn = split_banks_(gu, dn, pieces)
+    assert (pgu.values.data_ptr(), pdn.scale.data_ptr()) == before  # in place, same memory
+    assert pgu.format == fmt and pgu.shape == (n * pieces, 2 * i // pieces, h) and pdn.shape == (n * pieces, h, i // pieces)
+    ip = i // pieces
+    got_gu, got_dn = pgu.dequant(torch.arange(n * pieces)), pdn.dequant(torch.arange(n * pieces))
+    for e in range(n):
+        for j in range(pieces):
+            f = e * pieces + j
+            assert torch.equal(got_gu[f, :ip], w_gu[e, j * ip:(j + 1) * ip]), (e, j)
+            assert torch.equal(got_gu[f, ip:], w_gu[e, i + j * ip:i + (j + 1) * ip]), (e, j)
+            assert torch.equal(got_dn[f], w_dn[e, :, j * ip:(j + 1) * ip]), (e, j)
+
+
+def test_quantized_pieces_must_hold_whole_scale_blocks():
+    gu, dn = quant_banks("mxfp4", 2, 64, 96, seed=1)
+    with pytest.raises(ValueError, match=r"whole 32-value scale blocks: 96 intermediate rows in 2 pieces are 48 "
+                                         r"each; pick one of \[1, 3\]"):
+        split_banks_(gu, dn, 2)
+    gu, dn = quant_banks("fp8_block", 2, 64, 192, seed=1)  # 192 = 1.5 blocks of 128: no cut holds whole blocks
+    with pytest.raises(ValueError, match="whole 128-value scale blocks"):
+        split_banks_(gu, dn, 2)
+
+
+@pytest.mark.parametrize("fmt,i,pieces", QUANT_CASES[:3])
+def test_cpp_executor_over_quantized_pieces_equals_whole_experts(fmt, i, pieces):
+    """The C++ executor dequantizing pieces in its kernels gives the whole experts' output
+    (fp32 accumulation; only the order of the sum differs), GPT-OSS's biased clamped SwiGLU too."""
+    from freetoken.experts.banks import ExpertBanks
+    n, h, k = 8, 256, 3
+    gu, dn = quant_banks(fmt, n, h, i, seed=7)
+    g = torch.Generator().manual_seed(12)
+    fn = dict(activation=Activation("swiglu_clamp", 1.702, 7.0),
+              gate_up_bias=torch.randn(n, 2 * i, generator=g) * 0.3, down_bias=torch.randn(n, h, generator=g) * 0.1)
+    x = torch.randn(4, h, generator=g)
+    ids, w = routes(4, n, k, g)
+    ids[1, 2] = NO_EXPERT
+    ref = CpuExpertExecutor(ExpertBanks(fmt, gu, dn), **fn)(x, ids, w)
+    gub, dnb = split_biases(fn["gate_up_bias"], fn["down_bias"], pieces)
+    pgu, pdn = split_banks_(gu, dn, pieces)
+    got = PiecedExecutor(CpuExpertExecutor(ExpertBanks(fmt, pgu, pdn), activation=fn["activation"],
+                                           gate_up_bias=gub, down_bias=dnb), pieces)(x, ids, w)
+    assert rel(got, ref) < 1e-5
+
+
 @pytest.mark.parametrize("prefetch", [0, 1])
 def test_model_served_through_pieced_cache_equals_transformers(tmp_path, prefetch):
     """--expert-pieces 4: the banks re-laid in place, the cache over pieces, prompts through the

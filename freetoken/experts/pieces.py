@@ -23,16 +23,25 @@ Layouts (executor.py's, per expert):
 banks of a large model are most of the host's memory, a second copy would not fit) and returns
 views of the same memory, so pinned or registered banks stay so. Splitting into p, then each
 piece into p', equals splitting into p p' at once (piece j's slice jj is slice j p' + jj).
-Quantized banks (QuantBank) are not cut: their block scales run along the down projection's
-intermediate dimension, and a cut would have to fall on block boundaries (not built).
+Quantized banks (banks.QuantBank) are cut the same way, tensor by tensor, each piece holding
+whole scale blocks: gate_up's values and scales by rows (fp8's scales by 128-row block rows),
+down's values and scales by columns, so I/p must be a multiple of the format's block along the
+intermediate dimension (fp8_block 128, mxfp4 32, nvfp4 16); nvfp4's per-expert scale_2 is
+repeated for each piece (a new small tensor).
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
+from ..weights.quant import FP8_BLOCK, MX_BLOCK, NV_BLOCK
+from .banks import QuantBank
 from .executor import NO_EXPERT, ExpertExecutor, Pending
 
 SCRATCH = 256 << 20  # bytes of experts re-laid per copy (the scratch is one such slice)
+# values along the intermediate dimension that one scale covers: a piece holds whole blocks
+QUANT_BLOCK = {"fp8_block": FP8_BLOCK, "mxfp4": MX_BLOCK, "nvfp4": NV_BLOCK}
 
 
 def check_pieces(inter: int, pieces: int) -> None:
@@ -41,33 +50,76 @@ def check_pieces(inter: int, pieces: int) -> None:
                          f"got {pieces}: pick one that divides it (1 turns pieces off)")
 
 
-def split_banks_(gate_up: torch.Tensor, down: torch.Tensor, pieces: int):
-    """Re-lay dense banks gate_up [N, 2I, H] and down [N, H, I] in place into `pieces` pieces
-    per expert; returns the views (gate_up [N p, 2I/p, H], down [N p, H, I/p]) of the same
-    memory. The tensors given must not be read as whole experts after this."""
-    if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
-        raise ValueError("expert pieces need dense banks (bf16/f16/f32); quantized banks are not cut into pieces")
+def split_banks_(gate_up, down, pieces: int):
+    """Re-lay banks gate_up [N, 2I, H] and down [N, H, I] in place into `pieces` pieces per
+    expert; returns the banks of N p experts (gate_up [N p, 2I/p, H], down [N p, H, I/p]) over
+    the same memory. Dense tensors or QuantBanks (whole scale blocks per piece, see the module
+    docstring). The banks given must not be read as whole experts after this."""
+    quant = isinstance(gate_up, QuantBank) and isinstance(down, QuantBank) and gate_up.format == down.format
+    if not quant and not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)):
+        raise ValueError("expert banks must be two tensors or two quantized banks of one format")
     n, i2, h = gate_up.shape
     inter = i2 // 2
     check_pieces(inter, pieces)
-    if down.shape != (n, h, inter) or not (gate_up.is_contiguous() and down.is_contiguous()):
-        raise ValueError(f"expert banks must be contiguous [N, 2I, H] and [N, H, I], got {tuple(gate_up.shape)} "
-                         f"and {tuple(down.shape)}")
-    ip = inter // pieces
+    if quant:
+        _check_quant_pieces(gate_up.format, inter, pieces)
+    if tuple(down.shape) != (n, h, inter):
+        raise ValueError(f"expert banks must be [N, 2I, H] and [N, H, I], got {tuple(gate_up.shape)} and {tuple(down.shape)}")
+    rows = gate_up.tensors() if quant else [gate_up]  # each [N, 2X, Y]: gate's X rows, then up's
+    cols = [down.values, down.scale] if quant else [down]  # each [N, H', Z]: Z runs along I
+    if not all(t.is_contiguous() for t in rows + cols):
+        raise ValueError("expert banks must be contiguous to be cut into pieces in place")
     if pieces > 1:
-        step = max(1, SCRATCH // (gate_up[0].numel() * gate_up.element_size()))  # experts per copy
+        if quant and gate_up.scale_2 is not None:
+            rows = rows[:-1]  # scale_2 [N, halves] is per expert: repeated per piece below
         # one scratch, reused: a fresh buffer per copy pays its page faults every time (most of
-        # the cut's time before; bench.pieces_cpu times the cut now: cut_gbs)
-        scratch = torch.empty(min(step, n) * gate_up[0].numel(), dtype=gate_up.dtype)
-        for e0 in range(0, n, step):
-            c = min(step, n - e0)
-            g = gate_up[e0:e0 + c]  # [c, 2I, H]
-            src = scratch[:g.numel()].view(g.shape).copy_(g).view(c, 2, pieces, ip, h)  # [c, gate|up, piece, Ip, H]
-            g.view(c, pieces, 2, ip, h).copy_(src.transpose(1, 2))  # [c, piece, gate|up, Ip, H]
-            d = down[e0:e0 + c]  # [c, H, I]: half of gate_up's elements, so the scratch holds it
-            src = scratch[:d.numel()].view(d.shape).copy_(d).view(c, h, pieces, ip)  # [c, H, piece, Ip]
-            d.view(c, pieces, h, ip).copy_(src.permute(0, 2, 1, 3))  # [c, piece, H, Ip]
-    return gate_up.view(n * pieces, 2 * ip, h), down.view(n * pieces, h, ip)
+        # the cut's time before; bench.pieces_cpu times the cut: cut_gbs)
+        per = max(t[0].numel() * t.element_size() for t in rows + cols)  # bytes of the largest expert row
+        scratch = torch.empty(min(n, max(1, SCRATCH // per)) * per, dtype=torch.uint8)
+        for t in rows:
+            _relay_(t, pieces, scratch, by_rows=True)
+        for t in cols:
+            _relay_(t, pieces, scratch, by_rows=False)
+    if not quant:
+        return gate_up.view(n * pieces, 2 * inter // pieces, h), down.view(n * pieces, h, inter // pieces)
+    return _pieced_quant(gate_up, pieces, by_rows=True), _pieced_quant(down, pieces, by_rows=False)
+
+
+def _relay_(t: torch.Tensor, pieces: int, scratch: torch.Tensor, by_rows: bool) -> None:
+    """One bank tensor re-laid in place, `scratch` (bytes) a copy's worth of experts at a time:
+    by_rows [N, 2X, Y] -> [N, p, 2, X/p, Y] (a piece's gate rows then its up rows);
+    else [N, R, Z] -> [N, p, R, Z/p] (a piece's columns)."""
+    n, r, z = t.shape
+    step = max(1, scratch.numel() // (t[0].numel() * t.element_size()))  # experts per copy
+    for e0 in range(0, n, step):
+        c = min(step, n - e0)
+        g = t[e0:e0 + c]  # [c, R, Z]
+        src = scratch[:g.numel() * g.element_size()].view(g.dtype).view(g.shape).copy_(g)
+        if by_rows:
+            x = r // 2 // pieces
+            g.view(c, pieces, 2, x, z).copy_(src.view(c, 2, pieces, x, z).transpose(1, 2))  # [c, piece, gate|up, X/p, Y]
+        else:
+            zp = z // pieces
+            g.view(c, pieces, r, zp).copy_(src.view(c, r, pieces, zp).permute(0, 2, 1, 3))  # [c, piece, R, Z/p]
+
+
+def _check_quant_pieces(fmt: str, inter: int, pieces: int) -> None:
+    block = QUANT_BLOCK[fmt]
+    if (inter // pieces) % block:
+        ok = [p for p in range(1, inter // block + 1) if inter % p == 0 and (inter // p) % block == 0]
+        raise ValueError(f"{fmt} expert pieces must hold whole {block}-value scale blocks: {inter} intermediate "
+                         f"rows in {pieces} pieces are {inter // pieces} each; pick one of {ok[:8]}")
+
+
+def _pieced_quant(bank: QuantBank, pieces: int, by_rows: bool) -> QuantBank:
+    """The QuantBank of N p pieces over a bank re-laid by _relay_ (views of its memory)."""
+    n = bank.values.shape[0]
+
+    def view(t):  # [N, R, Z] re-laid -> [N p, R/p, Z] (rows) or [N p, R, Z/p] (columns)
+        r, z = t.shape[1:]
+        return t.view(n * pieces, r // pieces, z) if by_rows else t.view(n * pieces, r, z // pieces)
+    s2 = None if bank.scale_2 is None else bank.scale_2.repeat_interleave(pieces, dim=0)  # [N p, halves]
+    return replace(bank, values=view(bank.values), scale=view(bank.scale), scale_2=s2)
 
 
 def split_biases(gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, pieces: int):

@@ -68,7 +68,8 @@ class EngineConfig:
         "help": "with --moe cache: cut each expert into this many pieces of its intermediate dimension, each "
                 "cached, filled or run on the CPU as an expert of its own, so that a layer's few large misses "
                 "split between the PCIe fills and the CPU (models with few, large experts: Mixtral-like top-2); "
-                "must divide the intermediate size; dense (bf16) experts only (1: off)"})
+                "must divide the intermediate size, and with quantized experts leave each piece whole scale "
+                "blocks (fp8_block 128 rows, mxfp4 32, nvfp4 16) (1: off)"})
     cpu_threads: int = field(default=0, metadata={
         "help": "CPU expert threads (0: the physical cores; on CUDA all but two, left to the thread that "
                 "launches the GPU work and the one that runs the CPU branch of a decode step)"})
@@ -426,26 +427,28 @@ class Engine:
         when the extension cannot be built. The GPU expert cache (--moe cache): slots holding the
         quantized bytes (and bias rows), the quantized kernels over them, that host executor for
         its CPU branch."""
-        if self.ecfg.expert_pieces > 1 and self.experts_on == "cache":
-            raise FreeTokenError(f"--expert-pieces {self.ecfg.expert_pieces}: pieces need dense expert banks (bf16 "
-                                 f"or f32); this model's experts are {banks.format}: leave --expert-pieces at 1")
         self._warn_pieces_unused()
         if self.experts_on == "gpu":
             if self.ecfg.cpu_act == "int8":
                 log.info("--cpu-act int8: no expert runs on the CPU (--moe resident); ignored")
             b = banks.to(self.device)
             return TorchExpertExecutor(b.gate_up, b.down, layer_experts=self.cfg.num_experts, **self.expert_fn)
+        pieces, fn = (self.ecfg.expert_pieces if self.experts_on == "cache" else 1), self.expert_fn
+        if pieces > 1:  # the cache over pieces: each holding whole scale blocks (experts/pieces.py)
+            gate_up, down, fn = self._cut_experts(banks.gate_up, banks.down, pieces)
+            banks = ExpertBanks(banks.format, gate_up, down)
         from ..experts.cpu import CpuExpertExecutor, extension
         if extension() is not None:
             host = CpuExpertExecutor(banks, threads=self._cpu_threads(), act_int8=self.ecfg.cpu_act == "int8",
-                                     spin=self._cpu_spin(), **self.expert_fn)
+                                     spin=self._cpu_spin(), **fn)
         else:
             log.warning("%s experts: the C++ expert executor could not be built; the experts run on the torch "
                         "path on the host (slower%s)", banks.format,
                         "; --cpu-act int8 does not apply there" if self.ecfg.cpu_act == "int8" else "")
-            host = QuantizedHostExecutor(banks.gate_up, banks.down, layer_experts=self.cfg.num_experts,
-                                         **self.expert_fn)
-        return self._cache_executor(banks.gate_up, banks.down, host) if self.experts_on == "cache" else host
+            host = QuantizedHostExecutor(banks.gate_up, banks.down, layer_experts=self.cfg.num_experts * pieces, **fn)
+        if self.experts_on != "cache":
+            return host
+        return self._cache_executor(banks.gate_up, banks.down, host, pieces, fn)
 
     def _warn_pieces_unused(self) -> None:
         if self.ecfg.expert_pieces > 1 and self.experts_on != "cache":
@@ -480,8 +483,8 @@ class Engine:
         return self._cache_executor(gate_up, down, cpu, pieces, fn)
 
     def _cut_experts(self, gate_up, down, p: int):
-        """Dense banks cut into p pieces per expert (experts/pieces.py), re-laid in place (no second
-        copy of the banks), with the expert function's bias banks cut to match."""
+        """Banks (dense or quantized) cut into p pieces per expert (experts/pieces.py), re-laid in
+        place (no second copy of the banks), with the expert function's bias banks cut to match."""
         from ..experts.pieces import split_banks_, split_biases
         try:
             gate_up, down = split_banks_(gate_up, down, p)
