@@ -145,10 +145,9 @@ class PrefillStream:
             flat += list(toks)
         tokens = torch.tensor(flat, dtype=torch.long, device=self.model.device)  # [P]
         mode = self.loader.begin(len(flat))
-        hook = self._before_layer
-        if between is not None:
-            def hook(i):
-                self._before_layer(i)
+        def hook(i):  # the loader's copies for layer i queued first, then what `between` runs
+            self._before_layer(i)
+            if between is not None:
                 between(i)
         try:
             with self._experts_streamed(), (self.loader.cache.frozen() if between is not None else nullcontext()):
