@@ -656,7 +656,28 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   bash bench/device_llamacpp.sh build  # after the rows: the build takes every core (~330 s)
   step 360 llama-wait bash bench/device_llamacpp.sh wait
   ;;
-*) echo "stage 0 to 67"; exit 2 ;;
+68) # ~520 s (limits 540), issue 10 (b): the full 40-layer Qwen3.6 shape with MXFP4 experts (a bf16
+  # GGUF of 40 layers, ~67 GB, does not fit this machine's 64 GB disk) side by side with llama.cpp on
+  # the same values (our MXFP4 banks written as ggml MXFP4 by its converter's repack), 15 of 40
+  # layers' experts in VRAM (-ncmoe 25; capacity 0.375), 6 threads. llama.cpp builds in the
+  # background (~330 s, nice 19) while the weights are made and the GGUF written; its rows run
+  # first, ours after, nothing else running; its binary comes back in pieces for .llama/
+  bash bench/device_llamacpp.sh build
+  step 540 large-llamacpp python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
+    --modes cache,cpu-only --capacity 0.375 --threads 6 --llamacpp --name large_models-qwen3_5_moe-mxfp4-llamacpp
+  step 60 llama-back bash bench/device_llamacpp.sh wait
+  ;;
+69) # ~500 s (limits 300 + 200), issue 10 (a) after plan 68 (copy its llama-bench.xz.* into .llama/
+  # first): the 12-layer Qwen3.6 slice in bf16 side by side with llama.cpp at 6 threads, pieces 1
+  # and 2; then the full-size MXFP4 rows at 16 threads beside llama.cpp
+  step 300 qwen-llamacpp bash bench/device_llamacpp.sh run --layers 12 --capacity 0.33 --batch 1 --threads 6 \
+    --modes cache,split --fill-shares 0.4 --pieces 1,2 --name expert_cache-llamacpp-pieces-t6
+  step 200 large-llamacpp-16 bash -c 'B=/tmp/ft-llama-build; [ -x $B/bin/llama-bench ] || { mkdir -p $B/bin \
+    && cat .llama/llama-bench.xz.* | xz -d > $B/bin/llama-bench && chmod +x $B/bin/llama-bench; }; \
+    python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 --modes cache \
+    --capacity 0.375 --threads 16 --llamacpp --name large_models-qwen3_5_moe-mxfp4-llamacpp-t16'
+  ;;
+*) echo "stage 0 to 69"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (copy $OUT/warm-cache.tgz to .devcache/ here;
 # bench/device_env.sh restores it): Triton's cache and the C++ executor's build, if under 15 MB

@@ -51,6 +51,14 @@ at that thread count, measured here on each format's banks);
 cache: the resident step (the resident row's, else its floor) plus the step's missed expert bytes
 over B_P + B_H (B_P: the zero-copy fill kernel's rate, measured here).
 
+`--llamacpp` (the qwen3_5_moe shape; bf16 or mxfp4 experts): llama.cpp side by side on the same
+values (bench/llamacpp.py: its converter writes our dense weights as BF16 and MXFP4 banks as ggml
+MXFP4, a lossless repack, checked against our logits by `python -m bench.llamacpp --check
+--experts mxfp4`), llama-bench timed before our rows with -ncmoe giving it the cache's share of the
+experts in VRAM (whole layers: 0.375 of 40 layers is 15) and every layer's experts on the CPU for
+cpu-only, at the same threads; each batch-1 row gains `llamacpp_tok_s` and `vs_llamacpp`. A bf16
+GGUF of all 40 layers (~67 GB) does not fit the GPU machine's disk; the MXFP4 one is ~19 GB.
+
 Before building, the run prints the expert bytes per MoE layer in each format and what the slice
 needs in host RAM and VRAM per mode and format (each format of a list alone), and exits with the
 reason if the slice would not fit (`--estimate-only`: print and stop; `--host-gb` plans for another
@@ -587,7 +595,18 @@ def parse(argv=None):
                     "CUDA: as a GPU run would need it, VRAM unchecked)")
     ap.add_argument("--host-gb", type=float, default=None, help="host RAM available to plan with, GB (default: "
                     "MemAvailable)")
+    ap.add_argument("--llamacpp", action="store_true", help="llama.cpp side by side (qwen3_5_moe; bf16 or mxfp4 "
+                    "experts): the same weights written as a GGUF by its converter (MXFP4 experts as ggml MXFP4, "
+                    "the same values), llama-bench before our rows of each format with -ncmoe giving it the "
+                    "cache's share of the experts in VRAM (cpu-only: every layer's on the CPU), the same threads; "
+                    "fills llamacpp_tok_s of batch-1 rows (source: bash bench/fetch_llamacpp.sh)")
+    ap.add_argument("--llamacpp-build", default="/tmp/ft-llama-build", help="llama.cpp build folder (reused; "
+                    "CUDA on the GPU machine, a CPU build without CUDA)")
+    ap.add_argument("--gguf", default="/tmp/ft-large-models.gguf", help="where the GGUF is written (reused for "
+                    "the same config, format and seed)")
     a = ap.parse_args(argv)
+    if a.llamacpp and a.arch != "qwen3_5_moe":
+        ap.error("--llamacpp: only the qwen3_5_moe shape is written as a GGUF here")
     a.modes = [m for m in a.modes.split(",") if m]
     bad = [m for m in a.modes if m not in MODES]
     if bad:
@@ -613,7 +632,38 @@ def parse(argv=None):
     return a
 
 
-def run_format(a, fmt: str, mc, w, plan: dict, est: dict, dev, bw: float | None) -> dict:
+def side_by_side(a, cfg: dict, mc, w: dict, banks, f: dict, dev) -> dict:
+    """llama.cpp on this format's weights, before our rows (nothing of ours runs meanwhile):
+    {(mode, threads): tok/s}; f gains the runs, the build and export times, or llamacpp_error."""
+    from pathlib import Path
+
+    from bench import llamacpp
+    out, gpu = {}, dev.type == "cuda"
+    try:
+        # the GGUF first: a device plan's background build of llama.cpp runs meanwhile (build() waits for it)
+        gguf, took = llamacpp.slice_gguf(cfg, mc, w, banks.gate_up, banks.down, a.gguf, llamacpp.source(),
+                                         "bench.large_models", a.seed)
+        f["gguf_export_s"] = round(took, 1) if took is not None else "reused"
+        t0 = time.perf_counter()
+        binary = llamacpp.build(llamacpp.source(), Path(a.llamacpp_build), cuda=gpu)
+        f["llamacpp_build_wait_s"] = round(time.perf_counter() - t0, 1)
+        layers, runs = len(mc.moe_layers), []
+        for mode in a.modes:
+            for t in ([0] if mode == "resident" else a.threads):
+                ncmoe = {"resident": 0, "cpu-only": layers}.get(mode, llamacpp.n_cpu_moe_for(a.capacity, layers))
+                r = llamacpp.bench_decode(binary, gguf, threads=t or max(a.threads), n_cpu_moe=ncmoe,
+                                          n_gen=a.tokens, gpu=gpu)
+                runs.append(dict(r, mode=mode, threads=t, n_cpu_moe=ncmoe))
+                out[(mode, t)] = r["tok_s"]
+                print("llama.cpp", runs[-1], flush=True)
+        f["llamacpp"] = runs
+    except Exception as e:  # noqa: BLE001  our rows still run
+        f["llamacpp_error"] = f"{type(e).__name__}: {e}"[:600]
+        print("llama.cpp side by side failed:", f["llamacpp_error"], flush=True)
+    return out
+
+
+def run_format(a, fmt: str, mc, w, plan: dict, est: dict, dev, bw: float | None, cfg: dict | None = None) -> dict:
     """Every row of one expert format: its banks made, B_P and B_H measured on them, each
     (batch, mode, threads) timed, the floors; -> the format's fields and its rows ("runs"). The
     banks are gone when it returns."""
@@ -635,6 +685,7 @@ def run_format(a, fmt: str, mc, w, plan: dict, est: dict, dev, bw: float | None)
         f["bp_gbs"] = round(bp, 1) if bp else None
     print(f"{fmt}: banks made in {f['banks_s']:.1f} s", {k: v for k, v in f.items() if k in (
         "pool_gb", "expert_mb", "banks_pinned", "bank_huge_gb", "bp_gbs")}, flush=True)
+    llama = side_by_side(a, cfg, mc, w, banks, f, dev) if a.llamacpp else {}
     runs = []
     for batch in a.batch:
         for mode in a.modes:
@@ -655,6 +706,9 @@ def run_format(a, fmt: str, mc, w, plan: dict, est: dict, dev, bw: float | None)
                 if mode == "cache" and f.get("bp_gbs") and f[f"bh_{threads}_gbs"]:  # where the bandwidths point
                     start = f["bp_gbs"] / (f["bp_gbs"] + f[f"bh_{threads}_gbs"])
                 row = {"expert_format": fmt, **run_mode(mode, a, mc, w, banks, dev, batch, threads, slots, start)}
+                if a.llamacpp:  # llama-bench decodes one sequence: batch-1 rows only
+                    row["llamacpp_tok_s"] = lt = llama.get((mode, threads)) if batch == 1 else None
+                    row["vs_llamacpp"] = round(row["tok_s"] / lt, 2) if lt and row.get("tok_s") else None
                 print(row, flush=True)
                 runs.append(row)
     f["runs"] = runs
@@ -712,7 +766,7 @@ def main(argv=None) -> str | None:
         "dense_gb", "device_read_gbs")}, flush=True)
     res["formats"] = {}
     for fmt in a.expert_format:  # one at a time: the banks of one freed before the next are made
-        f = run_format(a, fmt, mc, w, plan, ests[fmt], dev, bw)
+        f = run_format(a, fmt, mc, w, plan, ests[fmt], dev, bw, cfg)
         res["runs"] += f.pop("runs")
         res["formats"][fmt] = f
     if len(a.expert_format) == 1:  # one format: its fields at the top, as before
@@ -724,7 +778,7 @@ def main(argv=None) -> str | None:
                           "and bh_T_gbs measured on each format's banks (formats.FMT); at batch > 1 the expected "
                           "distinct experts of uniform routing")
     keys = ("expert_format", "mode", "batch", "threads", "tok_s", "ms_per_step", "graph", "miss_rate",
-            "fill_share_chosen", "floor_ms", "of_floor", "error")
+            "fill_share_chosen", "floor_ms", "of_floor", "llamacpp_tok_s", "vs_llamacpp", "error")
     res["summary"] = [{k: r.get(k) for k in keys} for r in res["runs"]]
     return write_result(a.name, res)
 

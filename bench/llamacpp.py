@@ -9,7 +9,9 @@ reading safetensors files), and decode is timed with `llama-bench`.
 Used by bench.expert_cache (`--llamacpp`) to fill each row's `llamacpp_tok_s`; run alone it
 checks the export on a tiny random model: llama.cpp's logits against FreeToken's engine on the
 same weights and tokens (CPU build):
-    python -m bench.llamacpp --check [--build-dir .llama/build-cpu]
+    python -m bench.llamacpp --check [--build-dir .llama/build-cpu] [--experts mxfp4]
+(`--experts mxfp4`: the routed experts as our MXFP4 banks, written as ggml MXFP4 tensors by the
+converter's own lossless repack: the same values on both sides).
 """
 from __future__ import annotations
 
@@ -50,8 +52,30 @@ def build(src: Path, out: Path, cuda: bool, jobs: int | None = None, log=None, s
     shared: --check loads libllama.so through ctypes."""
     shared = (not cuda) if shared is None else shared
     binary = out / "bin" / "llama-bench"
+    lock = out / ".building"  # another process building here (a device plan's background build): wait for it
+    waited = time.perf_counter()
+    while lock.exists() and not binary.exists() and _alive(lock) and time.perf_counter() - waited < 1200:
+        time.sleep(5)
     if binary.exists():
         return binary
+    out.mkdir(parents=True, exist_ok=True)
+    lock.write_text(str(os.getpid()))
+    try:
+        return _build(src, out, cuda, jobs, log, shared, binary)
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def _alive(lock: Path) -> bool:
+    """Whether the process that wrote the build lock still runs (a crashed build leaves it)."""
+    try:
+        os.kill(int(lock.read_text()), 0)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def _build(src: Path, out: Path, cuda: bool, jobs, log, shared: bool, binary: Path) -> Path:
     cfg = ["cmake", "-S", str(src), "-B", str(out), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_OPENSSL=OFF",
            "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
            "-DLLAMA_BUILD_APP=OFF", "-DGGML_NATIVE=ON", f"-DGGML_CUDA={'ON' if cuda else 'OFF'}",
@@ -77,13 +101,19 @@ def _converter(src: Path):
     return gguf, get_model_class, LazyTorchTensor
 
 
-def export_gguf(config: dict, tensors: dict[str, torch.Tensor], out: Path, src: Path) -> Path:
+def export_gguf(config: dict, tensors: dict[str, torch.Tensor], out: Path, src: Path,
+                mxfp4_experts: dict | None = None) -> Path:
     """Write `tensors` (transformers names and layouts, as published; any device) as a BF16 GGUF
     with llama.cpp's converter for config["architectures"][0]. The converter streams: each
     tensor is moved to the CPU, transformed and written one at a time. No tokenizer: the file
-    says `none` with vocab_size dummy tokens, which is all llama-bench needs."""
+    says `none` with vocab_size dummy tokens, which is all llama-bench needs.
+    mxfp4_experts: {layer: (gate_up, down)} MXFP4 QuantBanks of a layer's routed experts
+    ([E, 2I, H] and [E, H, I], experts/banks.py's layout), written as ggml MXFP4 tensors
+    (ffn_gate_exps, ffn_up_exps, ffn_down_exps) by the converter's own lossless repack, one
+    tensor in memory at a time: the same values llama.cpp then reads, not a re-quantization."""
     gguf, get_model_class, Lazy = _converter(src)
     base = get_model_class(config["architectures"][0])
+    experts = mxfp4_experts or {}
 
     class FromMemory(base):  # type: ignore[misc, valid-type]
         model_arch = base.model_arch
@@ -98,6 +128,17 @@ def export_gguf(config: dict, tensors: dict[str, torch.Tensor], out: Path, src: 
             self.gguf_writer.add_tokenizer_model("none")
             self.gguf_writer.add_vocab_size(self.hparams["vocab_size"])
 
+        def generate_extra_tensors(self):
+            kinds = gguf.MODEL_TENSOR
+            for layer, (gu, dn) in experts.items():
+                i = dn.shape[2]
+                for kind, v, sc in ((kinds.FFN_GATE_EXP, gu.values[:, :i], gu.scale[:, :i]),  # [E, I, H/2], [E, I, H/32]
+                                    (kinds.FFN_UP_EXP, gu.values[:, i:], gu.scale[:, i:]),
+                                    (kinds.FFN_DOWN_EXP, dn.values, dn.scale)):  # [E, H, I/2], [E, H, I/32]
+                    self.gguf_writer.add_tensor(self.format_tensor_name(kind, layer), _mxfp4_lazy(gguf, base, v, sc),
+                                                raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+            return ()
+
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as d:  # the converter looks for model-card files here
         (Path(d) / "config.json").write_text(json.dumps(config))
@@ -106,24 +147,58 @@ def export_gguf(config: dict, tensors: dict[str, torch.Tensor], out: Path, src: 
     return out
 
 
-def slice_gguf(cfg: dict, mc, w: dict, gu: torch.Tensor, dn: torch.Tensor, path: str, src: Path) -> tuple[Path, float | None]:
+def _mxfp4_lazy(gguf, base, values: torch.Tensor, scale: torch.Tensor):
+    """One MXFP4 expert tensor [E, R, C/2] (+ scales [E, R, C/32]) as ggml block_mxfp4 bytes
+    [E, R, C/32 x 17], made when the writer gets to it (llama.cpp's repack_mxfp4_blocks)."""
+    import numpy as np
+    e, r, half = values.shape
+    shape = (e, r, half * 2 // 32 * 17)
+
+    def make(v, sc):
+        flat = base.repack_mxfp4_blocks(v.cpu().reshape(e * r, half), sc.cpu().reshape(e * r, -1))  # [E R, C/32 x 17]
+        return flat.reshape(shape)
+    return gguf.LazyNumpyTensor(meta=gguf.LazyNumpyTensor.meta_with_dtype_and_shape(np.uint8, shape),
+                                args=(values, scale), func=make)
+
+
+def slice_gguf(cfg: dict, mc, w: dict, gu, dn, path: str, src: Path, source_tag: str = "bench",
+               seed: int = 0) -> tuple[Path, float | None]:
     """The GGUF of a benchmark slice (dense weights `w` by their published names, expert banks
-    gu [N, 2I, H] and dn [N, H, I] with N = layers x experts), written once per config: the
+    gu [N, 2I, H] and dn [N, H, I] with N = layers x experts: dense tensors, written BF16, or
+    MXFP4 QuantBanks, written as ggml MXFP4 with the same values), written once per config: the
     benchmarks make their weights from the config with fixed seeds, so a file written for the
-    same config on this machine (a warm GPU machine between calls) is reused. -> (path, export
-    seconds or None when reused)."""
+    same config, expert format and benchmark (`source_tag`: each makes its weights its own way)
+    on this machine (a warm GPU machine between calls) is reused. Refused, before anything is
+    written, when the file would not fit on its disk. -> (path, export seconds or None when
+    reused)."""
+    import shutil
+    fmt = getattr(gu, "format", "bf16")
+    if fmt not in ("bf16", "mxfp4"):
+        raise ValueError(f"llama.cpp side by side takes bf16 or mxfp4 experts, not {fmt}")
     gguf, stamp = Path(path), Path(path + ".json")
-    want = json.dumps({"config": cfg, "seed": 0}, sort_keys=True)
+    want = json.dumps({"config": cfg, "seed": seed, "experts": fmt, "source": source_tag}, sort_keys=True)
     if gguf.exists() and stamp.exists() and stamp.read_text() == want:
         return gguf, None
-    t0 = time.perf_counter()
-    tensors = dict(w)
-    e = mc.num_experts
-    for j, l in enumerate(mc.moe_layers):  # the banks' rows of layer l, as published (fused)
-        tensors[f"model.layers.{l}.mlp.experts.gate_up_proj"] = gu[j * e:(j + 1) * e]  # [E, 2I, H]
-        tensors[f"model.layers.{l}.mlp.experts.down_proj"] = dn[j * e:(j + 1) * e]  # [E, H, I]
+    gguf.parent.mkdir(parents=True, exist_ok=True)
+    gguf.unlink(missing_ok=True)
     stamp.unlink(missing_ok=True)
-    export_gguf(cfg, tensors, gguf, src)
+    banks = [gu, dn] if isinstance(gu, torch.Tensor) else gu.tensors() + dn.tensors()
+    need = sum(t.numel() * t.element_size() for t in list(w.values()) + banks) * 1.06  # + ggml block headers
+    free = shutil.disk_usage(gguf.parent).free
+    if need > free:
+        raise RuntimeError(f"the GGUF needs ~{need / 1e9:.1f} GB and {gguf.parent} has {free / 1e9:.1f} GB free: "
+                           "use fewer layers or MXFP4 experts, or another --gguf path")
+    t0 = time.perf_counter()
+    tensors, mx = dict(w), None
+    e = mc.num_experts
+    if isinstance(gu, torch.Tensor):
+        for j, l in enumerate(mc.moe_layers):  # the banks' rows of layer l, as published (fused)
+            tensors[f"model.layers.{l}.mlp.experts.gate_up_proj"] = gu[j * e:(j + 1) * e]  # [E, 2I, H]
+            tensors[f"model.layers.{l}.mlp.experts.down_proj"] = dn[j * e:(j + 1) * e]  # [E, H, I]
+    else:
+        from freetoken.experts.banks import ExpertBanks
+        mx = layer_banks(ExpertBanks(fmt, gu, dn), mc)
+    export_gguf(cfg, tensors, gguf, src, mx)
     stamp.write_text(want)
     return gguf, time.perf_counter() - t0
 
@@ -209,9 +284,21 @@ def llama_logits(lib_dir: Path, model: Path, tokens: list[int], n_vocab: int) ->
     return out  # [T, V]
 
 
-def check(build_dir: Path) -> dict:
+def layer_banks(banks, mc) -> dict:
+    """{layer: (gate_up, down)} views of each MoE layer's experts in QuantBanks of every layer
+    (first dimension layer x E + e): export_gguf's mxfp4_experts."""
+    from dataclasses import replace
+    e = mc.num_experts
+
+    def rows(b, j):
+        return replace(b, values=b.values[j * e:(j + 1) * e], scale=b.scale[j * e:(j + 1) * e])
+    return {l: (rows(banks.gate_up, j), rows(banks.down, j)) for j, l in enumerate(mc.moe_layers)}
+
+
+def check(build_dir: Path, experts: str = "bf16") -> dict:
     """A tiny random Qwen3.5-MoE: FreeToken's prefill logits against llama.cpp's (CPU) on the
-    GGUF written by export_gguf from the same tensors."""
+    GGUF written by export_gguf from the same tensors. experts "mxfp4": the routed experts as
+    random MXFP4 banks (written as ggml MXFP4; ours the same values dequantized to fp32)."""
     from freetoken.config import ModelConfig
     from freetoken.demo import random_tensor, weight_shapes
     from freetoken.experts.executor import TorchExpertExecutor
@@ -221,11 +308,20 @@ def check(build_dir: Path) -> dict:
     mc = ModelConfig.from_hf(TINY)
     g = torch.Generator().manual_seed(0)
     w = {n: random_tensor(n, s, g, embed_std=0.5) for n, s in weight_shapes(mc).items()}
+    banks = None
+    if experts == "mxfp4":
+        from bench.cpu_experts import quantized_banks
+        for l in mc.moe_layers:
+            del w[f"model.layers.{l}.mlp.experts.gate_up_proj"], w[f"model.layers.{l}.mlp.experts.down_proj"]
+        banks = quantized_banks("mxfp4", mc.num_flat_experts, mc.hidden_size, mc.moe_intermediate_size, g)
     with tempfile.TemporaryDirectory() as d:
-        path = export_gguf(TINY, w, Path(d) / "tiny.gguf", src)
+        path = export_gguf(TINY, w, Path(d) / "tiny.gguf", src, layer_banks(banks, mc) if banks else None)
         w = {n: t.float() for n, t in w.items()}  # ours in FP32 on the same BF16 values
-        gu = torch.cat([w.pop(f"model.layers.{l}.mlp.experts.gate_up_proj") for l in mc.moe_layers])  # [N, 2I, H]
-        dn = torch.cat([w.pop(f"model.layers.{l}.mlp.experts.down_proj") for l in mc.moe_layers])  # [N, H, I]
+        if banks is not None:
+            gu, dn = banks.dequant(torch.arange(mc.num_flat_experts))  # [N, 2I, H], [N, H, I] fp32
+        else:
+            gu = torch.cat([w.pop(f"model.layers.{l}.mlp.experts.gate_up_proj") for l in mc.moe_layers])  # [N, 2I, H]
+            dn = torch.cat([w.pop(f"model.layers.{l}.mlp.experts.down_proj") for l in mc.moe_layers])  # [N, H, I]
         ex = TorchExpertExecutor(gu, dn, layer_experts=mc.num_experts)
         model = model_class(mc.arch)(mc, w, ex, torch.device("cpu"), torch.float32, 256)
         tokens = torch.randint(0, TINY["vocab_size"], (24,), generator=g)
@@ -244,6 +340,8 @@ def check(build_dir: Path) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="compare llama.cpp's logits with ours on a tiny model")
+    ap.add_argument("--experts", default="bf16", choices=["bf16", "mxfp4"],
+                    help="--check: the routed experts' format in the GGUF (mxfp4: ggml MXFP4 from our banks)")
     ap.add_argument("--build-dir", default=str(ROOT / "build-cpu"))
     ap.add_argument("--build-only", action="store_true", help="build llama-bench and stop")
     ap.add_argument("--cuda", action="store_true")
@@ -255,9 +353,11 @@ def main():
         raise SystemExit(f"bench.llamacpp: {e}") from None
     if a.check:
         from bench.common import write_result
-        write_result("llamacpp-check", {"model": "tiny random Qwen3.5-MoE (TINY), BF16 values, 24 tokens",
-                                        "ours": "fp32 on the same bf16 values", "llamacpp": "CPU build, BF16 GGUF",
-                                        **check(Path(a.build_dir))})
+        q = a.experts == "mxfp4"
+        write_result("llamacpp-check" + ("-mxfp4" if q else ""), {
+            "model": "tiny random Qwen3.5-MoE (TINY), BF16 values" + (", routed experts MXFP4" if q else "") + ", 24 tokens",
+            "ours": "fp32 on the same values", "llamacpp": "CPU build, BF16 GGUF" + (" with MXFP4 experts" if q else ""),
+            **check(Path(a.build_dir), a.experts)})
     elif not a.build_only:
         print(binary)
 
