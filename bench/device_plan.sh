@@ -667,15 +667,17 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
     --modes cache,cpu-only --capacity 0.375 --threads 6 --llamacpp --name large_models-qwen3_5_moe-mxfp4-llamacpp
   step 60 llama-back bash bench/device_llamacpp.sh wait
   ;;
-69) # ~500 s (limits 300 + 200), issue 10 (a) after plan 68 (copy its llama-bench.xz.* into .llama/
-  # first): the 12-layer Qwen3.6 slice in bf16 side by side with llama.cpp at 6 threads, pieces 1
-  # and 2; then the full-size MXFP4 rows at 16 threads beside llama.cpp
-  step 300 qwen-llamacpp bash bench/device_llamacpp.sh run --layers 12 --capacity 0.33 --batch 1 --threads 6 \
-    --modes cache,split --fill-shares 0.4 --pieces 1,2 --name expert_cache-llamacpp-pieces-t6
-  step 200 large-llamacpp-16 bash -c 'B=/tmp/ft-llama-build; [ -x $B/bin/llama-bench ] || { mkdir -p $B/bin \
-    && cat .llama/llama-bench.xz.* | xz -d > $B/bin/llama-bench && chmod +x $B/bin/llama-bench; }; \
-    python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 --modes cache \
-    --capacity 0.375 --threads 16 --llamacpp --name large_models-qwen3_5_moe-mxfp4-llamacpp-t16'
+69) # ~560 s (limits 250 + 170 + 130), issue 10 after plan 68 (on a fresh machine copy its
+  # llama-bench.xz.* into .llama/ first; a warm one still has the build): the 12-layer Qwen3.6 slice
+  # in bf16 side by side with llama.cpp at 6 threads (whole experts); the full-size MXFP4 rows at 16
+  # threads beside llama.cpp; then the pieced CUDA test with every thread's stack at 110 s (plans
+  # 64-65 never finished a pieced step: compiles or a hang, to be told apart)
+  step 250 qwen-llamacpp bash bench/device_llamacpp.sh run --layers 12 --capacity 0.33 --batch 1 --threads 6 \
+    --modes cache,split --fill-shares 0.4 --name expert_cache-llamacpp-s23-t6
+  step 170 large-llamacpp-16 python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
+    --modes cache --capacity 0.375 --threads 16 --llamacpp --name large_models-qwen3_5_moe-mxfp4-llamacpp-t16
+  FT_TAG=plan69 FT_PER_FILE=130 FT_K="cuda" FT_ARGS="-o faulthandler_timeout=110" \
+    bash bench/device_tests.sh tests/test_expert_pieces.py > /dev/null
   ;;
 *) echo "stage 0 to 69"; exit 2 ;;
 esac
