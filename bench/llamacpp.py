@@ -295,6 +295,25 @@ def layer_banks(banks, mc) -> dict:
     return {l: (rows(banks.gate_up, j), rows(banks.down, j)) for j, l in enumerate(mc.moe_layers)}
 
 
+def gguf_experts_diff(path: Path, mc, gu: torch.Tensor, dn: torch.Tensor) -> float:
+    """The largest difference between the expert tensors of a written GGUF, dequantized by the
+    gguf package, and ours (gu [N, 2I, H], dn [N, H, I] in fp32): 0 when the repack is lossless."""
+    gguf, _, _ = _converter(source())
+    from gguf.quants import dequantize
+    e, i, worst = mc.num_experts, mc.moe_intermediate_size, 0.0
+    for t in gguf.GGUFReader(str(path)).tensors:
+        if "_exps." not in t.name:
+            continue
+        j = mc.moe_layers.index(int(t.name.split(".")[1]))
+        ref = {"ffn_gate_exps": gu[j * e:(j + 1) * e, :i], "ffn_up_exps": gu[j * e:(j + 1) * e, i:],
+               "ffn_down_exps": dn[j * e:(j + 1) * e]}[t.name.split(".")[2]]
+        got = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()  # [E, rows, cols]
+        if got.shape != ref.shape:
+            raise AssertionError(f"{t.name}: {tuple(got.shape)} in the GGUF, {tuple(ref.shape)} ours")
+        worst = max(worst, (got - ref).abs().max().item())
+    return worst
+
+
 def check(build_dir: Path, experts: str = "bf16") -> dict:
     """A tiny random Qwen3.5-MoE: FreeToken's prefill logits against llama.cpp's (CPU) on the
     GGUF written by export_gguf from the same tensors. experts "mxfp4": the routed experts as
@@ -329,11 +348,13 @@ def check(build_dir: Path, experts: str = "bf16") -> dict:
         st.reserve(0, 64)
         ours = model.prefill(tokens, st, 0, 0, all_logits=True).float()  # [T, V]
         theirs = llama_logits(build_dir / "bin", path, tokens.tolist(), TINY["vocab_size"])
+        exact = gguf_experts_diff(path, mc, gu, dn) if banks is not None else None
     per_pos = (ours - theirs).abs().max(-1).values  # [T]
     agree = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
     # llama.cpp's BF16 dot products round the activations to BF16 too: ~0.03 of a 3.7 logit
     # scale; a position whose top-8 choice flips on that rounding differs more
-    return {"median_pos_max_abs_diff": round(per_pos.median().item(), 4), "max_abs_diff": round(per_pos.max().item(), 4),
+    return {**({"gguf_experts_max_abs_diff": exact} if exact is not None else {}),
+            "median_pos_max_abs_diff": round(per_pos.median().item(), 4), "max_abs_diff": round(per_pos.max().item(), 4),
             "logit_scale": round(ours.abs().max().item(), 3), "argmax_agreement": round(agree, 3)}
 
 
