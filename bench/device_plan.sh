@@ -56,7 +56,7 @@
 # 8k loaded window (--warm-loaded).
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh 0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29|30|31|32|33|34|35|36|37|38|39|40|41|42|43|44|45|46|47|48|49|50|51|52|53|54}
+STAGE=${1:?usage: bash bench/device_plan.sh N, N from 0 to 69}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -656,19 +656,21 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   bash bench/device_llamacpp.sh build  # after the rows: the build takes every core (~330 s)
   step 360 llama-wait bash bench/device_llamacpp.sh wait
   ;;
-68) # ~520 s (limits 540), issue 10 (b): the full 40-layer Qwen3.6 shape with MXFP4 experts (a bf16
+68) # ~520 s (limits 470 + 60), issue 10 (b): the full 40-layer Qwen3.6 shape with MXFP4 experts (a bf16
   # GGUF of 40 layers, ~67 GB, does not fit this machine's 64 GB disk) side by side with llama.cpp on
   # the same values (our MXFP4 banks written as ggml MXFP4 by its converter's repack), 15 of 40
   # layers' experts in VRAM (-ncmoe 25; capacity 0.375), 6 threads. llama.cpp builds in the
   # background (~330 s, nice 19) while the weights are made and the GGUF written; its rows run
   # first, ours after, nothing else running; its binary comes back in pieces for .llama/
   bash bench/device_llamacpp.sh build
-  step 540 large-llamacpp python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
+  step 470 large-llamacpp python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
     --modes cache,cpu-only --capacity 0.375 --threads 6 --llamacpp --name large_models-qwen3_5_moe-mxfp4-llamacpp
   step 60 llama-back bash bench/device_llamacpp.sh wait
   ;;
 69) # ~560 s (limits 250 + 170 + 130), issue 10 after plan 68 (on a fresh machine copy its
-  # llama-bench.xz.* into .llama/ first; a warm one still has the build): the 12-layer Qwen3.6 slice
+  # llama-bench.xz.* into .llama/ first; a warm one still has the build, and plan 68's 19 GB GGUF,
+  # which the 16-thread step reuses: on a fresh machine that step re-exports it and may run out of
+  # time, the rest still runs): the 12-layer Qwen3.6 slice
   # in bf16 side by side with llama.cpp at 6 threads (whole experts); the full-size MXFP4 rows at 16
   # threads beside llama.cpp; then the pieced CUDA test with every thread's stack at 110 s (plans
   # 64-65 never finished a pieced step: compiles or a hang, to be told apart)

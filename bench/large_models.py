@@ -617,6 +617,8 @@ def parse(argv=None):
     bad = [f for f in a.expert_format if f not in FORMATS]
     if bad or not a.expert_format or len(set(a.expert_format)) < len(a.expert_format):
         ap.error(f"--expert-format: distinct formats of {', '.join(FORMATS)}, comma-separated")
+    if a.llamacpp and set(a.expert_format) - {"bf16", "mxfp4"}:
+        ap.error("--llamacpp: bf16 or mxfp4 experts (the others are not written as a GGUF here)")
     top = (TINY if a.tiny else SHAPES)[a.arch]["num_hidden_layers"]
     a.layers = a.layers or (top if a.tiny else DEFAULT_LAYERS[a.arch])
     if not 0 < a.layers <= top:
@@ -653,7 +655,7 @@ def side_by_side(a, cfg: dict, mc, w: dict, banks, f: dict, dev) -> dict:
                 ncmoe = {"resident": 0, "cpu-only": layers}.get(mode, llamacpp.n_cpu_moe_for(a.capacity, layers))
                 r = llamacpp.bench_decode(binary, gguf, threads=t or max(a.threads), n_cpu_moe=ncmoe,
                                           n_gen=a.tokens, gpu=gpu)
-                runs.append(dict(r, mode=mode, threads=t, n_cpu_moe=ncmoe))
+                runs.append(dict(r, mode=mode, threads=t, n_cpu_moe=ncmoe if gpu else None))  # -ngl 0 without a GPU
                 out[(mode, t)] = r["tok_s"]
                 print("llama.cpp", runs[-1], flush=True)
         f["llamacpp"] = runs

@@ -53,13 +53,23 @@ def build(src: Path, out: Path, cuda: bool, jobs: int | None = None, log=None, s
     shared = (not cuda) if shared is None else shared
     binary = out / "bin" / "llama-bench"
     lock = out / ".building"  # another process building here (a device plan's background build): wait for it
-    waited = time.perf_counter()
-    while lock.exists() and not binary.exists() and _alive(lock) and time.perf_counter() - waited < 1200:
-        time.sleep(5)
-    if binary.exists():
-        return binary
     out.mkdir(parents=True, exist_ok=True)
-    lock.write_text(str(os.getpid()))
+    waited = time.perf_counter()
+    while True:
+        # the binary appears when its link starts (empty, not executable): it is done only once
+        # no live builder holds the lock
+        while lock.exists() and _alive(lock) and time.perf_counter() - waited < 1800:
+            time.sleep(5)
+        if binary.exists() and os.access(binary, os.X_OK) and not (lock.exists() and _alive(lock)):
+            return binary
+        lock.unlink(missing_ok=True)  # a dead builder's (or none)
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)  # atomic: one builder at a time
+        except FileExistsError:
+            continue  # another process took it first: wait for that one
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        break
     try:
         return _build(src, out, cuda, jobs, log, shared, binary)
     finally:
@@ -69,7 +79,10 @@ def build(src: Path, out: Path, cuda: bool, jobs: int | None = None, log=None, s
 def _alive(lock: Path) -> bool:
     """Whether the process that wrote the build lock still runs (a crashed build leaves it)."""
     try:
-        os.kill(int(lock.read_text()), 0)
+        pid = lock.read_text()
+        if not pid:  # created, its pid not written yet
+            return True
+        os.kill(int(pid), 0)
         return True
     except (OSError, ValueError):
         return False

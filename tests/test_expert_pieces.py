@@ -183,11 +183,13 @@ def test_quantized_pieces_hold_the_whole_experts_bytes(fmt, i, pieces):
 def test_quantized_pieces_must_hold_whole_scale_blocks():
     gu, dn = quant_banks("mxfp4", 2, 64, 96, seed=1)
     with pytest.raises(ValueError, match=r"whole 32-value scale blocks: 96 intermediate rows in 2 pieces are 48 "
-                                         r"each; pick one of \[1, 3\]"):
+                                         r"each; pick one that leaves whole blocks, e.g. 3$"):
         split_banks_(gu, dn, 2)
     gu, dn = quant_banks("fp8_block", 2, 64, 192, seed=1)  # 192 = 1.5 blocks of 128: no cut holds whole blocks
-    with pytest.raises(ValueError, match="whole 128-value scale blocks"):
+    with pytest.raises(ValueError, match="192 rows cannot be cut into whole blocks: leave pieces at 1"):
         split_banks_(gu, dn, 2)
+    one_gu, one_dn = split_banks_(gu, dn, 1)  # 1 is no cut, whatever the blocks
+    assert torch.equal(one_gu.dequant(torch.arange(2)), gu.dequant(torch.arange(2)))
 
 
 @pytest.mark.parametrize("fmt,i,pieces", QUANT_CASES[:3])

@@ -61,7 +61,7 @@ def split_banks_(gate_up, down, pieces: int):
     n, i2, h = gate_up.shape
     inter = i2 // 2
     check_pieces(inter, pieces)
-    if quant:
+    if quant and pieces > 1:
         _check_quant_pieces(gate_up.format, inter, pieces)
     if tuple(down.shape) != (n, h, inter):
         raise ValueError(f"expert banks must be [N, 2I, H] and [N, H, I], got {tuple(gate_up.shape)} and {tuple(down.shape)}")
@@ -106,9 +106,12 @@ def _relay_(t: torch.Tensor, pieces: int, scratch: torch.Tensor, by_rows: bool) 
 def _check_quant_pieces(fmt: str, inter: int, pieces: int) -> None:
     block = QUANT_BLOCK[fmt]
     if (inter // pieces) % block:
-        ok = [p for p in range(1, inter // block + 1) if inter % p == 0 and (inter // p) % block == 0]
-        raise ValueError(f"{fmt} expert pieces must hold whole {block}-value scale blocks: {inter} intermediate "
-                         f"rows in {pieces} pieces are {inter // pieces} each; pick one of {ok[:8]}")
+        ok = [p for p in range(2, inter // block + 1) if inter % p == 0 and (inter // p) % block == 0]
+        why = (f"{fmt} expert pieces must hold whole {block}-value scale blocks: {inter} intermediate rows in "
+               f"{pieces} pieces are {inter // pieces} each")
+        if not ok:
+            raise ValueError(f"{why}; experts of {inter} rows cannot be cut into whole blocks: leave pieces at 1")
+        raise ValueError(f"{why}; pick one that leaves whole blocks, e.g. {', '.join(map(str, ok[:8]))}")
 
 
 def _pieced_quant(bank: QuantBank, pieces: int, by_rows: bool) -> QuantBank:
