@@ -56,7 +56,7 @@
 # 8k loaded window (--warm-loaded).
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh N, N from 0 to 69}
+STAGE=${1:?usage: bash bench/device_plan.sh N, N from 0 to 70}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -667,21 +667,31 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
     --modes cache,cpu-only --capacity 0.375 --threads 6 --llamacpp --name large_models-qwen3_5_moe-mxfp4-llamacpp
   step 60 llama-back bash bench/device_llamacpp.sh wait
   ;;
-69) # ~560 s (limits 250 + 170 + 130), issue 10 after plan 68 (on a fresh machine copy its
-  # llama-bench.xz.* into .llama/ first; a warm one still has the build, and plan 68's 19 GB GGUF,
-  # which the 16-thread step reuses: on a fresh machine that step re-exports it and may run out of
-  # time, the rest still runs): the 12-layer Qwen3.6 slice
-  # in bf16 side by side with llama.cpp at 6 threads (whole experts); the full-size MXFP4 rows at 16
-  # threads beside llama.cpp; then the pieced CUDA test with every thread's stack at 110 s (plans
-  # 64-65 never finished a pieced step: compiles or a hang, to be told apart)
+69) # ~450 s (limits 60 + 250 + 130), issue 10 (a): carry .llama/llama-bench.xz.aa .ab .ac (plan 68's
+  # binary), .llama/llama.cpp.tar.xz, .whl, .devcache/commit (not .devcache whole: 64 MiB). The
+  # 12-layer Qwen3.6 slice in bf16 side by side with llama.cpp at 6 threads (whole experts), then
+  # the pieced CUDA test with every thread's stack at 110 s (plans 64-65 never finished a pieced
+  # step: compiles or a hang, to be told apart)
+  step 60 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
   step 250 qwen-llamacpp bash bench/device_llamacpp.sh run --layers 12 --capacity 0.33 --batch 1 --threads 6 \
     --modes cache,split --fill-shares 0.4 --name expert_cache-llamacpp-s23-t6
-  step 170 large-llamacpp-16 python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
-    --modes cache --capacity 0.375 --threads 16 --llamacpp --name large_models-qwen3_5_moe-mxfp4-llamacpp-t16
   FT_TAG=plan69 FT_PER_FILE=130 FT_K="cuda" FT_ARGS="-o faulthandler_timeout=110" \
     bash bench/device_tests.sh tests/test_expert_pieces.py > /dev/null
   ;;
-*) echo "stage 0 to 69"; exit 2 ;;
+70) # ~560 s (limits 60 + 480), issue 10 (b), plan 68 again with llama.cpp's binary carried: carry
+  # .llama/llama-bench.xz.aa .ab .ac, .llama/llama.cpp.tar.xz (the converter), .whl and
+  # .devcache/commit (8 paths, ~63 MB of the 64 MiB: not .devcache whole). In plan 68 llama.cpp's
+  # build took 321 s and our rows then ran out of time behind the C++ executor's first build; here
+  # that build runs first, then the 40-layer MXFP4 rows side by side at 6 and 16 threads
+  # (llama.cpp's four rows first, then ours: cache at 6 and 16, then cpu-only)
+  B=/tmp/ft-llama-build
+  [ -x $B/bin/llama-bench ] || { mkdir -p $B/bin && cat .llama/llama-bench.xz.* | xz -d > $B/bin/llama-bench \
+    && chmod +x $B/bin/llama-bench; }
+  step 60 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
+  step 480 large-llamacpp python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
+    --modes cache,cpu-only --capacity 0.375 --threads 6,16 --llamacpp --name large_models-qwen3_5_moe-mxfp4-llamacpp
+  ;;
+*) echo "stage 0 to 70"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (copy $OUT/warm-cache.tgz to .devcache/ here;
 # bench/device_env.sh restores it): Triton's cache and the C++ executor's build, if under 15 MB
