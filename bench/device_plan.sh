@@ -56,7 +56,7 @@
 # 8k loaded window (--warm-loaded).
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh N, N from 0 to 70}
+STAGE=${1:?usage: bash bench/device_plan.sh N, N from 0 to 71}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -691,7 +691,17 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   step 480 large-llamacpp python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
     --modes cache,cpu-only --capacity 0.375 --threads 6,16 --llamacpp --name large_models-qwen3_5_moe-mxfp4-llamacpp
   ;;
-*) echo "stage 0 to 70"; exit 2 ;;
+71) # ~330 s (limits 60 + 300), issue 10 (b) after plan 70: the 40-layer MXFP4 cache rows at 6 threads
+  # with the lookahead (--prefetch 0,4,8; ft's --expert-prefetch). The 85.4 tok/s row ran at 0.47 of
+  # its floor: a layer's fills cannot start before its router, so the link idles through the
+  # attention and the GPU experts of every layer; the lookahead copies the next layer's predicted
+  # misses meanwhile (on the 12-layer bf16 slice it lost, 141.8 against 153.0: there the link was
+  # busy already; MXFP4 experts are a quarter of the bytes)
+  step 60 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
+  step 300 large-prefetch python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
+    --modes cache --capacity 0.375 --threads 6 --prefetch 0,4,8 --name large_models-qwen3_5_moe-mxfp4-prefetch
+  ;;
+*) echo "stage 0 to 71"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (copy $OUT/warm-cache.tgz to .devcache/ here;
 # bench/device_env.sh restores it): Triton's cache and the C++ executor's build, if under 15 MB

@@ -473,7 +473,7 @@ class EagerOnly:
 
 
 def make_executor(mode: str, banks, mc, dev, threads: int, slots: int, start_share: float, policy: str,
-                  cpu_act: str = "exact"):
+                  cpu_act: str = "exact", prefetch: int = 0):
     from freetoken.experts.cached import CachedExpertExecutor
     from freetoken.experts.cpu import CpuExpertExecutor
     from freetoken.experts.executor import Activation, TorchExpertExecutor
@@ -486,7 +486,7 @@ def make_executor(mode: str, banks, mc, dev, threads: int, slots: int, start_sha
         from freetoken.experts.cpu.hostcall import StreamedCpuExecutor, host_branch_ok
         return StreamedCpuExecutor(cpu, dev) if dev.type == "cuda" and host_branch_ok(cpu) else cpu
     return CachedExpertExecutor(banks.gate_up, banks.down, slots, dev, torch.bfloat16, cpu, None, policy,
-                                mc.num_experts, start_share=start_share, activation=act)
+                                mc.num_experts, start_share=start_share, prefetch=prefetch, activation=act)
 
 
 def free(dev) -> None:
@@ -496,19 +496,20 @@ def free(dev) -> None:
         torch.cuda.empty_cache()
 
 
-def run_mode(mode: str, a, mc, w, banks, dev, batch: int, threads: int, slots: int, start: float) -> dict:
+def run_mode(mode: str, a, mc, w, banks, dev, batch: int, threads: int, slots: int, start: float,
+             prefetch: int = 0) -> dict:
     """One row: the mode timed with decode graphs where it can be, else eagerly (graph_error)."""
     from bench.expert_cache import run_config
     row = {"mode": mode, "batch": batch, "threads": threads if mode != "resident" else None, "device": dev.type}
     if mode != "resident":
         row["cpu_act"] = a.cpu_act
     if mode == "cache":
-        row.update(capacity=a.capacity, slots=slots, start_share=round(start, 3))
+        row.update(capacity=a.capacity, slots=slots, start_share=round(start, 3), prefetch=prefetch)
     attempts = [False, True] if dev.type == "cuda" else [True]
     for eager in attempts:
         ex = None
         try:
-            ex = make_executor(mode, banks, mc, dev, threads, slots, start, a.policy, a.cpu_act)
+            ex = make_executor(mode, banks, mc, dev, threads, slots, start, a.policy, a.cpu_act, prefetch)
             row["expert_backend"] = ex.backend
             t0 = time.perf_counter()
             got = run_config(mc, w, EagerOnly(ex) if eager else ex, dev, batch, a.tokens, a.warmup, None,
@@ -580,6 +581,9 @@ def parse(argv=None):
                     "a row each)")
     ap.add_argument("--capacity", type=float, default=0.33, help="cache slots as a fraction of the slice's experts")
     ap.add_argument("--policy", default="recent", choices=["recent", "gate", "lfu"])
+    ap.add_argument("--prefetch", default="0", help="cache rows: experts each MoE layer copies in ahead for the "
+                    "next, predicted by that layer's router on this layer's input (ft's --expert-prefetch; "
+                    "comma-separated: a row each; 0 off)")
     ap.add_argument("--cpu-act", default="exact", choices=["exact", "int8"],
                     help="the CPU executor's activations for MXFP4 / NVFP4 experts (ft's --cpu-act)")
     ap.add_argument("--batch", default="1", help="decode batch sizes (comma-separated)")
@@ -612,6 +616,9 @@ def parse(argv=None):
     if bad:
         ap.error(f"unknown mode(s) {', '.join(bad)}; known: {', '.join(MODES)}")
     a.threads = [int(t) for t in a.threads.split(",") if t]
+    a.prefetch = [int(v) for v in a.prefetch.split(",") if v]
+    if not a.prefetch or min(a.prefetch) < 0:
+        ap.error("--prefetch: experts >= 0, comma-separated")
     a.batch = [int(b) for b in a.batch.split(",") if b]
     a.expert_format = [f for f in (a.expert_format or PUBLISHED_FORMAT[a.arch]).split(",") if f]
     bad = [f for f in a.expert_format if f not in FORMATS]
@@ -707,12 +714,13 @@ def run_format(a, fmt: str, mc, w, plan: dict, est: dict, dev, bw: float | None,
                     free(dev)
                 if mode == "cache" and f.get("bp_gbs") and f[f"bh_{threads}_gbs"]:  # where the bandwidths point
                     start = f["bp_gbs"] / (f["bp_gbs"] + f[f"bh_{threads}_gbs"])
-                row = {"expert_format": fmt, **run_mode(mode, a, mc, w, banks, dev, batch, threads, slots, start)}
-                if a.llamacpp:  # llama-bench decodes one sequence: batch-1 rows only
-                    row["llamacpp_tok_s"] = lt = llama.get((mode, threads)) if batch == 1 else None
-                    row["vs_llamacpp"] = round(row["tok_s"] / lt, 2) if lt and row.get("tok_s") else None
-                print(row, flush=True)
-                runs.append(row)
+                for pf in (a.prefetch if mode == "cache" else [0]):
+                    row = {"expert_format": fmt, **run_mode(mode, a, mc, w, banks, dev, batch, threads, slots, start, pf)}
+                    if a.llamacpp:  # llama-bench decodes one sequence: batch-1 rows only
+                        row["llamacpp_tok_s"] = lt = llama.get((mode, threads)) if batch == 1 else None
+                        row["vs_llamacpp"] = round(row["tok_s"] / lt, 2) if lt and row.get("tok_s") else None
+                    print(row, flush=True)
+                    runs.append(row)
     f["runs"] = runs
     floors(f, mc, plan, eb, a.prompt + a.warmup + a.tokens // 2, bw)
     del banks
@@ -779,7 +787,7 @@ def main(argv=None) -> str | None:
                           "(its row, else its floor) + the step's missed expert bytes / (bp_gbs + bh_T_gbs); bp_gbs "
                           "and bh_T_gbs measured on each format's banks (formats.FMT); at batch > 1 the expected "
                           "distinct experts of uniform routing")
-    keys = ("expert_format", "mode", "batch", "threads", "tok_s", "ms_per_step", "graph", "miss_rate",
+    keys = ("expert_format", "mode", "batch", "threads", "prefetch", "tok_s", "ms_per_step", "graph", "miss_rate",
             "fill_share_chosen", "floor_ms", "of_floor", "llamacpp_tok_s", "vs_llamacpp", "error")
     res["summary"] = [{k: r.get(k) for k in keys} for r in res["runs"]]
     return write_result(a.name, res)
