@@ -213,6 +213,61 @@ def test_cpp_executor_over_quantized_pieces_equals_whole_experts(fmt, i, pieces)
     assert rel(got, ref) < 1e-5
 
 
+PIECED_QUANT = [("mxfp4", 3), ("nvfp4", 2), ("mxfp4-swiglu-bias", 3)]  # test_expert_cache_quant's cases (I = 96)
+
+
+def pieced_quant_cache(case: str, pieces: int, share: float, dev, dtype, pin: bool = False):
+    """(the pieced cache over a quantized case's banks cut in place, every expert resident
+    whole on `dev` as the reference, the calls to make)."""
+    from test_expert_cache_quant import E, N, calls, make, pinned
+    gu, dn, fn = make(case, seed=pieces + (10 if share < 1 else 0))
+    if pin:
+        gu, dn = pinned(gu), pinned(dn)
+    whole = torch.arange(N)
+    on_dev = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in fn.items()}
+    res = TorchExpertExecutor(gu.select(whole).to(dev), dn.select(whole).to(dev), layer_experts=E, **on_dev)
+    gub, dnb = split_biases(fn.get("gate_up_bias"), fn.get("down_bias"), pieces)
+    pfn = dict(fn, gate_up_bias=gub, down_bias=dnb) if fn else {}
+    pgu, pdn = split_banks_(gu, dn, pieces)  # in place: pinned memory stays pinned
+    slots = (E if share == 1.0 else 5) * pieces  # fill-only: a layer's pieces fit (a prefill's too), as the engine plans
+    inner = CachedExpertExecutor(pgu, pdn, slots, dev, dtype, CpuExpertExecutor(pgu, pdn, **pfn), share,
+                                 layer_experts=E * pieces, **pfn)
+    return PiecedExecutor(inner, pieces), res, calls(40, seed=3, prefill_every=9)
+
+
+@pytest.mark.parametrize("share", [1.0, 0.5])
+@pytest.mark.parametrize("case,pieces", PIECED_QUANT)
+def test_quantized_pieced_cache_equals_whole_resident(case, pieces, share):
+    """The cache over quantized pieces (fill-only: one layer's worth of slots of three; split:
+    5 experts' worth, the C++ executor running pieces on the host banks; evictions every few
+    calls) against every whole expert resident: equal within fp32 summation order, decode and
+    prefill calls alike."""
+    ex, res, steps = pieced_quant_cache(case, pieces, share, "cpu", torch.float32)
+    for x, ids, w, phase in steps:
+        got, ref = ex(x, ids, w, phase=phase), res(x, ids, w, phase=phase)
+        assert torch.isfinite(ref).all() and rel(got, ref) < 1e-5, phase
+    st = ex.stats()
+    assert st["expert_pieces"] == pieces and st["fills"] > st["slots"]
+    assert (st["cpu_experts"] > 0) == (share < 1.0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("share", [1.0, 0.5])
+@pytest.mark.parametrize("case,pieces", PIECED_QUANT)
+def test_quantized_pieced_cache_on_cuda(case, pieces, share):
+    """The same on the GPU as the engine runs it: pinned host banks cut in place, the fused
+    zero-copy transfer, the quantized Triton kernels over the pieces' slots in bf16: each call
+    within bf16 rounding of every whole expert resident on the GPU."""
+    dev = torch.device("cuda")
+    ex, res, steps = pieced_quant_cache(case, pieces, share, dev, torch.bfloat16, pin=True)
+    assert ex.pool.zero_copy
+    errs = []
+    for x, ids, w, phase in steps:
+        x, ids, w = x.to(dev, torch.bfloat16), ids.to(dev), w.to(dev)
+        errs.append((phase, round(rel(ex(x, ids, w, phase=phase).float(), res(x, ids, w, phase=phase).float()), 4)))
+    assert max(e for _, e in errs) < 2e-2, errs
+
+
 @pytest.mark.parametrize("prefetch", [0, 1])
 def test_model_served_through_pieced_cache_equals_transformers(tmp_path, prefetch):
     """--expert-pieces 4: the banks re-laid in place, the cache over pieces, prompts through the
