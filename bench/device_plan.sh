@@ -667,15 +667,15 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
     --modes cache,cpu-only --capacity 0.375 --threads 6 --llamacpp --name large_models-qwen3_5_moe-mxfp4-llamacpp
   step 60 llama-back bash bench/device_llamacpp.sh wait
   ;;
-69) # ~450 s (limits 60 + 250 + 130), issue 10 (a): carry .llama/llama-bench.xz.aa .ab .ac (plan 68's
+69) # ~510 s (limits 60 + 250 + 190), issue 10 (a): carry .llama/llama-bench.xz.aa .ab .ac (plan 68's
   # binary), .llama/llama.cpp.tar.xz, .whl, .devcache/commit (not .devcache whole: 64 MiB). The
   # 12-layer Qwen3.6 slice in bf16 side by side with llama.cpp at 6 threads (whole experts), then
-  # the pieced CUDA test with every thread's stack at 110 s (plans 64-65 never finished a pieced
-  # step: compiles or a hang, to be told apart)
+  # the pieced CUDA tests (dense, and quantized since 5cd6889) with every thread's stack at 110 s
+  # (plans 64-65 never finished a pieced step: compiles or a hang, to be told apart)
   step 60 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
   step 250 qwen-llamacpp bash bench/device_llamacpp.sh run --layers 12 --capacity 0.33 --batch 1 --threads 6 \
     --modes cache,split --fill-shares 0.4 --name expert_cache-llamacpp-s23-t6
-  FT_TAG=plan69 FT_PER_FILE=130 FT_K="cuda" FT_ARGS="-o faulthandler_timeout=110" \
+  FT_TAG=plan69 FT_PER_FILE=190 FT_K="cuda" FT_ARGS="-o faulthandler_timeout=110" \
     bash bench/device_tests.sh tests/test_expert_pieces.py > /dev/null
   ;;
 70) # ~560 s (limits 60 + 480), issue 10 (b), plan 68 again with llama.cpp's binary carried: carry
