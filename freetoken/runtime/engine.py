@@ -433,10 +433,8 @@ class Engine:
                 log.info("--cpu-act int8: no expert runs on the CPU (--moe resident); ignored")
             b = banks.to(self.device)
             return TorchExpertExecutor(b.gate_up, b.down, layer_experts=self.cfg.num_experts, **self.expert_fn)
-        pieces, fn = (self.ecfg.expert_pieces if self.experts_on == "cache" else 1), self.expert_fn
-        if pieces > 1:  # the cache over pieces: each holding whole scale blocks (experts/pieces.py)
-            gate_up, down, fn = self._cut_experts(banks.gate_up, banks.down, pieces)
-            banks = ExpertBanks(banks.format, gate_up, down)
+        gate_up, down, pieces, fn = self._cut_experts(banks.gate_up, banks.down)  # pieces: whole scale blocks each
+        banks = ExpertBanks(banks.format, gate_up, down)
         from ..experts.cpu import CpuExpertExecutor, extension
         if extension() is not None:
             host = CpuExpertExecutor(banks, threads=self._cpu_threads(), act_int8=self.ecfg.cpu_act == "int8",
@@ -462,9 +460,7 @@ class Engine:
         if self.experts_on == "gpu":
             return TorchExpertExecutor(gate_up.to(self.device, self.dtype), down.to(self.device, self.dtype),
                                        layer_experts=self.cfg.num_experts, **self.expert_fn)
-        pieces, fn = (self.ecfg.expert_pieces if self.experts_on == "cache" else 1), self.expert_fn
-        if pieces > 1:  # the cache over experts cut into pieces: every executor below sees pieces
-            gate_up, down, fn = self._cut_experts(gate_up, down, pieces)
+        gate_up, down, pieces, fn = self._cut_experts(gate_up, down)  # with pieces, every executor below sees pieces
         from ..experts.cpu import CpuExpertExecutor, extension
         if not self.plain_experts and extension() is None:  # GPT-OSS without the C++ executor: the torch path
             log.warning("%s experts on the host run on the torch path (the C++ expert executor could not be "
@@ -482,9 +478,14 @@ class Engine:
             return cpu
         return self._cache_executor(gate_up, down, cpu, pieces, fn)
 
-    def _cut_experts(self, gate_up, down, p: int):
-        """Banks (dense or quantized) cut into p pieces per expert (experts/pieces.py), re-laid in
-        place (no second copy of the banks), with the expert function's bias banks cut to match."""
+    def _cut_experts(self, gate_up, down):
+        """With --moe cache and --expert-pieces p > 1: the banks (dense or quantized) cut into p
+        pieces per expert (experts/pieces.py), re-laid in place (no second copy of the banks),
+        with the expert function's bias banks cut to match. -> (gate_up, down, p, expert_fn);
+        otherwise the banks as they are, p = 1."""
+        p = self.ecfg.expert_pieces if self.experts_on == "cache" else 1
+        if p == 1:
+            return gate_up, down, 1, self.expert_fn
         from ..experts.pieces import split_banks_, split_biases
         try:
             gate_up, down = split_banks_(gate_up, down, p)
@@ -492,7 +493,7 @@ class Engine:
             raise FreeTokenError(f"--expert-pieces {p}: {e}") from None
         gub, dnb = split_biases(self.expert_fn["gate_up_bias"], self.expert_fn["down_bias"], p)
         log.info("experts cut into %d pieces of %d intermediate rows each (--expert-pieces)", p, down.shape[-1])
-        return gate_up, down, dict(self.expert_fn, gate_up_bias=gub, down_bias=dnb)
+        return gate_up, down, p, dict(self.expert_fn, gate_up_bias=gub, down_bias=dnb)
 
     def _cache_executor(self, gate_up, down, cpu, pieces: int = 1, expert_fn: dict | None = None):
         """The GPU expert cache over host banks (dense or QuantBanks) with `cpu` for its CPU
