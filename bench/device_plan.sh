@@ -54,9 +54,10 @@
 # Call 52: the polled overlap on an 8k prompt, stacks and progress lines. Call 53: the 32k interleave
 # rows after the decode runner's whole-buffer input copy. Call 54: the 32k rows after a throwaway
 # 8k loaded window (--warm-loaded).
+# Call 72: OpenMP's spin A/B on the CPU branch; pure-CPU decode on the Xeon beside llama.cpp.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh N, N from 0 to 71}
+STAGE=${1:?usage: bash bench/device_plan.sh N, N from 0 to 72}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -701,7 +702,26 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   step 300 large-prefetch python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
     --modes cache --capacity 0.375 --threads 6 --prefetch 0,4,8 --name large_models-qwen3_5_moe-mxfp4-prefetch
   ;;
-*) echo "stage 0 to 71"; exit 2 ;;
+72) # ~520 s (limits 60 + 2 x 110 + 240), twenty-fourth session: carry .llama/llama-bench.xz.aa .ab .ac,
+  # .llama/llama.cpp.tar.xz, .whl, .devcache/commit. (1) OpenMP's spin on this host: torch's OpenMP
+  # threads spun ~300,000 iterations after each parallel op on the cores the C++ pools use; since
+  # freetoken/omp_env.py a process starts with GOMP_SPINCOUNT=10000 unless it is set. CPU-only and
+  # split rows of the 12-layer bf16 slice at 6 threads with the old value set, then with the new
+  # default. (2) Pure-CPU decode on the Xeon (GPU hidden): the 12-layer MXFP4 slice with the CPU's
+  # dense rows and DeltaNet kernels, llama.cpp on the same GGUF values with -ngl 0, 6 and 14 threads
+  B=/tmp/ft-llama-build
+  [ -x $B/bin/llama-bench ] || { mkdir -p $B/bin && cat .llama/llama-bench.xz.* | xz -d > $B/bin/llama-bench \
+    && chmod +x $B/bin/llama-bench; }
+  step 60 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
+  step 110 omp-spin-300000 env GOMP_SPINCOUNT=300000 python3 -m bench.expert_cache --layers 12 --capacity 0.33 \
+    --batch 1 --threads 6 --modes cpu-only,split --fill-shares 0.5 --name expert_cache-omp300000-t6
+  step 110 omp-spin-default python3 -m bench.expert_cache --layers 12 --capacity 0.33 \
+    --batch 1 --threads 6 --modes cpu-only,split --fill-shares 0.5 --name expert_cache-ompdefault-t6
+  CUDA_VISIBLE_DEVICES= step 240 cpu-llamacpp python3 -m bench.large_models --arch qwen3_5_moe --layers 12 \
+    --expert-format mxfp4 --modes cpu-only --threads 6,14 --llamacpp --llamacpp-build $B \
+    --name large_models-qwen3_5_moe-12-mxfp4-cpu-xeon
+  ;;
+*) echo "stage 0 to 72"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (copy $OUT/warm-cache.tgz to .devcache/ here;
 # bench/device_env.sh restores it): Triton's cache and the C++ executor's build, if under 15 MB

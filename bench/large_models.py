@@ -481,7 +481,9 @@ def make_executor(mode: str, banks, mc, dev, threads: int, slots: int, start_sha
     if mode == "resident":
         b = banks.to(dev) if dev.type == "cuda" else banks
         return TorchExpertExecutor(b.gate_up, b.down, layer_experts=mc.num_experts, activation=act)
-    cpu = CpuExpertExecutor(banks.gate_up, banks.down, threads=threads, activation=act, act_int8=cpu_act == "int8")
+    from freetoken.experts.cpu import SPIN_SHARED
+    cpu = CpuExpertExecutor(banks.gate_up, banks.down, threads=threads, activation=act, act_int8=cpu_act == "int8",
+                            spin=SPIN_SHARED if dev.type == "cpu" else None)  # as the engine makes it (_cpu_spin)
     if mode == "cpu-only":
         from freetoken.experts.cpu.hostcall import StreamedCpuExecutor, host_branch_ok
         return StreamedCpuExecutor(cpu, dev) if dev.type == "cuda" and host_branch_ok(cpu) else cpu
@@ -738,9 +740,10 @@ def main(argv=None) -> str | None:
     mc = ModelConfig.from_hf(cfg)
     if not mc.moe_layers:
         raise SystemExit(f"bench.large_models: {a.layers} layers of {a.arch} hold no MoE layer")
-    if not cuda and not a.tiny and not a.estimate_only:
-        raise SystemExit("bench.large_models: no CUDA device; full-size shapes need the GPU machine (--tiny runs "
-                         "on the CPU)")
+    if not cuda and not a.tiny and not a.estimate_only and set(a.modes) - {"cpu-only"}:
+        raise SystemExit("bench.large_models: no CUDA device; full-size shapes run on the CPU in --modes cpu-only "
+                         "only (everything on the host: the C++ executor for the experts, torch for the rest); "
+                         "the other modes need the GPU machine (--tiny runs them all on the CPU)")
     t0 = time.perf_counter()
     plan = weight_plan(cfg)
     ctx = a.prompt + a.cache_warmup + a.tokens + 8

@@ -6,5 +6,7 @@ __version__ = "0.1.0"
 __distribution__ = "freetoken-moe"
 
 from . import cuda_queues as _cuda_queues  # noqa: E402  (before anything of ours touches CUDA)
+from . import omp_env as _omp_env  # noqa: E402  (before anything of ours imports torch)
 
 _cuda_queues.apply()
+_omp_env.apply()

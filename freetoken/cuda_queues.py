@@ -40,8 +40,9 @@ def apply() -> bool:
 
 def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
     """`env` (default: this process's environment) for a program we start, without the variable
-    where apply() set it (the user's own setting is passed on)."""
+    where apply() set it, nor omp_env's (the user's own settings are passed on)."""
+    from .omp_env import strip  # and OpenMP's spin as its user has it (omp_env.py)
     out = dict(os.environ if env is None else env)
     if set_here and out.get(VAR) == SCALE:
         out.pop(VAR)
-    return out
+    return strip(out)

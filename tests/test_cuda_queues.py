@@ -29,3 +29,26 @@ def test_not_on_a_jetson(monkeypatch):
     monkeypatch.setattr(cq, "set_here", False)
     monkeypatch.setattr(cq, "tegra", lambda: True)
     assert not cq.apply() and cq.VAR not in os.environ
+
+
+def test_openmp_spin_set_before_torch_and_dropped_for_children(monkeypatch):
+    """freetoken/omp_env.py: GOMP_SPINCOUNT / KMP_BLOCKTIME set only where the user has not and
+    torch is not loaded yet (its OpenMP reads them at load); the programs we start get the user's."""
+    import subprocess
+    import sys
+
+    from freetoken import omp_env
+    code = ("import os, freetoken, torch; from freetoken.cuda_queues import child_env; "
+            "print(os.environ.get('GOMP_SPINCOUNT'), child_env().get('GOMP_SPINCOUNT'))")
+    env = {k: v for k, v in os.environ.items() if k not in omp_env.DEFAULTS}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == [omp_env.DEFAULTS["GOMP_SPINCOUNT"], "None"]  # set here, not passed on
+    out = subprocess.run([sys.executable, "-c", code], env=dict(env, GOMP_SPINCOUNT="300000"), capture_output=True,
+                         text=True, check=True).stdout
+    assert out.split() == ["300000", "300000"]  # the user's value wins and is passed on
+    late = "import os, torch, freetoken; print(os.environ.get('GOMP_SPINCOUNT'))"  # torch first: too late
+    assert subprocess.run([sys.executable, "-c", late], env=env, capture_output=True, text=True,
+                          check=True).stdout.split() == ["None"]
+    monkeypatch.setattr(omp_env, "set_here", {"GOMP_SPINCOUNT": "10000"})
+    assert omp_env.strip({"GOMP_SPINCOUNT": "10000", "A": "1"}) == {"A": "1"}
+    assert omp_env.strip({"GOMP_SPINCOUNT": "5"}) == {"GOMP_SPINCOUNT": "5"}  # the user's own: kept

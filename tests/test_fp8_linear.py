@@ -125,8 +125,10 @@ def test_weight_refuses_what_does_not_fit():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_on_plain_tensors_is_f_linear(dtype):
+    """Past a decode step's rows (model/linear.py HOST_ROWS: the C++ rows kernel below them on the
+    CPU, tests/test_cpu_decode_kernels.py), plain tensors go to F.linear as they are."""
     g = torch.Generator().manual_seed(13)
-    x = torch.randn(2, 5, 48, generator=g).to(dtype)
+    x = torch.randn(3, 7, 48, generator=g).to(dtype)
     w, b = torch.randn(40, 48, generator=g).to(dtype), torch.randn(40, generator=g).to(dtype)
     assert torch.equal(linear(x, w), F.linear(x, w)) and torch.equal(linear(x, w, b), F.linear(x, w, b))
 
@@ -150,7 +152,8 @@ def test_fused_linear():
     bias = [torch.randn(8, generator=g), None, torch.randn(30, generator=g)]
     fl = FusedLinear(plain, bias)
     zero = torch.zeros(1)
-    want = F.linear(x, torch.cat(plain), torch.cat([bias[0], zero, bias[2]])).split([8, 1, 30], dim=-1)
+    # one linear() of the joined weight and bias (on the CPU at 6 rows: the C++ rows kernel)
+    want = linear(x, torch.cat(plain), torch.cat([bias[0], zero, bias[2]])).split([8, 1, 30], dim=-1)
     assert len(fl.groups) == 1 and all(torch.equal(a, b) for a, b in zip(fl(x), want))
 
     fp8 = [Fp8BlockWeight(*random_fp8(r, 150, "f32", g, "cpu"), torch.float32, f"w{r}") for r in (128, 40, 50)]

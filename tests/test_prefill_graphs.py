@@ -156,9 +156,15 @@ def test_other_moe_families_padded_blocks_equal_their_eager_ones(tmp_path_factor
         g.drop("moe")
 
 
-def test_a_prefill_through_the_graphs_equals_the_eager_one(eng):
+def test_a_prefill_through_the_graphs_equals_the_eager_one(eng, monkeypatch):
     """Every MoE block of a whole prefill (chunks of several sizes, one past the largest
-    bucket) through the graph dispatch, the graphs replayed eagerly: the same logits and state."""
+    bucket) through the graph dispatch, the graphs replayed eagerly: the same logits and state.
+    The graphs are CUDA's, where the CPU's C++ rows kernel never runs: it is off here, so the
+    padded and eager forms of a chunk's small GEMMs meet one implementation (with it, the 7-token
+    chunk's eager GEMMs took it and the padded block's did not: 1.5e-4 apart in 2 of 28,800
+    logits)."""
+    from freetoken.experts import cpu
+    monkeypatch.setattr(cpu, "DECODE_KERNELS", False)
     ms = moes(eng) + mixers(eng)
     g = graphs_for(eng, (8, 16, 32))
     try:

@@ -96,7 +96,9 @@ def test_chunked_prefill_equals_unchunked(built, name):
     a = whole.prefill(prompt, whole.new_state(64), all_logits=True)
     st = chunked.new_state(64)
     b = chunked.prefill(prompt, st, all_logits=True)
-    assert rel_err(b, a) < 1e-5
+    # 7-token chunks take the C++ rows kernel for their dense projections, the whole prompt
+    # torch's GEMM: two fp32 summation orders, 1.02e-5 apart in one of these models
+    assert rel_err(b, a) < 3e-5
     assert rel_err(b, hf_models.reference_logits(model, prompt)) < 1e-4
     # decoding continues identically from the chunk-built state
     pos = torch.tensor([len(prompt)])

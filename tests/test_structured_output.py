@@ -229,7 +229,10 @@ def test_random_schemas_validate_and_free_rows_are_untouched(eng, template):
     drive(srv, mixed[:2] + cons[:30] + mixed[2:] + cons[30:])
     for a, b in zip(alone, mixed):
         assert b.output_ids == a.output_ids and b.finish_reason == "length"
-        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-4)
+        # alone, a free row's decode GEMMs take the C++ rows kernel (up to 16 rows on the CPU); in
+        # a mixed forward beside prompt chunks, torch's GEMM: fp32 sums in another order (1.1e-4
+        # apart once in this test)
+        assert b.logprobs == pytest.approx(a.logprobs, abs=3e-4)
         assert [[i for i, _ in t] for t in b.top_logprobs] == [[i for i, _ in t] for t in a.top_logprobs]
     for r, s in zip(cons, schemas + [{"type": "object"}] * 4):
         text = eng.tokenizer.decode(r.output_ids)

@@ -132,6 +132,7 @@ class GatedDeltaNet:
         self.fusable = _pow2(self.dk) and _pow2(self.dv) and self.kernel >= 2 and self.conv_b is None
         self.fla = fla_delta.supports(self.dk, self.dv)  # head widths fla is verified at
         self.prefill_graphs = None  # runtime.prefill_graphs.PrefillGraphs, where captured
+        self._host_args = None  # _decode_host's constants, made at its first call
 
     def _raw_heads(self, mixed, a, b):
         """Split conv output into q, k [N, Hk, dk] and v [N, Hv, dv] heads (mixed's dtype, q/k
@@ -222,6 +223,30 @@ class GatedDeltaNet:
         rec.copy_(new)
         return self._finish(core, z, x.dtype)
 
+    def _decode_host(self, mixed, z, b, a, conv_state, rec, active):
+        """The decode step between the projections by the C++ kernel (experts/cpu/deltanet.h): the
+        torch path's ~40 small ops and five passes over the recurrent state in one call, the conv
+        window and state stepped in place in the active rows. -> the gated-normed readout [B,
+        Hv*dv] in mixed's dtype, or None where the kernel does not serve (the extension not
+        built, another dtype: then the torch path)."""
+        from ..experts import cpu
+        ext = cpu.extension() if cpu.DECODE_KERNELS else None
+        dt = mixed.dtype
+        if (ext is None or dt not in (torch.float32, torch.bfloat16) or conv_state.dtype != dt
+                or self.conv_w.device.type != "cpu"
+                or rec.dtype != torch.float32 or self.conv_w.dtype != dt
+                or (self.conv_b is not None and self.conv_b.dtype != dt)):
+            return None
+        if self._host_args is None:  # the layer's constants as the kernel reads them, made once
+            self._host_args = (self.conv_w.contiguous(),
+                               self.conv_b.contiguous() if self.conv_b is not None else torch.empty(0, dtype=dt),
+                               self.neg_a.float().contiguous(), self.dt_bias.float().contiguous(),
+                               self.norm_w.float().contiguous(), self.norm_w.dtype == dt)
+        cw, cb, neg_a, dt_bias, norm_w, norm_rounds = self._host_args
+        act = torch.empty(0, dtype=torch.bool) if active is None else active.to("cpu", torch.bool).contiguous()
+        return ext.deltanet_decode(mixed, z, b, a, conv_state, cw, cb, neg_a, dt_bias, rec, norm_w, norm_rounds,
+                                   self.eps, self.hk, self.dk, act)
+
     def decode(self, x: torch.Tensor, st: DecodeState, pos: torch.Tensor,
                active: torch.Tensor | None = None) -> torch.Tensor:
         """x: [B, H], one token per slot. active: [B] bool; inactive rows leave their state alone
@@ -235,6 +260,10 @@ class GatedDeltaNet:
             o = delta_step_triton(mixed, z, b, a, self.neg_a, self.dt_bias, st.rec[self.layer][:bsz],
                                   self.norm_w, self.eps, self.hk, self.hv, self.dk, self.dv, active)
             return linear(o, self.w_out)
+        if x.device.type == "cpu":
+            out = self._decode_host(mixed, z, b, a, conv_state, st.rec[self.layer], active)
+            if out is not None:
+                return linear(out, self.w_out)
         window = torch.cat([conv_state, mixed[..., None].to(conv_state.dtype)], dim=-1)  # [B, C, K]
         conv = (window * self.conv_w).sum(-1)
         if self.conv_b is not None:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ..kernels import use_triton
 from ..weights.dense_fp8 import Fp8BlockWeight
-from .linear import linear
+from .linear import host_gemv, linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, one_centered: bool) -> torch.Tensor:
@@ -128,6 +128,9 @@ def lm_head(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     n = h.shape[0]
     if h.is_cuda or n > 32:
         return F.linear(h, w)
+    out = host_gemv(h, w)  # the C++ rows kernel: 1.6x F.linear, 2.6x this form in bf16 (bench/cpu_gemv.py)
+    if out is not None:
+        return out
     cols = torch.cat([h, h]) if n == 1 else h  # [max(N, 2), H]
     return (w @ cols.T)[:, :n].T  # [N, V]
 

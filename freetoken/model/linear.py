@@ -3,7 +3,8 @@ be kept quantized (weights/dense_fp8.py Fp8BlockWeight).
 
   plain tensor    F.linear; on CUDA with the rows past ROW_GRANULE padded to a multiple of it
                   (below): another row count can pick another cuBLAS kernel, so results may
-                  differ from an unpadded call by rounding, never by which rows meet
+                  differ from an unpadded call by rounding, never by which rows meet; on the
+                  CPU up to HOST_ROWS rows (a decode step) the C++ rows kernel (host_gemv)
   Fp8BlockWeight  CUDA: the Triton kernel reading the FP8 bytes in place (kernels/fp8_linear.py)
                   CPU:  dequantized per call to fp32 (bit for bit quant.py's), then F.linear
                         in fp32, rounded once to x's dtype
@@ -40,6 +41,38 @@ PAD_ROWS = True
 SEEN: dict[tuple, tuple] = {}
 
 
+# The few rows of a CPU decode step go to the C++ rows kernel (experts/cpu/dense.h): torch's
+# CPU GEMM read the weights at about half of what the machine reads at these row counts, and up to
+# 4x slower than that in fp32 at 2-4 rows (bench/cpu_gemv.py, benchmarks/README.md). Above
+# HOST_ROWS (prefill chunks) torch's blocked GEMM is the faster one: past 8 rows in bf16 (its
+# product there fed by VDPBF16PS too), past 16 in fp32. FREETOKEN_CPU_KERNELS=0: torch for every
+# row count (A/B runs; experts/cpu DECODE_KERNELS).
+HOST_ROWS = {torch.float32: 16, torch.bfloat16: 8}
+
+
+def host_gemv(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [..., K] @ w [N, K]^T (+ b) by the C++ rows kernel, in x's dtype, where it applies: x and
+    w on the CPU in one dtype (float32 or bfloat16), w a contiguous plain tensor, at most
+    HOST_ROWS[dtype] rows, no autograd, the extension built. None otherwise (the caller runs
+    torch)."""
+    from ..experts import cpu
+    if not cpu.DECODE_KERNELS or x.device.type != "cpu" or not isinstance(w, torch.Tensor) or w.dim() != 2:
+        return None
+    k = w.shape[1]
+    if (x.dtype != w.dtype or x.dtype not in (torch.float32, torch.bfloat16) or x.shape[-1] != k
+            or not w.is_contiguous() or w.device.type != "cpu"):
+        return None
+    rows = x.numel() // k if k else 0
+    if not 0 < rows <= HOST_ROWS[x.dtype] or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+        return None
+    ext = cpu.extension()  # built once per machine, imported once per process
+    if ext is None:
+        return None
+    bias = torch.empty(0) if b is None else b.to(torch.float32).contiguous()
+    out = ext.dense_gemv(x.reshape(rows, k), w, bias, 3)  # [rows, N] fp32
+    return out.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+
+
 def padded_rows(m: int) -> int:
     """The row count a CUDA GEMM of m rows runs at: m up to ROW_GRANULE, else the next multiple."""
     return m if m <= ROW_GRANULE else -(-m // ROW_GRANULE) * ROW_GRANULE
@@ -48,7 +81,10 @@ def padded_rows(m: int) -> int:
 def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K], w [N, K] (a tensor or an Fp8BlockWeight), b [N] or None -> [..., N] in x's dtype."""
     if not isinstance(w, Fp8BlockWeight):
-        if not (x.is_cuda and PAD_ROWS and x.dim() == 2) or torch.cuda.is_current_stream_capturing():
+        if not x.is_cuda:
+            out = host_gemv(x, w, b)
+            return out if out is not None else F.linear(x, w, b)
+        if not (PAD_ROWS and x.dim() == 2) or torch.cuda.is_current_stream_capturing():
             return F.linear(x, w, b)
         key = (w.shape[0], w.shape[1], w.dtype, w.device, b is not None)
         held = SEEN.get(key)

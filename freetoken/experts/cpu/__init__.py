@@ -39,6 +39,7 @@ INT8_KERNELS = ("scalar", "vnni", "vbmi")
 
 
 EXT_NAME = "freetoken_moe_cpu"
+HEADERS = ("attention.h", "dense.h", "deltanet.h")  # included by moe_cpu.cpp
 BUILD_SECONDS = "20-60 s"  # for the first-run message
 
 
@@ -59,7 +60,7 @@ def extension():
         from torch.utils.cpp_extension import load
         here = os.path.dirname(__file__)
         src = os.path.join(here, "moe_cpu.cpp")
-        parts = [src, os.path.join(here, "attention.h")]  # one translation unit: moe_cpu.cpp includes the header
+        parts = [src] + [os.path.join(here, h) for h in HEADERS]  # one translation unit: moe_cpu.cpp includes them
         build = os.path.join(cache_dir(), "build", f"moe_cpu-torch{torch.__version__.replace('+', '_')}")
         os.makedirs(build, exist_ok=True)
 
@@ -78,10 +79,13 @@ def extension():
             else:
                 log.info("C++ expert executor: using the build in %s", build)
             t0 = time.perf_counter()
-            # torch rebuilds when a source or a flag changes, not an included header: the header's
+            # torch rebuilds when a source or a flag changes, not an included header: the headers'
             # hash goes in as a flag
-            with open(parts[1], "rb") as f:
-                header = hashlib.sha256(f.read()).hexdigest()[:16]
+            digest = hashlib.sha256()
+            for h in parts[1:]:
+                with open(h, "rb") as f:
+                    digest.update(f.read())
+            header = digest.hexdigest()[:16]
             _ext = load(name=EXT_NAME, sources=[src], build_directory=build,
                         # no -std: torch's own (C++20 since 2.10), which a -std=c++17 here overrode
                         extra_cflags=["-O3", "-fno-math-errno", "-fno-trapping-math",
@@ -93,6 +97,11 @@ def extension():
         log.warning("C++ expert executor unavailable (%s); using the torch fallback", _ext_error)
     return _ext
 
+
+# The CPU decode step's C++ kernels beside the experts' (dense.h through model/linear.py's
+# host_gemv, deltanet.h through GatedDeltaNet._decode_host); FREETOKEN_CPU_KERNELS=0 leaves those
+# parts to torch (A/B runs). Read at import.
+DECODE_KERNELS = os.environ.get("FREETOKEN_CPU_KERNELS", "1") != "0"
 
 PREFETCH_HINTS = ("t0", "t1", "t2", "nta", "off")
 

@@ -223,8 +223,11 @@ inline void prefetch4(const W* next, int64_t stride, int i) {
   if (next && g_block_prefetch)
     for (int j = 0; j < 4; ++j) prefetch_t0(next + j * stride + i);
 }
+// noclone (this and dot4_bf16dp): dense.h calls them with a null `next` for its last rows, and a
+// clone specialised for that would carry no prefetch; tests/test_cpu_prefetch.py reads every
+// copy of these kernels for one
 template <typename W>
-__attribute__((target("avx512f"))) void dot4_avx512(const W* w, int64_t stride, const float* x, int len,
+__attribute__((target("avx512f"), noclone)) void dot4_avx512(const W* w, int64_t stride, const float* x, int len,
                                                     float* out, const W* next = nullptr) {
   __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   int i = 0;
@@ -244,7 +247,7 @@ __attribute__((target("avx512f"))) void dot4_avx512(const W* w, int64_t stride, 
 
 // BF16 x BF16 -> FP32 with VDPBF16PS: 32 products per instruction, no conversions.
 // xb is the activation row already in bf16 (exact when the model runs in bf16).
-__attribute__((target("avx512f,avx512bf16"))) void dot4_bf16dp(const uint16_t* w, int64_t stride,
+__attribute__((target("avx512f,avx512bf16"), noclone)) void dot4_bf16dp(const uint16_t* w, int64_t stride,
                                                               const uint16_t* xb, int len, float* out,
                                                               const uint16_t* next = nullptr) {
   __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -1749,9 +1752,17 @@ int64_t host_call_size() { return int64_t(sizeof(HostCall)); }
 
 // paged decode attention on the CPU, in this translation unit (attention.h)
 #include "attention.h"
+// a decode step's dense projections on the CPU (dense.h: the dot kernels above, attention.h's pool)
+#include "dense.h"
+// a gated DeltaNet layer's decode step on the CPU (deltanet.h)
+#include "deltanet.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode_cpu, "paged decode attention over host pages (attention.h)");
+  m.def("dense_gemv", &dense_gemv, "x [M, K] @ w [N, K]^T + b for the few rows of a decode step (dense.h)",
+        py::arg("x"), py::arg("w"), py::arg("b"), py::arg("isa_cap") = 3);
+  m.def("deltanet_decode", &deltanet_decode_cpu, "a gated DeltaNet layer's decode step between its projections, "
+        "conv window and recurrent state in place (deltanet.h)");
   m.def("host_call_address", &host_call_address, "address of the host-function entry (a CUhostFn)");
   m.def("qbanks_create", &qbanks_create, "quantized banks for HostCall.qbanks (forward_q's bank arguments); returns its address");
   m.def("qbanks_free", &qbanks_free, "free a qbanks_create result");
