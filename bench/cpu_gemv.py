@@ -6,7 +6,7 @@ q/k/v, the fused router + shared expert, the shared expert's down), in bf16 and 
 of x, each weight cycled through enough copies (>= 512 MB) that every call reads it from DRAM, as
 a decode step does. Per case, ms and GB/s of weight bytes: `torch` (F.linear), `lm_head_form` (the
 w @ h^T form layers.lm_head used on the CPU; the lm_head rows only), `cpp` (ext.dense_gemv, what
-model/linear.py now calls for up to host_gemv.MAX_ROWS rows), and the host's read bandwidth (a
+model/linear.py's host_gemv now calls for up to HOST_ROWS rows), and the host's read bandwidth (a
 plain fp32 sum over a 1 GB buffer, the same threads) for scale.
     python -m bench.cpu_gemv [--threads 0] [--rows 1,2,4,8,16] [--dtypes bfloat16,float32]
 Results: benchmarks/results/cpu_gemv-cpu.json (--name to change).

@@ -1,5 +1,6 @@
 """OpenMP's idle threads spin briefly, not for milliseconds, in this process, unless the user
-set `GOMP_SPINCOUNT` (GNU OpenMP, torch's pip builds) or `KMP_BLOCKTIME` (Intel's).
+set `GOMP_SPINCOUNT` (GNU OpenMP, torch's pip builds), `KMP_BLOCKTIME` (Intel's) or
+`OMP_WAIT_POLICY` (from which both runtimes derive their spin when the others are unset).
 
 Why: after every parallel torch op, GNU OpenMP's worker threads spin for the next one, 300,000
 iterations by default (milliseconds), on the cores where our own C++ pools (the expert executor,
@@ -27,6 +28,8 @@ set_here: dict[str, str] = {}  # what apply() set (not the user)
 def apply() -> dict[str, str]:
     """Set the defaults the user has not, if torch is not loaded yet -> what was set here."""
     if "torch" in sys.modules:  # too late: its OpenMP has read the environment
+        return {}
+    if "OMP_WAIT_POLICY" in os.environ:  # the user chose OpenMP's waiting: its spin follows from that
         return {}
     for k, v in DEFAULTS.items():
         if k not in os.environ:

@@ -39,14 +39,18 @@ def test_dense_gemv_equals_the_float64_product(m, n, k, dtype, isa):
         assert ((got.double() - ref).abs() <= 4 * k ** 0.5 * 2 ** -24 * scale + 1e-30).all()
 
 
-def test_dense_gemv_rows_are_independent_of_the_batch():
-    """A row's result has the same bits alone or among others (one kernel, one order per row)."""
+@pytest.mark.parametrize("isa", [3, 2, 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [512, 515])
+def test_dense_gemv_rows_are_independent_of_the_batch(k, dtype, isa):
+    """A row's result has the same bits alone or among others, in a pair or the odd one out (the
+    2-row kernels sum each row as the 1-row ones do), with and without a tail of columns."""
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(6, 512, generator=g).bfloat16()
-    w = torch.randn(300, 512, generator=g).bfloat16()
-    all_rows = extension().dense_gemv(x, w, torch.empty(0), 3)
-    for i in range(6):
-        assert torch.equal(extension().dense_gemv(x[i:i + 1], w, torch.empty(0), 3)[0], all_rows[i])
+    x = torch.randn(7, k, generator=g).to(dtype)
+    w = torch.randn(302, k, generator=g).to(dtype)
+    all_rows = extension().dense_gemv(x, w, torch.empty(0), isa)
+    for i in range(7):
+        assert torch.equal(extension().dense_gemv(x[i:i + 1], w, torch.empty(0), isa)[0], all_rows[i]), i
 
 
 def test_dense_gemv_refuses_bad_arguments():
@@ -78,7 +82,7 @@ def test_linear_takes_the_rows_kernel_for_decode_rows_only(dtype, monkeypatch):
     import freetoken.experts.cpu as cpu_mod
     fake = type("Ext", (), {"dense_gemv": staticmethod(spy)})
     monkeypatch.setattr(cpu_mod, "_ext", fake)
-    top = HOST_ROWS[dtype]
+    top = HOST_ROWS
     for shape in [(1, 64), (2, 3, 64), (top, 64), (top + 1, 64), (40, 64)]:
         x = torch.randn(*shape, generator=g).to(dtype)
         got = linear(x, w, b)
@@ -103,16 +107,57 @@ def test_host_gemv_declines_what_it_does_not_serve():
     assert host_gemv(torch.randn(1, 8).bfloat16(), w) is None  # mixed dtypes: F.linear's business
     assert host_gemv(torch.randn(1, 8).half(), w.half()) is None
     assert host_gemv(torch.randn(1, 16), w.t()) is None  # not contiguous
+    assert host_gemv(torch.randn(1, 256), torch.randn(256, 1).t()) is None  # [1, 256] with strides (1, 1)
     assert host_gemv(torch.randn(1, 8, requires_grad=True), w) is None  # autograd
-    assert host_gemv(torch.randn(HOST_ROWS[torch.float32] + 1, 8), w) is None
+    assert host_gemv(torch.randn(1, 8), w, torch.randn(16, requires_grad=True)) is None
+    assert host_gemv(torch.randn(1, 8), w, torch.randn(1, 16)) is None  # a broadcast bias
+    assert host_gemv(torch.randn(1, 8).bfloat16(), w.bfloat16(), torch.randn(16)) is None  # F.linear refuses it
+    assert host_gemv(torch.randn(HOST_ROWS + 1, 8), w) is None
+    for x, ww, b in [(torch.randn(1, 256), torch.randn(256, 1).t(), None), (torch.randn(2, 8), w, torch.randn(1, 16))]:
+        assert torch.equal(linear(x, ww, b), F.linear(x, ww, b))  # served by torch, as before
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [1, 2, 5])
-def test_lm_head_rows(n):
+def test_lm_head_rows(n, dtype, monkeypatch):
+    """layers.lm_head's decode rows through the rows kernel (seen to run), equal to F.linear
+    within the dtype's rounding."""
+    import freetoken.model.layers as layers
+    ran = []
+    monkeypatch.setattr(layers, "host_gemv", lambda *a: ran.append(1) or host_gemv(*a))
     g = torch.Generator().manual_seed(3)
-    h = torch.randn(n, 128, generator=g)
-    w = torch.randn(1000, 128, generator=g)
-    assert torch.allclose(lm_head(h, w), F.linear(h, w), rtol=1e-5, atol=1e-4)
+    h = torch.randn(n, 128, generator=g).to(dtype)
+    w = torch.randn(1000, 128, generator=g).to(dtype)
+    tol = dict(rtol=1e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-4)
+    assert torch.allclose(lm_head(h, w).float(), F.linear(h, w).float(), **tol) and ran
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    """The rows kernel (threads split the weight's blocks) and the DeltaNet step (threads take
+    (row, head) tasks and channel ranges) give the same bits on one thread as on two."""
+    g = torch.Generator().manual_seed(4)
+    old = torch.get_num_threads()
+    try:
+        for n in (127, 130, 515, 1281, 4099):
+            x, w = torch.randn(3, 96, generator=g).bfloat16(), torch.randn(n, 96, generator=g).bfloat16()
+            outs = []
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                outs.append(extension().dense_gemv(x, w, torch.randn(n, generator=g) * 0, 3))
+            assert torch.equal(outs[0], outs[1]), n
+        from freetoken.model.state import DecodeState
+        mc, layer, li, g2 = _deltanet(torch.float32, False)
+        x = torch.randn(2, mc.hidden_size, generator=g2)
+        outs = []
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            st = DecodeState(mc, 2, 64, torch.device("cpu"), torch.float32)
+            for v in list(st.conv.values()) + list(st.rec.values()):
+                v.copy_(torch.randn(v.shape, generator=torch.Generator().manual_seed(5)))
+            outs.append((layer.decode(x, st, None), st.rec[li].clone()))
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    finally:
+        torch.set_num_threads(old)
 
 
 def _deltanet(dt, conv_bias: bool, **over):
@@ -148,7 +193,7 @@ def test_deltanet_decode_equals_the_torch_path(dt, conv_bias, over):
     idle_rec, idle_conv = states[0].rec[li][1].clone(), states[0].conv[li][1].clone()
     calls = []
     host = layer._decode_host
-    tol = dict(rtol=2e-2, atol=2e-2) if dt == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    tol = dict(rtol=1e-2, atol=1e-2) if dt == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
     for step, active in enumerate([torch.tensor([True, False, True]), None, torch.tensor([False, True, True])]):
         x = torch.randn(3, mc.hidden_size, generator=g).to(dt)
         layer._decode_host = lambda *a: calls.append(1) or host(*a)
@@ -157,6 +202,10 @@ def test_deltanet_decode_equals_the_torch_path(dt, conv_bias, over):
         ref = layer.decode(x, states[1], None, active)
         rows = torch.arange(3) if active is None else active.nonzero()[:, 0]
         assert torch.allclose(got[rows].float(), ref[rows].float(), **tol), step
+        if dt == torch.bfloat16:  # the torch path's rounding points kept: equal but for a rare last bit
+            diff = (got[rows].float() - ref[rows].float()).abs()
+            assert (diff == 0).float().mean() > 0.98, step
+            assert (diff <= ref[rows].float().abs() * 2 ** -7 + 1e-6).all(), step
         assert torch.allclose(states[0].rec[li], states[1].rec[li], rtol=1e-4, atol=1e-5)
         assert torch.equal(states[0].conv[li], states[1].conv[li])
         if step == 0:  # the idle row kept its window and state

@@ -16,7 +16,8 @@ import pytest
 from freetoken.experts.cpu import extension
 
 QUANTIZED = re.compile(r"qdot4_(fp4|fp8)_\w+")
-BF16 = re.compile(r"dot4_bf16dp|dot4_avx512<unsigned short>")  # standalone where the compiler keeps them
+# standalone where the compiler keeps them; dot4x2: the dense rows kernel's two-row forms (dense.h)
+BF16 = re.compile(r"dot4(x2)?_bf16dp|dot4(x2)?_avx512<unsigned short>")
 
 
 def disassembly_by_function(path: str) -> dict[str, str]:

@@ -40,12 +40,15 @@ def test_openmp_spin_set_before_torch_and_dropped_for_children(monkeypatch):
     from freetoken import omp_env
     code = ("import os, freetoken, torch; from freetoken.cuda_queues import child_env; "
             "print(os.environ.get('GOMP_SPINCOUNT'), child_env().get('GOMP_SPINCOUNT'))")
-    env = {k: v for k, v in os.environ.items() if k not in omp_env.DEFAULTS}
+    env = {k: v for k, v in os.environ.items() if k not in omp_env.DEFAULTS and k != "OMP_WAIT_POLICY"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == [omp_env.DEFAULTS["GOMP_SPINCOUNT"], "None"]  # set here, not passed on
     out = subprocess.run([sys.executable, "-c", code], env=dict(env, GOMP_SPINCOUNT="300000"), capture_output=True,
                          text=True, check=True).stdout
     assert out.split() == ["300000", "300000"]  # the user's value wins and is passed on
+    out = subprocess.run([sys.executable, "-c", code], env=dict(env, OMP_WAIT_POLICY="passive"), capture_output=True,
+                         text=True, check=True).stdout
+    assert out.split() == ["None", "None"]  # the user's wait policy decides the spin: left alone
     late = "import os, torch, freetoken; print(os.environ.get('GOMP_SPINCOUNT'))"  # torch first: too late
     assert subprocess.run([sys.executable, "-c", late], env=env, capture_output=True, text=True,
                           check=True).stdout.split() == ["None"]

@@ -155,6 +155,8 @@ def test_fused_linear():
     # one linear() of the joined weight and bias (on the CPU at 6 rows: the C++ rows kernel)
     want = linear(x, torch.cat(plain), torch.cat([bias[0], zero, bias[2]])).split([8, 1, 30], dim=-1)
     assert len(fl.groups) == 1 and all(torch.equal(a, b) for a, b in zip(fl(x), want))
+    ref = F.linear(x, torch.cat(plain), torch.cat([bias[0], zero, bias[2]])).split([8, 1, 30], dim=-1)
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(fl(x), ref))
 
     fp8 = [Fp8BlockWeight(*random_fp8(r, 150, "f32", g, "cpu"), torch.float32, f"w{r}") for r in (128, 40, 50)]
     ws = [plain[0], fp8[0], fp8[1], plain[1], fp8[2]]  # joins: [p0, p1], [128 + 40], [50]

@@ -233,7 +233,8 @@ class GatedDeltaNet:
         ext = cpu.extension() if cpu.DECODE_KERNELS else None
         dt = mixed.dtype
         if (ext is None or dt not in (torch.float32, torch.bfloat16) or conv_state.dtype != dt
-                or self.conv_w.device.type != "cpu"
+                or self.conv_w.device.type != "cpu" or b.stride(0) != a.stride(0)  # one GEMM's views (not
+                # so where FP8 dense weights split the in-projection's runs: the torch path then)
                 or rec.dtype != torch.float32 or self.conv_w.dtype != dt
                 or (self.conv_b is not None and self.conv_b.dtype != dt)):
             return None

@@ -43,34 +43,38 @@ SEEN: dict[tuple, tuple] = {}
 
 # The few rows of a CPU decode step go to the C++ rows kernel (experts/cpu/dense.h): torch's
 # CPU GEMM read the weights at about half of what the machine reads at these row counts, and up to
-# 4x slower than that in fp32 at 2-4 rows (bench/cpu_gemv.py, benchmarks/README.md). Above
-# HOST_ROWS (prefill chunks) torch's blocked GEMM is the faster one: past 8 rows in bf16 (its
-# product there fed by VDPBF16PS too), past 16 in fp32. FREETOKEN_CPU_KERNELS=0: torch for every
-# row count (A/B runs; experts/cpu DECODE_KERNELS).
-HOST_ROWS = {torch.float32: 16, torch.bfloat16: 8}
+# 4x slower than that in fp32 at 2-4 rows (bench/cpu_gemv.py, benchmarks/README.md). Up to 16
+# rows the kernel won on every weight of the Qwen3.6 decode step in bf16 and fp32 on the 2-core
+# dev machine (1.08-1.3x in bf16 at 16, with its two-row form); above (prefill chunks) torch's
+# blocked GEMM is the one to use. FREETOKEN_CPU_KERNELS=0: torch for every row count (A/B runs;
+# experts/cpu DECODE_KERNELS).
+HOST_ROWS = 16
 
 
 def host_gemv(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor | None:
     """x [..., K] @ w [N, K]^T (+ b) by the C++ rows kernel, in x's dtype, where it applies: x and
-    w on the CPU in one dtype (float32 or bfloat16), w a contiguous plain tensor, at most
-    HOST_ROWS[dtype] rows, no autograd, the extension built. None otherwise (the caller runs
-    torch)."""
+    w (and b, [N]) on the CPU in one dtype (float32 or bfloat16), w a plain tensor with contiguous
+    rows, at most HOST_ROWS rows, no autograd, the extension built. None otherwise (the
+    caller runs torch)."""
     from ..experts import cpu
     if not cpu.DECODE_KERNELS or x.device.type != "cpu" or not isinstance(w, torch.Tensor) or w.dim() != 2:
         return None
-    k = w.shape[1]
+    k, n = w.shape[1], w.shape[0]
     if (x.dtype != w.dtype or x.dtype not in (torch.float32, torch.bfloat16) or x.shape[-1] != k
-            or not w.is_contiguous() or w.device.type != "cpu"):
+            or w.stride() != (k, 1) or w.device.type != "cpu"):
         return None
+    if b is not None and (b.dim() != 1 or b.shape[0] != n or b.dtype != x.dtype or b.device.type != "cpu"):
+        return None  # broadcast or mixed-dtype biases: F.linear's rules
     rows = x.numel() // k if k else 0
-    if not 0 < rows <= HOST_ROWS[x.dtype] or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+    grads = x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)
+    if not 0 < rows <= HOST_ROWS or (torch.is_grad_enabled() and grads):
         return None
     ext = cpu.extension()  # built once per machine, imported once per process
     if ext is None:
         return None
     bias = torch.empty(0) if b is None else b.to(torch.float32).contiguous()
     out = ext.dense_gemv(x.reshape(rows, k), w, bias, 3)  # [rows, N] fp32
-    return out.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+    return out.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
 def padded_rows(m: int) -> int:

@@ -60,14 +60,15 @@ struct Shape {
   int64_t B, C, K, hk, hv, dk, dv;
 };
 
-// Phase 1, channels [c0, c1) of every row: conv over [window | x] in fp32 (products rounded as
-// torch's `window * w` is), + bias, SiLU -> conv_out (fp32 holding T values); the window shifts
-// in the active rows.
+// Phase 1, channels [c0, c1) of every active row: conv over [window | x] in fp32 (products
+// rounded as torch's `window * w` is), + bias, SiLU -> conv_out (fp32 holding T values), and the
+// window shifted.
 template <typename T>
 void conv_rows(const Shape& s, const T* x, int64_t sx, T* st, const T* w, const T* bias, const bool* act,
                int64_t c0, int64_t c1, float* conv_out) {
   const int64_t K = s.K;
   for (int64_t b = 0; b < s.B; ++b) {
+    if (act && !act[b]) continue;  // an idle row's window may be written by another thread meanwhile
     const T* xr = x + b * sx;
     T* sr = st + b * s.C * (K - 1);
     for (int64_t c = c0; c < c1; ++c) {
@@ -79,10 +80,8 @@ void conv_rows(const Shape& s, const T* x, int64_t sx, T* st, const T* w, const 
       float y = rnd<T>(acc);
       if (bias) y = rnd<T>(y + to_f(bias[c]));
       conv_out[b * s.C + c] = rnd<T>(y * sigmoid(y));
-      if (!act || act[b]) {
-        for (int64_t j = 0; j + 1 < K - 1; ++j) win[j] = win[j + 1];
-        if (K > 1) win[K - 2] = xr[c];
-      }
+      for (int64_t j = 0; j + 1 < K - 1; ++j) win[j] = win[j + 1];
+      if (K > 1) win[K - 2] = xr[c];
     }
   }
 }
