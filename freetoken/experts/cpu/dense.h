@@ -35,6 +35,15 @@ constexpr int MAX_ROWS = 64;  // the rows one call takes (the caller sends far f
 // from L1 for every row of x, bound by its 4-sum dependency chains (the bf16 lm_head at 4 rows:
 // 23.7 GB/s against 29.7 at one). Same products and order per row as dot4 / dot4_bf16dp.
 // noclone, as those: tests/test_cpu_prefetch.py finds the prefetch in every copy.
+// the 8 accumulators' sums: o0 for the first row of x, o1 for the second (4 weight rows each)
+__attribute__((target("avx512f"))) inline void sums8(__m512 a0, __m512 a1, __m512 a2, __m512 a3, __m512 b0,
+                                                     __m512 b1, __m512 b2, __m512 b3, float* o0, float* o1) {
+  o0[0] = _mm512_reduce_add_ps(a0), o0[1] = _mm512_reduce_add_ps(a1);
+  o0[2] = _mm512_reduce_add_ps(a2), o0[3] = _mm512_reduce_add_ps(a3);
+  o1[0] = _mm512_reduce_add_ps(b0), o1[1] = _mm512_reduce_add_ps(b1);
+  o1[2] = _mm512_reduce_add_ps(b2), o1[3] = _mm512_reduce_add_ps(b3);
+}
+
 static __attribute__((target("avx512f,avx512bf16"), noclone)) void dot4x2_bf16dp(
     const uint16_t* w, int64_t stride, const uint16_t* x0, const uint16_t* x1, int len, float* o0, float* o1,
     const uint16_t* next) {
@@ -51,10 +60,7 @@ static __attribute__((target("avx512f,avx512bf16"), noclone)) void dot4x2_bf16dp
     a2 = _mm512_dpbf16_ps(a2, w2, u), b2 = _mm512_dpbf16_ps(b2, w2, v);
     a3 = _mm512_dpbf16_ps(a3, w3, u), b3 = _mm512_dpbf16_ps(b3, w3, v);
   }
-  o0[0] = _mm512_reduce_add_ps(a0), o0[1] = _mm512_reduce_add_ps(a1);
-  o0[2] = _mm512_reduce_add_ps(a2), o0[3] = _mm512_reduce_add_ps(a3);
-  o1[0] = _mm512_reduce_add_ps(b0), o1[1] = _mm512_reduce_add_ps(b1);
-  o1[2] = _mm512_reduce_add_ps(b2), o1[3] = _mm512_reduce_add_ps(b3);
+  sums8(a0, a1, a2, a3, b0, b1, b2, b3, o0, o1);
   for (; i < len; ++i)
     for (int j = 0; j < 4; ++j) {
       const float wv = bf16_to_f32(w[j * stride + i]);
@@ -78,10 +84,7 @@ static __attribute__((target("avx512f"), noclone)) void dot4x2_avx512(const W* w
     a2 = _mm512_fmadd_ps(w2, u, a2), b2 = _mm512_fmadd_ps(w2, v, b2);
     a3 = _mm512_fmadd_ps(w3, u, a3), b3 = _mm512_fmadd_ps(w3, v, b3);
   }
-  o0[0] = _mm512_reduce_add_ps(a0), o0[1] = _mm512_reduce_add_ps(a1);
-  o0[2] = _mm512_reduce_add_ps(a2), o0[3] = _mm512_reduce_add_ps(a3);
-  o1[0] = _mm512_reduce_add_ps(b0), o1[1] = _mm512_reduce_add_ps(b1);
-  o1[2] = _mm512_reduce_add_ps(b2), o1[3] = _mm512_reduce_add_ps(b3);
+  sums8(a0, a1, a2, a3, b0, b1, b2, b3, o0, o1);
   for (; i < len; ++i)
     for (int j = 0; j < 4; ++j) {
       const float wv = load1(w + j * stride, i);
