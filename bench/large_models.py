@@ -59,6 +59,15 @@ experts in VRAM (whole layers: 0.375 of 40 layers is 15) and every layer's exper
 cpu-only, at the same threads; each batch-1 row gains `llamacpp_tok_s` and `vs_llamacpp`. A bf16
 GGUF of all 40 layers (~67 GB) does not fit the GPU machine's disk; the MXFP4 one is ~19 GB.
 
+Without CUDA, full-size shapes run in `--modes cpu-only` (everything on the host: the C++ executor for
+the experts, the CPU's rows and DeltaNet kernels and torch for the rest), and `--llamacpp` runs
+llama.cpp's CPU build (`-ngl 0`) on the same values; `--prefill N` adds a prompt of N tokens to
+those rows (`prefill_tok_s`, through the model in the engine's 2,048-token chunks) beside
+llama.cpp's pp N (`llamacpp_prefill_tok_s`, its default 512-token micro-batches). On the 2-core dev
+machine:
+    python -m bench.large_models --arch qwen3_5_moe --layers 12 --expert-format mxfp4 --modes cpu-only \
+        --threads 2 --llamacpp --llamacpp-build .llama/build-cpu --gguf /tmp/ft-cpu12.gguf --tokens 32 --prefill 512
+
 Before building, the run prints the expert bytes per MoE layer in each format and what the slice
 needs in host RAM and VRAM per mode and format (each format of a list alone), and exits with the
 reason if the slice would not fit (`--estimate-only`: print and stop; `--host-gb` plans for another
@@ -532,6 +541,28 @@ def run_mode(mode: str, a, mc, w, banks, dev, batch: int, threads: int, slots: i
     return row
 
 
+def time_prefill(a, mc, w, banks, dev, threads: int, chunk: int = 2048) -> float:
+    """tok/s of a fresh `--prefill`-token prompt through the cpu-only model in the engine's
+    default chunks, after a short warm-up prompt (what Engine.prefill runs on the CPU)."""
+    from freetoken.model.registry import model_class
+    from freetoken.model.state import DecodeState
+    n = a.prefill
+    ex = make_executor("cpu-only", banks, mc, dev, threads, 1, 1.0, a.policy, a.cpu_act)
+    model = model_class(mc.arch)(mc, w, ex, dev, torch.bfloat16, n + 64)
+    ids = torch.randint(0, mc.vocab_size, (n,), generator=torch.Generator().manual_seed(a.seed + 2)).to(dev)
+    for timed in (False, True):
+        st = DecodeState(mc, 1, n + 64, dev, torch.bfloat16)
+        st.reserve(0, n + 64)
+        end = n if timed else min(n, 64)
+        t0 = time.perf_counter()
+        for s in range(0, end, chunk):
+            model.prefill(ids[s:min(end, s + chunk)], st, 0, s)
+        took = time.perf_counter() - t0
+    del ex, model
+    free(dev)
+    return round(n / took, 1)
+
+
 def floors(res: dict, mc, plan: dict, eb: int, ctx: int, bw: float | None) -> None:
     """Each row's analytic floor (floor_ms) and the measured step against it (of_floor)."""
     dense = dense_active_bytes(plan) + kv_read_bytes(mc, ctx)
@@ -595,6 +626,9 @@ def parse(argv=None):
                     "--tiny 2)")
     ap.add_argument("--cache-warmup", type=int, default=None, help="most warm-up steps of cache rows, until the "
                     "adaptive split has decided (default 600; --tiny 8)")
+    ap.add_argument("--prefill", type=int, default=0, help="cpu-only rows without CUDA: also time a prefill of this "
+                    "many tokens (the engine's 2,048-token chunks; prefill_tok_s), beside llama.cpp's pp of as many "
+                    "with --llamacpp (llamacpp_prefill_tok_s); 0: off")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default=None, help="result file name (before -gpu.json / -cpu.json)")
     ap.add_argument("--estimate-only", action="store_true", help="print what the slice needs and stop (without "
@@ -667,6 +701,11 @@ def side_by_side(a, cfg: dict, mc, w: dict, banks, f: dict, dev) -> dict:
                 runs.append(dict(r, mode=mode, threads=t, n_cpu_moe=ncmoe if gpu else None))  # -ngl 0 without a GPU
                 out[(mode, t)] = r["tok_s"]
                 print("llama.cpp", runs[-1], flush=True)
+                if a.prefill and mode == "cpu-only" and not gpu:
+                    r = llamacpp.bench_prefill(binary, gguf, tokens=a.prefill, n_cpu_moe=ncmoe, threads=t, gpu=False)
+                    runs.append(dict(r, mode="prefill", threads=t))
+                    out[("prefill", t)] = r["tok_s"]
+                    print("llama.cpp", runs[-1], flush=True)
         f["llamacpp"] = runs
     except Exception as e:  # noqa: BLE001  our rows still run
         f["llamacpp_error"] = f"{type(e).__name__}: {e}"[:600]
@@ -721,6 +760,12 @@ def run_format(a, fmt: str, mc, w, plan: dict, est: dict, dev, bw: float | None,
                     if a.llamacpp:  # llama-bench decodes one sequence: batch-1 rows only
                         row["llamacpp_tok_s"] = lt = llama.get((mode, threads)) if batch == 1 else None
                         row["vs_llamacpp"] = round(row["tok_s"] / lt, 2) if lt and row.get("tok_s") else None
+                    if a.prefill and mode == "cpu-only" and dev.type == "cpu" and batch == a.batch[0]:
+                        row["prefill_tokens"] = a.prefill
+                        row["prefill_tok_s"] = pt = time_prefill(a, mc, w, banks, dev, threads)
+                        lp = llama.get(("prefill", threads))
+                        row["llamacpp_prefill_tok_s"] = lp
+                        row["prefill_vs_llamacpp"] = round(pt / lp, 2) if lp else None
                     print(row, flush=True)
                     runs.append(row)
     f["runs"] = runs
@@ -791,7 +836,8 @@ def main(argv=None) -> str | None:
                           "and bh_T_gbs measured on each format's banks (formats.FMT); at batch > 1 the expected "
                           "distinct experts of uniform routing")
     keys = ("expert_format", "mode", "batch", "threads", "prefetch", "tok_s", "ms_per_step", "graph", "miss_rate",
-            "fill_share_chosen", "floor_ms", "of_floor", "llamacpp_tok_s", "vs_llamacpp", "error")
+            "fill_share_chosen", "floor_ms", "of_floor", "llamacpp_tok_s", "vs_llamacpp", "prefill_tok_s",
+            "llamacpp_prefill_tok_s", "prefill_vs_llamacpp", "error")
     res["summary"] = [{k: r.get(k) for k in keys} for r in res["runs"]]
     return write_result(a.name, res)
 

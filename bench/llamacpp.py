@@ -239,12 +239,15 @@ def bench_decode(binary: Path, model: Path, *, threads: int, n_cpu_moe: int, n_g
 
 
 def bench_prefill(binary: Path, model: Path, *, tokens: int, n_cpu_moe: int, threads: int, ubatch: int | None = None,
-                  reps: int = 1) -> dict:
+                  reps: int = 1, gpu: bool = True) -> dict:
     """llama-bench prompt processing (pp) of `tokens` tokens, experts of the first n_cpu_moe
     layers in host memory (llama.cpp copies them to the GPU for each micro-batch of `ubatch`
-    tokens: its default 512, or larger with -ub; the batch -b follows)."""
+    tokens: its default 512, or larger with -ub; the batch -b follows). gpu False: everything on
+    the CPU (-ngl 0; n_cpu_moe unused)."""
     cmd = [str(binary), "-m", str(model), "-p", str(tokens), "-n", "0", "-r", str(reps), "-t", str(threads),
-           "-ngl", "99", "-fa", "1", "-ncmoe", str(n_cpu_moe), "-o", "json"]
+           "-ngl", "99" if gpu else "0", "-fa", "1" if gpu else "0", "-o", "json"]
+    if gpu:
+        cmd += ["-ncmoe", str(n_cpu_moe)]
     if ubatch:
         cmd += ["-ub", str(ubatch), "-b", str(max(ubatch, 2048))]
     return dict(_llama_bench(cmd), tokens=tokens, ubatch=ubatch or 512, n_cpu_moe=n_cpu_moe, threads=threads)

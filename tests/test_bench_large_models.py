@@ -146,7 +146,7 @@ def test_tiny_run_on_the_cpu(arch, tmp_path, monkeypatch):
     # one executor thread: pinned threads that spin would crawl on a 2-core machine another job loads
     path = lm.main(["--arch", arch, "--tiny", "--modes", ",".join(modes), "--threads", "1",
                     "--expert-format", ",".join(fmts),
-                    "--prompt", "40", "--tokens", "3", "--warmup", "1", "--cache-warmup", "1"])
+                    "--prompt", "40", "--tokens", "3", "--warmup", "1", "--cache-warmup", "1", "--prefill", "20"])
     with open(path) as f:
         doc = json.load(f)
     res = doc["results"]
@@ -168,6 +168,9 @@ def test_tiny_run_on_the_cpu(arch, tmp_path, monkeypatch):
     for n, f in enumerate(fmts):
         cpu = res["runs"][3 * n + 1]
         assert cpu["expert_backend"] in ("cpp", "torch-fallback") and cpu["floor_ms"] > 0 and cpu["threads"] == 1
+        # --prefill: the cpu-only rows time a prompt too (llama.cpp's figure only with --llamacpp)
+        assert cpu["prefill_tokens"] == 20 and cpu["prefill_tok_s"] > 0 and cpu["llamacpp_prefill_tok_s"] is None
+        assert "prefill_tok_s" not in res["runs"][3 * n] and "prefill_tok_s" not in res["runs"][3 * n + 2]
         cache = res["runs"][3 * n + 2]  # without CUDA the cache stays fill-only (no CPU branch in stream order)
         assert 0 < cache["miss_rate"] <= 1 and cache["fill_share_chosen"] == 1.0 and cache["adaptive_split"] is False
         experts = lm.TINY[arch].get("n_routed_experts") or lm.TINY[arch]["num_experts"]

@@ -72,7 +72,9 @@ def check_same_state(ref, eng, a, b, n):
     for l in a.k:
         ka, kb = a.k[l][page, :, off], b.k[l][page, :, off]  # [n + 1, heads, hd]
         va, vb = a.v[l][page, :, off], b.v[l][page, :, off]
-        assert rel(kb, ka) < 1e-5 and rel(vb, va) < 1e-5
+        # a pass's pieces of up to 16 tokens take the CPU's C++ rows kernel for their projections,
+        # the whole prompt torch's GEMM: fp32 sums in two orders (1.2e-5 apart once)
+        assert rel(kb, ka) < 3e-5 and rel(vb, va) < 3e-5
 
 
 @pytest.mark.parametrize("buffering", ["double", "single", "on-demand"])
