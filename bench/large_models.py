@@ -655,6 +655,8 @@ def parse(argv=None):
     a.prefetch = [int(v) for v in a.prefetch.split(",") if v]
     if not a.prefetch or min(a.prefetch) < 0:
         ap.error("--prefetch: experts >= 0, comma-separated")
+    if a.prefill < 0:
+        ap.error("--prefill: tokens >= 0 (0: off)")
     a.batch = [int(b) for b in a.batch.split(",") if b]
     a.expert_format = [f for f in (a.expert_format or PUBLISHED_FORMAT[a.arch]).split(",") if f]
     bad = [f for f in a.expert_format if f not in FORMATS]
