@@ -55,9 +55,10 @@
 # rows after the decode runner's whole-buffer input copy. Call 54: the 32k rows after a throwaway
 # 8k loaded window (--warm-loaded).
 # Call 72: OpenMP's spin A/B on the CPU branch; pure-CPU decode on the Xeon beside llama.cpp.
+# Call 73: the host thread's wait for a step (runtime/host_wait.py) at 14 and 16 threads on the 40-layer MXFP4 slice.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh N, N from 0 to 72}
+STAGE=${1:?usage: bash bench/device_plan.sh N, N from 0 to 73}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -721,7 +722,21 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
     --expert-format mxfp4 --modes cpu-only --threads 6,14 --llamacpp --llamacpp-build $B \
     --name large_models-qwen3_5_moe-12-mxfp4-cpu-xeon
   ;;
-*) echo "stage 0 to 72"; exit 2 ;;
+73) # ~460 s (limits 60 + 150 + 250), twenty-fifth session, issue 10 (b): plan 70's 16-thread rows fell to 9.2 (cache)
+  # and 7.8 tok/s (cpu-only) against 91.2 and 39.2 at 6 threads. The host thread that launches a
+  # step spin-waits for it (CUDA's default on a many-core host), on a core the 15 pinned workers
+  # of a 16-thread executor need. The same rows with that thread asleep in a blocking event
+  # (FREETOKEN_HOST_WAIT auto: block where the step has a CPU branch) at 14 and 16 threads,
+  # after the 14-thread rows with the old spin (14: the engine's default on this host)
+  (lscpu | head -24; nproc; python3 -c "from freetoken.experts.cpu import physical_cores as p; print('physical', p())") >> "$LOG" 2>&1
+  step 60 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
+  FREETOKEN_HOST_WAIT=spin step 150 wait-spin-t14 python3 -m bench.large_models --arch qwen3_5_moe --layers 40 \
+    --expert-format mxfp4 --modes cache,cpu-only --capacity 0.375 --threads 14 \
+    --name large_models-qwen3_5_moe-mxfp4-waitspin-t14
+  step 250 wait-block python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
+    --modes cache,cpu-only --capacity 0.375 --threads 14,16 --name large_models-qwen3_5_moe-mxfp4-waitblock
+  ;;
+*) echo "stage 0 to 73"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (copy $OUT/warm-cache.tgz to .devcache/ here;
 # bench/device_env.sh restores it): Triton's cache and the C++ executor's build, if under 15 MB

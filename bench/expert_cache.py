@@ -205,12 +205,18 @@ def floors(row: dict, resident_ms: float, bp: float, bh: float, dram: float | No
 
 
 def run_config(mc, w, ex, dev, batch: int, tokens: int, warmup: int, routes, prompt: int = 64,
-               trace: str | None = None, max_warmup: int | None = None, profile: bool = False) -> dict:
+               trace: str | None = None, max_warmup: int | None = None, profile: bool = False,
+               cpu_branch: bool | None = None) -> dict:
     """max_warmup: for an adaptive cache, warm up past `warmup` until its split has decided
     (the steady state a server reaches), at most this many steps; the row says how many ran.
     profile (CUDA): the row's `profile`, GPU time per kernel of three eager steps after the timed
-    ones (bench.decode.profile_step): where a step's time goes, kernel by kernel."""
+    ones (bench.decode.profile_step): where a step's time goes, kernel by kernel.
+    cpu_branch: whether the step has a CPU branch (the host thread then waits for each step as
+    the serving loop does, runtime/host_wait.py; None: host_wait.has_cpu_branch(ex))."""
+    from freetoken.runtime import host_wait
     inner = ex
+    if cpu_branch is None:
+        cpu_branch = host_wait.has_cpu_branch(ex)
     tuner = getattr(inner, "tuner", None)
     max_warmup = max(warmup, max_warmup or 0) if tuner is not None else warmup
     buf = None
@@ -249,6 +255,7 @@ def run_config(mc, w, ex, dev, batch: int, tokens: int, warmup: int, routes, pro
             buf.copy_(routes[k % n_routes])
         pos.fill_(prompt + k)
         tok.copy_(fn().argmax(-1))
+        host_wait.wait(dev, cpu_branch)
         tok.tolist()  # the serving loop reads each step's tokens: a sync per step
         if observe is not None:
             observe(batch, time.perf_counter() - t0)
@@ -274,6 +281,8 @@ def run_config(mc, w, ex, dev, batch: int, tokens: int, warmup: int, routes, pro
             sync()
         prof.export_chrome_trace(trace)
     row = {"batch": batch, "graph": graph, "ms_per_step": round(dt * 1e3, 3), "tok_s": round(batch / dt, 1)}
+    if dev.type == "cuda":
+        row["host_wait"] = "block" if host_wait.blocks(cpu_branch) else "spin"
     if profile and dev.type == "cuda":
         from bench.decode import profile_step
         row["profile"] = profile_step(step, top=25)
