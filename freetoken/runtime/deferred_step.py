@@ -50,11 +50,12 @@ class HostMark:
         return True  # the work before it ran as it was called
 
 
-def mark(device: torch.device):
-    """A timing mark on `device`'s current stream: a recorded CUDA event, or a HostMark."""
+def mark(device: torch.device, blocking: bool = False):
+    """A timing mark on `device`'s current stream: a recorded CUDA event, or a HostMark.
+    blocking: its synchronize() sleeps instead of spinning (runtime/host_wait.py)."""
     if device.type != "cuda":
         return HostMark()
-    ev = torch.cuda.Event(enable_timing=True)
+    ev = torch.cuda.Event(enable_timing=True, blocking=blocking)
     ev.record(torch.cuda.current_stream(device))
     return ev
 
@@ -83,9 +84,11 @@ class DeferredStep:
     queued: list = field(default_factory=list)  # the interleaver's points this step's cycle ran
 
     @classmethod
-    def launch(cls, reqs: list, logits: torch.Tensor, t0: float, start=None) -> DeferredStep:
+    def launch(cls, reqs: list, logits: torch.Tensor, t0: float, start=None, blocking: bool = False) -> DeferredStep:
         """logits [B, V] of a decode step (row r.slot for each request) -> the step, its copies
-        queued on the current stream. start: a mark() taken before the step's forward."""
+        queued on the current stream. start: a mark() taken before the step's forward.
+        blocking: wait() sleeps until the copies are done (a step with a CPU branch,
+        runtime/host_wait.py) instead of spinning."""
         greedy = [r for r in reqs if r.sampling.temperature == 0 and not r.forcing()]
         packed, lo = None, 0
         if greedy:
@@ -96,7 +99,7 @@ class DeferredStep:
             lo, hi = min(r.slot for r in greedy), max(r.slot for r in greedy)
             packed = to_host(greedy_packed(logits, list(range(lo, hi + 1)), top))
         host = to_host(logits) if len(greedy) < len(reqs) else None
-        return cls(reqs, greedy, packed, host, mark(logits.device), t0, lo, start)
+        return cls(reqs, greedy, packed, host, mark(logits.device, blocking), t0, lo, start)
 
     def wait(self) -> tuple[dict, torch.Tensor | None]:
         """Wait for the step's copies (not for anything queued after them) -> (picks by

@@ -241,6 +241,8 @@ class Engine:
         # dense banks go to the GPU expert cache for SiLU-gated experts without biases only (as before;
         # the cache itself takes any function, and quantized banks with any: GPT-OSS's MXFP4)
         self.plain_experts = self.expert_fn["activation"] == SILU and gu_bias is None and dn_bias is None
+        from . import host_wait
+        host_wait.mode()  # a bad FREETOKEN_HOST_WAIT fails the start, not every step
         if banks is not None and banks.quantized:
             self.executor = self._quantized_executor(banks)
         else:
@@ -632,6 +634,14 @@ class Engine:
         return Generation(req.output_ids, req.logprobs, self.tokenizer.decode(req.output_ids),
                           "stop" if req.finish_reason == "stop" else "length", len(prompt_ids),
                           first - req.arrival, req.finished_at - first)
+
+    @property
+    def host_wait_blocks(self) -> bool:
+        """Whether the serving loop waits for a decode step asleep (a blocking event) rather than
+        spinning: on CUDA with a CPU branch in the step, unless FREETOKEN_HOST_WAIT says otherwise
+        (runtime/host_wait.py: the spinning thread took a core the C++ executor's workers needed)."""
+        from . import host_wait
+        return self.device.type == "cuda" and host_wait.blocks(host_wait.has_cpu_branch(getattr(self, "executor", None)))
 
     def sync(self):
         if self.device.type == "cuda":

@@ -29,6 +29,7 @@ from .grammar import GrammarRunner
 from .interleave import GAP_CEILING, MIN_PREFILL, TAIL_CYCLES, CostModel, Interleaver, affine_fit
 from .overlap import DecodeOverlap, LayerPacer, eligible as overlap_eligible
 from .request import Request, TokenEvent
+from . import host_wait
 from .deferred_step import DeferredStep, mark
 from .sampler import SamplingParams, greedy_rows, sample, top_entries
 from .scheduler import Scheduler
@@ -455,7 +456,7 @@ class EngineLoop:
                 start = mark(eng.device) if defer and self.device_costs else None
                 dec_logits, pre_logits = self.decode(tokens, pos, active), None  # [>= n, V] on the device
                 if defer:
-                    self._deferred = DeferredStep.launch(decode, dec_logits, t0, start)
+                    self._deferred = DeferredStep.launch(decode, dec_logits, t0, start, eng.host_wait_blocks)
                     self.deferred_steps += 1
             if defer:
                 return
@@ -489,6 +490,8 @@ class EngineLoop:
             finally:
                 self._complete_deferred()  # a forward that failed: the step's rows still get their tokens
                 self._prompt_forward = nested
+        if decode and eng.host_wait_blocks:  # asleep until the step is done, off the CPU branch's cores
+            host_wait.wait(eng.device, True)
         # greedy rows are decided on the device: only the others copy their logits over
         # (constrained rows are masked first, on the device)
         picks, norms = self._device_picks(decode, dec_logits, [r.slot for r in decode]) if decode else ({}, None)
@@ -807,7 +810,7 @@ class EngineLoop:
                 return
             try:
                 logits = self.decode(*self._decode_rows(rows))  # [>= n, V] on the device
-                self._side = DeferredStep.launch(rows, logits, now)
+                self._side = DeferredStep.launch(rows, logits, now, blocking=self.engine.host_wait_blocks)
             except Exception as e:  # noqa: BLE001 - the rows fail, as a decode step's do
                 log.exception("engine step failed for request(s) %s", [r.id for r in rows])
                 ov.sync()  # a step replayed before the failure: done before the next rewrites its inputs

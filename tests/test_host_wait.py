@@ -1,0 +1,80 @@
+"""runtime/host_wait.py: how the serving loop's thread waits for a decode step on the GPU (asleep
+where the step has a CPU branch, spinning otherwise), FREETOKEN_HOST_WAIT's override, and which
+executors count as having a CPU branch. The wait itself on CUDA: tests/test_gpu_production.py's
+engine runs (GPU machine)."""
+import pytest
+import torch
+
+from freetoken.errors import FreeTokenError
+from freetoken.runtime import host_wait
+
+
+class _Cpu:  # the C++ executor's marks, as has_cpu_branch reads them
+    name = "cpu"
+
+
+class _Cache:
+    def __init__(self, cpu):
+        self.cpu = cpu
+
+
+class _Streamed:
+    branch = object()
+
+
+class _Wrapper:
+    def __init__(self, inner):
+        self.inner = inner
+
+
+def test_which_executors_have_a_cpu_branch():
+    from freetoken.experts.executor import TorchExpertExecutor
+    gu, dn = torch.randn(4, 8, 16), torch.randn(4, 16, 4)
+    assert not host_wait.has_cpu_branch(TorchExpertExecutor(gu, dn))
+    assert not host_wait.has_cpu_branch(None)
+    assert not host_wait.has_cpu_branch(_Cache(None))  # a fill-only cache: no CPU executor
+    for ex in (_Cpu(), _Cache(_Cpu()), _Streamed(), _Wrapper(_Cache(_Cpu())), _Wrapper(_Wrapper(_Cpu()))):
+        assert host_wait.has_cpu_branch(ex), ex
+
+
+def test_the_real_cpu_executor_counts():
+    from freetoken.experts.cpu import CpuExpertExecutor
+    ex = CpuExpertExecutor(torch.randn(4, 8, 16).bfloat16(), torch.randn(4, 16, 4).bfloat16(), threads=1)
+    assert host_wait.has_cpu_branch(ex)
+
+
+@pytest.mark.parametrize("env,cpu,want", [(None, True, True), (None, False, False), ("auto", True, True),
+                                          ("block", False, True), ("spin", True, False), (" Block ", False, True),
+                                          ("", True, True)])
+def test_blocks_follows_the_mode(monkeypatch, env, cpu, want):
+    if env is None:
+        monkeypatch.delenv("FREETOKEN_HOST_WAIT", raising=False)
+    else:
+        monkeypatch.setenv("FREETOKEN_HOST_WAIT", env)
+    assert host_wait.blocks(cpu) is want
+
+
+def test_a_bad_mode_says_what_is_allowed(monkeypatch):
+    monkeypatch.setenv("FREETOKEN_HOST_WAIT", "sleepy")
+    with pytest.raises(FreeTokenError, match="FREETOKEN_HOST_WAIT must be one of auto, block, spin"):
+        host_wait.mode()
+
+
+def test_wait_on_the_cpu_returns_at_once(monkeypatch):
+    monkeypatch.setenv("FREETOKEN_HOST_WAIT", "block")
+    host_wait.wait(torch.device("cpu"), True)  # nothing queued anywhere: no CUDA call made
+
+
+def test_a_bad_mode_fails_the_engine_start(monkeypatch, tmp_path):
+    """Not every step of a running server: the engine refuses to start, naming the variable."""
+    import hf_models
+    from freetoken.runtime.engine import Engine, EngineConfig
+    from freetoken.weights.convert import convert
+    hf_models.save(hf_models.qwen3_moe(3, num_hidden_layers=1), str(tmp_path / "hf"))
+    convert(str(tmp_path / "hf"), str(tmp_path / "m.ftw"), progress=False)
+    monkeypatch.setenv("FREETOKEN_HOST_WAIT", "fast")
+    with pytest.raises(FreeTokenError, match="FREETOKEN_HOST_WAIT"):
+        Engine(str(tmp_path / "m.ftw"), EngineConfig(device="cpu", dtype="float32"))
+    monkeypatch.setenv("FREETOKEN_HOST_WAIT", "spin")
+    eng = Engine(str(tmp_path / "m.ftw"), EngineConfig(device="cpu", dtype="float32"))
+    assert eng.host_wait_blocks is False  # the CPU: nothing to wait for on a device
