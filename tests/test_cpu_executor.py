@@ -195,6 +195,19 @@ def test_physical_cores_nonempty():
     assert len(physical_cores()) >= 1
 
 
+def test_pool_cpus_take_smt_siblings_before_repeating(monkeypatch):
+    """8 cores with two hardware threads each (CPUs c and c + 8 share core c): 12 threads pin to
+    the 8 first CPUs, then 4 siblings; 16 to all 16 CPUs once; past 16 the order repeats."""
+    import freetoken.experts.cpu as cpu_mod
+    monkeypatch.setattr(cpu_mod.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setattr(cpu_mod, "physical_cores", lambda: list(range(8)))
+    assert cpu_mod.pool_cpus(0) == list(range(8))
+    assert cpu_mod.pool_cpus(6) == list(range(6))
+    assert cpu_mod.pool_cpus(12) == list(range(12))
+    assert cpu_mod.pool_cpus(16) == list(range(16))
+    assert cpu_mod.pool_cpus(18) == list(range(16)) + [0, 1]
+
+
 def test_dynamic_schedule_gives_the_same_bits(tmp_path):
     """FREETOKEN_CPU_SCHEDULE=dynamic (work in chunks from a shared counter, read once when the
     library loads: a fresh process) computes every output bit for bit as the fixed shares do:

@@ -162,6 +162,20 @@ def physical_cores() -> list[int]:
     return cpus
 
 
+def pool_cpus(threads: int = 0) -> list[int]:
+    """The logical CPUs a pool of `threads` pins to (0: one per physical core): one per physical
+    core first, then the cores' other hardware threads (SMT siblings), and only past every CPU
+    this process may use the same ones again. (The list was the physical cores repeated: asking
+    for 16 threads on 8 cores with SMT pinned two workers to each core's first CPU and left its
+    sibling idle; a call waits for its slowest worker.)"""
+    first = physical_cores()
+    if not threads:
+        return first
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    order = first + [c for c in allowed if c not in set(first)]
+    return (order * -(-threads // len(order)))[:threads]
+
+
 def _u8(t: torch.Tensor) -> torch.Tensor:
     """A 1-byte tensor (float8_e4m3fn, uint8) as uint8, without a copy."""
     return t if t.dtype == torch.uint8 else t.view(torch.uint8)
@@ -242,9 +256,7 @@ class CpuExpertExecutor(ExpertExecutor):
             raise FreeTokenError(f"FREETOKEN_CPU_SCHEDULE must be static or dynamic, got {schedule!r}")
         check_prefetch_env()
         ext = extension()
-        cpus = physical_cores()
-        if threads:
-            cpus = (cpus * threads)[:threads]
+        cpus = pool_cpus(threads)
         self.threads = len(cpus)
         env_spin = os.environ.get("FREETOKEN_CPU_SPIN")
         if env_spin is not None:
