@@ -101,7 +101,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import time
 
 import torch
@@ -493,8 +492,7 @@ def make_executor(mode: str, banks, mc, dev, threads: int, slots: int, start_sha
         return TorchExpertExecutor(b.gate_up, b.down, layer_experts=mc.num_experts, activation=act)
     from freetoken.experts.cpu import SPIN_SHARED
     cpu = CpuExpertExecutor(banks.gate_up, banks.down, threads=threads, activation=act, act_int8=cpu_act == "int8",
-                            spin=SPIN_SHARED if dev.type == "cpu" else None,  # as the engine makes it
-                            shared_pool=dev.type == "cpu" and os.environ.get("FT_SHARED", "1") == "1")
+                            spin=SPIN_SHARED if dev.type == "cpu" else None)  # as the engine makes it (_cpu_spin)
     if mode == "cpu-only":
         from freetoken.experts.cpu.hostcall import StreamedCpuExecutor, host_branch_ok
         return StreamedCpuExecutor(cpu, dev) if dev.type == "cuda" and host_branch_ok(cpu) else cpu

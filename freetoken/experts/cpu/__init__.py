@@ -204,7 +204,7 @@ class CpuExpertExecutor(ExpertExecutor):
     def __init__(self, gate_up, down=None, threads: int = 0,
                  torch_batch_threshold: int | None = None, isa_cap: int = 3, activation: Activation = SILU,
                  gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
-                 act_int8: bool = False, spin: int | None = None, shared_pool: bool = False):
+                 act_int8: bool = False, spin: int | None = None):
         """gate_up, down: float banks (bf16 / f32 tensors) or QuantBanks of one format; or
         gate_up an ExpertBanks (down None). activation, gate_up_bias [N, 2I], down_bias [N, H]:
         the expert function (executor.py), as TorchExpertExecutor takes it (GPT-OSS: the clamped
@@ -217,10 +217,7 @@ class CpuExpertExecutor(ExpertExecutor):
         compute with int8 activations (int8_act.py; `--cpu-act int8`; not bit-exact); calls past
         torch_batch_threshold and FP8 / float banks stay exact. spin: pause loops the pool's
         workers spin for the next call before they sleep (None: FREETOKEN_CPU_SPIN, else 20000;
-        SPIN_SHARED where torch computes on the same cores: Engine passes it on the CPU).
-        shared_pool: the calls run on the extension's shared pool (the one the dense, attention
-        and DeltaNet decode kernels run on; unpinned workers) instead of a pool of their own;
-        Engine asks for it on the CPU, where those kernels run between the expert calls."""
+        SPIN_SHARED where torch computes on the same cores: Engine passes it on the CPU)."""
         if isinstance(gate_up, ExpertBanks):
             if down is not None:
                 raise TypeError("CpuExpertExecutor: give an ExpertBanks or a (gate_up, down) pair, not both")
@@ -266,9 +263,7 @@ class CpuExpertExecutor(ExpertExecutor):
                                      f"got {env_spin!r}")
             spin = None  # the A/B override wins (moe_cpu.cpp reads it)
         self.spin = spin
-        self.shared_pool = shared_pool
-        self.handle = (ext.create(cpus, isa_cap, -1 if spin is None else int(spin), shared_pool)
-                       if ext is not None else None)
+        self.handle = ext.create(cpus, isa_cap, -1 if spin is None else int(spin)) if ext is not None else None
         self.isa = ISA_NAMES[ext.isa(self.handle)] if ext is not None else "torch"
         if ext is not None and hasattr(ext, "release"):  # its pinned threads end with this object
             weakref.finalize(self, ext.release, self.handle).atexit = False  # at exit the process ends them

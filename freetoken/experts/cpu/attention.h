@@ -128,8 +128,28 @@ inline const float* rows_f32(const c10::BFloat16* src, int64_t n, float* buf) {
 inline float to_f32(float x) { return x; }
 inline float to_f32(c10::BFloat16 x) { return static_cast<float>(x); }
 
-// The module's shared pool (moe_cpu.cpp ft_pool): f(tid) for tid < `threads`, the caller one of them.
-using ft_pool::on_threads;
+// Runs f(tid) for tid < `threads` (the caller is one of them): a pool kept for the module's
+// life (never freed: its threads may outlive Python's teardown), grown when a call wants more
+// threads than it has; a call that wants fewer leaves the extra workers idle for it. (It was
+// rebuilt whenever the count changed, and the decode step's users ask for different counts:
+// attention min(threads, rows x KV heads), the dense rows and DeltaNet kernels all of them.)
+// Its workers spin briefly between calls (decode calls come once per layer), then sleep, so they
+// do not hold the cores the expert executor's pinned workers run on.
+inline void on_threads(int threads, const std::function<void(int)>& f) {
+  static std::mutex mu;
+  static Pool* pool = nullptr;
+  std::lock_guard<std::mutex> g(mu);
+  threads = std::max(1, threads);
+  if (threads == 1) return f(0);
+  if (!pool || pool->size() < threads) {
+    delete pool;
+    pool = new Pool(std::vector<int>(threads, -1), 2000);
+  }
+  if (pool->size() == threads) return pool->run(f);
+  pool->run([&](int tid) {
+    if (tid < threads) f(tid);
+  });
+}
 
 template <typename T>
 void decode_impl(const torch::Tensor& q, const torch::Tensor& kp, const torch::Tensor& vp, const torch::Tensor& bt,

@@ -113,33 +113,6 @@ class Pool {
   bool stop_ = false;
 };
 
-namespace ft_pool {
-// Runs f(tid) for tid < `threads` (the caller is one of them) on the module's shared pool: kept
-// for the module's life (never freed: its threads may outlive Python's teardown), grown when a
-// call wants more threads than it has; a call that wants fewer leaves the extra workers idle for
-// it. (It was rebuilt whenever the count changed, and the decode step's users ask for different
-// counts: attention min(threads, rows x KV heads), the dense rows and DeltaNet kernels all of them.)
-// Its workers spin briefly between calls, then sleep. Who uses it: attention.h, dense.h,
-// deltanet.h, and on a CPU-only engine the expert executor too (create's `shared`): one pool
-// whose workers a decode step's back-to-back kernels find awake, instead of a second pool's
-// sleeping ones (a wake-up cost a 2-core VM ~0.3 ms a call) spinning on the cores the first needs.
-inline void on_threads(int threads, const std::function<void(int)>& f) {
-  static std::mutex mu;
-  static Pool* pool = nullptr;
-  std::lock_guard<std::mutex> g(mu);
-  threads = std::max(1, threads);
-  if (threads == 1) return f(0);
-  if (!pool || pool->size() < threads) {
-    delete pool;
-    pool = new Pool(std::vector<int>(threads, -1), 2000);
-  }
-  if (pool->size() == threads) return pool->run(f);
-  pool->run([&](int tid) {
-    if (tid < threads) f(tid);
-  });
-}
-}  // namespace ft_pool
-
 // ---------------------------------------------------------------- dot kernels
 // dot4(rows, stride, x, len, out): out[j] = sum_i row_j[i] * x[i] for 4 rows j.
 inline float bf16_to_f32(uint16_t v) {
@@ -1031,8 +1004,7 @@ inline void qdot4(Isa isa, int fmt, bool dp, const QRow* rows, const float* x, c
 
 // ---------------------------------------------------------------- executor
 struct Executor {
-  Pool pool;  // its own pinned workers, or none where it runs on the module's shared pool
-  int shared_threads = 0;  // > 0: calls run on ft_pool::on_threads with this many threads
+  Pool pool;
   Isa isa;
   std::mutex call_mutex;  // one MoE call at a time: the pool is shared
   // int8 activations for the 4-bit banks (set_act_int8; off: the exact kernels); q8k: which
@@ -1059,15 +1031,8 @@ struct Executor {
   }
   using clk = std::chrono::steady_clock;
   static double us(clk::time_point a, clk::time_point b) { return std::chrono::duration<double, std::micro>(b - a).count(); }
-  Executor(const std::vector<int>& cpus, int isa_cap, int spin, bool shared)
-      : pool(shared ? std::vector<int>{-1} : cpus, spin < 0 ? default_spin() : spin),
-        shared_threads(shared ? int(std::max<size_t>(1, cpus.size())) : 0),
-        isa(std::min<Isa>(detect(), Isa(isa_cap))) {}
-  int threads() const { return shared_threads > 0 ? shared_threads : pool.size(); }
-  void run_all(const std::function<void(int)>& f) {
-    if (shared_threads > 0) return ft_pool::on_threads(shared_threads, f);
-    pool.run(f);
-  }
+  Executor(const std::vector<int>& cpus, int isa_cap, int spin)
+      : pool(cpus, spin < 0 ? default_spin() : spin), isa(std::min<Isa>(detect(), Isa(isa_cap))) {}
 
   template <typename W>
   void run(const float* x, const int64_t* ids, const float* gw, int T, int K, const W* gu, const W* dn,
@@ -1093,12 +1058,12 @@ struct Executor {
       for (size_t i = 0; i < xb.size(); ++i) xb[i] = f32_to_bf16(x[i]);
       hb.resize(size_t(P) * I);
     }
-    const int nt = threads();
+    const int nt = pool.size();
     constexpr int RB = 16;  // rows per work unit
     const int ib = (I + RB - 1) / RB;
     // phase 1: gate and up rows of every selected expert
     Share sh1, sh2;
-    run_all([&](int tid) {
+    pool.run([&](int tid) {
       const int units = G * ib;
       float g4[4], v4[4];
       auto gate_rows = [&](int u) -> const W* {  // first gate row of work unit u (its up rows: + I * H)
@@ -1149,7 +1114,7 @@ struct Executor {
     });
     // phase 2: down rows; each thread owns a range of output columns for all tokens
     const int hb_blocks = (H + RB - 1) / RB;
-    run_all([&](int tid) {
+    pool.run([&](int tid) {
       float d4[4];
       for (int b0, b1, k = 0; sh2.take(hb_blocks, tid, nt, k++, b0, b1);)
       for (int blk = b0; blk < b1; ++blk) {
@@ -1246,8 +1211,8 @@ struct Executor {
         for (int r = from; r < n; ++r) f(r);
         return;
       }
-      run_all([&](int tid) {
-        for (int r = from + tid; r < n; r += threads()) f(r);
+      pool.run([&](int tid) {
+        for (int r = from + tid; r < n; r += pool.size()) f(r);
       });
     };
     const clk::time_point t1 = clk::now();
@@ -1259,11 +1224,11 @@ struct Executor {
       });
     }
     const clk::time_point t2 = clk::now();
-    const int nt = threads();
+    const int nt = pool.size();
     constexpr int RB = 16;  // rows per work unit
     const int ib = (I + RB - 1) / RB;
     Share sh1, sh2;
-    run_all([&](int tid) {
+    pool.run([&](int tid) {
       const int units = G * ib;
       float g4[4], v4[4];
       QRow rg[4], ru[4];
@@ -1308,7 +1273,7 @@ struct Executor {
     }
     const clk::time_point t4 = clk::now();
     const int hb_blocks = (H + RB - 1) / RB;
-    run_all([&](int tid) {
+    pool.run([&](int tid) {
       float d4[4];
       QRow rd[4];
       for (int b0, b1, k = 0; sh2.take(hb_blocks, tid, nt, k++, b0, b1);) {
@@ -1356,9 +1321,9 @@ Executor& exec_of(int64_t handle) {  // a literal message (see BANK_CHECK), not 
 }
 
 // spin: the pool's pause loops before a worker sleeps (-1: FREETOKEN_CPU_SPIN or 20000)
-int64_t create(std::vector<int64_t> cpus, int64_t isa_cap, int64_t spin, bool shared) {
+int64_t create(std::vector<int64_t> cpus, int64_t isa_cap, int64_t spin) {
   std::vector<int> c(cpus.begin(), cpus.end());
-  g_execs.emplace_back(new Executor(c, int(isa_cap), int(spin), shared));
+  g_execs.emplace_back(new Executor(c, int(isa_cap), int(spin)));
   return int64_t(g_execs.size()) - 1;
 }
 
@@ -1806,8 +1771,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(start_delay_us: the thread starts that late, as on a loaded machine; tests)", py::arg("start_delay_us") = 0);
   m.def("bell_stop", &bell_stop, "the doorbell's thread returns (its memory stays)");
   m.def("host_call_size", &host_call_size, "sizeof the HostCall descriptor (checked against hostcall.py)");
-  m.def("create", &create, "create an executor with a pinned thread pool (shared: on the module's pool instead)",
-        py::arg("cpus"), py::arg("isa_cap"), py::arg("spin") = -1, py::arg("shared") = false);
+  m.def("create", &create, "create an executor with a pinned thread pool", py::arg("cpus"), py::arg("isa_cap"),
+        py::arg("spin") = -1);
   m.def("isa", &isa_of, "ISA level in use: 0 scalar, 1 avx2, 2 avx512, 3 avx512-bf16");
   m.def("set_act_int8", &set_act_int8, "int8 activations for MXFP4 / NVFP4 banks (on) or exact ones; returns the kernel that serves them (vbmi, vnni or scalar)",
         py::arg("handle"), py::arg("on"), py::arg("max_kernel") = 2);
