@@ -25,11 +25,14 @@ def main():
     ap.add_argument("--attention-pieces", choices=("default", "off"), default="default",
                     help="off: every prompt chunk's attention over its whole context at once (the A/B of "
                          "kernels/split_keys.py, whose key pieces the CPU runs in fp32 by default)")
+    ap.add_argument("--dense-bf16", choices=("auto", "keep", "widen"), default="auto",
+                    help="the engine's --dense-bf16: its bf16 dense weights kept bf16 under the CPU's float32 "
+                         "(keep, the default) or widened to float32 copies at load (widen)")
     a = ap.parse_args()
     if a.attention_pieces == "off":
         from freetoken.kernels import split_keys
         split_keys.wanted = lambda *args: False
-    eng = Engine(demo_path(), EngineConfig(device=a.device))
+    eng = Engine(demo_path(), EngineConfig(device=a.device, dense_bf16=a.dense_bf16))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 240000, (a.prompt,), generator=g).tolist()
     eng.generate(ids[:64], 4)  # warm-up: JIT, allocator
@@ -42,7 +45,8 @@ def main():
            "decode_tokens": len(out.token_ids), "decode_tok_s": round((len(out.token_ids) - 1) / out.decode_s, 2),
            "torch_threads": torch.get_num_threads(), "cpu_spin": getattr(eng.executor, "spin", None),
            "cpu_spin_env": os.environ.get("FREETOKEN_CPU_SPIN"),  # the A/B override (None: the engine's)
-           "attention_pieces": a.attention_pieces}
+           "attention_pieces": a.attention_pieces, "dense_bf16": a.dense_bf16,
+           "dense_kept_bf16": eng.keep_bf16}
     write_result(a.name, res)
 
 

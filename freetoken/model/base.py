@@ -47,6 +47,12 @@ class DecoderModel:
     # dtype they route in (the DeepSeek family reads theirs in fp32). Releases publish all of
     # them unquantized; this only says what happens if one does not.
     DENSE_DEQUANT = ("embed_tokens", "lm_head", "gate", "router")
+    # bf16 dense weights this code reads where a float32 model's activations would meet them
+    # unwidened (an einsum, a cut into per-head operands): widened at load even where the engine
+    # keeps bf16 weights under float32 (--dense-bf16; weights/reader.py dense_weights). linear(),
+    # lm_head() and the embedding gather widen as they read, and routers read in fp32 are widened
+    # by their .float() at construction.
+    DENSE_WIDEN = ()
 
     def __init__(self, cfg: ModelConfig, w: dict, executor, device, dtype, max_pos: int):
         self.cfg, self.device, self.dtype = cfg, device, dtype

@@ -71,6 +71,7 @@ class DeepseekV4Model(DecoderModel):
     # o_a_proj is the grouped output projection, an einsum over o_groups blocks (csa.py): dequantized
     # at load
     DENSE_DEQUANT = DecoderModel.DENSE_DEQUANT + ("o_a_proj",)
+    DENSE_WIDEN = ("o_a_proj",)  # the same einsum under --dense-bf16
     # transformers' _keep_in_fp32_modules_strict of DeepseekV4: loaded in fp32 whatever the compute
     # dtype (weights/reader.py dense_weights); the code here reads each of them with .float()
     KEEP_FP32 = ("attn_hc", "ffn_hc", "hc_head", "sinks", "position_bias", "e_score_correction_bias", "q_a_norm",

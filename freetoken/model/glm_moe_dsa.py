@@ -16,6 +16,7 @@ class GlmMoeDsaModel(DecoderModel):
     # kv_b_proj is cut per head into the absorbed attention's two einsum operands (mla.py), and the
     # indexer's weights_proj is read in fp32: both dequantized at load
     DENSE_DEQUANT = DecoderModel.DENSE_DEQUANT + ("kv_b_proj", "weights_proj")
+    DENSE_WIDEN = ("kv_b_proj", "weights_proj")  # the same two under --dense-bf16
     one_centered_norm = False
     gated_attention = False
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ..kernels import use_triton
 from ..weights.dense_fp8 import Fp8BlockWeight
-from .linear import host_gemv, linear
+from .linear import host_gemv, linear, widened_linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, one_centered: bool) -> torch.Tensor:
@@ -126,6 +126,9 @@ def lm_head(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     one-column product stays on the slow single-threaded GEMV. Same math, another summation
     order. On CUDA, cuBLAS handles F.linear well."""
     n = h.shape[0]
+    if w.dtype != h.dtype:  # a bf16 weight kept under a float32 model (--dense-bf16)
+        out = host_gemv(h, w)
+        return out if out is not None else widened_linear(h, w)  # [N, V]
     if h.is_cuda or n > 32:
         return F.linear(h, w)
     out = host_gemv(h, w)  # the C++ rows kernel: 1.6x F.linear, 2.6x this form in bf16 (bench/cpu_gemv.py)

@@ -53,14 +53,16 @@ HOST_ROWS = 16
 
 def host_gemv(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor | None:
     """x [..., K] @ w [N, K]^T (+ b) by the C++ rows kernel, in x's dtype, where it applies: x and
-    w (and b, [N]) on the CPU in one dtype (float32 or bfloat16), w a plain tensor with contiguous
-    rows, at most HOST_ROWS rows, no autograd, the extension built. None otherwise (the
-    caller runs torch)."""
+    w (and b, [N], in x's dtype) on the CPU, float32 or bfloat16, one dtype or float32 x with a
+    bfloat16 w (a weight kept bf16 under a float32 model, --dense-bf16: widened exactly as it is
+    read), w a plain tensor with contiguous rows, at most HOST_ROWS rows, no autograd, the
+    extension built. None otherwise (the caller runs torch)."""
     from ..experts import cpu
     if not cpu.DECODE_KERNELS or x.device.type != "cpu" or not isinstance(w, torch.Tensor) or w.dim() != 2:
         return None
     k, n = w.shape[1], w.shape[0]
-    if (x.dtype != w.dtype or x.dtype not in (torch.float32, torch.bfloat16) or x.shape[-1] != k
+    mixed = x.dtype == torch.float32 and w.dtype == torch.bfloat16
+    if ((x.dtype != w.dtype and not mixed) or x.dtype not in (torch.float32, torch.bfloat16) or x.shape[-1] != k
             or w.stride() != (k, 1) or w.device.type != "cpu"):
         return None
     if b is not None and (b.dim() != 1 or b.shape[0] != n or b.dtype != x.dtype or b.device.type != "cpu"):
@@ -77,6 +79,26 @@ def host_gemv(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
+# rows of a kept bf16 weight widened to fp32 at a time past the rows kernel's row counts: a 1 GB
+# lm_head widened whole would be a 2 GB temporary per call
+WIDEN_ELEMENTS = 1 << 24
+
+
+def widened_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w widened to x's dtype, b): a bf16 weight kept under a float32 model
+    (--dense-bf16) at row counts the rows kernel does not take (prefill chunks), widened exactly in
+    blocks of its rows of at most WIDEN_ELEMENTS values (the GEMM of each block is torch's)."""
+    n, k = w.shape
+    step = max(1, WIDEN_ELEMENTS // max(k, 1))
+    if n <= step:
+        return F.linear(x, w.to(x.dtype), b)
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)  # [..., N]
+    for a in range(0, n, step):
+        e = min(n, a + step)
+        out[..., a:e] = F.linear(x, w[a:e].to(x.dtype), None if b is None else b[a:e])
+    return out
+
+
 def padded_rows(m: int) -> int:
     """The row count a CUDA GEMM of m rows runs at: m up to ROW_GRANULE, else the next multiple."""
     return m if m <= ROW_GRANULE else -(-m // ROW_GRANULE) * ROW_GRANULE
@@ -87,7 +109,9 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
     if not isinstance(w, Fp8BlockWeight):
         if not x.is_cuda:
             out = host_gemv(x, w, b)
-            return out if out is not None else F.linear(x, w, b)
+            if out is not None:
+                return out
+            return F.linear(x, w, b) if w.dtype == x.dtype else widened_linear(x, w, b)
         if not (PAD_ROWS and x.dim() == 2) or torch.cuda.is_current_stream_capturing():
             return F.linear(x, w, b)
         key = (w.shape[0], w.shape[1], w.dtype, w.device, b is not None)

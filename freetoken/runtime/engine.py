@@ -93,6 +93,12 @@ class EngineConfig:
                 "dtype at load (auto: keep on CUDA, dequant on the CPU, where a GEMM would dequantize its "
                 "weight each call)",
         "choices": ["auto", "keep", "dequant"]})
+    dense_bf16: str = field(default="auto", metadata={
+        "help": "2-D dense (non-expert) weights a checkpoint stores in bf16, when the compute dtype is float32 "
+                "on the CPU (its default): keep = they stay bf16 in memory and each product widens them exactly "
+                "to fp32 as it reads them (the same results as widen, half the memory and half the bytes a "
+                "decode step reads); widen = float32 copies at load (auto: keep)",
+        "choices": ["auto", "keep", "widen"]})
     vram_budget: str = field(default="", metadata={
         "help": "memory the engine may use on the device: a size (24GiB) or a fraction of it (0.9); "
                 "on the CPU, of host memory (default: free memory less 1 GiB)"})
@@ -213,6 +219,11 @@ class Engine:
         # dense FP8 weights kept as published: on CUDA by default (VRAM is what runs out; the Triton
         # GEMM reads the bytes in place); on the CPU a kept weight is dequantized every call
         self.keep_fp8 = self.ecfg.dense_fp8 == "keep" or (self.ecfg.dense_fp8 == "auto" and self.device.type == "cuda")
+        # bf16 dense weights kept bf16 under a float32 compute dtype on the CPU (--dense-bf16): a decode
+        # step's dense products read them through the C++ rows kernel, widened exactly as they are read
+        # (model/linear.py); at fp32 they were twice the bytes of a step bound by reading them
+        self.keep_bf16 = (self.device.type == "cpu" and self.dtype == torch.float32
+                          and self.ecfg.dense_bf16 in ("auto", "keep"))
         self.budget = device_budget(self.device, self.ecfg.vram_budget)
         if self.experts_on == "auto":  # every expert in VRAM if they fit with room to spare, else a cache
             self.experts_on = "gpu"
@@ -252,7 +263,8 @@ class Engine:
         cls = model_class(self.cfg.arch)
         # the class's fp32 modules; quantized weights dequantized (quant.py) but FP8 ones kept if asked
         dense = dense_weights(meta, w, self.device, self.dtype, getattr(cls, "KEEP_FP32", ()), self.keep_fp8,
-                              getattr(cls, "DENSE_DEQUANT", ()))
+                              getattr(cls, "DENSE_DEQUANT", ()), keep_bf16=self.keep_bf16,
+                              bf16_widen=getattr(cls, "DENSE_WIDEN", ()))
         self.dense_fp8 = self._dense_fp8(dense)
         self.max_len = min(self.cfg.max_position_embeddings, self.ecfg.max_seq_len or 1 << 62)
         self.model = cls(self.cfg, dense, self.executor, self.device, self.dtype, self.max_len)
@@ -380,6 +392,8 @@ class Engine:
             dt = DTYPES_BY_NAME[e.dtype]
             if not dt.is_floating_point or (name.startswith("experts.") and (self.experts_on != "gpu" or quant_banks)):
                 return e.nbytes
+            if self.keep_bf16 and dt == torch.bfloat16 and len(e.shape) == 2 and not name.startswith("experts."):
+                return e.nbytes  # kept bf16 (dense_weights; a model class's DENSE_WIDEN few are not: small)
             return e.nbytes // dt.itemsize * el
         on_device = self.device.type == "cpu" or self.experts_on == "gpu"  # are the experts here?
         return sum(size(name, e) for name, e in entries.items()

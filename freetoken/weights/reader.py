@@ -165,7 +165,7 @@ def keeps_fp8(name: str, d: dict, keep: bool, dequant=()) -> bool:
 
 
 def dense_weights(meta: dict, tensors: dict, device, dtype, keep_fp32=(), keep_fp8: bool = False,
-                  fp8_dequant=()) -> dict:
+                  fp8_dequant=(), keep_bf16: bool = False, bf16_widen=()) -> dict:
     """The non-expert weights for the model, on `device`: floating ones cast to `dtype`, integer
     ones as they are, and those stored quantized (meta["quant"]["dense"]) dequantized with the
     quant.py reference (on the device) and cast to `dtype`; their scale tensors are consumed.
@@ -175,7 +175,11 @@ def dense_weights(meta: dict, tensors: dict, device, dtype, keep_fp32=(), keep_f
     made fp32), for the model's linear() (model/linear.py), except those keeps_fp8 refuses
     (fp8_dequant: the model class's DENSE_DEQUANT). MXFP4 and NVFP4 dense weights are always
     dequantized here: no dense GEMM reads those formats in place yet (GPT-OSS publishes its dense
-    weights in BF16; ModelOpt's NVFP4 releases would gain from one)."""
+    weights in BF16; ModelOpt's NVFP4 releases would gain from one).
+    keep_bf16 (a float32 dtype on the CPU, --dense-bf16): 2-D floating tensors stored in bf16 stay
+    bf16, except those with one of `bf16_widen`'s names among their dotted parts (a model class's
+    DENSE_WIDEN: read other than through linear(), lm_head() or an embedding gather, which widen
+    a bf16 weight exactly where they read it)."""
     keep = set(keep_fp32)
     from .quant import dequant_fp8_block, dequant_mxfp4, dequant_nvfp4
     qd = (meta.get("quant") or {}).get("dense") or {}
@@ -212,6 +216,10 @@ def dense_weights(meta: dict, tensors: dict, device, dtype, keep_fp32=(), keep_f
             continue
         if keep and v.is_floating_point() and keep.intersection(k.split(".")):
             out[k] = v.to(device, torch.float32)
+            continue
+        if (keep_bf16 and v.dtype == torch.bfloat16 and v.dim() == 2 and dtype == torch.float32
+                and not set(bf16_widen).intersection(k.split("."))):
+            out[k] = v.to(device)
             continue
         out[k] = v.to(device, dtype) if v.is_floating_point() else v.to(device)
     return out
