@@ -727,12 +727,13 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   # step spin-waits for it (CUDA's default on a many-core host), on a core the 15 pinned workers
   # of a 16-thread executor need. The same rows with that thread asleep in a blocking event
   # (FREETOKEN_HOST_WAIT auto: block where the step has a CPU branch) at 14 and 16 threads,
-  # after the 14-thread rows with the old spin (14: the engine's default on this host)
+  # after the 16-thread rows with the old spin again (the ratio in one run; 14: the engine's
+  # default on this host)
   (lscpu | head -24; nproc; python3 -c "from freetoken.experts.cpu import physical_cores as p; print('physical', p())") >> "$LOG" 2>&1
   step 60 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
-  FREETOKEN_HOST_WAIT=spin step 150 wait-spin-t14 python3 -m bench.large_models --arch qwen3_5_moe --layers 40 \
-    --expert-format mxfp4 --modes cache,cpu-only --capacity 0.375 --threads 14 \
-    --name large_models-qwen3_5_moe-mxfp4-waitspin-t14
+  FREETOKEN_HOST_WAIT=spin step 150 wait-spin-t16 python3 -m bench.large_models --arch qwen3_5_moe --layers 40 \
+    --expert-format mxfp4 --modes cache,cpu-only --capacity 0.375 --threads 16 \
+    --name large_models-qwen3_5_moe-mxfp4-waitspin-t16
   step 250 wait-block python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
     --modes cache,cpu-only --capacity 0.375 --threads 14,16 --name large_models-qwen3_5_moe-mxfp4-waitblock
   ;;
