@@ -215,8 +215,7 @@ def run_config(mc, w, ex, dev, batch: int, tokens: int, warmup: int, routes, pro
     the serving loop does, runtime/host_wait.py; None: host_wait.has_cpu_branch(ex))."""
     from freetoken.runtime import host_wait
     inner = ex
-    if cpu_branch is None:
-        cpu_branch = host_wait.has_cpu_branch(ex)
+    fixed_branch = cpu_branch  # None: asked of the executor at every step (the cache's split moves)
     tuner = getattr(inner, "tuner", None)
     max_warmup = max(warmup, max_warmup or 0) if tuner is not None else warmup
     buf = None
@@ -255,7 +254,7 @@ def run_config(mc, w, ex, dev, batch: int, tokens: int, warmup: int, routes, pro
             buf.copy_(routes[k % n_routes])
         pos.fill_(prompt + k)
         tok.copy_(fn().argmax(-1))
-        host_wait.wait(dev, cpu_branch)
+        host_wait.wait(dev, host_wait.has_cpu_branch(inner) if fixed_branch is None else fixed_branch)
         tok.tolist()  # the serving loop reads each step's tokens: a sync per step
         if observe is not None:
             observe(batch, time.perf_counter() - t0)
@@ -282,7 +281,8 @@ def run_config(mc, w, ex, dev, batch: int, tokens: int, warmup: int, routes, pro
         prof.export_chrome_trace(trace)
     row = {"batch": batch, "graph": graph, "ms_per_step": round(dt * 1e3, 3), "tok_s": round(batch / dt, 1)}
     if dev.type == "cuda":
-        row["host_wait"] = "block" if host_wait.blocks(cpu_branch) else "spin"
+        branch = host_wait.has_cpu_branch(inner) if fixed_branch is None else fixed_branch
+        row["host_wait"] = "block" if host_wait.blocks(branch) else "spin"  # at the last step
     if profile and dev.type == "cuda":
         from bench.decode import profile_step
         row["profile"] = profile_step(step, top=25)

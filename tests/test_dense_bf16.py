@@ -64,7 +64,7 @@ def test_widened_linear_in_blocks_equals_one_widened_gemm(monkeypatch):
     want = torch.nn.functional.linear(x, w.float(), b)
     got = lin.widened_linear(x, w, b)
     assert got.shape == (20, 37) and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
-    assert WIDEN_ELEMENTS == 1 << 24
+    assert WIDEN_ELEMENTS == 1 << 20
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 40])

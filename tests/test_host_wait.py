@@ -13,9 +13,10 @@ class _Cpu:  # the C++ executor's marks, as has_cpu_branch reads them
     name = "cpu"
 
 
-class _Cache:
-    def __init__(self, cpu):
-        self.cpu = cpu
+class _Cache:  # the expert cache's answer, as CachedExpertExecutor.runs_cpu_branch gives it
+    def __init__(self, runs):
+        self.runs_cpu_branch = runs
+        self.cpu = _Cpu()  # not what decides: a fill-only cache has its CPU executor too
 
 
 class _Streamed:
@@ -32,9 +33,28 @@ def test_which_executors_have_a_cpu_branch():
     gu, dn = torch.randn(4, 8, 16), torch.randn(4, 16, 4)
     assert not host_wait.has_cpu_branch(TorchExpertExecutor(gu, dn))
     assert not host_wait.has_cpu_branch(None)
-    assert not host_wait.has_cpu_branch(_Cache(None))  # a fill-only cache: no CPU executor
-    for ex in (_Cpu(), _Cache(_Cpu()), _Streamed(), _Wrapper(_Cache(_Cpu())), _Wrapper(_Wrapper(_Cpu()))):
+    assert not host_wait.has_cpu_branch(_Cache(False))  # fill-only now: its graph has no host node
+    assert not host_wait.has_cpu_branch(_Wrapper(_Cache(False)))
+    for ex in (_Cpu(), _Cache(True), _Streamed(), _Wrapper(_Cache(True)), _Wrapper(_Wrapper(_Cpu()))):
         assert host_wait.has_cpu_branch(ex), ex
+
+
+def test_the_cache_answers_by_its_split():
+    """A fill-only cache (r = 1) with a pool that holds a layer's experts runs nothing on the host;
+    a split one does, and so does a fill-only one inside frozen() (a streamed pass's decode steps)
+    or with fewer slots than a layer's experts."""
+    from freetoken.experts.cached import CachedExpertExecutor
+    from freetoken.experts.cpu import CpuExpertExecutor
+    gu, dn = torch.randn(8, 16, 32), torch.randn(8, 32, 8)
+    cpu = CpuExpertExecutor(gu, dn, threads=1)
+    fill = CachedExpertExecutor(gu, dn, 8, "cpu", torch.float32, cpu, 1.0, layer_experts=8)
+    split = CachedExpertExecutor(gu, dn, 8, "cpu", torch.float32, cpu, 0.5, layer_experts=8)
+    small = CachedExpertExecutor(gu, dn, 4, "cpu", torch.float32, cpu, 1.0, layer_experts=8)
+    assert not host_wait.has_cpu_branch(fill)
+    assert host_wait.has_cpu_branch(split) and host_wait.has_cpu_branch(small)
+    with fill.frozen():
+        assert host_wait.has_cpu_branch(fill)
+    assert not host_wait.has_cpu_branch(fill)
 
 
 def test_the_real_cpu_executor_counts():

@@ -55,6 +55,7 @@ from ..kernels.expert_transfer import transfer_reference, transfer_triton, zero_
 from ..kernels import use_triton
 from .control import CPU, MAX_PAIRS, POLICIES, Residency, control, fill_cap, fill_pad, warm_up_control
 from .executor import GRAPH_CAPTURE, NO_EXPERT, SILU, Activation, ExpertExecutor, Pending, TorchExpertExecutor
+from ..runtime import host_wait
 
 log = logging.getLogger("freetoken.experts")
 
@@ -249,6 +250,16 @@ class CachedExpertExecutor(ExpertExecutor):
         return "split" if self.branch_on else "fill-only"
 
     @property
+    def runs_cpu_branch(self) -> bool:
+        """Whether a decode step now runs some of its misses on the host (runtime/host_wait.py):
+        a split (r < 1, or frozen inside a streamed pass), or fill-only with a pool smaller than
+        a layer's distinct experts (_call's rule), with a host executor behind it."""
+        if self.cpu is None or getattr(self.cpu, "name", None) != "cpu":
+            return False
+        small = self.pool is not None and self.layer_experts and self.pool.slots < self.layer_experts
+        return bool(self.branch_on or self.is_frozen or small)
+
+    @property
     def is_frozen(self) -> bool:
         """Inside frozen(): decode steps while a streamed prefill pass holds the pool."""
         return self._saved_r is not None
@@ -369,7 +380,8 @@ class CachedExpertExecutor(ExpertExecutor):
         elif cpu_branch:  # the CPU branch's inputs cross first, so its work overlaps the GPU's
             cpu_ids = torch.where(ctl.route == CPU, ids, torch.full_like(ids, NO_EXPERT))
             staged = [t.to("cpu", non_blocking=True) for t in (x, cpu_ids, weights)]
-            ready = torch.cuda.Event() if self.device.type == "cuda" else None
+            # the host waits for these inputs below: asleep, off the cores the CPU branch needs
+            ready = torch.cuda.Event(blocking=host_wait.blocks(True)) if self.device.type == "cuda" else None
             if ready is not None:
                 ready.record()
         self._join_prefetch(ids)  # the last call's lookahead copies land before this call's copies and reads

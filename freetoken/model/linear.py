@@ -79,9 +79,10 @@ def host_gemv(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
-# rows of a kept bf16 weight widened to fp32 at a time past the rows kernel's row counts: a 1 GB
-# lm_head widened whole would be a 2 GB temporary per call
-WIDEN_ELEMENTS = 1 << 24
+# values of a kept bf16 weight widened to fp32 at a time past the rows kernel's row counts: a 1 GB
+# lm_head widened whole would be a 2 GB temporary per call, and a 4 MB block is written and read
+# back from the caches rather than DRAM
+WIDEN_ELEMENTS = 1 << 20
 
 
 def widened_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:

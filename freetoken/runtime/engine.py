@@ -370,9 +370,11 @@ class Engine:
         meta, entries = read_header(path)
         el = torch.empty((), dtype=self.dtype).element_size()
         qd = (meta.get("quant") or {}).get("dense") or {}
-        dequant = ()
-        if self.keep_fp8 and qd:  # the weights the model class reads other than through linear()
-            dequant = getattr(model_class(ModelConfig.from_hf(meta["config"], path).arch), "DENSE_DEQUANT", ())
+        dequant, fp32_parts, widen_parts = (), set(), set()
+        if (self.keep_fp8 and qd) or self.keep_bf16:  # the weights the model class reads other than through linear()
+            cls = model_class(ModelConfig.from_hf(meta["config"], path).arch)
+            dequant = getattr(cls, "DENSE_DEQUANT", ()) if self.keep_fp8 else ()
+            fp32_parts, widen_parts = set(getattr(cls, "KEEP_FP32", ())), set(getattr(cls, "DENSE_WIDEN", ()))
         kept = {d["values"]: d for n, d in qd.items() if keeps_fp8(n, d, self.keep_fp8, dequant)}
         kept_scales = {d["scale"] for d in kept.values()}  # as stored; ue8m0 bytes become fp32
         # the others dequantized at load: values -> [R, C] of el, scales consumed
@@ -392,8 +394,9 @@ class Engine:
             dt = DTYPES_BY_NAME[e.dtype]
             if not dt.is_floating_point or (name.startswith("experts.") and (self.experts_on != "gpu" or quant_banks)):
                 return e.nbytes
-            if self.keep_bf16 and dt == torch.bfloat16 and len(e.shape) == 2 and not name.startswith("experts."):
-                return e.nbytes  # kept bf16 (dense_weights; a model class's DENSE_WIDEN few are not: small)
+            if (self.keep_bf16 and dt == torch.bfloat16 and len(e.shape) == 2 and not name.startswith("experts.")
+                    and not (fp32_parts | widen_parts).intersection(name.split("."))):
+                return e.nbytes  # kept bf16, as dense_weights keeps it
             return e.nbytes // dt.itemsize * el
         on_device = self.device.type == "cpu" or self.experts_on == "gpu"  # are the experts here?
         return sum(size(name, e) for name, e in entries.items()

@@ -38,20 +38,18 @@ def blocks(cpu_branch: bool) -> bool:
     return m == "block" or (m == "auto" and cpu_branch)
 
 
-def event(device: torch.device, cpu_branch: bool, timing: bool = False):
-    """A CUDA event to record after a step and wait on: blocking where blocks(cpu_branch)."""
-    return torch.cuda.Event(enable_timing=timing, blocking=blocks(cpu_branch))
-
-
 def has_cpu_branch(ex) -> bool:
-    """Whether an expert executor's step runs experts on the host: the C++ executor itself, the
-    streamed CPU branch (`branch`), or a cache with a CPU executor (`cpu`); wrappers (`inner`,
-    as PiecedExecutor and benchmarks' adapters have) are looked through."""
+    """Whether an expert executor's decode step now runs experts on the host: the C++ executor
+    itself, the streamed CPU branch (`branch`), or the expert cache while its split sends misses
+    there (`runs_cpu_branch`: not fill-only, whose graph has no host node); wrappers (`inner`, as
+    PiecedExecutor and benchmarks' adapters have) are looked through. Asked at every step: the
+    cache's split changes while serving."""
     for _ in range(8):
         if ex is None:
             return False
-        if getattr(ex, "name", None) == "cpu" or getattr(ex, "branch", None) is not None \
-                or getattr(ex, "cpu", None) is not None:
+        if hasattr(ex, "runs_cpu_branch"):
+            return bool(ex.runs_cpu_branch)
+        if getattr(ex, "name", None) == "cpu" or getattr(ex, "branch", None) is not None:
             return True
         ex = getattr(ex, "inner", None)
     return False
