@@ -722,24 +722,20 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
     --expert-format mxfp4 --modes cpu-only --threads 6,14 --llamacpp --llamacpp-build $B \
     --name large_models-qwen3_5_moe-12-mxfp4-cpu-xeon
   ;;
-73) # ~500 s (limits 60 + 150 + 250 + 110), twenty-fifth session, issue 10 (b): plan 70's 16-thread rows fell to 9.2 (cache)
-  # and 7.8 tok/s (cpu-only) against 91.2 and 39.2 at 6 threads. The host thread that launches a
-  # step spin-waits for it (CUDA's default on a many-core host), on a core the 15 pinned workers
-  # of a 16-thread executor need. The same rows with that thread asleep in a blocking event
-  # (FREETOKEN_HOST_WAIT auto: block where the step has a CPU branch) at 14 and 16 threads,
-  # after the 16-thread rows with the old spin again (the ratio in one run; 14: the engine's
-  # default on this host); last, 16 threads with the executor's dynamic schedule (a late worker's
-  # share taken by the others)
+73) # ~400 s (limits 60 + 230 + 100), twenty-fifth session, issue 10 (b): plan 70's 16-thread rows fell to 9.2
+  # (cache) and 7.8 tok/s (cpu-only) against 91.2 and 39.2 at 6 threads. The host thread that
+  # launches a step spin-waits for it (CUDA's default on a many-core host), on a core the 15 pinned
+  # workers of a 16-thread executor need. The rows with that thread asleep in a blocking event
+  # (FREETOKEN_HOST_WAIT auto: block where the step has a CPU branch) at 16 and 14 threads (14: the
+  # engine's default on this host), then the 16-thread cpu-only row with the old spin again (the
+  # ratio in one run)
   (lscpu | head -24; nproc; python3 -c "from freetoken.experts.cpu import physical_cores as p; print('physical', p())") >> "$LOG" 2>&1
   step 60 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
-  FREETOKEN_HOST_WAIT=spin step 150 wait-spin-t16 python3 -m bench.large_models --arch qwen3_5_moe --layers 40 \
-    --expert-format mxfp4 --modes cache,cpu-only --capacity 0.375 --threads 16 \
+  step 230 wait-block python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
+    --modes cache,cpu-only --capacity 0.375 --threads 16,14 --name large_models-qwen3_5_moe-mxfp4-waitblock
+  FREETOKEN_HOST_WAIT=spin step 100 wait-spin-t16 python3 -m bench.large_models --arch qwen3_5_moe --layers 40 \
+    --expert-format mxfp4 --modes cpu-only --capacity 0.375 --threads 16 \
     --name large_models-qwen3_5_moe-mxfp4-waitspin-t16
-  step 250 wait-block python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
-    --modes cache,cpu-only --capacity 0.375 --threads 14,16 --name large_models-qwen3_5_moe-mxfp4-waitblock
-  FREETOKEN_CPU_SCHEDULE=dynamic step 110 wait-block-dynamic python3 -m bench.large_models --arch qwen3_5_moe \
-    --layers 40 --expert-format mxfp4 --modes cache,cpu-only --capacity 0.375 --threads 16 \
-    --name large_models-qwen3_5_moe-mxfp4-waitblock-dynamic-t16
   ;;
 *) echo "stage 0 to 73"; exit 2 ;;
 esac
