@@ -750,8 +750,8 @@ def deferred_against_waiting(eng, step_stream: bool = False):
         from freetoken.runtime.deferred_step import DeferredStep
         real_launch, spans = DeferredStep.launch, []
 
-        def launch(reqs, logits, t0, start=None, real_launch=real_launch, spans=spans):
-            d = real_launch(reqs, logits, t0, start)
+        def launch(reqs, logits, t0, start=None, blocking=False, real_launch=real_launch, spans=spans):
+            d = real_launch(reqs, logits, t0, start, blocking)
             spans.append(sorted(r.slot for r in d.greedy))
             return d
         DeferredStep.launch = launch

@@ -456,7 +456,7 @@ class EngineLoop:
                 start = mark(eng.device) if defer and self.device_costs else None
                 dec_logits, pre_logits = self.decode(tokens, pos, active), None  # [>= n, V] on the device
                 if defer:
-                    self._deferred = DeferredStep.launch(decode, dec_logits, t0, start, eng.host_wait_blocks)
+                    self._deferred = DeferredStep.launch(decode, dec_logits, t0, start, blocking=eng.host_wait_blocks)
                     self.deferred_steps += 1
             if defer:
                 return
