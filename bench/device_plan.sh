@@ -58,7 +58,7 @@
 # Call 73: the host thread's wait for a step (runtime/host_wait.py) at 14 and 16 threads on the 40-layer MXFP4 slice.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh N, N from 0 to 73}
+STAGE=${1:?usage: bash bench/device_plan.sh N, N from 0 to 74}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -737,7 +737,13 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
     --expert-format mxfp4 --modes cpu-only --capacity 0.375 --threads 16 \
     --name large_models-qwen3_5_moe-mxfp4-waitspin-t16
   ;;
-*) echo "stage 0 to 73"; exit 2 ;;
+74) # ~260 s (limits 50 + 200), plan 73's first half for a session with little device time left: the 40-layer
+  # MXFP4 cache and cpu-only rows at 16 threads with the launching thread asleep (runtime/host_wait.py)
+  step 50 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
+  step 200 wait-block-t16 python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
+    --modes cache,cpu-only --capacity 0.375 --threads 16 --name large_models-qwen3_5_moe-mxfp4-waitblock-t16
+  ;;
+*) echo "stage 0 to 74"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (copy $OUT/warm-cache.tgz to .devcache/ here;
 # bench/device_env.sh restores it): Triton's cache and the C++ executor's build, if under 15 MB
