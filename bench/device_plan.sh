@@ -58,7 +58,7 @@
 # Call 73: the host thread's wait for a step (runtime/host_wait.py) at 14 and 16 threads on the 40-layer MXFP4 slice.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh N, N from 0 to 74}
+STAGE=${1:?usage: bash bench/device_plan.sh N, N from 0 to 75}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -743,7 +743,12 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   step 200 wait-block-t16 python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
     --modes cache,cpu-only --capacity 0.375 --threads 16 --name large_models-qwen3_5_moe-mxfp4-waitblock-t16
   ;;
-*) echo "stage 0 to 74"; exit 2 ;;
+75) # ~120 s (limit 150), the least of plan 74 (carry .devcache/warm-cache.tgz too: the C++ build in it): the
+  # 40-layer MXFP4 cpu-only row at 16 threads with the launching thread asleep (runtime/host_wait.py)
+  step 150 wait-block-cpuonly-t16 python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
+    --modes cpu-only --capacity 0.375 --threads 16 --name large_models-qwen3_5_moe-mxfp4-waitblock-cpuonly-t16
+  ;;
+*) echo "stage 0 to 75"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (copy $OUT/warm-cache.tgz to .devcache/ here;
 # bench/device_env.sh restores it): Triton's cache and the C++ executor's build, if under 15 MB
