@@ -67,10 +67,11 @@ def test_widened_linear_in_blocks_equals_one_widened_gemm(monkeypatch):
     assert WIDEN_ELEMENTS == 1 << 20
 
 
-@pytest.mark.parametrize("rows", [1, 3, 16, 17, 40])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 64, 65])
 def test_linear_and_lm_head_with_a_kept_bf16_weight(rows):
-    """fp32 x with a bf16 weight: the rows kernel (up to 16 rows) or torch's GEMM on the widened
-    weight, both against F.linear on float32 copies of the same values."""
+    """fp32 x with a bf16 weight: the rows kernel (up to MIXED_HOST_ROWS) or torch's GEMM on the
+    widened weight, both against F.linear on float32 copies of the same values."""
+    from freetoken.model.linear import MIXED_HOST_ROWS, host_gemv
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(300, 96, generator=g).bfloat16()
     b = torch.randn(300, generator=g)
@@ -79,3 +80,4 @@ def test_linear_and_lm_head_with_a_kept_bf16_weight(rows):
     for got in (linear(x, w, b), widened_linear(x, w, b)):
         assert got.dtype == torch.float32 and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
     assert torch.allclose(lm_head(x, w), torch.nn.functional.linear(x, w.float()), rtol=1e-5, atol=1e-5)
+    assert (host_gemv(x, w, b) is not None) == (rows <= MIXED_HOST_ROWS)  # the kernel's share

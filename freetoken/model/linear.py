@@ -49,14 +49,20 @@ SEEN: dict[tuple, tuple] = {}
 # blocked GEMM is the one to use. FREETOKEN_CPU_KERNELS=0: torch for every row count (A/B runs;
 # experts/cpu DECODE_KERNELS).
 HOST_ROWS = 16
+# A bf16 weight kept under a float32 model (--dense-bf16) against fp32 rows: the alternative is
+# widening it per call (widened_linear), so the kernel serves up to its own limit. On the 2-core
+# dev machine, a DeltaNet in-projection (12352 x 2048): 7.0 / 10.5 / 19.4 ms at 16 / 32 / 64 rows
+# against 36.1 / 40.4 / 48.8 widened (and 40.2 for F.linear on float32 copies at 64); at 512 rows
+# widening is at par with the float32 copies (165 against 154 ms), at 2,048 6% behind.
+MIXED_HOST_ROWS = 64
 
 
 def host_gemv(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor | None:
     """x [..., K] @ w [N, K]^T (+ b) by the C++ rows kernel, in x's dtype, where it applies: x and
     w (and b, [N], in x's dtype) on the CPU, float32 or bfloat16, one dtype or float32 x with a
     bfloat16 w (a weight kept bf16 under a float32 model, --dense-bf16: widened exactly as it is
-    read), w a plain tensor with contiguous rows, at most HOST_ROWS rows, no autograd, the
-    extension built. None otherwise (the caller runs torch)."""
+    read), w a plain tensor with contiguous rows, at most HOST_ROWS rows (MIXED_HOST_ROWS for the
+    mixed case), no autograd, the extension built. None otherwise (the caller runs torch)."""
     from ..experts import cpu
     if not cpu.DECODE_KERNELS or x.device.type != "cpu" or not isinstance(w, torch.Tensor) or w.dim() != 2:
         return None
@@ -69,7 +75,7 @@ def host_gemv(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor
         return None  # broadcast or mixed-dtype biases: F.linear's rules
     rows = x.numel() // k if k else 0
     grads = x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)
-    if not 0 < rows <= HOST_ROWS or (torch.is_grad_enabled() and grads):
+    if not 0 < rows <= (MIXED_HOST_ROWS if mixed else HOST_ROWS) or (torch.is_grad_enabled() and grads):
         return None
     ext = cpu.extension()  # built once per machine, imported once per process
     if ext is None:
