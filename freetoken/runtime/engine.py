@@ -28,6 +28,7 @@ from ..tokenizer import Tokenizer, load_json
 from ..weights.ftw import DTYPES as DTYPES_BY_NAME, read_header
 from ..weights.dense_fp8 import Fp8BlockWeight
 from ..weights.reader import dense_weights, keeps_fp8, load_ftw
+from . import host_wait
 from .budget import device_budget
 from .sampler import SamplingParams
 
@@ -252,7 +253,6 @@ class Engine:
         # dense banks go to the GPU expert cache for SiLU-gated experts without biases only (as before;
         # the cache itself takes any function, and quantized banks with any: GPT-OSS's MXFP4)
         self.plain_experts = self.expert_fn["activation"] == SILU and gu_bias is None and dn_bias is None
-        from . import host_wait
         host_wait.mode()  # a bad FREETOKEN_HOST_WAIT fails the start, not every step
         if banks is not None and banks.quantized:
             self.executor = self._quantized_executor(banks)
@@ -657,7 +657,6 @@ class Engine:
         """Whether the serving loop waits for a decode step asleep (a blocking event) rather than
         spinning: on CUDA with a CPU branch in the step, unless FREETOKEN_HOST_WAIT says otherwise
         (runtime/host_wait.py: the spinning thread took a core the C++ executor's workers needed)."""
-        from . import host_wait
         return self.device.type == "cuda" and host_wait.blocks(host_wait.has_cpu_branch(getattr(self, "executor", None)))
 
     def sync(self):
