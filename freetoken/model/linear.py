@@ -49,14 +49,13 @@ SEEN: dict[tuple, tuple] = {}
 # blocked GEMM is the one to use. FREETOKEN_CPU_KERNELS=0: torch for every row count (A/B runs;
 # experts/cpu DECODE_KERNELS).
 HOST_ROWS = 16
-# A bf16 weight kept under a float32 model (--dense-bf16) against fp32 rows. The kernel would win
-# past 16 rows too: on the 2-core dev machine, a DeltaNet in-projection (12352 x 2048) took 7.0 /
-# 10.5 / 19.4 ms at 16 / 32 / 64 rows against 36.1 / 40.4 / 48.8 widened per call (and 40.2 for
-# F.linear on float32 copies at 64); at 512 rows widening is at par with the float32 copies (165
-# against 154 ms), at 2,048 6% behind. It stays at 16 for now: at 64 the prompt of
-# test_quantized_models' int8 case went through it, and that test's count of steps whose int8
-# kernel and reference agree to 1e-4 fell from 7 of 9 to 5 (a statistical bound on rounding
-# flips; the worst step stayed under its 1e-2). To be looked at before raising it.
+# A bf16 weight kept under a float32 model (--dense-bf16) against fp32 rows. In a scratch timing
+# on the 2-core dev machine the kernel beat widening the weight per call up to 64 rows (2.5-5x),
+# and widening was near par with float32 copies from 512 rows. It stays at 16 for now: at 64 the
+# prompt of test_quantized_models' int8 case went through it, and that test's count of steps
+# whose int8 kernel and reference agree to 1e-4 fell from 7 of 9 to 5 (a statistical bound on
+# rounding flips; the worst step stayed under its 1e-2). To be looked at, with a benchmark, before
+# raising it.
 MIXED_HOST_ROWS = 16
 
 
