@@ -56,6 +56,7 @@
 # 8k loaded window (--warm-loaded).
 # Call 72: OpenMP's spin A/B on the CPU branch; pure-CPU decode on the Xeon beside llama.cpp.
 # Call 73: the host thread's wait for a step (runtime/host_wait.py) at 14 and 16 threads on the 40-layer MXFP4 slice.
+# Call 76: plan 70 again after host_wait (16-thread rows beside llama.cpp in one run), the spin A/B at 16.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
 STAGE=${1:?usage: bash bench/device_plan.sh N, N from 0 to 75}
@@ -721,6 +722,22 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   CUDA_VISIBLE_DEVICES= step 240 cpu-llamacpp python3 -m bench.large_models --arch qwen3_5_moe --layers 12 \
     --expert-format mxfp4 --modes cpu-only --threads 6,14 --llamacpp --llamacpp-build $B \
     --name large_models-qwen3_5_moe-12-mxfp4-cpu-xeon
+  ;;
+76) # ~450 s (limits 60 + 400 + 100), twenty-sixth session, issue 10 (b): plan 70 again after
+  # runtime/host_wait.py (the launching thread asleep in a blocking event where the step has a CPU
+  # branch), so the 16-thread rows and llama.cpp's come from one run; then the 16-thread cpu-only
+  # row with the old spin (FREETOKEN_HOST_WAIT=spin), the A/B in the same machine. Carry as plan 70:
+  # .llama/llama-bench.xz.aa .ab .ac, .llama/llama.cpp.tar.xz, .whl, .devcache/commit
+  B=/tmp/ft-llama-build
+  [ -x $B/bin/llama-bench ] || { mkdir -p $B/bin && cat .llama/llama-bench.xz.* | xz -d > $B/bin/llama-bench \
+    && chmod +x $B/bin/llama-bench; }
+  (lscpu | head -24; nproc; python3 -c "from freetoken.experts.cpu import physical_cores as p; print('physical', p())") >> "$LOG" 2>&1
+  step 60 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
+  step 400 large-llamacpp-block python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
+    --modes cache,cpu-only --capacity 0.375 --threads 6,16 --llamacpp --name large_models-qwen3_5_moe-40-mxfp4-llamacpp-waitblock
+  FREETOKEN_HOST_WAIT=spin step 100 wait-spin-t16 python3 -m bench.large_models --arch qwen3_5_moe --layers 40 \
+    --expert-format mxfp4 --modes cpu-only --capacity 0.375 --threads 16 \
+    --name large_models-qwen3_5_moe-mxfp4-waitspin-t16
   ;;
 73) # ~400 s (limits 60 + 230 + 100), twenty-fifth session, issue 10 (b): plan 70's 16-thread rows fell to 9.2
   # (cache) and 7.8 tok/s (cpu-only) against 91.2 and 39.2 at 6 threads. The host thread that
