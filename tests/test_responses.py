@@ -10,7 +10,6 @@ the real detokenizer, parser and adapter.
 """
 import asyncio
 import json
-import os
 import threading
 import time
 import types
@@ -440,6 +439,20 @@ def test_malformed_json_and_truncation(server, oai):
     r = oai.responses.create(model=MODEL, input=long, truncation="auto", max_output_tokens=1)
     assert r.truncation == "auto" and r.usage.input_tokens < CTX
     assert r.usage.input_tokens == count(server, messages=long[2:])
+
+
+def test_truncation_drops_the_fewest_turns(server, oai):
+    """truncation auto keeps as many of the latest turns as fit (bisection over the turns, not
+    a render per dropped turn: a long history held the event loop for seconds)."""
+    long = []
+    for i in range(24):
+        long += [{"role": "user", "content": f"turn {i} " + "words " * 100}, {"role": "assistant", "content": "ok " * 20}]
+    long.append({"role": "user", "content": "Now?"})
+    counts = [count(server, messages=long[2 * k:]) for k in range(25)]
+    k = next(k for k, c in enumerate(counts) if c < CTX)
+    assert 2 <= k < 24 and counts[k - 1] >= CTX
+    r = oai.responses.create(model=MODEL, input=long, truncation="auto", max_output_tokens=1)
+    assert r.usage.input_tokens == counts[k]
 
 
 def test_metrics_count_the_endpoint(server, oai):

@@ -288,6 +288,7 @@ def test_response_format_shapes(oai, server):
     ({"model": MODEL, "messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ({"model": MODEL, "messages": USER, "logprobs": True, "top_logprobs": "3"}, 400, "top_logprobs"),
     ({"model": MODEL, "messages": USER, "response_format": {"type": "regex"}}, 400, "response_format"),
+    ({"model": MODEL, "messages": USER, "seed": 10 ** 30}, 400, "seed must be a 64-bit integer"),
     ({"model": MODEL}, 400, "messages"),
     ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
     ({"model": MODEL, "messages": [{"role": "user"}], "max_tokens": 4}, 400, "messages[0]: a user message needs"),
@@ -659,3 +660,90 @@ def test_tool_choice_forces_a_call(oai, claude, server):
     bad = post(server, "/v1/chat/completions", {
         "model": MODEL, "messages": msgs, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}})
     assert bad.status_code == 400 and "not among the tools" in bad.json()["error"]["message"]
+
+
+def test_allowed_tools_choice_keeps_only_the_named_tools(server):
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    other = {"type": "function", "function": {"name": "get_time", "description": "time",
+                                              "parameters": {"type": "object", "properties": {}}}}
+    choice = {"type": "allowed_tools",
+              "allowed_tools": {"mode": "required", "tools": [{"type": "function", "function": {"name": "get_weather"}}]}}
+    r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": msgs, "tools": [other, *TOOLS],
+                                               "tool_choice": choice, "max_tokens": 12, "temperature": 0})
+    assert r.status_code == 200, r.text
+    m = r.json()["choices"][0]["message"]
+    assert _opened_call(m["content"], [c["function"]["name"] for c in m.get("tool_calls") or []], "get_weather")
+    choice["allowed_tools"]["tools"][0]["function"]["name"] = "nope"
+    bad = post(server, "/v1/chat/completions", {"model": MODEL, "messages": msgs, "tools": TOOLS, "tool_choice": choice})
+    assert bad.status_code == 400 and "not among the tools" in bad.json()["error"]["message"]
+
+
+def _template(eng):
+    from freetoken.server.template import ChatTemplate
+    from freetoken.tokenizer import load_json
+    return ChatTemplate.from_files(eng.files, load_json(eng.files.get("tokenizer_config.json"), "tokenizer_config.json"))
+
+
+def test_messages_final_assistant_message_is_continued(claude, reference):
+    """Anthropic's prefill: a final assistant message is continued, not closed and answered."""
+    prefill = '{"answer": "'
+    msgs = [{"role": "user", "content": "Reply in JSON."}, {"role": "assistant", "content": prefill}]
+    r = claude.messages.create(model=MODEL, max_tokens=6, messages=msgs, extra_body={"temperature": 0})
+    text = _template(reference).render(msgs, continue_final=True)
+    assert text.endswith(prefill) and text.count("<|im_start|>assistant") == 1
+    ids = reference.tokenizer.encode(text)
+    assert r.usage.input_tokens == len(ids)  # a closed turn plus a new one would be longer
+    from freetoken.runtime.sampler import SamplingParams
+    gen = reference.generate(ids, 6, SamplingParams(temperature=0), stop_at_eos=False).token_ids
+    eos = set(reference.eos_ids)
+    shown = gen[:next((i for i, t in enumerate(gen) if t in eos), len(gen))]
+    assert "".join(b.text for b in r.content if b.type == "text") == reference.tokenizer.decode(shown)
+
+
+def test_continue_final_message_and_its_errors(server):
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I"}]
+    ids = post(server, "/tokenize", {"model": MODEL, "messages": msgs, "continue_final_message": True,
+                                     "add_generation_prompt": False}).json()["tokens"]
+    text = post(server, "/detokenize", {"tokens": ids}).json()["prompt"]
+    assert text.endswith("<|im_start|>assistant\nHello, I")
+    r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": msgs, "continue_final_message": True,
+                                               "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(ids)
+    both = post(server, "/v1/chat/completions", {"model": MODEL, "messages": msgs, "continue_final_message": True,
+                                                  "add_generation_prompt": True})
+    assert both.status_code == 400 and "cannot both be true" in both.json()["error"]["message"]
+    user_last = post(server, "/v1/chat/completions", {"model": MODEL, "messages": msgs[:1], "continue_final_message": True})
+    assert user_last.status_code == 400 and "assistant message" in user_last.json()["error"]["message"]
+
+
+def test_usage_counts_tokens_up_to_the_stop_string(oai):
+    full = oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=12, temperature=0,
+                                       logprobs=True).choices[0]
+    toks = [t.token for t in full.logprobs.content]
+    if len(toks) < 4 or any(t.startswith("bytes:") for t in toks[:4]):
+        pytest.skip("the greedy answer's first tokens are not whole characters")
+    # a stop string inside the 4th token's text: the answer ends there, usage counts 4 tokens
+    at = sum(len(t) for t in toks[:3])
+    stop = next((full.message.content[at + i:at + i + 1] for i in range(len(toks[3]))
+                 if full.message.content[at + i:at + i + 1].strip() and full.message.content.find(
+                     full.message.content[at + i:at + i + 1]) >= at), None)
+    if stop is None:
+        pytest.skip("no stop character first seen in the 4th token of this greedy answer")
+    r = oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=12, temperature=0, stop=[stop], logprobs=True)
+    c = r.choices[0]
+    assert c.finish_reason == "stop" and r.usage.completion_tokens == len(c.logprobs.content) == 4
+
+
+def test_completions_echo_and_fill_in_the_middle(oai, server, reference):
+    r = oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=3, temperature=0, echo=True)
+    plain = oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=3, temperature=0)
+    assert r.choices[0].text == "Once upon a time" + plain.choices[0].text
+    streamed = "".join(c.choices[0].text for c in oai.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=3, temperature=0, echo=True, stream=True) if c.choices)
+    assert streamed == r.choices[0].text
+    fim = oai.completions.create(model=MODEL, prompt="def add(a, b):\n    ", suffix="\n\nprint(add(1, 2))\n",
+                                 max_tokens=3, temperature=0)
+    want = reference.tokenizer.encode("<|fim_prefix|>def add(a, b):\n    <|fim_suffix|>\n\nprint(add(1, 2))\n<|fim_middle|>")
+    assert fim.usage.prompt_tokens == len(want)
+    bad = post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 2})
+    assert bad.status_code == 400 and "echo" in bad.json()["error"]["message"]

@@ -15,7 +15,8 @@ import uuid
 
 from starlette.responses import JSONResponse, StreamingResponse
 
-from .common import ApiError, build_prompt, constrain, field, grammar_for, json_args, render, sampling_from, text_of
+from .common import (ApiError, build_prompt, constrain, field, grammar_for, json_args, off_loop, render, sampling_from,
+                     text_of)
 from .tool_choice import call_grammar, forced_opening, strict_grammar, wanted
 from .generation import Done, Ping, collect, events
 from .openai import submit
@@ -147,7 +148,10 @@ def prepare(ctx, body: dict):
     kwargs = {}
     if isinstance(thinking, dict) and thinking.get("type") == "disabled":
         kwargs["enable_thinking"] = False
-    text = render(ctx, messages, tools, **kwargs)
+    # a final assistant message is a prefill: the answer continues its text (Anthropic's API)
+    last = messages[-1]
+    prefill = last["role"] == "assistant" and not last.get("tool_calls") and bool(last["content"].strip())
+    text = render(ctx, messages, tools, kwargs, continue_final=prefill)
     choice = body.get("tool_choice")
     must, name = wanted(choice, [t["function"]["name"] for t in tools or []], "anthropic") \
         if tools else (False, None)
@@ -165,19 +169,29 @@ def prepare(ctx, body: dict):
     return text, tools, constrain_output
 
 
-async def count_tokens(ctx, body: dict, request):
+def _count(ctx, body: dict) -> int:
     check_model(ctx, body)
     text, _, _ = prepare(ctx, body)
-    return JSONResponse({"input_tokens": len(ctx.tokenizer.encode(text))})
+    return len(ctx.tokenizer.encode(text))
 
 
-async def messages(ctx, body: dict, request):
+async def count_tokens(ctx, body: dict, request):
+    return JSONResponse({"input_tokens": await off_loop(_count, ctx, body)})
+
+
+def _plan(ctx, body: dict):
+    """Validation, the rendered and tokenized prompt, the grammar (off the event loop)."""
     model = check_model(ctx, body)
     max_tokens = field(body, "max_tokens", "integer", required=True)
     sampling = sampling_from(body, max_tokens, field(body, "stop_sequences", "array"), ctx.serving.max_len)
     text, tools, constrain_output = prepare(ctx, body)
     prompt = build_prompt(ctx, text, sampling)
     constrain_output(sampling, prompt.in_reasoning)
+    return model, sampling, tools, prompt
+
+
+async def messages(ctx, body: dict, request):
+    model, sampling, tools, prompt = await off_loop(_plan, ctx, body)
     stream = field(body, "stream", "boolean", False)
     req, queue = submit(ctx, prompt.ids, sampling)
     gen = events(ctx, req, queue, tools, prompt.in_reasoning, request.is_disconnected)

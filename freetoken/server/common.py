@@ -1,6 +1,7 @@
 """What both API adapters share: request validation, errors, prompt building."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import re
@@ -58,6 +59,8 @@ def sampling_from(body: dict, max_tokens: int | None, stop, default_max: int) ->
     top_p = field(body, "top_p", "number", 1.0)
     top_k = field(body, "top_k", "integer", 0)
     seed = field(body, "seed", "integer")
+    if seed is not None and not -(1 << 63) <= seed < (1 << 64):  # what a torch.Generator takes
+        raise ApiError(400, f"seed must be a 64-bit integer (from -2**63 to 2**64 - 1), got {seed}", param="seed")
     if not 0 <= temperature <= 2:
         raise ApiError(400, f"temperature must be in [0, 2], got {temperature}", param="temperature")
     if not 0 < top_p <= 1:
@@ -127,10 +130,30 @@ def constrain(ctx, sampling: SamplingOptions, spec: GrammarSpec | None, in_reaso
     sampling.grammar = spec
 
 
+async def off_loop(fn, *args, **kwargs):
+    """fn(*args, **kwargs) on a worker thread: a request's CPU-heavy preparation (rendering a long
+    history, tokenizing it, compiling a grammar) must not hold the event loop that every other
+    stream, /health and /metrics run on (a 7 MB prompt stalled a concurrent stream 16 s)."""
+    return await asyncio.to_thread(fn, *args, **kwargs)
+
+
 @dataclass
 class Prompt:
     ids: list[int]
     in_reasoning: bool  # the rendered prompt already opened <think>
+
+
+def continuation(body: dict) -> tuple[bool, bool]:
+    """vLLM's chat extensions -> (continue_final, generation): `continue_final_message` leaves the
+    last (assistant) message open for the model to continue; `add_generation_prompt` false
+    renders the messages without opening the assistant's turn."""
+    cont = field(body, "continue_final_message", "boolean", False)
+    gen = field(body, "add_generation_prompt", "boolean", True)
+    if cont and "add_generation_prompt" in body and gen:
+        raise ApiError(400, "continue_final_message and add_generation_prompt cannot both be true: the first "
+                            "continues the last message, the second opens a new assistant turn",
+                       param="continue_final_message")
+    return cont, gen
 
 
 def build_prompt(ctx, text: str, sampling: SamplingOptions) -> Prompt:
@@ -151,15 +174,20 @@ def fit_prompt(ctx, ids: list[int], sampling: SamplingOptions) -> None:
     sampling.max_tokens = min(sampling.max_tokens, limit - len(ids))
 
 
-RENDER_OWNS = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+RENDER_OWNS = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "continue_final")
 
 
-def render(ctx, messages: list[dict], tools: list[dict] | None, **kwargs) -> str:
+def render(ctx, messages: list[dict], tools: list[dict] | None, kwargs: dict | None = None,
+           continue_final: bool = False, generation: bool = True) -> str:
     """The prompt in the model's chat template. kwargs: chat_template_kwargs; the keys the
-    renderer sets itself (RENDER_OWNS) are not the client's to pass and are dropped."""
-    kwargs = {k: v for k, v in kwargs.items() if k not in RENDER_OWNS}
+    renderer sets itself (RENDER_OWNS) are not the client's to pass and are dropped.
+    continue_final: the last message is an assistant turn to continue (a prefill), not a turn
+    to close and answer after (ChatTemplate.render). generation: whether the assistant's turn
+    is opened after the last message (vLLM's add_generation_prompt; True unless a client says)."""
+    kwargs = {k: v for k, v in (kwargs or {}).items() if k not in RENDER_OWNS}
     try:
-        return ctx.template.render(messages, tools, add_generation_prompt=True, **kwargs)
+        return ctx.template.render(messages, tools, add_generation_prompt=generation and not continue_final,
+                                   continue_final=continue_final, **kwargs)
     except FreeTokenError as e:
         raise ApiError(400, str(e)) from None
 
@@ -177,6 +205,8 @@ def text_of(content, where: str) -> str:
                 out.append(part)
             elif isinstance(part, dict) and part.get("type") in ("text", "input_text", "output_text"):
                 out.append(str(part.get("text", "")))
+            elif isinstance(part, dict) and part.get("type") == "refusal":  # an assistant's earlier refusal
+                out.append(str(part.get("refusal", "")))
             elif isinstance(part, dict) and part.get("type") in ("image", "image_url", "input_image", "document"):
                 raise ApiError(400, f"{where}: {part['type']} content is not supported by this text model")
             elif isinstance(part, dict):

@@ -143,6 +143,7 @@ async def events(ctx, req: Request, queue, tools, in_reasoning: bool, is_disconn
     stop_hit = None
     kept = Tokens()
     n_out = chars = 0  # output tokens seen (index into req.top_logprobs), characters decoded
+    counted = 0  # output tokens up to the one that completed a stop string (usage counts these)
     last_out = last_check = time.monotonic()
     try:
         while True:
@@ -169,6 +170,7 @@ async def events(ctx, req: Request, queue, tools, in_reasoning: bool, is_disconn
             if stop_hit is None:  # past a stop string the engine's tokens are not output
                 new = _tokens_of(req, ev, n_out, shown, chars)
                 kept.extend(new)
+                counted += len(ev.token_ids)
             n_out += len(ev.token_ids)
             chars += len(text)
             if stop_hit is not None:
@@ -187,8 +189,10 @@ async def events(ctx, req: Request, queue, tools, in_reasoning: bool, is_disconn
                 for e in parser.finish():
                     yield e
                 reason = "stop_sequence" if stop_hit is not None else ev.finish_reason
-                yield Done(reason, stop_hit, len(prompt_ids), len(req.output_ids), req.cached_tokens,
-                           ev.error, kept)
+                # with a stop string, the tokens the engine made before the cancel landed are not
+                # the answer's: usage counts up to the token that completed the stop string
+                made = len(req.output_ids) if stop_hit is None else counted
+                yield Done(reason, stop_hit, len(prompt_ids), made, req.cached_tokens, ev.error, kept)
                 return
     finally:
         if req.finish_reason is None or req.finished_at is None:

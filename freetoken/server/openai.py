@@ -9,8 +9,8 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from ..runtime.scheduler import QueueFull
 from ..runtime.serving import ShuttingDown
-from .common import (ApiError, build_prompt, constrain, field, fit_prompt, grammar_for, json_args, render,
-                     sampling_from, text_of)
+from .common import (ApiError, build_prompt, constrain, continuation, field, fit_prompt, grammar_for, json_args,
+                     off_loop, render, sampling_from, text_of)
 from .generation import Done, Ping, Tokens, collect, events, start
 from .logprobs import TokenText, chat_entries, chat_options, completion_logprobs, completion_options
 from .parser import Event
@@ -90,21 +90,43 @@ def _check_n(body):
         raise ApiError(400, f"n={n} is not supported: only one choice per request", param="n")
 
 
-async def chat_completions(ctx, body: dict, request):
+def allowed_tools(tools, choice: dict):
+    """tool_choice {"type": "allowed_tools", "allowed_tools": {"mode": "auto" | "required",
+    "tools": [{"type": "function", "function": {"name": ...}}, ...]}} -> (the tools kept, the
+    plain tool_choice): the model sees and may call only the tools named."""
+    spec = choice.get("allowed_tools")
+    mode, named = (spec.get("mode", "auto"), spec.get("tools")) if isinstance(spec, dict) else (None, None)
+    if mode not in ("auto", "required") or not isinstance(named, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
+            for t in named):
+        raise ApiError(400, "tool_choice allowed_tools needs {'mode': 'auto' | 'required', 'tools': "
+                            "[{'type': 'function', 'function': {'name': ...}}, ...]}", param="tool_choice")
+    keep = {t["function"]["name"] for t in named}
+    have = {t["function"]["name"] for t in tools or []}
+    if keep - have:
+        raise ApiError(400, f"tool_choice allowed_tools names {sorted(keep - have)}, which are not among the tools "
+                            "given", param="tool_choice")
+    return [t for t in tools if t["function"]["name"] in keep], mode
+
+
+def _chat_plan(ctx, body: dict):
+    """Validation, the rendered and tokenized prompt, the grammar: the CPU-heavy part of a chat
+    request, run off the event loop (common.off_loop)."""
     model = check_model(ctx, body)
     _check_n(body)
     spec = grammar_for(field(body, "response_format", "object"))
     parallel = field(body, "parallel_tool_calls", "boolean", True)
     messages = normalize_messages(body.get("messages"))
     tools = normalize_tools(body)
-    stream = field(body, "stream", "boolean", False)
-    include_usage = bool((field(body, "stream_options", "object") or {}).get("include_usage"))
     sampling = sampling_from(body, _max_tokens(body), body.get("stop"), default_max=ctx.serving.max_len)
     want_logprobs = chat_options(body, sampling)
     kwargs = dict(field(body, "chat_template_kwargs", "object") or {})
-    text = render(ctx, messages, tools, **kwargs)
-    prompt = build_prompt(ctx, text, sampling)
+    cont, gen = continuation(body)
     choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        tools, choice = allowed_tools(tools, choice)
+    text = render(ctx, messages, tools, kwargs, continue_final=cont, generation=gen)
+    prompt = build_prompt(ctx, text, sampling)
     if choice not in (None, "none", "auto") and not tools:
         raise ApiError(400, "tool_choice other than 'none'/'auto' needs tools", param="tool_choice")
     must, name = wanted(choice, [t["function"]["name"] for t in tools or []], "openai")
@@ -116,6 +138,13 @@ async def chat_completions(ctx, body: dict, request):
         constrain(ctx, sampling, spec, prompt.in_reasoning)
     else:  # strict tools: any call the model opens follows its tool's schema
         sampling.grammar = strict_grammar(ctx, tools, prompt.in_reasoning, **kwargs)
+    return model, tools, sampling, prompt, want_logprobs
+
+
+async def chat_completions(ctx, body: dict, request):
+    model, tools, sampling, prompt, want_logprobs = await off_loop(_chat_plan, ctx, body)
+    stream = field(body, "stream", "boolean", False)
+    include_usage = bool((field(body, "stream_options", "object") or {}).get("include_usage"))
     req, queue = submit(ctx, prompt.ids, sampling)
     gen = events(ctx, req, queue, tools, prompt.in_reasoning, request.is_disconnected,
                  tokens=stream and want_logprobs)
@@ -220,16 +249,21 @@ async def _chat_stream(gen, cid, created, model, include_usage, text_of_token: T
         await gen.aclose()
 
 
-async def completions(ctx, body: dict, request):
+def _completion_plan(ctx, body: dict):
+    """A raw completion's validated, tokenized prompt and sampling (off the event loop)."""
     model = check_model(ctx, body)
     _check_n(body)
     spec = grammar_for(field(body, "response_format", "object"))
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
+    suffix = field(body, "suffix", "string")
     if isinstance(prompt, str):
-        ids = ctx.tokenizer.encode(prompt)
+        ids = ctx.tokenizer.encode(fill_in_middle(ctx, prompt, suffix) if suffix else prompt)
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if suffix:
+            raise ApiError(400, "suffix needs the prompt as a string (fill-in-the-middle is built from text)",
+                           param="suffix")
         ids = list(prompt)
         if any(not 0 <= t < ctx.vocab_size for t in ids):
             raise ApiError(400, "prompt token ids must be in [0, vocab size)", param="prompt")
@@ -237,8 +271,33 @@ async def completions(ctx, body: dict, request):
         raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per request)", param="prompt")
     sampling = sampling_from(body, field(body, "max_tokens", "integer"), body.get("stop"), default_max=16)
     want_logprobs = completion_options(body, sampling)
+    echo = None
+    if field(body, "echo", "boolean", False):
+        if want_logprobs:
+            raise ApiError(400, "echo with logprobs is not supported (this server does not score prompt tokens)",
+                           param="echo")
+        echo = prompt if isinstance(prompt, str) else ctx.tokenizer.decode(ids)
     fit_prompt(ctx, ids, sampling)
     sampling.grammar = spec  # a raw completion: the format holds from the first token
+    return model, ids, sampling, want_logprobs, echo
+
+
+# the fill-in-the-middle tokens of the Qwen and StarCoder families, the order the models were trained on
+FIM_TOKENS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"), ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"))
+
+
+def fill_in_middle(ctx, prefix: str, suffix: str) -> str:
+    """/v1/completions with a `suffix` (editor autocomplete, e.g. Continue): the prompt in the
+    model's fill-in-the-middle form, prefix-suffix-middle, where its tokenizer has those tokens."""
+    for pre, suf, mid in FIM_TOKENS:
+        if all(ctx.tokenizer.token_id(t) is not None for t in (pre, suf, mid)):
+            return f"{pre}{prefix}{suf}{suffix}{mid}"
+    raise ApiError(400, "suffix (fill-in-the-middle) is not supported: this model's tokenizer has no "
+                        "fill-in-the-middle tokens", param="suffix")
+
+
+async def completions(ctx, body: dict, request):
+    model, ids, sampling, want_logprobs, echo = await off_loop(_completion_plan, ctx, body)
     stream = field(body, "stream", "boolean", False)
     include_usage = bool((field(body, "stream_options", "object") or {}).get("include_usage"))
     req, queue = submit(ctx, ids, sampling)
@@ -248,9 +307,10 @@ async def completions(ctx, body: dict, request):
     cid, created = "cmpl-" + uuid.uuid4().hex, int(time.time())
     if stream:
         text_of_token = ctx.token_text if want_logprobs else None
-        return StreamingResponse(_completion_stream(gen, cid, created, model, include_usage, text_of_token),
+        return StreamingResponse(_completion_stream(gen, cid, created, model, include_usage, text_of_token, echo),
                                  media_type="text/event-stream")
     _, text, _, done = collect([e async for e in gen])
+    text = (echo or "") + text
     _raise_if_failed(done)
     t = done.tokens
     lp = completion_logprobs(ctx.token_text, t.ids, t.logprobs, t.top_logprobs, t.text_offsets) \
@@ -261,7 +321,8 @@ async def completions(ctx, body: dict, request):
                          "usage": usage(done)})
 
 
-async def _completion_stream(gen, cid, created, model, include_usage, text_of_token: TokenText | None):
+async def _completion_stream(gen, cid, created, model, include_usage, text_of_token: TokenText | None,
+                             echo: str | None = None):
     pending = Tokens()
 
     def chunk(text, finish=None):
@@ -273,6 +334,8 @@ async def _completion_stream(gen, cid, created, model, include_usage, text_of_to
         return _sse({"id": cid, "object": "text_completion", "created": created, "model": model,
                      "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}]})
     try:
+        if echo:  # the prompt first, as OpenAI's legacy endpoint streams it
+            yield chunk(echo)
         async for ev in gen:
             if isinstance(ev, Ping):
                 yield ": keep-alive\n\n"

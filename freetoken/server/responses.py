@@ -458,21 +458,34 @@ def plan(ctx, body: dict) -> Plan:
 
 
 def _fit(ctx, system: list[dict], history: list[dict], tools, kwargs, sampling, auto: bool) -> Prompt:
-    """Render and tokenize; with truncation 'auto', drop the oldest turns (up to the next user
-    message) until the prompt leaves room to generate."""
-    while True:
-        if not history:
-            raise _bad("the input is empty")
-        text = common.render(ctx, _leading_system_merged(system + history), tools or None, **kwargs)
-        ids = ctx.tokenizer.encode(text)
-        if not auto or len(ids) < ctx.serving.max_len:
-            break
-        first = next((i for i, m in enumerate(history) if m["role"] != "system"), None)
-        cut = next((i for i in range(first + 1, len(history)) if history[i]["role"] == "user"), None) \
-            if first is not None else None
-        if cut is None:
-            break  # only the last turn is left: too long even so
-        history = history[:first] + history[cut:]
+    """Render and tokenize; with truncation 'auto', drop the oldest turns (each up to the next
+    user message) until the prompt leaves room to generate: the fewest turns that fit, found by
+    bisection (a few renders of the history, not one per turn dropped)."""
+    if not history:
+        raise _bad("the input is empty")
+
+    def attempt(h: list[dict]) -> tuple[str, list[int]]:
+        text = common.render(ctx, _leading_system_merged(system + h), tools or None, kwargs)
+        return text, ctx.tokenizer.encode(text)
+
+    text, ids = attempt(history)
+    limit = ctx.serving.max_len
+    first = next((i for i, m in enumerate(history) if m["role"] != "system"), None)
+    if auto and len(ids) >= limit and first is not None:
+        # cuts[k - 1]: where the history resumes after dropping the k oldest turns
+        cuts = [i for i in range(first + 1, len(history)) if history[i]["role"] == "user"]
+        lo, hi, best = 1, len(cuts), None  # fewer tokens the more turns are dropped
+        while lo <= hi:
+            k = (lo + hi) // 2
+            t, got = attempt(history[:first] + history[cuts[k - 1]:])
+            if len(got) < limit:
+                best, hi = (t, got), k - 1
+            else:
+                lo = k + 1
+        if best is not None:
+            text, ids = best
+        elif cuts:  # too long even with only the last turn left: fit_prompt says so
+            text, ids = attempt(history[:first] + history[cuts[-1]:])
     fit_prompt(ctx, ids, sampling)
     return Prompt(ids, text.rstrip().endswith("<think>"))
 
@@ -638,7 +651,7 @@ class Answer:
 
 
 async def create(ctx, body: dict, request):
-    p = plan(ctx, body)
+    p = await common.off_loop(plan, ctx, body)
     stream = field(body, "stream", "boolean", False)
     req, queue = submit(ctx, p.prompt.ids, p.sampling)
     gen = events(ctx, req, queue, p.tools or None, p.prompt.in_reasoning, request.is_disconnected)

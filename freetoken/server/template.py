@@ -241,7 +241,12 @@ class ChatTemplate:
         return cls(src or None, special)
 
     def render(self, messages: list[dict], tools: list[dict] | None = None,
-               add_generation_prompt: bool = True, **kwargs) -> str:
+               add_generation_prompt: bool = True, continue_final: bool = False, **kwargs) -> str:
+        """continue_final: the last message, an assistant turn, is left open for the model to
+        continue (Anthropic's prefill of a final assistant message, vLLM's and transformers'
+        continue_final_message): rendered as a closed turn, then cut right after its text."""
+        if continue_final:
+            return self._continued(messages, tools, **kwargs)
         try:
             return self.template.render(messages=_with_tool_args(messages), tools=tools or None,
                                         add_generation_prompt=add_generation_prompt,
@@ -250,3 +255,23 @@ class ChatTemplate:
         except (jinja2.TemplateError, TypeError, ValueError, AttributeError, KeyError, IndexError) as e:
             # a template that fails on these messages (e.g. `+` on a value of another type)
             raise FreeTokenError(f"chat template error: {e}") from None
+
+    def _continued(self, messages: list[dict], tools, **kwargs) -> str:
+        last = messages[-1] if messages else {}
+        if last.get("role") != "assistant" or last.get("tool_calls"):
+            raise FreeTokenError("continuing the final message needs an assistant message with text "
+                                 "(and no tool calls) last")
+        body = last.get("content") or ""
+        if not body.strip():  # nothing to continue: an ordinary answer to the turns before it
+            return self.render(messages[:-1], tools, add_generation_prompt=True, **kwargs)
+        text = self.render(messages, tools, add_generation_prompt=False, **kwargs)
+        # The template may trim the message's outer whitespace; the cut goes after its last
+        # rendering in the prompt, keeping trailing whitespace only where the template kept it
+        core = body.strip()
+        at = text.rfind(core)
+        if at < 0:
+            raise FreeTokenError("the chat template changed the final assistant message's text, so it "
+                                 "cannot be continued; send it without the final assistant message")
+        kept = body.lstrip()
+        end = at + len(kept) if text.startswith(kept, at) else at + len(core)
+        return text[:end]

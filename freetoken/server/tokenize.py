@@ -1,8 +1,8 @@
 """POST /tokenize and /detokenize, as vLLM serves them (with llama.cpp's field names too).
 
 /tokenize takes `{"prompt": str}` (llama.cpp: `{"content": str}`) or chat `{"messages": [...]}`
-(rendered with the chat template, `tools`, `chat_template_kwargs` and `add_generation_prompt`
-as chat completions would) and answers `{"tokens", "count", "max_model_len", "token_strs"}`:
+(rendered with the chat template, `tools`, `chat_template_kwargs`, `add_generation_prompt` and
+`continue_final_message` as chat completions would) and answers `{"tokens", "count", "max_model_len", "token_strs"}`:
 the ids this server would prefill for that prompt. `return_token_strs` gives the vocabulary
 pieces (vLLM); llama.cpp's `with_pieces` turns `tokens` into `[{"id", "piece"}]`.
 /detokenize takes `{"tokens": [...]}` and answers `{"prompt": str}` (and llama.cpp's `content`).
@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from starlette.responses import JSONResponse
 
-from ..errors import FreeTokenError
-from .common import ApiError, field
+from .common import ApiError, continuation, field, off_loop, render
 from .openai import normalize_messages, normalize_tools
 from .responses import RESERVED
 
@@ -26,16 +25,11 @@ def _check_model(ctx, body: dict) -> None:
 
 def _text(ctx, body: dict) -> str:
     if body.get("messages") is not None:
-        if field(body, "continue_final_message", "boolean", False):
-            raise ApiError(400, "continue_final_message is not supported", param="continue_final_message")
         messages = normalize_messages(body["messages"])
         tools = normalize_tools(body)
         kwargs = {k: v for k, v in (field(body, "chat_template_kwargs", "object") or {}).items() if k not in RESERVED}
-        generation = field(body, "add_generation_prompt", "boolean", True)
-        try:
-            return ctx.template.render(messages, tools, add_generation_prompt=generation, **kwargs)
-        except FreeTokenError as e:
-            raise ApiError(400, str(e)) from None
+        cont, generation = continuation(body)
+        return render(ctx, messages, tools, kwargs, continue_final=cont, generation=generation)
     prompt = body.get("prompt", body.get("content"))
     if not isinstance(prompt, str):
         raise ApiError(400, "give 'prompt' (or llama.cpp's 'content') as a string, or chat 'messages'",
@@ -44,6 +38,10 @@ def _text(ctx, body: dict) -> str:
 
 
 async def tokenize(ctx, body: dict, request):
+    return JSONResponse(await off_loop(_tokenized, ctx, body))
+
+
+def _tokenized(ctx, body: dict) -> dict:
     _check_model(ctx, body)
     # add_special_tokens / add_special are accepted: ids are encoded as this server encodes
     # prompts (no tokens added; the chat template writes any BOS itself)
@@ -64,7 +62,7 @@ async def tokenize(ctx, body: dict, request):
             except UnicodeDecodeError:
                 pieces.append({"id": i, "piece": list(raw)})
         out["tokens"] = pieces
-    return JSONResponse(out)
+    return out
 
 
 async def detokenize(ctx, body: dict, request):
