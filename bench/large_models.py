@@ -100,6 +100,7 @@ Results: benchmarks/results/NAME-gpu.json (or $OUT), NAME = --name (default larg
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import time
 
@@ -507,9 +508,31 @@ def free(dev) -> None:
         torch.cuda.empty_cache()
 
 
+@contextlib.contextmanager
+def host_threads(dev, threads: int):
+    """With no GPU the whole step runs on the host: torch's own ops and the dense rows kernels
+    (torch's intra-op thread count) get the row's thread count too, as llama.cpp's -t gives all
+    of its work; on CUDA they are left alone (the dense work is the GPU's)."""
+    old = torch.get_num_threads()
+    if dev.type == "cpu" and threads > 0:
+        torch.set_num_threads(threads)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(old)
+
+
 def run_mode(mode: str, a, mc, w, banks, dev, batch: int, threads: int, slots: int, start: float,
              prefetch: int = 0) -> dict:
     """One row: the mode timed with decode graphs where it can be, else eagerly (graph_error)."""
+    with host_threads(dev, threads if mode != "resident" else 0) as torch_threads:
+        row = _run_mode(mode, a, mc, w, banks, dev, batch, threads, slots, start, prefetch)
+    row["torch_threads"] = torch_threads
+    return row
+
+
+def _run_mode(mode: str, a, mc, w, banks, dev, batch: int, threads: int, slots: int, start: float,
+              prefetch: int = 0) -> dict:
     from bench.expert_cache import run_config
     row = {"mode": mode, "batch": batch, "threads": threads if mode != "resident" else None, "device": dev.type}
     if mode != "resident":
@@ -544,6 +567,11 @@ def run_mode(mode: str, a, mc, w, banks, dev, batch: int, threads: int, slots: i
 def time_prefill(a, mc, w, banks, dev, threads: int, chunk: int = 2048) -> float:
     """tok/s of a fresh `--prefill`-token prompt through the cpu-only model in the engine's
     default chunks, after a short warm-up prompt (what Engine.prefill runs on the CPU)."""
+    with host_threads(dev, threads):
+        return _time_prefill(a, mc, w, banks, dev, threads, chunk)
+
+
+def _time_prefill(a, mc, w, banks, dev, threads: int, chunk: int) -> float:
     from freetoken.model.registry import model_class
     from freetoken.model.state import DecodeState
     n = a.prefill

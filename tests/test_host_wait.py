@@ -98,3 +98,22 @@ def test_a_bad_mode_fails_the_engine_start(monkeypatch, tmp_path):
     monkeypatch.setenv("FREETOKEN_HOST_WAIT", "spin")
     eng = Engine(str(tmp_path / "m.ftw"), EngineConfig(device="cpu", dtype="float32"))
     assert eng.host_wait_blocks is False  # the CPU: nothing to wait for on a device
+
+
+def test_a_cpu_engine_keeps_its_whole_step_to_cpu_threads(tmp_path):
+    """--cpu-threads on a CPU-only engine is the step's thread budget (llama.cpp's -t): torch's
+    own ops and the dense kernels (torch's intra-op count) too; without it torch's count stays."""
+    import hf_models
+    from freetoken.runtime.engine import Engine, EngineConfig
+    from freetoken.weights.convert import convert
+    hf_models.save(hf_models.qwen3_moe(3, num_hidden_layers=1), str(tmp_path / "hf"))
+    convert(str(tmp_path / "hf"), str(tmp_path / "m.ftw"), progress=False)
+    before = torch.get_num_threads()
+    try:
+        Engine(str(tmp_path / "m.ftw"), EngineConfig(device="cpu", dtype="float32"))
+        assert torch.get_num_threads() == before
+        eng = Engine(str(tmp_path / "m.ftw"), EngineConfig(device="cpu", dtype="float32", cpu_threads=1))
+        assert torch.get_num_threads() == 1
+        assert eng.generate([1, 2, 3], 2).token_ids  # and it still runs
+    finally:
+        torch.set_num_threads(before)

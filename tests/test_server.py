@@ -52,7 +52,7 @@ def reference():
     (Engine.generate and one all-logits prefill, apart from the serving loop)."""
     from freetoken.demo import demo_path
     from freetoken.runtime.engine import Engine, EngineConfig
-    return Engine(demo_path(), EngineConfig(device="cpu", dtype="float32", cpu_threads=1, verify=False))
+    return Engine(demo_path(), EngineConfig(device="cpu", dtype="float32", verify=False))
 
 
 def render_ids(eng, messages, tools=None) -> list[int]:

@@ -73,7 +73,8 @@ class EngineConfig:
                 "blocks (fp8_block 128 rows, mxfp4 32, nvfp4 16) (1: off)"})
     cpu_threads: int = field(default=0, metadata={
         "help": "CPU expert threads (0: the physical cores; on CUDA all but two, left to the thread that "
-                "launches the GPU work and the one that runs the CPU branch of a decode step)"})
+                "launches the GPU work and the one that runs the CPU branch of a decode step); on a CPU-only "
+                "engine also torch's threads, so the whole step keeps to this many"})
     cpu_act: str = field(default="exact", metadata={
         "help": "activations of MXFP4 / NVFP4 experts on the CPU executor: exact = as the model computes them "
                 "(f32 / bf16); int8 = quantized per 32 values for integer dot products (AVX512-VNNI, as "
@@ -217,6 +218,11 @@ class Engine:
         self.path = path
         self.ecfg = ecfg or EngineConfig()
         self.device, self.dtype, self.experts_on = self.ecfg.resolved()
+        if self.device.type == "cpu" and self.ecfg.cpu_threads > 0:
+            # a CPU engine's thread budget covers the whole step, as llama.cpp's -t does: torch's
+            # ops and the dense rows / attention / DeltaNet kernels (torch's intra-op count) too,
+            # not only the expert executor (they took every core whatever --cpu-threads said)
+            torch.set_num_threads(self.ecfg.cpu_threads)
         # dense FP8 weights kept as published: on CUDA by default (VRAM is what runs out; the Triton
         # GEMM reads the bytes in place); on the CPU a kept weight is dequantized every call
         self.keep_fp8 = self.ecfg.dense_fp8 == "keep" or (self.ecfg.dense_fp8 == "auto" and self.device.type == "cuda")
