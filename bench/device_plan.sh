@@ -56,6 +56,7 @@
 # 8k loaded window (--warm-loaded).
 # Call 72: OpenMP's spin A/B on the CPU branch; pure-CPU decode on the Xeon beside llama.cpp.
 # Call 73: the host thread's wait for a step (runtime/host_wait.py) at 14 and 16 threads on the 40-layer MXFP4 slice.
+# Call 77: the Xeon's pure-CPU rows with torch kept to the row's threads, and the step by part.
 # Call 76: plan 70 again after host_wait (16-thread rows beside llama.cpp in one run), the spin A/B at 16.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
@@ -722,6 +723,21 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   CUDA_VISIBLE_DEVICES= step 240 cpu-llamacpp python3 -m bench.large_models --arch qwen3_5_moe --layers 12 \
     --expert-format mxfp4 --modes cpu-only --threads 6,14 --llamacpp --llamacpp-build $B \
     --name large_models-qwen3_5_moe-12-mxfp4-cpu-xeon
+  ;;
+77) # ~420 s (limits 60 + 240 + 120), twenty-sixth session: carry .llama/llama-bench.xz.aa .ab .ac,
+  # .llama/llama.cpp.tar.xz, .whl, .devcache/commit. Plan 72's pure-CPU rows again (GPU hidden): in
+  # plan 72 our torch ops and dense kernels ran on all 16 cores at "6 threads"; bench.large_models now
+  # gives the row's thread count to torch too. Then the step by part at 6 and 14 threads
+  # (bench/cpu_step_parts.py: the dense rows kernel, the experts, DeltaNet, attention, the rest)
+  B=/tmp/ft-llama-build
+  [ -x $B/bin/llama-bench ] || { mkdir -p $B/bin && cat .llama/llama-bench.xz.* | xz -d > $B/bin/llama-bench \
+    && chmod +x $B/bin/llama-bench; }
+  step 60 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
+  CUDA_VISIBLE_DEVICES= step 240 cpu-llamacpp python3 -m bench.large_models --arch qwen3_5_moe --layers 12 \
+    --expert-format mxfp4 --modes cpu-only --threads 6,14 --llamacpp --llamacpp-build $B \
+    --name large_models-qwen3_5_moe-12-mxfp4-cpu-xeon-samethreads
+  CUDA_VISIBLE_DEVICES= step 120 cpu-parts python3 -m bench.cpu_step_parts --layers 12 --expert-format mxfp4 \
+    --threads 6,14 --name cpu_step_parts-qwen3_5_moe-12-mxfp4-xeon
   ;;
 76) # ~450 s (limits 60 + 400 + 100), twenty-sixth session, issue 10 (b): plan 70 again after
   # runtime/host_wait.py (the launching thread asleep in a blocking event where the step has a CPU

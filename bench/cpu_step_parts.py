@@ -1,0 +1,99 @@
+"""Where a pure-CPU decode step's time goes, by part: each C++ kernel of the step (the dense rows
+kernel, the expert executor, the DeltaNet and attention kernels) and the rest (Python, small
+torch ops), for a slice of a full-size shape with random weights, no GPU.
+
+The step is timed plainly first; then cProfile's own time of each `freetoken_moe_cpu` call
+(the kernels release the GIL and return when their pool is done, so a call's time is the
+kernel's wall time) gives the parts, "other" the profiled step less those. The profiler adds to
+"other" only. Each row runs with torch and the kernels on the row's thread count.
+
+    python -m bench.cpu_step_parts --arch qwen3_5_moe --layers 12 --expert-format mxfp4 --threads 2
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+
+from bench import large_models as L
+from bench.common import write_result
+
+KERNEL_MODULE = "freetoken_moe_cpu"
+
+
+def kernel_parts(prof: cProfile.Profile, steps: int) -> dict[str, float]:
+    """ms a step of each freetoken_moe_cpu function, from the profile's own times."""
+    out: dict[str, float] = {}
+    for (_, _, name), (_, _, own, _, _) in pstats.Stats(prof).stats.items():
+        if KERNEL_MODULE in name:  # "<built-in method freetoken_moe_cpu.dense_gemv>"
+            key = name.split(KERNEL_MODULE + ".")[-1].rstrip(">}")
+            out[key] = out.get(key, 0.0) + own * 1e3 / steps
+    return out
+
+
+def row(mc, w, banks, threads: int, steps: int, prompt: int) -> dict:
+    from freetoken.model.registry import model_class
+    from freetoken.model.state import DecodeState
+    dev = torch.device("cpu")
+    with L.host_threads(dev, threads):
+        ex = L.make_executor("cpu-only", banks, mc, dev, threads, 1, 1.0, "lru")
+        model = model_class(mc.arch)(mc, w, ex, dev, torch.bfloat16, prompt + 3 * steps + 16)
+        st = DecodeState(mc, 1, prompt + 3 * steps + 16, dev, torch.bfloat16)
+        st.reserve(0, prompt + 3 * steps + 16)
+        ids = torch.randint(0, mc.vocab_size, (prompt,), generator=torch.Generator().manual_seed(1))
+        tok = model.prefill(ids, st, 0, 0)[-1].argmax().view(1)
+        pos = torch.full((1,), prompt)
+
+        def run(n: int) -> None:
+            nonlocal tok
+            for _ in range(n):
+                tok = model.decode(tok, st, pos).argmax(-1)
+                pos.add_(1)
+        with torch.no_grad():
+            run(4)
+            t0 = time.perf_counter()
+            run(steps)
+            plain = (time.perf_counter() - t0) * 1e3 / steps
+            prof = cProfile.Profile()
+            t0 = time.perf_counter()
+            prof.enable()
+            run(steps)
+            prof.disable()
+            profiled = (time.perf_counter() - t0) * 1e3 / steps
+        parts = kernel_parts(prof, steps)
+        ex = model = None  # the executor's threads end before the next row's start
+        return {"threads": threads, "torch_threads": torch.get_num_threads(), "ms_per_step": round(plain, 2),
+                "tok_s": round(1e3 / plain, 2), "profiled_ms_per_step": round(profiled, 2),
+                "parts_ms": {k: round(v, 2) for k, v in sorted(parts.items(), key=lambda kv: -kv[1])},
+                "other_ms": round(profiled - sum(parts.values()), 2)}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", default="qwen3_5_moe", choices=sorted(L.SHAPES))
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--expert-format", default="mxfp4", choices=["bf16", "fp8_block", "mxfp4", "nvfp4"])
+    ap.add_argument("--threads", default="2", help="comma-separated thread counts, one row each")
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--name", default="cpu_step_parts")
+    a = ap.parse_args(argv)
+    from freetoken.config import ModelConfig
+    cfg = L.slice_config(L.SHAPES[a.arch], a.layers)
+    mc = ModelConfig.from_hf(cfg)
+    dev = torch.device("cpu")
+    w = L.random_dense(L.weight_plan(cfg), mc, dev)
+    banks, _ = L.make_banks(a.expert_format, mc, dev)
+    rows = []
+    for t in (int(x) for x in a.threads.split(",")):
+        rows.append(row(mc, w, banks, t, a.steps, a.prompt))
+        print(rows[-1], flush=True)
+    write_result(a.name, {"arch": a.arch, "layers": a.layers, "expert_format": a.expert_format,
+                          "steps": a.steps, "prompt": a.prompt, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
