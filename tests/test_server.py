@@ -684,20 +684,39 @@ def _template(eng):
     return ChatTemplate.from_files(eng.files, load_json(eng.files.get("tokenizer_config.json"), "tokenizer_config.json"))
 
 
-def test_messages_final_assistant_message_is_continued(claude, reference):
-    """Anthropic's prefill: a final assistant message is continued, not closed and answered."""
-    prefill = '{"answer": "'
+@pytest.mark.parametrize("prefill", ['{"answer": "', "<", ">", "end"])
+def test_messages_final_assistant_message_is_continued(claude, reference, prefill):
+    """Anthropic's prefill: a final assistant message is continued, not closed and answered. The
+    demo's template opens an assistant turn as its generation prompt does, so the continued prompt
+    is that prompt plus the prefill (and no more: "<" and "end" also occur in the turn's closing
+    text, where a search for the message's text would cut)."""
     msgs = [{"role": "user", "content": "Reply in JSON."}, {"role": "assistant", "content": prefill}]
     r = claude.messages.create(model=MODEL, max_tokens=6, messages=msgs, extra_body={"temperature": 0})
-    text = _template(reference).render(msgs, continue_final=True)
-    assert text.endswith(prefill) and text.count("<|im_start|>assistant") == 1
+    tpl = _template(reference)
+    text = tpl.render(msgs, continue_final=True)
+    assert text == tpl.render(msgs[:1], add_generation_prompt=True) + prefill
     ids = reference.tokenizer.encode(text)
-    assert r.usage.input_tokens == len(ids)  # a closed turn plus a new one would be longer
+    # a closed turn plus a new one would be longer (Anthropic's input_tokens leave out cache reads)
+    assert r.usage.input_tokens + (r.usage.cache_read_input_tokens or 0) == len(ids)
     from freetoken.runtime.sampler import SamplingParams
     gen = reference.generate(ids, 6, SamplingParams(temperature=0), stop_at_eos=False).token_ids
     eos = set(reference.eos_ids)
     shown = gen[:next((i for i, t in enumerate(gen) if t in eos), len(gen))]
     assert "".join(b.text for b in r.content if b.type == "text") == reference.tokenizer.decode(shown)
+
+
+def test_a_continued_message_refuses_a_grammar(server):
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": '{"a": '}]
+    r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": msgs, "continue_final_message": True,
+                                               "add_generation_prompt": False, "response_format": {"type": "json_object"}})
+    assert r.status_code == 400 and "prefilled" in r.json()["error"]["message"]
+    r = post(server, "/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": msgs,
+                                      "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+                                      "tool_choice": {"type": "tool", "name": "f"}})
+    assert r.status_code == 400 and "prefilled" in r.json()["error"]["message"]
+    r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": msgs[:1], "tool_choice": {
+        "type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}})
+    assert r.status_code == 400 and "allowed_tools" in r.json()["error"]["message"]
 
 
 def test_continue_final_message_and_its_errors(server):
@@ -745,5 +764,9 @@ def test_completions_echo_and_fill_in_the_middle(oai, server, reference):
                                  max_tokens=3, temperature=0)
     want = reference.tokenizer.encode("<|fim_prefix|>def add(a, b):\n    <|fim_suffix|>\n\nprint(add(1, 2))\n<|fim_middle|>")
     assert fim.usage.prompt_tokens == len(want)
+    from freetoken.runtime.sampler import SamplingParams
+    gen = reference.generate(want, 3, SamplingParams(temperature=0), stop_at_eos=False).token_ids
+    if not set(gen) & set(reference.eos_ids):  # the same prompt: the same greedy answer
+        assert fim.choices[0].text == reference.tokenizer.decode(gen)
     bad = post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 2})
     assert bad.status_code == 400 and "echo" in bad.json()["error"]["message"]

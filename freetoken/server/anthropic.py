@@ -15,8 +15,8 @@ import uuid
 
 from starlette.responses import JSONResponse, StreamingResponse
 
-from .common import (ApiError, build_prompt, constrain, field, grammar_for, json_args, off_loop, render, sampling_from,
-                     text_of)
+from .common import (ApiError, build_prompt, constrain, field, grammar_for, json_args, off_loop,
+                     refuse_continued_grammar, render, sampling_from, text_of)
 from .tool_choice import call_grammar, forced_opening, strict_grammar, wanted
 from .generation import Done, Ping, collect, events
 from .openai import submit
@@ -166,6 +166,8 @@ def prepare(ctx, body: dict):
             constrain(ctx, sampling, spec, in_reasoning)
         else:
             sampling.grammar = strict_grammar(ctx, tools, in_reasoning, **kwargs)
+        if prefill:
+            refuse_continued_grammar(sampling, "messages")
     return text, tools, constrain_output
 
 

@@ -156,6 +156,16 @@ def continuation(body: dict) -> tuple[bool, bool]:
     return cont, gen
 
 
+def refuse_continued_grammar(sampling: SamplingOptions, param: str) -> None:
+    """A continued assistant message has begun the answer already; a response format, a forced
+    tool call or strict tools would start theirs from scratch after it (a second JSON object
+    after a prefilled '{"a": '): refused rather than answered wrong."""
+    if sampling.grammar is not None or sampling.forced:
+        raise ApiError(400, "a continued (prefilled) final assistant message cannot be combined with a response "
+                            "format, a forced tool call or strict tools: their output would start over after the "
+                            "prefilled text", param=param)
+
+
 def build_prompt(ctx, text: str, sampling: SamplingOptions) -> Prompt:
     ids = ctx.tokenizer.encode(text)
     fit_prompt(ctx, ids, sampling)

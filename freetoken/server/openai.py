@@ -9,8 +9,8 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from ..runtime.scheduler import QueueFull
 from ..runtime.serving import ShuttingDown
-from .common import (ApiError, build_prompt, constrain, continuation, field, fit_prompt, grammar_for, json_args,
-                     off_loop, render, sampling_from, text_of)
+from .common import (RENDER_OWNS, ApiError, build_prompt, constrain, continuation, field, fit_prompt, grammar_for,
+                     json_args, off_loop, refuse_continued_grammar, render, sampling_from, text_of)
 from .generation import Done, Ping, Tokens, collect, events, start
 from .logprobs import TokenText, chat_entries, chat_options, completion_logprobs, completion_options
 from .parser import Event
@@ -101,8 +101,10 @@ def allowed_tools(tools, choice: dict):
             for t in named):
         raise ApiError(400, "tool_choice allowed_tools needs {'mode': 'auto' | 'required', 'tools': "
                             "[{'type': 'function', 'function': {'name': ...}}, ...]}", param="tool_choice")
+    if not tools or not named:
+        raise ApiError(400, "tool_choice allowed_tools needs tools, and names at least one of them", param="tool_choice")
     keep = {t["function"]["name"] for t in named}
-    have = {t["function"]["name"] for t in tools or []}
+    have = {t["function"]["name"] for t in tools}
     if keep - have:
         raise ApiError(400, f"tool_choice allowed_tools names {sorted(keep - have)}, which are not among the tools "
                             "given", param="tool_choice")
@@ -120,7 +122,8 @@ def _chat_plan(ctx, body: dict):
     tools = normalize_tools(body)
     sampling = sampling_from(body, _max_tokens(body), body.get("stop"), default_max=ctx.serving.max_len)
     want_logprobs = chat_options(body, sampling)
-    kwargs = dict(field(body, "chat_template_kwargs", "object") or {})
+    # the keys the renderer sets itself are not the client's (they reach the tool-call probes too)
+    kwargs = {k: v for k, v in (field(body, "chat_template_kwargs", "object") or {}).items() if k not in RENDER_OWNS}
     cont, gen = continuation(body)
     choice = body.get("tool_choice")
     if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
@@ -138,6 +141,8 @@ def _chat_plan(ctx, body: dict):
         constrain(ctx, sampling, spec, prompt.in_reasoning)
     else:  # strict tools: any call the model opens follows its tool's schema
         sampling.grammar = strict_grammar(ctx, tools, prompt.in_reasoning, **kwargs)
+    if cont:
+        refuse_continued_grammar(sampling, "continue_final_message")
     return model, tools, sampling, prompt, want_logprobs
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -39,7 +40,7 @@ SUMMARIES = ("auto", "concise", "detailed")
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 TEXT_PARTS = ("input_text", "output_text", "text")
 # what the renderer passes itself: chat_template_kwargs cannot override these
-RESERVED = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
+RESERVED = set(common.RENDER_OWNS)  # chat_template_kwargs the renderer sets itself
 
 
 # ---------------------------------------------------------------- the store
@@ -51,29 +52,38 @@ class Stored:
 
 
 class Store:
-    """Stored responses, least recently used evicted first past `max_items` or `max_bytes`."""
+    """Stored responses, least recently used evicted first past `max_items` or `max_bytes`.
+    Locked: a request's plan reads it on a worker thread (common.off_loop) while the event loop
+    stores and deletes."""
 
     def __init__(self, max_items: int, max_bytes: int):
         self.max_items, self.max_bytes = max(1, max_items), max(1, max_bytes)
         self.entries: OrderedDict[str, Stored] = OrderedDict()
         self.bytes = 0
+        self.lock = threading.Lock()
 
     def get(self, rid: str) -> Stored | None:
-        entry = self.entries.get(rid)
-        if entry is not None:
-            self.entries.move_to_end(rid)
-        return entry
+        with self.lock:
+            entry = self.entries.get(rid)
+            if entry is not None:
+                self.entries.move_to_end(rid)
+            return entry
 
     def put(self, rid: str, response: dict, history: list[dict]) -> None:
         size = len(json.dumps(response, ensure_ascii=False)) + len(json.dumps(history, ensure_ascii=False, default=str))
-        self.delete(rid)
-        self.entries[rid] = Stored(response, history, size)
-        self.bytes += size
-        while len(self.entries) > 1 and (len(self.entries) > self.max_items or self.bytes > self.max_bytes):
-            _, old = self.entries.popitem(last=False)
-            self.bytes -= old.size
+        with self.lock:
+            self._pop(rid)
+            self.entries[rid] = Stored(response, history, size)
+            self.bytes += size
+            while len(self.entries) > 1 and (len(self.entries) > self.max_items or self.bytes > self.max_bytes):
+                _, old = self.entries.popitem(last=False)
+                self.bytes -= old.size
 
     def delete(self, rid: str) -> bool:
+        with self.lock:
+            return self._pop(rid)
+
+    def _pop(self, rid: str) -> bool:
         old = self.entries.pop(rid, None)
         if old is not None:
             self.bytes -= old.size
@@ -81,12 +91,16 @@ class Store:
 
 
 STORE_BYTES = 64 << 20  # JSON bytes the stored responses may take
+_STORE_MADE = threading.Lock()
 
 
 def store_of(ctx) -> Store:
     store = ctx.__dict__.get("_responses_store")
     if store is None:
-        store = ctx.__dict__["_responses_store"] = Store(ctx.responses_store, STORE_BYTES)
+        with _STORE_MADE:  # two first requests on two threads must not make two stores
+            store = ctx.__dict__.get("_responses_store")
+            if store is None:
+                store = ctx.__dict__["_responses_store"] = Store(ctx.responses_store, STORE_BYTES)
     return store
 
 
@@ -474,10 +488,10 @@ def _fit(ctx, system: list[dict], history: list[dict], tools, kwargs, sampling, 
     if auto and len(ids) >= limit and first is not None:
         # cuts[k - 1]: where the history resumes after dropping the k oldest turns
         cuts = [i for i in range(first + 1, len(history)) if history[i]["role"] == "user"]
-        lo, hi, best = 1, len(cuts), None  # fewer tokens the more turns are dropped
+        lo, hi, best, tried = 1, len(cuts), None, {}  # fewer tokens the more turns are dropped
         while lo <= hi:
             k = (lo + hi) // 2
-            t, got = attempt(history[:first] + history[cuts[k - 1]:])
+            tried[k] = t, got = attempt(history[:first] + history[cuts[k - 1]:])
             if len(got) < limit:
                 best, hi = (t, got), k - 1
             else:
@@ -485,7 +499,7 @@ def _fit(ctx, system: list[dict], history: list[dict], tools, kwargs, sampling, 
         if best is not None:
             text, ids = best
         elif cuts:  # too long even with only the last turn left: fit_prompt says so
-            text, ids = attempt(history[:first] + history[cuts[-1]:])
+            text, ids = tried.get(len(cuts)) or attempt(history[:first] + history[cuts[-1]:])
     fit_prompt(ctx, ids, sampling)
     return Prompt(ids, text.rstrip().endswith("<think>"))
 

@@ -256,6 +256,10 @@ class ChatTemplate:
             # a template that fails on these messages (e.g. `+` on a value of another type)
             raise FreeTokenError(f"chat template error: {e}") from None
 
+    # marks the end of the final message's text in a render (private-use characters: no template
+    # trims, escapes or repeats them), so the cut never lands in the template's own closing text
+    CUT = "\ue000ft-continue\ue001"
+
     def _continued(self, messages: list[dict], tools, **kwargs) -> str:
         last = messages[-1] if messages else {}
         if last.get("role") != "assistant" or last.get("tool_calls"):
@@ -264,14 +268,14 @@ class ChatTemplate:
         body = last.get("content") or ""
         if not body.strip():  # nothing to continue: an ordinary answer to the turns before it
             return self.render(messages[:-1], tools, add_generation_prompt=True, **kwargs)
-        text = self.render(messages, tools, add_generation_prompt=False, **kwargs)
-        # The template may trim the message's outer whitespace; the cut goes after its last
-        # rendering in the prompt, keeping trailing whitespace only where the template kept it
-        core = body.strip()
-        at = text.rfind(core)
-        if at < 0:
-            raise FreeTokenError("the chat template changed the final assistant message's text, so it "
-                                 "cannot be continued; send it without the final assistant message")
-        kept = body.lstrip()
-        end = at + len(kept) if text.startswith(kept, at) else at + len(core)
-        return text[:end]
+        marked = self.render([*messages[:-1], {**last, "content": body + self.CUT}], tools,
+                             add_generation_prompt=False, **kwargs)
+        if marked.count(self.CUT) != 1:
+            raise FreeTokenError("the chat template does not write the final assistant message's text as "
+                                 "given, so it cannot be continued; send it without the final assistant message")
+        text = marked[:marked.index(self.CUT)]
+        # trailing whitespace of the message stays only where the template keeps it without the mark
+        trail = len(body) - len(body.rstrip())
+        if trail and not self.render(messages, tools, add_generation_prompt=False, **kwargs).startswith(text):
+            text = text[:len(text) - trail]
+        return text
