@@ -770,3 +770,39 @@ def test_completions_echo_and_fill_in_the_middle(oai, server, reference):
         assert fim.choices[0].text == reference.tokenizer.decode(gen)
     bad = post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 2})
     assert bad.status_code == 400 and "echo" in bad.json()["error"]["message"]
+
+
+def test_deprecated_functions_api(server):
+    """`functions` / `function_call` (OpenAI's deprecated function calling): served as tools, the
+    call answered as one `function_call` (finish_reason "function_call"), history with the old
+    shapes accepted."""
+    # strict, with an enum: the grammar completes the forced call, so the answer always has one
+    fns = [{"name": "get_weather", "description": "weather", "strict": True, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+        "required": ["city"], "additionalProperties": False}}]
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": msgs, "functions": fns,
+                                               "function_call": {"name": "get_weather"}, "max_tokens": 24,
+                                               "temperature": 0})
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    assert "tool_calls" not in c["message"] and c["message"]["content"] is None
+    call = c["message"]["function_call"]
+    assert call["name"] == "get_weather" and json.loads(call["arguments"])["city"] in ("Paris", "Rome")
+    assert c["finish_reason"] == "function_call"
+    with httpx.stream("POST", server.url + "/v1/chat/completions", headers={"authorization": f"Bearer {API_KEY}"},
+                      json={"model": MODEL, "messages": msgs, "functions": fns, "function_call": {"name": "get_weather"},
+                            "max_tokens": 24, "temperature": 0, "stream": True}, timeout=120) as s:
+        chunks = [json.loads(l[6:]) for l in s.iter_lines() if l.startswith("data: {")]
+    deltas = [ch["choices"][0]["delta"] for ch in chunks if ch["choices"]]
+    assert not any("tool_calls" in d for d in deltas)
+    assert [d["function_call"] for d in deltas if "function_call" in d] == [call]  # the same greedy call
+    assert [ch["choices"][0]["finish_reason"] for ch in chunks if ch["choices"]][-1] == "function_call"
+    history = msgs + [{"role": "assistant", "content": None, "function_call": {"name": "get_weather",
+                                                                               "arguments": '{"city": "Paris"}'}},
+                      {"role": "function", "name": "get_weather", "content": "sunny"}]
+    r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": history, "functions": fns, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    bad = post(server, "/v1/chat/completions", {"model": MODEL, "messages": msgs, "functions": fns,
+                                                 "function_call": "always"})
+    assert bad.status_code == 400 and "function_call" in bad.json()["error"]["message"]

@@ -46,6 +46,10 @@ def normalize_messages(raw) -> list[dict]:
         msg = {"role": role, "content": text_of(m.get("content"), where)}
         if role == "assistant":
             calls = m.get("tool_calls") or []
+            if not calls and isinstance(m.get("function_call"), dict):  # the deprecated functions API's call
+                calls = [{"id": "", "function": m["function_call"]}]
+            if not msg["content"] and isinstance(m.get("refusal"), str):  # an earlier refusal, as text
+                msg["content"] = m["refusal"]
             if not isinstance(calls, list):
                 raise ApiError(400, f"{where}: tool_calls must be a list", param="messages")
             msg["tool_calls"] = []
@@ -111,6 +115,29 @@ def allowed_tools(tools, choice: dict):
     return [t for t in tools if t["function"]["name"] in keep], mode
 
 
+def legacy_functions(body: dict) -> tuple[dict, bool]:
+    """OpenAI's deprecated function calling -> tools: `functions` [{name, description,
+    parameters}] and `function_call` ("none" | "auto" | {"name"}) become `tools` and
+    `tool_choice`, one call at most (the old API returns a single `function_call`). -> (the body to
+    serve, whether the answer takes the old shape). A body with `tools` is served as it is."""
+    if body.get("functions") is None or body.get("tools") is not None:
+        return body, False
+    fns = body["functions"]
+    if not isinstance(fns, list) or not all(isinstance(f, dict) and isinstance(f.get("name"), str) for f in fns):
+        raise ApiError(400, "functions must be a list of {'name': ..., 'parameters': ...}", param="functions")
+    call = body.get("function_call")
+    if isinstance(call, dict):
+        if not isinstance(call.get("name"), str):
+            raise ApiError(400, "function_call must be 'none', 'auto' or {'name': ...}", param="function_call")
+        choice = {"type": "function", "function": {"name": call["name"]}}
+    elif call in (None, "none", "auto"):
+        choice = call or "auto"
+    else:
+        raise ApiError(400, "function_call must be 'none', 'auto' or {'name': ...}", param="function_call")
+    return {**body, "tools": [{"type": "function", "function": f} for f in fns], "tool_choice": choice,
+            "parallel_tool_calls": False}, True
+
+
 def _chat_plan(ctx, body: dict):
     """Validation, the rendered and tokenized prompt, the grammar: the CPU-heavy part of a chat
     request, run off the event loop (common.off_loop)."""
@@ -147,6 +174,7 @@ def _chat_plan(ctx, body: dict):
 
 
 async def chat_completions(ctx, body: dict, request):
+    body, legacy = legacy_functions(body)
     model, tools, sampling, prompt, want_logprobs = await off_loop(_chat_plan, ctx, body)
     stream = field(body, "stream", "boolean", False)
     include_usage = bool((field(body, "stream_options", "object") or {}).get("include_usage"))
@@ -156,17 +184,19 @@ async def chat_completions(ctx, body: dict, request):
     cid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
     if stream:
         text_of_token = ctx.token_text if want_logprobs else None
-        return StreamingResponse(_chat_stream(gen, cid, created, model, include_usage, text_of_token),
+        return StreamingResponse(_chat_stream(gen, cid, created, model, include_usage, text_of_token, legacy),
                                  media_type="text/event-stream", headers={"cache-control": "no-cache"})
     reasoning, content, calls, done = collect([e async for e in gen])
     _raise_if_failed(done)
     msg = {"role": "assistant", "content": content if (content or not calls) else None}
     if reasoning:
         msg["reasoning_content"] = reasoning
-    if calls:
+    if calls and legacy:  # the deprecated shape: one function_call, no tool_calls
+        msg["function_call"] = {"name": calls[0].name, "arguments": calls[0].arguments}
+    elif calls:
         msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                              for c in calls]
-    choice = {"index": 0, "message": msg, "finish_reason": _finish(done, bool(calls)), "logprobs": None}
+    choice = {"index": 0, "message": msg, "finish_reason": _finish(done, bool(calls), legacy), "logprobs": None}
     if want_logprobs:
         choice["logprobs"] = _chat_logprobs(ctx, done.tokens)
     return JSONResponse({"id": cid, "object": "chat.completion", "created": created, "model": model,
@@ -184,10 +214,10 @@ def usage(done: Done) -> dict:
             "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
 
 
-def _finish(done: Done, tool_calls: bool) -> str:
+def _finish(done: Done, tool_calls: bool, legacy: bool = False) -> str:
     if done.finish_reason == "length":
         return "length"
-    return "tool_calls" if tool_calls else "stop"
+    return ("function_call" if legacy else "tool_calls") if tool_calls else "stop"
 
 
 def _raise_if_failed(done: Done):
@@ -209,10 +239,12 @@ def submit(ctx, ids, sampling):
                        headers={"retry-after": "1"}) from None
 
 
-async def _chat_stream(gen, cid, created, model, include_usage, text_of_token: TokenText | None):
+async def _chat_stream(gen, cid, created, model, include_usage, text_of_token: TokenText | None,
+                       legacy: bool = False):
     """text_of_token: given when the client asked for logprobs; each chunk then carries the
     tokens that arrived since the previous one (a token that shows no text yet, a held-back
-    partial tag say, goes with the next chunk)."""
+    partial tag say, goes with the next chunk). legacy: the call as a `function_call` delta
+    (the deprecated `functions` API), one at most."""
     pending = Tokens()
 
     def chunk(delta, finish=None):
@@ -238,14 +270,18 @@ async def _chat_stream(gen, cid, created, model, include_usage, text_of_token: T
                 yield chunk({"reasoning_content": ev.text})
             elif isinstance(ev, Event) and ev.kind == "tool_call":
                 t = ev.tool
-                yield chunk({"tool_calls": [{"index": n_calls, "id": t.id, "type": "function",
-                                             "function": {"name": t.name, "arguments": t.arguments}}]})
+                if legacy:
+                    if not n_calls:
+                        yield chunk({"function_call": {"name": t.name, "arguments": t.arguments}})
+                else:
+                    yield chunk({"tool_calls": [{"index": n_calls, "id": t.id, "type": "function",
+                                                 "function": {"name": t.name, "arguments": t.arguments}}]})
                 n_calls += 1
             elif isinstance(ev, Done):
                 if ev.finish_reason == "error":
                     yield _sse({"error": {"message": f"generation failed: {ev.error}", "type": "server_error"}})
                     return
-                yield chunk({}, _finish(ev, n_calls > 0))
+                yield chunk({}, _finish(ev, n_calls > 0, legacy))
                 if include_usage:
                     yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                                 "choices": [], "usage": usage(ev)})
