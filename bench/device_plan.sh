@@ -56,6 +56,7 @@
 # 8k loaded window (--warm-loaded).
 # Call 72: OpenMP's spin A/B on the CPU branch; pure-CPU decode on the Xeon beside llama.cpp.
 # Call 73: the host thread's wait for a step (runtime/host_wait.py) at 14 and 16 threads on the 40-layer MXFP4 slice.
+# Call 78: fixed fill shares 0.2-0.4, fill-only and the cache at 14 and 16 threads beside llama.cpp.
 # Call 77: the Xeon's pure-CPU rows with torch kept to the row's threads, and the step by part.
 # Call 76: plan 70 again after host_wait (16-thread rows beside llama.cpp in one run), the spin A/B at 16.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
@@ -723,6 +724,19 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   CUDA_VISIBLE_DEVICES= step 240 cpu-llamacpp python3 -m bench.large_models --arch qwen3_5_moe --layers 12 \
     --expert-format mxfp4 --modes cpu-only --threads 6,14 --llamacpp --llamacpp-build $B \
     --name large_models-qwen3_5_moe-12-mxfp4-cpu-xeon
+  ;;
+78) # ~480 s (limits 60 + 420), twenty-sixth session, issue 10 (b) at 14-16 threads: the cache held 85-92
+  # tok/s at every thread count (llama.cpp 55-68 at 14-16) with the climb's probes flat over r = 0.5-0.7.
+  # Fixed fill shares below the climb's range (more misses on the CPU, fewer fills on the critical
+  # path), fill-only, and the adaptive cache at 14 and 16 threads, llama.cpp in the same process.
+  # Carry as plan 70: .llama/llama-bench.xz.aa .ab .ac, .llama/llama.cpp.tar.xz, .whl, .devcache/commit
+  B=/tmp/ft-llama-build
+  [ -x $B/bin/llama-bench ] || { mkdir -p $B/bin && cat .llama/llama-bench.xz.* | xz -d > $B/bin/llama-bench \
+    && chmod +x $B/bin/llama-bench; }
+  step 60 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
+  step 420 large-split python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
+    --modes cache,split,fill-only --fill-shares 0.2,0.3,0.4 --capacity 0.375 --threads 14,16 --llamacpp \
+    --llamacpp-build $B --name large_models-qwen3_5_moe-40-mxfp4-split-t14-16
   ;;
 77) # ~420 s (limits 60 + 240 + 120), twenty-sixth session: carry .llama/llama-bench.xz.aa .ab .ac,
   # .llama/llama.cpp.tar.xz, .whl, .devcache/commit. Plan 72's pure-CPU rows again (GPU hidden): in

@@ -194,7 +194,8 @@ HF_CLASSES = {"deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM"),
               "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM"),
               "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM")}
 FORMATS = ("bf16", "fp8_block", "mxfp4", "nvfp4")
-MODES = ("resident", "cpu-only", "cache")
+MODES = ("resident", "cpu-only", "cache", "split", "fill-only")
+CACHED = ("cache", "split", "fill-only")  # the slot pool's modes: adaptive r, a fixed r (--fill-shares), r = 1
 MAX_POS = 4096  # the rope tables run_config builds (bench/expert_cache.py)
 HOST_SPARE = 8e9  # host bytes beside the banks: the process, CUDA's context, staging buffers
 VRAM_WORK = 3e9  # device bytes beside weights, state and experts: activations, logits, graphs, allocator slack
@@ -400,6 +401,7 @@ def estimate(cfg: dict, mc, fmt: str, plan: dict, modes, capacity: float, batch:
     host_have = host_available() if host_have is None else host_have
     base = dense * 1.1 + state + VRAM_WORK  # + the model's fused copies of a few dense weights
     vram = {"resident": base + pool, "cpu-only": base, "cache": base + max(1, int(capacity * mc.num_flat_experts)) * eb}
+    vram["split"] = vram["fill-only"] = vram["cache"]
     vram_have = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else float("inf")
     gen_peak = per_layer[fmt] * 2.5 if on_cuda else 0  # one layer's banks and their temporaries on the device
     if header:
@@ -483,7 +485,8 @@ class EagerOnly:
 
 
 def make_executor(mode: str, banks, mc, dev, threads: int, slots: int, start_share: float, policy: str,
-                  cpu_act: str = "exact", prefetch: int = 0):
+                  cpu_act: str = "exact", prefetch: int = 0, fill_share: float | None = None):
+    """fill_share: the split's fixed r (mode split; fill-only is r = 1); None: the adaptive split."""
     from freetoken.experts.cached import CachedExpertExecutor
     from freetoken.experts.cpu import CpuExpertExecutor
     from freetoken.experts.executor import Activation, TorchExpertExecutor
@@ -497,7 +500,8 @@ def make_executor(mode: str, banks, mc, dev, threads: int, slots: int, start_sha
     if mode == "cpu-only":
         from freetoken.experts.cpu.hostcall import StreamedCpuExecutor, host_branch_ok
         return StreamedCpuExecutor(cpu, dev) if dev.type == "cuda" and host_branch_ok(cpu) else cpu
-    return CachedExpertExecutor(banks.gate_up, banks.down, slots, dev, torch.bfloat16, cpu, None, policy,
+    share = {"fill-only": 1.0, "split": fill_share}.get(mode)  # cache: None, adaptive
+    return CachedExpertExecutor(banks.gate_up, banks.down, slots, dev, torch.bfloat16, cpu, share, policy,
                                 mc.num_experts, start_share=start_share, prefetch=prefetch, activation=act)
 
 
@@ -523,27 +527,31 @@ def host_threads(dev, threads: int):
 
 
 def run_mode(mode: str, a, mc, w, banks, dev, batch: int, threads: int, slots: int, start: float,
-             prefetch: int = 0) -> dict:
+             prefetch: int = 0, fill_share: float | None = None) -> dict:
     """One row: the mode timed with decode graphs where it can be, else eagerly (graph_error)."""
     with host_threads(dev, threads if mode != "resident" else 0) as torch_threads:
-        row = _run_mode(mode, a, mc, w, banks, dev, batch, threads, slots, start, prefetch)
+        row = _run_mode(mode, a, mc, w, banks, dev, batch, threads, slots, start, prefetch, fill_share)
     row["torch_threads"] = torch_threads
     return row
 
 
 def _run_mode(mode: str, a, mc, w, banks, dev, batch: int, threads: int, slots: int, start: float,
-              prefetch: int = 0) -> dict:
+              prefetch: int = 0, fill_share: float | None = None) -> dict:
     from bench.expert_cache import run_config
     row = {"mode": mode, "batch": batch, "threads": threads if mode != "resident" else None, "device": dev.type}
     if mode != "resident":
         row["cpu_act"] = a.cpu_act
+    if mode in CACHED:
+        row.update(capacity=a.capacity, slots=slots, prefetch=prefetch)
     if mode == "cache":
-        row.update(capacity=a.capacity, slots=slots, start_share=round(start, 3), prefetch=prefetch)
+        row["start_share"] = round(start, 3)
+    if mode == "split":
+        row["fill_share"] = fill_share
     attempts = [False, True] if dev.type == "cuda" else [True]
     for eager in attempts:
         ex = None
         try:
-            ex = make_executor(mode, banks, mc, dev, threads, slots, start, a.policy, a.cpu_act, prefetch)
+            ex = make_executor(mode, banks, mc, dev, threads, slots, start, a.policy, a.cpu_act, prefetch, fill_share)
             row["expert_backend"] = ex.backend
             t0 = time.perf_counter()
             got = run_config(mc, w, EagerOnly(ex) if eager else ex, dev, batch, a.tokens, a.warmup, None,
@@ -606,10 +614,11 @@ def floors(res: dict, mc, plan: dict, eb: int, ctx: int, bw: float | None) -> No
         elif r["mode"] == "cpu-only" and res.get(f"bh_{r['threads']}_gbs"):
             floor = experts / (res[f"bh_{r['threads']}_gbs"] * GB) * 1e3
             r["expert_gb_per_step"] = round(experts / GB, 3)
-        elif r["mode"] == "cache" and "fills_per_step" in r and res.get(f"bh_{r['threads']}_gbs"):
+        elif r["mode"] in CACHED and "fills_per_step" in r and res.get(f"bh_{r['threads']}_gbs"):
             base = resident_ms.get(b) or ((dense + experts) / (bw * GB) * 1e3 if bw else None)
-            link = (res.get("bp_gbs") or 0) + res[f"bh_{r['threads']}_gbs"]
-            if base is not None:
+            # fill-only: the misses cross PCIe alone; otherwise the link and the CPU share them
+            link = (res.get("bp_gbs") or 0) + (0 if r["mode"] == "fill-only" else res[f"bh_{r['threads']}_gbs"])
+            if base is not None and link > 0:  # fill-only without a measured B_P (no CUDA): no floor
                 missed = (r["fills_per_step"] + r["cpu_experts_per_step"]) * eb
                 floor = base + missed / (link * GB) * 1e3
         if floor is not None:
@@ -641,6 +650,8 @@ def parse(argv=None):
     ap.add_argument("--threads", default="6", help="CPU threads of the cpu-only and cache rows (comma-separated: "
                     "a row each)")
     ap.add_argument("--capacity", type=float, default=0.33, help="cache slots as a fraction of the slice's experts")
+    ap.add_argument("--fill-shares", default="0.3,0.5", help="split rows: fixed fill shares r (comma-separated), "
+                    "the misses' share copied into slots, the rest run on the CPU")
     ap.add_argument("--policy", default="recent", choices=["recent", "gate", "lfu"])
     ap.add_argument("--prefetch", default="0", help="cache rows: experts each MoE layer copies in ahead for the "
                     "next, predicted by that layer's router on this layer's input (ft's --expert-prefetch; "
@@ -676,6 +687,12 @@ def parse(argv=None):
     if a.llamacpp and a.arch != "qwen3_5_moe":
         ap.error("--llamacpp: only the qwen3_5_moe shape is written as a GGUF here")
     a.modes = [m for m in a.modes.split(",") if m]
+    try:
+        a.fill_shares = [float(r) for r in a.fill_shares.split(",") if r]
+    except ValueError:
+        ap.error(f"--fill-shares takes numbers in [0, 1], got {a.fill_shares!r}")
+    if not all(0 <= r <= 1 for r in a.fill_shares) or ("split" in a.modes and not a.fill_shares):
+        ap.error(f"--fill-shares takes numbers in [0, 1] (at least one for split rows), got {a.fill_shares}")
     bad = [m for m in a.modes if m not in MODES]
     if bad:
         ap.error(f"unknown mode(s) {', '.join(bad)}; known: {', '.join(MODES)}")
@@ -707,6 +724,12 @@ def parse(argv=None):
     return a
 
 
+def llama_mode(mode: str) -> str:
+    """llama.cpp's row for one of ours: every mode with a slot pool compares with the experts of
+    the same share of layers in VRAM (`-ncmoe`), the cache's row."""
+    return "cache" if mode in CACHED else mode
+
+
 def side_by_side(a, cfg: dict, mc, w: dict, banks, f: dict, dev) -> dict:
     """llama.cpp on this format's weights, before our rows (nothing of ours runs meanwhile):
     {(mode, threads): tok/s}; f gains the runs, the build and export times, or llamacpp_error."""
@@ -723,7 +746,7 @@ def side_by_side(a, cfg: dict, mc, w: dict, banks, f: dict, dev) -> dict:
         binary = llamacpp.build(llamacpp.source(), Path(a.llamacpp_build), cuda=gpu)
         f["llamacpp_build_wait_s"] = round(time.perf_counter() - t0, 1)
         layers, runs = len(mc.moe_layers), []
-        for mode in a.modes:
+        for mode in dict.fromkeys(llama_mode(m) for m in a.modes):
             for t in ([0] if mode == "resident" else a.threads):
                 ncmoe = {"resident": 0, "cpu-only": layers}.get(mode, llamacpp.n_cpu_moe_for(a.capacity, layers))
                 r = llamacpp.bench_decode(binary, gguf, threads=t or max(a.threads), n_cpu_moe=ncmoe,
@@ -785,10 +808,14 @@ def run_format(a, fmt: str, mc, w, plan: dict, est: dict, dev, bw: float | None,
                     free(dev)
                 if mode == "cache" and f.get("bp_gbs") and f[f"bh_{threads}_gbs"]:  # where the bandwidths point
                     start = f["bp_gbs"] / (f["bp_gbs"] + f[f"bh_{threads}_gbs"])
-                for pf in (a.prefetch if mode == "cache" else [0]):
-                    row = {"expert_format": fmt, **run_mode(mode, a, mc, w, banks, dev, batch, threads, slots, start, pf)}
+                variants = [(pf, None) for pf in (a.prefetch if mode == "cache" else [0])]
+                if mode == "split":  # one row per fixed fill share
+                    variants = [(0, r) for r in a.fill_shares]
+                for pf, share in variants:
+                    row = {"expert_format": fmt,
+                           **run_mode(mode, a, mc, w, banks, dev, batch, threads, slots, start, pf, share)}
                     if a.llamacpp:  # llama-bench decodes one sequence: batch-1 rows only
-                        row["llamacpp_tok_s"] = lt = llama.get((mode, threads)) if batch == 1 else None
+                        row["llamacpp_tok_s"] = lt = llama.get((llama_mode(mode), threads)) if batch == 1 else None
                         row["vs_llamacpp"] = round(row["tok_s"] / lt, 2) if lt and row.get("tok_s") else None
                     if a.prefill and mode == "cpu-only" and dev.type == "cpu" and batch == a.batch[0]:
                         row["prefill_tokens"] = a.prefill

@@ -175,3 +175,25 @@ def test_tiny_run_on_the_cpu(arch, tmp_path, monkeypatch):
         assert 0 < cache["miss_rate"] <= 1 and cache["fill_share_chosen"] == 1.0 and cache["adaptive_split"] is False
         experts = lm.TINY[arch].get("n_routed_experts") or lm.TINY[arch]["num_experts"]
         assert cache["slots"] == int(0.33 * experts * res["moe_layers"]) and cache["floor_ms"] > 0
+
+
+def test_fixed_split_and_fill_only_rows(tmp_path, monkeypatch):
+    """--modes split,fill-only: the pool with a fixed fill share per --fill-shares value (the
+    misses beyond it run on the CPU) and with every miss filled, beside the adaptive cache."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    path = lm.main(["--arch", "qwen3_5_moe", "--tiny", "--modes", "resident,split,fill-only", "--fill-shares", "0.25,0.75",
+                    "--threads", "1", "--expert-format", "bf16", "--prompt", "40", "--tokens", "3", "--warmup", "1"])
+    with open(path) as f:
+        runs = json.load(f)["results"]["runs"]
+    assert [(r["mode"], r.get("fill_share")) for r in runs] == [
+        ("resident", None), ("split", 0.25), ("split", 0.75), ("fill-only", None)]
+    for r in runs[1:]:
+        assert "error" not in r, r
+        assert r["tok_s"] > 0 and r["slots"] > 0
+    assert runs[1]["floor_ms"] > 0 and runs[2]["floor_ms"] > 0  # no B_P without CUDA: no fill-only floor
+    low, high, every = runs[1:]
+    # a fixed r: about that share of each layer's misses filled, the rest on the CPU
+    assert low["cpu_experts_per_step"] > high["cpu_experts_per_step"] > every.get("cpu_experts_per_step", 0) == 0
+    assert low["fills_per_step"] < high["fills_per_step"]
+    with pytest.raises(SystemExit):
+        lm.main(["--arch", "qwen3_5_moe", "--tiny", "--modes", "split", "--fill-shares", "1.5"])
