@@ -144,12 +144,26 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _exit_on_signal(signum, frame):
+    # SIGTERM / SIGHUP (a closed terminal, `timeout`, `docker stop`) as an exception, so the
+    # writer's cleanup removes its partial output as it does on Ctrl-C
+    raise SystemExit(128 + signum)
+
+
 def cmd_convert(args) -> int:
+    import signal
+
     from .weights.convert import convert
     t0 = time.perf_counter()
     parent = os.path.dirname(os.path.abspath(args.out))
     had_parent = os.path.isdir(parent)
-    out = convert(args.src, args.out, progress=not args.quiet)
+    sigs = [s for s in (signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None]
+    before = {s: signal.signal(s, _exit_on_signal) for s in sigs}
+    try:
+        out = convert(args.src, args.out, progress=not args.quiet)
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
     made = "" if had_parent else f"; created the folder {parent}"
     print(f"wrote {out} ({os.path.getsize(out) / 1e9:.2f} GB) in {time.perf_counter() - t0:.1f} s{made}",
           file=sys.stderr)

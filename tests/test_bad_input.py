@@ -169,3 +169,80 @@ def test_state_that_cannot_fit_is_refused(good):
         Engine(str(good / "m.ftw"), EngineConfig(vram_budget="1000"))
     with pytest.raises(FreeTokenError, match="--vram-budget"):
         EngineConfig(vram_budget="lots") and Engine(str(good / "m.ftw"), EngineConfig(vram_budget="lots"))
+
+
+def _copy_checkpoint(good, tmp_path, name: str) -> str:
+    import shutil
+    d = tmp_path / name
+    shutil.copytree(good / "hf", d)
+    return str(d)
+
+
+@pytest.mark.parametrize("fn,blob,needle", [
+    ("tokenizer_config.json", b"[1, 2]", "expected a JSON object"),
+    ("generation_config.json", b"{broken", "invalid JSON"),
+    ("chat_template.json", b"not json", "invalid JSON"),
+    ("chat_template.jinja", "{{ 'caf\u00e9' }}".encode("latin-1"), "not UTF-8"),
+])
+def test_side_files_the_engine_cannot_read_are_refused_at_convert(good, tmp_path, fn, blob, needle):
+    src = _copy_checkpoint(good, tmp_path, "side")
+    with open(os.path.join(src, fn), "wb") as f:
+        f.write(blob)
+    with pytest.raises(FreeTokenError, match=needle) as e:
+        convert(src, str(tmp_path / "out.ftw"), progress=False)
+    assert fn in str(e.value)
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("out.ftw")]  # nothing written
+
+
+def test_config_that_is_not_an_object(good, tmp_path):
+    src = _copy_checkpoint(good, tmp_path, "cfglist")
+    with open(os.path.join(src, "config.json"), "w") as f:
+        f.write("[]")
+    code, _, err = ft_in("convert", src, str(tmp_path / "o.ftw"))
+    assert_one_line_error(code, err, "config.json", "expected a JSON object")
+
+
+def test_served_name_of_a_hugging_face_cache_snapshot(tmp_path):
+    from freetoken.weights.convert import source_name
+    assert source_name(str(tmp_path / "hub" / "models--Org--Tiny-MoE" / "snapshots" / "0123abcd")) == "Tiny-MoE"
+    assert source_name(str(tmp_path / "Qwen3.6-35B-A3B") + "/") == "Qwen3.6-35B-A3B"
+    assert source_name(str(tmp_path / "snapshots" / "abc")) == "abc"  # not a cache layout: the folder's name
+
+
+def test_a_damaged_header_length_is_a_clear_error(good, tmp_path):
+    import shutil
+    from freetoken.weights.ftw import PREAMBLE
+    bad = tmp_path / "hlen.ftw"
+    shutil.copy(good / "m.ftw", bad)
+    with open(bad, "r+b") as f:
+        magic, version, _ = PREAMBLE.unpack(f.read(PREAMBLE.size))
+        f.seek(0)
+        f.write(PREAMBLE.pack(magic, version, 1 << 60))
+    code, _, err = ft_in("generate", str(bad), "--prompt-ids", "1,2", "--max-tokens", "1")
+    assert_one_line_error(code, err, "claims")
+
+
+def test_sigterm_during_convert_exits_through_the_cleanup(monkeypatch, tmp_path):
+    """SIGTERM / SIGHUP during `ft convert` raise SystemExit in the converting thread, so the
+    writer's cleanup (which removes OUT.<pid>.partial on any exception) runs; the handlers are
+    put back afterwards."""
+    import signal
+    import time
+
+    import freetoken.weights.convert as conv
+    from freetoken.cli import main
+    seen = []
+
+    def slow_convert(src, out, progress=True):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        except BaseException as e:  # what FTWWriter's cleanup sees
+            seen.append(type(e))
+            raise
+    monkeypatch.setattr(conv, "convert", slow_convert)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as e:
+        main(["convert", str(tmp_path / "src"), str(tmp_path / "o.ftw")])
+    assert e.value.code == 128 + signal.SIGTERM and seen == [SystemExit]
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -259,3 +259,14 @@ def test_a_bad_schedule_value_is_named(monkeypatch):
     gu, dn = banks(4, 32, 16, torch.float32, 0)
     with pytest.raises(FreeTokenError, match="FREETOKEN_CPU_SCHEDULE must be static or dynamic"):
         CpuExpertExecutor(gu, dn)
+
+
+def test_f16_experts_are_widened_exactly():
+    """f16 banks (a checkpoint converted as f16): the C++ kernels take bf16 / f32, so they are
+    widened to f32 once, exactly: the same bits as f32 banks of the same values."""
+    gu, dn = banks(16, 64, 48, torch.float32, 5)
+    gu16, dn16 = gu.half(), dn.half()
+    x, ids, w = inputs(3, 64, 4, 16, 6)
+    got = CpuExpertExecutor(gu16, dn16, threads=2)
+    assert got.format == "f32"
+    assert torch.equal(got.kernel(x, ids, w), CpuExpertExecutor(gu16.float(), dn16.float(), threads=2).kernel(x, ids, w))

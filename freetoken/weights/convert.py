@@ -26,6 +26,7 @@ folders of the output path are created (and removed again if the conversion fail
 """
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -350,11 +351,45 @@ def _remove_created(top: str | None, out: str) -> None:
         p = os.path.dirname(p)
 
 
+def source_name(src: str) -> str:
+    """The checkpoint's name (the served model id by default): its folder's name, or NAME for a
+    Hugging Face cache snapshot (.../models--ORG--NAME/snapshots/COMMIT), not the commit hash."""
+    path = os.path.abspath(src)
+    parent, leaf = os.path.split(path)
+    repo, kind = os.path.split(parent)
+    base = os.path.basename(repo)
+    if kind == "snapshots" and base.startswith("models--"):
+        return base.split("--")[-1] or leaf
+    return leaf
+
+
+def check_side_file(src: str, fn: str, blob: bytes) -> None:
+    """Refuse, at convert, a side file the engine could not read at load: the JSON configs must be
+    JSON objects, the chat template UTF-8 (a bad one used to convert and then fail every load)."""
+    where = os.path.join(src, fn)
+    try:
+        text = blob.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise FreeTokenError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8 and "
+                             "convert again") from None
+    if fn.endswith(".json"):
+        try:
+            v = json.loads(text)
+        except ValueError as e:
+            raise FreeTokenError(f"{where}: invalid JSON ({e}); fix or replace it (from the model's release) and "
+                                 "convert again") from None
+        if not isinstance(v, dict):
+            raise FreeTokenError(f"{where}: expected a JSON object, found {type(v).__name__}; replace it with the "
+                                 "model's own file and convert again")
+
+
 def convert(src: str, out: str, progress: bool = True) -> str:
     pl = plan(src)
     cfg, ck = pl.cfg, pl.ck
     files = [fn for fn in REQUIRED_FILES + OPTIONAL_FILES if os.path.exists(os.path.join(src, fn))]
     blobs = {fn: open(os.path.join(src, fn), "rb").read() for fn in files}
+    for fn, b in blobs.items():
+        check_side_file(src, fn, b)
     entries = [Entry("file/" + fn, "uint8", [len(b)]) for fn, b in blobs.items()]
     dense_tensors = list(dict.fromkeys(t for n in pl.dense for t in pl.dense_w[n].parts()))
     entries += [Entry(t, _dtype_name(ck, t), ck.tensors[t].shape) for t in dense_tensors]
@@ -365,7 +400,7 @@ def convert(src: str, out: str, progress: bool = True) -> str:
         entries += [Entry(name, dt, shape) for name, dt, shape, _, _ in banks]
     meta = {"arch": cfg.arch, "model": cfg.to_dict(), "config": pl.raw,
             "banks": banks_meta(pl.expert_format, "bias" in pl.expert_dtypes) if pl.experts else {},
-            "source": os.path.basename(os.path.abspath(src))}
+            "source": source_name(src)}
     if pl.scheme is not None:
         qd = {n: {"format": w.format, "values": w.values, "scale": w.scale, "scale_2": w.scale_2,
                   "shape": w.shape} for n, w in pl.dense_w.items() if w.format != "dense"}

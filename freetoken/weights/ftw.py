@@ -141,6 +141,9 @@ def read_header(path: str) -> tuple[dict, dict[str, Entry]]:
             raise CorruptModelError(
                 f"{path}: FTW version {version}, this FreeToken reads version {VERSION}; "
                 "re-run `ft convert`")
+        if hlen > size - PREAMBLE.size:  # a damaged length field: never read (or allocate) past the file
+            raise CorruptModelError(f"{path}: truncated inside the header (it claims {hlen} bytes, the file has "
+                                    f"{size}); re-run `ft convert`")
         body = f.read(hlen)
     if len(body) < hlen:
         raise CorruptModelError(f"{path}: truncated inside the header; re-run `ft convert`")

@@ -381,9 +381,12 @@ def read_config(path: str) -> dict:
         raise FreeTokenError(f"{path}: config.json is missing; this is not a transformers checkpoint")
     try:
         with open(fn) as f:
-            return json.load(f)
+            cfg = json.load(f)
     except ValueError as e:
         raise FreeTokenError(f"{fn}: invalid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise FreeTokenError(f"{fn}: expected a JSON object, found {type(cfg).__name__}; use the model's own config.json")
+    return cfg
 
 
 # ---------------------------------------------------------------- quantized formats read as published

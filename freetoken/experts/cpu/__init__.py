@@ -237,6 +237,12 @@ class CpuExpertExecutor(ExpertExecutor):
                 self._qargs += [_u8(b.values.contiguous()), _u8(s) if s.element_size() == 1 else s,
                                 b.scale_2.float().contiguous() if b.scale_2 is not None else torch.empty(0)]
         else:
+            if torch.float16 in (gate_up.dtype, down.dtype):
+                # the C++ kernels read bf16 or f32 banks: f16 experts are widened to f32 once,
+                # exactly, at twice their bytes in host memory (f16 MoE releases are rare)
+                log.warning("f16 experts: widened to f32 for the CPU executor (%.1f GB more host memory)",
+                            (gate_up.numel() + down.numel()) * 2 / 1e9)
+                gate_up, down = gate_up.float(), down.float()
             self.format = {torch.bfloat16: "bf16", torch.float32: "f32"}.get(gate_up.dtype, str(gate_up.dtype))
             self.gate_up, self.down = gate_up.contiguous(), down.contiguous()
         self.activation = activation
