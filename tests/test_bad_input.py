@@ -246,3 +246,12 @@ def test_sigterm_during_convert_exits_through_the_cleanup(monkeypatch, tmp_path)
         main(["convert", str(tmp_path / "src"), str(tmp_path / "o.ftw")])
     assert e.value.code == 128 + signal.SIGTERM and seen == [SystemExit]
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_git_lfs_pointer_shards_say_so(good, tmp_path):
+    src = _copy_checkpoint(good, tmp_path, "lfs")
+    shard = next(fn for fn in os.listdir(src) if fn.endswith(".safetensors"))
+    with open(os.path.join(src, shard), "w") as f:
+        f.write("version https://git-lfs.github.com/spec/v1\noid sha256:" + "0" * 64 + "\nsize 123456\n")
+    code, _, err = ft_in("convert", src, str(tmp_path / "o.ftw"))
+    assert_one_line_error(code, err, "Git LFS pointer", "git lfs pull")

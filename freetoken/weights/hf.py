@@ -146,6 +146,12 @@ class Checkpoint:
             try:
                 self._handles[fn] = safe_open(fn, framework="pt")
             except Exception as e:  # safetensors raises its own error types
+                with open(fn, "rb") as f:
+                    head = f.read(64)
+                if head.startswith(b"version https://git-lfs"):  # a clone without `git lfs pull`
+                    raise FreeTokenError(f"{fn}: a Git LFS pointer, not the weights; fetch them (`git lfs pull` "
+                                         "in the checkpoint's folder, or download with huggingface-cli) and "
+                                         "convert again") from None
                 raise FreeTokenError(f"{fn}: not a readable safetensors file ({e})") from None
         return self._handles[fn]
 
