@@ -81,6 +81,12 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--name", default="cpu_step_parts")
     a = ap.parse_args(argv)
+    try:
+        threads = [int(x) for x in a.threads.split(",") if x]
+    except ValueError:
+        ap.error(f"--threads takes comma-separated whole numbers, got {a.threads!r}")
+    if not threads or min(threads) < 1:
+        ap.error(f"--threads takes thread counts of 1 or more, got {a.threads!r}")
     from freetoken.config import ModelConfig
     cfg = L.slice_config(L.SHAPES[a.arch], a.layers)
     mc = ModelConfig.from_hf(cfg)
@@ -88,7 +94,7 @@ def main(argv=None) -> None:
     w = L.random_dense(L.weight_plan(cfg), mc, dev)
     banks, _ = L.make_banks(a.expert_format, mc, dev)
     rows = []
-    for t in (int(x) for x in a.threads.split(",")):
+    for t in threads:
         rows.append(row(mc, w, banks, t, a.steps, a.prompt))
         print(rows[-1], flush=True)
     write_result(a.name, {"arch": a.arch, "layers": a.layers, "expert_format": a.expert_format,

@@ -43,7 +43,7 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         # Qwen adds no BOS; special tokens written in the text are recognised as such.
         # encode_batch, not encode: the same ids, but it lets go of the GIL while it works (encode
-        # holds it: a 1.8M-character prompt held the server's event loop for 1.6 s on the dev machine)
+        # holds it, so a long prompt tokenized on a worker thread still held the server's event loop)
         return self.tk.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:

@@ -133,7 +133,7 @@ def constrain(ctx, sampling: SamplingOptions, spec: GrammarSpec | None, in_reaso
 async def off_loop(fn, *args, **kwargs):
     """fn(*args, **kwargs) on a worker thread: a request's CPU-heavy preparation (rendering a long
     history, tokenizing it, compiling a grammar) must not hold the event loop that every other
-    stream, /health and /metrics run on (a 7 MB prompt stalled a concurrent stream 16 s)."""
+    stream, /health and /metrics run on: bench/loop_stall.py, benchmarks/README.md)."""
     return await asyncio.to_thread(fn, *args, **kwargs)
 
 
@@ -185,6 +185,12 @@ def fit_prompt(ctx, ids: list[int], sampling: SamplingOptions) -> None:
 
 
 RENDER_OWNS = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "continue_final")
+
+
+def template_kwargs(body: dict) -> dict:
+    """vLLM's `chat_template_kwargs`, less the keys the renderer sets itself (RENDER_OWNS): they
+    go to the template and to the tool-call probes, so they are filtered once, here."""
+    return {k: v for k, v in (field(body, "chat_template_kwargs", "object") or {}).items() if k not in RENDER_OWNS}
 
 
 def render(ctx, messages: list[dict], tools: list[dict] | None, kwargs: dict | None = None,

@@ -9,8 +9,8 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from ..runtime.scheduler import QueueFull
 from ..runtime.serving import ShuttingDown
-from .common import (RENDER_OWNS, ApiError, build_prompt, constrain, continuation, field, fit_prompt, grammar_for,
-                     json_args, off_loop, refuse_continued_grammar, render, sampling_from, text_of)
+from .common import (ApiError, build_prompt, constrain, continuation, field, fit_prompt, grammar_for, json_args,
+                     off_loop, refuse_continued_grammar, render, sampling_from, template_kwargs, text_of)
 from .generation import Done, Ping, Tokens, collect, events, start
 from .logprobs import TokenText, chat_entries, chat_options, completion_logprobs, completion_options
 from .parser import Event
@@ -149,8 +149,7 @@ def _chat_plan(ctx, body: dict):
     tools = normalize_tools(body)
     sampling = sampling_from(body, _max_tokens(body), body.get("stop"), default_max=ctx.serving.max_len)
     want_logprobs = chat_options(body, sampling)
-    # the keys the renderer sets itself are not the client's (they reach the tool-call probes too)
-    kwargs = {k: v for k, v in (field(body, "chat_template_kwargs", "object") or {}).items() if k not in RENDER_OWNS}
+    kwargs = template_kwargs(body)
     cont, gen = continuation(body)
     choice = body.get("tool_choice")
     if isinstance(choice, dict) and choice.get("type") == "allowed_tools":

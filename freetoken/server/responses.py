@@ -39,8 +39,6 @@ EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 SUMMARIES = ("auto", "concise", "detailed")
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 TEXT_PARTS = ("input_text", "output_text", "text")
-# what the renderer passes itself: chat_template_kwargs cannot override these
-RESERVED = set(common.RENDER_OWNS)  # chat_template_kwargs the renderer sets itself
 
 
 # ---------------------------------------------------------------- the store
@@ -343,8 +341,7 @@ def _reasoning(body: dict) -> tuple[dict, dict]:
     elif effort is not None:
         kwargs["enable_thinking"] = True
         kwargs["reasoning_effort"] = "high" if effort == "xhigh" else effort  # templates with levels (gpt-oss)
-    extra = field(body, "chat_template_kwargs", "object")  # vLLM's extension, as in chat completions
-    kwargs.update({k: v for k, v in (extra or {}).items() if k not in RESERVED})
+    kwargs.update(common.template_kwargs(body))  # vLLM's extension, as in chat completions
     return {"effort": effort, "summary": summary}, kwargs
 
 

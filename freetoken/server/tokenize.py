@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from starlette.responses import JSONResponse
 
-from .common import ApiError, continuation, field, off_loop, render
+from .common import ApiError, continuation, field, off_loop, render, template_kwargs
 from .openai import normalize_messages, normalize_tools
-from .responses import RESERVED
 
 
 def _check_model(ctx, body: dict) -> None:
@@ -27,9 +26,8 @@ def _text(ctx, body: dict) -> str:
     if body.get("messages") is not None:
         messages = normalize_messages(body["messages"])
         tools = normalize_tools(body)
-        kwargs = {k: v for k, v in (field(body, "chat_template_kwargs", "object") or {}).items() if k not in RESERVED}
         cont, generation = continuation(body)
-        return render(ctx, messages, tools, kwargs, continue_final=cont, generation=generation)
+        return render(ctx, messages, tools, template_kwargs(body), continue_final=cont, generation=generation)
     prompt = body.get("prompt", body.get("content"))
     if not isinstance(prompt, str):
         raise ApiError(400, "give 'prompt' (or llama.cpp's 'content') as a string, or chat 'messages'",
