@@ -728,7 +728,8 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
 78) # ~480 s (limits 60 + 420), twenty-sixth session, issue 10 (b) at 14-16 threads: the cache held 85-92
   # tok/s at every thread count (llama.cpp 55-68 at 14-16) with the climb's probes flat over r = 0.5-0.7.
   # Fixed fill shares below the climb's range (more misses on the CPU, fewer fills on the critical
-  # path), fill-only, and the adaptive cache at 14 and 16 threads, llama.cpp in the same process.
+  # path), fill-only, and the adaptive cache at 14 and 16 threads, llama.cpp in the same process;
+  # each row's replayed steps by kernel and idle gap (--timeline: where the 85-92 tok/s ceiling goes).
   # Carry as plan 70: .llama/llama-bench.xz.aa .ab .ac, .llama/llama.cpp.tar.xz, .whl, .devcache/commit
   B=/tmp/ft-llama-build
   [ -x $B/bin/llama-bench ] || { mkdir -p $B/bin && cat .llama/llama-bench.xz.* | xz -d > $B/bin/llama-bench \
@@ -736,7 +737,7 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   step 60 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
   step 420 large-split python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
     --modes cache,split,fill-only --fill-shares 0.2,0.3,0.4 --capacity 0.375 --threads 14,16 --llamacpp \
-    --llamacpp-build $B --name large_models-qwen3_5_moe-40-mxfp4-split-t14-16
+    --llamacpp-build $B --timeline --name large_models-qwen3_5_moe-40-mxfp4-split-t14-16
   ;;
 77) # ~420 s (limits 60 + 240 + 120), twenty-sixth session: carry .llama/llama-bench.xz.aa .ab .ac,
   # .llama/llama.cpp.tar.xz, .whl, .devcache/commit. Plan 72's pure-CPU rows again (GPU hidden): in

@@ -206,13 +206,15 @@ def floors(row: dict, resident_ms: float, bp: float, bh: float, dram: float | No
 
 def run_config(mc, w, ex, dev, batch: int, tokens: int, warmup: int, routes, prompt: int = 64,
                trace: str | None = None, max_warmup: int | None = None, profile: bool = False,
-               cpu_branch: bool | None = None) -> dict:
+               cpu_branch: bool | None = None, timeline: bool = False) -> dict:
     """max_warmup: for an adaptive cache, warm up past `warmup` until its split has decided
     (the steady state a server reaches), at most this many steps; the row says how many ran.
     profile (CUDA): the row's `profile`, GPU time per kernel of three eager steps after the timed
     ones (bench.decode.profile_step): where a step's time goes, kernel by kernel.
     cpu_branch: whether the step has a CPU branch (the host thread then waits for each step as
-    the serving loop does, runtime/host_wait.py; None: host_wait.has_cpu_branch(ex))."""
+    the serving loop does, runtime/host_wait.py; None: host_wait.has_cpu_branch(ex)).
+    timeline (CUDA): the row's `timeline`, three more steps as timed (graph replays) under the
+    profiler, their device activity summed (bench/step_timeline.py)."""
     from freetoken.runtime import host_wait
     inner = ex
     fixed_branch = cpu_branch  # None: asked of the executor at every step (the cache's split moves)
@@ -280,6 +282,10 @@ def run_config(mc, w, ex, dev, batch: int, tokens: int, warmup: int, routes, pro
             sync()
         prof.export_chrome_trace(trace)
     row = {"batch": batch, "graph": graph, "ms_per_step": round(dt * 1e3, 3), "tok_s": round(batch / dt, 1)}
+    if timeline and dev.type == "cuda":
+        from bench.step_timeline import profile_steps
+        first = warmed + tokens + 3
+        row["timeline"] = profile_steps(lambda i: advance(first + i), 3, sync)
     if dev.type == "cuda":
         branch = host_wait.has_cpu_branch(inner) if fixed_branch is None else fixed_branch
         row["host_wait"] = "block" if host_wait.blocks(branch) else "spin"  # at the last step

@@ -555,7 +555,8 @@ def _run_mode(mode: str, a, mc, w, banks, dev, batch: int, threads: int, slots: 
             row["expert_backend"] = ex.backend
             t0 = time.perf_counter()
             got = run_config(mc, w, EagerOnly(ex) if eager else ex, dev, batch, a.tokens, a.warmup, None,
-                             prompt=a.prompt, max_warmup=a.cache_warmup, profile=a.profile)
+                             prompt=a.prompt, max_warmup=a.cache_warmup, profile=a.profile,
+                             timeline=a.timeline)
             row.update(got, run_s=round(time.perf_counter() - t0, 1))
             if mode == "cache":  # without the CPU branch in stream order (no CUDA) the cache stays fill-only
                 row["adaptive_split"] = ex.tuner is not None
@@ -640,6 +641,8 @@ def parse(argv=None):
     ap.add_argument("--arch", default="deepseek_v4", choices=sorted(SHAPES))
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of three eager steps in each "
                     "row (`profile`: the top kernels; CUDA only)")
+    ap.add_argument("--timeline", action="store_true", help="device time of three replayed steps in each row by "
+                    "kernel and the idle gaps before each (`timeline`, bench/step_timeline.py; CUDA only)")
     ap.add_argument("--tiny", action="store_true", help="the small config of the same structure (a CPU run)")
     ap.add_argument("--layers", type=int, default=None, help="first N layers of the shape (default 12; "
                     "qwen3_5_moe all 40; --tiny 5, qwen3_5_moe 4)")
