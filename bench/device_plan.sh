@@ -56,12 +56,13 @@
 # 8k loaded window (--warm-loaded).
 # Call 72: OpenMP's spin A/B on the CPU branch; pure-CPU decode on the Xeon beside llama.cpp.
 # Call 73: the host thread's wait for a step (runtime/host_wait.py) at 14 and 16 threads on the 40-layer MXFP4 slice.
+# Call 79: the control kernel's time per call by warps and scan block; a step's host split and timeline.
 # Call 78: fixed fill shares 0.2-0.4, fill-only and the cache at 14 and 16 threads beside llama.cpp.
 # Call 77: the Xeon's pure-CPU rows with torch kept to the row's threads, and the step by part.
 # Call 76: plan 70 again after host_wait (16-thread rows beside llama.cpp in one run), the spin A/B at 16.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh N, N from 0 to 75}
+STAGE=${1:?usage: bash bench/device_plan.sh N, N from 0 to 79}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -724,6 +725,17 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   CUDA_VISIBLE_DEVICES= step 240 cpu-llamacpp python3 -m bench.large_models --arch qwen3_5_moe --layers 12 \
     --expert-format mxfp4 --modes cpu-only --threads 6,14 --llamacpp --llamacpp-build $B \
     --name large_models-qwen3_5_moe-12-mxfp4-cpu-xeon
+  ;;
+79) # ~330 s (limits 150 + 60 + 200), twenty-seventh session, issue 10: plan 78's timelines gave the
+  # control kernel 27 us a call (1.1 ms of a 12-17 ms step) and ~1.7 ms a step of idle device between
+  # steps. The kernel's time per call by warps and scan block (bench/control_speed.py), then fill-only
+  # and the cache at 6 threads with the host's split of a step (launch, wait, read) and the timeline.
+  # Carry .whl and .devcache/commit
+  step 150 control-speed python3 -m bench.control_speed --layers 40 --experts 256 --slots 3840 --pairs 8,32 \
+    --name control_speed-3840
+  step 60 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
+  step 200 large-host python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
+    --modes fill-only,cache --capacity 0.375 --threads 6 --timeline --name large_models-qwen3_5_moe-40-mxfp4-host-t6
   ;;
 78) # ~480 s (limits 60 + 420), twenty-sixth session, issue 10 (b) at 14-16 threads: the cache held 85-92
   # tok/s at every thread count (llama.cpp 55-68 at 14-16) with the climb's probes flat over r = 0.5-0.7.

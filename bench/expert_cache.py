@@ -250,16 +250,25 @@ def run_config(mc, w, ex, dev, batch: int, tokens: int, warmup: int, routes, pro
 
     observe = getattr(inner, "observe_step", None)
 
+    host = [0.0, 0.0, 0.0, 0]  # host seconds in launching, waiting, reading the tokens; steps
+
     def advance(k):
         t0 = time.perf_counter()
         if buf is not None:
             buf.copy_(routes[k % n_routes])
         pos.fill_(prompt + k)
         tok.copy_(fn().argmax(-1))
+        t1 = time.perf_counter()
         host_wait.wait(dev, host_wait.has_cpu_branch(inner) if fixed_branch is None else fixed_branch)
+        t2 = time.perf_counter()
         tok.tolist()  # the serving loop reads each step's tokens: a sync per step
+        t3 = time.perf_counter()
         if observe is not None:
             observe(batch, time.perf_counter() - t0)
+        host[0] += t1 - t0
+        host[1] += t2 - t1
+        host[2] += t3 - t2
+        host[3] += 1
     k = 0
     while k < warmup or (k < max_warmup and tuner.climbing):  # the cache (and its split) reach a steady state
         advance(k)
@@ -268,6 +277,7 @@ def run_config(mc, w, ex, dev, batch: int, tokens: int, warmup: int, routes, pro
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     sync()
     before = ex.stats()
+    host[:] = [0.0, 0.0, 0.0, 0]
     t0 = time.perf_counter()
     for k in range(warmed, warmed + tokens):
         advance(k)
@@ -282,6 +292,9 @@ def run_config(mc, w, ex, dev, batch: int, tokens: int, warmup: int, routes, pro
             sync()
         prof.export_chrome_trace(trace)
     row = {"batch": batch, "graph": graph, "ms_per_step": round(dt * 1e3, 3), "tok_s": round(batch / dt, 1)}
+    # the host's share of a timed step: the step's launch (graph replay or eager ops, the argmax),
+    # the wait for it, the token read (after the wait: the read's own copy)
+    row["host_us_per_step"] = {k: round(v / max(host[3], 1) * 1e6, 1) for k, v in zip(("launch", "wait", "read"), host)}
     if timeline and dev.type == "cuda":
         from bench.step_timeline import profile_steps
         first = warmed + tokens + 3
