@@ -56,13 +56,14 @@
 # 8k loaded window (--warm-loaded).
 # Call 72: OpenMP's spin A/B on the CPU branch; pure-CPU decode on the Xeon beside llama.cpp.
 # Call 73: the host thread's wait for a step (runtime/host_wait.py) at 14 and 16 threads on the 40-layer MXFP4 slice.
+# Call 80: the doorbell's wait on the main stream against the side stream, beside llama.cpp at 6 and 16 threads.
 # Call 79: the control kernel's time per call by warps and scan block; a step's host split and timeline.
 # Call 78: fixed fill shares 0.2-0.4, fill-only and the cache at 14 and 16 threads beside llama.cpp.
 # Call 77: the Xeon's pure-CPU rows with torch kept to the row's threads, and the step by part.
 # Call 76: plan 70 again after host_wait (16-thread rows beside llama.cpp in one run), the spin A/B at 16.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh N, N from 0 to 79}
+STAGE=${1:?usage: bash bench/device_plan.sh N, N from 0 to 80}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -725,6 +726,24 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   CUDA_VISIBLE_DEVICES= step 240 cpu-llamacpp python3 -m bench.large_models --arch qwen3_5_moe --layers 12 \
     --expert-format mxfp4 --modes cpu-only --threads 6,14 --llamacpp --llamacpp-build $B \
     --name large_models-qwen3_5_moe-12-mxfp4-cpu-xeon
+  ;;
+80) # ~480 s (limits 50 + 120 + 90 + 240), twenty-seventh session, issue 10: plan 79's cache step took 1.5 ms
+  # of host time in its graph's launch (77 us without the CPU branch) with a fork and a join to the
+  # side stream in each layer; the wait kernel now runs where the caller joins (FREETOKEN_BELL_WAIT=main,
+  # one stream) and decode control calls take 8 warps and 4,096-slot scan chunks. The GPU tests of the
+  # split, the old side-stream wait in its own process, then the new default beside llama.cpp.
+  # Carry as plan 78: .llama/llama-bench.xz.aa .ab .ac, .llama/llama.cpp.tar.xz, .whl, .devcache/commit
+  B=/tmp/ft-llama-build
+  [ -x $B/bin/llama-bench ] || { mkdir -p $B/bin && cat .llama/llama-bench.xz.* | xz -d > $B/bin/llama-bench \
+    && chmod +x $B/bin/llama-bench; }
+  step 50 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
+  step 120 gpu-tests python3 -m pytest -x -q -p no:cacheprovider tests/test_expert_cache_gpu.py tests/test_host_wait.py
+  FREETOKEN_BELL_WAIT=side step 90 wait-side python3 -m bench.large_models --arch qwen3_5_moe --layers 40 \
+    --expert-format mxfp4 --modes cache --capacity 0.375 --threads 6,16 --timeline \
+    --name large_models-qwen3_5_moe-40-mxfp4-waitside
+  step 240 wait-main python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
+    --modes cache,cpu-only --capacity 0.375 --threads 6,16 --llamacpp --llamacpp-build $B --timeline \
+    --name large_models-qwen3_5_moe-40-mxfp4-waitmain-llamacpp
   ;;
 79) # ~330 s (limits 150 + 60 + 200), twenty-seventh session, issue 10: plan 78's timelines gave the
   # control kernel 27 us a call (1.1 ms of a 12-17 ms step) and ~1.7 ms a step of idle device between

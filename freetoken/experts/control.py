@@ -508,7 +508,7 @@ def control_triton(ids, weights, res: Residency, fill_share, max_fill: int, poli
                    k_pad: int | None = None) -> ControlOut:
     """The Triton kernel: one single-program launch, no host sync, CUDA-graph capturable.
     topk: use tl.topk in the victim scan (default: when this Triton has it); block_s: slots
-    per chunk of the scan (default up to 1024; a power of two, at least K's); num_warps:
+    per chunk of the scan (default up to scan_block's; a power of two, at least K's); num_warps:
     default control_warps of the pair bucket; k_pad: the fill list's static size, a power of two
     >= max_fill (default max_fill's; fill_pad gives one per pair bucket)."""
     _check_args(ids, weights, res, fill_share, max_fill, policy)
@@ -519,7 +519,7 @@ def control_triton(ids, weights, res: Residency, fill_share, max_fill: int, poli
     p_pad = pair_bucket(pairs)
     k_pad = k_pad or next_pow2(max_fill)
     assert k_pad >= max_fill and k_pad & (k_pad - 1) == 0, f"k_pad {k_pad}: a power of two >= max_fill {max_fill}"
-    block_s = max(k_pad, block_s or min(1024, triton.next_power_of_2(s)))
+    block_s = max(k_pad, block_s or min(scan_block(p_pad), triton.next_power_of_2(s)))
     assert block_s & (block_s - 1) == 0
     if topk is None:
         topk = hasattr(tl, "topk")
@@ -534,11 +534,25 @@ def control_triton(ids, weights, res: Residency, fill_share, max_fill: int, poli
 
 
 def control_warps(p_pad: int) -> int:
-    """Warps of the control program for a call padded to p_pad pairs (its pair_bucket): 4 up to
-    1,024 pairs, then about 8 pairs per thread (16 warps at 4,096). Each thread's share of the [P_PAD] sorts is
-    unrolled code: at 4 warps a 4,096-pair variant (32 a thread) took 51 s to compile on the H200
-    (benchmarks/results/control-compile-gpu.json)."""
+    """Warps of the control program for a call padded to p_pad pairs (its pair_bucket): 8 for
+    decode-sized calls (up to 64 pairs), 4 up to 1,024 pairs, then about 8 pairs per thread (16
+    warps at 4,096). Each thread's share of the [P_PAD] sorts is unrolled code: at 4 warps a
+    4,096-pair variant (32 a thread) took 51 s to compile on the H200
+    (benchmarks/results/control-compile-gpu.json). Decode calls are bound by the victim scan, not
+    the sorts: 8 warps with scan_block's 4,096-slot chunks ran a 40-layer step's calls in 17.8 us
+    each against 24.8 at 4 warps and 1,024 (H100, 3,840 slots, 8 pairs; 30.5 against 41.8 at 32;
+    bench.control_speed, twenty-seventh session)."""
+    if p_pad <= 64:
+        return 8
     return max(4, min(16, p_pad // 256))
+
+
+def scan_block(p_pad: int) -> int:
+    """The largest scan chunk (BLOCK_S) of the victim scan for a call of p_pad pairs: 4,096
+    slots for decode-sized calls (fewer chunks, fewer merges of the running K smallest), 1,024
+    for larger ones (whose fill lists, and the top-k over each chunk, are larger: kept as
+    measured and compiled before)."""
+    return 4096 if p_pad <= 64 else 1024
 
 
 def warm_up_control(num_flat_experts: int, num_slots: int, device, policy: str = "recent",

@@ -123,6 +123,20 @@ def branch_signal() -> tuple[str, bool]:
     return mode, bool(raw)
 
 
+def bell_wait_stream() -> str:
+    """Where the doorbell's wait kernel runs, from FREETOKEN_BELL_WAIT: "main" (the default) puts
+    it on the main stream where the caller joins (after the fills and the GPU experts, which the
+    CPU call overlaps all the same), "side" on the side stream right after the ring, joined back.
+    A side stream makes every layer of the decode graph a fork and a join: plan 79's 40-layer
+    cache step spent 1.5 ms of host time a step in the graph's launch with them, against 77 us for
+    the fill-only graph of one stream (benchmarks/README.md, twenty-seventh session)."""
+    import os
+    mode = (os.environ.get("FREETOKEN_BELL_WAIT", "") or "main").lower()
+    if mode not in ("main", "side"):
+        raise FreeTokenError(f"FREETOKEN_BELL_WAIT must be main or side, got {mode!r}")
+    return mode
+
+
 class Doorbell:
     """moe_cpu.cpp's Bell seen from here: a page of host memory, mapped for the GPU, and the
     resident thread that answers each ring with host_call on the rung descriptor. The GPU side
@@ -210,6 +224,8 @@ class HostBranch:
         self.zero_copy = zero_copy_staging()
         self.signal, asked = branch_signal() if self.zero_copy else ("hostfn", False)
         self.bell = None
+        self.wait_on_main = bell_wait_stream() == "main"
+        self._waits: list = []  # (pinned result, device result) of calls rung and not yet joined
         if self.signal == "doorbell":
             try:
                 self.bell = Doorbell(self.device)
@@ -260,8 +276,11 @@ class HostBranch:
         self.check()
         t, k = ids.shape
         xb, ib, wb, ob, dev_out, (xs, is_, ws), d = self._buffers(t, k, x.shape[1], x.dtype == torch.bfloat16)
-        if self.bell is not None:  # inputs and the ring on the main stream, the wait on the side stream
+        if self.bell is not None:  # inputs and the ring on the main stream, the wait where join is (or on the side stream)
             self.bell.ring(x, ids.long(), weights, xb, ib, wb, ctypes.addressof(d))
+            if self.wait_on_main:
+                self._waits.append((ob, dev_out))
+                return dev_out
             self.side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.side):
                 self.bell.wait(ob, dev_out)
@@ -294,6 +313,12 @@ class HostBranch:
             raise FreeTokenError(f"cuLaunchHostFunc failed with CUDA error {err}")
 
     def join(self) -> None:
+        """The forked calls' results are in their device buffers for what the current stream
+        runs next: the wait kernel of each call rung since the last join (main-stream waits), or
+        the side stream joined."""
+        waits, self._waits = self._waits, []
+        for ob, dev_out in waits:
+            self.bell.wait(ob, dev_out)
         torch.cuda.current_stream(self.device).wait_stream(self.side)
 
     def stats(self) -> dict:
