@@ -56,6 +56,7 @@
 # 8k loaded window (--warm-loaded).
 # Call 72: OpenMP's spin A/B on the CPU branch; pure-CPU decode on the Xeon beside llama.cpp.
 # Call 73: the host thread's wait for a step (runtime/host_wait.py) at 14 and 16 threads on the 40-layer MXFP4 slice.
+# Call 81: call 80's A/B again after its capture fix (6 threads, no llama.cpp; carry the warm cache).
 # Call 80: the doorbell's wait on the main stream against the side stream, beside llama.cpp at 6 and 16 threads.
 # Call 79: the control kernel's time per call by warps and scan block; a step's host split and timeline.
 # Call 78: fixed fill shares 0.2-0.4, fill-only and the cache at 14 and 16 threads beside llama.cpp.
@@ -63,7 +64,7 @@
 # Call 76: plan 70 again after host_wait (16-thread rows beside llama.cpp in one run), the spin A/B at 16.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh N, N from 0 to 80}
+STAGE=${1:?usage: bash bench/device_plan.sh N, N from 0 to 81}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -726,6 +727,16 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   CUDA_VISIBLE_DEVICES= step 240 cpu-llamacpp python3 -m bench.large_models --arch qwen3_5_moe --layers 12 \
     --expert-format mxfp4 --modes cpu-only --threads 6,14 --llamacpp --llamacpp-build $B \
     --name large_models-qwen3_5_moe-12-mxfp4-cpu-xeon
+  ;;
+81) # ~200 s (limits 50 + 75 + 75), twenty-seventh session: plan 80's main-stream rows failed their graph
+  # capture (join waited on a side stream that never joined the capture; fixed) and its compiles ran
+  # without the warm cache. The 40-layer cache at 6 threads, main-stream wait then side-stream wait.
+  # Carry .whl, .devcache/commit, .devcache/warm-cache.tgz
+  step 50 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
+  FREETOKEN_BELL_WAIT=main step 75 wait-main python3 -m bench.large_models --arch qwen3_5_moe --layers 40 \
+    --expert-format mxfp4 --modes cache --capacity 0.375 --threads 6 --name large_models-qwen3_5_moe-40-mxfp4-waitmain-t6
+  FREETOKEN_BELL_WAIT=side step 75 wait-side python3 -m bench.large_models --arch qwen3_5_moe --layers 40 \
+    --expert-format mxfp4 --modes cache --capacity 0.375 --threads 6 --name large_models-qwen3_5_moe-40-mxfp4-waitside-t6
   ;;
 80) # ~480 s (limits 50 + 120 + 90 + 240), twenty-seventh session, issue 10: plan 79's cache step took 1.5 ms
   # of host time in its graph's launch (77 us without the CPU branch) with a fork and a join to the

@@ -226,6 +226,7 @@ class HostBranch:
         self.bell = None
         self.wait_on_main = bell_wait_stream() == "main"
         self._waits: list = []  # (pinned result, device result) of calls rung and not yet joined
+        self._forked = False  # work queued on the side stream since the last join
         if self.signal == "doorbell":
             try:
                 self.bell = Doorbell(self.device)
@@ -281,14 +282,14 @@ class HostBranch:
             if self.wait_on_main:
                 self._waits.append((ob, dev_out))
                 return dev_out
-            self.side.wait_stream(torch.cuda.current_stream(self.device))
+            self._fork()
             with torch.cuda.stream(self.side):
                 self.bell.wait(ob, dev_out)
             return dev_out
         if self.zero_copy:  # the GPU's own stores into the pinned buffers, on the main stream
             for src, dst in ((x, xb), (ids, ib), (weights, wb)):
                 copy_flat(src.contiguous(), dst)
-            self.side.wait_stream(torch.cuda.current_stream(self.device))
+            self._fork()
             with torch.cuda.stream(self.side):
                 self._host_fn(d)
                 copy_flat(ob, dev_out)
@@ -296,8 +297,7 @@ class HostBranch:
         xs.copy_(x)  # on the main stream, into the persistent staging
         is_.copy_(ids)
         ws.copy_(weights)
-        main = torch.cuda.current_stream(self.device)
-        self.side.wait_stream(main)
+        self._fork()
         with torch.cuda.stream(self.side):
             xb.copy_(xs, non_blocking=True)
             ib.copy_(is_, non_blocking=True)
@@ -319,7 +319,14 @@ class HostBranch:
         waits, self._waits = self._waits, []
         for ob, dev_out in waits:
             self.bell.wait(ob, dev_out)
-        torch.cuda.current_stream(self.device).wait_stream(self.side)
+        if self._forked:  # only then: inside a graph capture, a side stream that never joined
+            self._forked = False  # the capture cannot be waited on (the capture is invalidated)
+            torch.cuda.current_stream(self.device).wait_stream(self.side)
+
+    def _fork(self) -> None:
+        """The side stream starts after what the current stream queued so far."""
+        self.side.wait_stream(torch.cuda.current_stream(self.device))
+        self._forked = True
 
     def stats(self) -> dict:
         descs = [v[-1] for v in list(self.shapes.values())]  # the loop thread may add a shape meanwhile
