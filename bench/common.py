@@ -47,7 +47,9 @@ def command() -> str:
     return " ".join([os.path.basename(sys.executable)] + argv)
 
 
-def write_result(name: str, results: dict, out_dir: str | None = None) -> str:
+def write_result(name: str, results: dict, out_dir: str | None = None, quiet: bool = False) -> str:
+    """The results as JSON with machine, commit and command; quiet: the path only (a file
+    rewritten after every row of a long run)."""
     info = commit_info()  # git here; .devcache/commit on the device machine (bench/commit.py)
     doc = {"benchmark": name, "machine": machine(), "commit": info["commit"], "commit_source": info["source"],
            "command": command(),
@@ -60,7 +62,8 @@ def write_result(name: str, results: dict, out_dir: str | None = None) -> str:
     path = os.path.join(out_dir, f"{name}-{tag}.json")
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
-    print(json.dumps(doc["results"], indent=1))
+    if not quiet:
+        print(json.dumps(doc["results"], indent=1))
     print("wrote", path)
     return path
 

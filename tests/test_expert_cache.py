@@ -360,3 +360,34 @@ def test_share_tuner_ends_probes_of_clearly_slower_candidates_early():
     assert all(per.get(0.4, 0) < 2 * share_mod.PROBE * 2 for _, _, per in early), [p for *_, p in early]
     assert sum(n for _, n, _ in early) < 0.7 * sum(n for _, n, _ in full), ([n for _, n, _ in early],
                                                                           [n for _, n, _ in full])
+
+
+def test_share_tuner_goes_to_fill_only_when_the_host_slows_down():
+    """The hold watches its steps: when the CPU branch becomes slow in the middle of a run (on
+    an H100 its call went from ~105 us to 300-900 us; the split stayed at r = 0.7 and ran a third
+    of fill-only's speed), the split is measured again from fill-only long before the hold's
+    periodic re-check, and lands there; steps that only swing around the chosen r's cost (+-30%)
+    never start such a climb."""
+    import random
+    from freetoken.experts.share import ShareTuner
+    fast = {1.0: 10.0, 0.9: 9.4, 0.8: 8.8, 0.7: 8.2, 0.6: 8.6, 0.5: 9.2, 0.4: 9.8, 0.3: 10.4, 0.2: 11.0, 0.1: 11.6}
+    rng = random.Random(3)
+    t = ShareTuner(hold=1_000_000)
+    steps = 0
+    while t.climbing:
+        t.observe(1, fast[t.share] * (1 + 0.05 * rng.random()) / 1e3)
+        steps += 1
+    assert t.share == 0.7 and t.drifts == 0
+    for _ in range(2000):  # held: steps at its cost, +-30%, never a drift
+        t.observe(1, fast[0.7] * (1 + 0.3 * (2 * rng.random() - 1)) / 1e3)
+    assert t.share == 0.7 and not t.climbing and t.drifts == 0
+
+    def slow_host(r: float) -> float:  # the CPU's share now costs 3x: fill-only is fastest
+        return 10.0 + (1.0 - r) * 60.0  # 10 ms at r = 1, 16 at 0.9, ...
+    for n in range(1, 2000):
+        t.observe(1, slow_host(t.share) * (1 + 0.05 * rng.random()) / 1e3)
+        if t.drifts and not t.climbing:
+            break
+    assert t.drifts == 1 and t.share == 1.0 and not t.climbing
+    assert n < 400, f"{n} steps to get back to fill-only"
+    assert t.climbs[1].ref is not None and t.climbs[1].ref < 0.0106  # the new reference is fill-only's step

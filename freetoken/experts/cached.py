@@ -473,6 +473,8 @@ class CachedExpertExecutor(ExpertExecutor):
                 "frozen": int(self.is_frozen),  # 1 while a streamed prefill pass holds the slots
                 "fill_share_adaptive": int(self.tuner is not None),
                 "fill_share_decisions": self.tuner.decisions if self.tuner is not None else 0,
+                # climbs started because steps became slower than when r was chosen (share.py's watch)
+                "fill_share_drifts": self.tuner.drifts if self.tuner is not None else 0,
                 "transfer": "zero-copy kernel" if self.pool.zero_copy else "copy (one sync per layer)",
                 "cpu_branch": "stream-ordered host node" if self.host is not None else "eager (one sync per layer)",
                 **(self.host.stats() if self.host is not None else {}),

@@ -27,7 +27,12 @@ Procedure (a hill climb from fill-only, re-checked periodically):
           against 7.0 before, and a mean left r at 0.4: 20% slower than 0.5). Unmeasured
           neighbours too: a climb started from a prediction below the best only steps down;
   hold    keep the best for HOLD steps (at least 4x the steps the climb took), then probe its
-          neighbours again (conditions drift).
+          neighbours again (conditions drift). Meanwhile watch the steps: when the median of
+          DRIFT_WINDOWS windows of PROBE steps in a row is over the chosen probe's by more than
+          DRIFT, the host (or the link) changed under the split (another process took the
+          cores or the memory bandwidth): climb again at once, from fill-only, which needs no
+          CPU. On the H100 of plan 78 the CPU branch's call went from ~105 us to 300-900 us
+          in the middle of a run; the split held r = 0.7 at 22.4 tok/s where fill-only ran 71.5.
 Samples are compared only within one batch size: each size climbs on its own (continuous
 batching changes the number of decoding rows every few steps).
 r is a device scalar read by the control kernel, so changing it re-captures nothing.
@@ -49,6 +54,11 @@ PROBE, SETTLE, HOLD, MARGIN, PATIENCE = 24, 8, 2048, 0.02, 1
 # replayed real routing makes step times swing by 30% with each token's misses (the Mixtral
 # HumanEval trace on the H200), where a 16-sample median cannot tell r = 0.8 from 0.4
 EXTEND = 8
+# the hold's watch: DRIFT_WINDOWS windows of PROBE steps in a row whose median is over the chosen
+# probe's by more than DRIFT start a new climb from fill-only. 20% is about four standard errors
+# of a 24-step median of steps swinging +-30% (replayed real routing), and the chosen probe's
+# median is the lowest of its probes, a little optimistic: two such windows by chance are rare
+DRIFT, DRIFT_WINDOWS = 0.2, 2
 
 
 def _stderr(samples: list[float]) -> float:
@@ -92,17 +102,20 @@ class _Climb:
         self.meds: dict[int, list[float]] = {}  # every probe's median, per candidate index
         self.climb_steps = 0  # steps the current (or last) climb has taken
         self.confirm: list[int] | None = None  # the confirmation round's candidates still to probe
+        self.ref: float | None = None  # the chosen r's median step when it was chosen (the hold's watch)
+        self.window: list[float] = []  # the hold's current window of steps
+        self.slow_windows = 0  # windows in a row over ref by more than DRIFT
 
     def observe(self, seconds: float, batch: int) -> None:
         t = self.t
         if not self.climbing:
             self.held += 1
+            if self._drifted(seconds, batch):
+                return self._climb_again(0)  # from fill-only: the CPU's share is what became slow
             # re-check: climb again from the neighbour above (or the top), after HOLD steps and at
             # least 4x the steps the last climb took (noisy probes are long: probing stays <= 1/5)
             if self.held >= max(t.hold, 4 * self.climb_steps):
-                self.climbing, self.best, self.misses, self.meds, self.confirm = True, None, 0, {}, None
-                self.climb_steps = 0
-                self._go(max(0, self.cur - 1))
+                self._climb_again(max(0, self.cur - 1))
             return
         self.samples.append(seconds)
         self.climb_steps += 1
@@ -140,9 +153,33 @@ class _Climb:
         self.meds = {j: self.meds.get(j, []) for j in self.confirm}  # the decision is among these
         self._go(self.confirm.pop(0))
 
+    def _drifted(self, seconds: float, batch: int) -> bool:
+        """The hold's watch (module doc): whether the steps at the chosen r have become slower
+        than when it was chosen, by more than DRIFT over DRIFT_WINDOWS windows in a row."""
+        t = self.t
+        if self.ref is None:
+            return False
+        self.window.append(seconds)
+        if len(self.window) < t.probe:
+            return False
+        med, self.window = statistics.median(self.window), []
+        self.slow_windows = self.slow_windows + 1 if med > self.ref * (1 + t.drift) else 0
+        if self.slow_windows < t.drift_windows:
+            return False
+        t.drifts += 1
+        log.info("expert cache: decode steps at batch %d take %.2f ms, %.2f when r=%.2f was chosen: "
+                 "measuring the split again from fill-only", batch, med * 1e3, self.ref * 1e3, t.cands[self.cur])
+        return True
+
+    def _climb_again(self, i: int) -> None:
+        self.climbing, self.best, self.misses, self.meds, self.confirm = True, None, 0, {}, None
+        self.climb_steps, self.ref, self.window, self.slow_windows = 0, None, [], 0
+        self._go(i)
+
     def _decide(self, i: int, m: float, batch: int) -> None:
         t = self.t
         self.climbing, self.held = False, 0
+        self.ref, self.window, self.slow_windows = m, [], 0
         t.decisions += 1
         log.info("expert cache: fill share r=%.2f at batch %d (decode step %.2f ms, fastest of %d probes)",
                  t.cands[i], batch, m * 1e3, len(self.meds[i]))
@@ -158,13 +195,16 @@ class ShareTuner:
     resumes where it was instead of starting over."""
 
     def __init__(self, candidates=CANDIDATES, probe: int = PROBE, settle: int = SETTLE, hold: int = HOLD,
-                 margin: float = MARGIN, start: float = 1.0, patience: int = PATIENCE, extend: int = EXTEND):
+                 margin: float = MARGIN, start: float = 1.0, patience: int = PATIENCE, extend: int = EXTEND,
+                 drift: float = DRIFT, drift_windows: int = DRIFT_WINDOWS):
         """start: a predicted r (`ft bench bw`'s profile, runtime/bandwidth.py): each climb
         begins one candidate above it instead of at fill-only, so a good prediction is reached
         in one probe and a bad one is still corrected by the climb."""
         assert candidates[0] == 1.0 and list(candidates) == sorted(candidates, reverse=True)
         self.cands, self.probe, self.settle, self.hold, self.margin = list(candidates), probe, settle, hold, margin
         self.patience, self.extend = patience, max(1, extend)
+        self.drift, self.drift_windows = drift, max(1, drift_windows)
+        self.drifts = 0  # climbs started by the hold's watch (steps slower than when r was chosen)
         at = next((i for i, r in enumerate(self.cands) if r <= start + 1e-9), len(self.cands) - 1)
         self.start = max(0, at - 1)
         self.climbs: dict[int, _Climb] = {}

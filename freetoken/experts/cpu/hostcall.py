@@ -124,14 +124,16 @@ def branch_signal() -> tuple[str, bool]:
 
 
 def bell_wait_stream() -> str:
-    """Where the doorbell's wait kernel runs, from FREETOKEN_BELL_WAIT: "main" (the default) puts
-    it on the main stream where the caller joins (after the fills and the GPU experts, which the
-    CPU call overlaps all the same), "side" on the side stream right after the ring, joined back.
-    A side stream makes every layer of the decode graph a fork and a join: plan 79's 40-layer
-    cache step spent 1.5 ms of host time a step in the graph's launch with them, against 77 us for
-    the fill-only graph of one stream (benchmarks/README.md, twenty-seventh session)."""
+    """Where the doorbell's wait kernel runs, from FREETOKEN_BELL_WAIT: "side" (the default) on
+    the side stream right after the ring, joined back where the caller joins; "main" on the main
+    stream where the caller joins (after the fills and the GPU experts, which the CPU call
+    overlaps all the same: one stream, no fork and join per layer in the decode graph). Tried
+    because plan 79's 40-layer cache step spent 1.5 ms of host time in its graph's launch against
+    77 us for the fill-only graph; in plan 81 (H100, 6 threads, one machine) both launched in
+    230-240 us and ran 79.0 (main) and 80.6 tok/s (side): no gain, so the side stream, which the
+    GPU tests cover, stays the default (benchmarks/README.md, twenty-seventh session)."""
     import os
-    mode = (os.environ.get("FREETOKEN_BELL_WAIT", "") or "main").lower()
+    mode = (os.environ.get("FREETOKEN_BELL_WAIT", "") or "side").lower()
     if mode not in ("main", "side"):
         raise FreeTokenError(f"FREETOKEN_BELL_WAIT must be main or side, got {mode!r}")
     return mode
