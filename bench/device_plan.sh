@@ -56,6 +56,7 @@
 # 8k loaded window (--warm-loaded).
 # Call 72: OpenMP's spin A/B on the CPU branch; pure-CPU decode on the Xeon beside llama.cpp.
 # Call 73: the host thread's wait for a step (runtime/host_wait.py) at 14 and 16 threads on the 40-layer MXFP4 slice.
+# Call 82: the GPU tests of the cache after the control kernel's new decode variants; the split under a hog started mid-run.
 # Call 81: call 80's A/B again after its capture fix (6 threads, no llama.cpp; carry the warm cache).
 # Call 80: the doorbell's wait on the main stream against the side stream, beside llama.cpp at 6 and 16 threads.
 # Call 79: the control kernel's time per call by warps and scan block; a step's host split and timeline.
@@ -64,7 +65,7 @@
 # Call 76: plan 70 again after host_wait (16-thread rows beside llama.cpp in one run), the spin A/B at 16.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh N, N from 0 to 81}
+STAGE=${1:?usage: bash bench/device_plan.sh N, N from 0 to 82}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -727,6 +728,18 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   CUDA_VISIBLE_DEVICES= step 240 cpu-llamacpp python3 -m bench.large_models --arch qwen3_5_moe --layers 12 \
     --expert-format mxfp4 --modes cpu-only --threads 6,14 --llamacpp --llamacpp-build $B \
     --name large_models-qwen3_5_moe-12-mxfp4-cpu-xeon
+  ;;
+82) # ~420 s (limits 50 + 200 + 150), twenty-seventh session, issue 10 (b): carry .whl, .devcache/commit and
+  # .devcache/warm-cache.tgz (without it the first compiles ate plan 80's limits). The cache's GPU tests
+  # (decode control calls now compile at 8 warps with 4,096-slot scan chunks; never run on a GPU yet), then
+  # the 40-layer cache at 14 threads with a host-memory hog started on 4 of the CPU branch's cores after
+  # the split decided (--drift-hog: share.py's hold watch, new), beside fill-only under no hog.
+  step 50 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
+  step 200 gpu-tests python3 -m pytest -x -q -p no:cacheprovider tests/test_expert_cache_gpu.py tests/test_host_wait.py \
+    tests/test_expert_control.py -k "not large_buckets"
+  step 150 drift python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
+    --modes cache,fill-only --capacity 0.375 --threads 14 --drift-hog 4 --drift-steps 800 \
+    --name large_models-qwen3_5_moe-40-mxfp4-drift-t14
   ;;
 81) # ~200 s (limits 50 + 75 + 75), twenty-seventh session: plan 80's main-stream rows failed their graph
   # capture (join waited on a side stream that never joined the capture; fixed) and its compiles ran

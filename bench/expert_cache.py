@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 
 import torch
@@ -206,7 +207,7 @@ def floors(row: dict, resident_ms: float, bp: float, bh: float, dram: float | No
 
 def run_config(mc, w, ex, dev, batch: int, tokens: int, warmup: int, routes, prompt: int = 64,
                trace: str | None = None, max_warmup: int | None = None, profile: bool = False,
-               cpu_branch: bool | None = None, timeline: bool = False) -> dict:
+               cpu_branch: bool | None = None, timeline: bool = False, drift: dict | None = None) -> dict:
     """max_warmup: for an adaptive cache, warm up past `warmup` until its split has decided
     (the steady state a server reaches), at most this many steps; the row says how many ran.
     profile (CUDA): the row's `profile`, GPU time per kernel of three eager steps after the timed
@@ -214,7 +215,9 @@ def run_config(mc, w, ex, dev, batch: int, tokens: int, warmup: int, routes, pro
     cpu_branch: whether the step has a CPU branch (the host thread then waits for each step as
     the serving loop does, runtime/host_wait.py; None: host_wait.has_cpu_branch(ex)).
     timeline (CUDA): the row's `timeline`, three more steps as timed (graph replays) under the
-    profiler, their device activity summed (bench/step_timeline.py)."""
+    profiler, their device activity summed (bench/step_timeline.py).
+    drift (an adaptive cache): the row's `drift`, a host-memory hog started after the timed steps
+    (drift_run: {"threads", "cpus", "steps"}), and what the split does about it."""
     from freetoken.runtime import host_wait
     inner = ex
     fixed_branch = cpu_branch  # None: asked of the executor at every step (the cache's split moves)
@@ -225,7 +228,7 @@ def run_config(mc, w, ex, dev, batch: int, tokens: int, warmup: int, routes, pro
         buf = torch.full((len(mc.moe_layers), batch, mc.top_k), -1, dtype=torch.int64, device=dev)
         ex = ReplayRouting(ex, buf)
     model = model_class(mc.arch)(mc, w, ex, dev, torch.bfloat16, 4096)
-    ctx = prompt + max_warmup + tokens + 8
+    ctx = prompt + max_warmup + tokens + 8 + (drift["steps"] if drift else 0)
     st = DecodeState(mc, batch, ctx, dev, torch.bfloat16)
     g = torch.Generator(device="cpu").manual_seed(1)
     tok = torch.zeros(batch, dtype=torch.long, device=dev)
@@ -299,6 +302,8 @@ def run_config(mc, w, ex, dev, batch: int, tokens: int, warmup: int, routes, pro
         from bench.step_timeline import profile_steps
         first = warmed + tokens + 3
         row["timeline"] = profile_steps(lambda i: advance(first + i), 3, sync)
+    if drift and tuner is not None:
+        row["drift"] = drift_run(advance, tuner, warmed + tokens + 6, drift)
     if dev.type == "cuda":
         branch = host_wait.has_cpu_branch(inner) if fixed_branch is None else fixed_branch
         row["host_wait"] = "block" if host_wait.blocks(branch) else "spin"  # at the last step
@@ -325,6 +330,32 @@ def run_config(mc, w, ex, dev, batch: int, tokens: int, warmup: int, routes, pro
             row.update(prefetched_per_step=round(d["prefetched"] / tokens, 2),
                        prefetch_accuracy=round(d["prefetch_used"] / d["prefetched"], 4) if d["prefetched"] else None)
     return row
+
+
+def drift_run(advance, tuner, first: int, drift: dict) -> dict:
+    """The host changes under a decided split: a memory hog (bench/hog.py) starts on the given
+    CPUs (the CPU branch's own cores by default: a busy host's other work) and `steps` decode steps
+    run on. Per step the r in use and the wall time; summed: the step at the old r under the hog
+    (until the split reacts), how many steps the split took to start measuring again
+    (share.py's hold watch), the r it settled on and the last 100 steps' median."""
+    from bench.hog import MemoryHog
+    r0, decisions, drifts = tuner.share, tuner.decisions, tuner.drifts
+    trace = []  # (r, ms, climbing)
+    with MemoryHog(drift["threads"], drift.get("cpus"), mb=drift.get("mb", 1024)) as h:
+        for i in range(drift["steps"]):
+            r = tuner.share
+            t0 = time.perf_counter()
+            advance(first + i)
+            trace.append((r, (time.perf_counter() - t0) * 1e3, tuner.climbing))
+    react = next((i for i, (_, _, c) in enumerate(trace) if c), None)  # the first step the split climbs again
+    before = [ms for r, ms, _ in trace[:react if react is not None else len(trace)] if r == r0]
+    tail = [ms for _, ms, _ in trace[-100:]]
+    med = lambda v: round(statistics.median(v), 3) if v else None  # noqa: E731
+    return {"hog_threads": drift["threads"], "hog_cpus": drift.get("cpus"), "hog_gbs": h.gbs, "steps": len(trace),
+            "r_before": r0, "ms_at_r_before_with_hog": med(before), "steps_to_react": react,
+            "drifts": tuner.drifts - drifts, "decisions": tuner.decisions - decisions,
+            "r_after": tuner.share, "decided_after": not tuner.climbing, "ms_last_100": med(tail),
+            "r_per_step": [r for r, _, _ in trace], "ms_per_step": [round(ms, 2) for _, ms, _ in trace]}
 
 
 def hog(a):

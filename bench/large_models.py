@@ -526,6 +526,15 @@ def host_threads(dev, threads: int):
         torch.set_num_threads(old)
 
 
+def drift_spec(a, threads: int) -> dict | None:
+    """--drift-hog's hog for a cache row at `threads`: on the pool's own first CPUs unless named."""
+    if not a.drift_hog:
+        return None
+    from freetoken.experts.cpu import pool_cpus
+    cpus = [int(c) for c in a.drift_hog_cpus.split(",") if c] or pool_cpus(threads)[:a.drift_hog]
+    return {"threads": a.drift_hog, "cpus": cpus, "steps": a.drift_steps}
+
+
 def run_mode(mode: str, a, mc, w, banks, dev, batch: int, threads: int, slots: int, start: float,
              prefetch: int = 0, fill_share: float | None = None) -> dict:
     """One row: the mode timed with decode graphs where it can be, else eagerly (graph_error)."""
@@ -556,7 +565,7 @@ def _run_mode(mode: str, a, mc, w, banks, dev, batch: int, threads: int, slots: 
             t0 = time.perf_counter()
             got = run_config(mc, w, EagerOnly(ex) if eager else ex, dev, batch, a.tokens, a.warmup, None,
                              prompt=a.prompt, max_warmup=a.cache_warmup, profile=a.profile,
-                             timeline=a.timeline)
+                             timeline=a.timeline, drift=drift_spec(a, threads) if mode == "cache" else None)
             row.update(got, run_s=round(time.perf_counter() - t0, 1))
             if mode == "cache":  # without the CPU branch in stream order (no CUDA) the cache stays fill-only
                 row["adaptive_split"] = ex.tuner is not None
@@ -643,6 +652,11 @@ def parse(argv=None):
                     "row (`profile`: the top kernels; CUDA only)")
     ap.add_argument("--timeline", action="store_true", help="device time of three replayed steps in each row by "
                     "kernel and the idle gaps before each (`timeline`, bench/step_timeline.py; CUDA only)")
+    ap.add_argument("--drift-hog", type=int, default=0, help="cache rows: after the timed steps, start a host-memory "
+                    "hog of N threads and run --drift-steps more (`drift`: how the adaptive split reacts; 0: off)")
+    ap.add_argument("--drift-hog-cpus", default="", help="CPUs of the drift hog (default: the first N of the CPU "
+                    "branch's pool, which it then competes with)")
+    ap.add_argument("--drift-steps", type=int, default=600)
     ap.add_argument("--tiny", action="store_true", help="the small config of the same structure (a CPU run)")
     ap.add_argument("--layers", type=int, default=None, help="first N layers of the shape (default 12; "
                     "qwen3_5_moe all 40; --tiny 5, qwen3_5_moe 4)")
@@ -722,8 +736,8 @@ def parse(argv=None):
     a.name = a.name or f"large_models-{a.arch}" + ("-tiny" if a.tiny else "")
     if not 0 < a.capacity <= 1:
         ap.error("--capacity is a fraction of the experts, in (0, 1]")
-    if a.prompt + a.cache_warmup + a.tokens + 8 > MAX_POS:
-        ap.error(f"--prompt + --cache-warmup + --tokens must stay under {MAX_POS - 8} positions")
+    if a.prompt + a.cache_warmup + a.tokens + 8 + (a.drift_steps if a.drift_hog else 0) > MAX_POS:
+        ap.error(f"--prompt + --cache-warmup + --tokens (+ --drift-steps) must stay under {MAX_POS - 8} positions")
     return a
 
 
@@ -851,7 +865,7 @@ def main(argv=None) -> str | None:
                          "the other modes need the GPU machine (--tiny runs them all on the CPU)")
     t0 = time.perf_counter()
     plan = weight_plan(cfg)
-    ctx = a.prompt + a.cache_warmup + a.tokens + 8
+    ctx = a.prompt + a.cache_warmup + a.tokens + 8 + (a.drift_steps if a.drift_hog else 0)
     ests = {fmt: estimate(cfg, mc, fmt, plan, a.modes, a.capacity, max(a.batch), ctx, dev,
                           a.host_gb * GB if a.host_gb else None, cuda or not a.tiny, header=n == 0)
             for n, fmt in enumerate(a.expert_format)}  # one format's banks at a time: each alone must fit

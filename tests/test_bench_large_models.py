@@ -197,3 +197,21 @@ def test_fixed_split_and_fill_only_rows(tmp_path, monkeypatch):
     assert low["fills_per_step"] < high["fills_per_step"]
     with pytest.raises(SystemExit):
         lm.main(["--arch", "qwen3_5_moe", "--tiny", "--modes", "split", "--fill-shares", "1.5"])
+
+
+def test_drift_run_reports_the_splits_reaction():
+    """bench.expert_cache.drift_run (--drift-hog): a real hog process runs beside the steps; a
+    split decided on a fast host, whose CPU share then costs 6x (simulated step times fed to the
+    real tuner), is reported with the steps it took to react and the r it settled on."""
+    from bench.expert_cache import drift_run
+    from freetoken.experts.share import ShareTuner
+    fast = {1.0: 10.0, 0.9: 9.4, 0.8: 8.8, 0.7: 8.2, 0.6: 8.6, 0.5: 9.2, 0.4: 9.8, 0.3: 10.4, 0.2: 11.0, 0.1: 11.6}
+    t = ShareTuner(probe=10, settle=2, hold=1_000_000)
+    while t.climbing:
+        t.observe(1, fast[t.share] / 1e3)
+    assert t.share == 0.7
+    got = drift_run(lambda k: t.observe(1, (10.0 + (1.0 - t.share) * 60.0) / 1e3), t, 0,
+                    {"threads": 1, "cpus": None, "steps": 300, "mb": 16})
+    assert got["r_before"] == 0.7 and got["r_after"] == 1.0 and got["decided_after"]
+    assert got["drifts"] == 1 and got["decisions"] == 1 and 0 < got["steps_to_react"] <= 25
+    assert got["hog_gbs"] > 0 and len(got["r_per_step"]) == 300 and got["r_per_step"][0] == 0.7
