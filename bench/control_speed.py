@@ -35,7 +35,8 @@ def time_config(a, pairs: int, warps: int | None, block_s: int | None, dev) -> d
     g = torch.Generator().manual_seed(0)
     ids = routes(a.layers, a.experts, t, k, g).to(dev)  # [L, T, k], rewritten before each replay
     w = torch.rand(a.layers, t, k, generator=g).to(dev, torch.bfloat16)
-    run = lambda l: control_triton(ids[l], w[l], res, share, cap, a.policy, block_s=block_s,  # noqa: E731
+    acc = torch.zeros(5, dtype=torch.int64, device=dev)  # the statistics the cache adds to in each call
+    run = lambda l: control_triton(ids[l], w[l], res, share, cap, a.policy, block_s=block_s, acc=acc,  # noqa: E731
                                    num_warps=warps, k_pad=pad)
     for _ in range(a.fill_steps):  # the pool full and its stamps spread, as in a served decode
         ids.copy_(routes(a.layers, a.experts, t, k, g).to(dev))

@@ -88,7 +88,8 @@ def share(r, device=DEV):
 
 
 def same_out(a, b):
-    return all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("route", "fill_src", "fill_dst", "cpu_ids", "counts"))
+    return all(torch.equal(getattr(a, f).cpu(), getattr(b, f).cpu())
+               for f in ("route", "fill_src", "fill_dst", "cpu_ids", "counts", "cpu_route"))
 
 
 def to_cpu(out: ControlOut) -> ControlOut:
@@ -204,6 +205,8 @@ def check_step(pre, post, ids, weights, out, max_fill, r, policy, peek=False):
         else:
             assert rt >= 0 and post["id_of"][rt] == e
     assert {e for e, rt in zip(flat, route) if rt == CPU} == set(cpu_ids[:n_cpu])
+    # the CPU branch's routes: the pair's id where it runs on the CPU, NO_EXPERT elsewhere
+    assert out.cpu_route.reshape(-1).cpu().tolist() == [e if rt == CPU else NO_EXPERT for e, rt in zip(flat, route)]
 
 
 # ---------------------------------------------------------------------------- kernel vs reference
@@ -226,16 +229,24 @@ def test_kernel_equals_reference_fuzzed(policy, seed):
         topk = case % 2 == 0 or not hasattr(triton.language, "topk")
         ref = random_residency(g, n, s)
         got = to(ref, DEV)
+        acc_a = torch.randint(0, 1000, (5,), generator=g)  # running statistics, not from zero
+        acc_b = acc_a.clone().to(DEV)
         for call in range(3):
             ids, w = random_route(g, layers, experts, t, k, ref)
             r = SHARES[int(torch.randint(0, 4, (1,), generator=g))]
             peek = call == 2 and case % 2 == 1  # a lookahead step after a real one
-            pre = ref.clone()
-            a = control_reference(ids, w, ref, share(r), max_fill, policy, peek=peek)
-            b = control_triton(ids, w, got, share(r), max_fill, policy, topk=topk, block_s=block_s, peek=peek)
+            counted = case % 3 != 2 and not peek  # the cache counts its real calls in the same launch
+            pre, before = ref.clone(), acc_a.clone()
+            a = control_reference(ids, w, ref, share(r), max_fill, policy, peek=peek, acc=acc_a if counted else None)
+            b = control_triton(ids, w, got, share(r), max_fill, policy, topk=topk, block_s=block_s, peek=peek,
+                               acc=acc_b if counted else None)
             where = f"case {case} call {call}: n={n} s={s} t={t} k={k} K={max_fill} r={r} peek={peek}"
             assert same_out(a, b), where
             assert same_res(ref, got), where
+            assert torch.equal(acc_a, acc_b.cpu()), where
+            n_fill, n_cpu, n_hit = a.counts.tolist()
+            live = int((ids >= 0).sum())
+            assert (acc_a - before).tolist() == ([1, live, n_hit, n_fill, n_cpu] if counted else [0] * 5), where
             check_step(pre, ref, ids, w, a, max_fill, r, policy, peek)
 
 

@@ -53,8 +53,8 @@ import torch
 
 from ..kernels.expert_transfer import transfer_reference, transfer_triton, zero_copy_ok
 from ..kernels import use_triton
-from .control import CPU, MAX_PAIRS, POLICIES, Residency, control, fill_cap, fill_pad, warm_up_control
-from .executor import GRAPH_CAPTURE, NO_EXPERT, SILU, Activation, ExpertExecutor, Pending, TorchExpertExecutor
+from .control import MAX_PAIRS, POLICIES, Residency, control, fill_cap, fill_pad, warm_up_control
+from .executor import GRAPH_CAPTURE, SILU, Activation, ExpertExecutor, Pending, TorchExpertExecutor
 from ..runtime import host_wait
 
 log = logging.getLogger("freetoken.experts")
@@ -369,17 +369,17 @@ class CachedExpertExecutor(ExpertExecutor):
         # the fill list as long as this call can fill (the transfer runs over it), padded per pair
         # bucket: the kernel variants warm_up_control compiled. The call's ids are one layer's
         # (every MoE block calls once per layer), so its distinct misses are at most layer_experts
-        ctl = control(ids, weights, self.pool.res, share, fill_cap(n, *bounds), self.policy, k_pad=fill_pad(n, *bounds))
+        # the call's counts go to the statistics in the same launch (acc)
+        ctl = control(ids, weights, self.pool.res, share, fill_cap(n, *bounds), self.policy, k_pad=fill_pad(n, *bounds),
+                      acc=self._acc)
         # at r = 1 a miss runs on the CPU only when the pool cannot hold the call's distinct
         # experts (fewer slots than pairs, a tiny pool): then the CPU branch must run
         cpu_branch = not fill_only or self.pool.slots < min(ids.numel(), self.layer_experts or ids.numel())
         staged = forked = None
         if cpu_branch and self.host is not None and phase == "decode":  # in stream order (graph-capturable)
-            cpu_ids = torch.where(ctl.route == CPU, ids, torch.full_like(ids, NO_EXPERT))
-            forked = self.host.enqueue(x, cpu_ids, weights)
+            forked = self.host.enqueue(x, ctl.cpu_route, weights)  # ids where the route is CPU, else NO_EXPERT
         elif cpu_branch:  # the CPU branch's inputs cross first, so its work overlaps the GPU's
-            cpu_ids = torch.where(ctl.route == CPU, ids, torch.full_like(ids, NO_EXPERT))
-            staged = [t.to("cpu", non_blocking=True) for t in (x, cpu_ids, weights)]
+            staged = [t.to("cpu", non_blocking=True) for t in (x, ctl.cpu_route, weights)]
             # the host waits for these inputs below: asleep, off the cores the CPU branch needs
             ready = torch.cuda.Event(blocking=host_wait.blocks(True)) if self.device.type == "cuda" else None
             if ready is not None:
@@ -397,7 +397,6 @@ class CachedExpertExecutor(ExpertExecutor):
                 ready.synchronize()  # inputs on the host; the transfer and GPU experts run meanwhile
             part = self.cpu.finish(self.cpu.launch(*staged, layer, phase))
             gpu = part.to(gpu.device, gpu.dtype, non_blocking=True) + gpu  # one fixed order: CPU part first
-        self._count(ctl, ids)
         return gpu.to(x.device)
 
     def _prefetch(self, ids, weights) -> None:
@@ -444,13 +443,6 @@ class CachedExpertExecutor(ExpertExecutor):
         src = ctl.fill_src.view(1, -1).long()  # [1, K]; -1 past the fills
         routed = ((ids.reshape(-1, 1) == src) & (src >= 0)).any(0).sum()  # distinct prefetched experts routed
         self._acc_pf[1:2].add_(routed.reshape(1))
-
-    def _count(self, ctl, ids) -> None:
-        """Device-side accumulation: capturable, no sync."""
-        one = torch.ones(1, dtype=torch.int64, device=self.device)
-        live = (ids >= 0).sum().reshape(1)
-        c = ctl.counts.to(torch.int64)  # n_fill, n_cpu, n_hit
-        self._acc.add_(torch.cat([one, live, c[2:3], c[0:1], c[1:2]]))
 
     def stats(self) -> dict:
         with GRAPH_CAPTURE:  # reads device memory: never while another thread captures a graph

@@ -170,19 +170,24 @@ class ControlOut:
     fill_dst [K] int32     their slots (first n_fill; then -1)
     cpu_ids  [T*k] int32   distinct flat ids to run on the CPU, in policy order (first n_cpu; then -1)
     counts   [3] int32     n_fill, n_cpu, n_hit (distinct experts); one buffer, one copy to the host
+    cpu_route [T, k] int64 the pair's flat id where route is CPU, else NO_EXPERT: the CPU branch's
+                           routes as it takes them (three small kernels a layer less than a
+                           torch.where over route)
     """
     route: torch.Tensor
     fill_src: torch.Tensor
     fill_dst: torch.Tensor
     cpu_ids: torch.Tensor
     counts: torch.Tensor
+    cpu_route: torch.Tensor
 
     @classmethod
     def empty(cls, tokens: int, top_k: int, max_fill: int, device) -> "ControlOut":
         i32 = dict(dtype=torch.int32, device=device)
         return cls(route=torch.empty(tokens, top_k, **i32), fill_src=torch.empty(max_fill, **i32),
                    fill_dst=torch.empty(max_fill, **i32), cpu_ids=torch.empty(tokens * top_k, **i32),
-                   counts=torch.empty(3, **i32))
+                   counts=torch.empty(3, **i32),
+                   cpu_route=torch.empty(tokens, top_k, dtype=torch.int64, device=device))
 
     @property
     def n_fill(self) -> torch.Tensor:  # [1]
@@ -199,7 +204,7 @@ class ControlOut:
 
 def control(ids: torch.Tensor, weights: torch.Tensor, res: Residency, fill_share: torch.Tensor,
             max_fill: int, policy: str = "recent", out: ControlOut | None = None, peek: bool = False,
-            k_pad: int | None = None) -> ControlOut:
+            k_pad: int | None = None, acc: torch.Tensor | None = None) -> ControlOut:
     """One control step for one MoE layer call (see the module docstring).
 
     ids [T, k] int flat ids of one layer (or NO_EXPERT); weights [T, k] gate weights;
@@ -210,14 +215,18 @@ def control(ids: torch.Tensor, weights: torch.Tensor, res: Residency, fill_share
     the carried credit are left alone, and no slot the last call used (stamp == clock) is a
     victim; the policy's state stays what the real routes made it. k_pad: the kernel's static
     fill-list size (>= max_fill; default its next power of two; the cache passes fill_pad).
-    Residency is updated in place. The Triton kernel for CUDA tensors, else the reference.
+    acc: an int64 [5] device tensor the call adds its counts to (calls, routed pairs, hits,
+    fills, CPU experts; see _acc_counts), in the same launch: a cache's statistics, five small
+    kernels a layer less than adding them after. Residency is updated in place. The Triton
+    kernel for CUDA tensors, else the reference.
     """
     if use_triton(ids):
-        return control_triton(ids, weights, res, fill_share, max_fill, policy, out, peek=peek, k_pad=k_pad)
-    return control_reference(ids, weights, res, fill_share, max_fill, policy, out, peek=peek)
+        return control_triton(ids, weights, res, fill_share, max_fill, policy, out, peek=peek, k_pad=k_pad, acc=acc)
+    return control_reference(ids, weights, res, fill_share, max_fill, policy, out, peek=peek, acc=acc)
 
 
-def _check_args(ids, weights, res, fill_share, max_fill, policy):
+def _check_args(ids, weights, res, fill_share, max_fill, policy, acc=None):
+    assert acc is None or (acc.dtype == torch.int64 and acc.numel() == 5), "acc: an int64 [5] tensor"
     assert ids.dim() == 2 and weights.shape == ids.shape, "ids and weights: [T, k]"
     assert fill_share.numel() == 1, "fill_share: a [1] device tensor"
     assert max_fill >= 1, "max_fill (K) must be at least 1"
@@ -252,10 +261,10 @@ def _fill_count(m: int, fill_share: torch.Tensor, credit: int) -> tuple[int, int
 
 
 def control_reference(ids, weights, res: Residency, fill_share, max_fill: int, policy: str = "recent",
-                      out: ControlOut | None = None, peek: bool = False) -> ControlOut:
+                      out: ControlOut | None = None, peek: bool = False, acc: torch.Tensor | None = None) -> ControlOut:
     """Pure-torch reference: plain code (host syncs, data-dependent sizes), same results as
     the kernel."""
-    _check_args(ids, weights, res, fill_share, max_fill, policy)
+    _check_args(ids, weights, res, fill_share, max_fill, policy, acc)
     t, k = ids.shape
     dev = ids.device
     pairs, kf = t * k, max_fill
@@ -316,11 +325,20 @@ def control_reference(ids, weights, res: Residency, fill_share, max_fill: int, p
     now = res.slot_of[flat.clamp(min=0)].long()
     route = torch.where(flat < 0, NO_EXPERT, torch.where(now >= 0, now, CPU))
     out.route.copy_(route.view(t, k))
+    out.cpu_route.copy_(torch.where(route == CPU, flat, NO_EXPERT).view(t, k))
     out.fill_src.fill_(-1)[:q] = fills.to(torch.int32)
     out.fill_dst.fill_(-1)[:q] = victims.to(torch.int32)
     out.cpu_ids.fill_(-1)[:m - q] = misses[q:].to(torch.int32)
     out.counts.copy_(torch.tensor([q, m - q, int(hit.sum())], dtype=torch.int32))
+    if acc is not None:
+        acc.add_(torch.tensor(_acc_counts(live.numel(), int(hit.sum()), q, m - q), dtype=torch.int64, device=acc.device))
     return out
+
+
+def _acc_counts(live: int, hits: int, fills: int, cpu: int) -> list[int]:
+    """One call's row of a cache's statistics accumulator (`acc`): calls, routed pairs (not
+    NO_EXPERT), distinct experts hit, filled, run on the CPU."""
+    return [1, live, hits, fills, cpu]
 
 
 # --------------------------------------------------------------------------------------------
@@ -376,10 +394,11 @@ if HAS_TRITON:
                         slot_of_ptr, id_of_ptr, stamp_ptr, seen_ptr, clock_ptr,  # residency (in place)
                         score_ptr, base_ptr, credit_ptr,  # residency: "lfu", the fill share's credit
                         route_ptr, fill_src_ptr, fill_dst_ptr, cpu_ptr, counts_ptr,  # outputs
+                        cpu_route_ptr, acc_ptr,  # outputs: [P] int64 CPU routes; [5] int64 running counts (ACC)
                         P, S, N, HALF, K,  # K: most fills (a runtime int: a constexpr compiled a variant per call size)
                         P_PAD: tl.constexpr, K_PAD: tl.constexpr,
                         BLOCK_S: tl.constexpr, RECENT: tl.constexpr, LFU: tl.constexpr, TOPK: tl.constexpr,
-                        TICK: tl.constexpr, COUNT: tl.constexpr):
+                        TICK: tl.constexpr, COUNT: tl.constexpr, ACC: tl.constexpr):
         clock = tl.load(clock_ptr)  # a peek stamps with the last call's clock
         if TICK:
             clock = clock + 1  # this call's stamp
@@ -495,9 +514,20 @@ if HAS_TRITON:
         now = tl.load(slot_of_ptr + pid, mask=pid >= 0, other=-1)
         route = tl.where(pid < 0, -1, tl.where(now >= 0, now, -2))  # NO_EXPERT, CPU
         tl.store(route_ptr + p, route.to(tl.int32), mask=p < P)
+        tl.store(cpu_route_ptr + p, tl.where(route == -2, pid, -1), mask=p < P)
         tl.store(counts_ptr, q)
         tl.store(counts_ptr + 1, m - q)
         tl.store(counts_ptr + 2, n_hit)
+        if ACC:  # every thread reads the running counts before one of them stores the new ones
+            live = tl.sum((pid >= 0).to(tl.int64), axis=0)
+            a0, a1, a2 = tl.load(acc_ptr), tl.load(acc_ptr + 1), tl.load(acc_ptr + 2)
+            a3, a4 = tl.load(acc_ptr + 3), tl.load(acc_ptr + 4)
+            tl.debug_barrier()
+            tl.store(acc_ptr, a0 + 1)
+            tl.store(acc_ptr + 1, a1 + live)
+            tl.store(acc_ptr + 2, a2 + n_hit.to(tl.int64))
+            tl.store(acc_ptr + 3, a3 + q.to(tl.int64))
+            tl.store(acc_ptr + 4, a4 + (m - q).to(tl.int64))
         if TICK:
             tl.store(clock_ptr, clock)
 
@@ -505,13 +535,13 @@ if HAS_TRITON:
 def control_triton(ids, weights, res: Residency, fill_share, max_fill: int, policy: str = "recent",
                    out: ControlOut | None = None, topk: bool | None = None,
                    block_s: int | None = None, peek: bool = False, num_warps: int | None = None,
-                   k_pad: int | None = None) -> ControlOut:
+                   k_pad: int | None = None, acc: torch.Tensor | None = None) -> ControlOut:
     """The Triton kernel: one single-program launch, no host sync, CUDA-graph capturable.
     topk: use tl.topk in the victim scan (default: when this Triton has it); block_s: slots
     per chunk of the scan (default up to scan_block's; a power of two, at least K's); num_warps:
     default control_warps of the pair bucket; k_pad: the fill list's static size, a power of two
     >= max_fill (default max_fill's; fill_pad gives one per pair bucket)."""
-    _check_args(ids, weights, res, fill_share, max_fill, policy)
+    _check_args(ids, weights, res, fill_share, max_fill, policy, acc)
     t, k = ids.shape
     pairs, s = t * k, res.num_slots
     assert 1 <= pairs <= MAX_PAIRS, f"{pairs} pairs: the kernel handles 1..{MAX_PAIRS}"
@@ -527,9 +557,11 @@ def control_triton(ids, weights, res: Residency, fill_share, max_fill: int, poli
         ids.reshape(-1).to(torch.int64).contiguous(), weights.reshape(-1).contiguous(), fill_share,
         res.slot_of, res.id_of, res.stamp, res.seen, res.clock, res.score, res.base, res.credit,
         out.route, out.fill_src, out.fill_dst, out.cpu_ids, out.counts,
+        out.cpu_route, acc if acc is not None else out.counts,  # (a pointer the kernel never touches without ACC)
         pairs, s, res.num_flat_experts, res.half, max_fill, P_PAD=p_pad, K_PAD=k_pad, BLOCK_S=block_s,
         RECENT=policy == "recent", LFU=policy == "lfu", TOPK=topk, TICK=not peek,
-        COUNT=policy == "lfu" and not peek, num_warps=num_warps or control_warps(p_pad), enable_fp_fusion=False)
+        COUNT=policy == "lfu" and not peek, ACC=acc is not None,
+        num_warps=num_warps or control_warps(p_pad), enable_fp_fusion=False)
     return out
 
 
@@ -571,6 +603,7 @@ def warm_up_control(num_flat_experts: int, num_slots: int, device, policy: str =
     layer's experts and the slots, per bucket). -> the buckets warmed."""
     res = Residency.empty(num_flat_experts, num_slots, device)
     share = torch.ones(1, dtype=torch.float32, device=device)
+    acc = torch.zeros(5, dtype=torch.int64, device=device)  # the cache's calls add to its statistics (ACC)
     g = torch.Generator().manual_seed(0)
     warmed, b = [], pair_bucket(1)
     while b <= pair_bucket(max_pairs):
@@ -578,7 +611,7 @@ def warm_up_control(num_flat_experts: int, num_slots: int, device, policy: str =
         ids = torch.randint(0, num_flat_experts, (p, 1), generator=g).to(device)  # [P, 1]
         w = torch.rand(p, 1, generator=g).to(device, weight_dtype)  # [P, 1]
         control_triton(ids, w, res, share, fill_cap(p, layer_experts, num_slots), policy,
-                       k_pad=fill_pad(p, layer_experts, num_slots))
+                       k_pad=fill_pad(p, layer_experts, num_slots), acc=acc)
         warmed.append(b)
         b *= 4
     return warmed
