@@ -123,9 +123,12 @@ def cmd_generate(args) -> int:
     ids = parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
     path, eng = load_engine(args, progress=not args.json and sys.stderr.isatty())
     if ids is not None:
-        bad = [i for i in ids if not 0 <= i < eng.cfg.vocab_size]
+        # the rows an id indexes: an FTW converted before `ft convert` checked shapes may have
+        # fewer embedding rows than its vocab_size says
+        vocab = min(eng.cfg.vocab_size, eng.model.embed.shape[0])
+        bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
-            raise FreeTokenError(f"--prompt-ids: token id {bad[0]} is outside the vocabulary [0, {eng.cfg.vocab_size})")
+            raise FreeTokenError(f"--prompt-ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
     else:
         ids = eng.tokenizer.encode(prompt)
     g = eng.generate(ids, args.max_tokens, params, stop_at_eos=not args.ignore_eos)

@@ -21,18 +21,22 @@ names them ("gate_up_bias", "down_bias").
 
 Refused with one line, before anything is written: other quantizations (GPTQ/AWQ, bitsandbytes,
 compressed-tensors, per-tensor fp8, ...), weights that are not float32/bfloat16/float16 and not
-one of the formats above, and a tokenizer whose ids do not fit the model's embedding. Missing
+one of the formats above, a tokenizer whose ids do not fit the model's embedding, and tensors
+whose shapes are not the ones config.json implies (check_shapes: the error names the tensor,
+both shapes and the config.json fields the shape comes from). Missing
 folders of the output path are created (and removed again if the conversion fails).
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 
 import torch
 from tqdm import tqdm
 
 from ..config import ModelConfig
+from ..demo import weight_shapes
 from ..errors import FreeTokenError, UnsupportedModelError, notice
 from ..model.registry import model_class
 from ..tokenizer import Tokenizer
@@ -77,21 +81,22 @@ class ExpertReader:
         n = 2 * self.i
         interleave = torch.cat([torch.arange(0, n, 2), torch.arange(1, n, 2)])  # row 2j gate j, 2j+1 up j
         self.perm = None  # row permutation of a fused gate_up (GPT-OSS interleave)
-        self.fused_gu = self._fused("gate_up_proj", [self.e, 2 * self.i, self.h])
+        self.fused_gu = self._fused("gate_up_proj")
         self.fused_g = self.fused_u = None
         if self.fused_gu is None:
-            g = self._fused("gate_proj", [self.e, self.i, self.h])
-            u = self._fused("up_proj", [self.e, self.i, self.h])
+            g, u = self._fused("gate_proj"), self._fused("up_proj")
             if g is not None and u is not None:
                 self.fused_g, self.fused_u = g, u
         elif self.fused_gu.format == "mxfp4" or self.gptoss:
             self.perm = interleave
-        self.fused_down = self._fused("down_proj", [self.e, self.h, self.i])
+        self.fused_down = self._fused("down_proj")
         # biases (cfg.expert_bias): GPT-OSS's gate_up bias interleaves as its rows do
         self.bias_names = {"gate_up": p + "gate_up_proj_bias", "down": p + "down_proj_bias"} if cfg.expert_bias else {}
         self.bias_perm = interleave if self.gptoss else None
 
-    def _fused(self, leaf: str, shape: list[int]) -> Weight | None:
+    def _fused(self, leaf: str) -> Weight | None:
+        """Every expert's `leaf` in one tensor, or None. Its shape (and so its orientation, which
+        read() goes by) is checked against config.json by check_shapes, before anything is read."""
         w = self.ck.weight(self.p + leaf)
         if w is None:
             return None
@@ -99,16 +104,6 @@ class ExpertReader:
             raise FreeTokenError(
                 f"{self.ck.path}: {w.values} holds every expert of a layer in {w.format}; FreeToken reads "
                 f"{w.format} experts one tensor per expert, as the releases publish them")
-        got = w.shape
-        transposed = [shape[0], shape[2], shape[1]]
-        if self.gptoss and w.format == "dense":
-            ok, want = got == transposed, transposed  # [E, in, out], whatever the sizes
-        else:
-            ok, want = got == shape or (w.format == "dense" and got == transposed), shape
-        if not ok:
-            s = self.ck.tensors[w.values]
-            raise FreeTokenError(f"{s.file}: {w.values} has shape {s.shape}, expected "
-                                 f"{want if w.format == 'dense' else shape[:2] + [shape[2] // MX_BLOCK, MX_BLOCK // 2]}")
         return w
 
     def _one(self, e: int, proj: str) -> Weight | None:
@@ -204,6 +199,237 @@ def banks_meta(fmt: str, bias: bool = False) -> dict:
     return m
 
 
+# ---------------------------------------------------------------- shapes against config.json
+# A checkpoint whose tensors disagree with its config.json (a config.json from another size of
+# the model, a field edited by hand) used to convert and then fail inside generate or serve with
+# a bare shape error. Each tensor the engine loads is compared with the shape the config implies
+# (implied_shapes: float shapes, so a quantized weight's unpacked shape, Weight.shape) before
+# anything is written, and the error names the config.json fields that shape comes from.
+
+SHAPE_ADVICE = "config.json and the weights disagree: fix config.json or use the checkpoint's own config.json"
+ONE_EXPERT = re.compile(r"(\.mlp\.experts\.)\d+\.")  # experts.{e}. -> experts.*. (implied_shapes' key)
+
+
+def _mlp_shapes(p: str, inter: int, h: int) -> dict[str, tuple]:
+    """A SwiGLU MLP under prefix p (dense layer, shared expert)."""
+    return {p + "gate_proj.weight": (inter, h), p + "up_proj.weight": (inter, h), p + "down_proj.weight": (h, inter)}
+
+
+def _base_shapes(cfg: ModelConfig) -> dict[str, tuple]:
+    """Embedding, final norm, lm_head and every layer's two norms: the same in each architecture."""
+    h = cfg.hidden_size
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,),
+              "lm_head.weight": (cfg.vocab_size, h)}
+    for l in range(cfg.num_layers):
+        p = f"model.layers.{l}."
+        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+    return shapes
+
+
+def _attention_shapes(cfg: ModelConfig, l: int) -> dict[str, tuple]:
+    """Softmax attention (model/attention.py), with what any family adds: q/k norms, biases, sinks."""
+    h, hd, nh = cfg.hidden_size, cfg.head_dim, cfg.num_heads
+    q, kv = nh * hd, cfg.num_kv_heads * hd
+    a = f"model.layers.{l}.self_attn."
+    return {a + "q_proj.weight": (q, h), a + "k_proj.weight": (kv, h), a + "v_proj.weight": (kv, h),
+            a + "o_proj.weight": (h, q), a + "q_proj.bias": (q,), a + "k_proj.bias": (kv,), a + "v_proj.bias": (kv,),
+            a + "o_proj.bias": (h,), a + "q_norm.weight": (hd,), a + "k_norm.weight": (hd,), a + "sinks": (nh,)}
+
+
+def _qwen3_moe_shapes(cfg: ModelConfig) -> dict[str, tuple]:
+    """Attention, the router (and a gated shared expert) on MoE layers, a dense MLP elsewhere."""
+    h, e, si = cfg.hidden_size, cfg.num_experts, cfg.shared_expert_intermediate_size
+    shapes = _base_shapes(cfg)
+    for l in range(cfg.num_layers):
+        m = f"model.layers.{l}.mlp."
+        shapes.update(_attention_shapes(cfg, l))
+        if l in cfg.moe_layers:
+            shapes.update({m + "gate.weight": (e, h), m + "shared_expert_gate.weight": (1, h)})
+            shapes.update(_mlp_shapes(m + "shared_expert.", si, h))
+        else:
+            shapes.update(_mlp_shapes(m, cfg.intermediate_size, h))
+    return shapes
+
+
+def _gpt_oss_shapes(cfg: ModelConfig) -> dict[str, tuple]:
+    """Attention with biases and sinks, a biased router; every layer MoE."""
+    shapes = _base_shapes(cfg)
+    for l in range(cfg.num_layers):
+        m = f"model.layers.{l}.mlp."
+        shapes.update(_attention_shapes(cfg, l))
+        shapes.update({m + "router.weight": (cfg.num_experts, cfg.hidden_size), m + "router.bias": (cfg.num_experts,)})
+    return shapes
+
+
+def _glm_moe_dsa_shapes(cfg: ModelConfig) -> dict[str, tuple]:
+    """Latent attention and its indexer (model/mla.py), the DeepSeek-style MoE (model/deepseek_moe.py)."""
+    h, nh, e, rd = cfg.hidden_size, cfg.num_heads, cfg.num_experts, cfg.qk_rope_head_dim
+    ql, kvr, ih, idim = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.index_n_heads, cfg.index_head_dim
+    shapes = _base_shapes(cfg)
+    for l in range(cfg.num_layers):
+        a, m = f"model.layers.{l}.self_attn.", f"model.layers.{l}.mlp."
+        shapes.update({
+            a + "q_a_proj.weight": (ql, h), a + "q_a_proj.bias": (ql,), a + "q_a_layernorm.weight": (ql,),
+            a + "q_b_proj.weight": (nh * cfg.head_dim, ql),  # head_dim = nope + rope
+            a + "kv_a_proj_with_mqa.weight": (kvr + rd, h), a + "kv_a_proj_with_mqa.bias": (kvr + rd,),
+            a + "kv_a_layernorm.weight": (kvr,),
+            a + "kv_b_proj.weight": (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), kvr),
+            a + "o_proj.weight": (h, nh * cfg.v_head_dim), a + "o_proj.bias": (h,),
+            a + "indexer.wq_b.weight": (ih * idim, ql), a + "indexer.wk.weight": (idim, h),
+            a + "indexer.k_norm.weight": (idim,), a + "indexer.k_norm.bias": (idim,),
+            a + "indexer.weights_proj.weight": (ih, h)})
+        if l in cfg.moe_layers:
+            shapes.update({m + "gate.weight": (e, h), m + "gate.e_score_correction_bias": (e,)})
+            shapes.update(_mlp_shapes(m + "shared_experts.", cfg.shared_expert_intermediate_size, h))
+        else:
+            shapes.update(_mlp_shapes(m, cfg.intermediate_size, h))
+    return shapes
+
+
+def _deepseek_v4_shapes(cfg: ModelConfig) -> dict[str, tuple]:
+    """V4 attention with its compressors (model/csa.py), hyper-connections (model/hyper.py), the
+    V4 MoE (model/deepseek_v4.py), under transformers' names (hf.py deepseek_v4_name)."""
+    h, nh, hd, hc, e = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.hc_mult, cfg.num_experts
+    ql, g, olr, ih, idim = cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank, cfg.index_n_heads, cfg.index_head_dim
+    mix = (2 + hc) * hc  # pre, post and comb weights of the hc streams
+    shapes = _base_shapes(cfg)
+    shapes.update({"model.hc_head.hc_fn": (hc, hc * h), "model.hc_head.hc_base": (hc,), "model.hc_head.hc_scale": (1,)})
+    for l, kind in enumerate(cfg.compressed_attention):
+        p = f"model.layers.{l}."
+        a, c, m = p + "self_attn.", p + "self_attn.compressor.", p + "mlp."
+        for s in ("attn", "ffn"):
+            shapes.update({f"{p}{s}_hc.fn": (mix, hc * h), f"{p}{s}_hc.base": (mix,), f"{p}{s}_hc.scale": (3,)})
+        shapes.update({
+            a + "q_a_proj.weight": (ql, h), a + "q_a_norm.weight": (ql,), a + "q_b_proj.weight": (nh * hd, ql),
+            a + "kv_proj.weight": (hd, h), a + "kv_norm.weight": (hd,), a + "sinks": (nh,),
+            a + "o_a_proj.weight": (g * olr, nh * hd // g), a + "o_b_proj.weight": (h, g * olr)})
+        rate = {"csa": cfg.compress_rate_csa, "hca": cfg.compress_rate_hca}.get(kind)
+        if rate is not None:  # CSA's windows overlap: two series per token
+            shapes.update(_compressor_shapes(c, rate, (2 if kind == "csa" else 1) * hd, hd, h))
+        if kind == "csa":
+            shapes.update(_compressor_shapes(c + "indexer.", rate, 2 * idim, idim, h))
+            shapes.update({c + "indexer.q_b_proj.weight": (ih * idim, ql),
+                           c + "indexer.scorer.weights_proj.weight": (ih, h)})
+        shapes.update({m + "gate.weight": (e, h), m + "gate.e_score_correction_bias": (e,),
+                       m + "gate.tid2eid": (cfg.vocab_size, cfg.top_k)})  # hash layers: token id -> its experts
+        shapes.update(_mlp_shapes(m + "shared_experts.", cfg.shared_expert_intermediate_size, h))
+    return shapes
+
+
+def _compressor_shapes(c: str, rate: int, width: int, dim: int, h: int) -> dict[str, tuple]:
+    """A V4 window compressor (model/csa.py Compressor): kv and gate rows of `width` per token."""
+    return {c + "kv_proj.weight": (width, h), c + "gate_proj.weight": (width, h), c + "position_bias": (rate, width),
+            c + "kv_norm.weight": (dim,)}
+
+
+def _expert_shapes(cfg: ModelConfig) -> dict[str, tuple]:
+    """The routed experts of every MoE layer in each layout ExpertReader reads, output rows first:
+    one tensor per expert (`experts.*.`), fused per layer [E, out, in], and their biases."""
+    h, i, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    shapes = {}
+    for l in cfg.moe_layers:
+        p = f"model.layers.{l}.mlp.experts."
+        shapes.update({p + "*.gate_proj.weight": (i, h), p + "*.up_proj.weight": (i, h),  # one expert
+                       p + "*.down_proj.weight": (h, i),
+                       p + "gate_up_proj": (e, 2 * i, h), p + "down_proj": (e, h, i),  # fused per layer
+                       p + "gate_proj": (e, i, h), p + "up_proj": (e, i, h),  # fused, gate and up apart
+                       p + "gate_up_proj_bias": (e, 2 * i), p + "down_proj_bias": (e, h)})  # GPT-OSS
+    return shapes
+
+
+ARCH_SHAPES = {"qwen3_5_moe": lambda cfg: weight_shapes(cfg, experts=False),  # the demo generator's own table
+               "qwen3_moe": _qwen3_moe_shapes, "gpt_oss": _gpt_oss_shapes, "glm_moe_dsa": _glm_moe_dsa_shapes,
+               "deepseek_v4": _deepseek_v4_shapes}
+
+
+def implied_shapes(cfg: ModelConfig) -> dict[str, tuple]:
+    """Tensor name -> the float shape cfg implies, for every tensor the engine loads (and a few a
+    family does not have: only names the checkpoint provides are looked up). One expert's tensors
+    are keyed `experts.*.` (shape_key)."""
+    # an architecture without a table here checks its experts only (a new family must not fail to convert)
+    return {**ARCH_SHAPES.get(cfg.arch, lambda _: {})(cfg), **_expert_shapes(cfg)}
+
+
+def shape_key(name: str) -> str:
+    """A tensor's key in implied_shapes: one expert's tensors go by `experts.*.`."""
+    return ONE_EXPERT.sub(r"\1*.", name)
+
+
+def accepted_shapes(cfg: ModelConfig, w: Weight, want: tuple) -> list[list[int]]:
+    """The shapes w may have where cfg implies `want`, the one error messages show first: fused
+    float expert tensors are also published input first, [E, in, out] (GPT-OSS always so; its
+    MXFP4 blocks are output first): ExpertReader.read transposes by the same rule."""
+    want = list(want)
+    if w.format != "dense" or len(want) != 3 or ".mlp.experts." not in w.name:
+        return [want]
+    flipped = [want[0], want[2], want[1]]
+    return [flipped] if cfg.arch == "gpt_oss" else [want, flipped]
+
+
+def _probes(raw: dict):
+    """(field, config.json with that positive integer field changed): doubled, or else one more, or
+    else halved, for the first of those that ModelConfig accepts (num_key_value_heads must divide
+    num_attention_heads, say)."""
+    text = raw.get("text_config")
+    levels = [("text_config.", text), ("", raw)] if isinstance(text, dict) else [("", raw)]
+    for prefix, d in levels:
+        for k, v in d.items():
+            if type(v) is not int or v < 1:  # not bools, not switched-off features
+                continue
+            for nv in (2 * v, v + 1, v // 2):
+                changed = {**d, k: nv}
+                probe = {**raw, "text_config": changed} if prefix else changed
+                try:
+                    cfg = ModelConfig.from_hf(probe)
+                except Exception:  # a value this config cannot take (or a formula dividing by it)
+                    continue
+                yield prefix + k, cfg
+                break
+
+
+def config_fields(raw: dict, cfg: ModelConfig, w: Weight, dims: list[int]) -> list[str]:
+    """The config.json fields that dims `dims` of w's implied shape come from: each integer field is
+    changed in turn and the shapes implied again (so a dim derived through several fields, or
+    named differently per family, is still traced to the fields config.json has)."""
+    key = shape_key(w.name)
+    base = accepted_shapes(cfg, w, implied_shapes(cfg)[key])[0]
+    fields = []
+    for field, probe in _probes(raw):
+        want = implied_shapes(probe).get(key)
+        if want is not None and any(accepted_shapes(probe, w, want)[0][d] != base[d] for d in dims):
+            fields.append(field)
+    return fields
+
+
+def check_shapes(src: str, raw: dict, cfg: ModelConfig, ck: Checkpoint, weights: list[Weight]) -> None:
+    """Refuse, before anything is written, a weight whose shape is not the one config.json implies
+    (the first of them, with how many there are)."""
+    implied = implied_shapes(cfg)
+    bad = []
+    for w in {w.name: w for w in weights}.values():  # a fused expert tensor comes once per expert
+        want = implied.get(shape_key(w.name))
+        ok = accepted_shapes(cfg, w, want) if want is not None else [w.shape]
+        if w.shape not in ok:
+            bad.append((w, ok))
+    if bad:
+        raise _shape_error(src, raw, cfg, ck, *bad[0], len(bad))
+
+
+def _shape_error(src: str, raw: dict, cfg: ModelConfig, ck: Checkpoint, w: Weight, ok: list[list[int]],
+                 n_bad: int) -> FreeTokenError:
+    """One line: the tensor (and how a quantized one is stored), its shape, the shape(s) config.json
+    implies, the fields the differing dims come from, and what to do."""
+    s = ck.tensors[w.values]
+    same_rank = len(w.shape) == len(ok[0])
+    dims = [d for d, n in enumerate(ok[0]) if not same_rank or w.shape[d] != n]  # the dims that differ
+    fields = ", ".join(config_fields(raw, cfg, w, dims)) or "the architecture, or fields config.json leaves out"
+    stored = "" if w.format == "dense" else f" ({w.format}, stored as {w.values} {s.shape})"
+    more = f"; {n_bad - 1} more tensor(s) disagree too" if n_bad > 1 else ""
+    return FreeTokenError(
+        f"{src}: tensor {w.name}{stored} (in {os.path.basename(s.file)}) has shape {w.shape}, but config.json "
+        f"implies {' or '.join(map(str, ok))} (from {fields}){more}; {SHAPE_ADVICE}")
+
+
 class Plan:
     """Everything about a checkpoint, read and checked, before anything is written."""
 
@@ -256,6 +482,11 @@ def plan(src: str) -> Plan:
     experts = [ExpertReader(ck, cfg, l) for l in cfg.moe_layers]
     dense_w = {n: ck.weight(n) for n in names}
     expert_w = [(w, n) for r in experts for e in range(cfg.num_experts) for w, n in r.weights(e)]
+    biases = [ck.weight(n) for r in experts for n in r.bias_names.values()]
+    # shapes before the missing tensors: a num_experts above the checkpoint's says so (its router's
+    # rows), not that expert 16 is missing
+    present = [*dense_w.values(), *(w for w, _ in expert_w), *biases]
+    check_shapes(src, raw, cfg, ck, [w for w in present if w is not None])
     missing = [n for n, w in dense_w.items() if w is None] + [n for w, n in expert_w if w is None]
     if missing:
         raise FreeTokenError(f"{src}: checkpoint is missing {len(missing)} tensor(s), first {missing[0]}")
@@ -384,6 +615,11 @@ def check_side_file(src: str, fn: str, blob: bytes) -> None:
 
 
 def convert(src: str, out: str, progress: bool = True) -> str:
+    # the output is named before the checkpoint is read (a large one takes minutes to check)
+    if os.path.isdir(out) or out.endswith(("/", os.sep)):  # a folder, or one meant (not yet made)
+        folder = out.rstrip("/" + os.sep) or out
+        raise FreeTokenError(f"{out}: is a directory{'' if os.path.isdir(out) else ' name'}; give the output file "
+                             f"name, e.g. {os.path.join(folder, 'model.ftw')}")
     pl = plan(src)
     cfg, ck = pl.cfg, pl.ck
     files = [fn for fn in REQUIRED_FILES + OPTIONAL_FILES if os.path.exists(os.path.join(src, fn))]
@@ -407,8 +643,6 @@ def convert(src: str, out: str, progress: bool = True) -> str:
         meta["quant"] = {"format": pl.scheme.format, "experts": pl.expert_format or pl.scheme.experts,
                          "declared": pl.scheme.where,
                          "description": pl.scheme.description, "dense": qd}
-    if os.path.isdir(out):
-        raise FreeTokenError(f"{out}: is a directory; give the output file name, e.g. {out}/model.ftw")
     created = _make_parent(out)
     try:
         _write(src, out, pl, dense_tensors, banks, entries, meta, blobs, progress)
