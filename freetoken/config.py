@@ -243,9 +243,7 @@ class ModelConfig:
             raise UnsupportedModelError(f"rope type {rope_type!r} is not supported yet")
         theta = rope.get("rope_theta", t.get("rope_theta", 150000.0 if arch == "gpt_oss" else 10000.0))
         scaling = None
-        if rope_type == "yarn" and arch != "gpt_oss":  # model/base.py builds plain RoPE tables
-            raise UnsupportedModelError(f"rope type 'yarn' is supported for GPT-OSS only so far, not {arch}")
-        if rope_type == "yarn":
+        if rope_type == "yarn":  # Qwen3's documented long-context setting, GPT-OSS's own
             if not rope.get("original_max_position_embeddings"):
                 raise UnsupportedModelError("yarn rope scaling needs original_max_position_embeddings")
             keep = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate",

@@ -385,11 +385,14 @@ def test_config_of_the_release():
     assert cfg.rope_theta == 150000 and cfg.rope_scaling["factor"] == 32.0 and cfg.rope_scaling["truncate"] is False
     assert Activation.of(cfg) == Activation("swiglu_clamp", 1.702, 7.0)
     assert cfg.attention_sinks and cfg.router == "topk_softmax" and cfg.expert_bias and cfg.eos_token_ids == [200002]
-    # YaRN tables are built by the GPT-OSS file only so far: another family asking for them is refused
+    # Qwen3's model cards turn YaRN on in rope_scaling for long contexts: read for every family
+    # (tests/test_reference.py checks the logits), and refused without its original context
     qwen = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 8, "hidden_size": 8, "num_hidden_layers": 1,
             "num_attention_heads": 1, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                                                        "original_max_position_embeddings": 32768}}
-    with pytest.raises(UnsupportedModelError, match="yarn"):
+    assert ModelConfig.from_hf(qwen).rope_scaling["factor"] == 4.0
+    del qwen["rope_scaling"]["original_max_position_embeddings"]
+    with pytest.raises(UnsupportedModelError, match="original_max_position_embeddings"):
         ModelConfig.from_hf(qwen)
 
 

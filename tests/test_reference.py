@@ -29,6 +29,13 @@ CASES = {
     "q3moe-plain": (hf_models.qwen3_moe, 4, dict(norm_topk_prob=False), "plain"),
     "q3moe-sharded-dense-layer": (hf_models.qwen3_moe, 5, dict(
         norm_topk_prob=True, mlp_only_layers=[1], num_experts=24, num_experts_per_tok=2), "sharded"),
+    # YaRN as Qwen3's model cards set it for long contexts, stretching a 16-token original context
+    # 4x so the 51 positions here pass it (partial rotary on Qwen3.5: the stretch of its 4 dims)
+    "q3moe-yarn": (hf_models.qwen3_moe, 6, dict(rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16)), "plain"),
+    "q35-yarn": (hf_models.qwen3_5, 7, dict(rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16,
+        partial_rotary_factor=0.25)), "plain"),
 }
 
 

@@ -59,7 +59,7 @@ class DecoderModel:
         self.embed = w["model.embed_tokens.weight"]
         self.lm_head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
         self.norm = w["model.norm.weight"]
-        self.rope = Rope(cfg.rotary_dim, cfg.rope_theta, max_pos, device, dtype)
+        self.rope = Rope(cfg.rotary_dim, cfg.rope_theta, max_pos, device, dtype, cfg.rope_scaling)  # YaRN or plain
         ordinal = {l: i for i, l in enumerate(cfg.moe_layers)}
         self.layers = []
         for i, kind in enumerate(cfg.layer_types):
