@@ -75,6 +75,19 @@ def test_unsupported_architecture(good, tmp_path):
     assert not (tmp_path / "o.ftw").exists()
 
 
+@pytest.mark.parametrize("existing", [True, False])
+def test_output_that_names_a_folder(good, tmp_path, existing):
+    """An output path that is a folder, or ends in '/' (a folder not made yet), is refused before the
+    checkpoint is read, with the file name to give; nothing is created."""
+    out = tmp_path / "out"
+    if existing:
+        out.mkdir()
+    arg = str(out) if existing else str(out) + "/"
+    code, _, err = ft("convert", str(good / "hf"), arg)
+    assert_one_line_error(code, err, "is a directory", os.path.join(str(out), "model.ftw"))
+    assert out.exists() == existing and (not existing or not any(out.iterdir()))
+
+
 def test_missing_tensor(good, tmp_path):
     import shutil
     d = tmp_path / "missing"

@@ -148,6 +148,18 @@ def test_quantized_checkpoint_is_refused(base, tmp_path, kind):
     assert not (tmp_path / "out").exists()  # nothing written, not even the folder
 
 
+@pytest.mark.parametrize("text, words", [("{\"producer\": {\"name\": \"modelopt\"", ["is not valid JSON"]),
+                                         ("[\"NVFP4\"]", ["holds a JSON list, not an object"])])
+def test_damaged_hf_quant_config_is_named(base, tmp_path, text, words):
+    """A damaged hf_quant_config.json says so (it declared an unknown quantization before)."""
+    d = variant(base, tmp_path, "damaged-quant-config")
+    (d / "hf_quant_config.json").write_text(text)
+    out = tmp_path / "out" / "m.ftw"
+    code, _, err = ft("convert", str(d), str(out))
+    assert_one_line_error(code, err, "hf_quant_config.json", "copy it again from the release", *words)
+    assert not (tmp_path / "out").exists()
+
+
 ACCEPTED = {
     # the layouts refused before quantized formats existed, now read: (variant kwargs, format)
     "fp8-block": (dict(tensors=to_fp8_block, config=set_key("quantization_config", FP8_CONFIG)),

@@ -286,9 +286,13 @@ def quant_config(path: str, raw: dict) -> tuple[str, dict] | None:
             try:
                 with open(full) as f:
                     qc = json.load(f)
-            except ValueError:
-                qc = {}
-            return fn, qc if isinstance(qc, dict) else {}
+            except (ValueError, UnicodeDecodeError) as e:  # a damaged copy: the format it declares is unknown
+                raise FreeTokenError(f"{full} is not valid JSON ({e}); it says how the checkpoint is quantized: "
+                                     "copy it again from the release") from None
+            if not isinstance(qc, dict):
+                raise FreeTokenError(f"{full} holds a JSON {type(qc).__name__}, not an object; it says how the "
+                                     "checkpoint is quantized: copy it again from the release")
+            return fn, qc
     return None
 
 
