@@ -287,6 +287,9 @@ def run_config(mc, w, ex, dev, batch: int, tokens: int, warmup: int, routes, pro
     sync()
     dt = (time.perf_counter() - t0) / tokens
     after = ex.stats()
+    # the host's share of a timed step: the step's launch (graph replay or eager ops, the argmax),
+    # the wait for it, the token read (after the wait: the read's own copy); the timed steps only
+    host_split = {k: round(v / max(host[3], 1) * 1e6, 1) for k, v in zip(("launch", "wait", "read"), host)}
     if trace:  # a timeline of a few steps (CUDA kernels with their streams, the host side) for chrome://tracing
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -294,16 +297,22 @@ def run_config(mc, w, ex, dev, batch: int, tokens: int, warmup: int, routes, pro
                 advance(k)
             sync()
         prof.export_chrome_trace(trace)
-    row = {"batch": batch, "graph": graph, "ms_per_step": round(dt * 1e3, 3), "tok_s": round(batch / dt, 1)}
-    # the host's share of a timed step: the step's launch (graph replay or eager ops, the argmax),
-    # the wait for it, the token read (after the wait: the read's own copy)
-    row["host_us_per_step"] = {k: round(v / max(host[3], 1) * 1e6, 1) for k, v in zip(("launch", "wait", "read"), host)}
+    row = {"batch": batch, "graph": graph, "ms_per_step": round(dt * 1e3, 3), "tok_s": round(batch / dt, 1),
+           "host_us_per_step": host_split}
+    # the extras run after the timed steps, each failing on its own (a failure here must not send
+    # the row to be timed again eagerly)
     if timeline and dev.type == "cuda":
         from bench.step_timeline import profile_steps
         first = warmed + tokens + 3
-        row["timeline"] = profile_steps(lambda i: advance(first + i), 3, sync)
+        try:
+            row["timeline"] = profile_steps(lambda i: advance(first + i), 3, sync)
+        except Exception as e:  # noqa: BLE001
+            row["timeline_error"] = f"{type(e).__name__}: {e}"[:300]
     if drift and tuner is not None:
-        row["drift"] = drift_run(advance, tuner, warmed + tokens + 6, drift)
+        try:
+            row["drift"] = drift_run(advance, tuner, warmed + tokens + 6, drift)
+        except Exception as e:  # noqa: BLE001
+            row["drift_error"] = f"{type(e).__name__}: {e}"[:300]
     if dev.type == "cuda":
         branch = host_wait.has_cpu_branch(inner) if fixed_branch is None else fixed_branch
         row["host_wait"] = "block" if host_wait.blocks(branch) else "spin"  # at the last step

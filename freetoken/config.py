@@ -243,6 +243,9 @@ class ModelConfig:
             raise UnsupportedModelError(f"rope type {rope_type!r} is not supported yet")
         theta = rope.get("rope_theta", t.get("rope_theta", 150000.0 if arch == "gpt_oss" else 10000.0))
         scaling = None
+        if rope_type == "yarn" and arch == "glm_moe_dsa":  # transformers also scales its softmax (mscale): not here
+            raise UnsupportedModelError("rope type 'yarn' is not supported for GLM-MoE-DSA yet (its latent attention "
+                                        "would need YaRN's softmax scale too); remove rope_scaling to run its native context")
         if rope_type == "yarn":  # Qwen3's documented long-context setting, GPT-OSS's own
             if not rope.get("original_max_position_embeddings"):
                 raise UnsupportedModelError("yarn rope scaling needs original_max_position_embeddings")
@@ -262,7 +265,11 @@ class ModelConfig:
             num_layers=num_layers, num_heads=t["num_attention_heads"],
             num_kv_heads=t.get("num_key_value_heads") or t["num_attention_heads"],
             head_dim=head_dim, rms_norm_eps=t.get("rms_norm_eps", 1e-6), rope_theta=theta,
-            max_position_embeddings=t.get("max_position_embeddings", 32768),
+            # YaRN stretches the original context `factor` times: Qwen3 turns it on in rope_scaling and
+            # leaves max_position_embeddings at its native 40,960 (vLLM serves factor x original too)
+            max_position_embeddings=max(t.get("max_position_embeddings", 32768),
+                                        int(scaling["factor"] * scaling["original_max_position_embeddings"])
+                                        if scaling else 0),
             tie_word_embeddings=bool(t.get("tie_word_embeddings", False)),
             attention_bias=bool(t.get("attention_bias", arch == "gpt_oss")),
             num_experts=num_experts, top_k=t.get("num_experts_per_tok", 0),

@@ -210,8 +210,10 @@ def test_drift_run_reports_the_splits_reaction():
     while t.climbing:
         t.observe(1, fast[t.share] / 1e3)
     assert t.share == 0.7
+    for _ in range(40):  # the row's timed steps: the hold's watch takes its reference from them
+        t.observe(1, fast[t.share] / 1e3)
     got = drift_run(lambda k: t.observe(1, (10.0 + (1.0 - t.share) * 60.0) / 1e3), t, 0,
                     {"threads": 1, "cpus": None, "steps": 300, "mb": 16})
     assert got["r_before"] == 0.7 and got["r_after"] == 1.0 and got["decided_after"]
-    assert got["drifts"] == 1 and got["decisions"] == 1 and 0 < got["steps_to_react"] <= 25
+    assert got["drifts"] == 1 and got["decisions"] == 1 and 0 < got["steps_to_react"] <= 30
     assert got["hog_gbs"] > 0 and len(got["r_per_step"]) == 300 and got["r_per_step"][0] == 0.7

@@ -149,3 +149,18 @@ def test_generate_checks_prompt_ids_against_the_embedding(checkpoints, tmp_path,
     capsys.readouterr()
     code = main(["generate", out, "--prompt-ids", "1,350", "--max-tokens", "2", "--device", "cpu"])
     assert_one_line_error(code, capsys.readouterr().err, "token id 350", "outside the vocabulary [0, 320)")
+
+
+def test_squeezed_deltanet_conv_still_converts(checkpoints, tmp_path):
+    """The DeltaNet conv weight published as [C, 1, K] and re-exported squeezed to [C, K]: the model
+    reads both (deltanet.py reshapes it), so both convert."""
+    from safetensors.torch import load_file, save_file
+    d = str(tmp_path / "squeezed")
+    shutil.copytree(checkpoints("qwen3_5"), d)
+    fn = os.path.join(d, "model.safetensors")
+    w = load_file(fn)
+    convs = [n for n in w if n.endswith("conv1d.weight")]
+    assert convs and all(w[n].dim() == 3 and w[n].shape[1] == 1 for n in convs)
+    save_file({n: (t.squeeze(1).contiguous() if n in convs else t) for n, t in w.items()}, fn, metadata={"format": "pt"})
+    convert(d, str(tmp_path / "m.ftw"), progress=False)
+    assert os.path.exists(tmp_path / "m.ftw")

@@ -390,7 +390,8 @@ def test_config_of_the_release():
     qwen = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 8, "hidden_size": 8, "num_hidden_layers": 1,
             "num_attention_heads": 1, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                                                        "original_max_position_embeddings": 32768}}
-    assert ModelConfig.from_hf(qwen).rope_scaling["factor"] == 4.0
+    yarn = ModelConfig.from_hf(qwen)
+    assert yarn.rope_scaling["factor"] == 4.0 and yarn.max_position_embeddings == 4 * 32768  # the stretched context
     del qwen["rope_scaling"]["original_max_position_embeddings"]
     with pytest.raises(UnsupportedModelError, match="original_max_position_embeddings"):
         ModelConfig.from_hf(qwen)

@@ -28,11 +28,14 @@ Procedure (a hill climb from fill-only, re-checked periodically):
           neighbours too: a climb started from a prediction below the best only steps down;
   hold    keep the best for HOLD steps (at least 4x the steps the climb took), then probe its
           neighbours again (conditions drift). Meanwhile watch the steps: when the median of
-          DRIFT_WINDOWS windows of PROBE steps in a row is over the chosen probe's by more than
-          DRIFT, the host (or the link) changed under the split (another process took the
-          cores or the memory bandwidth): climb again at once, from fill-only, which needs no
-          CPU. On the H100 of plan 78 the CPU branch's call went from ~105 us to 300-900 us
-          in the middle of a run; the split held r = 0.7 at 22.4 tok/s where fill-only ran 71.5.
+          DRIFT_WINDOWS windows of PROBE steps in a row is over the hold's first window (after
+          SETTLE steps) by more than DRIFT, the host (or the link) changed under the split
+          (another process took the cores or the memory bandwidth): climb again at once, from
+          fill-only, which needs no CPU. On the H100 of plan 78 the CPU branch's call went from
+          ~105 us to 300-900 us in the middle of a run; the split held r = 0.7 at 22.4 tok/s
+          where fill-only ran 71.5. A climb so started that keeps the same r (the steps became
+          slower for another reason: longer contexts, other work on the device) mutes the watch
+          until the next periodic re-check, so such a slowdown does not restart climbs over and over.
 Samples are compared only within one batch size: each size climbs on its own (continuous
 batching changes the number of decoding rows every few steps).
 r is a device scalar read by the control kernel, so changing it re-captures nothing.
@@ -54,10 +57,10 @@ PROBE, SETTLE, HOLD, MARGIN, PATIENCE = 24, 8, 2048, 0.02, 1
 # replayed real routing makes step times swing by 30% with each token's misses (the Mixtral
 # HumanEval trace on the H200), where a 16-sample median cannot tell r = 0.8 from 0.4
 EXTEND = 8
-# the hold's watch: DRIFT_WINDOWS windows of PROBE steps in a row whose median is over the chosen
-# probe's by more than DRIFT start a new climb from fill-only. 20% is about four standard errors
-# of a 24-step median of steps swinging +-30% (replayed real routing), and the chosen probe's
-# median is the lowest of its probes, a little optimistic: two such windows by chance are rare
+# the hold's watch: DRIFT_WINDOWS windows of PROBE steps in a row whose median is over the hold's
+# first window's by more than DRIFT start a new climb from fill-only. 20% is about four standard
+# errors of a 24-step median of steps swinging +-30% (replayed real routing): two such windows in
+# a row by chance are rare
 DRIFT, DRIFT_WINDOWS = 0.2, 2
 
 
@@ -102,15 +105,18 @@ class _Climb:
         self.meds: dict[int, list[float]] = {}  # every probe's median, per candidate index
         self.climb_steps = 0  # steps the current (or last) climb has taken
         self.confirm: list[int] | None = None  # the confirmation round's candidates still to probe
-        self.ref: float | None = None  # the chosen r's median step when it was chosen (the hold's watch)
+        self.ref: float | None = None  # the hold's first window's median step (the watch's reference)
         self.window: list[float] = []  # the hold's current window of steps
         self.slow_windows = 0  # windows in a row over ref by more than DRIFT
+        self.watching = False  # the hold's watch is on (off until a decision; muted, see _decide)
+        self.drift_from: int | None = None  # the r a drift's climb started from (until it decides)
 
     def observe(self, seconds: float, batch: int) -> None:
         t = self.t
         if not self.climbing:
             self.held += 1
             if self._drifted(seconds, batch):
+                self.drift_from = self.cur
                 return self._climb_again(0)  # from fill-only: the CPU's share is what became slow
             # re-check: climb again from the neighbour above (or the top), after HOLD steps and at
             # least 4x the steps the last climb took (noisy probes are long: probing stays <= 1/5)
@@ -157,17 +163,20 @@ class _Climb:
         """The hold's watch (module doc): whether the steps at the chosen r have become slower
         than when it was chosen, by more than DRIFT over DRIFT_WINDOWS windows in a row."""
         t = self.t
-        if self.ref is None:
+        if not self.watching or self.held <= t.settle:  # the cache's contents adjust to the r just set
             return False
         self.window.append(seconds)
         if len(self.window) < t.probe:
             return False
         med, self.window = statistics.median(self.window), []
+        if self.ref is None:  # the first window: the hold's own level at its r
+            self.ref = med
+            return False
         self.slow_windows = self.slow_windows + 1 if med > self.ref * (1 + t.drift) else 0
         if self.slow_windows < t.drift_windows:
             return False
         t.drifts += 1
-        log.info("expert cache: decode steps at batch %d take %.2f ms, %.2f when r=%.2f was chosen: "
+        log.info("expert cache: decode steps at batch %d take %.2f ms, %.2f after r=%.2f was chosen: "
                  "measuring the split again from fill-only", batch, med * 1e3, self.ref * 1e3, t.cands[self.cur])
         return True
 
@@ -179,7 +188,10 @@ class _Climb:
     def _decide(self, i: int, m: float, batch: int) -> None:
         t = self.t
         self.climbing, self.held = False, 0
-        self.ref, self.window, self.slow_windows = m, [], 0
+        self.ref, self.window, self.slow_windows = None, [], 0
+        # a drift's climb that keeps the r it started from: the split was not what slowed down
+        self.watching = self.drift_from is None or i != self.drift_from
+        self.drift_from = None
         t.decisions += 1
         log.info("expert cache: fill share r=%.2f at batch %d (decode step %.2f ms, fastest of %d probes)",
                  t.cands[i], batch, m * 1e3, len(self.meds[i]))
