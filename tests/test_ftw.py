@@ -121,15 +121,29 @@ def test_multi_block_entry_crc(tmp_path, monkeypatch):
     assert torch.equal(got["a"], t) and bytes(got["b"].numpy()) == b"1234567"
 
 
-def test_failed_convert_leaves_nothing(tmp_path):
+def test_failed_convert_leaves_nothing(tmp_path, monkeypatch):
     m = hf_models.qwen3_moe(3)
     d = hf_models.save(m, str(tmp_path / "hf"))
     fn = os.path.join(d, "model.safetensors")
-    w = load_file(fn)
-    # a wrong-shaped expert is found only while streaming the banks, after writing began
-    w["model.layers.2.mlp.experts.7.down_proj.weight"] = torch.randn(3, 3)
-    save_file(w, fn, metadata={"format": "pt"})
+    orig = load_file(fn)
+    # a wrong-shaped expert: refused by the shape check, before anything is written
+    save_file({**orig, "model.layers.2.mlp.experts.7.down_proj.weight": torch.randn(3, 3)}, fn,
+              metadata={"format": "pt"})
     out = tmp_path / "out.ftw"
+    with pytest.raises(FreeTokenError, match=r"experts\.7\.down_proj.*\[3, 3\]"):
+        convert(d, str(out), progress=False)
+    assert sorted(os.listdir(tmp_path)) == ["hf"]
+    # a failure while streaming the banks, after writing began (a read error of expert 7):
+    # no output, no OUT.<pid>.partial
+    save_file(orig, fn, metadata={"format": "pt"})
+    from freetoken.weights import convert as conv
+    real = conv.ExpertReader.read
+
+    def failing(self, part, e, comp="values"):
+        if e == 7:
+            raise FreeTokenError("expert 7: a read error")
+        return real(self, part, e, comp)
+    monkeypatch.setattr(conv.ExpertReader, "read", failing)
     with pytest.raises(FreeTokenError, match="expert 7"):
         convert(d, str(out), progress=False)
     assert sorted(os.listdir(tmp_path)) == ["hf"]  # no output, no OUT.<pid>.partial
