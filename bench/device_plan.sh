@@ -729,7 +729,7 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
     --expert-format mxfp4 --modes cpu-only --threads 6,14 --llamacpp --llamacpp-build $B \
     --name large_models-qwen3_5_moe-12-mxfp4-cpu-xeon
   ;;
-82) # ~420 s (limits 50 + 200 + 150), twenty-seventh session, issue 10 (b): carry .whl, .devcache/commit and
+82) # ~490 s (limits 50 + 200 + 150 + 70), twenty-seventh session, issue 10 (b): carry .whl, .devcache/commit and
   # .devcache/warm-cache.tgz (without it the first compiles ate plan 80's limits). The cache's GPU tests
   # (decode control calls now compile at 8 warps with 4,096-slot scan chunks; never run on a GPU yet), then
   # the 40-layer cache at 14 threads with a host-memory hog started on 4 of the CPU branch's cores after
@@ -740,6 +740,10 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   step 150 drift python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
     --modes cache,fill-only --capacity 0.375 --threads 14 --drift-hog 4 --drift-steps 800 \
     --name large_models-qwen3_5_moe-40-mxfp4-drift-t14
+  # the 6-thread cache step with the control kernel's fused outputs (189a5e2) against plan 81's 79.0-80.6
+  # tok/s, its timeline saying what the control kernel and the small kernels now take
+  step 70 cache-t6 python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
+    --modes cache --capacity 0.375 --threads 6 --timeline --name large_models-qwen3_5_moe-40-mxfp4-fused-t6
   ;;
 81) # ~200 s (limits 50 + 75 + 75), twenty-seventh session: plan 80's main-stream rows failed their graph
   # capture (join waited on a side stream that never joined the capture; fixed) and its compiles ran
