@@ -736,6 +736,8 @@ def parse(argv=None):
     a.name = a.name or f"large_models-{a.arch}" + ("-tiny" if a.tiny else "")
     if not 0 < a.capacity <= 1:
         ap.error("--capacity is a fraction of the experts, in (0, 1]")
+    if a.drift_hog < 0 or a.drift_steps < 100:
+        ap.error("--drift-hog is a thread count (0: off) and --drift-steps at least 100 (the summary's last 100)")
     if a.prompt + a.cache_warmup + a.tokens + 8 + (a.drift_steps if a.drift_hog else 0) > MAX_POS:
         ap.error(f"--prompt + --cache-warmup + --tokens (+ --drift-steps) must stay under {MAX_POS - 8} positions")
     return a

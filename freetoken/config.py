@@ -36,6 +36,25 @@ EXPERT_ACTIVATIONS = ("silu", "swiglu_clamp", "silu_clamp")
 SUPPORTED = sorted(set(k for k in ARCH_ALIASES if k[0].isupper()))
 
 
+# sizes every family reads as integers: a string or a float there ("64", 64.0) made a bare
+# TypeError (or a shape of strings) far from config.json
+POSITIVE_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+SIZES = ("num_key_value_heads", "head_dim", "intermediate_size", "moe_intermediate_size",
+         "shared_expert_intermediate_size", "num_experts", "num_local_experts", "n_routed_experts",
+         "num_experts_per_tok", "max_position_embeddings")
+
+
+def _check_sizes(source: str, t: dict) -> None:
+    for k in POSITIVE_SIZES + SIZES:
+        v = t.get(k)
+        if v is None:  # absent (a required one is named by the family's reading) or null
+            continue
+        low = 1 if k in POSITIVE_SIZES else 0
+        if type(v) is not int or v < low:
+            raise UnsupportedModelError(f"{source}: {k} must be an integer of at least {low}, got {v!r}; "
+                                        "fix config.json")
+
+
 @dataclass
 class ModelConfig:
     arch: str  # "qwen3_5_moe" | "qwen3_moe" | "gpt_oss" | "glm_moe_dsa" | "deepseek_v4"
@@ -228,6 +247,7 @@ class ModelConfig:
         if isinstance(text, dict) and "text_config" in cfg:
             # the multimodal wrapper keeps eos and friends on the outer dict at times
             text = {**{k: v for k, v in cfg.items() if k != "text_config"}, **text}
+        _check_sizes(source, text)
         try:
             return cls._from_text(arch, text)
         except KeyError as e:
@@ -249,6 +269,11 @@ class ModelConfig:
         if rope_type == "yarn":  # Qwen3's documented long-context setting, GPT-OSS's own
             if not rope.get("original_max_position_embeddings"):
                 raise UnsupportedModelError("yarn rope scaling needs original_max_position_embeddings")
+            for k in ("factor", "original_max_position_embeddings"):
+                v = rope.get(k)
+                if v is not None and (type(v) not in (int, float) or v <= 0):
+                    raise UnsupportedModelError(f"yarn rope scaling: {k} must be a positive number, got {v!r}; "
+                                                "fix config.json")
             keep = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate",
                     "attention_factor", "mscale", "mscale_all_dim")
             scaling = {"rope_type": "yarn", **{k: rope[k] for k in keep if rope.get(k) is not None}}

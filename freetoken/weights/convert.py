@@ -369,16 +369,16 @@ def accepted_shapes(cfg: ModelConfig, w: Weight, want: tuple) -> list[list[int]]
 
 
 def _probes(raw: dict):
-    """(field, config.json with that positive integer field changed): doubled, or else one more, or
+    """(field, config.json with that integer field changed): doubled, or else one more, or
     else halved, for the first of those that ModelConfig accepts (num_key_value_heads must divide
     num_attention_heads, say)."""
     text = raw.get("text_config")
     levels = [("text_config.", text), ("", raw)] if isinstance(text, dict) else [("", raw)]
     for prefix, d in levels:
         for k, v in d.items():
-            if type(v) is not int or v < 1:  # not bools, not switched-off features
+            if type(v) is not int or v < 0:  # not bools
                 continue
-            for nv in (2 * v, v + 1, v // 2):
+            for nv in (n for n in (2 * v, v + 1, v // 2) if n != v):
                 changed = {**d, k: nv}
                 probe = {**raw, "text_config": changed} if prefix else changed
                 try:
