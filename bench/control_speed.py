@@ -15,6 +15,7 @@ import itertools
 import torch
 
 from bench.common import write_result
+from bench.expert_cache import capture
 from freetoken.experts.control import (Residency, control_triton, control_warps, fill_cap, fill_pad,
                                        pair_bucket)
 
@@ -43,24 +44,16 @@ def time_config(a, pairs: int, warps: int | None, block_s: int | None, dev) -> d
         for l in range(a.layers):
             run(l)
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run(0)  # the variant compiled and its buffers allocated outside the capture
-        with torch.cuda.graph(graph, stream=s):
-            for l in range(a.layers):
-                run(l)
-    torch.cuda.current_stream().wait_stream(s)
+    replay = capture(lambda: [run(l) for l in range(a.layers)], dev)  # one step's calls (warmed, then captured)
     fresh = [routes(a.layers, a.experts, t, k, g).to(dev) for _ in range(4)]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for i in range(3):
         ids.copy_(fresh[i % 4])
-        graph.replay()
+        replay()
     start.record()
     for i in range(a.iters):
         ids.copy_(fresh[i % 4])  # a copy kernel per replay, timed with it (~2 us, said in the row)
-        graph.replay()
+        replay()
     end.record()
     torch.cuda.synchronize()
     us = start.elapsed_time(end) * 1e3 / a.iters

@@ -745,7 +745,8 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   step 70 cache-t6 python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
     --modes cache --capacity 0.375 --threads 6 --timeline --name large_models-qwen3_5_moe-40-mxfp4-fused-t6
   ;;
-81) # ~200 s (limits 50 + 75 + 75), twenty-seventh session: plan 80's main-stream rows failed their graph
+81) # (historical: FREETOKEN_BELL_WAIT existed from 20e96cc until the session's review removed it)
+  # ~200 s (limits 50 + 75 + 75), twenty-seventh session: plan 80's main-stream rows failed their graph
   # capture (join waited on a side stream that never joined the capture; fixed) and its compiles ran
   # without the warm cache. The 40-layer cache at 6 threads, main-stream wait then side-stream wait.
   # Carry .whl, .devcache/commit, .devcache/warm-cache.tgz

@@ -123,22 +123,6 @@ def branch_signal() -> tuple[str, bool]:
     return mode, bool(raw)
 
 
-def bell_wait_stream() -> str:
-    """Where the doorbell's wait kernel runs, from FREETOKEN_BELL_WAIT: "side" (the default) on
-    the side stream right after the ring, joined back where the caller joins; "main" on the main
-    stream where the caller joins (after the fills and the GPU experts, which the CPU call
-    overlaps all the same: one stream, no fork and join per layer in the decode graph). Tried
-    because plan 79's 40-layer cache step spent 1.5 ms of host time in its graph's launch against
-    77 us for the fill-only graph; in plan 81 (H100, 6 threads, one machine) both launched in
-    230-240 us and ran 79.0 (main) and 80.6 tok/s (side): no gain, so the side stream, which the
-    GPU tests cover, stays the default (benchmarks/README.md, twenty-seventh session)."""
-    import os
-    mode = (os.environ.get("FREETOKEN_BELL_WAIT", "") or "side").lower()
-    if mode not in ("main", "side"):
-        raise FreeTokenError(f"FREETOKEN_BELL_WAIT must be main or side, got {mode!r}")
-    return mode
-
-
 class Doorbell:
     """moe_cpu.cpp's Bell seen from here: a page of host memory, mapped for the GPU, and the
     resident thread that answers each ring with host_call on the rung descriptor. The GPU side
@@ -226,9 +210,6 @@ class HostBranch:
         self.zero_copy = zero_copy_staging()
         self.signal, asked = branch_signal() if self.zero_copy else ("hostfn", False)
         self.bell = None
-        self.wait_on_main = bell_wait_stream() == "main"
-        self._waits: list = []  # (pinned result, device result) of calls rung and not yet joined
-        self._forked = False  # work queued on the side stream since the last join
         if self.signal == "doorbell":
             try:
                 self.bell = Doorbell(self.device)
@@ -279,19 +260,16 @@ class HostBranch:
         self.check()
         t, k = ids.shape
         xb, ib, wb, ob, dev_out, (xs, is_, ws), d = self._buffers(t, k, x.shape[1], x.dtype == torch.bfloat16)
-        if self.bell is not None:  # inputs and the ring on the main stream, the wait where join is (or on the side stream)
+        if self.bell is not None:  # inputs and the ring on the main stream, the wait on the side stream
             self.bell.ring(x, ids.long(), weights, xb, ib, wb, ctypes.addressof(d))
-            if self.wait_on_main:
-                self._waits.append((ob, dev_out))
-                return dev_out
-            self._fork()
+            self.side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.side):
                 self.bell.wait(ob, dev_out)
             return dev_out
         if self.zero_copy:  # the GPU's own stores into the pinned buffers, on the main stream
             for src, dst in ((x, xb), (ids, ib), (weights, wb)):
                 copy_flat(src.contiguous(), dst)
-            self._fork()
+            self.side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.side):
                 self._host_fn(d)
                 copy_flat(ob, dev_out)
@@ -299,7 +277,8 @@ class HostBranch:
         xs.copy_(x)  # on the main stream, into the persistent staging
         is_.copy_(ids)
         ws.copy_(weights)
-        self._fork()
+        main = torch.cuda.current_stream(self.device)
+        self.side.wait_stream(main)
         with torch.cuda.stream(self.side):
             xb.copy_(xs, non_blocking=True)
             ib.copy_(is_, non_blocking=True)
@@ -315,20 +294,7 @@ class HostBranch:
             raise FreeTokenError(f"cuLaunchHostFunc failed with CUDA error {err}")
 
     def join(self) -> None:
-        """The forked calls' results are in their device buffers for what the current stream
-        runs next: the wait kernel of each call rung since the last join (main-stream waits), or
-        the side stream joined."""
-        waits, self._waits = self._waits, []
-        for ob, dev_out in waits:
-            self.bell.wait(ob, dev_out)
-        if self._forked:  # only then: inside a graph capture, a side stream that never joined
-            self._forked = False  # the capture cannot be waited on (the capture is invalidated)
-            torch.cuda.current_stream(self.device).wait_stream(self.side)
-
-    def _fork(self) -> None:
-        """The side stream starts after what the current stream queued so far."""
-        self.side.wait_stream(torch.cuda.current_stream(self.device))
-        self._forked = True
+        torch.cuda.current_stream(self.device).wait_stream(self.side)
 
     def stats(self) -> dict:
         descs = [v[-1] for v in list(self.shapes.values())]  # the loop thread may add a shape meanwhile
