@@ -56,6 +56,8 @@
 # 8k loaded window (--warm-loaded).
 # Call 72: OpenMP's spin A/B on the CPU branch; pure-CPU decode on the Xeon beside llama.cpp.
 # Call 73: the host thread's wait for a step (runtime/host_wait.py) at 14 and 16 threads on the 40-layer MXFP4 slice.
+# Call 89: the control kernel in the real step, 8 warps and 4,096-slot chunks against 4 and 1,024.
+# Call 90: plan 85's 14/16-thread rows beside llama.cpp three times (the ratio moved 1.18x-1.72x).
 # Call 83: plan 82 again with room for the compiles: the GPU tests, verbose, and a shorter drift run.
 # Call 82: the GPU tests of the cache after the control kernel's new decode variants; the split under a hog started mid-run.
 # Call 81: call 80's A/B again after its capture fix (6 threads, no llama.cpp; carry the warm cache).
@@ -66,7 +68,7 @@
 # Call 76: plan 70 again after host_wait (16-thread rows beside llama.cpp in one run), the spin A/B at 16.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh N, N from 0 to 83}
+STAGE=${1:?usage: bash bench/device_plan.sh N, N from 0 to 90}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -730,6 +732,65 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
     --expert-format mxfp4 --modes cpu-only --threads 6,14 --llamacpp --llamacpp-build $B \
     --name large_models-qwen3_5_moe-12-mxfp4-cpu-xeon
   ;;
+89) # ~520 s (limits 45 + 110 + 110 + 60 + 190), twenty-eighth session: plan 82's timeline put the control kernel
+  # at 29.9 us a call in the real step, against 17.8 in plan 79's replayed graph of 40 calls alone. The
+  # 6-thread cache row with its timeline at the default decode variant (8 warps, 4,096-slot chunks) and
+  # at plan 79's old one (4, 1,024; --control-variant, new), then the kernel alone (bench.control_speed,
+  # now with the fused acc output), then the fuzz cases plan 83 had no time for. Carry .whl,
+  # .devcache/commit and .devcache/warm-cache.tgz (it lacks the 8-warp variants: the first row compiles them).
+  step 45 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
+  step 110 ctl-default-t6 python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
+    --modes cache --capacity 0.375 --threads 6 --timeline --name large_models-qwen3_5_moe-40-mxfp4-ctl-default-t6
+  step 110 ctl-w4b1024-t6 python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
+    --modes cache --capacity 0.375 --threads 6 --timeline --control-variant 4,1024 \
+    --name large_models-qwen3_5_moe-40-mxfp4-ctl-w4b1024-t6
+  step 60 control-speed python3 -m bench.control_speed --layers 40 --experts 256 --slots 3840 --pairs 8 \
+    --warps 4,8 --blocks 1024,4096 --name control_speed-3840-acc
+  step 190 fuzz python3 -m pytest -v -p no:cacheprovider tests/test_expert_control.py -k "not large_buckets"
+  ;;
+90) # ~250-480 s (limits 160 each: plan 85's took 52 s on a warm machine; the first here exports the GGUF),
+  # twenty-eighth session, issue 10 (b): plan 85's command three times in one call (the 14-thread ratio
+  # moved from 1.18x to 1.72x between plans 84 and 85 on one machine; both engines moved).
+  # Carry as plan 78 (llama.cpp's binary and source, .whl, .devcache/commit).
+  B=/tmp/ft-llama-build
+  [ -x $B/bin/llama-bench ] || { mkdir -p $B/bin && cat .llama/llama-bench.xz.* | xz -d > $B/bin/llama-bench \
+    && chmod +x $B/bin/llama-bench; }
+  for i in 1 2 3; do
+    step 160 cache-llama-t14-16-$i python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
+      --modes cache,fill-only --capacity 0.375 --threads 14,16 --llamacpp --llamacpp-build $B \
+      --name large_models-qwen3_5_moe-40-mxfp4-cache-llama-t14-16-run$i
+  done
+  ;;
+88) # ~120 s (limit 115): the graph-equals-eager doorbell tests (the control kernel's fused outputs in a graph)
+  step 115 graph-doorbell python3 -m pytest -v -p no:cacheprovider tests/test_expert_cache_gpu.py -k "graph_equals_eager and doorbell"
+  ;;
+87) # ~150 s (limit 150): plan 86 passed the test alone in 45 s; after the lookahead test, with stacks after 50 s
+  step 150 split-after-lookahead python3 -m pytest -v -p no:cacheprovider -o faulthandler_timeout=50 \
+    tests/test_expert_cache_gpu.py -k "test_lookahead_copies_are_ordered or test_split_within_bf16_rounding"
+  ;;
+86) # ~110 s (limit 110): where test_split_within_bf16_rounding stays (past 200 s in plans 82 and 85; it
+  # passed in 5 s before): every thread's stack after 60 s (pytest's faulthandler_timeout)
+  step 110 split-stacks python3 -m pytest -v -p no:cacheprovider -o faulthandler_timeout=60 \
+    tests/test_expert_cache_gpu.py -k test_split_within_bf16_rounding
+  ;;
+85) # ~450 s (limits 230 + 220), on plan 84's warm machine: the cache's GPU tests plan 83 had no time for
+  # (its kernels compiled there), then plan 84's rows at 14 and 16 threads beside llama.cpp. Carry as plan 84.
+  B=/tmp/ft-llama-build
+  step 230 cache-gpu-tests python3 -m pytest -v -p no:cacheprovider --durations=10 tests/test_expert_cache_gpu.py \
+    -k "not hostfn"
+  step 220 cache-llama-t14-16 python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
+    --modes cache,fill-only --capacity 0.375 --threads 14,16 --llamacpp --llamacpp-build $B \
+    --name large_models-qwen3_5_moe-40-mxfp4-cache-llama-t14-16
+  ;;
+84) # ~400 s (limit 420), on plan 83's warm machine: the adaptive cache at 14 threads (100.7 tok/s there)
+  # and fill-only beside llama.cpp in one process, for a ratio measured in one run. Carry as plan 78.
+  B=/tmp/ft-llama-build
+  [ -x $B/bin/llama-bench ] || { mkdir -p $B/bin && cat .llama/llama-bench.xz.* | xz -d > $B/bin/llama-bench \
+    && chmod +x $B/bin/llama-bench; }
+  step 420 cache-llama-t14 python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
+    --modes cache,fill-only --capacity 0.375 --threads 14 --llamacpp --llamacpp-build $B \
+    --name large_models-qwen3_5_moe-40-mxfp4-cache-llama-t14
+  ;;
 83) # ~560 s (limits 45 + 300 + 190), plan 82's tests and drift row with room: its tests ran out of their 200 s
   # in compiles after 3 passed (the new control variants are not in the warm cache) and its drift row's 800
   # steps under the hog did not end in 150 s. Carry .whl, .devcache/commit and .devcache/warm-cache.tgz.
@@ -867,13 +928,20 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   step 150 wait-block-cpuonly-t16 python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
     --modes cpu-only --capacity 0.375 --threads 16 --name large_models-qwen3_5_moe-mxfp4-waitblock-cpuonly-t16
   ;;
-*) echo "stage 0 to 75"; exit 2 ;;
+*) echo "stage 0 to 90"; exit 2 ;;
 esac
-# the kernels compiled on this machine, for the next (copy $OUT/warm-cache.tgz to .devcache/ here;
-# bench/device_env.sh restores it): Triton's cache and the C++ executor's build, if under 24 MB
+# the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
+# Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole
+# cache did not), so a larger cache comes back as what this machine compiled since the restore,
+# $OUT/warm-cache-new.tgz: merge it here with `bash bench/merge_warm_cache.sh FILES_AT`.
 (cd "$HOME" && tar czf /tmp/warm-cache.tgz --exclude=lock --exclude='*.lock' .triton/cache .cache/freetoken/build \
-   2>/dev/null; [ -s /tmp/warm-cache.tgz ] && [ "$(stat -c %s /tmp/warm-cache.tgz)" -lt 24000000 ] \
-   && cp /tmp/warm-cache.tgz "$OUT/warm-cache.tgz") || echo "warm cache not saved" >> "$LOG"
+   2>/dev/null; if [ -s /tmp/warm-cache.tgz ] && [ "$(stat -c %s /tmp/warm-cache.tgz)" -lt 16000000 ]; then
+     cp /tmp/warm-cache.tgz "$OUT/warm-cache.tgz"
+   elif [ -f /tmp/.ft-warm-restored ]; then
+     find .triton/cache .cache/freetoken/build -newer /tmp/.ft-warm-restored ! -name '*.lock' ! -name lock \
+       -type f 2>/dev/null > /tmp/warm-new.list
+     [ -s /tmp/warm-new.list ] && tar czf "$OUT/warm-cache-new.tgz" -T /tmp/warm-new.list
+   else false; fi) || echo "warm cache not saved" >> "$LOG"
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)
 grep -E '^===|passed|failed|tok/s|Error' "$LOG" | tail -40

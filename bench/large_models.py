@@ -657,6 +657,9 @@ def parse(argv=None):
     ap.add_argument("--drift-hog-cpus", default="", help="CPUs of the drift hog (default: the first N of the CPU "
                     "branch's pool, which it then competes with)")
     ap.add_argument("--drift-steps", type=int, default=600)
+    ap.add_argument("--control-variant", default="", help="WARPS,BLOCK: the control kernel's warps and victim-scan "
+                    "chunk for decode-sized calls (up to 64 pairs) instead of control_warps/scan_block's (an A/B of "
+                    "the kernel in the real step: plan 82 timed the default at 29.9 us a call there, 17.8 alone)")
     ap.add_argument("--tiny", action="store_true", help="the small config of the same structure (a CPU run)")
     ap.add_argument("--layers", type=int, default=None, help="first N layers of the shape (default 12; "
                     "qwen3_5_moe all 40; --tiny 5, qwen3_5_moe 4)")
@@ -736,6 +739,14 @@ def parse(argv=None):
     a.name = a.name or f"large_models-{a.arch}" + ("-tiny" if a.tiny else "")
     if not 0 < a.capacity <= 1:
         ap.error("--capacity is a fraction of the experts, in (0, 1]")
+    if a.control_variant:
+        try:
+            a.control_variant = tuple(int(v) for v in a.control_variant.split(","))
+        except ValueError:
+            a.control_variant = ()
+        w_, b_ = (a.control_variant + (0, 0))[:2]
+        if len(a.control_variant) != 2 or w_ not in (1, 2, 4, 8, 16, 32) or b_ < 16 or b_ & (b_ - 1):
+            ap.error("--control-variant: WARPS,BLOCK, warps a power of two up to 32 and BLOCK a power of two >= 16")
     if a.drift_hog < 0 or a.drift_steps < 100:
         ap.error("--drift-hog is a thread count (0: off) and --drift-steps at least 100 (the summary's last 100)")
     if a.prompt + a.cache_warmup + a.tokens + 8 + (a.drift_steps if a.drift_hog else 0) > MAX_POS:
@@ -851,6 +862,15 @@ def run_format(a, fmt: str, mc, w, plan: dict, est: dict, dev, bw: float | None,
     return f
 
 
+def use_control_variant(warps: int, block_s: int) -> None:
+    """Decode-sized control calls (pair buckets up to 64) compile with these warps and scan chunk
+    from now on, in this process (the kernel reads control_warps and scan_block at each call)."""
+    from freetoken.experts import control
+    default_warps, default_block = control.control_warps, control.scan_block
+    control.control_warps = lambda p_pad: warps if p_pad <= 64 else default_warps(p_pad)
+    control.scan_block = lambda p_pad: block_s if p_pad <= 64 else default_block(p_pad)
+
+
 def main(argv=None) -> str | None:
     a = parse(argv)
     from bench.common import write_result
@@ -891,6 +911,9 @@ def main(argv=None) -> str | None:
            "setup_s": round(setup_s, 1), "device": dev.type, "transformers": _transformers_version(), "runs": []}
     from freetoken.weights.hostmem import thp_mode
     res["thp"] = thp_mode()
+    if a.control_variant:
+        use_control_variant(*a.control_variant)
+        res["control_variant"] = {"num_warps": a.control_variant[0], "block_s": a.control_variant[1], "up_to_pairs": 64}
     bw = None
     if cuda:
         from bench.decode import device_read_bw

@@ -217,3 +217,19 @@ def test_drift_run_reports_the_splits_reaction():
     assert got["r_before"] == 0.7 and got["r_after"] == 1.0 and got["decided_after"]
     assert got["drifts"] == 1 and got["decisions"] == 1 and 0 < got["steps_to_react"] <= 30
     assert got["hog_gbs"] > 0 and len(got["r_per_step"]) == 300 and got["r_per_step"][0] == 0.7
+
+
+def test_control_variant_changes_only_decode_calls(monkeypatch):
+    """--control-variant WARPS,BLOCK: decode-sized control calls (pair buckets up to 64) take the
+    given warps and scan chunk, larger buckets keep theirs; malformed values are refused."""
+    from freetoken.experts import control
+    monkeypatch.setattr(control, "control_warps", control.control_warps)  # restored after the test
+    monkeypatch.setattr(control, "scan_block", control.scan_block)
+    before = {p: (control.control_warps(p), control.scan_block(p)) for p in (8, 64, 128, 4096)}
+    lm.use_control_variant(4, 1024)
+    assert control.control_warps(8) == control.control_warps(64) == 4 and control.scan_block(8) == 1024
+    assert all((control.control_warps(p), control.scan_block(p)) == before[p] for p in (128, 4096))
+    assert lm.parse(["--arch", "qwen3_5_moe", "--control-variant", "4,1024"]).control_variant == (4, 1024)
+    for bad in ("4", "3,1024", "4,1000", "x,y", "4,1024,2"):
+        with pytest.raises(SystemExit):
+            lm.parse(["--arch", "qwen3_5_moe", "--control-variant", bad])

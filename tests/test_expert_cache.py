@@ -223,15 +223,17 @@ def test_share_tuner_finds_the_fastest_split():
         if all(b in t.climbs and not t.climbs[b].climbing for b in (1, 4)):
             break
     assert t.cands[t.climbs[1].cur] == 0.8 and t.cands[t.climbs[4].cur] == 1.0
+    t.observe(4, 0.030)  # a batch-4 step (at 1.0), then
     assert t.observe(1, 0.0085) == 0.8  # back at batch 1: its own r for the next step
     plateau = ShareTuner(probe=10, settle=2, hold=10_000)  # 0.9 ties fill-only; 0.8 is faster
     for _ in range(200):
         plateau.observe(1, {1.0: 0.010, 0.9: 0.010, 0.8: 0.008}.get(plateau.share, 0.012))
     assert plateau.share == 0.8 and not plateau.climbing
-    # each probe recorded: fill-only, the tie at 0.9, 0.8, then 0.7 (slower) and one more before
-    # stopping; then the confirmation round: 0.8's neighbours and 0.8 again
-    assert [(b, r) for b, r, _ in plateau.history] == [(1, 1.0), (1, 0.9), (1, 0.8), (1, 0.7), (1, 0.6),
-                                                       (1, 0.9), (1, 0.7), (1, 0.8)]
+    # each probe recorded: fill-only, the tie at 0.9, 0.8, then 0.7 (50% slower than 0.8: over
+    # FAR, so no patience past it); then the confirmation round: 0.8's neighbour 0.9 and 0.8
+    # again (0.7, measured far slower, is not probed again)
+    assert [(b, r) for b, r, _ in plateau.history] == [(1, 1.0), (1, 0.9), (1, 0.8), (1, 0.7),
+                                                       (1, 0.9), (1, 0.8)]
     # one unlucky probe at the fastest r (0.7 first measures 8.7 ms, slower than 0.8's 8.5) stops
     # the climb past it; the confirmation round measures it again (7.6, beating 8.5 by more than
     # the margin) and keeps it
@@ -263,6 +265,32 @@ def test_share_tuner_finds_the_fastest_split():
     for _ in range(12):  # whatever the re-check probes, it comes back to fill-only
         slow.observe(1, 0.010 if slow.share == 1.0 else 0.020)
     assert slow.share == 1.0 or slow.climbs[1].climbing
+
+
+def test_share_tuner_spends_one_probe_on_a_far_slower_split():
+    """A candidate far slower than the best (over FAR) is no near-tie: the climb takes no
+    patience past it and the confirmation round does not probe it again. The step times are
+    plan 83's (H100, 14 threads, a memory hog on 4 of the CPU branch's cores): fill-only 12.2 ms,
+    r = 0.9 34.1, 0.8 31.3; that climb probed 1.0, 0.9, 0.8, 0.9, 1.0 (72 steps at 2.5-2.8x).
+    Now one probe of 0.9, at the first climb and at every periodic re-check; near-ties still
+    get their patience (the plateau case of test_share_tuner_finds_the_fastest_split)."""
+    import random
+    from freetoken.experts.share import PROBE, ShareTuner
+    ms = {1.0: 12.2, 0.9: 34.1, 0.8: 31.3, 0.7: 35.0}
+    rng = random.Random(5)
+    t = ShareTuner(hold=2048)
+    slow_steps = 0
+    for _ in range(3 * 2048):
+        slow_steps += t.share < 1.0
+        t.observe(1, ms.get(t.share, 40.0) * (1 + 0.1 * (2 * rng.random() - 1)) / 1e3)
+    assert [r for _, r, _ in t.history][:3] == [1.0, 0.9, 1.0]
+    assert t.share == 1.0 and t.decisions >= 3 and 0.8 not in {r for _, r, _ in t.history}
+    assert slow_steps <= t.decisions * PROBE, (slow_steps, t.decisions)  # one probe of 0.9 a climb
+    # FAR off (the climb as it was): 0.8 probed, 0.9 twice
+    old = ShareTuner(hold=10**6, far=float("inf"))
+    while old.climbing:
+        old.observe(1, ms.get(old.share, 40.0) / 1e3)
+    assert [r for _, r, _ in old.history] == [1.0, 0.9, 0.8, 0.9, 1.0]
 
 
 def test_plan_reserves_a_prefill_pass():

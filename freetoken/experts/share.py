@@ -16,7 +16,11 @@ Procedure (a hill climb from fill-only, re-checked periodically):
   climb   start at r = 1 (fill-only); step to the next smaller candidate while it is faster by
           more than MARGIN than the best so far; past one that is not, probe PATIENCE more
           (a candidate can tie its neighbour: with one or two misses per layer call, nearby
-          shares move the same experts; and a probe is noisy), then keep the best measured;
+          shares move the same experts; and a probe is noisy), then keep the best measured.
+          A candidate slower than the best by more than FAR is no tie: no patience past it (on
+          an H100 with a memory hog on the CPU branch's cores, r = 0.9 took 2.8x fill-only's
+          step, and the climb still probed 0.8 and 0.9 again: 72 steps at 2.5-2.8x, a cost
+          every periodic re-check under such a host pays again);
   confirm probe the best and both its neighbours (measured or not) once more and keep the
           one whose fastest probe is lowest if it beats the best's by MARGIN. One probe's
           median varies by several percent from run to run (the cache's contents, the host),
@@ -25,7 +29,8 @@ Procedure (a hill climb from fill-only, re-checked periodically):
           processes only ever adds time, so a slow probe says less about its candidate than a
           fast one (with a host-memory hog beside it on the H200, one probe of 0.5 took 10.3 ms
           against 7.0 before, and a mean left r at 0.4: 20% slower than 0.5). Unmeasured
-          neighbours too: a climb started from a prediction below the best only steps down;
+          neighbours too: a climb started from a prediction below the best only steps down.
+          Not a neighbour already measured FAR slower than the best: its one probe said enough;
   hold    keep the best for HOLD steps (at least 4x the steps the climb took), then probe its
           neighbours again (conditions drift). Meanwhile watch the steps: when the median of
           DRIFT_WINDOWS windows of PROBE steps in a row is over the hold's first window (after
@@ -62,6 +67,10 @@ EXTEND = 8
 # errors of a 24-step median of steps swinging +-30% (replayed real routing): two such windows in
 # a row by chance are rare
 DRIFT, DRIFT_WINDOWS = 0.2, 2
+# a probe whose median is over the best's by more than FAR is not a near-tie: the climb takes no
+# patience past it and the confirmation round does not probe it again. Far above the few percent
+# one probe varies by from run to run, and the +-30% of single steps is averaged out in a median
+FAR = 0.25
 
 
 def _stderr(samples: list[float]) -> float:
@@ -143,19 +152,22 @@ class _Climb:
             if low[i] >= low[b] * (1 - t.margin):  # a neighbour must win by the margin, as in the climb
                 i = b
             return self._decide(i, low[i], batch)
+        far = self.best is not None and med > self.best[1] * (1 + t.far)  # no near-tie: no patience
         if self.best is None or med < self.best[1] * (1 - t.margin):
             self.best, self.best_se, self.misses = (self.cur, med), _stderr(rest), 0
         else:
             self.misses += 1
-        if self.cur + 1 < len(t.cands) and self.misses <= t.patience:
+        if self.cur + 1 < len(t.cands) and self.misses <= t.patience and not far:
             self._go(self.cur + 1)
             return
         b = self.best[0]
         # the best and both its neighbours once more, the best last (it is kept next); a
         # neighbour the climb never measured too: a climb that starts from a prediction below
         # the best r only ever steps down (at 2 threads on the H200 it started at 0.7, and 0.8,
-        # 4% faster, was never probed)
-        self.confirm = [j for j in (b - 1, b + 1, b) if 0 <= j < len(t.cands)]
+        # 4% faster, was never probed); not one measured FAR slower than the best
+        best_med = self.best[1]
+        self.confirm = [j for j in (b - 1, b + 1, b) if 0 <= j < len(t.cands)
+                        and (j == b or not self.meds.get(j) or min(self.meds[j]) <= best_med * (1 + t.far))]
         self.meds = {j: self.meds.get(j, []) for j in self.confirm}  # the decision is among these
         self._go(self.confirm.pop(0))
 
@@ -208,14 +220,14 @@ class ShareTuner:
 
     def __init__(self, candidates=CANDIDATES, probe: int = PROBE, settle: int = SETTLE, hold: int = HOLD,
                  margin: float = MARGIN, start: float = 1.0, patience: int = PATIENCE, extend: int = EXTEND,
-                 drift: float = DRIFT, drift_windows: int = DRIFT_WINDOWS):
+                 drift: float = DRIFT, drift_windows: int = DRIFT_WINDOWS, far: float = FAR):
         """start: a predicted r (`ft bench bw`'s profile, runtime/bandwidth.py): each climb
         begins one candidate above it instead of at fill-only, so a good prediction is reached
         in one probe and a bad one is still corrected by the climb."""
         assert candidates[0] == 1.0 and list(candidates) == sorted(candidates, reverse=True)
         self.cands, self.probe, self.settle, self.hold, self.margin = list(candidates), probe, settle, hold, margin
         self.patience, self.extend = patience, max(1, extend)
-        self.drift, self.drift_windows = drift, max(1, drift_windows)
+        self.drift, self.drift_windows, self.far = drift, max(1, drift_windows), far
         self.drifts = 0  # climbs started by the hold's watch (steps slower than when r was chosen)
         at = next((i for i, r in enumerate(self.cands) if r <= start + 1e-9), len(self.cands) - 1)
         self.start = max(0, at - 1)
