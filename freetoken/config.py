@@ -44,6 +44,11 @@ SIZES = ("num_key_value_heads", "head_dim", "intermediate_size", "moe_intermedia
          "num_experts_per_tok", "max_position_embeddings")
 
 
+# the config.json field each family gives its routed-expert count in (for errors that name it)
+EXPERT_COUNT_FIELD = {"qwen3_5_moe": "num_experts", "qwen3_moe": "num_experts", "gpt_oss": "num_local_experts",
+                      "glm_moe_dsa": "n_routed_experts", "deepseek_v4": "n_routed_experts"}
+
+
 def _check_sizes(source: str, t: dict) -> None:
     for k in POSITIVE_SIZES + SIZES:
         v = t.get(k)
@@ -166,6 +171,11 @@ class ModelConfig:
             raise UnsupportedModelError(f"unsupported expert activation {self.expert_activation!r}")
         if self.router not in ("softmax_topk", "topk_softmax", "sigmoid_group", "noaux_topk"):
             raise UnsupportedModelError(f"unsupported router {self.router!r}")
+        if self.moe_layers and self.num_experts < 1:  # would build MoE layers of no experts
+            field_name = EXPERT_COUNT_FIELD.get(self.arch, "num_experts")
+            raise UnsupportedModelError(
+                f"config.json: {field_name}={self.num_experts}, but {len(self.moe_layers)} layers are MoE layers: "
+                f"each needs at least num_experts_per_tok routed experts; fix {field_name} in config.json")
         if self.num_experts and not 0 < self.top_k <= self.num_experts:
             raise UnsupportedModelError(
                 f"num_experts_per_tok={self.top_k} must be in [1, num_experts={self.num_experts}]")

@@ -20,6 +20,8 @@ from freetoken.weights.convert import convert, implied_shapes, shape_key
 BUILDERS = {
     # name: (make the checkpoint in folder d) ; small: each builds in well under a second
     "qwen3_5": lambda d: hf_models.save(hf_models.qwen3_5(0), d),  # one tensor per expert
+    "qwen3_5-bias": lambda d: hf_models.save(hf_models.qwen3_5(0, attention_bias=True), d),  # q/k/v/o biases
+    "qwen3_moe-bias": lambda d: hf_models.save(hf_models.qwen3_moe(0, attention_bias=True), d),
     "qwen3_5-wrapper": lambda d: hf_models.save(hf_models.qwen3_5(0), d, layout="wrapper"),  # fused, text_config
     "qwen3_moe": lambda d: hf_models.save(hf_models.qwen3_moe(0, mlp_only_layers=[1]), d),  # a dense layer
     "gpt_oss": lambda d: hf_models.save(hf_models.gpt_oss(0), d),  # fused [E, in, out], expert biases

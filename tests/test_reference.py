@@ -33,6 +33,9 @@ CASES = {
     # 4x so the 51 positions here pass it (partial rotary on Qwen3.5: the stretch of its 4 dims)
     "q3moe-yarn": (hf_models.qwen3_moe, 6, dict(rope_parameters=dict(
         rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16)), "plain"),
+    # attention_bias: q/k/v and o_proj biases (transformers gives the output projection one too)
+    "q35-attn-bias": (hf_models.qwen3_5, 8, dict(attention_bias=True), "plain"),
+    "q3moe-attn-bias": (hf_models.qwen3_moe, 9, dict(attention_bias=True), "plain"),
     "q35-yarn": (hf_models.qwen3_5, 7, dict(rope_parameters=dict(
         rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16,
         partial_rotary_factor=0.25)), "plain"),

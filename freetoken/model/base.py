@@ -90,8 +90,8 @@ class DecoderModel:
             else:
                 a = p + "self_attn."
                 names += [a + n + ".weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")]
-                if cfg.attention_bias:
-                    names += [a + n + ".bias" for n in ("q_proj", "k_proj", "v_proj")]
+                if cfg.attention_bias:  # transformers' Qwen3/Qwen3.5 attention biases o_proj too
+                    names += [a + n + ".bias" for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
             m = p + "mlp."
             if i in cfg.moe_layers:
                 names.append(m + "gate.weight")

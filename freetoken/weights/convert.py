@@ -337,7 +337,20 @@ def _expert_shapes(cfg: ModelConfig) -> dict[str, tuple]:
     return shapes
 
 
-ARCH_SHAPES = {"qwen3_5_moe": lambda cfg: weight_shapes(cfg, experts=False),  # the demo generator's own table
+def _qwen3_5_shapes(cfg: ModelConfig) -> dict[str, tuple]:
+    """The demo generator's own table, and the attention biases the model loads where
+    attention_bias is set (q_proj's output holds the query and its gate: twice the heads' width)."""
+    shapes = weight_shapes(cfg, experts=False)
+    q, kv = 2 * cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    for l, kind in enumerate(cfg.layer_types):
+        if kind != "linear_attention":
+            a = f"model.layers.{l}.self_attn."
+            shapes.update({a + "q_proj.bias": (q,), a + "k_proj.bias": (kv,), a + "v_proj.bias": (kv,),
+                           a + "o_proj.bias": (cfg.hidden_size,)})
+    return shapes
+
+
+ARCH_SHAPES = {"qwen3_5_moe": _qwen3_5_shapes,
                "qwen3_moe": _qwen3_moe_shapes, "gpt_oss": _gpt_oss_shapes, "glm_moe_dsa": _glm_moe_dsa_shapes,
                "deepseek_v4": _deepseek_v4_shapes}
 
