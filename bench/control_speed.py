@@ -5,6 +5,10 @@ timelines, benchmarks/README.md): one program scans every slot of the pool for t
 in chunks of BLOCK_S, a top-k per chunk. Here one call per MoE layer runs in a CUDA graph (as in
 the decode step) on a full pool in its steady state, fresh routes each replay, for each
 (num_warps, block_s) pair; device time per call from CUDA events over the replays.
+The replays cycle through --route-sets sets of random routes: plan 79's rows cycled through
+4, whose 1,280 experts all fit the 3,840 slots, so after the first cycle every call was all
+hits and no fills (the served step misses ~56%). Each row reports the miss rate it ran at,
+from the kernel's own running counts (acc).
     python -m bench.control_speed --layers 40 --experts 256 --slots 3840 --pairs 8,32
 """
 from __future__ import annotations
@@ -45,21 +49,27 @@ def time_config(a, pairs: int, warps: int | None, block_s: int | None, dev) -> d
             run(l)
     torch.cuda.synchronize()
     replay = capture(lambda: [run(l) for l in range(a.layers)], dev)  # one step's calls (warmed, then captured)
-    fresh = [routes(a.layers, a.experts, t, k, g).to(dev) for _ in range(4)]
+    n = a.route_sets
+    fresh = routes(a.layers * n, a.experts, t, k, g).view(n, a.layers, t, k)  # [n, L, T, k], ids of layer l
+    fresh = (fresh - (torch.arange(n) * a.layers * a.experts).view(-1, 1, 1, 1)).to(dev)  # each set's own layers
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for i in range(3):
-        ids.copy_(fresh[i % 4])
+        ids.copy_(fresh[i % n])
         replay()
+    acc.zero_()
     start.record()
     for i in range(a.iters):
-        ids.copy_(fresh[i % 4])  # a copy kernel per replay, timed with it (~2 us, said in the row)
+        ids.copy_(fresh[(i + 3) % n])  # a copy kernel per replay, timed with it (~2 us, said in the row)
         replay()
     end.record()
     torch.cuda.synchronize()
     us = start.elapsed_time(end) * 1e3 / a.iters
+    calls, live, hits, fills, cpu = acc.tolist()
+    misses = fills + cpu  # distinct experts per call not in a slot
     return {"pairs": pairs, "p_pad": pair_bucket(pairs), "k_pad": pad, "num_warps": warps or control_warps(pair_bucket(pairs)),
             "block_s": block_s or "default", "us_per_step": round(us, 1), "us_per_call": round(us / a.layers, 2),
-            "default": warps is None and block_s is None}
+            "default": warps is None and block_s is None,
+            "miss_rate": round(misses / max(1, hits + misses), 3), "fills_per_call": round(fills / max(1, calls), 2)}
 
 
 def main():
@@ -74,8 +84,12 @@ def main():
     ap.add_argument("--share", type=float, default=0.7)
     ap.add_argument("--fill-steps", type=int, default=30)
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--route-sets", type=int, default=64, help="sets of routes the replays cycle through (enough "
+                    "that the pool cannot hold them all: a served step's misses)")
     ap.add_argument("--name", default="control_speed")
     a = ap.parse_args()
+    if a.route_sets < 1:
+        ap.error("--route-sets: at least 1")
     if not torch.cuda.is_available():
         raise SystemExit("bench.control_speed times the Triton kernel on a CUDA device")
     dev = torch.device("cuda")
@@ -93,7 +107,7 @@ def main():
             # after every row: each variant compiles for seconds, and a run stopped by its time
             # limit keeps what it measured (plan 79's lost its JSON so)
             write_result(a.name, {"layers": a.layers, "experts": a.experts, "slots": a.slots, "policy": a.policy,
-                                  "share": a.share, "note": "device time of one replayed graph of one control call "
+                                  "share": a.share, "route_sets": a.route_sets, "note": "device time of one replayed graph of one control call "
                                   "per layer, plus one ids copy kernel per replay", "rows": rows}, quiet=True)
 
 

@@ -732,7 +732,7 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
     --expert-format mxfp4 --modes cpu-only --threads 6,14 --llamacpp --llamacpp-build $B \
     --name large_models-qwen3_5_moe-12-mxfp4-cpu-xeon
   ;;
-89) # ~520 s (limits 45 + 110 + 110 + 60 + 190), twenty-eighth session: plan 82's timeline put the control kernel
+89) # ~535 s (limits 45 + 110 + 110 + 90 + 30 + 150), twenty-eighth session: plan 82's timeline put the control kernel
   # at 29.9 us a call in the real step, against 17.8 in plan 79's replayed graph of 40 calls alone. The
   # 6-thread cache row with its timeline at the default decode variant (8 warps, 4,096-slot chunks) and
   # at plan 79's old one (4, 1,024; --control-variant, new), then the kernel alone (bench.control_speed,
@@ -744,9 +744,13 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   step 110 ctl-w4b1024-t6 python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
     --modes cache --capacity 0.375 --threads 6 --timeline --control-variant 4,1024 \
     --name large_models-qwen3_5_moe-40-mxfp4-ctl-w4b1024-t6
-  step 60 control-speed python3 -m bench.control_speed --layers 40 --experts 256 --slots 3840 --pairs 8 \
+  # the kernel alone, now over 64 route sets (misses as served; plan 79's 4 sets were all hits after a cycle),
+  # and the default variant over 4 sets again: whether hits alone explain its 17.8 us
+  step 90 control-speed python3 -m bench.control_speed --layers 40 --experts 256 --slots 3840 --pairs 8 \
     --warps 4,8 --blocks 1024,4096 --name control_speed-3840-acc
-  step 190 fuzz python3 -m pytest -v -p no:cacheprovider tests/test_expert_control.py -k "not large_buckets"
+  step 30 control-speed-4sets python3 -m bench.control_speed --layers 40 --experts 256 --slots 3840 --pairs 8 \
+    --warps 8 --blocks 4096 --route-sets 4 --name control_speed-3840-acc-4sets
+  step 150 fuzz python3 -m pytest -v -p no:cacheprovider tests/test_expert_control.py -k "not large_buckets"
   ;;
 90) # ~250-480 s (limits 160 each: plan 85's took 52 s on a warm machine; the first here exports the GGUF),
   # twenty-eighth session, issue 10 (b): plan 85's command three times in one call (the 14-thread ratio
