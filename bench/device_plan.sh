@@ -938,14 +938,21 @@ esac
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole
 # cache did not), so a larger cache comes back as what this machine compiled since the restore,
 # $OUT/warm-cache-new.tgz: merge it here with `bash bench/merge_warm_cache.sh FILES_AT`.
-(cd "$HOME" && tar czf /tmp/warm-cache.tgz --exclude=lock --exclude='*.lock' .triton/cache .cache/freetoken/build \
-   2>/dev/null; if [ -s /tmp/warm-cache.tgz ] && [ "$(stat -c %s /tmp/warm-cache.tgz)" -lt 16000000 ]; then
+(cd "$HOME" && {
+   tar czf /tmp/warm-cache.tgz --exclude=lock --exclude='*.lock' .triton/cache .cache/freetoken/build 2>/dev/null
+   if [ -s /tmp/warm-cache.tgz ] && [ "$(stat -c %s /tmp/warm-cache.tgz)" -lt 16000000 ]; then
      cp /tmp/warm-cache.tgz "$OUT/warm-cache.tgz"
    elif [ -f /tmp/.ft-warm-restored ]; then
      find .triton/cache .cache/freetoken/build -newer /tmp/.ft-warm-restored ! -name '*.lock' ! -name lock \
        -type f 2>/dev/null > /tmp/warm-new.list
-     [ -s /tmp/warm-new.list ] && tar czf "$OUT/warm-cache-new.tgz" -T /tmp/warm-new.list
-   else false; fi) || echo "warm cache not saved" >> "$LOG"
+     if [ ! -s /tmp/warm-new.list ]; then echo "warm cache: nothing compiled since the restore"
+     else
+       tar czf "$OUT/warm-cache-new.tgz" -T /tmp/warm-new.list
+       echo "warm cache: $(wc -l < /tmp/warm-new.list) files compiled since the restore, $(stat -c %s "$OUT/warm-cache-new.tgz") bytes"
+       [ "$(stat -c %s "$OUT/warm-cache-new.tgz")" -lt 16000000 ] || echo "warm cache: its delta is over 16 MiB and will not come back"
+     fi
+   else echo "warm cache not saved: $(stat -c %s /tmp/warm-cache.tgz 2>/dev/null) bytes, over 16 MiB, and no restore to diff against"; fi
+ }) >> "$LOG" 2>&1 || echo "warm cache not saved" >> "$LOG"
 # the JSON results in one file (each keeps its own name inside)
 (cd "$OUT" && ls ./*.json >/dev/null 2>&1 && tar czf "results-plan$STAGE.tgz" ./*.json && rm -f ./*.json)
 grep -E '^===|passed|failed|tok/s|Error' "$LOG" | tail -40

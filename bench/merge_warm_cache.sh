@@ -3,7 +3,7 @@
 # it on the next machine): a whole cache ($FILES_AT/warm-cache.tgz) replaces it; the kernels compiled
 # since the restore ($FILES_AT/warm-cache-new.tgz, what bench/device_plan.sh returns when the whole
 # cache is over the 16 MiB a returned file may have) are added to it.
-# Usage: bash bench/merge_warm_cache.sh FILES_AT   (the run's files_at folder)
+# Usage, from the repository's root: bash bench/merge_warm_cache.sh FILES_AT   (the run's files_at folder)
 set -euo pipefail
 FROM=${1:?usage: bash bench/merge_warm_cache.sh FILES_AT}
 DEST="$PWD/.devcache/warm-cache.tgz"

@@ -137,6 +137,22 @@ def test_corrupt_ftw_cli(good, tmp_path):
     assert_one_line_error(code, err, "bad.ftw", "checksum")
 
 
+def test_ftw_lacking_a_tensor_the_model_needs(good, tmp_path, monkeypatch):
+    """An FTW without a tensor the model loads (an older `ft convert` dropped Qwen's o_proj bias
+    with attention_bias; or a file written by hand) is refused at load, naming the tensor and
+    saying to convert again, instead of serving without it."""
+    from freetoken.model.registry import model_class
+    cls = model_class("qwen3_moe")
+    every = cls.expected_tensors
+    dropped = "model.layers.1.self_attn.q_norm.weight"  # read with w.get: without the check, silently none
+    monkeypatch.setattr(cls, "expected_tensors", classmethod(
+        lambda c, cfg: [n for n in every(cfg) if n != dropped]))  # convert writes what this lists
+    convert(str(good / "hf"), str(tmp_path / "old.ftw"), progress=False)
+    monkeypatch.undo()
+    code, _, err = ft_in("generate", str(tmp_path / "old.ftw"), "--prompt-ids", "1,2,3", "--max-tokens", "2")
+    assert_one_line_error(code, err, "old.ftw", dropped, "re-run `ft convert`")
+
+
 def test_prompt_longer_than_context(good):
     code, _, err = ft("generate", str(good / "m.ftw"), "--prompt-ids", ",".join(["5"] * 60), "--max-tokens", "10")
     assert_one_line_error(code, err, "60 tokens", "context of 64")

@@ -16,7 +16,7 @@ from freetoken.config import ModelConfig, UnsupportedModelError  # noqa: E402
 def family_configs() -> dict[str, dict]:
     """{arch: config.json dict}: transformers' own config classes for Qwen3-MoE and GPT-OSS,
     the benchmark's small configs (transformers' field names) for the others."""
-    from transformers import GptOssConfig, Qwen3MoeConfig
+    from transformers import GptOssConfig, Qwen3MoeConfig  # both in every transformers the tests run with
     small = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=16, num_experts_per_tok=4)
     return {"qwen3_5_moe": dict(lm.TINY["qwen3_5_moe"]), "glm_moe_dsa": dict(lm.TINY["glm_moe_dsa"]),
@@ -40,9 +40,10 @@ def test_each_family_reads_cleanly(arch):
 @pytest.mark.parametrize("arch", sorted(set(CONFIGS) - {"qwen3_moe"}))
 def test_no_routed_experts_names_the_field(arch):
     """An expert count of 0 in a family whose layers are all MoE: the family's own field is named."""
-    cfg = dict(CONFIGS[arch], **{EXPERTS_FIELD[arch]: 0})
-    with pytest.raises(UnsupportedModelError, match=f"{EXPERTS_FIELD[arch]}=0.*fix {EXPERTS_FIELD[arch]}"):
-        ModelConfig.from_hf(cfg)
+    for value in (0, None):  # None: `"n_routed_experts": null`
+        cfg = dict(CONFIGS[arch], **{EXPERTS_FIELD[arch]: value})
+        with pytest.raises(UnsupportedModelError, match=f"{EXPERTS_FIELD[arch]}=(0|None).*fix {EXPERTS_FIELD[arch]}"):
+            ModelConfig.from_hf(cfg)
 
 
 def test_qwen3_moe_without_experts_is_dense():

@@ -271,6 +271,10 @@ class Engine:
         dense = dense_weights(meta, w, self.device, self.dtype, getattr(cls, "KEEP_FP32", ()), self.keep_fp8,
                               getattr(cls, "DENSE_DEQUANT", ()), keep_bf16=self.keep_bf16,
                               bf16_widen=getattr(cls, "DENSE_WIDEN", ()))
+        missing = [n for n in cls.expected_tensors(self.cfg) if n not in dense]
+        if missing:  # a tensor an older convert dropped (Qwen's o_proj bias before 3924130) or a damaged file
+            raise FreeTokenError(f"{path}: lacks {len(missing)} tensor(s) the model needs, first {missing[0]}; "
+                                 "it was written by an older `ft convert` or is damaged: re-run `ft convert`")
         self.dense_fp8 = self._dense_fp8(dense)
         self.max_len = min(self.cfg.max_position_embeddings, self.ecfg.max_seq_len or 1 << 62)
         self.model = cls(self.cfg, dense, self.executor, self.device, self.dtype, self.max_len)
