@@ -57,6 +57,7 @@
 # Call 72: OpenMP's spin A/B on the CPU branch; pure-CPU decode on the Xeon beside llama.cpp.
 # Call 73: the host thread's wait for a step (runtime/host_wait.py) at 14 and 16 threads on the 40-layer MXFP4 slice.
 # Call 89: the control kernel in the real step, 8 warps and 4,096-slot chunks against 4 and 1,024.
+# Call 91: the control kernel's fuzz cases past seed 12 and the cache's hostfn GPU tests.
 # Call 90: plan 85's 14/16-thread rows beside llama.cpp three times (the ratio moved 1.18x-1.72x).
 # Call 83: plan 82 again with room for the compiles: the GPU tests, verbose, and a shorter drift run.
 # Call 82: the GPU tests of the cache after the control kernel's new decode variants; the split under a hog started mid-run.
@@ -68,7 +69,7 @@
 # Call 76: plan 70 again after host_wait (16-thread rows beside llama.cpp in one run), the spin A/B at 16.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh N, N from 0 to 90}
+STAGE=${1:?usage: bash bench/device_plan.sh N, N from 0 to 91}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -732,16 +733,17 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
     --expert-format mxfp4 --modes cpu-only --threads 6,14 --llamacpp --llamacpp-build $B \
     --name large_models-qwen3_5_moe-12-mxfp4-cpu-xeon
   ;;
-89) # ~535 s (limits 45 + 110 + 110 + 90 + 30 + 150), twenty-eighth session: plan 82's timeline put the control kernel
+89) # ~555 s (limits 45 + 240 + 150 + 90 + 30), twenty-eighth session: plan 82's timeline put the control kernel
   # at 29.9 us a call in the real step, against 17.8 in plan 79's replayed graph of 40 calls alone. The
   # 6-thread cache row with its timeline at the default decode variant (8 warps, 4,096-slot chunks) and
   # at plan 79's old one (4, 1,024; --control-variant, new), then the kernel alone (bench.control_speed,
-  # now with the fused acc output), then the fuzz cases plan 83 had no time for. Carry .whl,
-  # .devcache/commit and .devcache/warm-cache.tgz (it lacks the 8-warp variants: the first row compiles them).
+  # now with the fused acc output). Carry .whl, .devcache/commit and .devcache/warm-cache.tgz: it lacks the
+  # decode variants with the fused outputs, so each row's first process compiles them (plan 83's tests spent
+  # minutes so: hence 240 s for the first row); merge the returned delta here (bench/merge_warm_cache.sh).
   step 45 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
-  step 110 ctl-default-t6 python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
+  step 240 ctl-default-t6 python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
     --modes cache --capacity 0.375 --threads 6 --timeline --name large_models-qwen3_5_moe-40-mxfp4-ctl-default-t6
-  step 110 ctl-w4b1024-t6 python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
+  step 150 ctl-w4b1024-t6 python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
     --modes cache --capacity 0.375 --threads 6 --timeline --control-variant 4,1024 \
     --name large_models-qwen3_5_moe-40-mxfp4-ctl-w4b1024-t6
   # the kernel alone, now over 64 route sets (misses as served; plan 79's 4 sets were all hits after a cycle),
@@ -750,7 +752,12 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
     --warps 4,8 --blocks 1024,4096 --name control_speed-3840-acc
   step 30 control-speed-4sets python3 -m bench.control_speed --layers 40 --experts 256 --slots 3840 --pairs 8 \
     --warps 8 --blocks 4096 --route-sets 4 --name control_speed-3840-acc-4sets
-  step 150 fuzz python3 -m pytest -v -p no:cacheprovider tests/test_expert_control.py -k "not large_buckets"
+  ;;
+91) # ~500 s (limits 300 + 200), twenty-eighth session: the GPU tests plans 83-88 had no time for: the control
+  # kernel's fuzz cases past seed 12 (fused cpu_route/acc outputs, 8-warp decode variants) and the cache's
+  # hostfn cases. Carry .whl, .devcache/commit and .devcache/warm-cache.tgz (merged after plan 89).
+  step 300 fuzz python3 -m pytest -v -p no:cacheprovider --durations=10 tests/test_expert_control.py -k "not large_buckets"
+  step 200 cache-hostfn python3 -m pytest -v -p no:cacheprovider tests/test_expert_cache_gpu.py -k hostfn
   ;;
 90) # ~250-480 s (limits 160 each: plan 85's took 52 s on a warm machine; the first here exports the GGUF),
   # twenty-eighth session, issue 10 (b): plan 85's command three times in one call (the 14-thread ratio
@@ -932,7 +939,7 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   step 150 wait-block-cpuonly-t16 python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
     --modes cpu-only --capacity 0.375 --threads 16 --name large_models-qwen3_5_moe-mxfp4-waitblock-cpuonly-t16
   ;;
-*) echo "stage 0 to 90"; exit 2 ;;
+*) echo "stage 0 to 91"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole
