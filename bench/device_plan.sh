@@ -58,6 +58,7 @@
 # Call 73: the host thread's wait for a step (runtime/host_wait.py) at 14 and 16 threads on the 40-layer MXFP4 slice.
 # Call 89: the control kernel in the real step, 8 warps and 4,096-slot chunks against 4 and 1,024.
 # Call 91: the control kernel's fuzz cases past seed 12 and the cache's hostfn GPU tests.
+# Call 92: plan 83's drift row with the C++ executor's dynamic schedule against its static default.
 # Call 90: plan 85's 14/16-thread rows beside llama.cpp three times (the ratio moved 1.18x-1.72x).
 # Call 83: plan 82 again with room for the compiles: the GPU tests, verbose, and a shorter drift run.
 # Call 82: the GPU tests of the cache after the control kernel's new decode variants; the split under a hog started mid-run.
@@ -69,7 +70,7 @@
 # Call 76: plan 70 again after host_wait (16-thread rows beside llama.cpp in one run), the spin A/B at 16.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh N, N from 0 to 91}
+STAGE=${1:?usage: bash bench/device_plan.sh N, N from 0 to 92}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -753,6 +754,19 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   step 30 control-speed-4sets python3 -m bench.control_speed --layers 40 --experts 256 --slots 3840 --pairs 8 \
     --warps 8 --blocks 4096 --route-sets 4 --name control_speed-3840-acc-4sets
   ;;
+92) # ~330 s (limits 45 + 140 + 140), twenty-eighth session: plan 83's hog on 4 of the CPU branch's 14 pinned
+  # cores took the r = 0.4 step from 9.9 to 25.8 ms: each layer's call waits for its slowest worker, and the
+  # static schedule gives the hogged ones a whole share. FREETOKEN_CPU_SCHEDULE=dynamic (chunks from a shared
+  # counter, moe_cpu.cpp's Share) against the default, each its own process, drift rows without fill-only.
+  # Carry .whl, .devcache/commit and .devcache/warm-cache.tgz.
+  step 45 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
+  step 140 drift-static python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
+    --modes cache --capacity 0.375 --threads 14 --drift-hog 4 --drift-steps 200 \
+    --name large_models-qwen3_5_moe-40-mxfp4-drift-static-t14
+  FREETOKEN_CPU_SCHEDULE=dynamic step 140 drift-dynamic python3 -m bench.large_models --arch qwen3_5_moe \
+    --layers 40 --expert-format mxfp4 --modes cache --capacity 0.375 --threads 14 --drift-hog 4 --drift-steps 200 \
+    --name large_models-qwen3_5_moe-40-mxfp4-drift-dynamic-t14
+  ;;
 91) # ~500 s (limits 300 + 200), twenty-eighth session: the GPU tests plans 83-88 had no time for: the control
   # kernel's fuzz cases past seed 12 (fused cpu_route/acc outputs, 8-warp decode variants) and the cache's
   # hostfn cases. Carry .whl, .devcache/commit and .devcache/warm-cache.tgz (merged after plan 89).
@@ -939,7 +953,7 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   step 150 wait-block-cpuonly-t16 python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
     --modes cpu-only --capacity 0.375 --threads 16 --name large_models-qwen3_5_moe-mxfp4-waitblock-cpuonly-t16
   ;;
-*) echo "stage 0 to 91"; exit 2 ;;
+*) echo "stage 0 to 92"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole
