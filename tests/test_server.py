@@ -197,6 +197,42 @@ def test_completions(oai):
     assert streamed == r.choices[0].text
 
 
+def test_n_choices_and_prompt_lists(oai, server):
+    """n > 1: choices sampled from one prompt, each its own request (greedy: n equal texts;
+    seeded: choice i takes seed + i, so each equals a single request with that seed); the prompt
+    is counted once in usage. /v1/completions takes a list of prompts: index = prompt * n +
+    choice, each equal to that prompt alone."""
+    one = oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=5, temperature=0)
+    r = oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=5, temperature=0, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert {c.message.content for c in r.choices} == {one.choices[0].message.content}
+    assert r.usage.prompt_tokens == one.usage.prompt_tokens and r.usage.completion_tokens == 15
+    kw = dict(model=MODEL, messages=USER, max_tokens=8, temperature=1.0)
+    seeded = oai.chat.completions.create(**kw, seed=77, n=2)
+    alone = [oai.chat.completions.create(**kw, seed=s).choices[0].message.content for s in (77, 78)]
+    assert [c.message.content for c in seeded.choices] == alone and alone[0] != alone[1]
+    prompts = ["Once upon a time", "The weather"]
+    batch = oai.completions.create(model=MODEL, prompt=prompts, max_tokens=4, temperature=0, n=2)
+    single = [oai.completions.create(model=MODEL, prompt=p, max_tokens=4, temperature=0).choices[0].text
+              for p in prompts]
+    assert [(c.index, c.text) for c in batch.choices] == [(0, single[0]), (1, single[0]), (2, single[1]),
+                                                          (3, single[1])]
+    assert batch.usage.completion_tokens == 16
+    ids = oai.completions.create(model=MODEL, prompt=[[1, 2, 3], [4, 5]], max_tokens=2, temperature=0)
+    assert len(ids.choices) == 2 and ids.usage.prompt_tokens == 5
+    for body, needle in [({"prompt": prompts, "stream": True}, "list of 2 prompts with stream"),
+                         ({"prompt": ["x"] * 17}, "at most 16 prompts"), ({"prompt": [["x"]]}, "each prompt"),
+                         ({"prompt": []}, "prompt must be")]:
+        bad = post(server, "/v1/completions", {"model": MODEL, "max_tokens": 2, **body})
+        assert bad.status_code == 400 and needle in bad.json()["error"]["message"], bad.text
+    # more choices than the server admits (--max-batch 4, --max-queue 4): a 429, the choices
+    # already started are cancelled, and the server keeps serving
+    full = post(server, "/v1/chat/completions", {"model": MODEL, "messages": USER, "max_tokens": 50, "n": 16})
+    assert full.status_code == 429, full.text
+    assert oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=5, temperature=0,
+                                       n=4).choices[3].message.content == one.choices[0].message.content
+
+
 def test_chat_logprobs_match_the_model(oai, reference):
     """logprobs.content: one entry per output token, spelled and valued as the reference model
     has them, with the N most likely alternatives, most likely first; greedy picks the top one."""
@@ -283,7 +319,9 @@ def test_response_format_shapes(oai, server):
     ({"model": "gpt-4o", "messages": USER}, 404, "gpt-4o"),
     ({"model": MODEL, "messages": USER, "max_tokens": 0}, 400, "max_tokens"),
     ({"model": MODEL, "messages": USER, "max_tokens": "ten"}, 400, "max_tokens"),
-    ({"model": MODEL, "messages": USER, "n": 2}, 400, "n=2"),
+    ({"model": MODEL, "messages": USER, "n": 2, "stream": True}, 400, "n=2 with stream"),
+    ({"model": MODEL, "messages": USER, "n": 0}, 400, "n must be from 1 to 16"),
+    ({"model": MODEL, "messages": USER, "n": 17}, 400, "n must be from 1 to 16"),
     ({"model": MODEL, "messages": USER, "top_logprobs": 3}, 400, "logprobs: true"),
     ({"model": MODEL, "messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ({"model": MODEL, "messages": USER, "logprobs": True, "top_logprobs": "3"}, 400, "top_logprobs"),

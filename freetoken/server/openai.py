@@ -1,6 +1,8 @@
 """OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models."""
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -88,10 +90,52 @@ def _max_tokens(body: dict):
     return a if a is not None else b
 
 
-def _check_n(body):
+MAX_N = 16  # choices a request may ask for (each is a request of its own in the engine)
+
+
+def choice_count(body) -> int:
+    """OpenAI's `n`: choices sampled from one prompt, each its own request in the engine (they
+    share the prompt's prefix-cache pages). Streamed answers carry one choice."""
     n = field(body, "n", "integer", 1)
-    if n != 1:
-        raise ApiError(400, f"n={n} is not supported: only one choice per request", param="n")
+    if not 1 <= n <= MAX_N:
+        raise ApiError(400, f"n must be from 1 to {MAX_N}, got {n}", param="n")
+    if n > 1 and field(body, "stream", "boolean", False):
+        raise ApiError(400, f"n={n} with stream is not supported: stream one choice per request, or ask "
+                            "without stream", param="n")
+    return n
+
+
+def choice_sampling(sampling, i: int):
+    """Choice i's sampling options: a seeded request's choices take seeds seed, seed + 1, ...
+    (the same seed would sample the same text n times); the rest is shared, read-only (a
+    grammar's matcher is made per request)."""
+    if i == 0:
+        return sampling
+    seed = None if sampling.seed is None else (sampling.seed + i) % (1 << 64)
+    return dataclasses.replace(sampling, seed=seed)
+
+
+async def run_choices(ctx, jobs: list[tuple[list[int], object]], open_events) -> list[list]:
+    """Start a request per (prompt ids, sampling) job, then collect each one's events
+    concurrently (the engine batches them). open_events(req, queue) -> the events iterator. A
+    start refused part way (a full queue) cancels those already started."""
+    started = []
+    try:
+        for ids, sampling in jobs:
+            started.append(submit(ctx, ids, sampling))
+    except ApiError:
+        for req, _ in started:
+            ctx.serving.cancel(req)
+        raise
+    gens = [open_events(req, q) for req, q in started]
+
+    async def drain(gen):
+        return [e async for e in gen]
+    try:
+        return list(await asyncio.gather(*(drain(g) for g in gens)))
+    finally:
+        for g in gens:  # one failed or the client went away: the others' requests end too
+            await g.aclose()
 
 
 def allowed_tools(tools, choice: dict):
@@ -142,7 +186,7 @@ def _chat_plan(ctx, body: dict):
     """Validation, the rendered and tokenized prompt, the grammar: the CPU-heavy part of a chat
     request, run off the event loop (common.off_loop)."""
     model = check_model(ctx, body)
-    _check_n(body)
+    choice_count(body)
     spec = grammar_for(field(body, "response_format", "object"))
     parallel = field(body, "parallel_tool_calls", "boolean", True)
     messages = normalize_messages(body.get("messages"))
@@ -177,29 +221,35 @@ async def chat_completions(ctx, body: dict, request):
     model, tools, sampling, prompt, want_logprobs = await off_loop(_chat_plan, ctx, body)
     stream = field(body, "stream", "boolean", False)
     include_usage = bool((field(body, "stream_options", "object") or {}).get("include_usage"))
-    req, queue = submit(ctx, prompt.ids, sampling)
-    gen = events(ctx, req, queue, tools, prompt.in_reasoning, request.is_disconnected,
-                 tokens=stream and want_logprobs)
     cid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
     if stream:
+        req, queue = submit(ctx, prompt.ids, sampling)
+        gen = events(ctx, req, queue, tools, prompt.in_reasoning, request.is_disconnected, tokens=want_logprobs)
         text_of_token = ctx.token_text if want_logprobs else None
         return StreamingResponse(_chat_stream(gen, cid, created, model, include_usage, text_of_token, legacy),
                                  media_type="text/event-stream", headers={"cache-control": "no-cache"})
-    reasoning, content, calls, done = collect([e async for e in gen])
-    _raise_if_failed(done)
-    msg = {"role": "assistant", "content": content if (content or not calls) else None}
-    if reasoning:
-        msg["reasoning_content"] = reasoning
-    if calls and legacy:  # the deprecated shape: one function_call, no tool_calls
-        msg["function_call"] = {"name": calls[0].name, "arguments": calls[0].arguments}
-    elif calls:
-        msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                             for c in calls]
-    choice = {"index": 0, "message": msg, "finish_reason": _finish(done, bool(calls), legacy), "logprobs": None}
-    if want_logprobs:
-        choice["logprobs"] = _chat_logprobs(ctx, done.tokens)
+    jobs = [(prompt.ids, choice_sampling(sampling, i)) for i in range(choice_count(body))]
+    runs = await run_choices(ctx, jobs, lambda req, queue: events(
+        ctx, req, queue, tools, prompt.in_reasoning, request.is_disconnected))
+    choices, dones = [], []
+    for i, evs in enumerate(runs):
+        reasoning, content, calls, done = collect(evs)
+        _raise_if_failed(done)
+        msg = {"role": "assistant", "content": content if (content or not calls) else None}
+        if reasoning:
+            msg["reasoning_content"] = reasoning
+        if calls and legacy:  # the deprecated shape: one function_call, no tool_calls
+            msg["function_call"] = {"name": calls[0].name, "arguments": calls[0].arguments}
+        elif calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+        choice = {"index": i, "message": msg, "finish_reason": _finish(done, bool(calls), legacy), "logprobs": None}
+        if want_logprobs:
+            choice["logprobs"] = _chat_logprobs(ctx, done.tokens)
+        choices.append(choice)
+        dones.append(done)
     return JSONResponse({"id": cid, "object": "chat.completion", "created": created, "model": model,
-                         "choices": [choice], "usage": usage(done), "system_fingerprint": "freetoken"})
+                         "choices": choices, "usage": total_usage(dones), "system_fingerprint": "freetoken"})
 
 
 def _chat_logprobs(ctx, t: Tokens) -> dict:
@@ -211,6 +261,16 @@ def usage(done: Done) -> dict:
     return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
             "total_tokens": done.prompt_tokens + done.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
+
+
+def total_usage(dones: list[Done], prompts: int = 1) -> dict:
+    """Usage of a request's choices: its prompt counted once per prompt (as OpenAI counts n > 1),
+    every choice's completion tokens summed; dones are in prompt-major order, n per prompt."""
+    per = len(dones) // prompts
+    prompt = sum(d.prompt_tokens for d in dones[::per])
+    out = sum(d.completion_tokens for d in dones)
+    return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out,
+            "prompt_tokens_details": {"cached_tokens": sum(d.cached_tokens for d in dones[::per])}}
 
 
 def _finish(done: Done, tool_calls: bool, legacy: bool = False) -> str:
@@ -289,26 +349,45 @@ async def _chat_stream(gen, cid, created, model, include_usage, text_of_token: T
         await gen.aclose()
 
 
-def _completion_plan(ctx, body: dict):
-    """A raw completion's validated, tokenized prompt and sampling (off the event loop)."""
-    model = check_model(ctx, body)
-    _check_n(body)
-    spec = grammar_for(field(body, "response_format", "object"))
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    suffix = field(body, "suffix", "string")
+MAX_PROMPTS = 16  # prompts one /v1/completions request may list (each is a request in the engine)
+
+
+def _prompts(prompt) -> list:
+    """/v1/completions' `prompt`: a string, a list of token ids, or a list of either (a batch)."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and
+                                   all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise ApiError(400, f"prompt lists at most {MAX_PROMPTS} prompts, got {len(prompt)}", param="prompt")
+        return prompt
+    raise ApiError(400, "prompt must be a string, a list of token ids, or a list of those", param="prompt")
+
+
+def _completion_ids(ctx, prompt, suffix) -> list[int]:
     if isinstance(prompt, str):
-        ids = ctx.tokenizer.encode(fill_in_middle(ctx, prompt, suffix) if suffix else prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return ctx.tokenizer.encode(fill_in_middle(ctx, prompt, suffix) if suffix else prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if suffix:
             raise ApiError(400, "suffix needs the prompt as a string (fill-in-the-middle is built from text)",
                            param="suffix")
-        ids = list(prompt)
-        if any(not 0 <= t < ctx.vocab_size for t in ids):
+        if any(not 0 <= t < ctx.vocab_size for t in prompt):
             raise ApiError(400, "prompt token ids must be in [0, vocab size)", param="prompt")
-    else:
-        raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per request)", param="prompt")
+        return list(prompt)
+    raise ApiError(400, "each prompt must be a string or a non-empty list of token ids", param="prompt")
+
+
+def _completion_plan(ctx, body: dict):
+    """A raw completion's validated, tokenized prompts and sampling (off the event loop)."""
+    model = check_model(ctx, body)
+    n = choice_count(body)
+    spec = grammar_for(field(body, "response_format", "object"))
+    prompts = _prompts(body.get("prompt"))
+    if len(prompts) > 1 and field(body, "stream", "boolean", False):
+        raise ApiError(400, f"a list of {len(prompts)} prompts with stream is not supported: stream one prompt "
+                            "per request, or ask without stream", param="prompt")
+    suffix = field(body, "suffix", "string")
+    ids = [_completion_ids(ctx, p, suffix) for p in prompts]
     sampling = sampling_from(body, field(body, "max_tokens", "integer"), body.get("stop"), default_max=16)
     want_logprobs = completion_options(body, sampling)
     echo = None
@@ -316,10 +395,11 @@ def _completion_plan(ctx, body: dict):
         if want_logprobs:
             raise ApiError(400, "echo with logprobs is not supported (this server does not score prompt tokens)",
                            param="echo")
-        echo = prompt if isinstance(prompt, str) else ctx.tokenizer.decode(ids)
-    fit_prompt(ctx, ids, sampling)
+        echo = [p if isinstance(p, str) else ctx.tokenizer.decode(i) for p, i in zip(prompts, ids)]
+    for one in ids:
+        fit_prompt(ctx, one, sampling)
     sampling.grammar = spec  # a raw completion: the format holds from the first token
-    return model, ids, sampling, want_logprobs, echo
+    return model, ids, sampling, want_logprobs, echo, n
 
 
 # the fill-in-the-middle tokens of the Qwen and StarCoder families, the order the models were trained on
@@ -337,28 +417,33 @@ def fill_in_middle(ctx, prefix: str, suffix: str) -> str:
 
 
 async def completions(ctx, body: dict, request):
-    model, ids, sampling, want_logprobs, echo = await off_loop(_completion_plan, ctx, body)
+    model, ids, sampling, want_logprobs, echo, n = await off_loop(_completion_plan, ctx, body)
     stream = field(body, "stream", "boolean", False)
     include_usage = bool((field(body, "stream_options", "object") or {}).get("include_usage"))
-    req, queue = submit(ctx, ids, sampling)
-    # raw completions: no chat parsing, thinking tags are just text
-    gen = events(ctx, req, queue, tools=False, in_reasoning=False,
-                 is_disconnected=request.is_disconnected, raw=True, tokens=stream and want_logprobs)
     cid, created = "cmpl-" + uuid.uuid4().hex, int(time.time())
-    if stream:
+    # raw completions: no chat parsing, thinking tags are just text
+    if stream:  # one prompt, one choice (_completion_plan refused more)
+        req, queue = submit(ctx, ids[0], sampling)
+        gen = events(ctx, req, queue, tools=False, in_reasoning=False,
+                     is_disconnected=request.is_disconnected, raw=True, tokens=want_logprobs)
         text_of_token = ctx.token_text if want_logprobs else None
-        return StreamingResponse(_completion_stream(gen, cid, created, model, include_usage, text_of_token, echo),
-                                 media_type="text/event-stream")
-    _, text, _, done = collect([e async for e in gen])
-    text = (echo or "") + text
-    _raise_if_failed(done)
-    t = done.tokens
-    lp = completion_logprobs(ctx.token_text, t.ids, t.logprobs, t.top_logprobs, t.text_offsets) \
-        if want_logprobs else None
+        return StreamingResponse(_completion_stream(gen, cid, created, model, include_usage, text_of_token,
+                                                    echo[0] if echo else None), media_type="text/event-stream")
+    jobs = [(one, choice_sampling(sampling, j)) for one in ids for j in range(n)]  # index: prompt * n + choice
+    runs = await run_choices(ctx, jobs, lambda req, queue: events(
+        ctx, req, queue, tools=False, in_reasoning=False, is_disconnected=request.is_disconnected, raw=True))
+    choices, dones = [], []
+    for i, evs in enumerate(runs):
+        _, text, _, done = collect(evs)
+        _raise_if_failed(done)
+        t = done.tokens
+        lp = completion_logprobs(ctx.token_text, t.ids, t.logprobs, t.top_logprobs, t.text_offsets) \
+            if want_logprobs else None
+        choices.append({"index": i, "text": (echo[i // n] if echo else "") + text, "logprobs": lp,
+                        "finish_reason": "length" if done.finish_reason == "length" else "stop"})
+        dones.append(done)
     return JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": model,
-                         "choices": [{"index": 0, "text": text, "logprobs": lp,
-                                      "finish_reason": "length" if done.finish_reason == "length" else "stop"}],
-                         "usage": usage(done)})
+                         "choices": choices, "usage": total_usage(dones, len(ids))})
 
 
 async def _completion_stream(gen, cid, created, model, include_usage, text_of_token: TokenText | None,
