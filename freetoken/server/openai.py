@@ -131,11 +131,18 @@ async def run_choices(ctx, jobs: list[tuple[list[int], object]], open_events) ->
 
     async def drain(gen):
         return [e async for e in gen]
+    tasks = [asyncio.ensure_future(drain(g)) for g in gens]
     try:
-        return list(await asyncio.gather(*(drain(g) for g in gens)))
-    finally:
-        for g in gens:  # one failed or the client went away: the others' requests end too
+        return list(await asyncio.gather(*tasks))
+    finally:  # one failed, or this request was cancelled: the others stop too (gather does not stop them)
+        for t in tasks:
+            t.cancel()  # a generator waiting on its queue ends through its own finally (cancels its request)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for g in gens:
             await g.aclose()
+        for req, _ in started:  # a generator that never ran has no finally of its own to run
+            if req.finish_reason is None or req.finished_at is None:
+                ctx.serving.cancel(req)
 
 
 def allowed_tools(tools, choice: dict):
@@ -396,10 +403,13 @@ def _completion_plan(ctx, body: dict):
             raise ApiError(400, "echo with logprobs is not supported (this server does not score prompt tokens)",
                            param="echo")
         echo = [p if isinstance(p, str) else ctx.tokenizer.decode(i) for p, i in zip(prompts, ids)]
+    samplings = []  # one per prompt: each prompt's max_tokens fits its own context left
     for one in ids:
-        fit_prompt(ctx, one, sampling)
-    sampling.grammar = spec  # a raw completion: the format holds from the first token
-    return model, ids, sampling, want_logprobs, echo, n
+        own = dataclasses.replace(sampling)
+        fit_prompt(ctx, one, own)
+        own.grammar = spec  # a raw completion: the format holds from the first token
+        samplings.append(own)
+    return model, ids, samplings, want_logprobs, echo, n
 
 
 # the fill-in-the-middle tokens of the Qwen and StarCoder families, the order the models were trained on
@@ -417,19 +427,19 @@ def fill_in_middle(ctx, prefix: str, suffix: str) -> str:
 
 
 async def completions(ctx, body: dict, request):
-    model, ids, sampling, want_logprobs, echo, n = await off_loop(_completion_plan, ctx, body)
+    model, ids, samplings, want_logprobs, echo, n = await off_loop(_completion_plan, ctx, body)
     stream = field(body, "stream", "boolean", False)
     include_usage = bool((field(body, "stream_options", "object") or {}).get("include_usage"))
     cid, created = "cmpl-" + uuid.uuid4().hex, int(time.time())
     # raw completions: no chat parsing, thinking tags are just text
     if stream:  # one prompt, one choice (_completion_plan refused more)
-        req, queue = submit(ctx, ids[0], sampling)
+        req, queue = submit(ctx, ids[0], samplings[0])
         gen = events(ctx, req, queue, tools=False, in_reasoning=False,
                      is_disconnected=request.is_disconnected, raw=True, tokens=want_logprobs)
         text_of_token = ctx.token_text if want_logprobs else None
         return StreamingResponse(_completion_stream(gen, cid, created, model, include_usage, text_of_token,
                                                     echo[0] if echo else None), media_type="text/event-stream")
-    jobs = [(one, choice_sampling(sampling, j)) for one in ids for j in range(n)]  # index: prompt * n + choice
+    jobs = [(one, choice_sampling(own, j)) for one, own in zip(ids, samplings) for j in range(n)]  # prompt*n+choice
     runs = await run_choices(ctx, jobs, lambda req, queue: events(
         ctx, req, queue, tools=False, in_reasoning=False, is_disconnected=request.is_disconnected, raw=True))
     choices, dones = [], []
