@@ -107,8 +107,9 @@ def main():
             # after every row: each variant compiles for seconds, and a run stopped by its time
             # limit keeps what it measured (plan 79's lost its JSON so)
             write_result(a.name, {"layers": a.layers, "experts": a.experts, "slots": a.slots, "policy": a.policy,
-                                  "share": a.share, "route_sets": a.route_sets, "note": "device time of one replayed graph of one control call "
-                                  "per layer, plus one ids copy kernel per replay", "rows": rows}, quiet=True)
+                                  "share": a.share, "route_sets": a.route_sets,
+                                  "note": "device time of one replayed graph of one control call per layer, plus "
+                                  "one ids copy kernel per replay", "rows": rows}, quiet=True)
 
 
 if __name__ == "__main__":

@@ -750,12 +750,10 @@ def parse(argv=None):
     if not 0 < a.capacity <= 1:
         ap.error("--capacity is a fraction of the experts, in (0, 1]")
     if a.control_variant:
-        try:
-            a.control_variant = tuple(int(v) for v in a.control_variant.split(","))
-        except ValueError:
-            a.control_variant = ()
-        w_, b_ = (a.control_variant + (0, 0))[:2]
-        if len(a.control_variant) != 2 or w_ not in (1, 2, 4, 8, 16, 32) or b_ < 16 or b_ & (b_ - 1):
+        parts = a.control_variant.split(",")
+        a.control_variant = tuple(int(v) for v in parts) if all(v.isdigit() for v in parts) else ()
+        if len(a.control_variant) != 2 or a.control_variant[0] not in (1, 2, 4, 8, 16, 32) or \
+                a.control_variant[1] < 16 or a.control_variant[1] & (a.control_variant[1] - 1):
             ap.error("--control-variant: WARPS,BLOCK, warps a power of two up to 32 and BLOCK a power of two >= 16")
     if a.drift_hog < 0 or a.drift_steps < 100:
         ap.error("--drift-hog is a thread count (0: off) and --drift-steps at least 100 (the summary's last 100)")

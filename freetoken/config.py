@@ -171,7 +171,7 @@ class ModelConfig:
             raise UnsupportedModelError(f"unsupported expert activation {self.expert_activation!r}")
         if self.router not in ("softmax_topk", "topk_softmax", "sigmoid_group", "noaux_topk"):
             raise UnsupportedModelError(f"unsupported router {self.router!r}")
-        if self.moe_layers and not (self.num_experts or 0) >= 1:  # MoE layers of no experts (0, or null)
+        if self.moe_layers and (self.num_experts or 0) < 1:  # MoE layers of no experts (0, or null)
             field_name = EXPERT_COUNT_FIELD.get(self.arch, "num_experts")
             raise UnsupportedModelError(
                 f"config.json: {field_name}={self.num_experts}, but {len(self.moe_layers)} layers are MoE layers: "

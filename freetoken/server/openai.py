@@ -193,7 +193,7 @@ def _chat_plan(ctx, body: dict):
     """Validation, the rendered and tokenized prompt, the grammar: the CPU-heavy part of a chat
     request, run off the event loop (common.off_loop)."""
     model = check_model(ctx, body)
-    choice_count(body)
+    n = choice_count(body)
     spec = grammar_for(field(body, "response_format", "object"))
     parallel = field(body, "parallel_tool_calls", "boolean", True)
     messages = normalize_messages(body.get("messages"))
@@ -220,12 +220,12 @@ def _chat_plan(ctx, body: dict):
         sampling.grammar = strict_grammar(ctx, tools, prompt.in_reasoning, **kwargs)
     if cont:
         refuse_continued_grammar(sampling, "continue_final_message")
-    return model, tools, sampling, prompt, want_logprobs
+    return model, tools, sampling, prompt, want_logprobs, n
 
 
 async def chat_completions(ctx, body: dict, request):
     body, legacy = legacy_functions(body)
-    model, tools, sampling, prompt, want_logprobs = await off_loop(_chat_plan, ctx, body)
+    model, tools, sampling, prompt, want_logprobs, n = await off_loop(_chat_plan, ctx, body)
     stream = field(body, "stream", "boolean", False)
     include_usage = bool((field(body, "stream_options", "object") or {}).get("include_usage"))
     cid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
@@ -235,7 +235,7 @@ async def chat_completions(ctx, body: dict, request):
         text_of_token = ctx.token_text if want_logprobs else None
         return StreamingResponse(_chat_stream(gen, cid, created, model, include_usage, text_of_token, legacy),
                                  media_type="text/event-stream", headers={"cache-control": "no-cache"})
-    jobs = [(prompt.ids, choice_sampling(sampling, i)) for i in range(choice_count(body))]
+    jobs = [(prompt.ids, choice_sampling(sampling, i)) for i in range(n)]
     runs = await run_choices(ctx, jobs, lambda req, queue: events(
         ctx, req, queue, tools, prompt.in_reasoning, request.is_disconnected))
     choices, dones = [], []
@@ -359,10 +359,14 @@ async def _chat_stream(gen, cid, created, model, include_usage, text_of_token: T
 MAX_PROMPTS = 16  # prompts one /v1/completions request may list (each is a request in the engine)
 
 
+def _is_ids(x) -> bool:
+    """A non-empty list of token ids (ints, not bools)."""
+    return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
 def _prompts(prompt) -> list:
     """/v1/completions' `prompt`: a string, a list of token ids, or a list of either (a batch)."""
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and
-                                   all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+    if isinstance(prompt, str) or _is_ids(prompt):
         return [prompt]
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         if len(prompt) > MAX_PROMPTS:
@@ -374,7 +378,7 @@ def _prompts(prompt) -> list:
 def _completion_ids(ctx, prompt, suffix) -> list[int]:
     if isinstance(prompt, str):
         return ctx.tokenizer.encode(fill_in_middle(ctx, prompt, suffix) if suffix else prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if _is_ids(prompt):
         if suffix:
             raise ApiError(400, "suffix needs the prompt as a string (fill-in-the-middle is built from text)",
                            param="suffix")
