@@ -9,6 +9,11 @@ The replays cycle through --route-sets sets of random routes: plan 79's rows cyc
 4, whose 1,280 experts all fit the 3,840 slots, so after the first cycle every call was all
 hits and no fills (the served step misses ~56%). Each row reports the miss rate it ran at,
 from the kernel's own running counts (acc).
+--thrash-mb M: a kernel between every two control calls that reads and writes M MB (as the
+step's ~30 other kernels a layer do, the experts' reads among them), so each call starts with
+the residency and, likely, its own code out of the L2; the same graph of those kernels alone
+is timed and subtracted. In the served step the kernel took 29.9 us a call against 18 here
+without it (plans 82 and 89, benchmarks/README.md): whether a cold cache is the difference.
     python -m bench.control_speed --layers 40 --experts 256 --slots 3840 --pairs 8,32
 """
 from __future__ import annotations
@@ -48,7 +53,11 @@ def time_config(a, pairs: int, warps: int | None, block_s: int | None, dev) -> d
         for l in range(a.layers):
             run(l)
     torch.cuda.synchronize()
-    replay = capture(lambda: [run(l) for l in range(a.layers)], dev)  # one step's calls (warmed, then captured)
+    thrash = None
+    if a.thrash_mb > 0:
+        buf = torch.ones(int(a.thrash_mb * 2 ** 20) // 4, device=dev)  # [M MB / 4] f32
+        thrash = lambda: buf.mul_(1.0)  # noqa: E731  reads and writes every byte: the L2 holds none of the control's
+    replay = capture(lambda: [(run(l), thrash and thrash()) for l in range(a.layers)], dev)  # one step's calls
     n = a.route_sets
     fresh = routes(a.layers * n, a.experts, t, k, g).view(n, a.layers, t, k)  # [n, L, T, k], ids of layer l
     fresh = (fresh - (torch.arange(n) * a.layers * a.experts).view(-1, 1, 1, 1)).to(dev)  # each set's own layers
@@ -64,12 +73,23 @@ def time_config(a, pairs: int, warps: int | None, block_s: int | None, dev) -> d
     end.record()
     torch.cuda.synchronize()
     us = start.elapsed_time(end) * 1e3 / a.iters
+    thrash_us = 0.0
+    if thrash is not None:  # the thrash kernels alone, in the same graph shape, subtracted
+        alone = capture(lambda: [thrash() for _ in range(a.layers)], dev)
+        start.record()
+        for _ in range(a.iters):
+            alone()
+        end.record()
+        torch.cuda.synchronize()
+        thrash_us = start.elapsed_time(end) * 1e3 / a.iters
+        us -= thrash_us
     calls, live, hits, fills, cpu = acc.tolist()
     misses = fills + cpu  # distinct experts per call not in a slot
     return {"pairs": pairs, "p_pad": pair_bucket(pairs), "k_pad": pad, "num_warps": warps or control_warps(pair_bucket(pairs)),
             "block_s": block_s or "default", "us_per_step": round(us, 1), "us_per_call": round(us / a.layers, 2),
             "default": warps is None and block_s is None,
-            "miss_rate": round(misses / max(1, hits + misses), 3), "fills_per_call": round(fills / max(1, calls), 2)}
+            "miss_rate": round(misses / max(1, hits + misses), 3), "fills_per_call": round(fills / max(1, calls), 2),
+            "thrash_mb": a.thrash_mb, "thrash_us_per_step": round(thrash_us, 1)}
 
 
 def main():
@@ -86,6 +106,8 @@ def main():
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--route-sets", type=int, default=64, help="sets of routes the replays cycle through (enough "
                     "that the pool cannot hold them all: a served step's misses)")
+    ap.add_argument("--thrash-mb", type=float, default=0.0, help="MB a kernel between control calls reads and "
+                    "writes (0: none): each call then starts with a cold L2, as in the served step")
     ap.add_argument("--name", default="control_speed")
     a = ap.parse_args()
     if a.route_sets < 1:
@@ -107,7 +129,7 @@ def main():
             # after every row: each variant compiles for seconds, and a run stopped by its time
             # limit keeps what it measured (plan 79's lost its JSON so)
             write_result(a.name, {"layers": a.layers, "experts": a.experts, "slots": a.slots, "policy": a.policy,
-                                  "share": a.share, "route_sets": a.route_sets,
+                                  "share": a.share, "route_sets": a.route_sets, "thrash_mb": a.thrash_mb,
                                   "note": "device time of one replayed graph of one control call per layer, plus "
                                   "one ids copy kernel per replay", "rows": rows}, quiet=True)
 

@@ -58,6 +58,8 @@
 # Call 73: the host thread's wait for a step (runtime/host_wait.py) at 14 and 16 threads on the 40-layer MXFP4 slice.
 # Call 89: the control kernel in the real step, 8 warps and 4,096-slot chunks against 4 and 1,024.
 # Call 91: the control kernel's fuzz cases past seed 12 and the cache's hostfn GPU tests.
+# Call 93: the cache step's trims (shared expert before the wait, no cast or copy kernels), tested and timed;
+# the control kernel with a cold L2. Call 94: the 14/16-thread side-by-side with the resident row.
 # Call 92: plan 83's drift row with the C++ executor's dynamic schedule against its static default.
 # Call 90: plan 85's 14/16-thread rows beside llama.cpp three times (the ratio moved 1.18x-1.72x).
 # Call 83: plan 82 again with room for the compiles: the GPU tests, verbose, and a shorter drift run.
@@ -953,7 +955,36 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   step 150 wait-block-cpuonly-t16 python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
     --modes cpu-only --capacity 0.375 --threads 16 --name large_models-qwen3_5_moe-mxfp4-waitblock-cpuonly-t16
   ;;
-*) echo "stage 0 to 92"; exit 2 ;;
+93) # ~400 s (limits 45 + 200 + 60 + 30 + 30 + 90), twenty-ninth session: the cache step's trims, tested and
+  # timed. The MoE block's shared expert now runs before the CPU branch's wait (the cached executor's
+  # Pending.join), the wait kernel lands the CPU part in the activations' dtype (no cast kernel), and the
+  # decode kernels read the control kernel's int32 slot routes (no copy kernel): ~80 device activities a
+  # step fewer. Their GPU tests; the control kernel alone with an L2-thrashing kernel between calls
+  # (bench.control_speed --thrash-mb, new: 18 us alone against 29.9 in the step); plan 89's 6-thread
+  # timeline row again. Carry .whl, .devcache/commit and .devcache/warm-cache.tgz.
+  step 45 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
+  step 200 gpu-tests python3 -m pytest -v -p no:cacheprovider --durations=8 tests/test_expert_cache_gpu.py \
+    tests/test_hostcall.py tests/test_quant_kernels.py -k "not hostfn and (cache or bell or int32 or takes_the or graph)"
+  step 60 control-warm-up python3 -m pytest -v -p no:cacheprovider tests/test_expert_control.py -k warm_up_compiles
+  for mb in 0 64; do
+    step 30 control-thrash-$mb python3 -m bench.control_speed --layers 40 --experts 256 --slots 3840 --pairs 8 \
+      --warps 4,8 --blocks 1024,4096 --thrash-mb $mb --name control_speed-3840-thrash$mb
+  done
+  step 90 trims-t6 python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
+    --modes cache --capacity 0.375 --threads 6 --timeline --name large_models-qwen3_5_moe-40-mxfp4-trims-t6
+  ;;
+94) # ~200 s (limit 180), twenty-ninth session, after 93 on the same machine (its compiles kept): plan 90's
+  # side-by-side at 14 and 16 threads once, with the resident row now (the issue's floor is the measured
+  # resident step plus the missed bytes over B_P + B_H; without the row it was the resident floor's
+  # estimate, so of_floor read 0.39-0.61). Carry as plan 90.
+  B=/tmp/ft-llama-build
+  [ -x $B/bin/llama-bench ] || { mkdir -p $B/bin && cat .llama/llama-bench.xz.* | xz -d > $B/bin/llama-bench \
+    && chmod +x $B/bin/llama-bench; }
+  step 180 resident-cache-llama-t14-16 python3 -m bench.large_models --arch qwen3_5_moe --layers 40 \
+    --expert-format mxfp4 --modes resident,cache,fill-only --capacity 0.375 --threads 14,16 --llamacpp \
+    --llamacpp-build $B --name large_models-qwen3_5_moe-40-mxfp4-resident-cache-llama-t14-16
+  ;;
+*) echo "stage 0 to 94"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole

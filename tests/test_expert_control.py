@@ -449,14 +449,18 @@ def test_warm_up_compiles_every_prefill_call_size_in_advance():
     before = _compiled_variants(_control_kernel)
     g = torch.Generator().manual_seed(21)
     res, ref = Residency.empty(n, s, DEV), Residency.empty(n, s, "cpu")
+    # with a statistics accumulator, as the cache calls it (and warm_up_control warms): a call
+    # without one is another variant (ACC), which plan 91 compiled here on the H100 (176 == 173)
+    acc, acc_ref = torch.zeros(5, dtype=torch.int64, device=DEV), torch.zeros(5, dtype=torch.int64)
     for pairs in (3, 12, 13, 31, 50, 64, 100, 128):  # bf16 gate weights, as a bf16 model's router gives them
         base = int(torch.randint(0, layers, (1,), generator=g)) * experts  # one layer's experts per call
         ids = base + torch.randint(0, experts, (pairs, 1), generator=g)
         w = torch.rand(pairs, 1, generator=g).to(torch.bfloat16)
         one, k, pad = torch.ones(1), fill_cap(pairs, experts, s), fill_pad(pairs, experts, s)
-        a = control_triton(ids.to(DEV), w.to(DEV), res, one.to(DEV), k, "recent", k_pad=pad)
-        b = control_reference(ids, w, ref, one, k, "recent")
+        a = control_triton(ids.to(DEV), w.to(DEV), res, one.to(DEV), k, "recent", k_pad=pad, acc=acc)
+        b = control_reference(ids, w, ref, one, k, "recent", acc=acc_ref)
         assert same_out(to_cpu(a), b) and same_res(to(res, "cpu"), ref), pairs
+        assert torch.equal(acc.cpu(), acc_ref), pairs
     if DEV == "cuda":
         assert _compiled_variants(_control_kernel) == before
 

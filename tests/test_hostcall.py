@@ -203,10 +203,12 @@ def test_doorbell_kernels_match_their_references():
     bell = runs[0][4]
     bell[kd.DONE] = 8  # answered: the result comes back
     ob = torch.randn(t, h, generator=g).to(DEV)
-    for fn in (kd.wait, kd.wait_reference):
-        out = torch.zeros(t, h, device=DEV)
-        fn(runs[0][3], bell, ob, out)
-        assert torch.equal(out, ob)
+    ob.view(-1)[:4] = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 1 + 2 ** -9])  # ties, below
+    for dtype in (torch.float32, torch.bfloat16):  # bf16: the CPU part lands in the activations' dtype
+        for fn in (kd.wait, kd.wait_reference):
+            out = torch.zeros(t, h, device=DEV, dtype=dtype)
+            fn(runs[0][3], bell, ob, out)
+            assert torch.equal(out, ob.to(dtype)), (fn.__name__, dtype)  # to nearest even, as .to() rounds
 
 
 def test_a_failed_cpu_call_is_raised_once():

@@ -226,6 +226,23 @@ def test_executor_takes_the_kernels(monkeypatch, phase, t):
     assert rel(got, torch_path) < 1e-5
 
 
+@pytest.mark.parametrize("phase,t", [("decode", 3), ("prefill", 12)])
+def test_executor_takes_int32_routes(monkeypatch, phase, t):
+    """The expert cache hands its int32 slot routes over as they are (CPU -2 and NO_EXPERT -1
+    pairs among them, both skipped): the decode kernel reads them directly, the other paths
+    widen them; every path equals the same routes in int64."""
+    import freetoken.experts.executor as executor
+    gu, dn, x, ids, w, fn = make("mxfp4", t, 4, seed=20 + t, dtype=torch.float32, fn_kind="swiglu")
+    ids[0, 1], ids[1, 2] = -2, NO_EXPERT
+    ex = TorchExpertExecutor(gu, dn, static_max_pairs=16, layer_experts=N, **fn)
+    for triton_path in (False, True):
+        monkeypatch.setattr(executor, "use_triton", lambda _, on=triton_path: on)
+        want = ex.run(x, ids.long(), w, phase)
+        got = ex.run(x, ids.to(torch.int32), w, phase)
+        assert torch.equal(got, want), triton_path
+        assert float(want.abs().max()) > 0
+
+
 def test_executor_capturable_only_with_the_kernels():
     gu, dn, *_ = make("mxfp4", 1, 1, seed=1, dtype=torch.float32)
     assert TorchExpertExecutor(gu, dn).capturable == (DEV == "cuda")

@@ -358,11 +358,17 @@ class CachedExpertExecutor(ExpertExecutor):
         fill_only = not self.branch_on or phase != "decode"
         if phase != "decode" or not self.prefetch or t > step or self.is_frozen:
             ahead = None
-        outs = [self._call(x[s:s + step], ids[s:s + step], weights[s:s + step], layer, phase, share, fill_only, ahead)
-                for s in range(0, t, step)]
-        return Pending(out=outs[0] if len(outs) == 1 else torch.cat(outs))
+        joins = [self._call(x[s:s + step], ids[s:s + step], weights[s:s + step], layer, phase, share, fill_only, ahead)
+                 for s in range(0, t, step)]
+        if len(joins) == 1:  # the CPU branch's wait and the merge come with finish: after the shared expert
+            return Pending(join=joins[0])
+        return Pending(out=torch.cat([j() for j in joins]))  # slices share the branch's buffers: each joined in turn
 
-    def _call(self, x, ids, weights, layer, phase, share, fill_only, ahead=None) -> torch.Tensor:
+    def _call(self, x, ids, weights, layer, phase, share, fill_only, ahead=None):
+        """Enqueue one slice's control step, CPU branch, fills and GPU experts -> a function that
+        joins the CPU branch and returns the merged [T, H]. Called later (Pending.join), the
+        shared expert's kernels are enqueued between: the GPU computes them while the host works
+        on its share, instead of after the wait."""
         ids = ids.to(self.device)
         weights = weights.to(self.device)
         n, bounds = ids.numel(), (self.layer_experts, self.pool.slots)
@@ -386,18 +392,25 @@ class CachedExpertExecutor(ExpertExecutor):
                 ready.record()
         self._join_prefetch(ids)  # the last call's lookahead copies land before this call's copies and reads
         self.pool.transfer(ctl.fill_src, ctl.fill_dst)
-        gpu = self.gpu.run(x.to(self.device), ctl.route.long(), weights, phase)  # CPU / NO_EXPERT pairs skipped
+        # int32 slots: the decode kernels read them as they are (one copy kernel a layer less)
+        gpu = self.gpu.run(x.to(self.device), ctl.route, weights, phase)  # CPU / NO_EXPERT pairs skipped
         if ahead is not None:  # after this call's reads of its slots are enqueued: they may be evicted now
             self._prefetch(*ahead)
-        if forked is not None:
-            self.host.join()
-            gpu = forked.to(gpu.dtype) + gpu  # one fixed order: CPU part first
-        if staged is not None:
-            if ready is not None:
-                ready.synchronize()  # inputs on the host; the transfer and GPU experts run meanwhile
-            part = self.cpu.finish(self.cpu.launch(*staged, layer, phase))
-            gpu = part.to(gpu.device, gpu.dtype, non_blocking=True) + gpu  # one fixed order: CPU part first
-        return gpu.to(x.device)
+        src = x.device
+
+        def join() -> torch.Tensor:
+            out = gpu
+            if forked is not None:
+                self.host.join()
+                # the doorbell's wait kernel already rounded the CPU part to gpu's dtype
+                out = forked.to(out.dtype) + out  # one fixed order: CPU part first
+            if staged is not None:
+                if ready is not None:
+                    ready.synchronize()  # inputs on the host; the transfer and GPU experts run meanwhile
+                part = self.cpu.finish(self.cpu.launch(*staged, layer, phase))
+                out = part.to(out.device, out.dtype, non_blocking=True) + out  # one fixed order: CPU part first
+            return out.to(src)
+        return join
 
     def _prefetch(self, ids, weights) -> None:
         """Admit up to `prefetch` of the predicted experts that miss (largest gate weight first)

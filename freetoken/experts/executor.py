@@ -27,6 +27,7 @@ from __future__ import annotations
 import threading
 
 from concurrent.futures import Future
+from typing import Callable
 from dataclasses import dataclass
 
 import torch
@@ -98,9 +99,12 @@ def expert_bias_banks(meta: dict, tensors: dict) -> tuple[torch.Tensor | None, t
 
 @dataclass
 class Pending:
-    """An expert call in flight: the result tensor, or a future that yields it."""
+    """An expert call in flight: the result tensor, a future that yields it, or `join`, a
+    function that waits for the parts still running and merges them (the GPU expert cache:
+    the CPU branch's wait and the merge are enqueued by finish, after the shared expert)."""
     out: torch.Tensor | None = None
     future: Future | None = None
+    join: Callable[[], torch.Tensor] | None = None
 
 
 class ExpertExecutor:
@@ -123,6 +127,8 @@ class ExpertExecutor:
         return Pending(out=self.run(x, ids, weights, phase))
 
     def finish(self, pending: Pending) -> torch.Tensor:
+        if pending.join is not None:
+            return pending.join()
         return pending.out if pending.future is None else pending.future.result()
 
     def run(self, x, ids, weights, phase: str) -> torch.Tensor:
@@ -216,21 +222,26 @@ class TorchExpertExecutor(ExpertExecutor):
         return "gpu-resident" if self.device.type == "cuda" else "torch"
 
     def run(self, x, ids, weights, phase):
+        """ids: int64, or int32 (the expert cache's slot routes): the decode kernels read either;
+        every other path takes int64 (torch's scatter and index ops)."""
         src = x.device
         x, ids, weights = (t.to(self.device) for t in (x, ids, weights))
         fn = dict(activation=self.activation, gate_up_bias=self.gate_up_bias, down_bias=self.down_bias)
-        if use_triton(x):
+        static = phase == "decode" and ids.numel() <= self.static_max_pairs
+        if use_triton(x) and static:
             if self.quantized:  # QuantBanks: the kernels that dequantize in registers
                 from ..kernels.moe_quant import moe_quant_decode_triton as decode
-                from ..kernels.moe_quant import moe_quant_grouped_triton as grouped
             else:
                 from ..kernels.moe_decode import moe_decode_triton as decode
-                from ..kernels.moe_grouped import moe_grouped_triton as grouped
-            if phase == "decode" and ids.numel() <= self.static_max_pairs:
-                out = decode(x, ids, weights, self.gate_up, self.down, **fn)
+            return decode(x, ids, weights, self.gate_up, self.down, **fn).to(src)
+        ids = ids.long()
+        if use_triton(x):
+            if self.quantized:
+                from ..kernels.moe_quant import moe_quant_grouped_triton as grouped
             else:
-                out = grouped(x, ids, weights, self.gate_up, self.down, self.layer_experts, **fn)
-        elif phase == "decode" and ids.numel() <= self.static_max_pairs:
+                from ..kernels.moe_grouped import moe_grouped_triton as grouped
+            out = grouped(x, ids, weights, self.gate_up, self.down, self.layer_experts, **fn)
+        elif static:
             out = self._static(x, ids, weights)
         elif x.is_cuda:
             out = self._grouped(x, ids, weights)

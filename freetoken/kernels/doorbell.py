@@ -49,6 +49,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from .rounding import emu, round_to
+
     @triton.jit
     def _fence(FENCE: tl.constexpr):
         if FENCE:  # every thread's stores before it reach the system before its later ones
@@ -80,7 +82,8 @@ if HAS_TRITON:
         tl.store(bell, s)
 
     @triton.jit
-    def _wait_kernel(counter, bell, ob, out, n, limit, FENCE: tl.constexpr, BLOCK: tl.constexpr):
+    def _wait_kernel(counter, bell, ob, out, n, limit, FENCE: tl.constexpr, BLOCK: tl.constexpr,
+                     EMU: tl.constexpr):
         s = tl.load(counter)
         d = tl.load(bell + 2, volatile=True)
         polls = 0
@@ -93,7 +96,10 @@ if HAS_TRITON:
         for start in range(0, n, BLOCK):
             offs = start + tl.arange(0, BLOCK)  # [BLOCK]
             m = offs < n
-            tl.store(out + offs, tl.load(ob + offs, mask=m, volatile=True), mask=m)
+            v = tl.load(ob + offs, mask=m, volatile=True)  # [BLOCK] f32
+            if EMU:  # a bf16 out under the interpreter, whose cast truncates: to nearest even, as on the GPU
+                v = round_to(v, tl.bfloat16, True)
+            tl.store(out + offs, v, mask=m)  # rounded to out's dtype (nearest even) by the store
 
 
 def ring(x, ids, w, xb, ib, wb, counter, bell, desc: int) -> None:
@@ -107,5 +113,8 @@ def ring(x, ids, w, xb, ib, wb, counter, bell, desc: int) -> None:
 
 def wait(counter, bell, ob, out, limit: int = 10_000_000) -> None:
     """Spin until bell[DONE] >= counter (at most `limit` polls, ~1 us each over PCIe), then
-    out <- ob (pinned f32 [T, H] -> device); bell[GAVE_UP] = 1 if it gave up."""
-    _wait_kernel[(1,)](counter, bell, ob, out, out.numel(), limit, FENCE=not INTERPRET, BLOCK=BLOCK, num_warps=4)
+    out <- ob (pinned f32 [T, H] -> device; out f32, or the activations' 16-bit dtype, rounded
+    to nearest even as .to() rounds: the caller's cast kernel folded in); bell[GAVE_UP] = 1 if
+    it gave up."""
+    _wait_kernel[(1,)](counter, bell, ob, out, out.numel(), limit, FENCE=not INTERPRET, BLOCK=BLOCK,
+                       EMU=emu(out.dtype), num_warps=4)

@@ -219,11 +219,16 @@ class HostBranch:
                 log.warning("%s: the CPU branch falls back to the host-function node", e)
                 self.signal = "hostfn"
 
-    def _buffers(self, t: int, k: int, h: int, bf16_act: bool):
-        key = (t, k, bf16_act)
+    def _buffers(self, t: int, k: int, h: int, dtype: torch.dtype):
+        bf16_act = dtype == torch.bfloat16
+        # the result lands in the caller's dtype where a kernel copies it out (the doorbell's wait,
+        # the zero-copy copy: both round to nearest even, as .to() does), one copy kernel a layer
+        # less; the copy engine's copy stays fp32 (a cast there would run on the host, unordered)
+        out_dtype = dtype if self.bell is not None or self.zero_copy else torch.float32
+        key = (t, k, dtype)
         if key not in self.shapes:
             x, ids, w, out, d = call_buffers(self.cpu, self.executor, t, k, h, bf16_act, pin=True)
-            dev_out = torch.zeros(t, h, dtype=torch.float32, device=self.device)  # [T, H]
+            dev_out = torch.zeros(t, h, dtype=out_dtype, device=self.device)  # [T, H]
             # device staging the main stream writes and the side stream reads: persistent, so the
             # allocator cannot hand their memory to the main stream's next op while the side
             # stream's copy is still queued (a temporary would be freed at return)
@@ -256,10 +261,12 @@ class HostBranch:
 
     def enqueue(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Fork: x [T, H], ids [T, K] (flat ids, -1 = not on the CPU), weights [T, K] -> the device
-        buffer [T, H] fp32 the result will land in; valid after `join`."""
+        buffer [T, H] the result will land in (x's dtype, rounded to nearest even from the
+        executor's fp32 sums; fp32 on the copy-engine path); valid after `join`. The buffer is
+        this shape's, reused by the next call: read it before enqueueing another."""
         self.check()
         t, k = ids.shape
-        xb, ib, wb, ob, dev_out, (xs, is_, ws), d = self._buffers(t, k, x.shape[1], x.dtype == torch.bfloat16)
+        xb, ib, wb, ob, dev_out, (xs, is_, ws), d = self._buffers(t, k, x.shape[1], x.dtype)
         if self.bell is not None:  # inputs and the ring on the main stream, the wait on the side stream
             self.bell.ring(x, ids.long(), weights, xb, ib, wb, ctypes.addressof(d))
             self.side.wait_stream(torch.cuda.current_stream(self.device))
