@@ -235,12 +235,18 @@ def test_executor_takes_int32_routes(monkeypatch, phase, t):
     gu, dn, x, ids, w, fn = make("mxfp4", t, 4, seed=20 + t, dtype=torch.float32, fn_kind="swiglu")
     ids[0, 1], ids[1, 2] = -2, NO_EXPERT
     ex = TorchExpertExecutor(gu, dn, static_max_pairs=16, layer_experts=N, **fn)
+    g = torch.Generator().manual_seed(t)  # and dense bf16 banks (the moe_decode kernels), as a bf16 cache's slots
+    dense = TorchExpertExecutor((torch.randn(N, 64, 32, generator=g) * 0.2).to(torch.bfloat16).to(DEV),
+                                (torch.randn(N, 32, 32, generator=g) * 0.2).to(torch.bfloat16).to(DEV),
+                                static_max_pairs=16, layer_experts=N)
+    xd = torch.randn(t, 32, generator=g).to(torch.bfloat16).to(DEV)
     for triton_path in (False, True):
         monkeypatch.setattr(executor, "use_triton", lambda _, on=triton_path: on)
-        want = ex.run(x, ids.long(), w, phase)
-        got = ex.run(x, ids.to(torch.int32), w, phase)
-        assert torch.equal(got, want), triton_path
-        assert float(want.abs().max()) > 0
+        for e, xx in ((ex, x), (dense, xd)):
+            want = e.run(xx, ids.long(), w.to(xx.dtype), phase)
+            got = e.run(xx, ids.to(torch.int32), w.to(xx.dtype), phase)
+            assert torch.equal(got, want), (triton_path, xx.dtype)
+            assert float(want.abs().max()) > 0
 
 
 def test_executor_capturable_only_with_the_kernels():

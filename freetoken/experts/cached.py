@@ -358,11 +358,12 @@ class CachedExpertExecutor(ExpertExecutor):
         fill_only = not self.branch_on or phase != "decode"
         if phase != "decode" or not self.prefetch or t > step or self.is_frozen:
             ahead = None
-        joins = [self._call(x[s:s + step], ids[s:s + step], weights[s:s + step], layer, phase, share, fill_only, ahead)
-                 for s in range(0, t, step)]
-        if len(joins) == 1:  # the CPU branch's wait and the merge come with finish: after the shared expert
-            return Pending(join=joins[0])
-        return Pending(out=torch.cat([j() for j in joins]))  # slices share the branch's buffers: each joined in turn
+        if t <= step:  # the CPU branch's wait and the merge come with finish: after the shared expert
+            return Pending(join=self._call(x, ids, weights, layer, phase, share, fill_only, ahead))
+        # each slice joined before the next is enqueued: the doorbell has one ring, and slices of
+        # one shape share the branch's buffers (a later ring would overwrite an unread one)
+        return Pending(out=torch.cat([self._call(x[s:s + step], ids[s:s + step], weights[s:s + step], layer, phase,
+                                                 share, fill_only, ahead)() for s in range(0, t, step)]))
 
     def _call(self, x, ids, weights, layer, phase, share, fill_only, ahead=None):
         """Enqueue one slice's control step, CPU branch, fills and GPU experts -> a function that

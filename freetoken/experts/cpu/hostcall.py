@@ -2,8 +2,9 @@
 one CUDA graph.
 
 The GPU writes the step's inputs into pinned buffers with its own stores (copy_flat), forks a
-side stream on which the C++ executor's `host_call` runs on a fixed descriptor, and the fp32
-result comes back to a device buffer; the main stream meanwhile runs whatever does not depend
+side stream on which the C++ executor's `host_call` runs on a fixed descriptor, and its fp32
+result comes back to a device buffer (in the activations' dtype where a kernel copies it back,
+rounded to nearest even as .to() rounds; fp32 on the copy engine's path); the main stream meanwhile runs whatever does not depend
 on it (the fills, the GPU experts, the shared expert) and joins before the merge. No Python
 and no host sync on the way, eager or replayed. Buffers and descriptor are fixed per (tokens,
 k) shape, one set per executor: layers run one after the other, and each layer's reads of them
