@@ -963,15 +963,15 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   # (bench.control_speed --thrash-mb, new: 18 us alone against 29.9 in the step); plan 89's 6-thread
   # timeline row again. Carry .whl, .devcache/commit and .devcache/warm-cache.tgz.
   step 45 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
-  # (the budget left after failed starts: ~300 s; the timed row first, then the tests)
+  # (the budget left after failed starts: ~240 s; the timed row first, then the tests, the thrash rows last)
   step 110 trims-t6 python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
     --modes cache --capacity 0.375 --threads 6 --timeline --name large_models-qwen3_5_moe-40-mxfp4-trims-t6
+  step 120 gpu-tests python3 -m pytest -v -p no:cacheprovider --durations=8 tests/test_expert_cache_gpu.py \
+    tests/test_hostcall.py tests/test_quant_kernels.py -k "not hostfn and (cache or bell or int32 or takes_the or graph)"
   for mb in 0 64; do
     step 25 control-thrash-$mb python3 -m bench.control_speed --layers 40 --experts 256 --slots 3840 --pairs 8 \
       --warps 4,8 --blocks 1024,4096 --thrash-mb $mb --name control_speed-3840-thrash$mb
   done
-  step 120 gpu-tests python3 -m pytest -v -p no:cacheprovider --durations=8 tests/test_expert_cache_gpu.py \
-    tests/test_hostcall.py tests/test_quant_kernels.py -k "not hostfn and (cache or bell or int32 or takes_the or graph)"
   ;;
 94) # ~200 s (limit 180), twenty-ninth session, after 93 on the same machine (its compiles kept): plan 90's
   # side-by-side at 14 and 16 threads once, with the resident row now (the issue's floor is the measured
