@@ -65,6 +65,38 @@ def test_cached_output_equals_all_resident(share, policy, slots):
         assert ex.stats()["fills"] == before
 
 
+def test_cpu_share_is_joined_at_finish_and_slices_one_by_one(monkeypatch):
+    """The split phase: a decode call's launch enqueues the control step, the fills and the GPU
+    experts and leaves the CPU branch's join and the merge to finish, so the MoE block's shared
+    expert runs in between (model/moe.py). A call of several slices (more pairs than one
+    control call takes) joins each slice's CPU branch before the next starts: they share its
+    buffers and, on CUDA, its one doorbell."""
+    import freetoken.experts.cached as cached
+    layers, e, h, i, k = 2, 16, 32, 16, 4
+    gu, dn = banks(layers * e, h, i, seed=9)
+    cpu = CpuExpertExecutor(gu, dn)
+    ex = CachedExpertExecutor(gu, dn, 6, "cpu", torch.float32, cpu, 0.0, "recent")  # every miss on the CPU
+    events = []
+    real_launch = cpu.launch
+    monkeypatch.setattr(cpu, "launch", lambda *a, **kw: events.append("cpu") or real_launch(*a, **kw))
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(2, h, generator=g), torch.softmax(torch.randn(2, k, generator=g), -1)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(2)])
+    pending = ex.launch(x, ids, w, phase="decode")
+    assert events == [] and pending.join is not None  # the CPU share waits for finish
+    got = ex.finish(pending)
+    assert events == ["cpu"] and rel(got, reference_experts(x, ids, w, gu, dn)) < 1e-5
+    events.clear()
+    monkeypatch.setattr(cached, "MAX_PAIRS", 2 * k)  # slices of two tokens
+    x5, w5 = torch.randn(5, h, generator=g), torch.softmax(torch.randn(5, k, generator=g), -1)
+    ids5 = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(5)]) + e
+    real_call = ex._call
+    monkeypatch.setattr(ex, "_call", lambda *a, **kw: events.append("slice") or real_call(*a, **kw))
+    pending = ex.launch(x5, ids5, w5, phase="decode")
+    assert pending.join is None and events == ["slice", "cpu"] * 3  # three slices, each joined before the next
+    assert rel(ex.finish(pending), reference_experts(x5, ids5, w5, gu, dn)) < 1e-5
+
+
 @pytest.mark.parametrize("policy", ["recent", "lfu"])
 def test_lookahead_prefetch_is_exact_and_its_right_guesses_hit(policy):
     """A decode call hands the next layer's predicted routes over (`ahead`): up to `prefetch` of
