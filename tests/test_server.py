@@ -197,6 +197,43 @@ def test_completions(oai):
     assert streamed == r.choices[0].text
 
 
+def test_streamed_choices(oai, server):
+    """stream with n > 1 (and /v1/completions with a list of prompts): every choice's chunks as
+    they come, each tagged with its index (prompt * n + choice); joined per index, each equals
+    the same request without stream; a role chunk and one finish chunk per choice; the usage
+    chunk counts the prompt once per prompt; then [DONE]."""
+    kw = dict(model=MODEL, messages=USER, max_tokens=6, temperature=1.0, seed=5, n=3)
+    whole = oai.chat.completions.create(**kw)
+    texts, finishes, usage = {}, {}, None
+    for c in oai.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+        if c.usage is not None:
+            usage = c.usage
+        for ch in c.choices:
+            texts[ch.index] = texts.get(ch.index, "") + (ch.delta.content or "")
+            if ch.finish_reason is not None:
+                finishes[ch.index] = finishes.get(ch.index, []) + [ch.finish_reason]
+    assert texts == {c.index: c.message.content for c in whole.choices}
+    assert len(set(texts.values())) > 1  # seeds 5, 6, 7: the choices differ, so each index is checked
+    assert finishes == {c.index: [c.finish_reason] for c in whole.choices}
+    assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == \
+        (whole.usage.prompt_tokens, whole.usage.completion_tokens)
+    raw = post(server, "/v1/chat/completions", {**kw, "stream": True}).text  # the wire: a role chunk a choice, [DONE]
+    chunks = [json.loads(line[6:]) for line in raw.split("\n") if line.startswith("data: {")]
+    roles = [c["choices"][0]["index"] for c in chunks if c["choices"] and c["choices"][0]["delta"].get("role")]
+    assert sorted(roles) == [0, 1, 2] and raw.rstrip().endswith("data: [DONE]")
+    prompts = ["Once upon a time", "The weather"]
+    ckw = dict(model=MODEL, prompt=prompts, max_tokens=4, temperature=1.0, seed=9, n=2, echo=True)
+    batch = oai.completions.create(**ckw)
+    got, usage = {}, None
+    for c in oai.completions.create(**ckw, stream=True, stream_options={"include_usage": True}):
+        usage = c.usage or usage
+        for ch in c.choices:
+            got[ch.index] = got.get(ch.index, "") + ch.text
+    assert got == {c.index: c.text for c in batch.choices} and len(got) == 4
+    assert all(got[i].startswith(prompts[i // 2]) for i in range(4)) and got[0] != got[1]  # seeds 9, 10
+    assert (usage.prompt_tokens, usage.completion_tokens) == (batch.usage.prompt_tokens, batch.usage.completion_tokens)
+
+
 def test_n_choices_and_prompt_lists(oai, server):
     """n > 1: choices sampled from one prompt, each its own request (greedy: n equal texts;
     seeded: choice i takes seed + i, so each equals a single request with that seed); the prompt
@@ -220,8 +257,7 @@ def test_n_choices_and_prompt_lists(oai, server):
     assert batch.usage.completion_tokens == 16
     ids = oai.completions.create(model=MODEL, prompt=[[1, 2, 3], [4, 5]], max_tokens=2, temperature=0)
     assert len(ids.choices) == 2 and ids.usage.prompt_tokens == 5
-    for body, needle in [({"prompt": prompts, "stream": True}, "list of 2 prompts with stream"),
-                         ({"prompt": ["x"] * 17}, "at most 16 prompts"), ({"prompt": [["x"]]}, "each prompt"),
+    for body, needle in [({"prompt": ["x"] * 17}, "at most 16 prompts"), ({"prompt": [["x"]]}, "each prompt"),
                          ({"prompt": []}, "prompt must be")]:
         bad = post(server, "/v1/completions", {"model": MODEL, "max_tokens": 2, **body})
         assert bad.status_code == 400 and needle in bad.json()["error"]["message"], bad.text
@@ -325,7 +361,6 @@ def test_response_format_shapes(oai, server):
     ({"model": "gpt-4o", "messages": USER}, 404, "gpt-4o"),
     ({"model": MODEL, "messages": USER, "max_tokens": 0}, 400, "max_tokens"),
     ({"model": MODEL, "messages": USER, "max_tokens": "ten"}, 400, "max_tokens"),
-    ({"model": MODEL, "messages": USER, "n": 2, "stream": True}, 400, "n=2 with stream"),
     ({"model": MODEL, "messages": USER, "n": 0}, 400, "n must be from 1 to 16"),
     ({"model": MODEL, "messages": USER, "n": 17}, 400, "n must be from 1 to 16"),
     ({"model": MODEL, "messages": USER, "top_logprobs": 3}, 400, "logprobs: true"),

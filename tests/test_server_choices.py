@@ -62,3 +62,83 @@ def test_choice_seeds():
     assert api.choice_sampling(s, 0) is s
     assert api.choice_sampling(s, 1).seed == 0 and api.choice_sampling(s, 1).stop == ["x"]
     assert api.choice_sampling(SamplingOptions(), 3).seed is None
+
+
+def _collect(agen):
+    async def run():
+        return [part async for part in agen]
+    return asyncio.run(run())
+
+
+def test_a_streamed_choice_that_fails_ends_the_stream_and_cancels_the_others():
+    """stream with n > 1: a choice whose generation failed sends one error event (no [DONE]);
+    every other choice's generator is closed and its request cancelled (api._closing)."""
+    from freetoken.server.generation import Done, Tokens
+    from freetoken.server.parser import Event
+    ctx = types.SimpleNamespace(serving=FakeServing())
+    reqs = [types.SimpleNamespace(id=i, finish_reason=None, finished_at=None) for i in range(3)]
+    closed = []
+
+    def gen(i):
+        async def g():
+            try:
+                yield Tokens()
+                yield Event("content", f"c{i}")
+                if i == 1:
+                    await asyncio.sleep(0.01)
+                    yield Done("error", None, 0, 0, 0, error="boom")
+                await asyncio.Event().wait()  # still decoding
+            finally:
+                closed.append(i)
+        return g()
+    body = api._chat_stream([gen(i) for i in range(3)], "id", 0, "m", False, None)
+    parts = _collect(api._closing(ctx, [(r, None) for r in reqs], body))
+    assert sum('"role": "assistant"' in p for p in parts) == 3  # one opening chunk per choice
+    import json
+    chunks = [json.loads(p[len("data: "):]) for p in parts if p.startswith("data: ")]
+    content = [(c["choices"][0]["index"], c["choices"][0]["delta"].get("content")) for c in chunks if c.get("choices")]
+    assert {(i, f"c{i}") for i in range(3)} <= set(content)  # each choice's text under its own index
+    assert "boom" in parts[-1] and not any("[DONE]" in p for p in parts)
+    assert sorted(closed) == [0, 1, 2] and sorted(ctx.serving.cancelled) == [0, 1, 2]
+
+
+def test_merged_interleaves_and_raises_in_place():
+    from freetoken.server.merge import END, merged
+
+    def gen(i, delays, fail=False):
+        async def g():
+            for d in delays:
+                await asyncio.sleep(d)
+                yield (i, d)
+            if fail:
+                raise RuntimeError(f"stream {i}")
+        return g()
+
+    async def run(gens):
+        return [x async for x in merged(gens)]
+    out = asyncio.run(run([gen(0, [0.03, 0.03]), gen(1, [0.01, 0.01, 0.01])]))
+    seen = [ev for _, ev in out if ev is not END]
+    assert seen == [(1, 0.01), (1, 0.01), (0, 0.03), (1, 0.01), (0, 0.03)]  # arrival order
+    assert sorted(i for i, ev in out if ev is END) == [0, 1]
+    with pytest.raises(RuntimeError, match="stream 1"):
+        asyncio.run(run([gen(0, [0.05] * 3), gen(1, [0.01], fail=True)]))
+
+
+def test_a_stream_whose_body_never_starts_cancels_its_requests():
+    """The client gone before the headers went out: Starlette never iterates the body, so no
+    generator's finally runs; ChoicesResponse still cancels every request it started."""
+    ctx = types.SimpleNamespace(serving=FakeServing())
+    reqs = [types.SimpleNamespace(id=i, finish_reason=None, finished_at=None) for i in range(3)]
+
+    async def body():
+        yield "data: {}\n\n"
+
+    async def send(message):
+        raise OSError("client gone")
+
+    async def receive():
+        await asyncio.Event().wait()
+    resp = api.ChoicesResponse(ctx, [(r, None) for r in reqs], body())
+    with pytest.raises(Exception):
+        asyncio.run(resp({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send))
+    assert sorted(ctx.serving.cancelled) == [0, 1, 2]

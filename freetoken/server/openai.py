@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
+import logging
 import time
 import uuid
 
@@ -15,8 +17,11 @@ from .common import (ApiError, build_prompt, constrain, continuation, field, fit
                      off_loop, refuse_continued_grammar, render, sampling_from, template_kwargs, text_of)
 from .generation import Done, Ping, Tokens, collect, events, start
 from .logprobs import TokenText, chat_entries, chat_options, completion_logprobs, completion_options
+from .merge import merged
 from .parser import Event
 from .tool_choice import call_grammar, forced_opening, strict_grammar, wanted
+
+log = logging.getLogger("freetoken.server")
 
 ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 
@@ -95,13 +100,10 @@ MAX_N = 16  # choices a request may ask for (each is a request of its own in the
 
 def choice_count(body) -> int:
     """OpenAI's `n`: choices sampled from one prompt, each its own request in the engine (they
-    share the prompt's prefix-cache pages). Streamed answers carry one choice."""
+    share the prompt's prefix-cache pages). Streamed, every choice's chunks carry its index."""
     n = field(body, "n", "integer", 1)
     if not 1 <= n <= MAX_N:
         raise ApiError(400, f"n must be from 1 to {MAX_N}, got {n}", param="n")
-    if n > 1 and field(body, "stream", "boolean", False):
-        raise ApiError(400, f"n={n} with stream is not supported: stream one choice per request, or ask "
-                            "without stream", param="n")
     return n
 
 
@@ -115,10 +117,9 @@ def choice_sampling(sampling, i: int):
     return dataclasses.replace(sampling, seed=seed)
 
 
-async def run_choices(ctx, jobs: list[tuple[list[int], object]], open_events) -> list[list]:
-    """Start a request per (prompt ids, sampling) job, then collect each one's events
-    concurrently (the engine batches them). open_events(req, queue) -> the events iterator. A
-    start refused part way (a full queue) cancels those already started."""
+def start_all(ctx, jobs: list[tuple[list[int], object]]) -> list[tuple]:
+    """Start a request per (prompt ids, sampling) job -> [(request, queue)]. A start refused part
+    way (a full queue) cancels those already started, then raises its error (a 429)."""
     started = []
     try:
         for ids, sampling in jobs:
@@ -127,6 +128,22 @@ async def run_choices(ctx, jobs: list[tuple[list[int], object]], open_events) ->
         for req, _ in started:
             ctx.serving.cancel(req)
         raise
+    return started
+
+
+def cancel_unfinished(ctx, started) -> None:
+    """Cancel the requests whose events nobody will read: a generator that never ran has no
+    finally of its own to do it (a choice that failed first, a client gone at the first chunk)."""
+    for req, _ in started:
+        if req.finish_reason is None or req.finished_at is None:
+            ctx.serving.cancel(req)
+
+
+async def run_choices(ctx, jobs: list[tuple[list[int], object]], open_events) -> list[list]:
+    """Start a request per (prompt ids, sampling) job, then collect each one's events
+    concurrently (the engine batches them). open_events(req, queue) -> the events iterator. A
+    start refused part way (a full queue) cancels those already started."""
+    started = start_all(ctx, jobs)
     gens = [open_events(req, q) for req, q in started]
 
     async def drain(gen):
@@ -140,9 +157,7 @@ async def run_choices(ctx, jobs: list[tuple[list[int], object]], open_events) ->
         await asyncio.gather(*tasks, return_exceptions=True)
         for g in gens:
             await g.aclose()
-        for req, _ in started:  # a generator that never ran has no finally of its own to run
-            if req.finish_reason is None or req.finished_at is None:
-                ctx.serving.cancel(req)
+        cancel_unfinished(ctx, started)
 
 
 def allowed_tools(tools, choice: dict):
@@ -229,13 +244,14 @@ async def chat_completions(ctx, body: dict, request):
     stream = field(body, "stream", "boolean", False)
     include_usage = bool((field(body, "stream_options", "object") or {}).get("include_usage"))
     cid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
-    if stream:
-        req, queue = submit(ctx, prompt.ids, sampling)
-        gen = events(ctx, req, queue, tools, prompt.in_reasoning, request.is_disconnected, tokens=want_logprobs)
-        text_of_token = ctx.token_text if want_logprobs else None
-        return StreamingResponse(_chat_stream(gen, cid, created, model, include_usage, text_of_token, legacy),
-                                 media_type="text/event-stream", headers={"cache-control": "no-cache"})
     jobs = [(prompt.ids, choice_sampling(sampling, i)) for i in range(n)]
+    if stream:  # every choice's chunks as they come, each with its index
+        started = start_all(ctx, jobs)
+        gens = [events(ctx, req, queue, tools, prompt.in_reasoning, request.is_disconnected, tokens=want_logprobs)
+                for req, queue in started]
+        text_of_token = ctx.token_text if want_logprobs else None
+        body_iter = _chat_stream(gens, cid, created, model, include_usage, text_of_token, legacy)
+        return ChoicesResponse(ctx, started, body_iter, headers={"cache-control": "no-cache"})
     runs = await run_choices(ctx, jobs, lambda req, queue: events(
         ctx, req, queue, tools, prompt.in_reasoning, request.is_disconnected))
     choices, dones = [], []
@@ -262,12 +278,6 @@ async def chat_completions(ctx, body: dict, request):
 def _chat_logprobs(ctx, t: Tokens) -> dict:
     # every output token, thinking and tool-call text included, in generation order
     return {"content": chat_entries(ctx.token_text, t.ids, t.logprobs, t.top_logprobs), "refusal": None}
-
-
-def usage(done: Done) -> dict:
-    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-            "total_tokens": done.prompt_tokens + done.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
 
 
 def total_usage(dones: list[Done], prompts: int = 1) -> dict:
@@ -305,55 +315,107 @@ def submit(ctx, ids, sampling):
                        headers={"retry-after": "1"}) from None
 
 
-async def _chat_stream(gen, cid, created, model, include_usage, text_of_token: TokenText | None,
-                       legacy: bool = False):
-    """text_of_token: given when the client asked for logprobs; each chunk then carries the
-    tokens that arrived since the previous one (a token that shows no text yet, a held-back
-    partial tag say, goes with the next chunk). legacy: the call as a `function_call` delta
-    (the deprecated `functions` API), one at most."""
-    pending = Tokens()
+class ChoicesResponse(StreamingResponse):
+    """A streamed answer whose requests are cancelled however the response ends, even where its
+    body never started (the client gone before the headers were sent: Starlette then never
+    iterates the body, and n requests would decode to max_tokens for nobody)."""
 
-    def chunk(delta, finish=None):
-        nonlocal pending
+    def __init__(self, ctx, started, body_iter, **kw):
+        super().__init__(_closing(ctx, started, body_iter), media_type="text/event-stream", **kw)
+        self._ctx, self._started = ctx, started
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            cancel_unfinished(self._ctx, self._started)  # no await: a cancelled task may not get past one
+
+
+async def _closing(ctx, started, body_iter):
+    """A streamed response's body: whatever ends it (the last chunk, a failed choice, the client
+    gone before the first one), the requests nobody reads any more are cancelled."""
+    try:
+        async for part in body_iter:
+            yield part
+    finally:
+        cancel_unfinished(ctx, started)  # first, without an await: a cancelled task may not get past one
+        await body_iter.aclose()
+
+
+async def _choice_events(gens):
+    """merged() for the streams: (index, event) of every choice, a keep-alive line in place of a
+    Ping unless another was sent within the last second (each of n choices pings on its own
+    while a long prompt prefills), and an error event in place of an exception (the headers are
+    gone: a dropped connection would tell the client nothing)."""
+    last_ping = 0.0
+    try:
+        async with contextlib.aclosing(merged(gens)) as evs:
+            async for i, ev in evs:
+                if isinstance(ev, Ping):
+                    if time.monotonic() - last_ping >= 1.0:
+                        last_ping = time.monotonic()
+                        yield i, ": keep-alive\n\n"
+                else:
+                    yield i, ev
+    except Exception as e:  # noqa: BLE001  a bug in a choice's event stream, not the client's doing
+        log.exception("a streamed answer failed")
+        yield -1, _sse({"error": {"message": f"generation failed: {type(e).__name__}: {e}", "type": "server_error"}})
+
+
+async def _chat_stream(gens, cid, created, model, include_usage, text_of_token: TokenText | None,
+                       legacy: bool = False):
+    """gens: one events iterator per choice (index = position). text_of_token: given when the
+    client asked for logprobs; each chunk then carries the tokens of its choice that arrived
+    since its previous chunk (a token that shows no text yet, a held-back partial tag say, goes
+    with the next one). legacy: the call as a `function_call` delta (the deprecated `functions`
+    API), one at most. A failed choice ends the stream with an error event (no [DONE])."""
+    n = len(gens)
+    pending = [Tokens() for _ in range(n)]
+    n_calls = [0] * n
+    dones: list[Done | None] = [None] * n
+
+    def chunk(i, delta, finish=None):
         lp = None
-        if text_of_token is not None and pending.ids:
-            t, pending = pending, Tokens()
+        if text_of_token is not None and pending[i].ids:
+            t, pending[i] = pending[i], Tokens()
             lp = {"content": chat_entries(text_of_token, t.ids, t.logprobs, t.top_logprobs), "refusal": None}
         return _sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                      "system_fingerprint": "freetoken",
-                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}]})
-    yield chunk({"role": "assistant", "content": ""})
-    n_calls = 0
-    try:
-        async for ev in gen:
-            if isinstance(ev, Ping):
-                yield ": keep-alive\n\n"
+                     "choices": [{"index": i, "delta": delta, "finish_reason": finish, "logprobs": lp}]})
+    for i in range(n):
+        yield chunk(i, {"role": "assistant", "content": ""})
+    async with contextlib.aclosing(_choice_events(gens)) as evs:
+        async for i, ev in evs:
+            if isinstance(ev, str):  # a keep-alive or an error event
+                yield ev
+                if ev.startswith("data: "):
+                    return
             elif isinstance(ev, Tokens):
-                pending.extend(ev)
+                pending[i].extend(ev)
             elif isinstance(ev, Event) and ev.kind == "content":
-                yield chunk({"content": ev.text})
+                yield chunk(i, {"content": ev.text})
             elif isinstance(ev, Event) and ev.kind == "reasoning":
-                yield chunk({"reasoning_content": ev.text})
+                yield chunk(i, {"reasoning_content": ev.text})
             elif isinstance(ev, Event) and ev.kind == "tool_call":
                 t = ev.tool
                 if legacy:
-                    if not n_calls:
-                        yield chunk({"function_call": {"name": t.name, "arguments": t.arguments}})
+                    if not n_calls[i]:
+                        yield chunk(i, {"function_call": {"name": t.name, "arguments": t.arguments}})
                 else:
-                    yield chunk({"tool_calls": [{"index": n_calls, "id": t.id, "type": "function",
-                                                 "function": {"name": t.name, "arguments": t.arguments}}]})
-                n_calls += 1
+                    yield chunk(i, {"tool_calls": [{"index": n_calls[i], "id": t.id, "type": "function",
+                                                    "function": {"name": t.name, "arguments": t.arguments}}]})
+                n_calls[i] += 1
             elif isinstance(ev, Done):
                 if ev.finish_reason == "error":
                     yield _sse({"error": {"message": f"generation failed: {ev.error}", "type": "server_error"}})
                     return
-                yield chunk({}, _finish(ev, n_calls > 0, legacy))
-                if include_usage:
-                    yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                                "choices": [], "usage": usage(ev)})
-                yield "data: [DONE]\n\n"
-    finally:
-        await gen.aclose()
+                dones[i] = ev
+                yield chunk(i, {}, _finish(ev, n_calls[i] > 0, legacy))
+                if all(d is not None for d in dones):
+                    if include_usage:
+                        yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                                    "choices": [], "usage": total_usage(dones)})
+                    yield "data: [DONE]\n\n"
 
 
 MAX_PROMPTS = 16  # prompts one /v1/completions request may list (each is a request in the engine)
@@ -394,9 +456,6 @@ def _completion_plan(ctx, body: dict):
     n = choice_count(body)
     spec = grammar_for(field(body, "response_format", "object"))
     prompts = _prompts(body.get("prompt"))
-    if len(prompts) > 1 and field(body, "stream", "boolean", False):
-        raise ApiError(400, f"a list of {len(prompts)} prompts with stream is not supported: stream one prompt "
-                            "per request, or ask without stream", param="prompt")
     suffix = field(body, "suffix", "string")
     ids = [_completion_ids(ctx, p, suffix) for p in prompts]
     sampling = sampling_from(body, field(body, "max_tokens", "integer"), body.get("stop"), default_max=16)
@@ -436,14 +495,15 @@ async def completions(ctx, body: dict, request):
     include_usage = bool((field(body, "stream_options", "object") or {}).get("include_usage"))
     cid, created = "cmpl-" + uuid.uuid4().hex, int(time.time())
     # raw completions: no chat parsing, thinking tags are just text
-    if stream:  # one prompt, one choice (_completion_plan refused more)
-        req, queue = submit(ctx, ids[0], samplings[0])
-        gen = events(ctx, req, queue, tools=False, in_reasoning=False,
-                     is_disconnected=request.is_disconnected, raw=True, tokens=want_logprobs)
-        text_of_token = ctx.token_text if want_logprobs else None
-        return StreamingResponse(_completion_stream(gen, cid, created, model, include_usage, text_of_token,
-                                                    echo[0] if echo else None), media_type="text/event-stream")
     jobs = [(one, choice_sampling(own, j)) for one, own in zip(ids, samplings) for j in range(n)]  # prompt*n+choice
+    if stream:  # every choice's chunks as they come, each with its index (prompt * n + choice)
+        started = start_all(ctx, jobs)
+        gens = [events(ctx, req, queue, tools=False, in_reasoning=False, is_disconnected=request.is_disconnected,
+                       raw=True, tokens=want_logprobs) for req, queue in started]
+        text_of_token = ctx.token_text if want_logprobs else None
+        echoes = [echo[i // n] for i in range(len(jobs))] if echo else None
+        body_iter = _completion_stream(gens, cid, created, model, include_usage, text_of_token, echoes, len(ids))
+        return ChoicesResponse(ctx, started, body_iter)
     runs = await run_choices(ctx, jobs, lambda req, queue: events(
         ctx, req, queue, tools=False, in_reasoning=False, is_disconnected=request.is_disconnected, raw=True))
     choices, dones = [], []
@@ -460,39 +520,45 @@ async def completions(ctx, body: dict, request):
                          "choices": choices, "usage": total_usage(dones, len(ids))})
 
 
-async def _completion_stream(gen, cid, created, model, include_usage, text_of_token: TokenText | None,
-                             echo: str | None = None):
-    pending = Tokens()
+async def _completion_stream(gens, cid, created, model, include_usage, text_of_token: TokenText | None,
+                             echoes: list[str] | None = None, prompts: int = 1):
+    """gens: one events iterator per choice (index = position, prompt-major); echoes: each
+    choice's prompt text to send first (echo), or None."""
+    n = len(gens)
+    pending = [Tokens() for _ in range(n)]
+    dones: list[Done | None] = [None] * n
 
-    def chunk(text, finish=None):
-        nonlocal pending
+    def chunk(i, text, finish=None):
         lp = None
-        if text_of_token is not None and pending.ids:
-            t, pending = pending, Tokens()
+        if text_of_token is not None and pending[i].ids:
+            t, pending[i] = pending[i], Tokens()
             lp = completion_logprobs(text_of_token, t.ids, t.logprobs, t.top_logprobs, t.text_offsets)
         return _sse({"id": cid, "object": "text_completion", "created": created, "model": model,
-                     "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}]})
-    try:
-        if echo:  # the prompt first, as OpenAI's legacy endpoint streams it
-            yield chunk(echo)
-        async for ev in gen:
-            if isinstance(ev, Ping):
-                yield ": keep-alive\n\n"
+                     "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}]})
+    for i, e in enumerate(echoes or []):
+        if e:  # the prompt first, as OpenAI's legacy endpoint streams it
+            yield chunk(i, e)
+    async with contextlib.aclosing(_choice_events(gens)) as evs:
+        async for i, ev in evs:
+            if isinstance(ev, str):  # a keep-alive or an error event
+                yield ev
+                if ev.startswith("data: "):
+                    return
             elif isinstance(ev, Tokens):
-                pending.extend(ev)
+                pending[i].extend(ev)
             elif isinstance(ev, Event):
-                yield chunk(ev.text)
+                yield chunk(i, ev.text)
             elif isinstance(ev, Done):
                 if ev.finish_reason == "error":
                     yield _sse({"error": {"message": f"generation failed: {ev.error}", "type": "server_error"}})
                     return
-                yield chunk("", "length" if ev.finish_reason == "length" else "stop")
-                if include_usage:
-                    yield _sse({"id": cid, "object": "text_completion", "created": created, "model": model,
-                                "choices": [], "usage": usage(ev)})
-                yield "data: [DONE]\n\n"
-    finally:
-        await gen.aclose()
+                dones[i] = ev
+                yield chunk(i, "", "length" if ev.finish_reason == "length" else "stop")
+                if all(d is not None for d in dones):
+                    if include_usage:
+                        yield _sse({"id": cid, "object": "text_completion", "created": created, "model": model,
+                                    "choices": [], "usage": total_usage(dones, prompts)})
+                    yield "data: [DONE]\n\n"
 
 
 def _model_card(ctx, name: str) -> dict:
