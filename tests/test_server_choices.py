@@ -6,6 +6,7 @@ import types
 
 import pytest
 
+from freetoken.server import generation as gen_mod
 from freetoken.server import openai as api
 
 
@@ -72,7 +73,7 @@ def _collect(agen):
 
 def test_a_streamed_choice_that_fails_ends_the_stream_and_cancels_the_others():
     """stream with n > 1: a choice whose generation failed sends one error event (no [DONE]);
-    every other choice's generator is closed and its request cancelled (api._closing)."""
+    every other choice's generator is closed and its request cancelled (generation._closing)."""
     from freetoken.server.generation import Done, Tokens
     from freetoken.server.parser import Event
     ctx = types.SimpleNamespace(serving=FakeServing())
@@ -92,7 +93,7 @@ def test_a_streamed_choice_that_fails_ends_the_stream_and_cancels_the_others():
                 closed.append(i)
         return g()
     body = api._chat_stream([gen(i) for i in range(3)], "id", 0, "m", False, None)
-    parts = _collect(api._closing(ctx, [(r, None) for r in reqs], body))
+    parts = _collect(gen_mod._closing(ctx, [(r, None) for r in reqs], body))
     assert sum('"role": "assistant"' in p for p in parts) == 3  # one opening chunk per choice
     import json
     chunks = [json.loads(p[len("data: "):]) for p in parts if p.startswith("data: ")]
@@ -126,7 +127,7 @@ def test_merged_interleaves_and_raises_in_place():
 
 def test_a_stream_whose_body_never_starts_cancels_its_requests():
     """The client gone before the headers went out: Starlette never iterates the body, so no
-    generator's finally runs; ChoicesResponse still cancels every request it started."""
+    generator's finally runs; RequestStream still cancels every request it started."""
     ctx = types.SimpleNamespace(serving=FakeServing())
     reqs = [types.SimpleNamespace(id=i, finish_reason=None, finished_at=None) for i in range(3)]
 
@@ -138,7 +139,7 @@ def test_a_stream_whose_body_never_starts_cancels_its_requests():
 
     async def receive():
         await asyncio.Event().wait()
-    resp = api.ChoicesResponse(ctx, [(r, None) for r in reqs], body())
+    resp = gen_mod.RequestStream(ctx, [(r, None) for r in reqs], body())
     with pytest.raises(Exception):
         asyncio.run(resp({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send))
     assert sorted(ctx.serving.cancelled) == [0, 1, 2]

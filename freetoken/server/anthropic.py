@@ -13,12 +13,12 @@ import json
 import time
 import uuid
 
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse
 
 from .common import (ApiError, build_prompt, constrain, field, grammar_for, json_args, off_loop,
                      refuse_continued_grammar, render, sampling_from, text_of)
 from .tool_choice import call_grammar, forced_opening, strict_grammar, wanted
-from .generation import Done, Ping, collect, events
+from .generation import Done, Ping, RequestStream, collect, events
 from .openai import submit
 from .parser import Event
 
@@ -199,8 +199,7 @@ async def messages(ctx, body: dict, request):
     gen = events(ctx, req, queue, tools, prompt.in_reasoning, request.is_disconnected)
     mid = "msg_" + uuid.uuid4().hex[:24]
     if stream:
-        return StreamingResponse(_stream(gen, req, mid, model), media_type="text/event-stream",
-                                 headers={"cache-control": "no-cache"})
+        return RequestStream(ctx, [(req, queue)], _stream(gen, req, mid, model))
     reasoning, content, calls, done = collect([e async for e in gen])
     if done.finish_reason == "error":
         raise ApiError(500, f"generation failed: {done.error}")

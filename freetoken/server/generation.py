@@ -7,6 +7,8 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from starlette.responses import StreamingResponse
+
 from ..runtime.request import Request, SamplingOptions
 from .common import ClientGone
 from .harmony import HarmonyParser, writes_harmony
@@ -111,6 +113,41 @@ class StopMatcher:
     def flush(self) -> str:
         out, self.buf = self.buf, ""
         return out
+
+
+def cancel_unfinished(ctx, started) -> None:
+    """Cancel the requests whose events nobody will read: a generator that never ran has no
+    finally of its own to do it (a choice that failed first, a client gone at the first chunk)."""
+    for req, _ in started:
+        if req.finish_reason is None or req.finished_at is None:
+            ctx.serving.cancel(req)
+
+
+class RequestStream(StreamingResponse):
+    """A streamed (SSE) answer whose requests are cancelled however the response ends: its last
+    chunk, a failed choice, the client gone mid-stream, or the client gone before the headers
+    went out (Starlette then never iterates the body, so no events generator runs its finally
+    and the request would decode to max_tokens for nobody). started: [(request, queue)]."""
+
+    def __init__(self, ctx, started, body_iter, **kw):
+        kw.setdefault("headers", {"cache-control": "no-cache"})
+        super().__init__(_closing(ctx, started, body_iter), media_type="text/event-stream", **kw)
+        self._ctx, self._started = ctx, started
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            cancel_unfinished(self._ctx, self._started)  # no await: a cancelled task may not get past one
+
+
+async def _closing(ctx, started, body_iter):
+    try:
+        async for part in body_iter:
+            yield part
+    finally:
+        cancel_unfinished(ctx, started)  # first, without an await: a cancelled task may not get past one
+        await body_iter.aclose()
 
 
 def start(ctx, prompt_ids: list[int], sampling: SamplingOptions):

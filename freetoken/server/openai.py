@@ -9,13 +9,13 @@ import logging
 import time
 import uuid
 
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse
 
 from ..runtime.scheduler import QueueFull
 from ..runtime.serving import ShuttingDown
 from .common import (ApiError, build_prompt, constrain, continuation, field, fit_prompt, grammar_for, json_args,
                      off_loop, refuse_continued_grammar, render, sampling_from, template_kwargs, text_of)
-from .generation import Done, Ping, Tokens, collect, events, start
+from .generation import Done, Ping, RequestStream, Tokens, cancel_unfinished, collect, events, start
 from .logprobs import TokenText, chat_entries, chat_options, completion_logprobs, completion_options
 from .merge import merged
 from .parser import Event
@@ -131,14 +131,6 @@ def start_all(ctx, jobs: list[tuple[list[int], object]]) -> list[tuple]:
     return started
 
 
-def cancel_unfinished(ctx, started) -> None:
-    """Cancel the requests whose events nobody will read: a generator that never ran has no
-    finally of its own to do it (a choice that failed first, a client gone at the first chunk)."""
-    for req, _ in started:
-        if req.finish_reason is None or req.finished_at is None:
-            ctx.serving.cancel(req)
-
-
 async def run_choices(ctx, jobs: list[tuple[list[int], object]], open_events) -> list[list]:
     """Start a request per (prompt ids, sampling) job, then collect each one's events
     concurrently (the engine batches them). open_events(req, queue) -> the events iterator. A
@@ -251,7 +243,7 @@ async def chat_completions(ctx, body: dict, request):
                 for req, queue in started]
         text_of_token = ctx.token_text if want_logprobs else None
         body_iter = _chat_stream(gens, cid, created, model, include_usage, text_of_token, legacy)
-        return ChoicesResponse(ctx, started, body_iter, headers={"cache-control": "no-cache"})
+        return RequestStream(ctx, started, body_iter)
     runs = await run_choices(ctx, jobs, lambda req, queue: events(
         ctx, req, queue, tools, prompt.in_reasoning, request.is_disconnected))
     choices, dones = [], []
@@ -313,33 +305,6 @@ def submit(ctx, ids, sampling):
     except QueueFull as e:
         raise ApiError(429, f"server busy: {e}; retry shortly", kind="rate_limit_error",
                        headers={"retry-after": "1"}) from None
-
-
-class ChoicesResponse(StreamingResponse):
-    """A streamed answer whose requests are cancelled however the response ends, even where its
-    body never started (the client gone before the headers were sent: Starlette then never
-    iterates the body, and n requests would decode to max_tokens for nobody)."""
-
-    def __init__(self, ctx, started, body_iter, **kw):
-        super().__init__(_closing(ctx, started, body_iter), media_type="text/event-stream", **kw)
-        self._ctx, self._started = ctx, started
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            cancel_unfinished(self._ctx, self._started)  # no await: a cancelled task may not get past one
-
-
-async def _closing(ctx, started, body_iter):
-    """A streamed response's body: whatever ends it (the last chunk, a failed choice, the client
-    gone before the first one), the requests nobody reads any more are cancelled."""
-    try:
-        async for part in body_iter:
-            yield part
-    finally:
-        cancel_unfinished(ctx, started)  # first, without an await: a cancelled task may not get past one
-        await body_iter.aclose()
 
 
 async def _choice_events(gens):
@@ -503,7 +468,7 @@ async def completions(ctx, body: dict, request):
         text_of_token = ctx.token_text if want_logprobs else None
         echoes = [echo[i // n] for i in range(len(jobs))] if echo else None
         body_iter = _completion_stream(gens, cid, created, model, include_usage, text_of_token, echoes, len(ids))
-        return ChoicesResponse(ctx, started, body_iter)
+        return RequestStream(ctx, started, body_iter)
     runs = await run_choices(ctx, jobs, lambda req, queue: events(
         ctx, req, queue, tools=False, in_reasoning=False, is_disconnected=request.is_disconnected, raw=True))
     choices, dones = [], []

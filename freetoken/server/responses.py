@@ -26,11 +26,11 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse
 
 from . import common
 from .common import ApiError, Prompt, field, fit_prompt, json_args, sampling_from
-from .generation import Done, Ping, collect, events
+from .generation import Done, Ping, RequestStream, collect, events
 from .openai import check_model, submit
 from .parser import Event
 from .tool_choice import call_grammar, forced_opening, strict_grammar, wanted
@@ -668,8 +668,7 @@ async def create(ctx, body: dict, request):
     gen = events(ctx, req, queue, p.tools or None, p.prompt.in_reasoning, request.is_disconnected)
     answer = Answer(ctx, p)
     if stream:
-        return StreamingResponse(_stream(gen, answer), media_type="text/event-stream",
-                                 headers={"cache-control": "no-cache"})
+        return RequestStream(ctx, [(req, queue)], _stream(gen, answer))
     evs = [e async for e in gen]
     done = collect(evs)[3]  # ClientGone when the client left
     if done.finish_reason == "error":
