@@ -307,11 +307,14 @@ def submit(ctx, ids, sampling):
                        headers={"retry-after": "1"}) from None
 
 
-async def _choice_events(gens):
-    """merged() for the streams: (index, event) of every choice, a keep-alive line in place of a
-    Ping unless another was sent within the last second (each of n choices pings on its own
-    while a long prompt prefills), and an error event in place of an exception (the headers are
-    gone: a dropped connection would tell the client nothing)."""
+async def _choice_events(gens, pending: list):
+    """merged() for the streams: (index, event) of every choice's text events and Done, with
+    - each choice's Tokens put onto pending[index] (its next chunk's logprobs);
+    - a keep-alive line in place of a Ping, unless another went out within the last second
+      (each of n choices pings on its own while a long prompt prefills);
+    - a failed choice (an error Done, or an exception: the headers are gone, and a dropped
+      connection would tell the client nothing) as one error event, and the end (no [DONE];
+      closing merged() cancels the other choices)."""
     last_ping = 0.0
     try:
         async with contextlib.aclosing(merged(gens)) as evs:
@@ -320,6 +323,11 @@ async def _choice_events(gens):
                     if time.monotonic() - last_ping >= 1.0:
                         last_ping = time.monotonic()
                         yield i, ": keep-alive\n\n"
+                elif isinstance(ev, Tokens):
+                    pending[i].extend(ev)
+                elif isinstance(ev, Done) and ev.finish_reason == "error":
+                    yield i, _sse({"error": {"message": f"generation failed: {ev.error}", "type": "server_error"}})
+                    return
                 else:
                     yield i, ev
     except Exception as e:  # noqa: BLE001  a bug in a choice's event stream, not the client's doing
@@ -349,14 +357,10 @@ async def _chat_stream(gens, cid, created, model, include_usage, text_of_token: 
                      "choices": [{"index": i, "delta": delta, "finish_reason": finish, "logprobs": lp}]})
     for i in range(n):
         yield chunk(i, {"role": "assistant", "content": ""})
-    async with contextlib.aclosing(_choice_events(gens)) as evs:
+    async with contextlib.aclosing(_choice_events(gens, pending)) as evs:
         async for i, ev in evs:
-            if isinstance(ev, str):  # a keep-alive or an error event
+            if isinstance(ev, str):  # a keep-alive, or a failed choice's error event (the last)
                 yield ev
-                if ev.startswith("data: "):
-                    return
-            elif isinstance(ev, Tokens):
-                pending[i].extend(ev)
             elif isinstance(ev, Event) and ev.kind == "content":
                 yield chunk(i, {"content": ev.text})
             elif isinstance(ev, Event) and ev.kind == "reasoning":
@@ -371,9 +375,6 @@ async def _chat_stream(gens, cid, created, model, include_usage, text_of_token: 
                                                     "function": {"name": t.name, "arguments": t.arguments}}]})
                 n_calls[i] += 1
             elif isinstance(ev, Done):
-                if ev.finish_reason == "error":
-                    yield _sse({"error": {"message": f"generation failed: {ev.error}", "type": "server_error"}})
-                    return
                 dones[i] = ev
                 yield chunk(i, {}, _finish(ev, n_calls[i] > 0, legacy))
                 if all(d is not None for d in dones):
@@ -503,20 +504,13 @@ async def _completion_stream(gens, cid, created, model, include_usage, text_of_t
     for i, e in enumerate(echoes or []):
         if e:  # the prompt first, as OpenAI's legacy endpoint streams it
             yield chunk(i, e)
-    async with contextlib.aclosing(_choice_events(gens)) as evs:
+    async with contextlib.aclosing(_choice_events(gens, pending)) as evs:
         async for i, ev in evs:
-            if isinstance(ev, str):  # a keep-alive or an error event
+            if isinstance(ev, str):  # a keep-alive, or a failed choice's error event (the last)
                 yield ev
-                if ev.startswith("data: "):
-                    return
-            elif isinstance(ev, Tokens):
-                pending[i].extend(ev)
             elif isinstance(ev, Event):
                 yield chunk(i, ev.text)
             elif isinstance(ev, Done):
-                if ev.finish_reason == "error":
-                    yield _sse({"error": {"message": f"generation failed: {ev.error}", "type": "server_error"}})
-                    return
                 dones[i] = ev
                 yield chunk(i, "", "length" if ev.finish_reason == "length" else "stop")
                 if all(d is not None for d in dones):
