@@ -60,7 +60,8 @@
 # Call 91: the control kernel's fuzz cases past seed 12 and the cache's hostfn GPU tests.
 # Call 93: the cache step's trims (shared expert before the wait, no cast or copy kernels), tested and timed;
 # the control kernel with a cold L2. Call 94: the 14/16-thread side-by-side with the resident row.
-# Call 92: plan 83's drift row with the C++ executor's dynamic schedule against its static default.
+# Calls 95-97 (thirtieth session): issue 9's 32k rows in fresh processes (GPU) and on the Xeon's cores
+# (CPU), then plan 93's tests. Call 92: plan 83's drift row with the C++ executor's dynamic schedule against its static default.
 # Call 90: plan 85's 14/16-thread rows beside llama.cpp three times (the ratio moved 1.18x-1.72x).
 # Call 83: plan 82 again with room for the compiles: the GPU tests, verbose, and a shorter drift run.
 # Call 82: the GPU tests of the cache after the control kernel's new decode variants; the split under a hog started mid-run.
@@ -72,7 +73,7 @@
 # Call 76: plan 70 again after host_wait (16-thread rows beside llama.cpp in one run), the spin A/B at 16.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh N, N from 0 to 92}
+STAGE=${1:?usage: bash bench/device_plan.sh N, N from 0 to 97}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -984,7 +985,38 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
     --expert-format mxfp4 --modes resident,cache,fill-only --capacity 0.375 --threads 14,16 --llamacpp \
     --llamacpp-build $B --name large_models-qwen3_5_moe-40-mxfp4-resident-cache-llama-t14-16
   ;;
-*) echo "stage 0 to 94"; exit 2 ;;
+95) # ~560 s (limits 320 + 220), thirtieth session, issue 9 on a fresh machine with no warm cache: plan 59's
+  # fresh processes of two 32k rows each (the padded GEMM rows, ccd13a6, held the p99 in the first row of the
+  # one process measured so far, 1.72x then 1.73x; every first row had missed before). The first process
+  # carries the machine's set-up (the demo model, Triton's compiles, fla's autotuning). Carry .whl and .devcache/commit.
+  step 320 interference-padrows1 python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
+    --settings interleave,interleave --name interference-full-padrows-s30-1
+  step 220 interference-padrows2 python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
+    --settings interleave,interleave --name interference-full-padrows-s30-2
+  ;;
+96) # ~540 s (limits 420 + 110), thirtieth session, issue 9's CPU side on the Xeon host (plan 61, never run): the
+  # demo engine on the host's cores alone (no GPU visible), a 32k prompt while two streams decode, with decode
+  # steps between the attention layers' key pieces (kernels/split_keys.py) and without, and the CPU default
+  # (one mixed forward). On the 2-core dev machine 2.24x against 2.95-3.07x, bounded there by the decode
+  # step's own tail. Then plan 62's 14-thread row (the key pieces against the whole-context attention).
+  CUDA_VISIBLE_DEVICES= step 420 interference-cpu-keys python3 -m bench.interference --long 32768 \
+    --settings interleave,interleave-nokeys,interleave,budget --name interference-32k-xeon-keys
+  CUDA_VISIBLE_DEVICES= step 110 cpu-prefill-attention-t14 python3 -m bench.cpu_prefill_attention --threads 14 \
+    --name cpu_prefill_attention-xeon-t14
+  ;;
+97) # ~400 s (limits 220 + 45 + 120 + 2 x 25), thirtieth session, after 95 on the same machine: a third fresh
+  # process of plan 59's rows, then plan 93's GPU tests of the cache step's trims and its cold-L2 rows.
+  step 220 interference-padrows3 python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
+    --settings interleave,interleave --name interference-full-padrows-s30-3
+  step 45 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
+  step 120 gpu-tests python3 -m pytest -v -p no:cacheprovider --durations=8 tests/test_expert_cache_gpu.py \
+    tests/test_hostcall.py tests/test_quant_kernels.py -k "not hostfn and (cache or bell or int32 or takes_the or graph)"
+  for mb in 0 64; do
+    step 25 control-thrash-$mb python3 -m bench.control_speed --layers 40 --experts 256 --slots 3840 --pairs 8 \
+      --warps 4,8 --blocks 1024,4096 --thrash-mb $mb --name control_speed-3840-thrash$mb
+  done
+  ;;
+*) echo "stage 0 to 97"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole
