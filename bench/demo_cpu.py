@@ -22,6 +22,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--name", default="demo")
+    ap.add_argument("--cpu-threads", type=int, default=0, help="the engine's --cpu-threads (0: its default)")
     ap.add_argument("--attention-pieces", choices=("default", "off"), default="default",
                     help="off: every prompt chunk's attention over its whole context at once (the A/B of "
                          "kernels/split_keys.py, whose key pieces the CPU runs in fp32 by default)")
@@ -32,7 +33,7 @@ def main():
     if a.attention_pieces == "off":
         from freetoken.kernels import split_keys
         split_keys.wanted = lambda *args: False
-    eng = Engine(demo_path(), EngineConfig(device=a.device, dense_bf16=a.dense_bf16))
+    eng = Engine(demo_path(), EngineConfig(device=a.device, dense_bf16=a.dense_bf16, cpu_threads=a.cpu_threads))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 240000, (a.prompt,), generator=g).tolist()
     eng.generate(ids[:64], 4)  # warm-up: JIT, allocator

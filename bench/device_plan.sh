@@ -73,7 +73,7 @@
 # Call 76: plan 70 again after host_wait (16-thread rows beside llama.cpp in one run), the spin A/B at 16.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh N, N from 0 to 97}
+STAGE=${1:?usage: bash bench/device_plan.sh N, N from 0 to 98}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -1004,19 +1004,26 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   CUDA_VISIBLE_DEVICES= step 110 cpu-prefill-attention-t14 python3 -m bench.cpu_prefill_attention --threads 14 \
     --name cpu_prefill_attention-xeon-t14
   ;;
-97) # ~400 s (limits 220 + 45 + 120 + 2 x 25), thirtieth session, after 95 on the same machine: a third fresh
-  # process of plan 59's rows, then plan 93's GPU tests of the cache step's trims and its cold-L2 rows.
-  step 220 interference-padrows3 python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
+97) # ~420 s (limits 200 + 45 + 150), thirtieth session, after 95-96 (a fresh machine if it was given back): a third
+  # fresh process of plan 59's rows, then plan 93's GPU tests of the cache step's trims
+  step 200 interference-padrows3 python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
     --settings interleave,interleave --name interference-full-padrows-s30-3
   step 45 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
-  step 120 gpu-tests python3 -m pytest -v -p no:cacheprovider --durations=8 tests/test_expert_cache_gpu.py \
+  step 150 gpu-tests python3 -m pytest -v -p no:cacheprovider --durations=8 tests/test_expert_cache_gpu.py \
     tests/test_hostcall.py tests/test_quant_kernels.py -k "not hostfn and (cache or bell or int32 or takes_the or graph)"
-  for mb in 0 64; do
-    step 25 control-thrash-$mb python3 -m bench.control_speed --layers 40 --experts 256 --slots 3840 --pairs 8 \
-      --warps 4,8 --blocks 1024,4096 --thrash-mb $mb --name control_speed-3840-thrash$mb
-  done
   ;;
-*) echo "stage 0 to 97"; exit 2 ;;
+98) # ~430 s (limits 3 x 50 + 270), thirtieth session, after 97 on the same machine: plan 96 put the demo's CPU
+  # engine on the Xeon (16 vCPUs, GPU hidden, torch's and the expert pool's threads at every core) at a
+  # p99 of 3.8-4.3x and the 32k prompt at 248-299 tok/s, slower than the 2-core dev machine (454-481): the
+  # demo end to end at 4, 8 and 16 threads, then the 32k interleave row at 8
+  for t in 4 8 16; do
+    CUDA_VISIBLE_DEVICES= step 50 "demo-cpu-t$t" python3 -m bench.demo_cpu --prompt 8192 --tokens 48 --cpu-threads $t \
+      --name "demo-xeon-8k-t$t"
+  done
+  CUDA_VISIBLE_DEVICES= step 270 interference-cpu-t8 python3 -m bench.interference --long 32768 --cpu-threads 8 \
+    --settings interleave --name interference-32k-xeon-t8
+  ;;
+*) echo "stage 0 to 98"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole

@@ -644,6 +644,8 @@ def main():
     ap.add_argument("--streams", type=int, default=2, help="requests decoding meanwhile")
     ap.add_argument("--tokens", type=int, default=32, help="decode gaps measured unloaded, per stream")
     ap.add_argument("--settings", default="one-chunk,budget,interleave")
+    ap.add_argument("--cpu-threads", type=int, default=0,
+                    help="without --full-size: the demo engine's --cpu-threads (0: its default, every core)")
     ap.add_argument("--full-size", action="store_true", help="Qwen3.6-35B-A3B shape, random weights (GPU machine)")
     ap.add_argument("--layers", type=int, default=40, help="with --full-size")
     ap.add_argument("--name", default=None, help="result name (default interference[-full])")
@@ -703,7 +705,7 @@ def main():
     elif a.full_size:
         eng = full_size_engine(a.layers, "cuda", max_len=ctx, prefill_graph_tokens=a.prefill_graph_tokens)
     else:
-        eng = Engine(demo_path(), EngineConfig(max_seq_len=ctx))
+        eng = Engine(demo_path(), EngineConfig(max_seq_len=ctx, cpu_threads=a.cpu_threads))
     warm = None
     if a.warm_loaded:
         import copy
@@ -723,7 +725,8 @@ def main():
                   "moe": a.moe if a.full_size else eng.experts_on,
                   "expert_cache": a.expert_cache if a.full_size and a.moe == "cache" else None,
                   "prefill_passes": eng.prefill_stream.stats() if eng.prefill_stream is not None else None,
-                  "device": str(eng.device), "long_prompt": a.long, "short_prompt": a.short,
+                  "device": str(eng.device), "torch_threads": torch.get_num_threads(),
+                  "cpu_expert_threads": getattr(eng.executor, "threads", None), "long_prompt": a.long, "short_prompt": a.short,
                   "decoding_streams": a.streams, "prefill_graph_tokens": a.prefill_graph_tokens,
                   "warm_loaded": warm, "settings": rows})
 
