@@ -72,6 +72,7 @@ SETTINGS = {
     "interleave-devcost": interleaved(device_costs=True),
     # a lower target gap (the engine's --decode-slowdown): how much p99 margin it buys, at what prompt rate
     "interleave-s1.4": interleaved(slowdown=1.4),
+    "interleave-s1.3": interleaved(slowdown=1.3),
     # the forward's sample without a point far above its kind's others (interleave.STALL_FILTER)
     "interleave-nostall": interleaved(stall_filter=True),
     # fd9e29e's pacing, the defaults again since (the A/B of plan 46): a short prompt's forward at
