@@ -1012,17 +1012,17 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   step 150 gpu-tests python3 -m pytest -v -p no:cacheprovider --durations=8 tests/test_expert_cache_gpu.py \
     tests/test_hostcall.py tests/test_quant_kernels.py -k "not hostfn and (cache or bell or int32 or takes_the or graph)"
   ;;
-98) # ~340 s at most (limits 3 x 40 + 220), thirtieth session: plan 96 put the demo's CPU engine on the Xeon (16
+98) # ~260 s at most (limits 3 x 40 + 140), thirtieth session: plan 96 put the demo's CPU engine on the Xeon (16
   # vCPUs, GPU hidden, torch's and the expert pool's threads at every core) at a p99 of 3.8-4.3x and the 32k
   # prompt at 248-299 tok/s, slower than the 2-core dev machine (454-481): the demo end to end at 4, 8 and
-  # 16 threads, the 32k interleave row at 8 (plan 97's GPU tests of the trims: a later call).
+  # 16 threads, a 16k interleave row at 8 (plan 97's GPU tests of the trims: a later call).
   # Carry .whl, .devcache/commit and .devcache/warm-cache.tgz.
   for t in 4 8 16; do
     CUDA_VISIBLE_DEVICES= step 40 "demo-cpu-t$t" python3 -m bench.demo_cpu --prompt 8192 --tokens 48 --cpu-threads $t \
       --name "demo-xeon-8k-t$t"
   done
-  CUDA_VISIBLE_DEVICES= step 220 interference-cpu-t8 python3 -m bench.interference --long 32768 --cpu-threads 8 \
-    --settings interleave --name interference-32k-xeon-t8
+  CUDA_VISIBLE_DEVICES= step 140 interference-cpu-t8 python3 -m bench.interference --long 16384 --cpu-threads 8 \
+    --settings interleave --name interference-16k-xeon-t8
   ;;
 *) echo "stage 0 to 98"; exit 2 ;;
 esac
