@@ -73,7 +73,7 @@
 # Call 76: plan 70 again after host_wait (16-thread rows beside llama.cpp in one run), the spin A/B at 16.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh N, N from 0 to 98}
+STAGE=${1:?usage: bash bench/device_plan.sh N, N from 0 to 99}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -1024,7 +1024,14 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   CUDA_VISIBLE_DEVICES= step 140 interference-cpu-t8 python3 -m bench.interference --long 16384 --cpu-threads 8 \
     --settings interleave --name interference-16k-xeon-t8
   ;;
-*) echo "stage 0 to 98"; exit 2 ;;
+99) # ~90 s (limits 3 x 35), thirtieth session, plan 98's first part for the device time left after failed
+  # starts: the demo's CPU engine end to end on the Xeon (GPU hidden) at 4, 8 and 16 threads
+  for t in 4 8 16; do
+    CUDA_VISIBLE_DEVICES= step 35 "demo-cpu-t$t" python3 -m bench.demo_cpu --prompt 8192 --tokens 48 --cpu-threads $t \
+      --name "demo-xeon-8k-t$t"
+  done
+  ;;
+*) echo "stage 0 to 99"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole
