@@ -60,8 +60,10 @@ def write_result(name: str, results: dict, out_dir: str | None = None, quiet: bo
     os.makedirs(out_dir, exist_ok=True)
     tag = "gpu" if torch.cuda.is_available() else "cpu"
     path = os.path.join(out_dir, f"{name}-{tag}.json")
-    with open(path, "w") as f:
+    tmp = path + ".tmp"  # whole or not at all: a run stopped by a time limit mid-write keeps the last file
+    with open(tmp, "w") as f:
         json.dump(doc, f, indent=1)
+    os.replace(tmp, path)
     if not quiet:
         print(json.dumps(doc["results"], indent=1))
     print("wrote", path)

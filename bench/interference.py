@@ -718,18 +718,25 @@ def main():
         warm["long_prompt"] = a.warm_loaded
         print("warm-up loaded window:", warm, flush=True)
     rows = []
+
+    def save(complete: bool) -> None:
+        write_result(a.name or ("interference-full" if a.full_size else "interference"),
+                     {"model": f"Qwen3.6-35B-A3B shape, {a.layers} layers" if a.full_size else "demo",
+                      "moe": a.moe if a.full_size else eng.experts_on,
+                      "expert_cache": a.expert_cache if a.full_size and a.moe == "cache" else None,
+                      "prefill_passes": eng.prefill_stream.stats() if eng.prefill_stream is not None else None,
+                      "device": str(eng.device), "torch_threads": torch.get_num_threads(),
+                      "cpu_expert_threads": getattr(eng.executor, "threads", None), "long_prompt": a.long,
+                      "short_prompt": a.short, "decoding_streams": a.streams,
+                      "prefill_graph_tokens": a.prefill_graph_tokens, "warm_loaded": warm,
+                      # false while rows are still to come: the file is rewritten after each row, so a
+                      # run stopped by a time limit keeps the rows it finished
+                      "complete": complete, "settings": rows}, quiet=not complete)
+
     for name in a.settings.split(","):
         rows.append(run_setting(eng, name, a))
         print(rows[-1], flush=True)
-    write_result(a.name or ("interference-full" if a.full_size else "interference"),
-                 {"model": f"Qwen3.6-35B-A3B shape, {a.layers} layers" if a.full_size else "demo",
-                  "moe": a.moe if a.full_size else eng.experts_on,
-                  "expert_cache": a.expert_cache if a.full_size and a.moe == "cache" else None,
-                  "prefill_passes": eng.prefill_stream.stats() if eng.prefill_stream is not None else None,
-                  "device": str(eng.device), "torch_threads": torch.get_num_threads(),
-                  "cpu_expert_threads": getattr(eng.executor, "threads", None), "long_prompt": a.long, "short_prompt": a.short,
-                  "decoding_streams": a.streams, "prefill_graph_tokens": a.prefill_graph_tokens,
-                  "warm_loaded": warm, "settings": rows})
+        save(complete=len(rows) == len(a.settings.split(",")))
 
 
 if __name__ == "__main__":
