@@ -167,6 +167,7 @@ def test_prompt_longer_than_context(good):
     (["--prompt-ids", "1,99999"], "outside the vocabulary"),
     (["--prompt-ids", "1", "--max-tokens", "0"], "--max-tokens"),
     (["--prompt-ids", "1", "--top-p", "0"], "top_p"),
+    (["--prompt-ids", "1", "--cpu-threads", "-2"], "--cpu-threads"),
 ])
 def test_bad_generate_flags(good, args, needle):
     code, _, err = ft_in("generate", str(good / "m.ftw"), *args)

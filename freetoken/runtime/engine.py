@@ -189,6 +189,8 @@ class EngineConfig:
     def resolved(self):
         """(device, dtype, where the experts run: "gpu" (resident), "cache", "cpu", or "auto"
         for Engine to decide from the budget)."""
+        if self.cpu_threads < 0:  # a negative count had run as the default, unsaid
+            raise FreeTokenError(f"--cpu-threads must be 0 (the default) or a thread count, got {self.cpu_threads}")
         dev = "cuda" if self.device == "auto" and torch.cuda.is_available() else self.device
         dev = "cpu" if dev == "auto" else dev
         dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if dev == "cuda" else "float32")
