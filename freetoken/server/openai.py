@@ -1,7 +1,6 @@
 """OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models."""
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import json
@@ -17,7 +16,7 @@ from .common import (ApiError, build_prompt, constrain, continuation, field, fit
                      off_loop, refuse_continued_grammar, render, sampling_from, template_kwargs, text_of)
 from .generation import Done, Ping, RequestStream, Tokens, cancel_unfinished, collect, events, start
 from .logprobs import TokenText, chat_entries, chat_options, completion_logprobs, completion_options
-from .merge import merged
+from .merge import END, merged
 from .parser import Event
 from .tool_choice import call_grammar, forced_opening, strict_grammar, wanted
 
@@ -137,18 +136,14 @@ async def run_choices(ctx, jobs: list[tuple[list[int], object]], open_events) ->
     start refused part way (a full queue) cancels those already started."""
     started = start_all(ctx, jobs)
     gens = [open_events(req, q) for req, q in started]
-
-    async def drain(gen):
-        return [e async for e in gen]
-    tasks = [asyncio.ensure_future(drain(g)) for g in gens]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:  # one failed, or this request was cancelled: the others stop too (gather does not stop them)
-        for t in tasks:
-            t.cancel()  # a generator waiting on its queue ends through its own finally (cancels its request)
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for g in gens:
-            await g.aclose()
+    runs: list[list] = [[] for _ in gens]
+    try:  # merged() stops and closes every choice when one fails or this request is cancelled
+        async with contextlib.aclosing(merged(gens)) as evs:
+            async for i, ev in evs:
+                if ev is not END:
+                    runs[i].append(ev)
+        return runs
+    finally:
         cancel_unfinished(ctx, started)
 
 
