@@ -65,6 +65,11 @@ def build(cfg: dict, dev, experts_on: str, seed=0, max_len: int = 8192, cpu_thre
         model = model_class(mc.arch)(mc, w, ex, dev, torch.bfloat16, max_len)
         return mc, w, ex, model
     n, i, h = mc.num_flat_experts, mc.moe_intermediate_size, mc.hidden_size
+    if experts_on == "cpu" and dev.type == "cpu":  # a CPU-only engine, as Engine sets one up there
+        from freetoken.experts.cpu import SPIN_SHARED, CpuExpertExecutor
+        gu_h, dn_h = host_experts(mc, seed)
+        ex = CpuExpertExecutor(gu_h, dn_h, threads=cpu_threads, spin=SPIN_SHARED)
+        return mc, w, ex, model_class(mc.arch)(mc, w, ex, dev, torch.bfloat16, max_len)
     gu = torch.randn(n, 2 * i, h, generator=g, device=dev, dtype=torch.bfloat16).mul_(h ** -0.5)
     dn = torch.randn(n, h, i, generator=g, device=dev, dtype=torch.bfloat16).mul_(i ** -0.5)
     if experts_on == "gpu":
@@ -79,6 +84,29 @@ def build(cfg: dict, dev, experts_on: str, seed=0, max_len: int = 8192, cpu_thre
         ex = CpuExpertExecutor(gu_h, dn_h)
     model = model_class(mc.arch)(mc, w, ex, dev, torch.bfloat16, max_len)  # rope table length
     return mc, w, ex, model
+
+
+def host_experts(mc, seed: int = 0, pool_layers: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random bf16 expert banks in host memory, [N, 2I, H] and [N, H, I], made fast: torch's
+    CPU generator fills ~0.3 GB/s on one core (64 GB of the full 40 layers would take minutes),
+    so `pool_layers` layers' worth of experts are drawn and every layer takes its experts from
+    that pool in its own random order. Their values repeat across layers; a token's experts
+    are picked by each layer's own random router, so the bytes a step reads are the model's."""
+    e, i, h = mc.num_experts, mc.moe_intermediate_size, mc.hidden_size
+    layers = mc.num_flat_experts // e
+    g = torch.Generator().manual_seed(seed)
+    m = min(layers, pool_layers) * e
+    pool_gu = torch.randn(m, 2 * i, h, generator=g, dtype=torch.bfloat16).mul_(h ** -0.5)
+    pool_dn = torch.randn(m, h, i, generator=g, dtype=torch.bfloat16).mul_(i ** -0.5)
+    if layers * e == m:
+        return pool_gu, pool_dn
+    gu = torch.empty(layers * e, 2 * i, h, dtype=torch.bfloat16)  # [N, 2I, H]
+    dn = torch.empty(layers * e, h, i, dtype=torch.bfloat16)  # [N, H, I]
+    for layer in range(layers):
+        pick = torch.randperm(m, generator=g)[:e]  # [E] pool rows, this layer's order
+        torch.index_select(pool_gu, 0, pick, out=gu[layer * e:(layer + 1) * e])
+        torch.index_select(pool_dn, 0, pick, out=dn[layer * e:(layer + 1) * e])
+    return gu, dn
 
 
 def active_bytes(mc, w, ctx: int) -> int:

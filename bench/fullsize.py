@@ -12,10 +12,18 @@ from freetoken.runtime.engine import Engine, EngineConfig
 def full_size_engine(layers: int = 40, device: str = "cuda", experts_on: str = "gpu", max_len: int = 8192,
                      **ecfg) -> Engine:
     """experts_on: gpu, cpu or cache (bench.decode.build); ecfg: EngineConfig fields
-    (max_step_tokens, cuda_graphs, expert_cache, ...)."""
+    (max_step_tokens, cuda_graphs, expert_cache, cpu_threads, ...). device "cpu": a CPU-only
+    engine (experts_on "cpu", the C++ executor on host banks)."""
     from bench.decode import QWEN36_35B_A3B, build
     dev = torch.device(device)
-    mc, w, ex, model = build(dict(QWEN36_35B_A3B, num_hidden_layers=layers), dev, experts_on, max_len=max_len)
+    threads = {}
+    if dev.type == "cpu":  # a CPU-only engine: its threads as Engine sets them (--cpu-threads, else every core)
+        from freetoken.experts.cpu import physical_cores
+        threads = {"cpu_threads": ecfg.get("cpu_threads") or len(physical_cores())}
+        if ecfg.get("cpu_threads"):
+            torch.set_num_threads(ecfg["cpu_threads"])
+    mc, w, ex, model = build(dict(QWEN36_35B_A3B, num_hidden_layers=layers), dev, experts_on, max_len=max_len,
+                             **threads)
     demo = Engine(demo_path(), EngineConfig(device="cpu", experts="cpu"))
     eng = Engine.__new__(Engine)
     where = {"moe": "cache"} if experts_on == "cache" else {"experts": experts_on}
