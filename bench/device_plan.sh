@@ -60,6 +60,7 @@
 # Call 91: the control kernel's fuzz cases past seed 12 and the cache's hostfn GPU tests.
 # Call 93: the cache step's trims (shared expert before the wait, no cast or copy kernels), tested and timed;
 # the control kernel with a cold L2. Call 94: the 14/16-thread side-by-side with the resident row.
+# Call 100: issue 9's CPU side at the real shape (40 layers, CPU-only on the Xeon).
 # Calls 95-97 (thirtieth session): issue 9's 32k rows in fresh processes (GPU) and on the Xeon's cores
 # (CPU), then plan 93's tests. Call 92: plan 83's drift row with the C++ executor's dynamic schedule against its static default.
 # Call 90: plan 85's 14/16-thread rows beside llama.cpp three times (the ratio moved 1.18x-1.72x).
@@ -73,7 +74,7 @@
 # Call 76: plan 70 again after host_wait (16-thread rows beside llama.cpp in one run), the spin A/B at 16.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh N, N from 0 to 99}
+STAGE=${1:?usage: bash bench/device_plan.sh N, N from 0 to 100}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -1031,7 +1032,16 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
       --name "demo-xeon-8k-t$t"
   done
   ;;
-*) echo "stage 0 to 99"; exit 2 ;;
+100) # ~570 s at most, thirty-first session, issue 9's CPU side at the real shape: plans 96-99 measured the demo,
+  # whose decode step is mostly its 127 MB lm_head and fixed costs (7.4 ms for two streams at 8 threads)
+  # while a prompt layer's fixed part is ~6 ms: a gap of a step and one layer is past 2x by construction.
+  # The CPU-only engine on the Xeon (GPU hidden) at the full 40 layers of the Qwen3.6 shape (bf16, 64 GB
+  # of host banks): an 8k prompt while two streams decode, decode steps between halves of layers, then
+  # between layers. Carry .whl and .devcache/commit.
+  CUDA_VISIBLE_DEVICES= step 570 interference-cpu-40 python3 -m bench.interference --full-size --moe cpu \
+    --layers 40 --long 8192 --settings interleave-halves,interleave --name interference-8k-xeon-40l
+  ;;
+*) echo "stage 0 to 100"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole
