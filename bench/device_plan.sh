@@ -1036,10 +1036,11 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   # whose decode step is mostly its 127 MB lm_head and fixed costs (7.4 ms for two streams at 8 threads)
   # while a prompt layer's fixed part is ~6 ms: a gap of a step and one layer is past 2x by construction.
   # The CPU-only engine on the Xeon (GPU hidden) at the full 40 layers of the Qwen3.6 shape (bf16, 64 GB
-  # of host banks): an 8k prompt while two streams decode, decode steps between halves of layers, then
-  # between layers. Carry .whl and .devcache/commit.
+  # of host banks): an 8k prompt while two streams decode, decode steps between layers and between the
+  # pieces of a prompt chunk's experts (experts/split_experts.py: a MoE block reads 1.6 GB whatever the
+  # chunk), then without the expert pieces. Carry .whl and .devcache/commit.
   CUDA_VISIBLE_DEVICES= step 570 interference-cpu-40 python3 -m bench.interference --full-size --moe cpu \
-    --layers 40 --long 8192 --settings interleave-halves,interleave --name interference-8k-xeon-40l
+    --layers 40 --long 8192 --settings interleave,interleave-noexperts --name interference-8k-xeon-40l
   ;;
 *) echo "stage 0 to 100"; exit 2 ;;
 esac

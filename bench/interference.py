@@ -42,6 +42,7 @@ from bench.fullsize import full_size_engine
 from bench.layer_timeline import LayerTimeline
 from bench.line_trace import LineTrace
 from freetoken.demo import demo_path
+from freetoken.experts import split_experts
 from freetoken.kernels import page_gather
 from freetoken.runtime.engine import Engine, EngineConfig
 from freetoken.runtime.gcwatch import GcWatch
@@ -64,6 +65,8 @@ SETTINGS = {
     "interleave-halves": interleaved(mid_layer=True),
     # no decode steps between the key pieces of a long context's attention (interleave.KEY_POINTS; the CPU)
     "interleave-nokeys": interleaved(key_points=False),
+    # a CPU prompt chunk's routed experts whole between two points (experts/split_experts.py off)
+    "interleave-noexperts": interleaved(expert_pieces=False),
     # the interleave with each decode step's tokens waited for at once (no deferral: the A/B of
     # runtime/deferred_step.py, which is on by default on CUDA)
     "interleave-wait": interleaved(defer=False),
@@ -398,13 +401,16 @@ def progress(every: float, stop) -> None:
 def run_setting(eng, name: str, a) -> dict:
     """One setting's row; an interleaved setting's switch_s is the GIL switch interval meanwhile."""
     s = SETTINGS[name]
-    switch = sys.getswitchinterval()
+    switch, pieces = sys.getswitchinterval(), split_experts.ENABLED
     if s.get("interleave") and s.get("switch_s") is not None:
         sys.setswitchinterval(s["switch_s"])
+    split_experts.ENABLED = s.get("expert_pieces", pieces)
     try:
         out = _run_setting(eng, name, a)
+        out["expert_pieces"] = split_experts.PIECES if split_experts.ENABLED and out.get("key_points") else 1
     finally:
         sys.setswitchinterval(switch)
+        split_experts.ENABLED = pieces
     if s.get("interleave") and s.get("switch_s") is not None:
         out["switch_interval_s"] = s["switch_s"]
     elif s.get("overlap"):  # DecodeOverlap's own while a prompt forward overlaps

@@ -121,6 +121,32 @@ def test_decode_steps_also_run_between_the_key_pieces_of_a_long_attention(eng, m
     same_tokens(runs[True], runs[False])
 
 
+def test_decode_steps_also_run_between_the_pieces_of_a_prompt_chunks_experts(eng, monkeypatch):
+    """On the CPU executor (experts/split_experts.py; MIN_BYTES 0 here, its 16 experts are tiny) a
+    prompt chunk's routed experts run in pieces with the hook at split_experts.point(i, n)
+    between them: decode steps land there too, and every token is the one the whole blocks give
+    (fp32: the C++ kernel's partial sums are added in fp32)."""
+    from freetoken.experts import split_experts
+    monkeypatch.setattr(split_experts, "MIN_BYTES", 0)
+    g = torch.Generator().manual_seed(11)
+    ps = [torch.randint(5, eng.cfg.vocab_size, (n,), generator=g).tolist() for n in (19, 260)]
+    runs = {}
+    for pieces in (False, True):
+        monkeypatch.setattr(split_experts, "ENABLED", pieces)
+        srv = serving(eng, True)
+        points, hooks = spy_points(srv)
+        reqs = drive(srv, [greedy(ps[0], 40), greedy(ps[1], 4)], arrive=[0, 3])
+        expert = [i for i in hooks if split_experts.is_expert_point(i)]
+        if pieces:  # every MoE layer's pieces, each label one of its PIECES - 1 points
+            assert {int(i) for i in expert} == set(eng.cfg.moe_layers)
+            assert {round(i - int(i), 3) for i in expert} == {0.501, 0.502, 0.503}
+            assert any(split_experts.is_expert_point(p) for p in points)  # and decode steps ran there
+        else:
+            assert not expert
+        runs[pieces] = [r.output_ids for r in reqs], [r.logprobs for r in reqs]
+    same_tokens(runs[True], runs[False])
+
+
 def test_key_points_of_a_batch_count_on_across_its_segments(eng, monkeypatch):
     """Two long segments in one prompt forward: each attention splits on its own, and the labels
     of a layer's key points go on increasing across them (never one label twice in a forward);

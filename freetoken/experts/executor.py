@@ -143,7 +143,7 @@ class ExpertExecutor:
 
 
 def reference_experts(x, ids, weights, gate_up, down, activation: Activation = SILU, gate_up_bias=None,
-                      down_bias=None):
+                      down_bias=None, out=None, lo: int = 0, hi: int | None = None):
     """Pure-torch reference: loop over the distinct selected experts (as transformers does).
 
     Data-dependent (host sync per call); used for tests and as the large-batch CPU path.
@@ -151,9 +151,11 @@ def reference_experts(x, ids, weights, gate_up, down, activation: Activation = S
     the id NO_EXPERT are skipped. Quantized banks (QuantBank): each selected expert is
     dequantized to x's dtype once per call. Biases are added after each projection's product
     (rounded in between, as `x @ W + b` is).
+    out, lo, hi: only the experts lo <= e < hi, added into out (calls over consecutive ranges
+    into one out add in the order one whole call does: experts/split_experts.py).
     """
     quantized = not isinstance(gate_up, torch.Tensor)
-    out = torch.zeros_like(x)
+    out = torch.zeros_like(x) if out is None else out
     flat_ids = ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
     sorted_ids = flat_ids[order]
@@ -161,7 +163,7 @@ def reference_experts(x, ids, weights, gate_up, down, activation: Activation = S
     pairs = order.split(counts.tolist())
     k = ids.shape[1]
     for e, pair in zip(uniq.tolist(), pairs):
-        if e < 0:
+        if e < lo or (hi is not None and e >= hi):  # NO_EXPERT (-1) is below any lo
             continue
         tok = pair // k
         xs = x[tok]  # [n, H]

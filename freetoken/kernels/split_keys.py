@@ -43,22 +43,29 @@ def is_key_point(j: float) -> bool:
     return 0 < j - int(j) < 0.5
 
 
-class _Hook(threading.local):
-    fn = None  # fn(k): called before key piece k >= 1 of a split attention
+class PointHook(threading.local):
+    """The hook a forward's layer loop sets for the pieces of work inside a layer (here the key
+    pieces of an attention, experts/split_experts.py the expert pieces of a MoE block), per
+    thread: fn(n) is called before piece n >= 1."""
+    fn = None
+
+    @contextmanager
+    def use(self, fn):
+        """fn in effect within it; None: no hook (also what a hook's own work sees: a forward
+        nested in it does not split)."""
+        prev, self.fn = self.fn, fn
+        try:
+            yield
+        finally:
+            self.fn = prev
 
 
-HOOK = _Hook()
+HOOK = PointHook()
 
 
-@contextmanager
 def key_points(fn):
-    """Within it, a split attention on this thread calls fn(k) before its key piece k (k >= 1).
-    None: no hook (also what a hook's own work sees: a forward nested in it does not split)."""
-    prev, HOOK.fn = HOOK.fn, fn
-    try:
-        yield
-    finally:
-        HOOK.fn = prev
+    """Within it, a split attention on this thread calls fn(k) before its key piece k (k >= 1)."""
+    return HOOK.use(fn)
 
 
 def splits(start: int, page: int) -> list[tuple[int, int]]:

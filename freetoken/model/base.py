@@ -11,6 +11,7 @@ import contextlib
 import torch
 
 from ..config import ModelConfig
+from ..experts import split_experts
 from ..kernels import split_keys
 from .attention import Attention
 from .deltanet import GatedDeltaNet
@@ -32,6 +33,14 @@ def _key_points(hook, i: int):
         n += 1
         hook(split_keys.point(i, n))
     return split_keys.key_points(at)
+
+
+def _expert_points(hook, i: int):
+    """The expert pieces' hook of layer i (experts/split_experts.py) in effect while its MoE
+    block runs: hook(split_experts.point(i, n)) before its n-th piece; nothing where hook is None."""
+    if hook is None:
+        return contextlib.nullcontext()
+    return split_experts.expert_points(lambda n: hook(split_experts.point(i, n)))
 
 
 class DecoderModel:
@@ -112,7 +121,8 @@ class DecoderModel:
         mid_layer also hook(i + 0.5) between layer i's token mixer and its MLP (the serving
         loop's decode steps: a finer grain than a layer, runtime/interleave.py); with key_points
         also hook(split_keys.point(i, n)) before the n-th key piece of a long context's attention,
-        where it runs in pieces (kernels/split_keys.py: the CPU)."""
+        where it runs in pieces (kernels/split_keys.py: the CPU), and hook(split_experts.point(i, n))
+        before the n-th piece of a prompt chunk's experts (experts/split_experts.py: the CPU executor)."""
         eps, oc = self.cfg.rms_norm_eps, self.one_centered_norm
         normed = rms_norm(x, self.layers[0][2], eps, oc)
         for i, (mixer, mlp, _, ln2) in enumerate(self.layers):
@@ -124,7 +134,9 @@ class DecoderModel:
             if hook is not None and mid_layer:
                 hook(i + 0.5)
             nxt = self.layers[i + 1][2] if i + 1 < len(self.layers) else self.norm
-            x, normed = add_rms_norm(x, mlp(normed, phase, active), nxt, eps, oc)
+            with _expert_points(hook if key_points else None, i):
+                y = mlp(normed, phase, active)
+            x, normed = add_rms_norm(x, y, nxt, eps, oc)
         return normed
 
     @torch.inference_mode()

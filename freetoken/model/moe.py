@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import UnsupportedModelError
+from ..experts import split_experts
 from ..experts.executor import NO_EXPERT, Activation
 from ..kernels import use_triton
 from .layers import FusedLinear, gated_add, silu_mul, swiglu_mlp
@@ -107,7 +108,12 @@ class MoE:
             if active is not None:
                 nxt_ids = nxt_ids.masked_fill(~active[:, None], NO_EXPERT)
             kw["ahead"] = (nxt_ids, nxt_w)
-        pending = self.executor.launch(x, ids, weights, layer=self.base // self.num_experts, phase=phase, **kw)
+        if split_experts.wanted(phase) and hasattr(self.executor, "launch_pieces"):
+            # a prompt chunk on the CPU with the serving loop's hook: its experts in pieces, decode
+            # steps allowed between them (experts/split_experts.py)
+            pending = self.executor.launch_pieces(x, ids, weights, self.base, self.num_experts, split_experts.HOOK.fn)
+        else:
+            pending = self.executor.launch(x, ids, weights, layer=self.base // self.num_experts, phase=phase, **kw)
         y = None
         if self.shared:  # computed while the routed experts run (on the CPU pool, say)
             _, g, u, sg = parts

@@ -47,6 +47,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from ..experts import split_experts
 from ..kernels import split_keys
 
 EMA = 0.3  # weight of the newest per-layer sample
@@ -120,7 +121,10 @@ MID_LAYER = False
 # on the CPU, decode steps may also run between the key pieces of a prompt chunk's attention over
 # a long context (kernels/split_keys.py: points i + n * POINT_STEP, below i + 0.5): there a 32-token chunk's
 # attention layer at 32k keys took 19-30 ms against a ~18 ms decode step (demo model, 2-core dev
-# machine), so a gap holding one was past 2x the streams' unloaded gap whatever the chunk size
+# machine), so a gap holding one was past 2x the streams' unloaded gap whatever the chunk size.
+# With them, between the pieces of a prompt chunk's routed experts on the CPU executor
+# (experts/split_experts.py: points i + 0.5 + n * its POINT_STEP; its ENABLED is the A/B switch):
+# a MoE block of the Qwen3.6 shape reads most of its 1.6 GB of experts whatever the chunk's size
 KEY_POINTS = True
 
 
@@ -360,13 +364,14 @@ class Interleaver:
         A key piece's point not met yet (the context just grew past another piece,
         kernels/split_keys.py) costs what the same layer's latest earlier piece does: pieces
         are of one size, and an unknown cost would have a decode step before it in every
-        attention layer of the forward."""
+        attention layer of the forward; an expert piece's likewise (experts/split_experts.py)."""
         c = self.cost.get(j)
         if c is None:
             c = self._costs[not self.graphed].get(j)
-        if c is None and split_keys.is_key_point(j):
-            known = [k for k in self.cost if int(k) == int(j) and split_keys.is_key_point(k) and k < j]
-            c = self.cost[max(known)] if known else None
+        for kind in (split_keys.is_key_point, split_experts.is_expert_point):
+            if c is None and kind(j):  # expert pieces (experts/split_experts.py) are of one size too
+                known = [k for k in self.cost if int(k) == int(j) and kind(k) and k < j]
+                c = self.cost[max(known)] if known else None
         return c
 
     @property

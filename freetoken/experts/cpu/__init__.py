@@ -26,7 +26,8 @@ import weakref
 import torch
 
 from ..banks import ExpertBanks, QuantBank
-from ..executor import SILU, Activation, ExpertExecutor, Pending, reference_experts
+from .. import split_experts
+from ..executor import NO_EXPERT, SILU, Activation, ExpertExecutor, Pending, reference_experts
 from ...errors import notice
 from ...paths import cache_dir, file_lock
 
@@ -353,6 +354,32 @@ class CpuExpertExecutor(ExpertExecutor):
         else:
             out = self.kernel(x, ids, weights).to(src_dtype)
         return out.to(src_dev)
+
+    def launch_pieces(self, x, ids, weights, base: int, num_experts: int, hook) -> Pending:
+        """launch() of a prompt chunk in pieces of the layer's experts (base..base+num_experts-1),
+        hook(n) before piece n >= 1 (experts/split_experts.py: the same sums); a layer whose
+        experts are few bytes, whole."""
+        if not split_experts.worth_it((self.gate_up.nbytes + self.down.nbytes) // self.gate_up.shape[0] * num_experts):
+            return self.launch(x, ids, weights, phase="prefill")
+        self.calls += 1
+        self.pairs += ids.numel()
+        src_dev, src_dtype = x.device, x.dtype
+        x, ids, weights = x.cpu(), ids.cpu(), weights.cpu()
+        if self.handle is None or x.shape[0] > self.torch_batch_threshold:
+            out = torch.zeros_like(x)  # [T, H]: every piece adds into it in expert order
+
+            def part(lo, hi):
+                reference_experts(x, ids, weights, self.gate_up, self.down, self.activation, self.gate_up_bias,
+                                  self.down_bias, out=out, lo=lo, hi=hi)
+        else:
+            out = torch.zeros(x.shape, dtype=torch.float32)  # [T, H] fp32: the kernel's partial sums
+
+            def part(lo, hi):
+                inside = (ids >= lo) & (ids < hi)  # [T, k]
+                if bool(inside.any()):
+                    out.add_(self.kernel(x, ids.masked_fill(~inside, NO_EXPERT), weights))
+        split_experts.run(part, base, num_experts, hook)
+        return Pending(out=out.to(src_dtype).to(src_dev))
 
     def kernel(self, x, ids, weights) -> torch.Tensor:
         """The C++ path whatever the batch size; fp32 result."""
