@@ -270,3 +270,23 @@ def test_f16_experts_are_widened_exactly():
     got = CpuExpertExecutor(gu16, dn16, threads=2)
     assert got.format == "f32"
     assert torch.equal(got.kernel(x, ids, w), CpuExpertExecutor(gu16.float(), dn16.float(), threads=2).kernel(x, ids, w))
+
+
+def test_float32_calls_over_bf16_banks_keep_the_cpp_kernel_while_experts_get_few_pairs():
+    """bf16 banks under float32 activations (a CPU engine's default): the torch path would widen
+    every expert it touches first, so past the float threshold the C++ kernel keeps a call whose
+    experts get fewer than WIDENING_PAIRS_PER_EXPERT pairs each; bf16 activations keep the float
+    threshold, and a threshold given by the caller is kept."""
+    from freetoken.experts.cpu import WIDENING_PAIRS_PER_EXPERT as P
+    gu, dn = banks(64, 64, 32, torch.bfloat16, 11)
+    ex = CpuExpertExecutor(gu, dn)
+    t = ex.torch_batch_threshold + 1
+    x, ids, w = inputs(t, 64, 4, 64, 13)  # 4t pairs over 64 experts: 8 a expert at t = 129
+    assert ex.torch_path(x.bfloat16(), ids) and not ex.torch_path(x, ids)
+    few = ids % 2  # the same pairs on 2 experts: past P each
+    assert 4 * t >= 2 * P and ex.torch_path(x, few)
+    assert CpuExpertExecutor(gu, dn, torch_batch_threshold=4).torch_path(x[:5], ids[:5])
+    f32 = CpuExpertExecutor(*banks(64, 64, 32, torch.float32, 12))
+    assert f32.torch_path(x, ids)  # no widening: the float threshold
+    # and a chunk past the float threshold through the kernel equals the reference (fp32)
+    assert rel(ex.launch(x, ids, w, phase="prefill").out, reference_experts(x, ids, w, gu.float(), dn.float())) < 2e-6

@@ -143,6 +143,17 @@ def has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
 # 76.1 / 77.7 / 114.4, and loses at 512 (148.7 against 94.1;
 # results/cpu_experts-bf16-prefill-threshold-t6-gpu.json): the 32 it had was a guess.
 FLOAT_TORCH_THRESHOLD = {True: 256, False: 128}  # AMX: tokens
+# The same for float banks of another dtype than the call's activations (bf16 banks under a float32
+# engine, the CPU's default): the torch path then widens every selected expert before its GEMM, as
+# it dequantizes a quantized one, once per expert the call touches, so what decides is the routed
+# pairs per expert: on the 2-core dev machine at the Qwen3.6 expert shape (256 experts, top-8), 2
+# threads, float32 activations, the C++ kernel (which widens as it reads) took 120 / 206 / 355 /
+# 606 / 1,307 ms for 128 / 256 / 512 / 1,024 / 2,048 tokens (4-64 pairs an expert) against the
+# torch path's 717 / 818 / 1,070 / 919 / 1,308 (results/cpu_experts-bf16-f32act-threshold-
+# devmachine-cpu.json, `torch_f32act_ms`): a float32 engine's prompt chunks of 129-1,024 tokens
+# had taken the slower path, 1.5-6x. The demo's 2,048-token chunks (256 pairs on each of its 32
+# small experts) prefilled 5-10% faster on the torch path (8k prompt, 2 threads): there it stays.
+WIDENING_PAIRS_PER_EXPERT = 64  # below this many pairs per distinct expert, the C++ kernel
 
 
 def physical_cores() -> list[int]:
@@ -251,6 +262,7 @@ class CpuExpertExecutor(ExpertExecutor):
         # the host copies serve the torch path too: the same values for bf16 / f16 / f32 biases
         # (kept as given, or widened to f32 exactly)
         self.gate_up_bias, self.down_bias = self._fn["gate_up_bias"], self._fn["down_bias"]
+        self._threshold_given = torch_batch_threshold is not None
         if torch_batch_threshold is None:
             torch_batch_threshold = 4096 if self.quantized else FLOAT_TORCH_THRESHOLD[has_amx()]
         self.torch_batch_threshold = torch_batch_threshold  # tokens; above: the torch path
@@ -348,12 +360,26 @@ class CpuExpertExecutor(ExpertExecutor):
     def run(self, x, ids, weights, phase):
         src_dev, src_dtype = x.device, x.dtype
         x, ids, weights = x.cpu(), ids.cpu(), weights.cpu()
-        if self.handle is None or x.shape[0] > self.torch_batch_threshold:
+        if self.torch_path(x, ids):
             out = reference_experts(x, ids, weights, self.gate_up, self.down, self.activation, self.gate_up_bias,
                                     self.down_bias)
         else:
             out = self.kernel(x, ids, weights).to(src_dtype)
         return out.to(src_dev)
+
+    def torch_path(self, x, ids) -> bool:
+        """Whether a call of x [T, H], ids [T, k] takes the torch path: without the C++ kernel, or
+        past the batch threshold, except where float banks would be widened to x's dtype first
+        with fewer than WIDENING_PAIRS_PER_EXPERT routed pairs per expert (unless the caller
+        gave the threshold)."""
+        if self.handle is None:
+            return True
+        if x.shape[0] <= self.torch_batch_threshold:
+            return False
+        if self._threshold_given or self.quantized or x.dtype == self.gate_up.dtype:
+            return True
+        live = ids[ids >= 0]  # [P] routed pairs (NO_EXPERT rows route nowhere)
+        return live.numel() >= WIDENING_PAIRS_PER_EXPERT * max(1, int(live.unique().numel()))
 
     def launch_pieces(self, x, ids, weights, base: int, num_experts: int, hook) -> Pending:
         """launch() of a prompt chunk in pieces of the layer's experts (base..base+num_experts-1),
@@ -365,7 +391,7 @@ class CpuExpertExecutor(ExpertExecutor):
         self.pairs += ids.numel()
         src_dev, src_dtype = x.device, x.dtype
         x, ids, weights = x.cpu(), ids.cpu(), weights.cpu()
-        if self.handle is None or x.shape[0] > self.torch_batch_threshold:
+        if self.torch_path(x, ids):
             out = torch.zeros_like(x)  # [T, H]: every piece adds into it in expert order
 
             def part(lo, hi):
