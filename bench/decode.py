@@ -65,11 +65,16 @@ def build(cfg: dict, dev, experts_on: str, seed=0, max_len: int = 8192, cpu_thre
         model = model_class(mc.arch)(mc, w, ex, dev, torch.bfloat16, max_len)
         return mc, w, ex, model
     n, i, h = mc.num_flat_experts, mc.moe_intermediate_size, mc.hidden_size
-    if experts_on == "cpu" and dev.type == "cpu":  # a CPU-only engine, as Engine sets one up there
+    if experts_on == "cpu" and dev.type == "cpu":  # a CPU-only engine, as Engine sets one up there:
+        # float32 compute with the bf16 dense matrices kept bf16 (--dense-bf16 auto), by the loader's own rule
         from freetoken.experts.cpu import SPIN_SHARED, CpuExpertExecutor
+        from freetoken.weights.reader import dense_weights
+        cls = model_class(mc.arch)
+        w = dense_weights({}, w, dev, torch.float32, keep_fp32=getattr(cls, "KEEP_FP32", ()), keep_bf16=True,
+                          bf16_widen=getattr(cls, "DENSE_WIDEN", ()))
         gu_h, dn_h = host_experts(mc, seed)
         ex = CpuExpertExecutor(gu_h, dn_h, threads=cpu_threads, spin=SPIN_SHARED)
-        return mc, w, ex, model_class(mc.arch)(mc, w, ex, dev, torch.bfloat16, max_len)
+        return mc, w, ex, cls(mc, w, ex, dev, torch.float32, max_len)
     gu = torch.randn(n, 2 * i, h, generator=g, device=dev, dtype=torch.bfloat16).mul_(h ** -0.5)
     dn = torch.randn(n, h, i, generator=g, device=dev, dtype=torch.bfloat16).mul_(i ** -0.5)
     if experts_on == "gpu":

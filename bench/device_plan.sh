@@ -60,7 +60,8 @@
 # Call 91: the control kernel's fuzz cases past seed 12 and the cache's hostfn GPU tests.
 # Call 93: the cache step's trims (shared expert before the wait, no cast or copy kernels), tested and timed;
 # the control kernel with a cold L2. Call 94: the 14/16-thread side-by-side with the resident row.
-# Call 100: issue 9's CPU side at the real shape (40 layers, CPU-only on the Xeon).
+# Call 100: issue 9's CPU side at the real shape (40 layers, CPU-only on the Xeon); 101 with a 4k prompt.
+# Calls 102-103: the 40-layer CPU rows at 2k: the expert pieces' A/B, then the mixed forward beside the interleave.
 # Calls 95-97 (thirtieth session): issue 9's 32k rows in fresh processes (GPU) and on the Xeon's cores
 # (CPU), then plan 93's tests. Call 92: plan 83's drift row with the C++ executor's dynamic schedule against its static default.
 # Call 90: plan 85's 14/16-thread rows beside llama.cpp three times (the ratio moved 1.18x-1.72x).
@@ -74,7 +75,7 @@
 # Call 76: plan 70 again after host_wait (16-thread rows beside llama.cpp in one run), the spin A/B at 16.
 # Call 7: fla's engine test, the 32k interference rows with the ceiling and the pacer, a prefill profile.
 set -uo pipefail
-STAGE=${1:?usage: bash bench/device_plan.sh N, N from 0 to 101}
+STAGE=${1:?usage: bash bench/device_plan.sh N, N from 0 to 103}
 OUT=${OUT:-/tmp/ft-device-out}
 mkdir -p "$OUT"
 LOG="$OUT/plan$STAGE.log"
@@ -1047,7 +1048,19 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   CUDA_VISIBLE_DEVICES= step 400 interference-cpu-40 python3 -m bench.interference --full-size --moe cpu \
     --layers 40 --long 4096 --settings interleave,interleave-noexperts --name interference-4k-xeon-40l
   ;;
-*) echo "stage 0 to 101"; exit 2 ;;
+102) # ~560 s at most, thirty-first session, for the next: the 40-layer CPU-only rows (now float32 compute over
+  # bf16 weights, as Engine on the CPU) with a 2k prompt: the expert pieces' A/B. The 1k row of this
+  # session took ~180 s with its set-up (the prompt at 14 tok/s beside the two streams). Carry .whl,
+  # .devcache/commit and .devcache/warm-cache.tgz.
+  CUDA_VISIBLE_DEVICES= step 560 interference-cpu-40-ab python3 -m bench.interference --full-size --moe cpu \
+    --layers 40 --long 2048 --settings interleave,interleave-noexperts --progress-every 30 \
+    --name interference-2k-xeon-40l-ab
+  ;;
+103) # ~560 s at most: the same shape's default CPU scheduling (one mixed forward) beside the interleave
+  CUDA_VISIBLE_DEVICES= step 560 interference-cpu-40-mixed python3 -m bench.interference --full-size --moe cpu \
+    --layers 40 --long 2048 --settings budget,interleave --progress-every 30 --name interference-2k-xeon-40l-mixed
+  ;;
+*) echo "stage 0 to 103"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole
