@@ -405,9 +405,13 @@ def run_setting(eng, name: str, a) -> dict:
     if s.get("interleave") and s.get("switch_s") is not None:
         sys.setswitchinterval(s["switch_s"])
     split_experts.ENABLED = s.get("expert_pieces", pieces)
+    splits = split_experts.SPLITS
     try:
         out = _run_setting(eng, name, a)
-        out["expert_pieces"] = split_experts.PIECES if split_experts.ENABLED and out.get("key_points") else 1
+        # MoE calls that ran in expert pieces during the row (0: layers under MIN_BYTES, CUDA, key
+        # points off, the DeepSeek family's blocks), and how many pieces each
+        out["expert_piece_calls"] = split_experts.SPLITS - splits
+        out["expert_pieces"] = split_experts.PIECES if out["expert_piece_calls"] else 1
     finally:
         sys.setswitchinterval(switch)
         split_experts.ENABLED = pieces

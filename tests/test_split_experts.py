@@ -87,3 +87,22 @@ def test_the_hooks_own_work_sees_no_expert_hook():
         split_experts.run(lambda lo, hi: None, 0, 8, lambda n: inside.append(split_experts.HOOK.fn))
         assert split_experts.HOOK.fn is not None
     assert inside == [None, None, None] and split_experts.HOOK.fn is None
+
+
+def test_a_wrapper_that_expands_routes_is_not_split_through_its_inner_executor():
+    """PiecedExecutor (experts/pieces.py) hands unknown attributes to its inner executor; a call in
+    expert pieces through it would skip its route expansion, so it says it has none."""
+    from freetoken.experts.pieces import PiecedExecutor
+    gu, dn = banks(8, 32, 16, torch.float32, seed=9)
+    wrapped = PiecedExecutor(CpuExpertExecutor(gu, dn), 2)
+    assert getattr(wrapped, "launch_pieces", None) is None
+
+
+def test_split_calls_are_counted(monkeypatch):
+    monkeypatch.setattr(split_experts, "MIN_BYTES", 0)
+    gu, dn = banks(16, 32, 16, torch.float32, seed=10)
+    ex = CpuExpertExecutor(gu, dn)
+    x, ids, w = routes(6, 32, 2, 0, 16, seed=11, dtype=torch.float32)
+    before = split_experts.SPLITS
+    ex.launch_pieces(x, ids, w, 0, 16, lambda n: None)
+    assert split_experts.SPLITS == before + 1

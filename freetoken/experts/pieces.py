@@ -162,6 +162,10 @@ class PiecedExecutor(ExpertExecutor):
     else (the slot pool's sizing in pieces, the adaptive split, graph variants, stats) is the
     inner executor's."""
 
+    # not the inner executor's (through __getattr__): a call in expert pieces (experts/split_experts.py)
+    # would skip expanding its routes to these pieces
+    launch_pieces = None
+
     def __init__(self, inner: ExpertExecutor, pieces: int):
         self.__dict__.update(inner=inner, pieces=int(pieces))
 

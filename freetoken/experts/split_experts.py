@@ -13,8 +13,12 @@ the hook in effect called before group n >= 1, so a decode step can come between
 The sums are the unsplit call's: the torch path (reference_experts, past the C++ kernel's batch
 threshold) adds each expert's products into one output in expert order, pieces or not, so its
 result is bit-identical; the C++ path's partial outputs (fp32) are added in fp32 and rounded
-once, the same products with each token's sum in another order (fp32 rounding, as the kernel's
-own thread split gives).
+once, the same products with each token's sum grouped by piece (fp32 rounding; the whole call's
+result does not depend on its thread count, the pieced one differs from it in the last bits).
+
+Where: MoE blocks of model/moe.py (Qwen3.5/3.6, Qwen3-MoE, GPT-OSS) on the CPU executor
+(CpuExpertExecutor.launch_pieces). The DeepSeek family's blocks (model/deepseek_moe.py: V4,
+GLM-5) call their executor whole: no pieces there yet.
 """
 from __future__ import annotations
 
@@ -32,9 +36,13 @@ POINT_STEP = 0.001
 HOOK = PointHook()
 
 
+MAX_POINTS = 490  # labels stay below i + 1 whatever PIECES is (the last shared past it)
+SPLITS = 0  # calls that ran in pieces (telemetry: bench.interference's rows)
+
+
 def point(i: int, n: int) -> float:
     """The interleaver's label of the point before expert piece n of layer i."""
-    return round(i + 0.5 + n * POINT_STEP, 3)
+    return round(i + 0.5 + min(n, MAX_POINTS) * POINT_STEP, 3)
 
 
 def is_expert_point(j: float) -> bool:
@@ -68,6 +76,8 @@ def bounds(base: int, num_experts: int, pieces: int = PIECES) -> list[tuple[int,
 def run(part, base: int, num_experts: int, hook) -> None:
     """part(lo, hi) for each piece, hook(n) before piece n >= 1 (with no expert hook in effect
     meanwhile: a short prompt's forward inside it runs its experts whole)."""
+    global SPLITS
+    SPLITS += 1
     for n, (lo, hi) in enumerate(bounds(base, num_experts)):
         if n:
             with expert_points(None):

@@ -402,8 +402,10 @@ class CpuExpertExecutor(ExpertExecutor):
 
             def part(lo, hi):
                 inside = (ids >= lo) & (ids < hi)  # [T, k]
-                if bool(inside.any()):
-                    out.add_(self.kernel(x, ids.masked_fill(~inside, NO_EXPERT), weights))
+                rows = inside.any(1).nonzero()[:, 0]  # [R] the tokens with a pair in the piece
+                if rows.numel():
+                    out.index_add_(0, rows, self.kernel(x[rows], ids[rows].masked_fill(~inside[rows], NO_EXPERT),
+                                                        weights[rows]))
         split_experts.run(part, base, num_experts, hook)
         return Pending(out=out.to(src_dtype).to(src_dev))
 
