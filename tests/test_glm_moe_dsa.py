@@ -419,3 +419,21 @@ def test_glm_tool_calls_in_streams_split_everywhere(i):
     run(list(text))
     for cut in range(len(text) + 1):
         run([text[:cut], text[cut:]])
+
+
+def test_prompt_chunks_in_expert_pieces_give_the_same_logits(built, monkeypatch):
+    """With the serving loop's hook on the CPU (experts/split_experts.py; MIN_BYTES 0, its experts
+    are tiny) the GLM MoE block runs a chunk's routed experts in pieces, the hook called between
+    them at split_experts.point(i, n): the logits are the whole blocks' (fp32) and transformers'."""
+    from freetoken.experts import split_experts
+    monkeypatch.setattr(split_experts, "MIN_BYTES", 0)
+    model, ftw = built["shared-indexer-bias"]
+    eng = cpu_engine(ftw)
+    a = prompt_for(14, n=24)
+    seen = []
+    got = eng.prefill_batch(eng.new_state(64), [(a, 0, 0, None, True)], between=seen.append, key_points=True)
+    plain = eng.prefill_batch(eng.new_state(64), [(a, 0, 0, None, True)])
+    pieces = [j for j in seen if split_experts.is_expert_point(j)]
+    assert {int(j) for j in pieces} == set(eng.cfg.moe_layers) and len(pieces) == 3 * len(eng.cfg.moe_layers)
+    assert rel_err(got, plain) < 1e-5
+    assert rel_err(got[0], hf_models.reference_logits(model, a)[-1]) < 1e-4

@@ -137,12 +137,14 @@ def test_decode_steps_also_run_between_the_pieces_of_a_prompt_chunks_experts(eng
         points, hooks = spy_points(srv)
         reqs = drive(srv, [greedy(ps[0], 40), greedy(ps[1], 4)], arrive=[0, 3])
         expert = [i for i in hooks if split_experts.is_expert_point(i)]
+        mids = {i for i in hooks if round(i - int(i), 3) == 0.5}
         if pieces:  # every MoE layer's pieces, each label one of its PIECES - 1 points
             assert {int(i) for i in expert} == set(eng.cfg.moe_layers)
             assert {round(i - int(i), 3) for i in expert} == {0.501, 0.502, 0.503}
             assert any(split_experts.is_expert_point(p) for p in points)  # and decode steps ran there
+            assert {int(i) for i in mids} == set(range(len(eng.model.layers)))  # and a point before each MLP
         else:
-            assert not expert
+            assert not expert and not mids
         runs[pieces] = [r.output_ids for r in reqs], [r.logprobs for r in reqs]
     same_tokens(runs[True], runs[False])
 

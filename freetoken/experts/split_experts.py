@@ -16,9 +16,9 @@ result is bit-identical; the C++ path's partial outputs (fp32) are added in fp32
 once, the same products with each token's sum grouped by piece (fp32 rounding; the whole call's
 result does not depend on its thread count, the pieced one differs from it in the last bits).
 
-Where: MoE blocks of model/moe.py (Qwen3.5/3.6, Qwen3-MoE, GPT-OSS) on the CPU executor
-(CpuExpertExecutor.launch_pieces). The DeepSeek family's blocks (model/deepseek_moe.py: V4,
-GLM-5) call their executor whole: no pieces there yet.
+Where: every MoE block that launches through launch() below (model/moe.py: Qwen3.5/3.6,
+Qwen3-MoE, GPT-OSS; model/deepseek_moe.py: GLM-5; DeepSeek-V4's layer loop sets no hook) on the
+CPU executor (CpuExpertExecutor.launch_pieces).
 """
 from __future__ import annotations
 
@@ -83,3 +83,11 @@ def run(part, base: int, num_experts: int, hook) -> None:
             with expert_points(None):
                 hook(n)
         part(lo, hi)
+
+
+def launch(executor, x, ids, weights, base: int, num_experts: int, phase: str, **kw):
+    """A MoE block's expert call: executor.launch, or for a prompt chunk with the hook set its
+    launch_pieces where it has one (a wrapper that rewrites routes says it has none)."""
+    if wanted(phase) and getattr(executor, "launch_pieces", None) is not None:
+        return executor.launch_pieces(x, ids, weights, base, num_experts, HOOK.fn)
+    return executor.launch(x, ids, weights, layer=base // num_experts, phase=phase, **kw)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ..experts import split_experts
 from ..experts.executor import NO_EXPERT
 from .layers import FusedLinear, silu_mul
 from .linear import linear
@@ -64,7 +65,7 @@ class DeepseekMoE:
         ids, weights = self.route(x)  # [T, k]
         if active is not None:
             ids = ids.masked_fill(~active[:, None], NO_EXPERT)
-        pending = self.executor.launch(x, ids, weights, layer=self.base // self.num_experts, phase=phase)
+        pending = split_experts.launch(self.executor, x, ids, weights, self.base, self.num_experts, phase)
         shared = None
         if self.shared is not None:  # computed while the routed experts run (on the CPU pool, say)
             g, u = self.shared(x)

@@ -108,12 +108,9 @@ class MoE:
             if active is not None:
                 nxt_ids = nxt_ids.masked_fill(~active[:, None], NO_EXPERT)
             kw["ahead"] = (nxt_ids, nxt_w)
-        if split_experts.wanted(phase) and getattr(self.executor, "launch_pieces", None) is not None:
-            # a prompt chunk on the CPU with the serving loop's hook: its experts in pieces, decode
-            # steps allowed between them (experts/split_experts.py)
-            pending = self.executor.launch_pieces(x, ids, weights, self.base, self.num_experts, split_experts.HOOK.fn)
-        else:
-            pending = self.executor.launch(x, ids, weights, layer=self.base // self.num_experts, phase=phase, **kw)
+        # a prompt chunk on the CPU with the serving loop's hook: its experts in pieces, decode
+        # steps allowed between them (experts/split_experts.py)
+        pending = split_experts.launch(self.executor, x, ids, weights, self.base, self.num_experts, phase, **kw)
         y = None
         if self.shared:  # computed while the routed experts run (on the CPU pool, say)
             _, g, u, sg = parts

@@ -381,11 +381,16 @@ class CpuExpertExecutor(ExpertExecutor):
         live = ids[ids >= 0]  # [P] routed pairs (NO_EXPERT rows route nowhere)
         return live.numel() >= WIDENING_PAIRS_PER_EXPERT * max(1, int(live.unique().numel()))
 
+    def splits(self, num_experts: int) -> bool:
+        """Whether a layer of num_experts of these banks runs a prompt chunk in expert pieces
+        (experts/split_experts.py: not a layer whose experts are few bytes)."""
+        return split_experts.worth_it((self.gate_up.nbytes + self.down.nbytes) // self.gate_up.shape[0] * num_experts)
+
     def launch_pieces(self, x, ids, weights, base: int, num_experts: int, hook) -> Pending:
         """launch() of a prompt chunk in pieces of the layer's experts (base..base+num_experts-1),
         hook(n) before piece n >= 1 (experts/split_experts.py: the same sums); a layer whose
         experts are few bytes, whole."""
-        if not split_experts.worth_it((self.gate_up.nbytes + self.down.nbytes) // self.gate_up.shape[0] * num_experts):
+        if not self.splits(num_experts):
             return self.launch(x, ids, weights, phase="prefill")
         self.calls += 1
         self.pairs += ids.numel()
