@@ -222,7 +222,7 @@ def main():
             row.update(torch_ms=round(t_ref * 1e3, 3), torch_gbs=round(distinct * per_expert / t_ref / 1e9, 1),
                        torch_over_cpp=round(t_ref / min(t_cpp, t_bf), 2))
             if a.format == "bf16":  # a float32 engine's call (the CPU's default dtype): each expert widened
-                # first on the torch path, read as it is by the C++ kernel (WIDENING_TORCH_THRESHOLD)
+                # first on the torch path, read as it is by the C++ kernel (experts/cpu WIDENING_PAIRS_PER_EXPERT)
                 t_w = run(lambda x, ids, w: reference_experts(x, ids, w, gu, dn, **fn))
                 row.update(torch_f32act_ms=round(t_w * 1e3, 3), torch_f32act_over_cpp=round(t_w / t_cpp, 2))
         res["batches"].append(row)

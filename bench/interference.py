@@ -711,10 +711,12 @@ def main():
         faulthandler.dump_traceback_later(a.stacks_every, repeat=True)
     if a.progress_every > 0:
         threading.Thread(target=progress, args=(a.progress_every, threading.Event()), daemon=True).start()
+    if a.moe != "resident" and not a.full_size:
+        ap.error(f"--moe {a.moe} is a --full-size engine's: add --full-size (the demo engine's experts are its own)")
     page_gather.ENABLED = a.gather_workspace == "on"
     ctx = a.long + a.short + 64
     if a.full_size and a.moe == "cpu":  # the CPU-only product case at the real shape (the demo's decode
-        # step is mostly its 127 MB lm_head read and fixed costs; a prompt layer there costs as much)
+        # step reads a 127 MB lm_head and small experts; a prompt layer there costs ~6 ms whatever the chunk)
         eng = full_size_engine(a.layers, "cpu", experts_on="cpu", max_len=ctx, cpu_threads=a.cpu_threads)
     elif a.full_size and a.moe == "cache":
         eng = full_size_engine(a.layers, "cuda", experts_on="cache", max_len=ctx, expert_cache=a.expert_cache)

@@ -597,8 +597,8 @@ class EngineLoop:
         """Whether this engine's prompt chunks run their routed experts in pieces (experts/
         split_experts.py); with them a point between each layer's mixer and its MoE block too
         (i + 0.5, as MID_LAYER gives): else a layer's mixer and its first piece are one stretch,
-        at the Qwen3.6 shape on the 2-core dev machine 55-180 ms for 32-128 tokens against 18-38
-        for each later piece (float32, 4 layers, a 1k context)."""
+        at the Qwen3.6 shape on the 2-core dev machine 130-290 ms where the learned costs of expert points were 14-15 ms
+        (benchmarks/results/interference-2k-fullshape-4l-f32-cpu.json)."""
         fn = getattr(self.engine.executor, "splits", None)
         return split_experts.ENABLED and fn is not None and fn(getattr(self.engine.cfg, "num_experts", 0) or 0)
 

@@ -152,7 +152,7 @@ FLOAT_TORCH_THRESHOLD = {True: 256, False: 128}  # AMX: tokens
 # torch path's 717 / 818 / 1,070 / 919 / 1,308 (results/cpu_experts-bf16-f32act-threshold-
 # devmachine-cpu.json, `torch_f32act_ms`): a float32 engine's prompt chunks of 129-1,024 tokens
 # had taken the slower path, 1.5-6x. The demo's 2,048-token chunks (256 pairs on each of its 32
-# small experts) prefilled 5-10% faster on the torch path (8k prompt, 2 threads): there it stays.
+# small experts, cheap to widen) stay on the torch path, which a scratch A/B favoured there.
 WIDENING_PAIRS_PER_EXPERT = 64  # below this many pairs per distinct expert, the C++ kernel
 
 
