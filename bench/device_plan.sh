@@ -1060,7 +1060,18 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   CUDA_VISIBLE_DEVICES= step 560 interference-cpu-40-mixed python3 -m bench.interference --full-size --moe cpu \
     --layers 40 --long 2048 --settings budget,interleave --progress-every 30 --name interference-2k-xeon-40l-mixed
   ;;
-*) echo "stage 0 to 103"; exit 2 ;;
+104) # ~540 s at most (limits 200 + 330), thirty-second session: plan 102 on an H100 host's Xeon (GPU hidden) gave
+  # the 40-layer CPU-only interleave rows (2k prompt): p99 1.84x with the expert pieces, 2.06x without. The
+  # same shape's default CPU scheduling (the decode rows and a prompt chunk in one forward), then the GPU
+  # tests of what changed since the last GPU run (expert pieces through split_experts.launch on CUDA
+  # engines, the cache step's trims). Carry .whl, .devcache/commit and .devcache/warm-cache.tgz.
+  CUDA_VISIBLE_DEVICES= step 200 interference-cpu-40-mixed python3 -m bench.interference --full-size --moe cpu \
+    --layers 40 --long 2048 --settings budget --progress-every 30 --name interference-2k-xeon-40l-mixed
+  step 330 gpu-tests python3 -m pytest -q -p no:cacheprovider --durations=8 tests/test_interleave.py \
+    tests/test_expert_pieces.py tests/test_glm_moe_dsa.py tests/test_expert_cache_gpu.py tests/test_split_experts.py \
+    -k "cuda or gpu or cache or bell or graph or pieces"
+  ;;
+*) echo "stage 0 to 104"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole
