@@ -8,7 +8,10 @@ a decode step does. Per case, ms and GB/s of weight bytes: `torch` (F.linear), `
 w @ h^T form layers.lm_head used on the CPU; the lm_head rows only), `cpp` (ext.dense_gemv, what
 model/linear.py's host_gemv now calls for up to HOST_ROWS rows), and the host's read bandwidth (a
 plain fp32 sum over a 1 GB buffer, the same threads) for scale.
-    python -m bench.cpu_gemv [--threads 0] [--rows 1,2,4,8,16] [--dtypes bfloat16,float32]
+dtype `mixed`: bf16 weights under a float32 model (--dense-bf16, the CPU's default for bf16
+checkpoints), float32 rows; its `torch` way is model/linear.py's widened_linear, what linear()
+runs past MIXED_HOST_ROWS rows (a prompt chunk's rows), against the rows kernel at those counts.
+    python -m bench.cpu_gemv [--threads 0] [--rows 1,2,4,8,16] [--dtypes bfloat16,float32,mixed]
 Results: benchmarks/results/cpu_gemv-cpu.json (--name to change).
 """
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch.nn.functional as F
 from bench.common import timeit, write_result
 from bench.cpu_experts import read_bandwidth
 from freetoken.experts.cpu import extension
+from freetoken.model.linear import widened_linear
 
 H = 2048
 SHAPES = {  # name: (N, K) of the Qwen3.6-35B-A3B decode step's weights
@@ -40,23 +44,24 @@ def cycled(n: int, k: int, dtype, total: int = 512 << 20) -> list[torch.Tensor]:
 
 
 def case(name: str, n: int, k: int, dtype, rows: list[int], ext) -> list[dict]:
-    ws = cycled(n, k, dtype)
+    mixed = dtype == "mixed"  # bf16 weights, float32 rows
+    ws = cycled(n, k, torch.bfloat16 if mixed else dtype)
     nbytes = ws[0].numel() * ws[0].element_size()
     out = []
     for m in rows:
-        x = torch.randn(m, k).to(dtype)
+        x = torch.randn(m, k).to(torch.float32 if mixed else dtype)
         it = {"i": 0}
 
         def nxt():
             it["i"] = (it["i"] + 1) % len(ws)
             return ws[it["i"]]
-        ways = {"torch": lambda: F.linear(x, nxt())}
-        if name == "lm_head":
+        ways = {"torch": (lambda: widened_linear(x, nxt())) if mixed else (lambda: F.linear(x, nxt()))}
+        if name == "lm_head" and not mixed:
             cols = torch.cat([x, x]) if m == 1 else x
             ways["lm_head_form"] = lambda: (nxt() @ cols.T)[:, :m]
         if ext is not None:
             ways["cpp"] = lambda: ext.dense_gemv(x, nxt(), torch.empty(0), 3)
-        row = {"weight": name, "n": n, "k": k, "dtype": str(dtype).replace("torch.", ""), "rows": m,
+        row = {"weight": name, "n": n, "k": k, "dtype": "mixed" if mixed else str(dtype).replace("torch.", ""), "rows": m,
                "weight_mb": round(nbytes / 1e6, 2)}
         iters = 5 if nbytes > 256e6 else 30
         for way, fn in ways.items():
@@ -81,7 +86,7 @@ def main():
     if a.threads:
         torch.set_num_threads(a.threads)
     rows = [int(r) for r in a.rows.split(",") if r]
-    dtypes = [getattr(torch, d) for d in a.dtypes.split(",") if d]
+    dtypes = [d if d == "mixed" else getattr(torch, d) for d in a.dtypes.split(",") if d]
     ext = extension()
     probe = read_bandwidth(torch.randn(1 << 28), torch.get_num_threads())  # 1 GB
     res = {"threads": torch.get_num_threads(), "read_probe_gbs": round(probe, 1),

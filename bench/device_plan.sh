@@ -1071,7 +1071,23 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
     tests/test_expert_pieces.py tests/test_glm_moe_dsa.py tests/test_expert_cache_gpu.py tests/test_split_experts.py \
     -k "cuda or gpu or cache or bell or graph or pieces"
   ;;
-*) echo "stage 0 to 104"; exit 2 ;;
+105) # ~470 s at most (limits 45 + 280 + 110 + 2 x 25), thirty-second session: the expert cache's slot routes go to
+  # the decode kernels as int64 again (int32 ones were autotuned apart from the resident path's int64 ids:
+  # test_cache_modes_agree failed on the H100, plans 93 and 104). The cache's GPU tests, all but hostfn, with
+  # time for the compiles (plan 104's step ran out at 330 s, the first call on a fresh machine), then the
+  # trims' timed row at that dtype and plan 93's cold-L2 control rows. Carry .whl, .devcache/commit and
+  # .devcache/warm-cache.tgz.
+  step 45 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
+  step 280 gpu-tests python3 -m pytest -v -p no:cacheprovider --durations=10 tests/test_expert_cache_gpu.py \
+    tests/test_hostcall.py tests/test_quant_kernels.py -k "not hostfn and (cache or bell or int32 or takes_the or graph or lookahead or split)"
+  step 110 trims-t6 python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
+    --modes cache --capacity 0.375 --threads 6 --timeline --name large_models-qwen3_5_moe-40-mxfp4-int64routes-t6
+  for mb in 0 64; do
+    step 25 control-thrash-$mb python3 -m bench.control_speed --layers 40 --experts 256 --slots 3840 --pairs 8 \
+      --warps 4,8 --blocks 1024,4096 --thrash-mb $mb --name control_speed-3840-thrash$mb
+  done
+  ;;
+*) echo "stage 0 to 105"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole

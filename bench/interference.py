@@ -44,6 +44,7 @@ from bench.line_trace import LineTrace
 from freetoken.demo import demo_path
 from freetoken.experts import split_experts
 from freetoken.kernels import page_gather
+from freetoken.model import linear
 from freetoken.runtime.engine import Engine, EngineConfig
 from freetoken.runtime.gcwatch import GcWatch
 from freetoken.runtime.interleave import Interleaver
@@ -67,6 +68,9 @@ SETTINGS = {
     "interleave-nokeys": interleaved(key_points=False),
     # a CPU prompt chunk's routed experts whole between two points (experts/split_experts.py off)
     "interleave-noexperts": interleaved(expert_pieces=False),
+    # a CPU prompt chunk's dense projections over bf16 weights by the rows kernel up to 16 rows
+    # only (model/linear.py MIXED_HOST_ROWS before the thirty-second session; 32 now)
+    "interleave-rows16": interleaved(mixed_host_rows=16),
     # the interleave with each decode step's tokens waited for at once (no deferral: the A/B of
     # runtime/deferred_step.py, which is on by default on CUDA)
     "interleave-wait": interleaved(defer=False),
@@ -405,6 +409,8 @@ def run_setting(eng, name: str, a) -> dict:
     if s.get("interleave") and s.get("switch_s") is not None:
         sys.setswitchinterval(s["switch_s"])
     split_experts.ENABLED = s.get("expert_pieces", pieces)
+    rows = linear.MIXED_HOST_ROWS
+    linear.MIXED_HOST_ROWS = s.get("mixed_host_rows", rows)
     splits = split_experts.SPLITS
     try:
         out = _run_setting(eng, name, a)
@@ -415,6 +421,7 @@ def run_setting(eng, name: str, a) -> dict:
     finally:
         sys.setswitchinterval(switch)
         split_experts.ENABLED = pieces
+        linear.MIXED_HOST_ROWS = rows
     if s.get("interleave") and s.get("switch_s") is not None:
         out["switch_interval_s"] = s["switch_s"]
     elif s.get("overlap"):  # DecodeOverlap's own while a prompt forward overlaps

@@ -215,16 +215,20 @@ def test_a_stream_that_finishes_between_layers_is_not_decoded_again(eng):
 
 
 def test_the_switch_puts_decode_steps_between_layers_on_eager_steps(eng):
-    """--decode-between-layers: auto interleaves only where decode is its own forward (CUDA
-    graphs), so on the CPU the decode rows share the prompt chunk's forward; on: decode rows
-    in forwards of their own between the prompt's layers; off: never. A bad value is named."""
+    """--decode-between-layers: auto interleaves where decode is its own forward (CUDA graphs)
+    and on the CPU (eager CUDA alone shares the prompt chunk's forward); on: decode rows in
+    forwards of their own between the prompt's layers; off: never, the decode rows share the
+    prompt chunk's forward. A bad value is named."""
     from freetoken.errors import FreeTokenError
     got = {}
     for mode in ("auto", "on", "off"):
         e = Engine(eng.path, EngineConfig(device="cpu", dtype="float32", prefill_chunk=32, decode_between_layers=mode))
         srv = ServingEngine(e, max_batch=2, max_queue=2, start=False)
         got[mode] = (srv.mixed, srv.between.enabled)
-    assert got == {"auto": (True, False), "on": (False, True), "off": (True, False)}
+    assert got == {"auto": (False, True), "on": (False, True), "off": (True, False)}
+    e = Engine(eng.path, EngineConfig(device="cpu", dtype="float32", prefill_chunk=32, decode_slowdown=0))
+    srv = ServingEngine(e, max_batch=2, max_queue=2, start=False)
+    assert (srv.mixed, srv.between.enabled) == (True, False)  # no latency budget: nothing to pace
     with pytest.raises(FreeTokenError, match="--decode-between-layers must be auto, on or off"):
         EngineConfig(decode_between_layers="yes")
 
@@ -354,8 +358,10 @@ def test_chunks_stuck_at_one_small_size_grow_back():
 def test_a_mixed_step_is_sized_from_its_prompt_part_beyond_a_decode_step(eng):
     """Eager steps that carry decode rows and a prompt chunk in one forward: the chunk is sized
     so the step takes about slowdown x a plain decode step, from the mixed steps' time beyond
-    a decode step (their fixed part and part per token, CostModel)."""
-    srv = ServingEngine(eng, max_batch=2, max_queue=2, start=False)
+    a decode step (their fixed part and part per token, CostModel): --decode-between-layers off
+    on the CPU."""
+    off = Engine(eng.path, EngineConfig(device="cpu", dtype="float32", prefill_chunk=32, decode_between_layers="off"))
+    srv = ServingEngine(off, max_batch=2, max_queue=2, start=False)
     assert srv.mixed and not srv.between.enabled
     assert srv._prefill_budget() is None  # nothing decoding: no latency budget
     dec = greedy(list(range(5, 9)), 8)

@@ -167,11 +167,16 @@ class Int8ReferenceExecutor(QuantizedHostExecutor):
 
 @pytest.mark.skipif(extension() is None, reason="the C++ executor could not be built")
 @pytest.mark.parametrize("name", ["mxfp4-experts-q35-gptoss-fused", "nvfp4-experts-q35-modelopt"])
-def test_cpu_act_int8_model_equals_its_reference(built, name):
+def test_cpu_act_int8_model_equals_its_reference(built, name, monkeypatch):
     """--cpu-act int8 (the opt-in int8-activation kernels) on a whole model: the engine says so,
     and its logits equal the same engine with the torch reference of that arithmetic; they
     differ from the exact path (rounding activations to 8 bits: on these small random models
     the logits move by up to ~10%, which is why it is opt-in)."""
+    # the dense projections of the prompt by torch's GEMM, as when the count below was set: which
+    # activations sit at an 8-bit boundary depends on the dense path's roundings (through the rows
+    # kernel, model/linear.py MIXED_HOST_ROWS 32, the nvfp4 case's prompt had one such flip,
+    # 1.7e-3, echoed by every later step), and that is not what this test is about
+    monkeypatch.setattr("freetoken.model.linear.MIXED_HOST_ROWS", 16)
     model, _, _, path = built[name]
     eng = Engine(path, EngineConfig(device="cpu", dtype="float32", cpu_act="int8"))
     assert eng.describe()["cpu_act"] in ("int8", "int8-scalar")

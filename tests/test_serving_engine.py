@@ -98,11 +98,11 @@ def _inject(eng, bad, calls):
         return toks[:5] == bad[:5] or toks == bad[-len(toks):]
     real_batch, real_mixed = eng.prefill_batch, eng.forward_mixed
 
-    def prefill_batch(st, segs):
+    def prefill_batch(st, segs, **kw):  # kw: the interleaved forward's hook (between=)
         calls.append(len(segs))
         if any(faulty(seg[0]) for seg in segs):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
-        return real_batch(st, segs)
+        return real_batch(st, segs, **kw)
 
     def forward_mixed(st, tokens, pos, active, segs):
         calls.append(len(segs) + 1)
@@ -112,19 +112,26 @@ def _inject(eng, bad, calls):
     eng.prefill_batch, eng.forward_mixed = prefill_batch, forward_mixed
 
 
-def test_failing_prefill_fails_only_its_request(eng):
-    """The faulty prompt shares a forward with others (prompt chunks, decode rows): they all
-    start over alone, only the faulty one fails, and the others' outputs are unchanged."""
+@pytest.mark.parametrize("mixed", [False, True], ids=["interleaved", "mixed"])
+def test_failing_prefill_fails_only_its_request(eng, mixed):
+    """The faulty prompt shares a forward with others (prompt chunks; with mixed steps, as
+    --decode-between-layers off gives on the CPU, decode rows too): they all start over alone,
+    only the faulty one fails, and the others' outputs are unchanged."""
+    from freetoken.runtime.interleave import Interleaver
     ps = prompts(eng, (30, 50, 9), seed=3)
     ref = drive(ServingEngine(eng, max_batch=3, max_queue=4, start=False), [greedy(p) for p in ps])
     srv = ServingEngine(eng, max_batch=3, max_queue=4, start=False)
+    assert srv.mixed is False  # the CPU's default: decode steps between the prompt's layers
+    if mixed:
+        srv.mixed, srv.between = True, Interleaver(0.0)
     calls = []
     _inject(eng, ps[1], calls)
     try:
         reqs = drive(srv, [greedy(p) for p in ps], arrive=[0, 1, 1])
     finally:
         del eng.prefill_batch, eng.forward_mixed
-    assert max(calls) >= 2  # the faulty prompt was in a shared forward first
+    if mixed:  # the faulty prompt was in a shared forward first (interleaved, prompts that arrive
+        assert max(calls) >= 2  # during a forward prefill in their own between its layers)
     assert reqs[1].finish_reason == "error" and reqs[1].output_ids == [] and "out of memory" in reqs[1].error
     for i in (0, 2):
         assert reqs[i].finish_reason == "length" and reqs[i].output_ids == ref[i].output_ids

@@ -393,8 +393,11 @@ class CachedExpertExecutor(ExpertExecutor):
                 ready.record()
         self._join_prefetch(ids)  # the last call's lookahead copies land before this call's copies and reads
         self.pool.transfer(ctl.fill_src, ctl.fill_dst)
-        # int32 slots: the decode kernels read them as they are (one copy kernel a layer less)
-        gpu = self.gpu.run(x.to(self.device), ctl.route, weights, phase)  # CPU / NO_EXPERT pairs skipped
+        # int64 slots, as the all-resident path's router ids: Triton's autotuner keys its choice on
+        # every tensor argument's dtype, so int32 routes (one copy kernel a layer less) got a tiling
+        # of their own, a different fp32 summation order, and fill-only decode drifted from
+        # all-resident by bf16 roundings (test_expert_cache_gpu's exact test failed on an H100)
+        gpu = self.gpu.run(x.to(self.device), ctl.route.long(), weights, phase)  # CPU / NO_EXPERT pairs skipped
         if ahead is not None:  # after this call's reads of its slots are enqueued: they may be evicted now
             self._prefetch(*ahead)
         src = x.device

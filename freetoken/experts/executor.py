@@ -224,8 +224,9 @@ class TorchExpertExecutor(ExpertExecutor):
         return "gpu-resident" if self.device.type == "cuda" else "torch"
 
     def run(self, x, ids, weights, phase):
-        """ids: int64, or int32 (the expert cache's slot routes): the decode kernels read either;
-        every other path takes int64 (torch's scatter and index ops)."""
+        """ids: int64 (int32 is read by the decode kernels too, but Triton's autotuner then picks
+        their tiling apart from int64's: a different summation order); every other path takes
+        int64 (torch's scatter and index ops)."""
         src = x.device
         x, ids, weights = (t.to(self.device) for t in (x, ids, weights))
         fn = dict(activation=self.activation, gate_up_bias=self.gate_up_bias, down_bias=self.down_bias)

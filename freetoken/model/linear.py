@@ -49,14 +49,14 @@ SEEN: dict[tuple, tuple] = {}
 # blocked GEMM is the one to use. FREETOKEN_CPU_KERNELS=0: torch for every row count (A/B runs;
 # experts/cpu DECODE_KERNELS).
 HOST_ROWS = 16
-# A bf16 weight kept under a float32 model (--dense-bf16) against fp32 rows. In a scratch timing
-# on the 2-core dev machine the kernel beat widening the weight per call up to 64 rows (2.5-5x),
-# and widening was near par with float32 copies from 512 rows. It stays at 16 for now: at 64 the
-# prompt of test_quantized_models' int8 case went through it, and that test's count of steps
-# whose int8 kernel and reference agree to 1e-4 fell from 7 of 9 to 5 (a statistical bound on
-# rounding flips; the worst step stayed under its 1e-2). To be looked at, with a benchmark, before
-# raising it.
-MIXED_HOST_ROWS = 16
+# A bf16 weight kept under a float32 model (--dense-bf16, the CPU's default for bf16 checkpoints)
+# against fp32 rows: the kernel widens as it reads, torch's path widens the weight per call
+# (widened_linear). At the Qwen3.6 shape's dense weights on the 2-core dev machine (python -m
+# bench.cpu_gemv --threads 2 --dtypes mixed --rows 16,24,32,48,64, cpu_gemv-mixed-rows-cpu.json)
+# the kernel took 1.8-5.5x less time at 16 rows, 1.4-2.0x at 32, 1.2-1.4x at 64 (its MAX_ROWS):
+# 32 keeps a margin for hosts whose torch GEMM is faster (not measured on the Xeon). The
+# interleaver's CPU prompt chunks are mostly 32-64 tokens while streams decode.
+MIXED_HOST_ROWS = 32
 
 
 def host_gemv(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor | None:

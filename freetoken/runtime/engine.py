@@ -118,11 +118,13 @@ class EngineConfig:
                 "first token in it (up to 512 tokens) may hold the streams up to 50 ms"})
     decode_between_layers: str = field(default="auto", metadata={
         "choices": ("auto", "on", "off"),
-        "help": "decode steps between a prompt forward's layers, paced by --decode-slowdown. auto: where "
-                "decode is its own forward (CUDA graphs); on: also on eager steps (the CPU, CUDA without "
-                "graphs), where a prompt chunk otherwise shares one forward with the decode rows (as llama.cpp's and "
-                "vLLM's steps do): decoding streams keep their gaps (2-core CPU, 32k prompt: p99 2.35x their unloaded "
-                "gap against 5.9-6.4x, 34 against 15-16 tok/s each) and the long prompt prefills about 2x slower; "
+        "help": "decode steps between a prompt forward's layers, paced by --decode-slowdown, instead of "
+                "the decode rows sharing one forward with a prompt chunk (as llama.cpp's and vLLM's steps "
+                "do). auto: where decode is its own forward (CUDA graphs) and on the CPU, where a prompt "
+                "chunk's forward costs a decode step or more whatever its size: decoding streams keep "
+                "their gaps (2-core CPU, 32k prompt: p99 2.0-2.2x their unloaded gap against 3.05-3.6x "
+                "mixed; the Qwen3.6 shape's 4-layer slice: 2.97x against 36x) while the long prompt "
+                "prefills 1.3-3x slower (only while streams decode); on: also on eager CUDA (no graphs); "
                 "off: never. With --moe cache also inside streamed prefill passes (decode is "
                 "its own forward there on any device), the expert cache frozen meanwhile (misses on the CPU)"})
     decode_overlap: bool = field(default=False, metadata={

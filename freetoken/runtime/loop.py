@@ -94,15 +94,22 @@ class EngineLoop:
         self.sched = Scheduler(max_batch, max_queue, chunk, step_tokens)
         self.slowdown = ecfg.decode_slowdown
         # decode steps between a prefill forward's layers: where decode is its own forward
-        # (graphs), or on eager steps with --decode-between-layers on; eager steps otherwise
-        # share one forward (self.mixed). Inside a streamed pass too (issue 11), with the expert
+        # (graphs), on the CPU, or on eager CUDA steps with --decode-between-layers on; eager
+        # steps otherwise share one forward (self.mixed). Inside a streamed pass too (issue 11), with the expert
         # cache frozen for the pass (experts/cached.py: no fills, misses on the CPU), since the
         # pass's layer buffers are slots of the same pool (experts/stream.py)
         between = ecfg.decode_between_layers
-        if between == "on" and self.mixed and self.slowdown:
+        # auto on the CPU too: a prompt chunk's forward there has a fixed part of a decode step or
+        # more (every expert of a layer read, the DeltaNet chunk machinery), so a mixed step holds
+        # the streams for it (Qwen3.6 shape, 4 layers, 2-core: p99 36x their unloaded gap mixed,
+        # 2.97x interleaved; the demo at 32k: 3.05-3.6x against 2.0-2.21x); eager CUDA (no graphs)
+        # stays mixed: there a decode step alone is launch-bound and costs about a mixed one
+        wanted = between == "on" or (between == "auto" and engine.device.type == "cpu")
+        if wanted and self.mixed and self.slowdown:
             if getattr(engine.model, "per_forward_state", False):
-                log.warning("--decode-between-layers on is off: %s keeps a forward's data in state its "
-                            "layers share", type(engine.model).__name__)
+                if between == "on":
+                    log.warning("--decode-between-layers on is off: %s keeps a forward's data in state its "
+                                "layers share", type(engine.model).__name__)
             else:
                 self.mixed = False  # decode rows in a forward of their own, between the prompt's layers
         self.between = Interleaver(self.slowdown if not self.mixed and between != "off" else 0.0)
