@@ -10,8 +10,9 @@ token as it is emitted. Per scheduler setting:
 Settings compared in one run: `one-chunk` (one prompt chunk per step, arrival order, no latency
 budget: the scheduler before the token budget), `budget` (a token budget per step, shortest
 prompt first, prompt work sized so a step takes at most --decode-slowdown times a decode step;
-the default on eager steps) and `interleave` (decode steps between the prompt forward's layers,
-runtime/interleave.py; the default where decode is its own forward, CUDA graphs) and `overlap`
+on eager steps the decode rows share the prompt chunk's forward, --decode-between-layers off)
+and `interleave` (decode steps between the prompt forward's layers, runtime/interleave.py; the
+default with CUDA graphs and on the CPU) and `overlap`
 (decode steps on a high-priority stream alongside the prompt forward, runtime/overlap.py,
 --decode-overlap; experts in VRAM only).
 With --full-size --moe cache the experts sit in pinned host memory behind a GPU expert cache
@@ -449,8 +450,10 @@ def _run_setting(eng, name: str, a) -> dict:
         srv.sched.step_tokens = eng.ecfg.prefill_chunk
     if s["slowdown"] is not None:
         srv.slowdown = s["slowdown"]
-    if s["interleave"]:  # decode steps between the prompt forward's layers (the default where
-        srv.mixed = False  # decode is its own forward: CUDA graphs); on eager steps, instead of one mixed forward
+    # decode steps between the prompt forward's layers (the default with CUDA graphs and on the
+    # CPU), or, without, the decode rows in the prompt chunk's forward where decode is eager (the
+    # CPU's --decode-between-layers off) and a forward of their own where it is graphed
+    srv.mixed = not s["interleave"] and srv.decode.path == "eager" and not srv.streamed
     srv.between = Interleaver(srv.slowdown if s["interleave"] else 0.0)
     srv.between.mid_layer = s.get("mid_layer", srv.between.mid_layer)
     srv.between.key_points = s.get("key_points", srv.between.key_points)
@@ -544,7 +547,7 @@ def _run_setting(eng, name: str, a) -> dict:
         srv.cancel(r)
     run_until(lambda: not srv.sched.busy)
     ms = lambda x: round(x * 1e3, 2) if x is not None else None  # noqa: E731
-    out = {"setting": name, "step_tokens": srv.sched.step_tokens, "order": srv.sched.order,
+    out = {"setting": name, "mixed_forward": srv.mixed, "step_tokens": srv.sched.step_tokens, "order": srv.sched.order,
            "decode_slowdown": srv.slowdown, "decode_steps_between_layers": srv.between.steps,
            "decode_steps_deferred": srv.deferred_steps, "device_costs": srv.device_costs,
            "stall_filter": srv.between.stall_filter, "key_points": srv.between.key_points, "stalls_dropped": srv.between.stalls_dropped,

@@ -67,7 +67,7 @@ def test_widened_linear_in_blocks_equals_one_widened_gemm(monkeypatch):
     assert WIDEN_ELEMENTS == 1 << 20
 
 
-@pytest.mark.parametrize("rows", [1, 3, 16, 17, 64, 65])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 32, 33, 64, 65])
 def test_linear_and_lm_head_with_a_kept_bf16_weight(rows):
     """fp32 x with a bf16 weight: the rows kernel (up to MIXED_HOST_ROWS) or torch's GEMM on the
     widened weight, both against F.linear on float32 copies of the same values."""

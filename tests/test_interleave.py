@@ -149,6 +149,28 @@ def test_decode_steps_also_run_between_the_pieces_of_a_prompt_chunks_experts(eng
     same_tokens(runs[True], runs[False])
 
 
+def test_a_prompt_with_no_stream_decoding_runs_its_layers_whole(eng, monkeypatch):
+    """A prompt forward while nothing decodes keeps the layer points (a request that arrives can
+    jump in) but no key or expert pieces: its sums are Engine.generate's; once a stream decodes,
+    the next forward has them again."""
+    from freetoken.experts import split_experts
+    from freetoken.kernels import split_keys
+    monkeypatch.setattr(split_experts, "MIN_BYTES", 0)
+    monkeypatch.setattr(split_keys, "KEY_PIECE", 64)
+    g = torch.Generator().manual_seed(12)
+    ps = [torch.randint(5, eng.cfg.vocab_size, (n,), generator=g).tolist() for n in (200, 150, 19)]
+    srv = serving(eng, True, step_tokens=512)
+    _, hooks = spy_points(srv)
+    splits = split_experts.SPLITS
+    alone = drive(srv, [greedy(ps[0], 3)])[0]
+    assert hooks and all(i == int(i) for i in hooks)  # layer points only
+    assert split_experts.SPLITS == splits
+    assert alone.output_ids == eng.generate(ps[0], 3, stop_at_eos=False).token_ids
+    hooks.clear()
+    drive(srv, [greedy(ps[2], 30), greedy(ps[1], 2)], arrive=[0, 3])  # the long prompt while a stream decodes
+    assert any(split_experts.is_expert_point(i) for i in hooks) and split_experts.SPLITS > splits
+
+
 def test_key_points_of_a_batch_count_on_across_its_segments(eng, monkeypatch):
     """Two long segments in one prompt forward: each attention splits on its own, and the labels
     of a layer's key points go on increasing across them (never one label twice in a forward);

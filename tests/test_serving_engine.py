@@ -114,9 +114,10 @@ def _inject(eng, bad, calls):
 
 @pytest.mark.parametrize("mixed", [False, True], ids=["interleaved", "mixed"])
 def test_failing_prefill_fails_only_its_request(eng, mixed):
-    """The faulty prompt shares a forward with others (prompt chunks; with mixed steps, as
-    --decode-between-layers off gives on the CPU, decode rows too): they all start over alone,
-    only the faulty one fails, and the others' outputs are unchanged."""
+    """A faulty prompt fails alone. Mixed (--decode-between-layers off on the CPU) it shares a
+    forward with others (prompt chunks, decode rows): they all start over alone, only the faulty
+    one fails. Interleaved (the CPU's default) the short prompts go in forwards of their own and
+    the streams decode between its layers. Either way the others' outputs are unchanged."""
     from freetoken.runtime.interleave import Interleaver
     ps = prompts(eng, (30, 50, 9), seed=3)
     ref = drive(ServingEngine(eng, max_batch=3, max_queue=4, start=False), [greedy(p) for p in ps])

@@ -113,7 +113,7 @@ class EngineConfig:
     decode_slowdown: float = field(default=1.5, metadata={
         "help": "while streams decode, prompt work is paced so their inter-token gap is at most about "
                 "this many times a plain decode step: decode steps run between a prompt forward's layers "
-                "where decode is its own forward (CUDA graphs), else a step's prompt chunk is sized for it "
+                "where decode is its own forward (CUDA graphs) and on the CPU, else a step's prompt chunk is sized for it "
                 "(0: no limit, prompts get --max-step-tokens); a forward of short prompts that all get their "
                 "first token in it (up to 512 tokens) may hold the streams up to 50 ms"})
     decode_between_layers: str = field(default="auto", metadata={
@@ -125,7 +125,8 @@ class EngineConfig:
                 "their gaps (2-core CPU, 32k prompt: p99 2.0-2.2x their unloaded gap against 3.05-3.6x "
                 "mixed; the Qwen3.6 shape's 4-layer slice: 2.97x against 36x) while the long prompt "
                 "prefills 1.3-3x slower (only while streams decode); on: also on eager CUDA (no graphs); "
-                "off: never. With --moe cache also inside streamed prefill passes (decode is "
+                "off: never. Either way not with --decode-slowdown 0, nor for models whose forward keeps "
+                "state its layers share (DeepSeek-V4, GLM-5: mixed). With --moe cache also inside streamed prefill passes (decode is "
                 "its own forward there on any device), the expert cache frozen meanwhile (misses on the CPU)"})
     decode_overlap: bool = field(default=False, metadata={
         "help": "decoding streams step on a second, high-priority CUDA stream while a prompt forward "

@@ -37,10 +37,11 @@ FIRST_TOKEN_SLOWDOWN (benchmarks/README.md, the 32k CPU rows: 2.0-2.4x its idle 
 FIRST_TOKEN_GAP_S (on the H200 a decode step is 6 ms: such a forward runs whole or nearly, as a
 jump-in's does, and the streams wait up to ~50 ms once).
 
-The CPU: eager decode normally shares one forward with the prompt chunk (the decode rows pay no
-fixed part of their own), but that forward's prompt part has a fixed part about as long as a
-decode step there (every expert read, the DeltaNet chunk machinery), so the streams' gaps
-cannot come under 2x their unloaded gap; --decode-between-layers on interleaves there too.
+The CPU: eager decode could share one forward with the prompt chunk (the decode rows pay no
+fixed part of their own; --decode-between-layers off), but that forward's prompt part has a
+fixed part about as long as a decode step there or longer (every expert read, the DeltaNet
+chunk machinery), so the streams' gaps cannot come under 2x their unloaded gap: the CPU
+interleaves by default too (auto), eager CUDA alone keeps the mixed forward.
 """
 from __future__ import annotations
 

@@ -291,10 +291,10 @@ class EngineLoop:
     def step(self) -> bool:
         """One engine step: schedule, execute, update. False if there was nothing to do.
 
-        With graphs, decode is its own replayed forward and prompt chunks a varlen forward
-        beside it; eager (the CPU), both go through one forward by default, so the layers'
-        fixed cost (the experts above all) is paid once (--decode-between-layers on: decode
-        steps of their own between the prompt forward's layers, as with graphs)."""
+        With graphs, and on the CPU by default, decode is its own forward and prompt chunks a
+        varlen forward beside it, decode steps between its layers; eager CUDA (or the CPU with
+        --decode-between-layers off) runs both through one forward, so the layers' fixed cost
+        (the experts above all) is paid once."""
         with self._lock:
             batch = self.sched.schedule(self._prefill_budget(), short_whole=self.between.enabled)
         if batch.empty():
@@ -478,7 +478,9 @@ class EngineLoop:
             kw = {"between": self._between_layers} if self.between.enabled and not nested else {}
             if kw and not self.streamed:  # between each layer's halves too, if asked (runtime/interleave.py MID_LAYER)
                 # and between the key pieces of a long context's attention (interleave.KEY_POINTS; the CPU)
-                kw["key_points"] = self.between.key_points and eng.device.type == "cpu"
+                # while streams decode: a forward with none runs its layers whole (jump-ins and
+                # streams that start meanwhile get the layer points), as Engine.generate does
+                kw["key_points"] = self.between.key_points and eng.device.type == "cpu" and self._decoding()
                 kw["mid_layer"] = self.between.mid_layer or (kw["key_points"] and self._splits_experts())
             self._prompt_forward = True
             if not nested:
@@ -881,6 +883,12 @@ class EngineLoop:
             return False
         self._run([], rows)
         return True
+
+    def _decoding(self) -> bool:
+        """Whether any running request is past its prompt (a stream a decode step would take)."""
+        with self._lock:
+            return any(not r.prefilling and not r.cancelled and r.finished_at is None
+                       for r in self.sched.running.values())
 
     def _step_rows(self, held=()) -> list[Request]:
         """The requests a decode step between or alongside a prompt's layers takes, in slot
