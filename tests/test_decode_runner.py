@@ -49,9 +49,8 @@ def test_batched_steps_match_each_request_alone(tmp_path, mixed):
         together = run_all(batched, prompts, arrive)
     finally:
         del eng.prefill_batch, eng.forward_mixed
-    if mixed:  # several prompts (or prompts and decode rows) shared a forward (interleaved, the
-        assert max(segments) >= 2  # short ones here go whole in forwards of their own)
-    else:  # decode steps ran between a prompt forward's layers, or prompts jumped in there
+    assert max(segments) >= 2  # several prompts (or prompts and decode rows) shared a forward
+    if not mixed:  # decode steps ran between a prompt forward's layers, or prompts jumped in there
         assert batched.between.steps or batched.jump_ins
     for p, got in zip(prompts, together):
         alone = run_all(ServingEngine(eng, max_batch=1, max_queue=1, record_logits=True, start=False), [p], [0])[0]

@@ -171,6 +171,24 @@ def test_a_prompt_with_no_stream_decoding_runs_its_layers_whole(eng, monkeypatch
     assert any(split_experts.is_expert_point(i) for i in hooks) and split_experts.SPLITS > splits
 
 
+def test_cpu_prompts_of_one_step_share_a_forward(eng, monkeypatch):
+    """On the CPU a forward reads most of each layer's experts whatever its tokens: the step's
+    chunks go in one varlen forward even where one of them finishes its prompt (with graphs
+    those run in a forward of their own first, for their first token)."""
+    srv = ServingEngine(eng, max_batch=4, max_queue=4, start=False)
+    assert srv.between.enabled and not srv.mixed  # the CPU's default
+    calls, real = [], eng.prefill_batch
+
+    def spy(st, segs, **kw):
+        calls.append(len(segs))
+        return real(st, segs, **kw)
+    monkeypatch.setattr(eng, "prefill_batch", spy)
+    g = torch.Generator().manual_seed(13)
+    ps = [torch.randint(5, eng.cfg.vocab_size, (n,), generator=g).tolist() for n in (20, 60)]
+    drive(srv, [greedy(p, 2) for p in ps])
+    assert calls[0] == 2  # the 20-token prompt whole and the 60-token one's first chunk
+
+
 def test_key_points_of_a_batch_count_on_across_its_segments(eng, monkeypatch):
     """Two long segments in one prompt forward: each attention splits on its own, and the labels
     of a layer's key points go on increasing across them (never one label twice in a forward);

@@ -371,7 +371,11 @@ class EngineLoop:
                 start, end = self._restore(req, start, end)
                 if self._room(req, end):
                     ready.append((req, start, end))
-        return self._groups(ready, first_tokens_first=self.between.enabled or self.overlap is not None)
+        # prompts that finish in this step in a forward of their own first: where a forward's fixed
+        # cost is small (CUDA); on the CPU every forward reads most of each layer's experts whatever
+        # its tokens, so a second forward for the rest of the step's chunks would cost that again
+        first = (self.between.enabled and self.engine.device.type != "cpu") or self.overlap is not None
+        return self._groups(ready, first_tokens_first=first)
 
     @staticmethod
     def _groups(ready: list[tuple[Request, int, int]],
