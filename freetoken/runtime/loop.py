@@ -888,20 +888,22 @@ class EngineLoop:
         self._run([], rows)
         return True
 
+    @staticmethod
+    def _decodes(r: Request) -> bool:
+        """Whether a running request is a stream a decode step takes: past its prompt, live."""
+        return not r.prefilling and not r.cancelled and r.finished_at is None and r.slot is not None
+
     def _decoding(self) -> bool:
-        """Whether any running request is past its prompt (a stream a decode step would take)."""
+        """Whether any running request is a decoding stream."""
         with self._lock:
-            return any(not r.prefilling and not r.cancelled and r.finished_at is None
-                       for r in self.sched.running.values())
+            return any(self._decodes(r) for r in self.sched.running.values())
 
     def _step_rows(self, held=()) -> list[Request]:
         """The requests a decode step between or alongside a prompt's layers takes, in slot
         order: those decoding (not `held`: finished on the overlap, awaiting the forward's end)
         whose next position has a page at hand (no preemption mid-forward)."""
         with self._lock:
-            rows = [r for r in self.sched.running.values()
-                    if not r.prefilling and not r.cancelled and r.finished_at is None and r.slot is not None
-                    and id(r) not in held]
+            rows = [r for r in self.sched.running.values() if self._decodes(r) and id(r) not in held]
         return sorted((r for r in rows if self._grow_now(r)), key=lambda r: r.slot)
 
     def _grow_now(self, req: Request) -> bool:
