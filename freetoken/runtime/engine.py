@@ -124,7 +124,7 @@ class EngineConfig:
                 "chunk's forward costs a decode step or more whatever its size: decoding streams keep "
                 "their gaps (2-core CPU, 32k prompt: p99 2.0-2.2x their unloaded gap against 3.05-3.6x "
                 "mixed; the Qwen3.6 shape's 4-layer slice: 2.97x against 36x) while the long prompt "
-                "prefills 1.3-3x slower (only while streams decode); on: also on eager CUDA (no graphs); "
+                "prefills 1.3-3.2x slower (only while streams decode); on: also on eager CUDA (no graphs); "
                 "off: never. Either way not with --decode-slowdown 0, nor for models whose forward keeps "
                 "state its layers share (DeepSeek-V4, GLM-5: mixed). With --moe cache also inside streamed prefill passes (decode is "
                 "its own forward there on any device), the expert cache frozen meanwhile (misses on the CPU)"})
