@@ -1087,7 +1087,20 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
       --warps 4,8 --blocks 1024,4096 --thrash-mb $mb --name control_speed-3840-thrash$mb
   done
   ;;
-*) echo "stage 0 to 105"; exit 2 ;;
+106) # ~545 s at most (limits 45 + 120 + 180 + 200), thirty-third session: plan 105 passed the cache's GPU tests
+  # with int64 slot routes; test_executor_takes_int32_routes still failed (the executor handed int32 routes
+  # to the decode kernels: now widened for every path). That test and the graph tests after it (the step ran
+  # out), the trims' timed row with more time (setup ~20 s, then the cache row), plan 97's third 32k
+  # process. Carry .whl, .devcache/commit and .devcache/warm-cache.tgz.
+  step 45 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
+  step 120 gpu-tests python3 -m pytest -v -p no:cacheprovider --durations=6 tests/test_quant_kernels.py \
+    -k "int32 or cuda_graph or takes_the"
+  step 180 trims-t6 python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
+    --modes cache --capacity 0.375 --threads 6 --timeline --name large_models-qwen3_5_moe-40-mxfp4-int64routes-t6
+  step 200 interference-padrows3 python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
+    --settings interleave,interleave --name interference-full-padrows-s33-3
+  ;;
+*) echo "stage 0 to 106"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole

@@ -229,8 +229,9 @@ def test_executor_takes_the_kernels(monkeypatch, phase, t):
 @pytest.mark.parametrize("phase,t", [("decode", 3), ("prefill", 12)])
 def test_executor_takes_int32_routes(monkeypatch, phase, t):
     """The expert cache hands its int32 slot routes over as they are (CPU -2 and NO_EXPERT -1
-    pairs among them, both skipped): the decode kernel reads them directly, the other paths
-    widen them; every path equals the same routes in int64."""
+    pairs among them, both skipped): the executor widens them for every path (the autotuner
+    tuned int32 routes apart from int64 ones: another summation order on an H100), so every path
+    equals the same routes in int64."""
     import freetoken.experts.executor as executor
     gu, dn, x, ids, w, fn = make("mxfp4", t, 4, seed=20 + t, dtype=torch.float32, fn_kind="swiglu")
     ids[0, 1], ids[1, 2] = -2, NO_EXPERT

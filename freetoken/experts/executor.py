@@ -224,11 +224,13 @@ class TorchExpertExecutor(ExpertExecutor):
         return "gpu-resident" if self.device.type == "cuda" else "torch"
 
     def run(self, x, ids, weights, phase):
-        """ids: int64 (int32 is read by the decode kernels too, but Triton's autotuner then picks
-        their tiling apart from int64's: a different summation order); every other path takes
-        int64 (torch's scatter and index ops)."""
+        """ids: int64 or int32, widened here for every path. The decode kernels could read int32,
+        but Triton's autotuner keys on argument dtypes and tuned int32 routes apart from int64
+        ones: another tiling, another summation order, results no longer bit-equal (H100, plan
+        105). Torch's scatter and index ops need int64 anyway."""
         src = x.device
         x, ids, weights = (t.to(self.device) for t in (x, ids, weights))
+        ids = ids.long()  # no copy when already int64
         fn = dict(activation=self.activation, gate_up_bias=self.gate_up_bias, down_bias=self.down_bias)
         static = phase == "decode" and ids.numel() <= self.static_max_pairs
         if use_triton(x) and static:
@@ -237,7 +239,6 @@ class TorchExpertExecutor(ExpertExecutor):
             else:
                 from ..kernels.moe_decode import moe_decode_triton as decode
             return decode(x, ids, weights, self.gate_up, self.down, **fn).to(src)
-        ids = ids.long()
         if use_triton(x):
             if self.quantized:
                 from ..kernels.moe_quant import moe_quant_grouped_triton as grouped
