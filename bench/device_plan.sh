@@ -1100,7 +1100,18 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   step 200 interference-padrows3 python3 -m bench.interference --full-size --long 32768 --prefill-graph-tokens 2048 \
     --settings interleave,interleave --name interference-full-padrows-s33-3
   ;;
-*) echo "stage 0 to 106"; exit 2 ;;
+107) # ~475 s at most (limits 45 + 150 + 280), thirty-third session: plan 106 failed the executor's torch path on
+  # CUDA (two equal calls differed: index_add_'s atomics; now a fixed-order sum over each token's pairs). Its
+  # test again, then issue 10 (b)'s resident row on an H100 beside the cache and fill-only rows at 6 and 14
+  # threads in one process, so the analytic floor uses the resident step measured on the same machine
+  # (plan 94's without llama.cpp). Carry .whl, .devcache/commit and .devcache/warm-cache.tgz.
+  step 45 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
+  step 150 gpu-tests python3 -m pytest -v -p no:cacheprovider --durations=6 tests/test_quant_kernels.py \
+    tests/test_expert_cache_gpu.py -k "int32 or takes_the or cache_modes_agree"
+  step 280 resident-cache python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
+    --modes resident,cache,fill-only --capacity 0.375 --threads 6,14 --name large_models-qwen3_5_moe-40-mxfp4-resident-t6-14
+  ;;
+*) echo "stage 0 to 107"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole

@@ -275,8 +275,11 @@ class TorchExpertExecutor(ExpertExecutor):
             y = y + self.down_bias[sel, None].to(x.dtype)
         keep = (flat[order] >= 0).to(x.dtype)[:, None]  # NO_EXPERT pairs add nothing
         y = y[slot_of[order], rank] * weights.reshape(-1)[order, None].to(x.dtype) * keep  # [P, H]
-        out = torch.zeros_like(x)
-        return out.index_add_(0, order // k, y)
+        # back to pair order and a sum over each token's k pairs: a fixed order (index_add_ on CUDA
+        # adds with atomics, so two equal calls differed in the last bits on an H100, plan 106)
+        pairs = torch.empty_like(y)
+        pairs[order] = y  # [T*k, H]
+        return pairs.view(t, k, -1).sum(1)
 
     def _static(self, x, ids, weights):
         t, k = ids.shape
