@@ -1111,7 +1111,16 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   step 280 resident-cache python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 \
     --modes resident,cache,fill-only --capacity 0.375 --threads 6,14 --name large_models-qwen3_5_moe-40-mxfp4-resident-t6-14
   ;;
-*) echo "stage 0 to 107"; exit 2 ;;
+108) # ~500 s at most (45 + 4 files x 110), thirty-third session: the GPU sides of the engine's end-to-end test
+  # files after the last sessions' scheduling changes (CPU engines interleave by default; a prompt alone keeps
+  # only layer points; one varlen forward per CPU step): the production configs, the overlap, the streamed
+  # prefill and the interleave, each file under its own limit. Carry .whl, .devcache/commit and
+  # .devcache/warm-cache.tgz.
+  step 45 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
+  FT_TAG=plan108 FT_PER_FILE=110 FT_K="cuda or gpu or graph" bash bench/device_tests.sh tests/test_gpu_production.py \
+    tests/test_interleave.py tests/test_overlap.py tests/test_prefill_stream.py > /dev/null
+  ;;
+*) echo "stage 0 to 108"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole
