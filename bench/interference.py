@@ -44,7 +44,7 @@ from bench.layer_timeline import LayerTimeline
 from bench.line_trace import LineTrace
 from freetoken.demo import demo_path
 from freetoken.experts import split_experts
-from freetoken.kernels import page_gather
+from freetoken.kernels import page_gather, split_keys
 from freetoken.model import linear
 from freetoken.runtime.engine import Engine, EngineConfig
 from freetoken.runtime.gcwatch import GcWatch
@@ -72,6 +72,9 @@ SETTINGS = {
     # a CPU prompt chunk's dense projections over bf16 weights by the rows kernel up to 16 rows
     # only (model/linear.py MIXED_HOST_ROWS before the thirty-second session; 32 now)
     "interleave-rows16": interleaved(mixed_host_rows=16),
+    # a long context's attention in pieces of 4,096 keys (kernels/split_keys.py KEY_PIECE, 8,192 by
+    # default): shorter stretches between the decode steps, more pieces to merge
+    "interleave-keys4k": interleaved(key_piece=4096),
     # the interleave with each decode step's tokens waited for at once (no deferral: the A/B of
     # runtime/deferred_step.py, which is on by default on CUDA)
     "interleave-wait": interleaved(defer=False),
@@ -410,8 +413,9 @@ def run_setting(eng, name: str, a) -> dict:
     if s.get("interleave") and s.get("switch_s") is not None:
         sys.setswitchinterval(s["switch_s"])
     split_experts.ENABLED = s.get("expert_pieces", pieces)
-    rows = linear.MIXED_HOST_ROWS
+    rows, keys = linear.MIXED_HOST_ROWS, split_keys.KEY_PIECE
     linear.MIXED_HOST_ROWS = s.get("mixed_host_rows", rows)
+    split_keys.KEY_PIECE = s.get("key_piece", keys)
     splits = split_experts.SPLITS
     try:
         out = _run_setting(eng, name, a)
@@ -423,6 +427,8 @@ def run_setting(eng, name: str, a) -> dict:
         sys.setswitchinterval(switch)
         split_experts.ENABLED = pieces
         linear.MIXED_HOST_ROWS = rows
+        split_keys.KEY_PIECE = keys
+    out["key_piece"] = s.get("key_piece", keys)
     if s.get("interleave") and s.get("switch_s") is not None:
         out["switch_interval_s"] = s["switch_s"]
     elif s.get("overlap"):  # DecodeOverlap's own while a prompt forward overlaps

@@ -142,8 +142,10 @@ def cmd_generate(args) -> int:
                           **eng.describe(), **stats}))
     else:
         print(g.text)
+        d = eng.describe()
         print(f"[{g.prompt_tokens} prompt tokens, {n} generated ({g.finish_reason}); "
-              f"prefill {stats['prefill_tok_s']} tok/s, decode {stats['decode_tok_s']} tok/s]", file=sys.stderr)
+              f"prefill {stats['prefill_tok_s']} tok/s, decode {stats['decode_tok_s']} tok/s; "
+              f"{d.get('device')} {d.get('dtype')}, {experts_summary(d)}]", file=sys.stderr)
     return 0
 
 
@@ -216,8 +218,9 @@ def bind_sockets(host: str, port: int) -> list[socket.socket]:
     return socks
 
 
-def banner(name: str, arch: str, url: str, d: dict) -> str:
-    """The start-up line: what is served where, and what runs it (ServingEngine.describe())."""
+def experts_summary(d: dict) -> str:
+    """Where the routed experts run, in what format and by what (an Engine's or ServingEngine's
+    describe()): "nvfp4 experts on cpu (cpp, avx512-bf16, 2 threads)"."""
     experts = f"experts on {d.get('experts')}"
     if d.get("expert_format") not in (None, "none"):
         experts = f"{d['expert_format']} {experts}"
@@ -229,6 +232,12 @@ def banner(name: str, arch: str, url: str, d: dict) -> str:
         if d.get("cpu_act") not in (None, "exact"):
             how.append(f"{d['cpu_act']} activations")
         experts += f" ({', '.join(how)})"
+    return experts
+
+
+def banner(name: str, arch: str, url: str, d: dict) -> str:
+    """The start-up line: what is served where, and what runs it (ServingEngine.describe())."""
+    experts = experts_summary(d)
     cache = "on" if d.get("prefix_cache") else "off"
     dense = " (dense FP8 kept)" if d.get("dense_fp8") == "kept" else ""
     return (f"FreeToken: serving {name!r} ({arch}) at {url} | {d.get('device')} {d.get('dtype')}{dense} | {experts} | "

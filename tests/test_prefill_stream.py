@@ -6,6 +6,8 @@ logits of a cold prefill; the loader loads only the routed experts of short prom
 layers for long ones, uses experts already in the cache where they lie, and leaves the residency
 consistent (its survivors seed the decode cache). On the CPU the slots are host memory and the
 copies synchronous: the same code as on CUDA, without the streams."""
+import logging
+
 import pytest
 import torch
 
@@ -18,19 +20,25 @@ from freetoken.runtime.budget import work_bytes
 from freetoken.runtime.prefill_stream import PrefillStream, pass_bytes_per_token
 from freetoken.runtime.request import Request, SamplingOptions
 from freetoken.runtime.serving import ServingEngine
+from freetoken.server.metrics import Metrics
 from freetoken.weights.convert import convert
 
 LAYERS, E, K, SUB = 4, 16, 4, 16  # every layer MoE: 64 flat experts; pieces of 16 tokens
 
 
-@pytest.fixture(scope="module")
-def ftw(tmp_path_factory):
-    d = tmp_path_factory.mktemp("stream")
-    model = hf_models.qwen3_5(41, num_hidden_layers=LAYERS, num_experts=E, num_experts_per_tok=K,
-                              max_position_embeddings=1024)
+def build(tmp_path_factory, name: str, seed: int, positions: int):
+    """The test shape (LAYERS layers, E experts of top-K) as an FTW: (path, the transformers model)."""
+    d = tmp_path_factory.mktemp(name)
+    model = hf_models.qwen3_5(seed, num_hidden_layers=LAYERS, num_experts=E, num_experts_per_tok=K,
+                              max_position_embeddings=positions)
     hf_models.save(model, str(d / "hf"))
     convert(str(d / "hf"), str(d / "m.ftw"), progress=False)
     return str(d / "m.ftw"), model
+
+
+@pytest.fixture(scope="module")
+def ftw(tmp_path_factory):
+    return build(tmp_path_factory, "stream", 41, 1024)
 
 
 def engine(path, stream: bool = True, slots: int | None = None, **kw) -> Engine:
@@ -67,20 +75,20 @@ def _torch_gemms(monkeypatch):
     monkeypatch.setattr(cpu, "DECODE_KERNELS", False)
 
 
-def check_same_state(ref, eng, a, b, n):
+def check_same_state(ref, eng, a, b, n, tol=1e-5):
     """Logits of a decode step after the prefill (through each engine's cache), the recurrent
     state and the K/V of the prompt's pages."""
     tok, pos = torch.tensor([7]), torch.tensor([n])
-    assert rel(eng.model.decode(tok, b, pos), ref.model.decode(tok, a, pos)) < 1e-5
+    assert rel(eng.model.decode(tok, b, pos), ref.model.decode(tok, a, pos)) < tol
     for l in a.rec:
-        assert rel(b.rec[l], a.rec[l]) < 1e-5 and rel(b.conv[l], a.conv[l]) < 1e-5
+        assert rel(b.rec[l], a.rec[l]) < tol and rel(b.conv[l], a.conv[l]) < tol
     p = torch.arange(n + 1)  # the prompt's positions and the decoded one
     page, off = a.block_table[0, p // a.page_size].long(), p % a.page_size
     assert torch.equal(page, b.block_table[0, p // b.page_size].long())
     for l in a.k:
         ka, kb = a.k[l][page, :, off], b.k[l][page, :, off]  # [n + 1, heads, hd]
         va, vb = a.v[l][page, :, off], b.v[l][page, :, off]
-        assert rel(kb, ka) < 1e-5 and rel(vb, va) < 1e-5
+        assert rel(kb, ka) < tol and rel(vb, va) < tol
 
 
 @pytest.mark.parametrize("buffering", ["double", "single", "on-demand"])
@@ -100,6 +108,37 @@ def test_streamed_prefill_equals_regular(ftw, buffering):
     st = eng.prefill_stream.stats()
     assert st[f"passes_{buffering.replace('-', '_')}"] == st["passes"] == 1 + 1 + 1 + 3
     assert st["tokens"] == 1 + 5 + 37 + 100 and st["pass_tokens"] == 48
+
+
+@pytest.fixture(scope="module")
+def ftw_long(tmp_path_factory):
+    """The same shape with room for 16k-token prompts."""
+    return build(tmp_path_factory, "stream16k", 42, 16400)[0]
+
+
+@pytest.mark.parametrize("buffering", ["double", "on-demand"])
+def test_streamed_prefill_equals_regular_at_16k(ftw_long, buffering):
+    """16,384 tokens in two passes of 8,192: the logits, KV and recurrent state of the regular
+    chunked prefill through the cache (2,048-token chunks), and the logits of the plain CPU engine
+    (every expert in host memory, `--moe cpu`: the CPU's all-resident path), within fp32 rounding."""
+    n = 16384
+    ref = Engine(ftw_long, EngineConfig(device="cpu", dtype="float32", moe="cache", prefill_chunk=2048))
+    ref.prefill_stream = None
+    resident = Engine(ftw_long, EngineConfig(device="cpu", dtype="float32", moe="cpu", prefill_chunk=2048))
+    eng = Engine(ftw_long, EngineConfig(device="cpu", dtype="float32", moe="cache", prefill_chunk=2048))
+    eng.prefill_stream = PrefillStream(eng.model, eng.cfg, eng.executor, 2048, max_pass_tokens=8192,
+                                       buffering=buffering)
+    ids = prompt(n, seed=16)
+    a, b, c = ref.new_state(n + 8), eng.new_state(n + 8), resident.new_state(n + 8)
+    la, lb, lc = ref.prefill(ids, a), eng.prefill(ids, b), resident.prefill(ids, c)
+    assert rel(lb, la) < 1e-5 and rel(lb, lc) < 1e-4 and float(la.abs().max()) > 0
+    assert residency_ok(eng.executor)
+    # the later layers' K/V differ by ~3e-5: a pass runs each layer's attention over its 8,192
+    # tokens at once, the regular prefill over 2,048-token chunks (other pieces of the keys, other
+    # fp32 roundings, compounded over the layers)
+    check_same_state(ref, eng, a, b, n, tol=1e-4)
+    st = eng.prefill_stream.stats()
+    assert st["passes"] == st[f"passes_{buffering.replace('-', '_')}"] == 2 and st["tokens"] == n
 
 
 def test_tiny_pool_loads_in_groups(ftw):
@@ -170,10 +209,11 @@ def test_cached_experts_used_in_place_and_survivors_seed_the_cache(ftw):
     check_same_state(ref, eng, a, b, 64 + 3 + 64)
 
 
-def test_checkpoints_in_streamed_passes_restore(ftw):
+def test_checkpoints_in_streamed_passes_restore(ftw, caplog):
     """A conversation served through streamed passes (two passes of 32 tokens each; checkpoints
     at anchors inside them), then an edited one: it restores from a checkpoint taken during a
-    pass and gives the logits of a cold prefill."""
+    pass and gives the logits of a cold prefill. The log and /metrics say which mode ran."""
+    caplog.set_level(logging.INFO, logger="freetoken.engine")
     path, _ = ftw
     eng = engine(path, max_pass_tokens=32)
     tk = eng.tokenizer
@@ -205,6 +245,13 @@ def test_checkpoints_in_streamed_passes_restore(ftw):
     st = warm.stats()
     assert st["experts_prefill_passes"] >= 3 and st["experts_prefill_passes_double"] == st["experts_prefill_passes"]
     assert all(isinstance(v, (int, float)) for k, v in st.items() if k.startswith("experts_prefill_"))
+    passes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("prefill pass:")]
+    assert len(passes) == st["experts_prefill_passes"] and all("double buffering" in m for m in passes)
+    metrics = Metrics()
+    metrics.attach(warm, eng.describe())
+    text = metrics.render().decode()  # what a scrape of /metrics reads
+    for mode, n in (("double", st["experts_prefill_passes"]), ("single", 0), ("on_demand", 0)):
+        assert f'freetoken_expert_executor{{counter="prefill_passes_{mode}"}} {float(n)}' in text, mode
 
 
 def test_served_through_streamed_passes_equals_transformers(ftw):
@@ -412,21 +459,18 @@ def test_mode_choice():
 @pytest.mark.parametrize("buffering,pass_tokens", [("double", 32768), ("double", 2048), ("single", 4096),
                                                    ("on-demand", 32768)])
 def test_cuda_streamed_prefill_equals_resident(tmp_path_factory, buffering, pass_tokens):
-    """On the GPU (copy stream, events, bf16): 1, 511 and 4096 tokens, one pass or several,
+    """On the GPU (copy stream, events, bf16): 1, 511, 4,096 and 16,384 tokens, one pass or several,
     against the all-resident experts and the regular prefill through the cache, within bf16
     rounding; then a decode step through the cache the pass left behind."""
-    d = tmp_path_factory.mktemp("cuda")
-    hf_models.save(hf_models.qwen3_5(43, num_hidden_layers=LAYERS, num_experts=E, num_experts_per_tok=K,
-                                     max_position_embeddings=8192), str(d / "hf"))
-    convert(str(d / "hf"), str(d / "m.ftw"), progress=False)
+    path = build(tmp_path_factory, "cuda", 43, 16400)[0]
 
     def make(moe):
-        return Engine(str(d / "m.ftw"), EngineConfig(device="cuda", dtype="bfloat16", moe=moe))
+        return Engine(path, EngineConfig(device="cuda", dtype="bfloat16", moe=moe))
     resident, regular, eng = make("resident"), make("cache"), make("cache")
     regular.prefill_stream = None
     eng.prefill_stream = PrefillStream(eng.model, eng.cfg, eng.executor, eng.ecfg.prefill_chunk,
                                        max_pass_tokens=pass_tokens, buffering=buffering)
-    for n in (1, 511, 4096):
+    for n in (1, 511, 4096, 16384):
         ids = prompt(n, seed=n)
         states = [x.new_state(n + 8) for x in (resident, regular, eng)]
         la, lr, lb = (x.prefill(ids, st) for x, st in zip((resident, regular, eng), states))
@@ -436,7 +480,7 @@ def test_cuda_streamed_prefill_equals_resident(tmp_path_factory, buffering, pass
         db = eng.model.decode(tok, states[2], pos)
         assert rel(db.cpu(), da.cpu()) < 2e-2
         assert residency_ok(eng.executor)
-    assert eng.prefill_stream.stats()["passes"] == 2 + (-(-4096 // pass_tokens))
+    assert eng.prefill_stream.stats()["passes"] == 2 + (-(-4096 // pass_tokens)) + (-(-16384 // pass_tokens))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -449,14 +493,11 @@ def test_cuda_decode_steps_inside_streamed_passes(tmp_path_factory, slots):
     of both requests equal the all-resident engine's under the same tokens. In float32: in bf16
     this random model's own rounding drifts a decode 2-10% from a prefill over 15 tokens (H200,
     264ce62), as large as what a slot read mid-copy would do."""
-    d = tmp_path_factory.mktemp("cuda-serve")
-    hf_models.save(hf_models.qwen3_5(44, num_hidden_layers=LAYERS, num_experts=E, num_experts_per_tok=K,
-                                     max_position_embeddings=8192), str(d / "hf"))
-    convert(str(d / "hf"), str(d / "m.ftw"), progress=False)
+    path = build(tmp_path_factory, "cuda-serve", 44, 16400)[0]
     cfg = dict(device="cuda", dtype="float32")
-    resident = Engine(str(d / "m.ftw"), EngineConfig(moe="resident", **cfg))
-    size = str(slots * Engine(str(d / "m.ftw"), EngineConfig(moe="cache", **cfg)).executor.slot_bytes)
-    eng = Engine(str(d / "m.ftw"), EngineConfig(moe="cache", expert_cache=size, **cfg))
+    resident = Engine(path, EngineConfig(moe="resident", **cfg))
+    size = str(slots * Engine(path, EngineConfig(moe="cache", **cfg)).executor.slot_bytes)
+    eng = Engine(path, EngineConfig(moe="cache", expert_cache=size, **cfg))
     eng.prefill_stream = PrefillStream(eng.model, eng.cfg, eng.executor, eng.ecfg.prefill_chunk, max_pass_tokens=1024)
     srv = ServingEngine(eng, max_batch=2, max_queue=4, record_logits=True, start=False,
                         cache=CacheConfig(enabled=False))

@@ -304,3 +304,30 @@ def test_cli_convert_says_the_format_and_generate_reports_it(built, tmp_path):
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
     assert res["expert_format"] == "nvfp4" and res["expert_backend"] == "cpp" and res["expert_isa"] != "torch"
+
+
+def test_health_banner_and_generate_name_the_expert_format(built, capsys):
+    """What a user reads: /health and the engine-info metric carry the expert format, the
+    start-up banner and `ft generate`'s summary line name it ("nvfp4 experts on cpu (cpp, ...")."""
+    from starlette.testclient import TestClient
+
+    from freetoken.cli import banner, experts_summary
+    from freetoken.runtime.serving import ServingEngine
+    from freetoken.server.app import ServerContext, build_app
+    from freetoken.server.template import ChatTemplate
+    _, _, _, path = built["nvfp4-all-q3moe-config-json"]
+    eng = Engine(path, EngineConfig(device="cpu", dtype="float32"))
+    serving = ServingEngine(eng, max_batch=1, max_queue=2, start=False)
+    ctx = ServerContext(serving, eng.tokenizer, ChatTemplate(None), ["quantized"], eng.cfg.vocab_size)
+    http = TestClient(build_app(ctx))
+    health = http.get("/health").json()
+    assert health["expert_format"] == "nvfp4" and health["expert_backend"] == "cpp" and health["status"] == "ok"
+    assert 'expert_format="nvfp4"' in http.get("/metrics").text
+    line = banner("quantized", eng.cfg.arch, "http://127.0.0.1:8000", serving.describe())
+    assert "nvfp4 experts on cpu (cpp, " in line, line
+    assert experts_summary(eng.describe()).startswith("nvfp4 experts on cpu (cpp, ")
+    from freetoken.cli import main
+    assert main(["generate", path, "--prompt-ids", ",".join(map(str, prompt_for(3))), "--max-tokens", "2",
+                 "--dtype", "float32", "--device", "cpu", "--ignore-eos"]) == 0
+    summary = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "2 generated" in summary and "cpu float32, nvfp4 experts on cpu (cpp, " in summary, summary
