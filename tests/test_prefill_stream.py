@@ -209,13 +209,10 @@ def test_cached_experts_used_in_place_and_survivors_seed_the_cache(ftw):
     check_same_state(ref, eng, a, b, 64 + 3 + 64)
 
 
-def test_checkpoints_in_streamed_passes_restore(ftw, caplog):
-    """A conversation served through streamed passes (two passes of 32 tokens each; checkpoints
-    at anchors inside them), then an edited one: it restores from a checkpoint taken during a
-    pass and gives the logits of a cold prefill. The log and /metrics say which mode ran."""
-    caplog.set_level(logging.INFO, logger="freetoken.engine")
-    path, _ = ftw
-    eng = engine(path, max_pass_tokens=32)
+def serve_an_edited_conversation(eng, cold_eng, tol):
+    """A conversation served through eng's streamed passes (checkpoints at anchors inside them),
+    then an edited one: it restores from a checkpoint taken during a pass and gives cold_eng's
+    logits (a cold prefill, no streaming) within tol. Returns the warm ServingEngine."""
     tk = eng.tokenizer
     sp = {t: tk.token_id(t) for t in ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>")}
 
@@ -230,7 +227,7 @@ def test_checkpoints_in_streamed_passes_restore(ftw, caplog):
     warm = ServingEngine(eng, max_batch=2, max_queue=4, record_logits=True, start=False,
                          cache=CacheConfig(page_size=4, checkpoint_policy="anchors", min_gap=8))
     assert warm.sched.chunk == 32 and not warm.mixed  # a prompt's chunk is a pass, run alone
-    cold = ServingEngine(engine(path, stream=False), max_batch=2, max_queue=4, record_logits=True, start=False,
+    cold = ServingEngine(cold_eng, max_batch=2, max_queue=4, record_logits=True, start=False,
                          cache=CacheConfig(enabled=False))
     opts = dict(temperature=0, max_tokens=3, ignore_eos=True)
     drive(warm, [Request(list(first), SamplingOptions(**opts))])
@@ -241,7 +238,18 @@ def test_checkpoints_in_streamed_passes_restore(ftw, caplog):
     assert warm.cache.stats()["checkpoint_hits"] > 0 and len(system) - 8 <= got.cached_tokens <= shared
     assert got.output_ids == ref.output_ids
     for x, y in zip(got.logits, ref.logits):
-        assert rel(x, y) < 1e-4
+        assert rel(x, y) < tol
+    return warm
+
+
+def test_checkpoints_in_streamed_passes_restore(ftw, caplog):
+    """A conversation served through streamed passes (two passes of 32 tokens each; checkpoints
+    at anchors inside them), then an edited one: it restores from a checkpoint taken during a
+    pass and gives the logits of a cold prefill. The log and /metrics say which mode ran."""
+    caplog.set_level(logging.INFO, logger="freetoken.engine")
+    path, _ = ftw
+    eng = engine(path, max_pass_tokens=32)
+    warm = serve_an_edited_conversation(eng, engine(path, stream=False), 1e-4)
     st = warm.stats()
     assert st["experts_prefill_passes"] >= 3 and st["experts_prefill_passes_double"] == st["experts_prefill_passes"]
     assert all(isinstance(v, (int, float)) for k, v in st.items() if k.startswith("experts_prefill_"))
@@ -516,3 +524,17 @@ def test_cuda_decode_steps_inside_streamed_passes(tmp_path_factory, slots):
         ref = resident.prefill(ids, resident.new_state(len(ids) + 1), all_logits=True).cpu()  # [n, V]
         errs = [rel(lg, ref[len(p) - 1 + j]) for j, lg in enumerate(r.logits)]
         assert max(errs) < 1e-3, (len(p), [round(e, 5) for e in errs])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_checkpoints_in_streamed_passes_restore(tmp_path_factory):
+    """The checkpoint test above on the GPU (copy stream, events, decode graphs; float32, as the
+    served-decode test, so the random model's own bf16 drift does not hide a wrong restore)."""
+    path = build(tmp_path_factory, "cuda-ckpt", 45, 1024)[0]
+    cfg = dict(device="cuda", dtype="float32", moe="cache")
+    eng = Engine(path, EngineConfig(**cfg))
+    eng.prefill_stream = PrefillStream(eng.model, eng.cfg, eng.executor, eng.ecfg.prefill_chunk, max_pass_tokens=32)
+    cold = Engine(path, EngineConfig(**cfg))
+    cold.prefill_stream = None
+    warm = serve_an_edited_conversation(eng, cold, 1e-3)
+    assert warm.stats()["experts_prefill_passes"] >= 3
