@@ -298,3 +298,53 @@ def test_a_bad_prefetch_setting_is_named(monkeypatch, var, value):
     b = random_banks("mxfp4", None, 4, 64, 32, seed=3)
     with pytest.raises(FreeTokenError, match=var):
         CpuExpertExecutor(b)
+
+
+def every_code_bank(fmt, scale_dtype=None) -> QuantBank:
+    """One expert of 8 rows whose values and scales run through every code of the format: every
+    e4m3 byte but the NaNs as fp8 values; every e2m1 code under every e8m0 scale from 2^-127 (0)
+    to 2^125 (252; past it 6 x the scale overflows fp32, and one inf weight makes every one-hot
+    dot product of its row NaN: test_mxfp4_extreme_scales takes 254 with small codes); every e4m3
+    byte but the NaNs as an nvfp4 block scale (subnormals, 448, negatives, both zeros)."""
+    r = 8
+    if fmt == "fp8_block":
+        b = torch.tensor([x for x in range(256) if x & 0x7F != 0x7F] * 9, dtype=torch.uint8)[:r * 256]
+        s = torch.tensor([[[0.5, 3.0]]]).to(scale_dtype)  # one 128-row block, two column blocks
+        return QuantBank(fmt, b.view(1, r, 256).view(torch.float8_e4m3fn), s, None, 1)
+    scales = (torch.arange(253) if fmt == "mxfp4" else
+              torch.tensor([x for x in range(256) if x & 0x7F != 0x7F]))
+    blk = 32 if fmt == "mxfp4" else 16
+    per_row = -(-scales.numel() // r)  # blocks a row: every scale once (the last ones repeat)
+    s = scales.repeat(2)[:r * per_row].to(torch.uint8).view(1, r, per_row)
+    codes = torch.arange(16, dtype=torch.uint8).repeat(r * per_row * blk // 16).view(r, per_row * blk)
+    codes = torch.roll(codes, 3, dims=-1)  # every code in every block position over the rows
+    v = (codes[:, 0::2] | (codes[:, 1::2] << 4)).view(1, r, per_row * blk // 2)
+    if fmt == "mxfp4":
+        return QuantBank(fmt, v, s, None, 1)
+    return QuantBank(fmt, v, s.view(torch.float8_e4m3fn), torch.tensor([[0.5]]), 1)
+
+
+@pytest.mark.parametrize("isa", [0, 1, 2, 3], ids=ISA_NAMES)
+@pytest.mark.parametrize("case", ["fp8_block-f32", "fp8_block-bf16", "fp8_block-f16", "mxfp4", "nvfp4"])
+def test_kernels_dequantize_every_code_as_the_reference(case, isa):
+    """The decode kernels read with one-hot activations, column by column, give each weight
+    times its scales: bit for bit the reference dequantizer's (quant.py, which
+    test_quant_formats.py holds to the formats' definitions), on every ISA this CPU has, with
+    fp32 and bf16 activations. So the CPU's dequantization is the GPU kernels' (held to the same
+    reference bit for bit there, test_quant_kernels.py)."""
+    fmt, sdt = (case.split("-")[0], {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+                [case.split("-")[1]]) if "-" in case else (case, None)
+    ext = extension()
+    if CpuExpertExecutor(random_banks("mxfp4", None, 1, 64, 32, 0), threads=1, isa_cap=isa).isa != ISA_NAMES[isa]:
+        pytest.skip(f"this CPU has no {ISA_NAMES[isa]}")
+    bank = every_code_bank(fmt, sdt)
+    want = bank.dequant(0)  # [R, C]
+    v = bank.values.contiguous().view(torch.uint8)
+    s = bank.scale.contiguous()
+    s = s.view(torch.uint8) if s.element_size() == 1 else s
+    s2 = bank.scale_2.float().contiguous() if bank.scale_2 is not None else torch.empty(0)
+    eye = torch.eye(want.shape[1])  # [C, C]: column c of the weights in row c of the output
+    for bf16_act in (False, True):
+        got = ext.qdot_rows(CpuExpertExecutor.FORMAT_CODES[fmt], v, s, s2, eye, isa, bf16_act).T  # [R, C]
+        assert torch.equal(got, want), (case, bf16_act, int((got != want).sum()))
+    assert torch.isfinite(want).all() and (want != 0).any()

@@ -1657,6 +1657,45 @@ torch::Tensor forward_q(int64_t handle, torch::Tensor x, torch::Tensor ids, torc
   return out;
 }
 
+// Rows of one quantized bank (values [1, R, *], scales as forward_q's, scale_2 [1, 1] for nvfp4,
+// R a multiple of 4) against activation rows x [M, C] f32 by the decode kernels themselves
+// (qdot4 at the best ISA up to isa_cap; bf16_act: bf16 activations through VDPBF16PS where the
+// CPU has it, as a bf16 model's calls) -> [M, R] f32: the test hook that reads what the kernels
+// dequantize (a one-hot row of x gives each weight of a column times its scale, exactly).
+torch::Tensor qdot_rows(int64_t fmt, torch::Tensor v, torch::Tensor s, torch::Tensor s2, torch::Tensor x,
+                        int64_t isa_cap, bool bf16_act) {
+  TORCH_CHECK(fmt >= FMT_FP8 && fmt <= FMT_NVFP4, "moe_cpu.qdot_rows: fmt 1 fp8_block, 2 mxfp4, 3 nvfp4");
+  TORCH_CHECK(v.dim() == 3 && v.size(0) == 1 && v.size(1) % 4 == 0, "moe_cpu.qdot_rows: values [1, R, *], R % 4 == 0");
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "moe_cpu.qdot_rows: x f32 [M, C]");
+  const int64_t R = v.size(1), C = fmt == FMT_FP8 ? v.size(2) : v.size(2) * 2;
+  TORCH_CHECK(x.size(1) == C, "moe_cpu.qdot_rows: x's columns must be the bank's");
+  const char* err = nullptr;
+  const QBank b = make_bank(int(fmt), v, s, s2, 1, R, C, 1, false, err);
+  TORCH_CHECK(err == nullptr, err);
+  x = x.contiguous();
+  const Isa isa = std::min<Isa>(detect(), Isa(isa_cap));
+  const bool dp = bf16_act && isa == AVX512_BF16 && fmt != FMT_FP8;
+  const Layout lay = layout_for(int(fmt), isa, dp);
+  const int M = x.size(0);
+  auto out = torch::empty({M, R}, torch::kFloat32);
+  std::vector<float> xl(C);
+  std::vector<uint16_t> xb(C);
+  const float* xp = x.data_ptr<float>();
+  for (int m = 0; m < M; ++m) {
+    for (int c = 0; c < C; ++c) {  // the kernel's layout, as run_q stores a row
+      if (dp) xb[lay.pos(c, int(C))] = f32_to_bf16(xp[size_t(m) * C + c]);
+      else xl[lay.pos(c, int(C))] = xp[size_t(m) * C + c];
+    }
+    for (int64_t r = 0; r < R; r += 4) {
+      QRow rows[4];
+      for (int j = 0; j < 4; ++j) rows[j] = qrow(b, 0, r + j);
+      qdot4(isa, int(fmt), dp, rows, dp ? nullptr : xl.data(), dp ? xb.data() : nullptr, int(C), b.sdt,
+            out.data_ptr<float>() + size_t(m) * R + r);
+    }
+  }
+  return out;
+}
+
 // quantize_q8 on rows x [R, C] f32 with the vector form (vector, where the CPU has AVX-512) or
 // the scalar one -> (q [R, chunks * 128] int8, xs [R, chunks * 16] f32, off [R, chunks * 16] i32):
 // the test hook that checks the two forms give the same bits
@@ -1776,6 +1815,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa_of, "ISA level in use: 0 scalar, 1 avx2, 2 avx512, 3 avx512-bf16");
   m.def("set_act_int8", &set_act_int8, "int8 activations for MXFP4 / NVFP4 banks (on) or exact ones; returns the kernel that serves them (vbmi, vnni or scalar)",
         py::arg("handle"), py::arg("on"), py::arg("max_kernel") = 2);
+  m.def("qdot_rows", &qdot_rows, "rows of one quantized bank against rows of x by the decode kernels (a test hook: "
+        "one-hot x reads what they dequantize)");
   m.def("quantize_q8_rows", &quantize_q8_rows, "the int8 activation quantization of rows x, vector form or "
         "scalar (a test hook)");
   m.def("timing", &timing, "the last quantized call's time by part, us: wrapper, grouping, x quantization, "
