@@ -1131,11 +1131,13 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   step 300 prefill-stream-12 python3 -m bench.prefill_stream --layers 12 --lengths 1024,4096,16384,32768 \
     --buffering double,single --name prefill_stream
   ;;
-110) # ~540 s at most, for the next (issue 12): the quantized cache and GPT-OSS test files whole on CUDA (plan
-  # 108's were by -k), and test_gpu_production's quantized engine, each file under its own limit.
+110) # ~525 s at most (45 + 3 x 160), for the next (issue 12): the quantized models against transformers on CUDA
+  # (test_cuda_logits_and_greedy_match_transformers_on_dequantized_weights, new: resident and cache, fp32 1e-4,
+  # 32 greedy steps; not yet run on a GPU), the quantized cache and GPT-OSS test files on CUDA, each file under
+  # its own limit. Carry .whl, .devcache/commit and .devcache/warm-cache.tgz.
   step 45 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
-  FT_TAG=plan110 FT_PER_FILE=240 FT_K="cuda or gpu" bash bench/device_tests.sh tests/test_expert_cache_quant.py \
-    tests/test_gpt_oss.py > /dev/null
+  FT_TAG=plan110 FT_PER_FILE=160 FT_K="cuda or gpu" bash bench/device_tests.sh tests/test_quantized_models.py \
+    tests/test_expert_cache_quant.py tests/test_gpt_oss.py > /dev/null
   ;;
 *) echo "stage 0 to 110"; exit 2 ;;
 esac
