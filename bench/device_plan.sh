@@ -1124,11 +1124,12 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   # the GPU (test_cuda_streamed_prefill_equals_resident at 16,384 tokens passed in single calls at a491362; the new
   # test_cuda_checkpoints_in_streamed_passes_restore has not run on a GPU yet; plan 108 ran
   # out after 4 of its 6 CUDA cases at 110 s), then the 12-layer streamed-prefill rows at HEAD with the single
-  # buffer beside the double from 1k to 32k (the loss without the second buffer against length; the required
+  # buffer beside the double from 1k to 32k (the loss without the second buffer against length), a 64-token
+  # prompt (experts_skipped > 0: a short prompt loads only its routed experts, never yet shown on a GPU; the required
   # results/prefill_stream-gpu.json was a two-row run). Carry .whl, .devcache/commit and .devcache/warm-cache.tgz.
   step 45 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
   FT_TAG=plan109 FT_PER_FILE=200 FT_K="cuda" bash bench/device_tests.sh tests/test_prefill_stream.py > /dev/null
-  step 300 prefill-stream-12 python3 -m bench.prefill_stream --layers 12 --lengths 1024,4096,16384,32768 \
+  step 300 prefill-stream-12 python3 -m bench.prefill_stream --layers 12 --lengths 64,1024,4096,16384,32768 \
     --buffering double,single --name prefill_stream
   ;;
 110) # ~525 s at most (45 + 3 x 160), for the next (issue 12): the quantized models against transformers on CUDA
