@@ -145,7 +145,8 @@ def cmd_generate(args) -> int:
         d = eng.describe()
         print(f"[{g.prompt_tokens} prompt tokens, {n} generated ({g.finish_reason}); "
               f"prefill {stats['prefill_tok_s']} tok/s, decode {stats['decode_tok_s']} tok/s; "
-              f"{d.get('device')} {d.get('dtype')}, {experts_summary(d)}]", file=sys.stderr)
+              f"{d.get('device')} {d.get('dtype')}{' (dense FP8 kept)' if d.get('dense_fp8') == 'kept' else ''}, "
+              f"{experts_summary(d)}]", file=sys.stderr)
     return 0
 
 

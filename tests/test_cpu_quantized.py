@@ -305,19 +305,24 @@ def every_code_bank(fmt, scale_dtype=None) -> QuantBank:
     e4m3 byte but the NaNs as fp8 values; every e2m1 code under every e8m0 scale from 2^-127 (0)
     to 2^125 (252; past it 6 x the scale overflows fp32, and one inf weight makes every one-hot
     dot product of its row NaN: test_mxfp4_extreme_scales takes 254 with small codes); every e4m3
-    byte but the NaNs as an nvfp4 block scale (subnormals, 448, negatives, both zeros)."""
+    byte but the NaNs as an nvfp4 block scale (subnormals, 448, negatives, both zeros). Widths
+    leave tails as real shapes do (GPT-OSS's 2,880 columns are 22 chunks of 128 and 64): the
+    kernels' partial chunks, the layout of a short last chunk and fp8's scalar remainder run."""
     r = 8
     if fmt == "fp8_block":
-        b = torch.tensor([x for x in range(256) if x & 0x7F != 0x7F] * 9, dtype=torch.uint8)[:r * 256]
-        s = torch.tensor([[[0.5, 3.0]]]).to(scale_dtype)  # one 128-row block, two column blocks
-        return QuantBank(fmt, b.view(1, r, 256).view(torch.float8_e4m3fn), s, None, 1)
+        c = 256 + 16 + 7  # two 128-column blocks, a 16-wide step, 7 columns of scalar remainder
+        b = torch.tensor([x for x in range(256) if x & 0x7F != 0x7F] * 9, dtype=torch.uint8)[:r * c]
+        s = torch.tensor([[[0.5, 3.0, 0.25]]]).to(scale_dtype)  # one 128-row block, three column blocks
+        return QuantBank(fmt, b.view(1, r, c).view(torch.float8_e4m3fn), s, None, 1)
     scales = (torch.arange(253) if fmt == "mxfp4" else
               torch.tensor([x for x in range(256) if x & 0x7F != 0x7F]))
     blk = 32 if fmt == "mxfp4" else 16
-    per_row = -(-scales.numel() // r)  # blocks a row: every scale once (the last ones repeat)
+    per_row = 33  # 264 blocks: every scale once (the last ones repeat); 1,056 / 528 columns, a tail chunk
+    assert r * per_row >= scales.numel()
     s = scales.repeat(2)[:r * per_row].to(torch.uint8).view(1, r, per_row)
-    codes = torch.arange(16, dtype=torch.uint8).repeat(r * per_row * blk // 16).view(r, per_row * blk)
-    codes = torch.roll(codes, 3, dims=-1)  # every code in every block position over the rows
+    col = torch.arange(per_row * blk)
+    # row i holds code (c - i) mod 16 at column c: every code at every place of a lane over the rows
+    codes = torch.stack([(col - i) % 16 for i in range(r)]).to(torch.uint8)  # [r, C]
     v = (codes[:, 0::2] | (codes[:, 1::2] << 4)).view(1, r, per_row * blk // 2)
     if fmt == "mxfp4":
         return QuantBank(fmt, v, s, None, 1)

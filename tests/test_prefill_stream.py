@@ -531,9 +531,9 @@ def test_cuda_checkpoints_in_streamed_passes_restore(tmp_path_factory):
     """The checkpoint test above on the GPU (copy stream, events, decode graphs; float32, as the
     served-decode test, so the random model's own bf16 drift does not hide a wrong restore)."""
     path = build(tmp_path_factory, "cuda-ckpt", 45, 1024)[0]
-    cfg = dict(device="cuda", dtype="float32", moe="cache")
+    cfg = dict(device="cuda", dtype="float32", moe="cache", prefill_chunk=SUB)  # passes of 32 in pieces of 16
     eng = Engine(path, EngineConfig(**cfg))
-    eng.prefill_stream = PrefillStream(eng.model, eng.cfg, eng.executor, eng.ecfg.prefill_chunk, max_pass_tokens=32)
+    eng.prefill_stream = PrefillStream(eng.model, eng.cfg, eng.executor, SUB, max_pass_tokens=32)
     cold = Engine(path, EngineConfig(**cfg))
     cold.prefill_stream = None
     warm = serve_an_edited_conversation(eng, cold, 1e-3)

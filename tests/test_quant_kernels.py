@@ -250,6 +250,29 @@ def test_executor_takes_int32_routes(monkeypatch, phase, t):
             assert float(want.abs().max()) > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_torch_path_sums_in_a_fixed_order(dtype):
+    """The executor's torch grouped path (CUDA without Triton: prefill chunks): two equal calls
+    bit-equal (it summed each token's pairs with index_add_, whose CUDA atomics gave the last bits
+    in any order: plan 106), within rounding of the per-pair static path, rows whose pairs are all
+    skipped (NO_EXPERT, the cache's CPU mark -2) exactly zero."""
+    g = torch.Generator().manual_seed(31)
+    t, k = 40, 4
+    ex = TorchExpertExecutor((torch.randn(N, 64, 32, generator=g) * 0.2).to(dtype).to(DEV),
+                             (torch.randn(N, 32, 32, generator=g) * 0.2).to(dtype).to(DEV), layer_experts=N)
+    x = torch.randn(t, 32, generator=g).to(dtype).to(DEV)
+    ids = torch.randint(0, N, (t, k), generator=g)
+    ids[3] = NO_EXPERT
+    ids[5] = torch.tensor([-2, NO_EXPERT, -2, -2])
+    ids[7, 1] = -2
+    ids, w = ids.to(DEV), torch.softmax(torch.randn(t, k, generator=g), -1).to(dtype).to(DEV)
+    a, b = ex._grouped(x, ids, w), ex._grouped(x, ids, w)
+    assert torch.equal(a, b)
+    assert not a[3].any() and not a[5].any() and a[7].abs().sum() > 0
+    ref = ex._static(x, ids, w)
+    assert rel(a, ref) < (2e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
 def test_executor_capturable_only_with_the_kernels():
     gu, dn, *_ = make("mxfp4", 1, 1, seed=1, dtype=torch.float32)
     assert TorchExpertExecutor(gu, dn).capturable == (DEV == "cuda")

@@ -167,15 +167,10 @@ def test_cuda_logits_and_greedy_match_transformers_on_dequantized_weights(built,
     weights kept FP8 where the release has them (kernels/fp8_linear.py). Logits within 1e-4 of
     transformers on the dequantized weights, 32 greedy steps the same."""
     model, _, _, path = built[name]
-    cfg = dict(device="cuda", dtype="float32", moe=moe)
+    eng = Engine(path, EngineConfig(device="cuda", dtype="float32", moe=moe))
+    experts = eng.cfg.num_experts * sum(isinstance(m, MoE) for _, m, _, _ in eng.model.layers)
     if moe == "cache":
-        probe = Engine(path, EngineConfig(**cfg))
-        experts = probe.cfg.num_experts * sum(isinstance(m, MoE) for _, m, _, _ in probe.model.layers)
-        cfg["expert_cache"] = str(experts // 2 * probe.executor.slot_bytes)
-        del probe
-    else:
-        experts = 0
-    eng = Engine(path, EngineConfig(**cfg))
+        eng.executor.allocate(experts // 2)  # before new_state, which would size the pool from the budget
     d = eng.describe()
     assert d["expert_format"] == CASES[name][3] and d["expert_backend"] == {"resident": "gpu-resident",
                                                                             "cache": "gpu-cache"}[moe]

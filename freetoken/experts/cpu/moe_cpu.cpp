@@ -1667,6 +1667,7 @@ torch::Tensor qdot_rows(int64_t fmt, torch::Tensor v, torch::Tensor s, torch::Te
   TORCH_CHECK(fmt >= FMT_FP8 && fmt <= FMT_NVFP4, "moe_cpu.qdot_rows: fmt 1 fp8_block, 2 mxfp4, 3 nvfp4");
   TORCH_CHECK(v.dim() == 3 && v.size(0) == 1 && v.size(1) % 4 == 0, "moe_cpu.qdot_rows: values [1, R, *], R % 4 == 0");
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "moe_cpu.qdot_rows: x f32 [M, C]");
+  TORCH_CHECK(isa_cap >= SCALAR && isa_cap <= AVX512_BF16, "moe_cpu.qdot_rows: isa_cap 0 to 3");
   const int64_t R = v.size(1), C = fmt == FMT_FP8 ? v.size(2) : v.size(2) * 2;
   TORCH_CHECK(x.size(1) == C, "moe_cpu.qdot_rows: x's columns must be the bank's");
   const char* err = nullptr;
