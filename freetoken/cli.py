@@ -145,8 +145,7 @@ def cmd_generate(args) -> int:
         d = eng.describe()
         print(f"[{g.prompt_tokens} prompt tokens, {n} generated ({g.finish_reason}); "
               f"prefill {stats['prefill_tok_s']} tok/s, decode {stats['decode_tok_s']} tok/s; "
-              f"{d.get('device')} {d.get('dtype')}{' (dense FP8 kept)' if d.get('dense_fp8') == 'kept' else ''}, "
-              f"{experts_summary(d)}]", file=sys.stderr)
+              f"{compute_summary(d)}, {experts_summary(d)}]", file=sys.stderr)
     return 0
 
 
@@ -219,6 +218,11 @@ def bind_sockets(host: str, port: int) -> list[socket.socket]:
     return socks
 
 
+def compute_summary(d: dict) -> str:
+    """The device and dtype that run the model (describe()): "cuda bfloat16 (dense FP8 kept)"."""
+    return f"{d.get('device')} {d.get('dtype')}" + (" (dense FP8 kept)" if d.get("dense_fp8") == "kept" else "")
+
+
 def experts_summary(d: dict) -> str:
     """Where the routed experts run, in what format and by what (an Engine's or ServingEngine's
     describe()): "nvfp4 experts on cpu (cpp, avx512-bf16, 2 threads)"."""
@@ -238,10 +242,8 @@ def experts_summary(d: dict) -> str:
 
 def banner(name: str, arch: str, url: str, d: dict) -> str:
     """The start-up line: what is served where, and what runs it (ServingEngine.describe())."""
-    experts = experts_summary(d)
     cache = "on" if d.get("prefix_cache") else "off"
-    dense = " (dense FP8 kept)" if d.get("dense_fp8") == "kept" else ""
-    return (f"FreeToken: serving {name!r} ({arch}) at {url} | {d.get('device')} {d.get('dtype')}{dense} | {experts} | "
+    return (f"FreeToken: serving {name!r} ({arch}) at {url} | {compute_summary(d)} | {experts_summary(d)} | "
             f"context {d.get('context')} | decode {d.get('decode_path')}, max batch {d.get('max_batch')}, "
             f"prefix cache {cache}")
 
