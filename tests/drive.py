@@ -1,5 +1,6 @@
 """Driving a ServingEngine in the test's own thread: requests join at given steps; an engine's
 routed experts moved onto the torch path."""
+from contextlib import contextmanager
 
 
 def drive(srv, reqs, arrive=None, max_steps: int = 10_000):
@@ -15,6 +16,23 @@ def drive(srv, reqs, arrive=None, max_steps: int = 10_000):
         step += 1
         assert step < max_steps, "the requests did not finish"
     return reqs
+
+
+def cpu_experts_in_passes(executor) -> list[int]:
+    """Spy on an expert cache's frozen() (the decode steps a streamed prefill pass runs between
+    its layers): returns a list that gets, per frozen span, the CPU experts its calls ran. Read
+    from the device counter at the span's ends, so CUDA graph replays count too (a spy on the
+    calls would miss them). A fill-only cache runs experts on the CPU only inside such spans."""
+    inside, real = [], executor.frozen
+
+    @contextmanager
+    def counted():
+        before = int(executor._acc[4])
+        with real() as ex:
+            yield ex
+        inside.append(int(executor._acc[4]) - before)
+    executor.frozen = counted
+    return inside
 
 
 def drive_with_arrivals_mid_forward(srv, hook_name: str, stream, long, late) -> bool:

@@ -15,7 +15,7 @@ import torch
 
 import hf_models
 import quant_models
-from drive import drive, torch_experts
+from drive import cpu_experts_in_passes, drive, torch_experts
 from freetoken.cache.config import CacheConfig
 from freetoken.experts import executor as executor_mod
 from freetoken.experts.banks import ExpertBanks, QuantBank
@@ -336,21 +336,13 @@ def test_engine_serves_a_quantized_model_through_the_cache(quant_ftw, fmt, share
     ref = torch_experts(Engine(path, EngineConfig(device="cpu", dtype="float32", moe="cpu", prefill_chunk=16)))
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (23, 9)]
-    outside = []  # CPU experts of the calls made outside streamed passes (the cache not frozen)
-    real = eng.executor._call
-
-    def spy(*args, **kw):
-        before = int(eng.executor._acc[4])
-        out = real(*args, **kw)
-        if not eng.executor.is_frozen:
-            outside.append(int(eng.executor._acc[4]) - before)
-        return out
-    eng.executor._call = spy
+    in_passes = cpu_experts_in_passes(eng.executor)
     srv, st = check_served(eng, ref, prompts, slots=12)
+    outside = st["cpu_experts"] - sum(in_passes)  # CPU experts of the calls outside streamed passes
     assert srv.plan.expert_slots == 3 * 16 and srv.plan.expert_cache == 3 * 16 * want  # the plan: every expert
     # at r = 0.5 the CPU branch runs; fill-only runs experts on the CPU only in decode steps
     # inside streamed passes (the cache frozen there)
-    assert (sum(outside) > 0) == (share == "0.5")
+    assert (outside > 0) == (share == "0.5")
     assert eng.prefill_stream.stats()["bytes_h2d"] == eng.prefill_stream.stats()["experts_h2d"] * want
 
 
