@@ -403,6 +403,7 @@ def test_gpu_engine_serves_a_quantized_model(quant_ftw, fmt, share, graphs):
         return eng, ref
 
     eng, ref = engines("float32")
+    in_passes = cpu_experts_in_passes(eng.executor)
     srv, got = serve(eng, prompts)
     _, want = serve(ref, prompts)
     check_slots(eng.executor)  # the slots hold what the residency says
@@ -413,7 +414,9 @@ def test_gpu_engine_serves_a_quantized_model(quant_ftw, fmt, share, graphs):
         errs = [round(rel(la.cpu(), lb.cpu()), 6) for la, lb in zip(a.logits, b.logits)]
         assert max(errs) < 1e-4, errs
     st = eng.executor.stats()
-    assert st["fills"] > 12 and (st["cpu_experts"] > 0) == (share == "0.5")
+    # fill-only runs experts on the CPU only in the decode steps inside the second prompt's
+    # streamed pass (the cache frozen there)
+    assert st["fills"] > 12 and (st["cpu_experts"] - sum(in_passes) > 0) == (share == "0.5")
 
     eng, ref = engines("bfloat16")
     _, got = serve(eng, prompts)
