@@ -1165,7 +1165,15 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   FT_TAG=plan112b FT_PER_FILE=220 FT_K="gpu_engine and (fp8_block-0.5 or mxfp4-1 or nvfp4-0.5)" \
     bash bench/device_tests.sh tests/test_expert_cache_quant.py > /dev/null
   ;;
-*) echo "stage 0 to 112"; exit 2 ;;
+113) # ~250 s at most, for the next (issue 11): why a 32k streamed pass beat all-resident chunked prefill by 1.49x
+  # (plan 109: 0.620 s against 0.925 s, 12 layers). The same passes with every expert resident (resident-pass:
+  # their compute alone, nothing streamed; also the non-expert bound of a 16k/32k pass) beside the resident
+  # rows chunked at 2,048 (the engine's default) and 8,192: if 8,192-token chunks close the gap, the chunked
+  # path is bound by per-chunk host work, not the GPU. Carry .whl, .devcache/commit and .devcache/warm-cache.tgz.
+  step 250 prefill-compute python3 -m bench.prefill_stream --layers 12 --lengths 2048,8192,16384,32768 \
+    --buffering double --resident-chunks 2048,8192 --compute-pass --name prefill_stream-compute
+  ;;
+*) echo "stage 0 to 113"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole

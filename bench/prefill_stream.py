@@ -10,6 +10,9 @@ Rows (`runs`), per --layers (12: the slice; 40: the full model), buffering and p
                  expert-sized copies from the pinned banks (one copy-engine copy per expert and
                  bank); floor_bulk_s with whole-layer copies (what a full layer load issues)
   of_floor       floor_s / pass_s (1.0: transfer-bound at line rate)
+  resident-pass  (--compute-pass) the same passes with every expert resident in VRAM: their
+                 compute alone, nothing streamed; `resident-N` rows: chunked at N tokens
+                 (--resident-chunks), `resident` being the engine's default 2,048
   bound_s        max(floor_s, the resident row's seconds per pass at that length): a pass can beat
                  neither; of_bound = bound_s / pass_s, `bound` says which limit binds
   llamacpp_tok_s with --llamacpp: llama.cpp's prompt processing of the same weights (a GGUF written
@@ -37,7 +40,7 @@ from bench.decode import QWEN36_35B_A3B
 from freetoken.config import ModelConfig
 from freetoken.demo import random_tensor, weight_shapes
 from freetoken.experts.cached import CachedExpertExecutor
-from freetoken.experts.executor import TorchExpertExecutor
+from freetoken.experts.executor import ExpertExecutor, TorchExpertExecutor
 from freetoken.model.registry import model_class
 from freetoken.model.state import DecodeState
 from freetoken.runtime.prefill_stream import PrefillStream
@@ -160,29 +163,83 @@ def run_layers(layers: int, a, dev, res: dict) -> None:
         del ps
     del model, cache
     torch.cuda.empty_cache()
+    if a.compute_pass:
+        compute_pass_rows(a, layers, mc, w, gu, dn, st, prompt, lengths, max_len, dev, res)
+        torch.cuda.empty_cache()  # its copy of every expert in VRAM
     if a.resident:
         ex = TorchExpertExecutor(gu.to(dev), dn.to(dev), layer_experts=e)
         model = model_class(mc.arch)(mc, w, ex, dev, torch.bfloat16, max_len)
         tokens = torch.tensor(prompt, device=dev)
 
-        def chunked(n):
+        def chunked(n, sub):
             st.reset(0)
             torch.cuda.synchronize()
             t = time.perf_counter()
-            for s in range(0, n, SUB):
-                model.prefill(tokens[s:min(n, s + SUB)], st, 0, s, logits=s + SUB >= n)
+            for s in range(0, n, sub):
+                model.prefill(tokens[s:min(n, s + sub)], st, 0, s, logits=s + sub >= n)
             torch.cuda.synchronize()
             return time.perf_counter() - t
-        chunked(min(SUB, max(lengths)))
-        for n in lengths:
-            wall = chunked(n)
-            row = {"layers": layers, "prompt_tokens": n, "buffering": "resident", "tok_s": round(n / wall, 1),
-                   "pass_s": None, "floor_s": None, "llamacpp_tok_s": llama.get((n, "resident"))}
-            print(row, flush=True)
-            res["runs"].append(row)
+        for sub in [int(c) for c in a.resident_chunks.split(",")]:
+            chunked(min(sub, max(lengths)), sub)  # compile and autotune this chunk's shapes
+            for n in lengths:
+                wall = chunked(n, sub)
+                # the engine's default chunk is the row the bounds read ("resident"); others say theirs
+                row = {"layers": layers, "prompt_tokens": n, "buffering": "resident" if sub == SUB else f"resident-{sub}",
+                       "chunk": sub, "tok_s": round(n / wall, 1), "pass_s": None, "floor_s": None,
+                       "llamacpp_tok_s": llama.get((n, "resident")) if sub == SUB else None}
+                print(row, flush=True)
+                res["runs"].append(row)
         del ex, model
     del gu, dn, st, w
     torch.cuda.empty_cache()
+
+
+class SubChunked(ExpertExecutor):
+    """A resident executor whose prefill calls run in sub-chunks of `sub` tokens, as the pass's
+    loader computes a layer's experts (experts/stream.py LayerStreamer._compute)."""
+
+    def __init__(self, inner: ExpertExecutor, sub: int):
+        self.inner, self.sub = inner, sub
+        self.backend, self.activation = inner.backend, inner.activation  # what the MoE block checks
+        self.gate_up_bias, self.down_bias = inner.gate_up_bias, inner.down_bias
+
+    def run(self, x, ids, weights, phase):  # x [T, H], ids / weights [T, k] -> [T, H]
+        if phase != "prefill":
+            return self.inner.run(x, ids, weights, phase)
+        return torch.cat([self.inner.run(x[a:a + self.sub], ids[a:a + self.sub], weights[a:a + self.sub], phase)
+                          for a in range(0, x.shape[0], self.sub)])
+
+
+def compute_pass_rows(a, layers, mc, w, gu, dn, st, prompt, lengths, max_len, dev, res) -> None:
+    """Rows `resident-pass`: a streamed pass's order of work with nothing to stream, every expert
+    resident in VRAM. As runtime/prefill_stream.py runs a pass: one varlen forward over the pass's
+    tokens in pieces of SUB (the token mixers piece by piece, the dense MLP parts over the whole
+    pass at once), the experts in sub-chunks of SUB tokens. Its time is the pass's compute alone:
+    what bounds a streamed pass once the link does not (the non-expert part included), and against
+    the `resident` rows (chunked prefill, the same tokens) what the layer-major order gains."""
+    ex = SubChunked(TorchExpertExecutor(gu.to(dev), dn.to(dev), layer_experts=mc.num_experts), SUB)
+    model = model_class(mc.arch)(mc, w, ex, dev, torch.bfloat16, max_len)
+    tokens = torch.tensor(prompt, device=dev)
+
+    def passes(n):
+        st.reset(0)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for s in range(0, n, a.pass_tokens):
+            e = min(n, s + a.pass_tokens)
+            pieces = [(0, p, min(e, p + SUB) - p, None, p + SUB >= n) for p in range(s, e, SUB)]
+            model.prefill_batch(tokens[s:e], st, pieces)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+    passes(min(SUB, max(lengths)))  # compile and autotune
+    passes(min(a.pass_tokens, max(lengths)))
+    for n in lengths:
+        wall = min(passes(n) for _ in range(1 if n >= 8192 else 2))
+        count = -(-n // a.pass_tokens)
+        row = {"layers": layers, "prompt_tokens": n, "buffering": "resident-pass", "tok_s": round(n / wall, 1),
+               "pass_s": round(wall / count, 4), "passes": count, "floor_s": None, "llamacpp_tok_s": None}
+        print(row, flush=True)
+        res["runs"].append(row)
 
 
 def side_by_side(a, cfg, mc, w, gu, dn, lengths, slots, section) -> dict:
@@ -223,6 +280,10 @@ def main():
     ap.add_argument("--slots", type=int, default=0, help="expert slots in VRAM (0: two layers' worth)")
     ap.add_argument("--no-resident", dest="resident", action="store_false",
                     help="skip the all-experts-in-VRAM chunked prefill rows")
+    ap.add_argument("--resident-chunks", default=str(SUB),
+                    help="chunk sizes of the resident rows (the first row kind's default: the engine's 2,048)")
+    ap.add_argument("--compute-pass", action="store_true",
+                    help="add `resident-pass` rows: the passes with every expert resident (their compute alone)")
     ap.add_argument("--llamacpp", action="store_true", help="llama.cpp side by side (see llamacpp_tok_s above)")
     ap.add_argument("--llamacpp-build", default="/tmp/ft-llama-build", help="llama.cpp CUDA build folder (reused)")
     ap.add_argument("--llamacpp-threads", type=int, default=14)
