@@ -114,9 +114,16 @@ def read_prompt_file(fn: str) -> str:
 def cmd_generate(args) -> int:
     from .runtime.sampler import SamplingParams
     try:
-        params = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+        params = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed, min_p=args.min_p)
     except ValueError as e:
         raise FreeTokenError(str(e)) from None
+    for flag, v in (("--presence-penalty", args.presence_penalty), ("--frequency-penalty", args.frequency_penalty)):
+        if not -2 <= v <= 2:
+            raise FreeTokenError(f"{flag} must be in [-2, 2], got {v}")
+    if not 0 < args.repetition_penalty <= 100:
+        raise FreeTokenError(f"--repetition-penalty must be in (0, 100] (1 = off), got {args.repetition_penalty}")
+    penalties = dict(presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                     repetition_penalty=args.repetition_penalty)
     if args.max_tokens < 1:
         raise FreeTokenError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     prompt = read_prompt_file(args.prompt_file) if args.prompt_file is not None else args.prompt
@@ -131,7 +138,7 @@ def cmd_generate(args) -> int:
             raise FreeTokenError(f"--prompt-ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
     else:
         ids = eng.tokenizer.encode(prompt)
-    g = eng.generate(ids, args.max_tokens, params, stop_at_eos=not args.ignore_eos)
+    g = eng.generate(ids, args.max_tokens, params, stop_at_eos=not args.ignore_eos, penalties=penalties)
     n = len(g.token_ids)
     stats = {"load_s": round(eng.load_s, 3), "prefill_s": round(g.prefill_s, 4), "decode_s": round(g.decode_s, 4),
              "prefill_tok_s": round(g.prompt_tokens / g.prefill_s, 1) if g.prefill_s else None,
@@ -348,6 +355,15 @@ def build_parser() -> argparse.ArgumentParser:
                                                              "this total probability (1 = off)")
     g.add_argument("--top-k", type=int, default=0, help="keep only the K most likely tokens (0 = off)")
     g.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: unseeded)")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens below this share of the most likely one's probability (0 = off)")
+    g.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtract this from the logit of every token generated so far, in [-2, 2] (0 = off)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtract this times its count from each generated token's logit, in [-2, 2] (0 = off)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide positive logits (multiply negative ones) of tokens in the prompt or output by "
+                        "this (1 = off)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     g.add_argument("--json", action="store_true",
                    help="print one JSON object: tokens, text, logprobs, timings and what ran where")

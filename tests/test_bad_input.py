@@ -168,6 +168,9 @@ def test_prompt_longer_than_context(good):
     (["--prompt-ids", "1", "--max-tokens", "0"], "--max-tokens"),
     (["--prompt-ids", "1", "--top-p", "0"], "top_p"),
     (["--prompt-ids", "1", "--cpu-threads", "-2"], "--cpu-threads"),
+    (["--prompt-ids", "1", "--min-p", "2"], "min_p"),
+    (["--prompt-ids", "1", "--presence-penalty", "3"], "--presence-penalty"),
+    (["--prompt-ids", "1", "--repetition-penalty", "0"], "--repetition-penalty"),
 ])
 def test_bad_generate_flags(good, args, needle):
     code, _, err = ft_in("generate", str(good / "m.ftw"), *args)

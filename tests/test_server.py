@@ -368,6 +368,14 @@ def test_response_format_shapes(oai, server):
     ({"model": MODEL, "messages": USER, "logprobs": True, "top_logprobs": "3"}, 400, "top_logprobs"),
     ({"model": MODEL, "messages": USER, "response_format": {"type": "regex"}}, 400, "response_format"),
     ({"model": MODEL, "messages": USER, "seed": 10 ** 30}, 400, "seed must be a 64-bit integer"),
+    ({"model": MODEL, "messages": USER, "presence_penalty": 2.5}, 400, "presence_penalty must be in [-2, 2]"),
+    ({"model": MODEL, "messages": USER, "frequency_penalty": "x"}, 400, "frequency_penalty"),
+    ({"model": MODEL, "messages": USER, "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"model": MODEL, "messages": USER, "min_p": 1.5}, 400, "min_p must be in [0, 1]"),
+    ({"model": MODEL, "messages": USER, "logit_bias": {"abc": 1}}, 400, "logit_bias keys must be token ids"),
+    ({"model": MODEL, "messages": USER, "logit_bias": {"99999999": 1}}, 400, "logit_bias keys must be token ids"),
+    ({"model": MODEL, "messages": USER, "logit_bias": {"5": 101}}, 400, "logit_bias values"),
+    ({"model": MODEL, "messages": USER, "logit_bias": [5]}, 400, "logit_bias"),
     ({"model": MODEL}, 400, "messages"),
     ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
     ({"model": MODEL, "messages": [{"role": "user"}], "max_tokens": 4}, 400, "messages[0]: a user message needs"),
@@ -380,6 +388,22 @@ def test_openai_errors(server, body, status, needle):
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert needle in err["message"] and err["type"]
+
+
+def test_logit_bias_and_penalties_reach_the_pick(server, oai):
+    """logit_bias through both OpenAI endpoints: a +100 bias on a token makes every output
+    token that token (also sampled); with penalties at their limits the request still serves."""
+    tok = 42
+    r = oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=4, temperature=0.7, seed=3,
+                                    logit_bias={str(tok): 100}, logprobs=True)
+    assert [t.token for t in r.choices[0].logprobs.content] == [r.choices[0].logprobs.content[0].token] * 4
+    c = post(server, "/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 3,
+                                         "logit_bias": {str(tok): 100}, "logprobs": 1}).json()
+    assert c["choices"][0]["logprobs"]["tokens"] == [c["choices"][0]["logprobs"]["tokens"][0]] * 3
+    assert c["choices"][0]["logprobs"]["tokens"][0] == r.choices[0].logprobs.content[0].token
+    r = oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=3, presence_penalty=2, frequency_penalty=-2,
+                                    extra_body={"repetition_penalty": 1.3, "min_p": 0.1})
+    assert r.choices[0].finish_reason in ("length", "stop")
 
 
 def test_malformed_json_and_the_server_keeps_serving(server, oai):

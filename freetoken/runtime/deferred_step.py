@@ -89,7 +89,7 @@ class DeferredStep:
         queued on the current stream. start: a mark() taken before the step's forward.
         blocking: wait() sleeps until the copies are done (a step with a CPU branch,
         runtime/host_wait.py) instead of spinning."""
-        greedy = [r for r in reqs if r.sampling.temperature == 0 and not r.forcing()]
+        greedy = [r for r in reqs if r.picked_on_device()]
         packed, lo = None, 0
         if greedy:
             top = max(r.sampling.top_logprobs for r in greedy)

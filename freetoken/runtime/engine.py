@@ -647,9 +647,10 @@ class Engine:
             pre, [(slot, start, len(toks), cap, want) for toks, slot, start, cap, want in segs])
 
     def generate(self, prompt_ids: list[int], max_tokens: int, params: SamplingParams | None = None,
-                 stop_at_eos: bool = True) -> Generation:
+                 stop_at_eos: bool = True, penalties: dict | None = None) -> Generation:
         """One request through the same engine step as the server (a one-slot serving loop
-        driven in this thread, without the prefix cache)."""
+        driven in this thread, without the prefix cache). penalties: SamplingOptions' logit
+        adjustments (presence_penalty, frequency_penalty, repetition_penalty, logit_bias)."""
         from .request import Request, SamplingOptions
         params = params or SamplingParams(temperature=0.0)
         self.check_context(len(prompt_ids), max_tokens)
@@ -658,7 +659,7 @@ class Engine:
             self._runner = ServingEngine(self, max_batch=1, max_queue=1, start=False)
         req = Request(list(prompt_ids), SamplingOptions(
             temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed,
-            max_tokens=max_tokens, ignore_eos=not stop_at_eos))
+            min_p=params.min_p, max_tokens=max_tokens, ignore_eos=not stop_at_eos, **(penalties or {})))
         self._runner.run_to_completion(req)
         if req.finish_reason == "error":
             raise RuntimeError(f"generation failed: {req.error}")

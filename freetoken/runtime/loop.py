@@ -32,6 +32,7 @@ from .overlap import DecodeOverlap, LayerPacer, eligible as overlap_eligible
 from .request import Request, TokenEvent
 from . import host_wait
 from .deferred_step import DeferredStep, mark
+from .penalties import LogitAdjuster
 from .sampler import SamplingParams, greedy_rows, sample, top_entries
 from .scheduler import Scheduler
 
@@ -944,7 +945,7 @@ class EngineLoop:
             if pairs:
                 at = {st: k for k, (st, _) in enumerate(pairs)}
                 norms = (self.grammar.apply(logits, pairs), {r.id: at[r.grammar] for r in reqs if r.grammar in at})
-        greedy = [(r, row) for r, row in zip(reqs, rows) if r.sampling.temperature == 0 and not r.forcing()]
+        greedy = [(r, row) for r, row in zip(reqs, rows) if r.picked_on_device()]
         if not greedy:
             return {}, norms
         top = max(r.sampling.top_logprobs for r, _ in greedy)
@@ -1007,9 +1008,16 @@ class EngineLoop:
             lsm = torch.log_softmax(logits.float(), -1)
             pick = tok, float(lsm[tok]), top_entries(lsm, s.top_logprobs)
         elif pick is None:
-            pick = sample(logits, SamplingParams(s.temperature, s.top_p, s.top_k), self._gens.get(req.id),
-                          s.top_logprobs, norm)
+            adjusted = None
+            if s.adjusts_logits():  # penalties and bias: the pick reads the adjusted row, logprobs the model's
+                if req.adjuster is None:
+                    req.adjuster = LogitAdjuster(s, req.prompt_ids, req.output_ids)
+                adjusted = req.adjuster.apply(logits)
+            pick = sample(logits, SamplingParams(s.temperature, s.top_p, s.top_k, min_p=s.min_p),
+                          self._gens.get(req.id), s.top_logprobs, norm, adjusted=adjusted)
         tok, lp, tops = pick
+        if req.adjuster is not None:
+            req.adjuster.update(tok)
         complete = req.grammar is not None and self.grammar.accept(req, tok)  # raises if tok breaks it
         if tok == s.forced_after:
             req.forced_armed = True

@@ -82,8 +82,22 @@ class SamplingOptions:
     forced_after: int | None = None
     # most likely alternatives reported with each output token (OpenAI top_logprobs; 0: none)
     top_logprobs: int = 0
+    # min-p: tokens below min_p x the most likely one's probability are cut (0: none)
+    min_p: float = 0.0
+    # logit adjustments before the pick (runtime/penalties.py): OpenAI's presence and frequency
+    # penalties and logit_bias {token id: bias}, and the repetition penalty (1: none)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
     # constrained decoding: what the output (from grammar.after on) must match; None: free
     grammar: GrammarSpec | None = None
+
+    def adjusts_logits(self) -> bool:
+        """Whether logits are adjusted before the pick (penalties or a bias): such a request's
+        tokens are picked on the host, where its counts are."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
 
 @dataclass
@@ -117,10 +131,15 @@ class Request:
     forced_next: int = 0  # how many of sampling.forced have been emitted
     forced_armed: bool = False  # sampling.forced_after has been generated
     grammar: object = None  # the engine's matcher state when sampling.grammar is set (runtime.grammar)
+    adjuster: object = None  # runtime.penalties.LogitAdjuster when sampling.adjusts_logits()
 
     def __post_init__(self):
         if self.prefill_end < 0:
             self.prefill_end = len(self.prompt_ids)
+
+    def picked_on_device(self) -> bool:
+        """Greedy with nothing to adjust on the host: the device's batched argmax picks it."""
+        return self.sampling.temperature == 0 and not self.forcing() and not self.sampling.adjusts_logits()
 
     def forcing(self) -> bool:
         """The next output token is a forced one."""

@@ -1,7 +1,8 @@
-"""Batched sampling: greedy at temperature 0, else temperature / top-k / top-p.
+"""Batched sampling: greedy at temperature 0, else temperature / min-p / top-k / top-p.
 
 Log-probabilities are those of the model's own distribution (log_softmax of raw logits),
-as OpenAI-style `logprobs` report them.
+as OpenAI-style `logprobs` report them, also where penalties or a logit bias moved the pick
+(runtime/penalties.py).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus mass kept, (0, 1]
     top_k: int = 0  # 0: no top-k cut
     seed: int | None = None
+    min_p: float = 0.0  # tokens below min_p x the most likely one's probability are cut; 0: none
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -24,24 +26,31 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None, top_n: int = 0,
-           norm: float | None = None):
+           norm: float | None = None, adjusted: torch.Tensor | None = None):
     """logits: [V] float -> (token id, its log-probability under the model, the top_n most
     likely [(id, logprob)], most likely first; [] when top_n is 0). norm: the model's
     log-normalizer when the logits were masked (constrained decoding: -inf where forbidden), so
-    log-probabilities stay the model's."""
+    log-probabilities stay the model's. adjusted: [V] the logits the pick reads instead (the
+    request's penalties and bias applied); the log-probabilities still come from `logits`."""
     logprobs = logits.float() - norm if norm is not None else torch.log_softmax(logits.float(), dim=-1)
+    choose = logits if adjusted is None else adjusted
     if params.temperature == 0:
-        tok = int(torch.argmax(logits))
+        tok = int(torch.argmax(choose))
     else:
-        tok = _draw(logits, params, gen)
+        tok = _draw(choose, params, gen)
     return tok, float(logprobs[tok]), top_entries(logprobs, top_n)
 
 
 def _draw(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
     scaled = logits.float() / params.temperature
+    if params.min_p > 0:  # relative to the most likely token, after temperature (as vLLM)
+        p = torch.softmax(scaled, dim=-1)
+        scaled = scaled.masked_fill(p < params.min_p * p.max(), float("-inf"))  # the most likely always stays
     if params.top_k and params.top_k < scaled.numel():
         kth = torch.topk(scaled, params.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))

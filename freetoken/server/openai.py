@@ -13,7 +13,8 @@ from starlette.responses import JSONResponse
 from ..runtime.scheduler import QueueFull
 from ..runtime.serving import ShuttingDown
 from .common import (ApiError, build_prompt, constrain, continuation, field, fit_prompt, grammar_for, json_args,
-                     off_loop, refuse_continued_grammar, render, sampling_from, template_kwargs, text_of)
+                     logit_options, off_loop, refuse_continued_grammar, render, sampling_from, template_kwargs,
+                     text_of)
 from .generation import Done, Ping, RequestStream, Tokens, cancel_unfinished, collect, events, start
 from .logprobs import TokenText, chat_entries, chat_options, completion_logprobs, completion_options
 from .merge import END, merged
@@ -201,6 +202,7 @@ def _chat_plan(ctx, body: dict):
     messages = normalize_messages(body.get("messages"))
     tools = normalize_tools(body)
     sampling = sampling_from(body, _max_tokens(body), body.get("stop"), default_max=ctx.serving.max_len)
+    logit_options(body, sampling, ctx.vocab_size)
     want_logprobs = chat_options(body, sampling)
     kwargs = template_kwargs(body)
     cont, gen = continuation(body)
@@ -420,6 +422,7 @@ def _completion_plan(ctx, body: dict):
     suffix = field(body, "suffix", "string")
     ids = [_completion_ids(ctx, p, suffix) for p in prompts]
     sampling = sampling_from(body, field(body, "max_tokens", "integer"), body.get("stop"), default_max=16)
+    logit_options(body, sampling, ctx.vocab_size)
     want_logprobs = completion_options(body, sampling)
     echo = None
     if field(body, "echo", "boolean", False):
