@@ -227,7 +227,7 @@ def compute_pass_rows(a, layers, mc, w, gu, dn, st, prompt, lengths, max_len, de
         t = time.perf_counter()
         for s in range(0, n, a.pass_tokens):
             e = min(n, s + a.pass_tokens)
-            pieces = [(0, p, min(e, p + SUB) - p, None, p + SUB >= n) for p in range(s, e, SUB)]
+            pieces = [(0, p, min(e, p + SUB) - p, None, e == n and p + SUB >= e) for p in range(s, e, SUB)]
             model.prefill_batch(tokens[s:e], st, pieces)
         torch.cuda.synchronize()
         return time.perf_counter() - t

@@ -120,8 +120,8 @@ def cmd_generate(args) -> int:
     for flag, v in (("--presence-penalty", args.presence_penalty), ("--frequency-penalty", args.frequency_penalty)):
         if not -2 <= v <= 2:
             raise FreeTokenError(f"{flag} must be in [-2, 2], got {v}")
-    if not 0 < args.repetition_penalty <= 100:
-        raise FreeTokenError(f"--repetition-penalty must be in (0, 100] (1 = off), got {args.repetition_penalty}")
+    if not 0.01 <= args.repetition_penalty <= 100:  # far below 0.01 a logit divided by it overflows float32
+        raise FreeTokenError(f"--repetition-penalty must be in [0.01, 100] (1 = off), got {args.repetition_penalty}")
     penalties = dict(presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                      repetition_penalty=args.repetition_penalty)
     if args.max_tokens < 1:

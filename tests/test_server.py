@@ -371,6 +371,7 @@ def test_response_format_shapes(oai, server):
     ({"model": MODEL, "messages": USER, "presence_penalty": 2.5}, 400, "presence_penalty must be in [-2, 2]"),
     ({"model": MODEL, "messages": USER, "frequency_penalty": "x"}, 400, "frequency_penalty"),
     ({"model": MODEL, "messages": USER, "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"model": MODEL, "messages": USER, "repetition_penalty": 1e-50}, 400, "repetition_penalty must be in [0.01"),
     ({"model": MODEL, "messages": USER, "min_p": 1.5}, 400, "min_p must be in [0, 1]"),
     ({"model": MODEL, "messages": USER, "logit_bias": {"abc": 1}}, 400, "logit_bias keys must be token ids"),
     ({"model": MODEL, "messages": USER, "logit_bias": {"99999999": 1}}, 400, "logit_bias keys must be token ids"),

@@ -78,22 +78,23 @@ def sampling_from(body: dict, max_tokens: int | None, stop, default_max: int) ->
                            ignore_eos=field(body, "ignore_eos", "boolean", False))  # vLLM's extension
 
 
-_TOKEN_ID = re.compile(r"[0-9]{1,12}")
+_TOKEN_ID = re.compile(r"0*[0-9]{1,12}")  # leading zeros allowed, no huge ints
 
 
 def logit_options(body: dict, sampling: SamplingOptions, vocab_size: int) -> None:
     """The OpenAI APIs' logit adjustments and vLLM's sampling extensions, onto `sampling`:
     presence_penalty and frequency_penalty in [-2, 2], logit_bias {token id (a string of
     digits, as JSON keys are): bias in [-100, 100]} over the model's vocabulary,
-    repetition_penalty > 0 (1: none), min_p in [0, 1] (runtime/penalties.py, sampler.py)."""
+    repetition_penalty in [0.01, 100] (1: none), min_p in [0, 1] (runtime/penalties.py, sampler.py)."""
     for name in ("presence_penalty", "frequency_penalty"):
         v = field(body, name, "number", 0.0)
         if not -2 <= v <= 2:
             raise ApiError(400, f"{name} must be in [-2, 2], got {v}", param=name)
         setattr(sampling, name, float(v))
     rep = field(body, "repetition_penalty", "number", 1.0)
-    if not 0 < rep <= 100:
-        raise ApiError(400, f"repetition_penalty must be in (0, 100] (1: none), got {rep}", param="repetition_penalty")
+    if not 0.01 <= rep <= 100:  # far below 0.01 a logit divided by it overflows float32
+        raise ApiError(400, f"repetition_penalty must be in [0.01, 100] (1: none), got {rep}",
+                       param="repetition_penalty")
     min_p = field(body, "min_p", "number", 0.0)
     if not 0 <= min_p <= 1:
         raise ApiError(400, f"min_p must be in [0, 1], got {min_p}", param="min_p")
