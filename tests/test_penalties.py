@@ -147,3 +147,22 @@ def test_generate_flags_reach_the_pick(ftw, eng, capsys):
     biased = eng.generate([7, 8, 9], 10, SamplingParams(0.0), stop_at_eos=False,
                           penalties=dict(logit_bias={42: 20.0}, frequency_penalty=2.0))
     assert biased.token_ids[0] == 42 and biased.token_ids != [42] * 10
+
+
+def test_min_tokens_holds_back_the_stop_ids(eng):
+    """A +100 bias on a stop id: without min_tokens the output is that id, ended at once; with
+    min_tokens = 3 it is masked for three tokens and ends the output at the fourth."""
+    def run(**kw):
+        r = Request([7, 8, 9], SamplingOptions(temperature=0, max_tokens=10, logit_bias={42: 100.0},
+                                               stop_token_ids=[42], **kw))
+        return drive(ServingEngine(eng, max_batch=1, max_queue=2, start=False), [r])[0]
+    r = run()
+    assert r.output_ids == [42] and r.finish_reason == "stop"
+    r = run(min_tokens=3)
+    assert len(r.output_ids) == 4 and 42 not in r.output_ids[:3] and r.output_ids[3] == 42
+    assert r.finish_reason == "stop"
+    eos = sorted(eng.eos_ids)[0]
+    r = drive(ServingEngine(eng, max_batch=1, max_queue=2, start=False),
+              [Request([7, 8, 9], SamplingOptions(temperature=0, max_tokens=10, logit_bias={eos: 100.0},
+                                                  min_tokens=2))])[0]
+    assert len(r.output_ids) == 3 and eos not in r.output_ids[:2] and r.output_ids[2] == eos

@@ -377,6 +377,8 @@ def test_response_format_shapes(oai, server):
     ({"model": MODEL, "messages": USER, "logit_bias": {"99999999": 1}}, 400, "logit_bias keys must be token ids"),
     ({"model": MODEL, "messages": USER, "logit_bias": {"5": 101}}, 400, "logit_bias values"),
     ({"model": MODEL, "messages": USER, "logit_bias": [5]}, 400, "logit_bias"),
+    ({"model": MODEL, "messages": USER, "stop_token_ids": [-1]}, 400, "stop_token_ids must be token ids"),
+    ({"model": MODEL, "messages": USER, "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens must be from 0"),
     ({"model": MODEL}, 400, "messages"),
     ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
     ({"model": MODEL, "messages": [{"role": "user"}], "max_tokens": 4}, 400, "messages[0]: a user message needs"),
@@ -405,6 +407,10 @@ def test_logit_bias_and_penalties_reach_the_pick(server, oai):
     r = oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=3, presence_penalty=2, frequency_penalty=-2,
                                     extra_body={"repetition_penalty": 1.3, "min_p": 0.1})
     assert r.choices[0].finish_reason in ("length", "stop")
+    # vLLM's stop_token_ids and min_tokens: the biased token ends the output after two others
+    r = oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=6, logit_bias={str(tok): 100},
+                                    extra_body={"stop_token_ids": [tok], "min_tokens": 2})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 3
 
 
 def test_malformed_json_and_the_server_keeps_serving(server, oai):

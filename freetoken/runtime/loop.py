@@ -1011,7 +1011,7 @@ class EngineLoop:
             adjusted = None
             if s.adjusts_logits():  # penalties and bias: the pick reads the adjusted row, logprobs the model's
                 if req.adjuster is None:
-                    req.adjuster = LogitAdjuster(s, req.prompt_ids, req.output_ids)
+                    req.adjuster = LogitAdjuster(s, req.prompt_ids, req.output_ids, self.engine.eos_ids)
                 adjusted = req.adjuster.apply(logits)
             pick = sample(logits, SamplingParams(s.temperature, s.top_p, s.top_k, min_p=s.min_p),
                           self._gens.get(req.id), s.top_logprobs, norm, adjusted=adjusted)

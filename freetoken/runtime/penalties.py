@@ -7,6 +7,8 @@ In the order vLLM applies them, on the row's logits (the model's, or a grammar's
                       x[t] = x[t] / p if x[t] > 0 else x[t] * p   (p > 1 discourages)
   frequency_penalty   x[t] -= f * c[t]             c[t]: times t was generated so far
   presence_penalty    x[t] -= q * (c[t] > 0)
+  min_tokens          x[t] = -inf for the EOS ids and stop_token_ids while fewer than
+                      min_tokens tokens have been generated (vLLM's)
 Then temperature, min-p, top-k and top-p pick from the result (runtime/sampler.py); greedy
 takes its argmax. The log-probabilities reported stay the model's own (before these
 adjustments), as vLLM reports them by default.
@@ -26,9 +28,14 @@ class LogitAdjuster:
     by the repetition penalty); output_ids: what it has generated so far (a request preempted
     and resumed, or one whose state is built after forced tokens, counts those too)."""
 
-    def __init__(self, opts, prompt_ids: list[int], output_ids: list[int] = ()):
+    def __init__(self, opts, prompt_ids: list[int], output_ids: list[int] = (), eos_ids=()):
+        """eos_ids: the model's end-of-sequence ids (what min_tokens holds back, with the
+        request's stop_token_ids; ignore_eos requests never stop on them anyway)."""
         self.opts = opts
         self.counts = Counter(output_ids)
+        self.generated = len(output_ids)
+        ends = set(opts.stop_token_ids) | (set() if opts.ignore_eos else set(eos_ids))
+        self._ends = torch.tensor(sorted(ends), dtype=torch.long) if opts.min_tokens and ends else None
         self._prompt_seen = None  # the prompt's distinct ids [P'] (repetition penalty), made once
         self._prompt = prompt_ids if opts.repetition_penalty != 1.0 else None
         bias = sorted(opts.logit_bias.items())
@@ -38,6 +45,7 @@ class LogitAdjuster:
     def update(self, tok: int) -> None:
         """The request emitted `tok`."""
         self.counts[tok] += 1
+        self.generated += 1
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [V] -> the adjusted logits [V] float32 (a new tensor; the input is unchanged)."""
@@ -63,4 +71,7 @@ class LogitAdjuster:
             c = torch.tensor(list(self.counts.values()), dtype=torch.float32)  # [D] their counts
             keep = ids < v
             x.index_add_(0, ids[keep].to(dev), -(o.frequency_penalty * c[keep] + o.presence_penalty).to(dev))
+        if self._ends is not None and self.generated < o.min_tokens:
+            ends = self._ends[self._ends < v].to(dev)
+            x[ends] = float("-inf")
         return x

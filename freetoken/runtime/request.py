@@ -90,14 +90,18 @@ class SamplingOptions:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # vLLM's min_tokens: the EOS ids and stop_token_ids cannot be picked before this many
+    # output tokens (0: no floor)
+    min_tokens: int = 0
     # constrained decoding: what the output (from grammar.after on) must match; None: free
     grammar: GrammarSpec | None = None
 
     def adjusts_logits(self) -> bool:
-        """Whether logits are adjusted before the pick (penalties or a bias): such a request's
+        """Whether logits are adjusted before the pick (penalties, a bias, a floor on the
+        output's length): such a request's
         tokens are picked on the host, where its counts are."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias)
+                    or self.logit_bias or self.min_tokens)
 
 
 @dataclass

@@ -85,7 +85,9 @@ def logit_options(body: dict, sampling: SamplingOptions, vocab_size: int) -> Non
     """The OpenAI APIs' logit adjustments and vLLM's sampling extensions, onto `sampling`:
     presence_penalty and frequency_penalty in [-2, 2], logit_bias {token id (a string of
     digits, as JSON keys are): bias in [-100, 100]} over the model's vocabulary,
-    repetition_penalty in [0.01, 100] (1: none), min_p in [0, 1] (runtime/penalties.py, sampler.py)."""
+    repetition_penalty in [0.01, 100] (1: none), min_p in [0, 1] (runtime/penalties.py, sampler.py),
+    stop_token_ids (ids that end the output, besides the model's EOS) and min_tokens (no EOS or
+    stop id before that many output tokens)."""
     for name in ("presence_penalty", "frequency_penalty"):
         v = field(body, name, "number", 0.0)
         if not -2 <= v <= 2:
@@ -110,6 +112,14 @@ def logit_options(body: dict, sampling: SamplingOptions, vocab_size: int) -> Non
                            param="logit_bias")
         out[int(key)] = float(v)
     sampling.logit_bias = out
+    stops = field(body, "stop_token_ids", "array", [])
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in stops):
+        raise ApiError(400, f"stop_token_ids must be token ids from 0 to {vocab_size - 1}", param="stop_token_ids")
+    min_tokens = field(body, "min_tokens", "integer", 0)
+    if not 0 <= min_tokens <= sampling.max_tokens:
+        raise ApiError(400, f"min_tokens must be from 0 to max_tokens ({sampling.max_tokens}), got {min_tokens}",
+                       param="min_tokens")
+    sampling.stop_token_ids, sampling.min_tokens = sampling.stop_token_ids + list(stops), min_tokens
 
 
 _SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
