@@ -62,12 +62,45 @@ def resolve_model(path: str | None) -> str:
             raise FreeTokenError(f"{path}: holds {len(ftws)} .ftw files ({', '.join(ftws)}); "
                                  f"name one, e.g. {os.path.join(path, ftws[0])}")
         if os.path.exists(os.path.join(path, "config.json")):
-            raise FreeTokenError(f"{path}: is a transformers checkpoint; convert it first: "
-                                 f"ft convert {path} model.ftw")
+            return converted(path)
         raise FreeTokenError(f"{path}: no .ftw file in this directory")
     if not os.path.exists(path):
         raise FreeTokenError(f"{path}: no such model file")
     return path
+
+
+MODEL_HELP = ("FTW file, a folder holding one, or a transformers checkpoint folder (converted once into the "
+              "cache) (default: the embedded demo model)")
+
+
+def checkpoint_fingerprint(src: str) -> str:
+    """12 hex digits naming a checkpoint folder's current contents: every file's name, size and
+    modification time (a re-downloaded or edited checkpoint gets a new conversion)."""
+    import hashlib
+    h = hashlib.sha256()
+    for fn in sorted(os.listdir(src)):
+        st = os.stat(os.path.join(src, fn))  # a Hub snapshot's symlinks: their blobs
+        h.update(f"{fn}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:12]
+
+
+def converted(src: str) -> str:
+    """A transformers checkpoint folder given where a model is expected, as vLLM users give one:
+    converted once into FreeToken's cache (<cache>/models/NAME-FINGERPRINT.ftw), which later
+    starts reuse; several processes at once convert it once (a lock). `ft convert` writes the
+    file where the user chooses instead."""
+    from .errors import notice
+    from .paths import cache_dir, file_lock
+    from .weights.convert import convert, source_name
+    folder = os.path.join(cache_dir(), "models")
+    os.makedirs(folder, exist_ok=True)
+    out = os.path.join(folder, f"{source_name(src)}-{checkpoint_fingerprint(src)}.ftw")
+    with file_lock(out + ".lock", on_wait=lambda: notice(f"waiting for another process converting {src}")):
+        if not os.path.exists(out):
+            notice(f"{src} is a transformers checkpoint: converting it once into {out} (later starts reuse it; "
+                   f"`ft convert {src} FILE` writes it where you choose)")
+            convert(src, out, progress=sys.stderr.isatty())
+    return out
 
 
 def load_engine(args, progress: bool):
@@ -341,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help_, description=help_, parents=[common], formatter_class=HelpFormatter)
 
     g = command("generate", "generate text from a prompt")
-    g.add_argument("model", nargs="?", help="FTW file or a folder holding one (default: the embedded demo model)")
+    g.add_argument("model", nargs="?", help=MODEL_HELP)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", metavar="FILE",
@@ -371,7 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     s = command("serve", "OpenAI- and Anthropic-compatible HTTP server")
-    s.add_argument("model", nargs="?", help="FTW file or a folder holding one (default: the embedded demo model)")
+    s.add_argument("model", nargs="?", help=MODEL_HELP)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     s.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     s.add_argument("--served-model-name", default=None,
@@ -434,7 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "while the other runs, and the CPU's fixed cost per call; saves a profile the "
                                      "GPU expert cache can start its fill share from.",
                          parents=[common], formatter_class=HelpFormatter)
-    bw.add_argument("model", nargs="?", help="FTW file or a folder holding one (default: the embedded demo model)")
+    bw.add_argument("model", nargs="?", help=MODEL_HELP)
     bw.add_argument("--threads", type=int, default=0,
                     help="CPU executor threads (0: as the engine, every physical core; on CUDA all but two)")
     bw.add_argument("--seconds", type=float, default=2.0, help="seconds each measurement runs")

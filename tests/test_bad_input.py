@@ -177,11 +177,18 @@ def test_bad_generate_flags(good, args, needle):
     assert_one_line_error(code, err, needle)
 
 
-def test_model_path_errors(good, tmp_path):
+def test_model_path_errors(good, tmp_path, monkeypatch):
     code, _, err = ft_in("generate", str(tmp_path / "nope.ftw"), "--prompt", "hi")
     assert_one_line_error(code, err, "nope.ftw")
-    code, _, err = ft_in("generate", str(good / "hf"), "--prompt", "hi")
-    assert_one_line_error(code, err, "ft convert")
+    # a checkpoint folder is converted on the fly (test_cli_convert_checks.py); a broken one
+    # fails that conversion with its own error, and nothing lands in the cache
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((good / "hf" / "config.json").read_text())
+    code, _, err = ft_in("generate", str(broken), "--prompt", "hi")
+    assert code == 2 and "ft: error:" in err and "broken" in err
+    assert not list((tmp_path / "cache" / "freetoken" / "models").glob("*.ftw"))
 
 
 def test_convert_errors_are_freetoken_errors(tmp_path):

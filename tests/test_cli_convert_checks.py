@@ -266,3 +266,40 @@ def test_engine_refuses_tokenizer_past_the_embedding(base, tmp_path, monkeypatch
     from server_fixture import free_port
     code, _, err = ft("serve", out, "--port", str(free_port()))
     assert_one_line_error(code, err, "bigtok.ftw", f"up to {top}", "vocab_size is 320")
+
+
+def test_a_checkpoint_folder_is_served_from_a_conversion_made_once(base, tmp_path, monkeypatch):
+    """`ft generate DIR` with a transformers checkpoint folder (as vLLM users give one): converted
+    once into the cache, said on stderr; the next start reuses the file; an edited checkpoint
+    gets a new conversion. Its tokens are those of the FTW `ft convert` writes."""
+    from test_bad_input import ft_in
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    src = tmp_path / "Qwen3-Tiny"
+    shutil.copytree(base, src)
+    args = ["--prompt-ids", "5,6,7", "--max-tokens", "4", "--json", "--ignore-eos"]
+    code, out, err = ft_in("generate", str(src), *args)
+    assert code == 0, err
+    made = list((tmp_path / "cache" / "freetoken" / "models").glob("Qwen3-Tiny-*.ftw"))
+    assert len(made) == 1 and "converting it once" in err and str(made[0]) in err
+    first, stamp = json.loads(out)["token_ids"], made[0].stat().st_mtime_ns
+    code, out, err = ft_in("generate", str(src), *args)
+    assert code == 0 and "converting" not in err and json.loads(out)["token_ids"] == first
+    assert made[0].stat().st_mtime_ns == stamp  # reused, not written again
+    convert(str(src), str(tmp_path / "by-hand.ftw"), progress=False)
+    code, out, _ = ft_in("generate", str(tmp_path / "by-hand.ftw"), *args)
+    assert json.loads(out)["token_ids"] == first
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["rms_norm_eps"] = 1e-5  # an edited checkpoint: another fingerprint, another conversion
+    (src / "config.json").write_text(json.dumps(cfg))
+    code, _, err = ft_in("generate", str(src), *args)
+    assert code == 0 and "converting it once" in err
+    assert len(list((tmp_path / "cache" / "freetoken" / "models").glob("Qwen3-Tiny-*.ftw"))) == 2
+
+
+def test_convert_refuses_up_front_without_the_disk_space(base, tmp_path, monkeypatch):
+    import freetoken.weights.convert as conv
+    monkeypatch.setattr(conv.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10 ** 9, 10 ** 9 - 1000, 1000))
+    out = tmp_path / "new" / "m.ftw"
+    with pytest.raises(FreeTokenError, match=r"needs .* free; free some space or write it elsewhere"):
+        convert(str(base), str(out), progress=False)
+    assert not (tmp_path / "new").exists()  # nothing written, the folder it made removed

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 
 import torch
 from tqdm import tqdm
@@ -662,6 +663,7 @@ def convert(src: str, out: str, progress: bool = True) -> str:
                          "declared": pl.scheme.where,
                          "description": pl.scheme.description, "dense": qd}
     created = _make_parent(out)
+    _check_space(out, sum(e.nbytes for e in entries), created)
     try:
         _write(src, out, pl, dense_tensors, banks, entries, meta, blobs, progress)
     except OSError as e:
@@ -673,6 +675,17 @@ def convert(src: str, out: str, progress: bool = True) -> str:
     if pl.scheme is not None:
         notice(summary(pl, entries))
     return out
+
+
+def _check_space(out: str, need: int, created: str | None) -> None:
+    """Refuse before writing when the output's filesystem cannot hold the file: a large model
+    would otherwise fail minutes in, at the disk's end."""
+    folder = os.path.dirname(os.path.abspath(out))
+    free = shutil.disk_usage(folder).free
+    if free < need:
+        _remove_created(created, out)
+        raise FreeTokenError(f"{out}: the converted model needs {_size(need)} and {folder} has {_size(free)} free; "
+                             f"free some space or write it elsewhere (nothing was written)")
 
 
 def _dtype_name(ck: Checkpoint, name: str) -> str:
