@@ -6,6 +6,7 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import errno
 import json
@@ -74,10 +75,11 @@ MODEL_HELP = ("FTW file, a folder holding one, or a transformers checkpoint fold
 
 
 def checkpoint_fingerprint(src: str) -> str:
-    """12 hex digits naming a checkpoint folder's current contents: every file's name, size and
-    modification time (a re-downloaded or edited checkpoint gets a new conversion)."""
+    """12 hex digits naming a checkpoint folder's current contents, as this FreeToken converts
+    them: its version, and every file's name, size and modification time (a re-downloaded or
+    edited checkpoint, or a newer converter, gets a new conversion)."""
     import hashlib
-    h = hashlib.sha256()
+    h = hashlib.sha256(__version__.encode())
     for fn in sorted(os.listdir(src)):
         st = os.stat(os.path.join(src, fn))  # a Hub snapshot's symlinks: their blobs
         h.update(f"{fn}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
@@ -87,20 +89,43 @@ def checkpoint_fingerprint(src: str) -> str:
 def converted(src: str) -> str:
     """A transformers checkpoint folder given where a model is expected, as vLLM users give one:
     converted once into FreeToken's cache (<cache>/models/NAME-FINGERPRINT.ftw), which later
-    starts reuse; several processes at once convert it once (a lock). `ft convert` writes the
-    file where the user chooses instead."""
+    starts reuse; several processes at once convert it once (a lock). A new conversion of the
+    same folder replaces the older ones, and partial files a killed conversion left are removed
+    first. `ft convert` writes the file where the user chooses instead."""
+    import glob
+
     from .errors import notice
     from .paths import cache_dir, file_lock
     from .weights.convert import convert, source_name
-    folder = os.path.join(cache_dir(), "models")
-    os.makedirs(folder, exist_ok=True)
-    out = os.path.join(folder, f"{source_name(src)}-{checkpoint_fingerprint(src)}.ftw")
-    with file_lock(out + ".lock", on_wait=lambda: notice(f"waiting for another process converting {src}")):
-        if not os.path.exists(out):
+    src_abs = os.path.abspath(src)
+    try:
+        folder = os.path.join(cache_dir(), "models")
+        os.makedirs(folder, exist_ok=True)
+        out = os.path.join(folder, f"{source_name(src)}-{checkpoint_fingerprint(src)}.ftw")
+        with file_lock(out + ".lock", on_wait=lambda: notice(f"waiting for another process converting {src}")):
+            if os.path.exists(out):
+                return out
+            for stale in glob.glob(glob.escape(out) + ".*.partial"):  # the lock holder owns none of them
+                os.remove(stale)
             notice(f"{src} is a transformers checkpoint: converting it once into {out} (later starts reuse it; "
                    f"`ft convert {src} FILE` writes it where you choose)")
             convert(src, out, progress=sys.stderr.isatty())
+            with open(out[:-4] + ".source", "w") as f:
+                f.write(src_abs)
+            for other in glob.glob(os.path.join(glob.escape(folder), "*.source")):  # older conversions of it
+                if other != out[:-4] + ".source" and _read_text(other) == src_abs:
+                    for ext in (".ftw", ".source", ".ftw.lock"):
+                        with contextlib.suppress(FileNotFoundError):
+                            os.remove(other[:-7] + ext)
+    except OSError as e:
+        raise FreeTokenError(f"{src}: cannot convert it into FreeToken's cache ({e.strerror or e}: "
+                             f"{e.filename or ''}); `ft convert {src} FILE` writes it elsewhere") from None
     return out
+
+
+def _read_text(path: str) -> str:
+    with open(path) as f:
+        return f.read()
 
 
 def load_engine(args, progress: bool):
@@ -446,7 +471,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="print the client's configuration (files, environment, command); run nothing")
     la.add_argument("--port", type=int, default=8000, help="port of the server on 127.0.0.1 (reused if it "
                                                           "already serves the model)")
-    la.add_argument("--model", default=None, help="FTW file or a folder holding one (default: the demo model)")
+    la.add_argument("--model", default=None, help=MODEL_HELP)
     la.add_argument("--served-model-name", default=None, help="model id (default: as ft serve names it)")
     la.add_argument("--max-new-tokens", type=int, default=None,
                     help="server-side cap on a reply's tokens, also the output limit the client is given "

@@ -291,9 +291,15 @@ def test_a_checkpoint_folder_is_served_from_a_conversion_made_once(base, tmp_pat
     cfg = json.loads((src / "config.json").read_text())
     cfg["rms_norm_eps"] = 1e-5  # an edited checkpoint: another fingerprint, another conversion
     (src / "config.json").write_text(json.dumps(cfg))
+    models = tmp_path / "cache" / "freetoken" / "models"
+    # what a killed conversion of the new fingerprint would have left: removed before converting
+    from freetoken.cli import checkpoint_fingerprint
+    left = models / f"Qwen3-Tiny-{checkpoint_fingerprint(str(src))}.ftw.999999.partial"
+    left.write_bytes(b"x" * 4096)
     code, _, err = ft_in("generate", str(src), *args)
-    assert code == 0 and "converting it once" in err
-    assert len(list((tmp_path / "cache" / "freetoken" / "models").glob("Qwen3-Tiny-*.ftw"))) == 2
+    assert code == 0 and "converting it once" in err and not left.exists()
+    now = list(models.glob("Qwen3-Tiny-*.ftw"))
+    assert len(now) == 1 and now[0] != made[0]  # the older conversion of this folder replaced
 
 
 def test_convert_refuses_up_front_without_the_disk_space(base, tmp_path, monkeypatch):

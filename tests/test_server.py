@@ -411,6 +411,15 @@ def test_logit_bias_and_penalties_reach_the_pick(server, oai):
     r = oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=6, logit_bias={str(tok): 100},
                                     extra_body={"stop_token_ids": [tok], "min_tokens": 2})
     assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 3
+    # a stop string ends no output shorter than min_tokens (vLLM's): the biased token's own text
+    text = oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=1, logit_bias={str(tok): 100},
+                                       logprobs=True).choices[0].logprobs.content[0].token
+    assert text.strip()
+    r = oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=6, logit_bias={str(tok): 100}, stop=[text])
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == ""
+    r = oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=6, logit_bias={str(tok): 100}, stop=[text],
+                                    extra_body={"min_tokens": 3})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == text * 2
 
 
 def test_malformed_json_and_the_server_keeps_serving(server, oai):

@@ -1002,14 +1002,15 @@ class EngineLoop:
         finish the request if it is done. norm: the model's log-normalizer of logits that a
         grammar masked."""
         s = req.sampling
-        if req.forcing():  # a forced token, with its log-probability under the model
+        forced = req.forcing()
+        if forced:  # a forced token, with its log-probability under the model
             tok = s.forced[req.forced_next]
             req.forced_next += 1
             lsm = torch.log_softmax(logits.float(), -1)
             pick = tok, float(lsm[tok]), top_entries(lsm, s.top_logprobs)
         elif pick is None:
             adjusted = None
-            if s.adjusts_logits():  # penalties and bias: the pick reads the adjusted row, logprobs the model's
+            if s.adjusts_logits(len(req.output_ids)):  # the pick reads the adjusted row, logprobs the model's
                 if req.adjuster is None:
                     req.adjuster = LogitAdjuster(s, req.prompt_ids, req.output_ids, self.engine.eos_ids)
                 adjusted = req.adjuster.apply(logits)
@@ -1037,7 +1038,8 @@ class EngineLoop:
                 self.cache.save(req.tokens(0, c), req.slot,
                                 evict=not (self._prompt_forward or (self.overlap and self.overlap.in_worker)))
         reason = None
-        if (not s.ignore_eos and tok in self.engine.eos_ids) or tok in s.stop_token_ids or complete:
+        # a forced token (a tool call's opening) is the opening's, not a stop the model chose
+        if (not s.ignore_eos and tok in self.engine.eos_ids) or (tok in s.stop_token_ids and not forced) or complete:
             reason = "stop"  # complete: the grammar admits nothing more
         elif len(req.output_ids) >= s.max_tokens or req.length >= self.max_len:
             reason = "length"

@@ -96,12 +96,12 @@ class SamplingOptions:
     # constrained decoding: what the output (from grammar.after on) must match; None: free
     grammar: GrammarSpec | None = None
 
-    def adjusts_logits(self) -> bool:
+    def adjusts_logits(self, generated: int = 0) -> bool:
         """Whether logits are adjusted before the pick (penalties, a bias, a floor on the
-        output's length): such a request's
+        output's length, while `generated` output tokens are fewer): such a request's
         tokens are picked on the host, where its counts are."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens)
+                    or self.logit_bias or generated < self.min_tokens)
 
 
 @dataclass
@@ -143,7 +143,8 @@ class Request:
 
     def picked_on_device(self) -> bool:
         """Greedy with nothing to adjust on the host: the device's batched argmax picks it."""
-        return self.sampling.temperature == 0 and not self.forcing() and not self.sampling.adjusts_logits()
+        return (self.sampling.temperature == 0 and not self.forcing()
+                and not self.sampling.adjusts_logits(len(self.output_ids)))
 
     def forcing(self) -> bool:
         """The next output token is a forced one."""

@@ -212,7 +212,7 @@ async def events(ctx, req: Request, queue, tools, in_reasoning: bool, is_disconn
             chars += len(text)
             if stop_hit is not None:
                 text = ""  # tokens the engine made before it saw the cancel
-            elif text:
+            elif text and n_out >= sampling.min_tokens:  # vLLM's: no stop string ends an output shorter
                 text, stop_hit = stops.push(text)
                 if stop_hit is not None:
                     ctx.serving.cancel(req, "stop_sequence")

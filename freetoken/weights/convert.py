@@ -41,7 +41,7 @@ from ..demo import weight_shapes
 from ..errors import FreeTokenError, UnsupportedModelError, notice
 from ..model.registry import model_class
 from ..tokenizer import Tokenizer
-from .ftw import DTYPE_NAMES, Entry
+from .ftw import DTYPE_NAMES, Entry, layout, total_size
 from .hf import (FORMAT_NAMES, WEIGHT_DTYPES, Checkpoint, QuantScheme, Weight, deepseek_v4_name, layers_past,
                  quant_scheme, read_config)
 from .quant import FP8_BLOCK, MX_BLOCK, NV_BLOCK
@@ -663,7 +663,8 @@ def convert(src: str, out: str, progress: bool = True) -> str:
                          "declared": pl.scheme.where,
                          "description": pl.scheme.description, "dense": qd}
     created = _make_parent(out)
-    _check_space(out, sum(e.nbytes for e in entries), created)
+    layout(entries, meta)  # the offsets FTWWriter assigns: the file's size, header and alignment included
+    _check_space(out, total_size(entries), created)
     try:
         _write(src, out, pl, dense_tensors, banks, entries, meta, blobs, progress)
     except OSError as e:
