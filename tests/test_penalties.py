@@ -166,3 +166,12 @@ def test_min_tokens_holds_back_the_stop_ids(eng):
               [Request([7, 8, 9], SamplingOptions(temperature=0, max_tokens=10, logit_bias={eos: 100.0},
                                                   min_tokens=2))])[0]
     assert len(r.output_ids) == 3 and eos not in r.output_ids[:2] and r.output_ids[2] == eos
+
+
+def test_a_stop_id_inside_a_forced_opening_does_not_end_it(eng):
+    """Forced tokens (a tool call's opening) are emitted whole even where one of them is a stop
+    id; a stop id the model then picks ends the output."""
+    r = Request([7, 8, 9], SamplingOptions(temperature=0, max_tokens=8, forced=[42, 43, 44], stop_token_ids=[42, 50],
+                                           logit_bias={50: 100.0}))
+    drive(ServingEngine(eng, max_batch=1, max_queue=2, start=False), [r])
+    assert r.output_ids == [42, 43, 44, 50] and r.finish_reason == "stop"
