@@ -170,18 +170,17 @@ def read_prompt_file(fn: str) -> str:
 
 
 def cmd_generate(args) -> int:
+    from .runtime.penalties import RANGES, out_of_range
     from .runtime.sampler import SamplingParams
     try:
         params = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed, min_p=args.min_p)
     except ValueError as e:
         raise FreeTokenError(str(e)) from None
-    for flag, v in (("--presence-penalty", args.presence_penalty), ("--frequency-penalty", args.frequency_penalty)):
-        if not -2 <= v <= 2:
-            raise FreeTokenError(f"{flag} must be in [-2, 2], got {v}")
-    if not 0.01 <= args.repetition_penalty <= 100:  # far below 0.01 a logit divided by it overflows float32
-        raise FreeTokenError(f"--repetition-penalty must be in [0.01, 100] (1 = off), got {args.repetition_penalty}")
-    penalties = dict(presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                     repetition_penalty=args.repetition_penalty)
+    penalties = {name: getattr(args, name) for name in RANGES}
+    for name, v in penalties.items():
+        bad = out_of_range(name, v)
+        if bad:
+            raise FreeTokenError(f"--{name.replace('_', '-')} must be {bad}, got {v}")
     if args.max_tokens < 1:
         raise FreeTokenError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     prompt = read_prompt_file(args.prompt_file) if args.prompt_file is not None else args.prompt

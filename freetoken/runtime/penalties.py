@@ -23,6 +23,19 @@ from collections import Counter
 import torch
 
 
+# the values each penalty may take (where ft generate's flags and the API check them), and its
+# neutral value: OpenAI's range for presence and frequency; far below 0.01 a logit divided by
+# the repetition penalty overflows float32
+RANGES = {"presence_penalty": (-2.0, 2.0, 0.0), "frequency_penalty": (-2.0, 2.0, 0.0),
+          "repetition_penalty": (0.01, 100.0, 1.0)}
+
+
+def out_of_range(name: str, value: float) -> str | None:
+    """None if `value` is one penalty `name` may take, else what the range is ("in [-2, 2]")."""
+    lo, hi, off = RANGES[name]
+    return None if lo <= value <= hi else f"in [{lo:g}, {hi:g}] ({off:g}: none)"
+
+
 class LogitAdjuster:
     """The adjustments of one request. opts: its SamplingOptions; prompt_ids: the prompt (read
     by the repetition penalty); output_ids: what it has generated so far (a request preempted

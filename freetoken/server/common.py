@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from ..errors import FreeTokenError
 from ..runtime.grammar import GrammarError, check
+from ..runtime.penalties import RANGES, out_of_range
 from ..runtime.request import GrammarSpec, SamplingOptions
 
 
@@ -88,19 +89,16 @@ def logit_options(body: dict, sampling: SamplingOptions, vocab_size: int) -> Non
     repetition_penalty in [0.01, 100] (1: none), min_p in [0, 1] (runtime/penalties.py, sampler.py),
     stop_token_ids (ids that end the output, besides the model's EOS) and min_tokens (no EOS or
     stop id before that many output tokens)."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = field(body, name, "number", 0.0)
-        if not -2 <= v <= 2:
-            raise ApiError(400, f"{name} must be in [-2, 2], got {v}", param=name)
+    for name, (_, _, off) in RANGES.items():
+        v = field(body, name, "number", off)
+        bad = out_of_range(name, v)
+        if bad:
+            raise ApiError(400, f"{name} must be {bad}, got {v}", param=name)
         setattr(sampling, name, float(v))
-    rep = field(body, "repetition_penalty", "number", 1.0)
-    if not 0.01 <= rep <= 100:  # far below 0.01 a logit divided by it overflows float32
-        raise ApiError(400, f"repetition_penalty must be in [0.01, 100] (1: none), got {rep}",
-                       param="repetition_penalty")
     min_p = field(body, "min_p", "number", 0.0)
     if not 0 <= min_p <= 1:
         raise ApiError(400, f"min_p must be in [0, 1], got {min_p}", param="min_p")
-    sampling.repetition_penalty, sampling.min_p = float(rep), float(min_p)
+    sampling.min_p = float(min_p)
     bias = field(body, "logit_bias", "object", {})
     out = {}
     for key, v in bias.items():
