@@ -1169,9 +1169,11 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   # (plan 109: 0.620 s against 0.925 s, 12 layers). The same passes with every expert resident (resident-pass:
   # their compute alone, nothing streamed; also the non-expert bound of a 16k/32k pass) beside the resident
   # rows chunked at 2,048 (the engine's default), 8,192 and 32,768: if larger chunks close the gap, the chunked
-  # path is bound by per-chunk host work, not the GPU. Carry .whl, .devcache/commit and .devcache/warm-cache.tgz.
+  # path is bound by per-chunk host work, not the GPU; the pass's experts in sub-chunks of 8,192 too (more rows
+  # per expert GEMM). Carry .whl, .devcache/commit and .devcache/warm-cache.tgz.
   step 250 prefill-compute python3 -m bench.prefill_stream --layers 12 --lengths 2048,8192,16384,32768 \
-    --buffering double --resident-chunks 2048,8192,32768 --compute-pass --name prefill_stream-compute
+    --buffering double --resident-chunks 2048,8192,32768 --compute-pass --compute-subs 2048,8192 \
+    --name prefill_stream-compute
   ;;
 *) echo "stage 0 to 113"; exit 2 ;;
 esac

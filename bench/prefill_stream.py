@@ -220,7 +220,14 @@ def compute_pass_rows(a, layers, mc, w, gu, dn, st, prompt, lengths, max_len, de
     ex = SubChunked(TorchExpertExecutor(gu.to(dev), dn.to(dev), layer_experts=mc.num_experts), SUB)
     model = model_class(mc.arch)(mc, w, ex, dev, torch.bfloat16, max_len)
     tokens = torch.tensor(prompt, device=dev)
+    for esub in [int(c) for c in a.compute_subs.split(",")]:
+        ex.sub = esub  # the experts' sub-chunk: larger ones give each expert's GEMM more rows
+        pass_rows(a, layers, model, st, tokens, lengths, esub, res)
+    del ex, model
 
+
+def pass_rows(a, layers, model, st, tokens, lengths, esub, res) -> None:
+    """The resident-pass rows of one expert sub-chunk size (compute_pass_rows)."""
     def passes(n):
         st.reset(0)
         torch.cuda.synchronize()
@@ -236,7 +243,8 @@ def compute_pass_rows(a, layers, mc, w, gu, dn, st, prompt, lengths, max_len, de
     for n in lengths:
         wall = min(passes(n) for _ in range(1 if n >= 8192 else 2))
         count = -(-n // a.pass_tokens)
-        row = {"layers": layers, "prompt_tokens": n, "buffering": "resident-pass", "tok_s": round(n / wall, 1),
+        row = {"layers": layers, "prompt_tokens": n, "buffering": "resident-pass" if esub == SUB else f"resident-pass-{esub}",
+               "expert_sub": esub, "tok_s": round(n / wall, 1),
                "pass_s": round(wall / count, 4), "passes": count, "floor_s": None, "llamacpp_tok_s": None}
         print(row, flush=True)
         res["runs"].append(row)
@@ -284,6 +292,8 @@ def main():
                     help="chunk sizes of the resident rows (the first row kind's default: the engine's 2,048)")
     ap.add_argument("--compute-pass", action="store_true",
                     help="add `resident-pass` rows: the passes with every expert resident (their compute alone)")
+    ap.add_argument("--compute-subs", default=str(SUB),
+                    help="the experts' sub-chunk sizes of the --compute-pass rows (the mixers stay in pieces of 2,048)")
     ap.add_argument("--llamacpp", action="store_true", help="llama.cpp side by side (see llamacpp_tok_s above)")
     ap.add_argument("--llamacpp-build", default="/tmp/ft-llama-build", help="llama.cpp CUDA build folder (reused)")
     ap.add_argument("--llamacpp-threads", type=int, default=14)
