@@ -1175,7 +1175,17 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
     --buffering double --resident-chunks 2048,8192,32768 --compute-pass --compute-subs 2048,8192 \
     --name prefill_stream-compute
   ;;
-*) echo "stage 0 to 113"; exit 2 ;;
+114) # ~560 s at most, for the next (issue 11): llama.cpp in the same run as the 12-layer double rows (the issue's
+  # llamacpp_tok_s; the same-call ratio so far is from 6857486). llama.cpp's CUDA build runs in the background
+  # (~330 s, nice 19) while the experts are made and the slice's GGUF written; its rows (default micro-batch,
+  # -ub 4096, resident) run before ours. Carry .llama/llama.cpp.tar.xz, .whl, .devcache/commit (and the bf16
+  # warm cache if it fits: 64 MiB in all). The binary comes back in pieces for .llama/.
+  bash bench/device_llamacpp.sh build
+  step 540 prefill-llama python3 -m bench.prefill_stream --llamacpp --llamacpp-build /tmp/ft-llama-build \
+    --layers 12 --lengths 1024,4096,16384 --buffering double --name prefill_stream-llamacpp-12
+  step 20 llama-back bash bench/device_llamacpp.sh wait
+  ;;
+*) echo "stage 0 to 114"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole

@@ -259,8 +259,9 @@ def side_by_side(a, cfg, mc, w, gu, dn, lengths, slots, section) -> dict:
     from bench import llamacpp
     out, runs = {}, []
     try:
-        binary = llamacpp.build(llamacpp.source(), Path(a.llamacpp_build), cuda=True)
+        # the GGUF first: a device plan's background build (bench/device_llamacpp.sh build) goes on meanwhile
         gguf, took = llamacpp.slice_gguf(cfg, mc, w, gu, dn, a.gguf, llamacpp.source())
+        binary = llamacpp.build(llamacpp.source(), Path(a.llamacpp_build), cuda=True)
         section["gguf_export_s"] = round(took, 1) if took is not None else "reused"
         layers = len(mc.moe_layers)
         on_cpu = max(0, layers - slots // mc.num_experts)  # whole layers of experts in VRAM: as many as our slots
