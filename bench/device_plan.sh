@@ -1165,7 +1165,7 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   FT_TAG=plan112b FT_PER_FILE=220 FT_K="gpu_engine and (fp8_block-0.5 or mxfp4-1 or nvfp4-0.5)" \
     bash bench/device_tests.sh tests/test_expert_cache_quant.py > /dev/null
   ;;
-113) # ~250 s at most, for the next (issue 11): why a 32k streamed pass beat all-resident chunked prefill by 1.49x
+113) # ~350 s at most, for the next (issue 11): why a 32k streamed pass beat all-resident chunked prefill by 1.49x
   # (plan 109: 0.620 s against 0.925 s, 12 layers). The same passes with every expert resident (resident-pass:
   # their compute alone, nothing streamed; also the non-expert bound of a 16k/32k pass) beside the resident
   # rows chunked at 2,048 (the engine's default), 8,192 and 32,768: if larger chunks close the gap, the chunked
@@ -1174,6 +1174,8 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   step 250 prefill-compute python3 -m bench.prefill_stream --layers 12 --lengths 2048,8192,16384,32768 \
     --buffering double --resident-chunks 2048,8192,32768 --compute-pass --compute-subs 2048,8192 \
     --name prefill_stream-compute
+  # the sampling penalties (82f3ebd) on the GPU engine: graphs per batch size and the deferred step's device pick
+  FT_TAG=plan113p FT_PER_FILE=100 FT_K="cuda" bash bench/device_tests.sh tests/test_penalties.py > /dev/null
   ;;
 114) # ~560 s at most, for the next (issue 11): llama.cpp in the same run as the 12-layer double rows (the issue's
   # llamacpp_tok_s; the same-call ratio so far is from 6857486). llama.cpp's CUDA build runs in the background

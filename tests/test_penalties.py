@@ -94,9 +94,12 @@ def ftw(tmp_path_factory):
     return str(d / "m.ftw")
 
 
-@pytest.fixture(scope="module")
-def eng(ftw):
-    return Engine(ftw, EngineConfig(device="cpu", dtype="float32", prefill_chunk=32))
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def eng(ftw, request):
+    """The CPU engine, and on CUDA the GPU one: decode graphs per batch size and the deferred
+    step, whose device-side greedy pick must leave adjusted requests to the host."""
+    return Engine(ftw, EngineConfig(device=request.param, dtype="float32", prefill_chunk=32))
 
 
 def test_served_picks_are_the_argmax_of_the_adjusted_logits(eng):
