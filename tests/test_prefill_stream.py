@@ -17,7 +17,7 @@ from freetoken.cache.config import CacheConfig
 from freetoken.experts.stream import pick_mode, uniform_coverage
 from freetoken.runtime.engine import Engine, EngineConfig
 from freetoken.runtime.budget import work_bytes
-from freetoken.runtime.prefill_stream import PrefillStream, pass_bytes_per_token
+from freetoken.runtime.prefill_stream import EXPERT_SUB, PrefillStream, expert_bytes_per_token, pass_bytes_per_token
 from freetoken.runtime.request import Request, SamplingOptions
 from freetoken.runtime.serving import ServingEngine
 from freetoken.server.metrics import Metrics
@@ -94,10 +94,12 @@ def check_same_state(ref, eng, a, b, n, tol=1e-5):
 @pytest.mark.parametrize("buffering", ["double", "single", "on-demand"])
 def test_streamed_prefill_equals_regular(ftw, buffering):
     """1 token, a few, one pass of several pieces, and three passes (48 tokens each, the last
-    short): the same logits, KV and recurrent state as chunked prefill through the cache."""
+    short): the same logits, KV and recurrent state as chunked prefill through the cache. The
+    experts in sub-chunks of the mixers' 16 tokens, of 32 (a pass's last one short) and whole."""
     path, _ = ftw
     ref = engine(path, stream=False)
-    eng = engine(path, max_pass_tokens=48, buffering=buffering)
+    esub = {"double": 32, "single": SUB, "on-demand": 8192}[buffering]
+    eng = engine(path, max_pass_tokens=48, buffering=buffering, expert_sub=esub)
     for n in (1, 5, 37, 100):
         ids = prompt(n, seed=n)
         a, b = ref.new_state(128), eng.new_state(128)
@@ -107,7 +109,7 @@ def test_streamed_prefill_equals_regular(ftw, buffering):
         check_same_state(ref, eng, a, b, n)
     st = eng.prefill_stream.stats()
     assert st[f"passes_{buffering.replace('-', '_')}"] == st["passes"] == 1 + 1 + 1 + 3
-    assert st["tokens"] == 1 + 5 + 37 + 100 and st["pass_tokens"] == 48
+    assert st["tokens"] == 1 + 5 + 37 + 100 and st["pass_tokens"] == 48 and st["expert_sub"] == esub
 
 
 @pytest.fixture(scope="module")
@@ -446,10 +448,17 @@ def test_pass_size_follows_the_budget(ftw, monkeypatch, caplog):
     per = pass_bytes_per_token(eng.cfg, torch.bfloat16)
     ps.budget = fixed + 100 * per
     assert ps.pass_tokens() == 96 and "limited to 96 tokens" in caplog.text
+    assert ps.loader.sub == SUB  # no room for the larger expert sub-chunk beside even that pass
     ps.budget = fixed + 3 * per
-    assert ps.pass_tokens() == SUB
+    assert ps.pass_tokens() == SUB and ps.loader.sub == SUB
     ps.budget = fixed + 10 ** 6 * per
-    assert ps.pass_tokens() == 32768
+    assert ps.pass_tokens() == 32768 and ps.loader.sub == EXPERT_SUB
+    # room for the larger sub-chunk and a pass of as many tokens, the pass taking what is left
+    extra = (EXPERT_SUB - SUB) * expert_bytes_per_token(eng.cfg, torch.bfloat16)
+    ps.budget = fixed + extra + 9000 * per
+    assert ps.pass_tokens() == 9000 // SUB * SUB and ps.loader.sub == EXPERT_SUB
+    ps.budget = fixed + extra + 8000 * per  # a pass shorter than the sub-chunk: the mixers' size, the room to the pass
+    assert ps.pass_tokens() == min(32768, (extra + 8000 * per) // per) // SUB * SUB and ps.loader.sub == SUB
 
 
 def test_mode_choice():
