@@ -17,7 +17,8 @@ from freetoken.cache.config import CacheConfig
 from freetoken.experts.stream import pick_mode, uniform_coverage
 from freetoken.runtime.engine import Engine, EngineConfig
 from freetoken.runtime.budget import work_bytes
-from freetoken.runtime.prefill_stream import EXPERT_SUB, PrefillStream, expert_bytes_per_token, pass_bytes_per_token
+from freetoken.runtime.prefill_stream import (EXPERT_SUB, PrefillStream, expert_bytes_per_token, pass_bytes_per_token,
+                                             pass_reserve_bytes)
 from freetoken.runtime.request import Request, SamplingOptions
 from freetoken.runtime.serving import ServingEngine
 from freetoken.server.metrics import Metrics
@@ -436,29 +437,37 @@ def test_failed_pass_restores_the_model(ftw):
 
 def test_pass_size_follows_the_budget(ftw, monkeypatch, caplog):
     """On CUDA a pass takes what the budget has left beside one sub-chunk's work (here the
-    allocator's reading is faked): a multiple of the sub-chunk, at least one, said in the log."""
+    allocator's reading is faked): a multiple of the sub-chunk, at least one, said in the log.
+    What the pass leaves buys its experts larger sub-chunks (up to EXPERT_SUB), never a shorter
+    pass: more budget never shortens one."""
     from types import SimpleNamespace
     path, _ = ftw
     eng = engine(path)
     ps = eng.prefill_stream
-    assert ps.pass_tokens() == 32768  # the CPU: the cap
+    assert ps.pass_tokens() == 32768 and ps.loader.sub == EXPERT_SUB  # the CPU: the caps
     ps.model = SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16, layers=[])
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: 5 << 30)
     fixed = (5 << 30) + work_bytes(eng.cfg, SUB, 1, torch.bfloat16)
     per = pass_bytes_per_token(eng.cfg, torch.bfloat16)
+    ebpt = expert_bytes_per_token(eng.cfg, torch.bfloat16)
     ps.budget = fixed + 100 * per
     assert ps.pass_tokens() == 96 and "limited to 96 tokens" in caplog.text
-    assert ps.loader.sub == SUB  # no room for the larger expert sub-chunk beside even that pass
+    assert ps.loader.sub == SUB + (4 * per // ebpt) // SUB * SUB  # the 4 tokens' room the rounding left
     ps.budget = fixed + 3 * per
     assert ps.pass_tokens() == SUB and ps.loader.sub == SUB
-    ps.budget = fixed + 10 ** 6 * per
+    ps.budget = fixed + 32768 * per  # room for the longest pass and nothing more: the mixers' sub-chunk
+    assert ps.pass_tokens() == 32768 and ps.loader.sub == SUB
+    ps.budget += (EXPERT_SUB - SUB) * ebpt  # and for the larger sub-chunk: what the plan reserves
     assert ps.pass_tokens() == 32768 and ps.loader.sub == EXPERT_SUB
-    # room for the larger sub-chunk and a pass of as many tokens, the pass taking what is left
-    extra = (EXPERT_SUB - SUB) * expert_bytes_per_token(eng.cfg, torch.bfloat16)
-    ps.budget = fixed + extra + 9000 * per
-    assert ps.pass_tokens() == 9000 // SUB * SUB and ps.loader.sub == EXPERT_SUB
-    ps.budget = fixed + extra + 8000 * per  # a pass shorter than the sub-chunk: the mixers' size, the room to the pass
-    assert ps.pass_tokens() == min(32768, (extra + 8000 * per) // per) // SUB * SUB and ps.loader.sub == SUB
+    assert ps.budget - fixed == pass_reserve_bytes(eng.cfg, torch.bfloat16, 10 ** 6, SUB)
+    ps.budget = fixed + 32768 * per + (EXPERT_SUB - SUB) * ebpt // 2  # half of it: a multiple of SUB between
+    assert ps.pass_tokens() == 32768 and SUB < ps.loader.sub < EXPERT_SUB and ps.loader.sub % SUB == 0
+    last = 0
+    for extra in range(0, 40000 * per, 997 * per + 12345):  # more room never shortens a pass
+        ps.budget = fixed + extra
+        n = ps.pass_tokens()
+        assert n >= last and SUB <= ps.loader.sub <= EXPERT_SUB
+        last = n
 
 
 def test_mode_choice():

@@ -195,12 +195,13 @@ class EngineLoop:
     @staticmethod
     def _pass_reserve(engine) -> int:
         """Bytes the plan keeps for a streamed prefill pass (--moe cache on CUDA): a pass of
-        up to MAX_PASS_TOKENS (or the context) streams every expert once for that many tokens."""
+        up to MAX_PASS_TOKENS (or the context) streams every expert once for that many tokens,
+        its experts computed in sub-chunks of EXPERT_SUB tokens."""
         if getattr(engine, "prefill_stream", None) is None or engine.device.type != "cuda":
             return 0
-        from .prefill_stream import MAX_PASS_TOKENS, pass_bytes_per_token
+        from .prefill_stream import pass_reserve_bytes
         pieces = getattr(engine.executor, "pieces", 1)  # experts cut into pieces: k x pieces routed pairs a token
-        return min(MAX_PASS_TOKENS, engine.max_len) * pass_bytes_per_token(engine.cfg, engine.dtype, pieces)
+        return pass_reserve_bytes(engine.cfg, engine.dtype, engine.max_len, engine.ecfg.prefill_chunk, pieces)
 
     def _decode_runner(self, engine) -> DecodeRunner:
         ex = engine.executor

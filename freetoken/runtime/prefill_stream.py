@@ -7,16 +7,17 @@ per chunk. A pass here takes as many tokens as the memory budget allows (`pass_t
 embed -> layer 0..L-1 -> head over all of them, so the pool crosses once per pass, each layer's
 experts loaded by the expert loader (experts/stream.py) from the hook before that layer.
 
-Inside a layer the work stays in sub-chunks of --prefill-chunk tokens, the size the memory
-plan's work buffers are made for: the token mixers run piece by piece in order, exactly the
+Inside a layer the token mixers' work stays in pieces of --prefill-chunk tokens, the size the
+memory plan's work buffers are made for: they run piece by piece in order, exactly the
 calls chunked prefill makes (attention writes each piece's K/V before the next reads them,
 DeltaNet carries its state from piece to piece), so KV, recurrent state and prefix-cache
 checkpoints are written as today. Checkpoints never force a boundary: the DeltaNet layers take
 them inside whichever piece crosses an anchor (cache/prefix.py StateCapture), whatever the
 chunking. The experts see the whole pass's routing at once (the loader's routed set of the
 layer) and compute it in sub-chunks of EXPERT_SUB tokens where the budget has room (more rows
-for each expert's GEMM), else of the mixers' size. Only the residual stream lives for the whole pass: a few
-[P, H] tensors (PASS_ACTS), which is what bounds the pass.
+for each expert's GEMM), else of the mixers' size. Only the residual stream lives for the whole
+pass: a few [P, H] tensors (PASS_ACTS), which is what bounds the pass (the memory plan keeps
+room for both: pass_reserve_bytes).
 
 The model runs the pass through its own varlen prefill (DecoderModel.prefill_batch with one
 segment per piece and a per-layer hook); its MoE layers are pointed at the loader for the
@@ -58,11 +59,24 @@ def pass_bytes_per_token(cfg, dtype, pieces: int = 1) -> int:
     return (PASS_ACTS * cfg.hidden_size + moe) * el + cfg.top_k * pieces * (8 + el + 8 + 1 + 8)
 
 
-def expert_bytes_per_token(cfg, dtype) -> int:
-    """Device bytes one more token of an expert sub-chunk holds: its routed pairs' gate/up and
-    activation rows ([k, 3 I]) and their down-projected rows before the weighted sum ([k, H])."""
+def expert_bytes_per_token(cfg, dtype, pieces: int = 1) -> int:
+    """Device bytes one more token of an expert sub-chunk holds in the grouped expert kernels
+    (kernels/moe_grouped.py, moe_quant.py): its pairs' activations ([k, I]: gate and up stay in
+    registers), their down-projected rows before the weighted sum ([k x pieces, H]: experts cut
+    in pieces have k x pieces pairs of I / pieces columns), the pairs' index temporaries
+    (~100 bytes a pair) and the summed row ([H])."""
     el = torch.empty((), dtype=dtype).element_size()
-    return cfg.top_k * (3 * max(cfg.moe_intermediate_size, 1) + cfg.hidden_size) * el
+    k, inter = cfg.top_k, max(cfg.moe_intermediate_size, 1)
+    return k * inter * el + k * pieces * (cfg.hidden_size * el + 100) + cfg.hidden_size * el
+
+
+def pass_reserve_bytes(cfg, dtype, max_len: int, sub: int, pieces: int = 1) -> int:
+    """What the memory plan keeps for streamed passes (runtime/loop.py): a pass of up to
+    MAX_PASS_TOKENS (or the context), and the experts' sub-chunks of EXPERT_SUB tokens beyond
+    the sub-chunk the work buffers are sized for."""
+    tokens = min(MAX_PASS_TOKENS, max_len)
+    esub = max(min(EXPERT_SUB, tokens) - sub, 0)
+    return tokens * pass_bytes_per_token(cfg, dtype, pieces) + esub * expert_bytes_per_token(cfg, dtype, pieces)
 
 
 class PrefillStream:
@@ -97,21 +111,23 @@ class PrefillStream:
         """Tokens one pass may take: max_pass_tokens, less on CUDA when the budget's free part
         cannot hold the pass beside one sub-chunk's work; a multiple of the sub-chunk (pieces
         then fall where chunked prefill puts its chunks), at least one. The memory plan reserves
-        room for a pass (runtime/budget.py, at most a tenth of what the fixed parts leave);
-        what the pass may take is measured here, and a limit is said once in the log."""
+        room for a pass (pass_reserve_bytes, at most a tenth of what the fixed parts leave);
+        what the pass may take is measured here, and a limit is said once in the log.
+        Sets the loader's expert sub-chunk for the pass: the pass's length comes first (a
+        shorter pass streams the pool more often, which costs more than the GEMMs' shape
+        gains), what is left then buys expert sub-chunks of up to expert_sub tokens."""
         cap, esub = self.max_pass_tokens, self.expert_sub
         dev = self.model.device
         if self.budget is not None and torch.device(dev).type == "cuda":
             dt = self.model.dtype
             room = max(self.budget - torch.cuda.memory_allocated(dev) - work_bytes(self.cfg, self.sub, 1, dt), 0)
-            per = pass_bytes_per_token(self.cfg, dt, self.loader.top_k // max(1, self.cfg.top_k))
-            extra = (esub - self.sub) * expert_bytes_per_token(self.cfg, dt)  # the larger expert sub-chunk's
-            if (room - extra) // per >= min(esub, cap):
-                room -= extra
-            else:  # no room beside a pass of that many tokens: the experts in the mixers' sub-chunks
-                esub = self.sub
+            pieces = self.loader.top_k // max(1, self.cfg.top_k)
+            per = pass_bytes_per_token(self.cfg, dt, pieces)
             cap = min(cap, room // per)
             n = max(self.sub, cap // self.sub * self.sub)
+            left = max(room - n * per, 0)  # what the pass leaves: the experts' larger sub-chunk's
+            esub = min(esub, self.sub + left // expert_bytes_per_token(self.cfg, dt, pieces))
+            esub = max(self.sub, esub // self.sub * self.sub)
             if cap < self.max_pass_tokens and n != self._limited:
                 self._limited = n
                 log.warning("prefill passes are limited to %d tokens by the memory budget (%.2f GB of it free); "
@@ -201,5 +217,6 @@ class PrefillStream:
 
     def stats(self) -> dict:
         """The loader's counters (passes by buffering, layers loaded whole or routed, experts
-        copied / used in place / skipped, bytes copied) and the last pass; `pass_tokens`."""
+        copied / used in place / skipped, bytes copied) and the last pass; `pass_tokens` and
+        `expert_sub`: what a pass would take now, and its experts' sub-chunk."""
         return {**self.loader.stats(), "pass_tokens": self.pass_tokens(), "expert_sub": self.loader.sub}
