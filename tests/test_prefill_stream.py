@@ -439,35 +439,37 @@ def test_pass_size_follows_the_budget(ftw, monkeypatch, caplog):
     """On CUDA a pass takes what the budget has left beside one sub-chunk's work (here the
     allocator's reading is faked): a multiple of the sub-chunk, at least one, said in the log.
     What the pass leaves buys its experts larger sub-chunks (up to EXPERT_SUB), never a shorter
-    pass: more budget never shortens one."""
+    pass: more budget never shortens one. Asking (as /metrics does) changes nothing."""
     from types import SimpleNamespace
     path, _ = ftw
     eng = engine(path)
     ps = eng.prefill_stream
-    assert ps.pass_tokens() == 32768 and ps.loader.sub == EXPERT_SUB  # the CPU: the caps
+    assert ps.sizes() == (32768, EXPERT_SUB)  # the CPU: the caps
     ps.model = SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16, layers=[])
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: 5 << 30)
     fixed = (5 << 30) + work_bytes(eng.cfg, SUB, 1, torch.bfloat16)
     per = pass_bytes_per_token(eng.cfg, torch.bfloat16)
     ebpt = expert_bytes_per_token(eng.cfg, torch.bfloat16)
     ps.budget = fixed + 100 * per
-    assert ps.pass_tokens() == 96 and "limited to 96 tokens" in caplog.text
-    assert ps.loader.sub == SUB + (4 * per // ebpt) // SUB * SUB  # the 4 tokens' room the rounding left
+    # the pass first; the 4 tokens' room its rounding left to the experts' sub-chunk
+    assert ps.sizes() == (96, SUB + (4 * per // ebpt) // SUB * SUB) and "limited to 96 tokens" in caplog.text
     ps.budget = fixed + 3 * per
-    assert ps.pass_tokens() == SUB and ps.loader.sub == SUB
+    assert ps.sizes() == (SUB, SUB)
     ps.budget = fixed + 32768 * per  # room for the longest pass and nothing more: the mixers' sub-chunk
-    assert ps.pass_tokens() == 32768 and ps.loader.sub == SUB
+    assert ps.sizes() == (32768, SUB)
     ps.budget += (EXPERT_SUB - SUB) * ebpt  # and for the larger sub-chunk: what the plan reserves
-    assert ps.pass_tokens() == 32768 and ps.loader.sub == EXPERT_SUB
+    assert ps.sizes() == (32768, EXPERT_SUB)
     assert ps.budget - fixed == pass_reserve_bytes(eng.cfg, torch.bfloat16, 10 ** 6, SUB)
     ps.budget = fixed + 32768 * per + (EXPERT_SUB - SUB) * ebpt // 2  # half of it: a multiple of SUB between
-    assert ps.pass_tokens() == 32768 and SUB < ps.loader.sub < EXPERT_SUB and ps.loader.sub % SUB == 0
+    n, esub = ps.sizes()
+    assert n == 32768 and SUB < esub < EXPERT_SUB and esub % SUB == 0
     last = 0
     for extra in range(0, 40000 * per, 997 * per + 12345):  # more room never shortens a pass
         ps.budget = fixed + extra
-        n = ps.pass_tokens()
-        assert n >= last and SUB <= ps.loader.sub <= EXPERT_SUB
+        n, esub = ps.sizes()
+        assert n >= last and SUB <= esub <= EXPERT_SUB and n == ps.pass_tokens()
         last = n
+    assert ps.loader.sub == SUB  # no pass ran: the sub-chunk the loader was made with
 
 
 def test_mode_choice():

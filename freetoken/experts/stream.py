@@ -284,9 +284,9 @@ class LayerStreamer(ExpertExecutor):
             torch.cuda.current_stream(self.device).wait_event(event)
         route = torch.where(live, table[local], NO_EXPERT)  # [T, k] slot ids
         out = torch.empty_like(x)  # [T, H]
-        for a in range(0, x.shape[0], self.sub):
-            b = a + self.sub
-            out[a:b] = self._gpu.run(x[a:b], route[a:b], weights[a:b], "prefill")
+        sub = self.sub  # read once: every row of out is written by exactly one sub-chunk
+        for a in range(0, x.shape[0], sub):
+            out[a:a + sub] = self._gpu.run(x[a:a + sub], route[a:a + sub], weights[a:a + sub], "prefill")
         return out
 
     def stats(self) -> dict:

@@ -108,14 +108,19 @@ class PrefillStream:
         return cls(engine.model, engine.cfg, engine.executor, engine.ecfg.prefill_chunk, budget=engine.budget, **kw)
 
     def pass_tokens(self) -> int:
-        """Tokens one pass may take: max_pass_tokens, less on CUDA when the budget's free part
+        """Tokens one pass may take now (sizes())."""
+        return self.sizes()[0]
+
+    def sizes(self) -> tuple[int, int]:
+        """(tokens one pass may take, its experts' sub-chunk) now. Tokens: max_pass_tokens, less on CUDA when the budget's free part
         cannot hold the pass beside one sub-chunk's work; a multiple of the sub-chunk (pieces
         then fall where chunked prefill puts its chunks), at least one. The memory plan reserves
         room for a pass (pass_reserve_bytes, at most a tenth of what the fixed parts leave);
         what the pass may take is measured here, and a limit is said once in the log.
-        Sets the loader's expert sub-chunk for the pass: the pass's length comes first (a
-        shorter pass streams the pool more often, which costs more than the GEMMs' shape
-        gains), what is left then buys expert sub-chunks of up to expert_sub tokens."""
+        The pass's length comes first (a shorter pass streams the pool more often, which costs
+        more than the GEMMs' shape gains); what it leaves buys expert sub-chunks of up to
+        expert_sub tokens. Changes nothing but the log: the entry points set the loader's
+        sub-chunk on the serving loop's thread, never /metrics (stats()) mid-pass."""
         cap, esub = self.max_pass_tokens, self.expert_sub
         dev = self.model.device
         if self.budget is not None and torch.device(dev).type == "cuda":
@@ -133,14 +138,13 @@ class PrefillStream:
                 log.warning("prefill passes are limited to %d tokens by the memory budget (%.2f GB of it free); "
                             "each pass streams every expert once: leave room (a smaller KV pool or expert cache) "
                             "for longer passes", n, room / 1e9)
-        self.loader.sub = esub
-        return max(self.sub, cap // self.sub * self.sub)
+        return max(self.sub, cap // self.sub * self.sub), esub
 
     # ---- entry points (Engine.prefill / prefill_batch) -----------------------------------------
     def prefill(self, ids: list[int], st, slot: int = 0, start: int = 0, logits: bool = True,
                 capture=None) -> torch.Tensor | None:
         """One sequence's tokens at positions start.. in passes -> last logits [1, V] or None."""
-        n, out = self.pass_tokens(), None
+        (n, self.loader.sub), out = self.sizes(), None
         for s in range(0, len(ids), n):
             last = s + n >= len(ids)
             out = self._pass(st, [(ids[s:s + n], slot, start + s, capture, logits and last)])
@@ -152,7 +156,7 @@ class PrefillStream:
         logits [S, V] of the segments asking for them, or None. between(i): the serving loop's
         hook before layer i of each pass (decode steps of the streams that are decoding), run
         with the expert cache frozen (_pass)."""
-        cap, rows, batch, used = self.pass_tokens(), [], [], 0
+        (cap, self.loader.sub), rows, batch, used = self.sizes(), [], [], 0
 
         def flush():
             lg = self._pass(st, batch, between)
@@ -217,6 +221,6 @@ class PrefillStream:
 
     def stats(self) -> dict:
         """The loader's counters (passes by buffering, layers loaded whole or routed, experts
-        copied / used in place / skipped, bytes copied) and the last pass; `pass_tokens` and
-        `expert_sub`: what a pass would take now, and its experts' sub-chunk."""
+        copied / used in place / skipped, bytes copied) and the last pass; `pass_tokens`: what a
+        pass would take now; `expert_sub`: the experts' sub-chunk of the latest pass."""
         return {**self.loader.stats(), "pass_tokens": self.pass_tokens(), "expert_sub": self.loader.sub}
