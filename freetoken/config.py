@@ -20,6 +20,11 @@ ARCH_ALIASES = {
     "qwen3_5_moe": "qwen3_5_moe",
     "qwen3_5_moe_text": "qwen3_5_moe",
     "qwen3_moe": "qwen3_moe",
+    # Qwen3-Next (Qwen3-Next-80B-A3B): Qwen3.5-MoE's layers with its DeltaNet input projections
+    # fused per key-head group (weights/hf.py qwen3_next_split reads them apart) and optional
+    # dense-MLP layers (mlp_only_layers, decoder_sparse_step)
+    "Qwen3NextForCausalLM": "qwen3_5_moe",
+    "qwen3_next": "qwen3_5_moe",
     "GptOssForCausalLM": "gpt_oss",
     "gpt_oss": "gpt_oss",
     "GlmMoeDsaForCausalLM": "glm_moe_dsa",
@@ -47,6 +52,14 @@ SIZES = ("num_key_value_heads", "head_dim", "intermediate_size", "moe_intermedia
 # the config.json field each family gives its routed-expert count in (for errors that name it)
 EXPERT_COUNT_FIELD = {"qwen3_5_moe": "num_experts", "qwen3_moe": "num_experts", "gpt_oss": "num_local_experts",
                       "glm_moe_dsa": "n_routed_experts", "deepseek_v4": "n_routed_experts"}
+
+
+def _sparse_layers(t: dict, num_layers: int, num_experts: int) -> list[int]:
+    """Qwen3-MoE's and Qwen3-Next's MoE layers: where the sparse step and mlp_only_layers say so
+    (a dense MLP elsewhere)."""
+    only = set(t.get("mlp_only_layers") or [])
+    step = t.get("decoder_sparse_step", 1) or 1
+    return [i for i in range(num_layers) if i not in only and num_experts > 0 and (i + 1) % step == 0]
 
 
 def _check_sizes(source: str, t: dict) -> None:
@@ -257,6 +270,8 @@ class ModelConfig:
         if isinstance(text, dict) and "text_config" in cfg:
             # the multimodal wrapper keeps eos and friends on the outer dict at times
             text = {**{k: v for k, v in cfg.items() if k != "text_config"}, **text}
+        if name in ("Qwen3NextForCausalLM", "qwen3_next"):  # what _from_text and convert key Qwen3-Next's reading on
+            text = {**text, "model_type": "qwen3_next"}
         _check_sizes(source, text)
         try:
             return cls._from_text(arch, text)
@@ -330,8 +345,12 @@ class ModelConfig:
                 every = t.get("full_attention_interval", 4)
                 types = ["linear_attention" if (i + 1) % every else "full_attention"
                          for i in range(num_layers)]
+            moe_layers, dense = list(range(num_layers)), {}
+            if t.get("model_type") == "qwen3_next":  # Qwen3-Next may make layers dense, as Qwen3-MoE
+                moe_layers = _sparse_layers(t, num_layers, num_experts)
+                dense = dict(intermediate_size=t.get("intermediate_size", 0) if len(moe_layers) < num_layers else 0)
             return cls(
-                **common, layer_types=list(types),
+                **common, layer_types=list(types), **dense,
                 partial_rotary_factor=rope.get("partial_rotary_factor",
                                                t.get("partial_rotary_factor", 0.25)),
                 linear_num_key_heads=t["linear_num_key_heads"],
@@ -339,17 +358,14 @@ class ModelConfig:
                 linear_key_head_dim=t["linear_key_head_dim"],
                 linear_value_head_dim=t["linear_value_head_dim"],
                 linear_conv_kernel_dim=t.get("linear_conv_kernel_dim", 4),
-                norm_topk_prob=True,
+                norm_topk_prob=bool(t.get("norm_topk_prob", True)),
                 shared_expert_intermediate_size=t.get("shared_expert_intermediate_size", 0),
-                moe_layers=list(range(num_layers)))
+                moe_layers=moe_layers)
         if arch == "glm_moe_dsa":
             return cls._glm_moe_dsa(common, t)
         # qwen3_moe: every layer full attention; MoE where the sparse step and
         # mlp_only_layers say so, a dense MLP elsewhere
-        only = set(t.get("mlp_only_layers") or [])
-        step = t.get("decoder_sparse_step", 1) or 1
-        moe_layers = [i for i in range(num_layers)
-                      if i not in only and num_experts > 0 and (i + 1) % step == 0]
+        moe_layers = _sparse_layers(t, num_layers, num_experts)
         window = t.get("sliding_window") if t.get("use_sliding_window") else None
         return cls(
             **common, layer_types=["sliding_attention" if window else "full_attention"] * num_layers,

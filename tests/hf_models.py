@@ -30,6 +30,14 @@ def write_tokenizer(d: str, vocab: int) -> None:
         json.dump({"eos_token": "<|im_end|>"}, f)
 
 
+def _random(model_cls, config_cls, args: dict, seed: int):
+    """A transformers model of that config, seeded, in eval mode, its weights perturbed (_perturb)."""
+    torch.manual_seed(seed)
+    m = model_cls(config_cls(**args)).eval()
+    _perturb(m, seed)
+    return m
+
+
 def qwen3_5(seed: int, **kw):
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
     args = dict(vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -37,11 +45,20 @@ def qwen3_5(seed: int, **kw):
                 shared_expert_intermediate_size=48, num_experts=16, num_experts_per_tok=4,
                 linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
                 linear_num_value_heads=4, max_position_embeddings=512)
-    args.update(kw)
-    torch.manual_seed(seed)
-    m = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**args)).eval()
-    _perturb(m, seed)
-    return m
+    return _random(Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, {**args, **kw}, seed)
+
+
+def qwen3_next(seed: int, **kw):
+    """Qwen3NextForCausalLM (Qwen3-Next-80B-A3B's architecture, Qwen3.5's predecessor): the same
+    layers, its DeltaNet input projections fused and grouped per key head (in_proj_qkvz,
+    in_proj_ba); 3 value heads per key head here, as the release's 2 are, to catch a grouping bug."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+    args = dict(vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, intermediate_size=96,
+                shared_expert_intermediate_size=48, num_experts=16, num_experts_per_tok=4,
+                linear_key_head_dim=16, linear_value_head_dim=8, linear_num_key_heads=2,
+                linear_num_value_heads=6, max_position_embeddings=512)
+    return _random(Qwen3NextForCausalLM, Qwen3NextConfig, {**args, **kw}, seed)
 
 
 def qwen3_moe(seed: int, **kw):
@@ -49,11 +66,7 @@ def qwen3_moe(seed: int, **kw):
     args = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, moe_intermediate_size=32,
                 num_experts=16, num_experts_per_tok=4, max_position_embeddings=512)
-    args.update(kw)
-    torch.manual_seed(seed)
-    m = Qwen3MoeForCausalLM(Qwen3MoeConfig(**args)).eval()
-    _perturb(m, seed)
-    return m
+    return _random(Qwen3MoeForCausalLM, Qwen3MoeConfig, {**args, **kw}, seed)
 
 
 def gpt_oss(seed: int, **kw):

@@ -36,6 +36,11 @@ CASES = {
     # attention_bias: q/k/v and o_proj biases (transformers gives the output projection one too)
     "q35-attn-bias": (hf_models.qwen3_5, 8, dict(attention_bias=True), "plain"),
     "q3moe-attn-bias": (hf_models.qwen3_moe, 9, dict(attention_bias=True), "plain"),
+    # Qwen3-Next: Qwen3.5's layers from fused, head-grouped DeltaNet projections (3 value heads a
+    # key head), per-expert tensors; and with a dense-MLP layer (mlp_only_layers), sharded
+    "qnext-plain": (hf_models.qwen3_next, 10, {}, "plain"),
+    "qnext-sharded-dense-layer": (hf_models.qwen3_next, 11, dict(
+        mlp_only_layers=[1], num_experts=24, num_experts_per_tok=2, linear_num_value_heads=2), "sharded"),
     "q35-yarn": (hf_models.qwen3_5, 7, dict(rope_parameters=dict(
         rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16,
         partial_rotary_factor=0.25)), "plain"),

@@ -43,7 +43,7 @@ from ..model.registry import model_class
 from ..tokenizer import Tokenizer
 from .ftw import DTYPE_NAMES, Entry, layout, total_size
 from .hf import (FORMAT_NAMES, WEIGHT_DTYPES, Checkpoint, QuantScheme, Weight, deepseek_v4_name, layers_past,
-                 quant_scheme, read_config)
+                 quant_scheme, qwen3_next_split, read_config)
 from .quant import FP8_BLOCK, MX_BLOCK, NV_BLOCK
 from .writer import FTWWriter
 
@@ -488,7 +488,8 @@ def plan(src: str) -> Plan:
     for fn in REQUIRED_FILES:
         if not os.path.exists(os.path.join(src, fn)):
             raise FreeTokenError(f"{src}: {fn} is missing; FTW embeds the tokenizer, copy it from the model's release")
-    ck = Checkpoint(src, deepseek_v4_name if cfg.arch == "deepseek_v4" else None)
+    split = (lambda tensors: qwen3_next_split(tensors, cfg.raw)) if cfg.raw.get("model_type") == "qwen3_next" else None
+    ck = Checkpoint(src, deepseek_v4_name if cfg.arch == "deepseek_v4" else None, split)
     if cfg.arch == "deepseek_v4":
         _deepseek_v4_notices(src, cfg, ck)
     if scheme is None:

@@ -94,13 +94,15 @@ class Source:
     shape: list[int]
     dtype: torch.dtype | None  # None: a safetensors dtype torch has no type for (st_dtype says which)
     st_dtype: str = ""  # the safetensors dtype name, e.g. "BF16", "F8_E4M3"
+    rows: list[int] | None = None  # a part of a fused tensor: these rows of `name` (qwen3_next_split)
 
 
 class Checkpoint:
     """Lazy view of a checkpoint directory's tensors under canonical names."""
 
-    def __init__(self, path: str, rename=None):
-        """rename: an architecture's names -> FreeToken's, after canonical() (deepseek_v4_name)."""
+    def __init__(self, path: str, rename=None, derive=None):
+        """rename: an architecture's names -> FreeToken's, after canonical() (deepseek_v4_name);
+        derive(tensors): replaces fused tensors by views of their parts (qwen3_next_split)."""
         self.path = path
         if not os.path.isdir(path):
             raise FreeTokenError(f"{path}: not a checkpoint directory")
@@ -120,6 +122,8 @@ class Checkpoint:
                 sl = h.get_slice(key)
                 st = sl.get_dtype()
                 self.tensors[c] = Source(fn, key, list(sl.get_shape()), ST_DTYPES.get(st), st)
+        if derive is not None:
+            derive(self.tensors)
 
     def _shard_files(self) -> list[str]:
         index = os.path.join(self.path, "model.safetensors.index.json")
@@ -182,6 +186,10 @@ class Checkpoint:
         s = self.tensors[name]
         h = self._open(s.file)
         try:
+            if s.rows is not None:  # a part of a fused tensor
+                if index is not None:
+                    return h.get_slice(s.name)[s.rows[index]]
+                return h.get_tensor(s.name)[torch.tensor(s.rows)]
             if index is None:
                 return h.get_tensor(s.name)
             return h.get_slice(s.name)[index]
@@ -190,6 +198,57 @@ class Checkpoint:
 
 
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+QWEN3_NEXT_FUSED = re.compile(r"^(model\.layers\.\d+\.linear_attn\.)(in_proj_qkvz|in_proj_ba)\.(.+)$")
+
+
+def qwen3_next_split(tensors: dict, t: dict) -> None:
+    """Qwen3-Next's fused DeltaNet input projections as Qwen3.5's four: in_proj_qkvz's rows come
+    in one group per key head, [q (dk), k (dk), v (r dv), z (r dv)] with r value heads a key head,
+    and in_proj_ba's as [b (r), a (r)] per group (transformers' fix_query_key_value_ordering);
+    Qwen3.5 reads in_proj_qkv = all q, all k, all v (head order), in_proj_z, in_proj_b, in_proj_a.
+    Each part becomes a view of the fused tensor's rows (Source.rows: nothing is copied here),
+    every tensor beside it too: per-row scales (NVFP4, MXFP4) take the same rows, 128x128 block
+    scales (FP8) the rows of their blocks where every part's rows are whole blocks, one-value
+    scales go to every part."""
+    nk, nv = t["linear_num_key_heads"], t["linear_num_value_heads"]
+    dk, dv = t["linear_key_head_dim"], t["linear_value_head_dim"]
+    if nk < 1 or nv % nk:
+        raise UnsupportedModelError(f"Qwen3-Next: linear_num_value_heads ({nv}) must be a multiple of "
+                                    f"linear_num_key_heads ({nk})")
+    r = nv // nk
+    group = {"in_proj_qkvz": [("q", dk), ("k", dk), ("v", r * dv), ("z", r * dv)],
+             "in_proj_ba": [("b", r), ("a", r)]}
+    parts = {"in_proj_qkvz": {"in_proj_qkv": "qkv", "in_proj_z": "z"}, "in_proj_ba": {"in_proj_b": "b", "in_proj_a": "a"}}
+    for name in [n for n in tensors if QWEN3_NEXT_FUSED.match(n)]:
+        prefix, fused, suffix = QWEN3_NEXT_FUSED.match(name).groups()
+        src = tensors.pop(name)
+        width = sum(n for _, n in group[fused])
+        rows_of, at = {}, 0  # part letter -> its rows, group by group
+        for g in range(nk):
+            for letter, n in group[fused]:
+                rows_of.setdefault(letter, []).append(list(range(g * width + at, g * width + at + n)))
+                at = (at + n) % width
+        total = nk * width
+        for out, letters in parts[fused].items():
+            rows = [i for letter in letters for grp in rows_of[letter] for i in grp]  # q of every group, then k, ...
+            first = src.shape[0] if src.shape else 0
+            if first == total:
+                sub = rows
+            elif len(src.shape) <= 1 and (not src.shape or src.shape[0] == 1):
+                sub = None  # one value for the whole tensor (NVFP4's weight_scale_2, input_scale)
+            elif first == -(-total // FP8_BLOCK):
+                if any(len(grp) % FP8_BLOCK or grp[0] % FP8_BLOCK for letter in letters for grp in rows_of[letter]):
+                    raise UnsupportedModelError(
+                        f"{src.file}: {src.name} is quantized in {FP8_BLOCK}-row blocks that straddle Qwen3-Next's "
+                        f"q/k/v/z parts ({dk} / {dk} / {r * dv} / {r * dv} rows a group); not supported")
+                sub = rows[::FP8_BLOCK]
+                sub = [i // FP8_BLOCK for i in sub]
+            else:
+                raise UnsupportedModelError(f"{src.file}: {src.name} has {first} rows, expected {total} "
+                                            f"({nk} key-head groups of {width}); check config.json's linear_* sizes")
+            shape = list(src.shape) if sub is None else [len(sub)] + list(src.shape[1:])
+            tensors[f"{prefix}{out}.{suffix}"] = Source(src.file, src.name, shape, src.dtype, src.st_dtype,
+                                                          src.rows if sub is None else sub)
 
 # DeepSeek-V4 as published (DeepSeek's own names, with or without a `model.` prefix; transformers'
 # save_pretrained writes them back too) -> transformers' names, as its conversion mapping renames
