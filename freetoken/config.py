@@ -46,7 +46,8 @@ SUPPORTED = sorted(set(k for k in ARCH_ALIASES if k[0].isupper()))
 POSITIVE_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 SIZES = ("num_key_value_heads", "head_dim", "intermediate_size", "moe_intermediate_size",
          "shared_expert_intermediate_size", "num_experts", "num_local_experts", "n_routed_experts",
-         "num_experts_per_tok", "max_position_embeddings")
+         "num_experts_per_tok", "max_position_embeddings", "linear_num_key_heads", "linear_num_value_heads",
+         "linear_key_head_dim", "linear_value_head_dim")
 
 
 # the config.json field each family gives its routed-expert count in (for errors that name it)
@@ -345,10 +346,11 @@ class ModelConfig:
                 every = t.get("full_attention_interval", 4)
                 types = ["linear_attention" if (i + 1) % every else "full_attention"
                          for i in range(num_layers)]
-            moe_layers, dense = list(range(num_layers)), {}
+            moe_layers, dense, norm_topk = list(range(num_layers)), {}, True  # Qwen3.5 always renormalises
             if t.get("model_type") == "qwen3_next":  # Qwen3-Next may make layers dense, as Qwen3-MoE
                 moe_layers = _sparse_layers(t, num_layers, num_experts)
-                dense = dict(intermediate_size=t.get("intermediate_size", 0) if len(moe_layers) < num_layers else 0)
+                dense = dict(intermediate_size=t["intermediate_size"] if len(moe_layers) < num_layers else 0)
+                norm_topk = bool(t.get("norm_topk_prob", True))
             return cls(
                 **common, layer_types=list(types), **dense,
                 partial_rotary_factor=rope.get("partial_rotary_factor",
@@ -358,7 +360,7 @@ class ModelConfig:
                 linear_key_head_dim=t["linear_key_head_dim"],
                 linear_value_head_dim=t["linear_value_head_dim"],
                 linear_conv_kernel_dim=t.get("linear_conv_kernel_dim", 4),
-                norm_topk_prob=bool(t.get("norm_topk_prob", True)),
+                norm_topk_prob=norm_topk,
                 shared_expert_intermediate_size=t.get("shared_expert_intermediate_size", 0),
                 moe_layers=moe_layers)
         if arch == "glm_moe_dsa":

@@ -71,3 +71,27 @@ def test_wrong_sizes_are_named(tmp_path):
     cfg["linear_num_value_heads"] = 3
     with pytest.raises(UnsupportedModelError, match="multiple"):
         checkpoint(tmp_path, {P + "in_proj_qkvz.weight": torch.randn(100, 64)}, cfg)
+    cfg["linear_num_key_heads"] = 0
+    with pytest.raises(UnsupportedModelError, match="at least 1"):
+        checkpoint(tmp_path, {P + "in_proj_qkvz.weight": torch.randn(100, 64)}, cfg)
+
+
+def test_config_reading():
+    """Qwen3-Next's config.json as Qwen3.5-MoE's layers: its norm_topk_prob and dense layers read
+    (Qwen3.5 always renormalises), a dense layer without intermediate_size named."""
+    from freetoken.config import ModelConfig
+    base = dict(architectures=["Qwen3NextForCausalLM"], vocab_size=320, hidden_size=64, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                moe_intermediate_size=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                linear_value_head_dim=16, norm_topk_prob=False)
+    c = ModelConfig.from_hf(base)
+    assert c.arch == "qwen3_5_moe" and c.moe_layers == [0, 1, 2, 3] and not c.norm_topk_prob
+    with pytest.raises(UnsupportedModelError, match="intermediate_size"):
+        ModelConfig.from_hf({**base, "mlp_only_layers": [2]})
+    c = ModelConfig.from_hf({**base, "mlp_only_layers": [2], "intermediate_size": 96})
+    assert c.moe_layers == [0, 1, 3] and c.intermediate_size == 96
+    q35 = {**base, "architectures": ["Qwen3_5MoeForCausalLM"], "mlp_only_layers": [2]}
+    c = ModelConfig.from_hf(q35)
+    assert c.norm_topk_prob and c.moe_layers == [0, 1, 2, 3]
+    with pytest.raises(UnsupportedModelError, match="linear_num_key_heads must be an integer"):
+        ModelConfig.from_hf({**base, "linear_num_key_heads": 2.5})

@@ -212,9 +212,12 @@ def qwen3_next_split(tensors: dict, t: dict) -> None:
     scales go to every part."""
     nk, nv = t["linear_num_key_heads"], t["linear_num_value_heads"]
     dk, dv = t["linear_key_head_dim"], t["linear_value_head_dim"]
-    if nk < 1 or nv % nk:
+    if min(nk, nv, dk, dv) < 1:
+        raise UnsupportedModelError(f"Qwen3-Next: linear_num_key_heads, linear_num_value_heads and the linear "
+                                    f"head dims must be at least 1, got {nk}, {nv}, {dk}, {dv}; fix config.json")
+    if nv % nk:
         raise UnsupportedModelError(f"Qwen3-Next: linear_num_value_heads ({nv}) must be a multiple of "
-                                    f"linear_num_key_heads ({nk})")
+                                    f"linear_num_key_heads ({nk}); fix config.json")
     r = nv // nk
     group = {"in_proj_qkvz": [("q", dk), ("k", dk), ("v", r * dv), ("z", r * dv)],
              "in_proj_ba": [("b", r), ("a", r)]}
@@ -238,9 +241,12 @@ def qwen3_next_split(tensors: dict, t: dict) -> None:
                 sub = None  # one value for the whole tensor (NVFP4's weight_scale_2, input_scale)
             elif first == -(-total // FP8_BLOCK):
                 if any(len(grp) % FP8_BLOCK or grp[0] % FP8_BLOCK for letter in letters for grp in rows_of[letter]):
+                    sizes = " / ".join(str(n) for _, n in group[fused])
+                    names = "/".join(letter for letter, _ in group[fused])
                     raise UnsupportedModelError(
-                        f"{src.file}: {src.name} is quantized in {FP8_BLOCK}-row blocks that straddle Qwen3-Next's "
-                        f"q/k/v/z parts ({dk} / {dk} / {r * dv} / {r * dv} rows a group); not supported")
+                        f"{src.file}: {src.name} is quantized in {FP8_BLOCK}-row blocks that straddle its {names} "
+                        f"parts ({sizes} rows a key-head group), which FreeToken reads apart; convert the BF16 "
+                        "release of the model")
                 sub = rows[::FP8_BLOCK]
                 sub = [i // FP8_BLOCK for i in sub]
             else:
