@@ -1210,7 +1210,14 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   FT_TAG=plan116b FT_PER_FILE=150 FT_K="gpu_engine and fp8_block-0.5" bash bench/device_tests.sh \
     tests/test_expert_cache_quant.py > /dev/null
   ;;
-*) echo "stage 0 to 116"; exit 2 ;;
+117) # ~420 s at most: Qwen3-Next-80B-A3B's shape (48 layers of 512 experts, top-10; read as Qwen3.5-MoE's layers
+  # since fe37e24) with MXFP4 experts (41 GB in host RAM) decoding with the expert cache at 37.5% and CPU-only, 6
+  # and 16 threads: the 80B on one GPU plus host RAM. Carry .whl, .devcache/commit and a warm cache.
+  step 45 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
+  step 360 qwen3-next-80b python3 -m bench.large_models --arch qwen3_next --expert-format mxfp4 \
+    --modes cache,cpu-only --capacity 0.375 --threads 6,16 --name large_models-qwen3_next-mxfp4
+  ;;
+*) echo "stage 0 to 117"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole

@@ -165,6 +165,15 @@ QWEN36 = {  # Qwen3.6-35B-A3B's text model (its config.json's text_config; bench
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
     "tie_word_embeddings": False, "rms_norm_eps": 1e-6, "attention_bias": False,
 }
+QWEN3_NEXT_LAYERS = 48
+# Qwen3-Next-80B-A3B (its config.json: transformers' Qwen3NextConfig() defaults with the release's
+# vocabulary, context and rope theta), written as the Qwen3.5-MoE text config FreeToken runs it as:
+# the layers are the same (weights/hf.py qwen3_next_split reads its fused DeltaNet projections apart)
+QWEN3_NEXT = dict(
+    QWEN36, num_hidden_layers=QWEN3_NEXT_LAYERS, vocab_size=151936, num_experts=512, num_experts_per_tok=10,
+    layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(QWEN3_NEXT_LAYERS)],
+    max_position_embeddings=262144,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25})
 # the same structure, small: 3 hash-routed layers then plain MoE, HCA/CSA (compress windows of 16
 # and 4, a window of 16 keys, the indexer keeping 4 entries); 3 dense layers then MoE, the DSA
 # indexer keeping 16 keys; three DeltaNet layers then full attention, every layer MoE with the
@@ -186,11 +195,14 @@ TINY = {
         num_experts=16, moe_intermediate_size=128, shared_expert_intermediate_size=128,
         max_position_embeddings=4096), 4),
 }
-SHAPES = {"deepseek_v4": DEEPSEEK_V4_FLASH, "glm_moe_dsa": GLM5, "qwen3_5_moe": QWEN36}
-NAMES = {"deepseek_v4": "DeepSeek-V4-Flash", "glm_moe_dsa": "GLM-5", "qwen3_5_moe": "Qwen3.6-35B-A3B"}
-# the releases' expert formats (Qwen3.6 also publishes an FP8 release: fp8_block)
-PUBLISHED_FORMAT = {"deepseek_v4": "mxfp4", "glm_moe_dsa": "nvfp4", "qwen3_5_moe": "bf16"}
-DEFAULT_LAYERS = {"deepseek_v4": 12, "glm_moe_dsa": 12, "qwen3_5_moe": QWEN36_LAYERS}  # without --layers
+TINY["qwen3_next"] = slice_config(dict(TINY["qwen3_5_moe"], num_experts=32, num_experts_per_tok=10), 4)
+SHAPES = {"deepseek_v4": DEEPSEEK_V4_FLASH, "glm_moe_dsa": GLM5, "qwen3_5_moe": QWEN36, "qwen3_next": QWEN3_NEXT}
+NAMES = {"deepseek_v4": "DeepSeek-V4-Flash", "glm_moe_dsa": "GLM-5", "qwen3_5_moe": "Qwen3.6-35B-A3B",
+         "qwen3_next": "Qwen3-Next-80B-A3B"}
+# the releases' expert formats (Qwen3.6 and Qwen3-Next also publish FP8 releases: fp8_block)
+PUBLISHED_FORMAT = {"deepseek_v4": "mxfp4", "glm_moe_dsa": "nvfp4", "qwen3_5_moe": "bf16", "qwen3_next": "fp8_block"}
+# without --layers (Qwen3-Next's 48 layers of BF16 experts, 155 GB, fit no host of the GPU machine's 128 GB)
+DEFAULT_LAYERS = {"deepseek_v4": 12, "glm_moe_dsa": 12, "qwen3_5_moe": QWEN36_LAYERS, "qwen3_next": QWEN3_NEXT_LAYERS}
 HF_CLASSES = {"deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM"),
               "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM"),
               "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM")}
@@ -385,8 +397,10 @@ def host_available() -> float:
 
 
 def estimate(cfg: dict, mc, fmt: str, plan: dict, modes, capacity: float, batch: int, ctx: int, dev,
-             host_have: float | None = None, on_cuda: bool | None = None, header: bool = True) -> dict:
+             host_have: float | None = None, on_cuda: bool | None = None, header: bool = True,
+             name: str | None = None) -> dict:
     """What the slice needs with experts in `fmt`, printed; -> {"fits": bool, "why": [...], ...}.
+    name: the shape's (default: its architecture's, NAMES)
     host_have: the host bytes available (default: MemAvailable); on_cuda: plan for a GPU run
     (default: dev is CUDA); header: print the slice's lines before the format's (once a run)."""
     from freetoken.model.state import state_bytes
@@ -406,7 +420,7 @@ def estimate(cfg: dict, mc, fmt: str, plan: dict, modes, capacity: float, batch:
     vram_have = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else float("inf")
     gen_peak = per_layer[fmt] * 2.5 if on_cuda else 0  # one layer's banks and their temporaries on the device
     if header:
-        print(f"{NAMES[mc.arch]} shape ({mc.arch}), {mc.num_layers} layers: {moe} MoE layers "
+        print(f"{name or NAMES[mc.arch]} shape ({mc.arch}), {mc.num_layers} layers: {moe} MoE layers "
               f"({len(mc.hash_layers)} hash-routed), {e} experts x ({h} x {i}), top-{mc.top_k}")
         print("  expert bytes per MoE layer: " + " | ".join(f"{f} {per_layer[f] / GB:.2f} GB" for f in FORMATS))
         if on_cuda:
@@ -898,7 +912,7 @@ def main(argv=None) -> str | None:
     plan = weight_plan(cfg)
     ctx = a.prompt + a.cache_warmup + a.tokens + 8 + (a.drift_steps if a.drift_hog else 0)
     ests = {fmt: estimate(cfg, mc, fmt, plan, a.modes, a.capacity, max(a.batch), ctx, dev,
-                          a.host_gb * GB if a.host_gb else None, cuda or not a.tiny, header=n == 0)
+                          a.host_gb * GB if a.host_gb else None, cuda or not a.tiny, header=n == 0, name=NAMES[a.arch])
             for n, fmt in enumerate(a.expert_format)}  # one format's banks at a time: each alone must fit
     why = [w for e in ests.values() for w in e["why"]]
     if why:

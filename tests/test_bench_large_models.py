@@ -233,3 +233,18 @@ def test_control_variant_changes_only_decode_calls(monkeypatch):
     for bad in ("4", "3,1024", "4,1000", "x,y", "4,1024,2"):
         with pytest.raises(SystemExit):
             lm.parse(["--arch", "qwen3_5_moe", "--control-variant", bad])
+
+
+def test_qwen3_next_shape_is_the_release_run_as_qwen3_5():
+    """The Qwen3-Next-80B-A3B shape, written as the Qwen3.5-MoE config FreeToken runs it as, reads
+    as transformers' Qwen3NextConfig() defaults with the release's context and rope theta; it sizes
+    like the release (48 layers of 512 experts, top-10: 77.3 GB of FP8 experts) and refuses BF16's
+    155 GB on a 125 GB host."""
+    defaults = {**transformers.Qwen3NextConfig().to_dict(), "architectures": ["Qwen3NextForCausalLM"],
+                "max_position_embeddings": 262144, "rope_parameters": lm.QWEN3_NEXT["rope_parameters"]}
+    got, want = ModelConfig.from_hf(lm.QWEN3_NEXT).to_dict(), ModelConfig.from_hf(defaults).to_dict()
+    assert got == want
+    assert (want["num_layers"], want["num_experts"], want["top_k"], len(want["moe_layers"])) == (48, 512, 10, 48)
+    assert lm.main(["--arch", "qwen3_next", "--modes", "cpu-only,cache", "--estimate-only", "--host-gb", "125"]) is None
+    with pytest.raises(SystemExit, match="at most 36 MoE layers fit in bf16"):
+        lm.main(["--arch", "qwen3_next", "--expert-format", "bf16", "--estimate-only", "--host-gb", "125"])
