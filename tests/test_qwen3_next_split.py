@@ -95,3 +95,21 @@ def test_config_reading():
     assert c.norm_topk_prob and c.moe_layers == [0, 1, 2, 3]
     with pytest.raises(UnsupportedModelError, match="linear_num_key_heads must be an integer"):
         ModelConfig.from_hf({**base, "linear_num_key_heads": 2.5})
+
+
+def test_conversion_says_what_it_read_and_names_a_missing_fused_tensor(tmp_path, capsys):
+    import hf_models
+    from safetensors.torch import load_file
+
+    from freetoken.errors import FreeTokenError
+    from freetoken.weights.convert import convert
+    d = str(tmp_path / "hf")
+    hf_models.save(hf_models.qwen3_next(12, num_hidden_layers=2), d)
+    convert(d, str(tmp_path / "ok.ftw"), progress=False)
+    assert "Qwen3-Next, run as Qwen3.5-MoE's layers" in capsys.readouterr().err
+    w = load_file(d + "/model.safetensors")
+    del w["model.layers.0.linear_attn.in_proj_qkvz.weight"]
+    save_file(w, d + "/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(FreeTokenError, match="in_proj_qkv.weight .read from Qwen3-Next's in_proj_qkvz"):
+        convert(d, str(tmp_path / "bad.ftw"), progress=False)
+    assert not (tmp_path / "bad.ftw").exists()

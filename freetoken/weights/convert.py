@@ -490,6 +490,9 @@ def plan(src: str) -> Plan:
             raise FreeTokenError(f"{src}: {fn} is missing; FTW embeds the tokenizer, copy it from the model's release")
     split = (lambda tensors: qwen3_next_split(tensors, cfg.raw)) if cfg.raw.get("model_type") == "qwen3_next" else None
     ck = Checkpoint(src, deepseek_v4_name if cfg.arch == "deepseek_v4" else None, split)
+    if split is not None:
+        notice(f"{src}: Qwen3-Next, run as Qwen3.5-MoE's layers: its fused DeltaNet projections (in_proj_qkvz, "
+               "in_proj_ba) are read apart per key-head group")
     if cfg.arch == "deepseek_v4":
         _deepseek_v4_notices(src, cfg, ck)
     if scheme is None:
@@ -509,7 +512,11 @@ def plan(src: str) -> Plan:
     check_shapes(src, raw, cfg, ck, [w for w in present if w is not None])
     missing = [n for n, w in dense_w.items() if w is None] + [n for w, n in expert_w if w is None]
     if missing:
-        raise FreeTokenError(f"{src}: checkpoint is missing {len(missing)} tensor(s), first {missing[0]}")
+        first = missing[0]
+        if split is not None and re.search(r"\.linear_attn\.in_proj_(qkv|z|b|a)\.", first):
+            fused = "in_proj_qkvz" if re.search(r"in_proj_(qkv|z)\.", first) else "in_proj_ba"
+            first += f" (read from Qwen3-Next's {fused}, which this layer lacks)"
+        raise FreeTokenError(f"{src}: checkpoint is missing {len(missing)} tensor(s), first {first}")
     quantized = [w for w in dense_w.values() if w.format != "dense"] + [w for w, _ in expert_w if w.format != "dense"]
     if scheme is None and quantized:  # cannot happen: quant_scheme saw these tensors
         raise FreeTokenError(f"{src}: tensor {quantized[0].values} is quantized but no format was recognised")
