@@ -1201,8 +1201,8 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
     --buffering double --no-resident --name prefill_stream-40l-esub
   ;;
 116) # ~460 s at most, for the next (issue 12): what plan 112 left (its test_quantized_models file ran out at 300 s
-  # after 5 of 8) and the GPU engine's fp8_block r = 0.5 case with its bf16 check rewritten (plan 112 failed it on
-  # two free-running bf16 sequences parting at token 8; its fp32 part passed). Carry .whl, .devcache/commit and a
+  # after 5 of 8) and the GPU engine's fp8_block r = 0.5 case (plan 112 failed it on its bf16
+  # tokens parting at token 8, its fp32 part passing; a failure now reports fp32's logits of the two picks). Carry .whl, .devcache/commit and a
   # warm cache with the quantized kernels trimmed to fit (the whole one is over the carry limit beside the wheels).
   step 45 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
   FT_TAG=plan116a FT_PER_FILE=260 FT_K="cuda and nvfp4 and (all or resident)" \

@@ -382,17 +382,16 @@ def test_gpu_engine_serves_a_quantized_model(quant_ftw, fmt, share, graphs):
     """On the GPU, the real path: slots in VRAM filled by the fused transfer kernel from pinned
     host banks, the quantized Triton kernels over the slots, decode steps replayed from CUDA
     graphs (with the CPU branch in them at r = 0.5). In fp32, the served logits equal every
-    expert resident in VRAM within 1e-4, the same greedy tokens; in bf16 (what users run)
-    logits as close to fp32 as all-resident's, step for step in the median, and greedy picks
-    that fp32 makes at its own tokens as often as all-resident's do (one step fewer at most).
+    expert resident in VRAM within 1e-4; in bf16 (what users run) the same greedy tokens, and
+    logits as close to fp32 as all-resident's, step for step in the median.
 
-    Why not the same bf16 tokens: a small random model has near-ties in its routers, which bf16
+    Why not every bf16 step: a small random model has near-ties in its routers, which bf16
     rounding flips one way or the other at a step now and then (on the CPU the plain bf16
     engine, no cache at all, is 0.18 off fp32 at one step of these prompts with fp8_block),
-    so any two bf16 paths that sum in another order can part there (fp8_block at r = 0.5 did
-    at its 8th token on an H100, plan 112), and after that their tokens are no longer the same
-    question; fp32 rounding moves scores a million times less, and there the cache must agree.
-    A wrong expert or a stale slot moves logits far past either bound."""
+    so any two bf16 paths that sum in another order can differ there; fp32 rounding moves
+    scores a million times less, and there the cache must agree. (fp8_block at r = 0.5 gave
+    other bf16 tokens from its 8th on an H100, plan 112, its fp32 part passing: not yet
+    explained; a failure now reports fp32's margin between the two picks where they part.)"""
     path = quant_ftw[fmt]
     g = torch.Generator().manual_seed(9)
     prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (23, 9)]
@@ -437,14 +436,17 @@ def test_gpu_engine_serves_a_quantized_model(quant_ftw, fmt, share, graphs):
         assert [r.output_ids for r in eag] == [r.output_ids for r in got]
     ref32 = Engine(path, EngineConfig(device="cpu", dtype="float32", moe="cpu", prefill_chunk=16))
     for a, b in zip(got, want):
-        truth_a, truth_b = fp32_logits(ref32, a), fp32_logits(ref32, b)  # fp32 at each path's own tokens
-        e_cache = [rel(la.cpu(), lb) for la, lb in zip(a.logits, truth_a)]
-        e_res = [rel(la.cpu(), lb) for la, lb in zip(b.logits, truth_b)]
+        truth = fp32_logits(ref32, a)  # the fp32 logits of the cache's tokens
+        if a.output_ids != b.output_ids:  # where they part: how near fp32 has the two picks
+            i = next(j for j, (x, y) in enumerate(zip(a.output_ids, b.output_ids)) if x != y)
+            t = truth[i]
+            raise AssertionError(f"bf16 greedy tokens part at step {i}: cache {a.output_ids[i]}, resident "
+                                 f"{b.output_ids[i]}; fp32 gives them {float(t[a.output_ids[i]]):.4f} and "
+                                 f"{float(t[b.output_ids[i]]):.4f} (its max {float(t.max()):.4f})")
+        e_cache = [rel(la.cpu(), lb) for la, lb in zip(a.logits, truth)]
+        e_res = [rel(la.cpu(), lb) for la, lb in zip(b.logits, truth)]
         med = statistics.median
         assert med(e_cache) <= max(2 * med(e_res), 2e-2), ([round(e, 3) for e in e_cache], [round(e, 3) for e in e_res])
-        agree_cache = sum(int(t.argmax()) == i for t, i in zip(truth_a, a.output_ids))
-        agree_res = sum(int(t.argmax()) == i for t, i in zip(truth_b, b.output_ids))
-        assert agree_cache >= agree_res - 1, (a.output_ids, b.output_ids, agree_cache, agree_res)
 
 
 def test_plan_sizes_a_quantized_cache_by_its_bytes(quant_ftw):
