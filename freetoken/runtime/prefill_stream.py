@@ -123,22 +123,23 @@ class PrefillStream:
         sub-chunk on the serving loop's thread, never /metrics (stats()) mid-pass."""
         cap, esub = self.max_pass_tokens, self.expert_sub
         dev = self.model.device
-        if self.budget is not None and torch.device(dev).type == "cuda":
-            dt = self.model.dtype
-            room = max(self.budget - torch.cuda.memory_allocated(dev) - work_bytes(self.cfg, self.sub, 1, dt), 0)
-            pieces = self.loader.top_k // max(1, self.cfg.top_k)
-            per = pass_bytes_per_token(self.cfg, dt, pieces)
-            cap = min(cap, room // per)
-            n = max(self.sub, cap // self.sub * self.sub)
-            left = max(room - n * per, 0)  # what the pass leaves: the experts' larger sub-chunk's
-            esub = min(esub, self.sub + left // expert_bytes_per_token(self.cfg, dt, pieces))
-            esub = max(self.sub, esub // self.sub * self.sub)
-            if cap < self.max_pass_tokens and n != self._limited:
-                self._limited = n
-                log.warning("prefill passes are limited to %d tokens by the memory budget (%.2f GB of it free); "
-                            "each pass streams every expert once: leave room (a smaller KV pool or expert cache) "
-                            "for longer passes", n, room / 1e9)
-        return max(self.sub, cap // self.sub * self.sub), esub
+        if self.budget is None or torch.device(dev).type != "cuda":
+            return max(self.sub, cap // self.sub * self.sub), esub
+        dt = self.model.dtype
+        room = max(self.budget - torch.cuda.memory_allocated(dev) - work_bytes(self.cfg, self.sub, 1, dt), 0)
+        pieces = self.loader.top_k // max(1, self.cfg.top_k)
+        per = pass_bytes_per_token(self.cfg, dt, pieces)
+        cap = min(cap, room // per)
+        n = max(self.sub, cap // self.sub * self.sub)  # pieces fall where chunked prefill puts its chunks
+        left = max(room - n * per, 0)  # what the pass leaves: the experts' larger sub-chunk's
+        esub = min(esub, self.sub + left // expert_bytes_per_token(self.cfg, dt, pieces))
+        esub = max(self.sub, esub // self.sub * self.sub)
+        if cap < self.max_pass_tokens and n != self._limited:
+            self._limited = n
+            log.warning("prefill passes are limited to %d tokens by the memory budget (%.2f GB of it free); "
+                        "each pass streams every expert once: leave room (a smaller KV pool or expert cache) "
+                        "for longer passes", n, room / 1e9)
+        return n, esub
 
     # ---- entry points (Engine.prefill / prefill_batch) -----------------------------------------
     def prefill(self, ids: list[int], st, slot: int = 0, start: int = 0, logits: bool = True,

@@ -43,7 +43,8 @@ from ..model.registry import model_class
 from ..tokenizer import Tokenizer
 from .ftw import DTYPE_NAMES, Entry, layout, total_size
 from .hf import (FORMAT_NAMES, WEIGHT_DTYPES, Checkpoint, QuantScheme, Weight, deepseek_v4_name, layers_past,
-                 quant_scheme, qwen3_next_split, read_config)
+                 QWEN3_NEXT_PARTS, quant_scheme, qwen3_next_split,
+                 read_config)
 from .quant import FP8_BLOCK, MX_BLOCK, NV_BLOCK
 from .writer import FTWWriter
 
@@ -513,9 +514,9 @@ def plan(src: str) -> Plan:
     missing = [n for n, w in dense_w.items() if w is None] + [n for w, n in expert_w if w is None]
     if missing:
         first = missing[0]
-        if split is not None and re.search(r"\.linear_attn\.in_proj_(qkv|z|b|a)\.", first):
-            fused = "in_proj_qkvz" if re.search(r"in_proj_(qkv|z)\.", first) else "in_proj_ba"
-            first += f" (read from Qwen3-Next's {fused}, which this layer lacks)"
+        for fused, parts in QWEN3_NEXT_PARTS.items() if split is not None else ():
+            if any(f".linear_attn.{p}." in first for p in parts):
+                first += f" (read from Qwen3-Next's {fused}, which this layer lacks)"
         raise FreeTokenError(f"{src}: checkpoint is missing {len(missing)} tensor(s), first {first}")
     quantized = [w for w in dense_w.values() if w.format != "dense"] + [w for w, _ in expert_w if w.format != "dense"]
     if scheme is None and quantized:  # cannot happen: quant_scheme saw these tensors

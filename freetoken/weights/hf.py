@@ -198,6 +198,9 @@ class Checkpoint:
 
 
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# Qwen3-Next's fused projection -> {Qwen3.5's projection read from it: the parts it takes}
+QWEN3_NEXT_PARTS = {"in_proj_qkvz": {"in_proj_qkv": "qkv", "in_proj_z": "z"},
+                    "in_proj_ba": {"in_proj_b": "b", "in_proj_a": "a"}}
 QWEN3_NEXT_FUSED = re.compile(r"^(model\.layers\.\d+\.linear_attn\.)(in_proj_qkvz|in_proj_ba)\.(.+)$")
 
 
@@ -221,7 +224,6 @@ def qwen3_next_split(tensors: dict, t: dict) -> None:
     r = nv // nk
     group = {"in_proj_qkvz": [("q", dk), ("k", dk), ("v", r * dv), ("z", r * dv)],
              "in_proj_ba": [("b", r), ("a", r)]}
-    parts = {"in_proj_qkvz": {"in_proj_qkv": "qkv", "in_proj_z": "z"}, "in_proj_ba": {"in_proj_b": "b", "in_proj_a": "a"}}
     for name in [n for n in tensors if QWEN3_NEXT_FUSED.match(n)]:
         prefix, fused, suffix = QWEN3_NEXT_FUSED.match(name).groups()
         src = tensors.pop(name)
@@ -232,7 +234,7 @@ def qwen3_next_split(tensors: dict, t: dict) -> None:
                 rows_of.setdefault(letter, []).append(list(range(g * width + at, g * width + at + n)))
                 at = (at + n) % width
         total = nk * width
-        for out, letters in parts[fused].items():
+        for out, letters in QWEN3_NEXT_PARTS[fused].items():
             rows = [i for letter in letters for grp in rows_of[letter] for i in grp]  # q of every group, then k, ...
             first = src.shape[0] if src.shape else 0
             if first == total:
