@@ -13,7 +13,10 @@ export FREETOKEN_TEST_CACHE="${FREETOKEN_TEST_CACHE:-$HOME/.cache}"
 # to .devcache/ here): Triton's cache (keyed by source, options and GPU: a stale entry is never used)
 # and the C++ executor's build, extracted with fresh times so they count as newer than the checkout
 # (a changed source still rebuilds: torch's build compares what it compiles, not only times).
-if [ -f .devcache/warm-cache.tgz ] && [ ! -f /tmp/.ft-warm-restored ]; then
-  mkdir -p "$HOME" && tar xzmf .devcache/warm-cache.tgz -C "$HOME" 2>/dev/null && touch /tmp/.ft-warm-restored \
+# A warm machine restores again when the call carries a different cache (a quantized plan's after a
+# bf16 one): the flag holds the checksum of the tarball restored last.
+if [ -f .devcache/warm-cache.tgz ] && [ "$(cat /tmp/.ft-warm-restored 2>/dev/null)" != "$(md5sum < .devcache/warm-cache.tgz)" ]; then
+  mkdir -p "$HOME" && tar xzmf .devcache/warm-cache.tgz -C "$HOME" 2>/dev/null \
+    && md5sum < .devcache/warm-cache.tgz > /tmp/.ft-warm-restored \
     && echo "warm cache restored ($(du -sh "$HOME/.triton" 2>/dev/null | cut -f1) of Triton kernels)" >&2
 fi

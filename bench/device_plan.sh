@@ -1187,16 +1187,23 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
     --layers 12 --lengths 1024,4096,16384 --buffering double --name prefill_stream-llamacpp-12
   step 20 llama-back bash bench/device_llamacpp.sh wait
   ;;
-115) # ~560 s at most, for the next (issue 11): the pass's experts in sub-chunks of EXPERT_SUB (8,192) tokens
+115) # ~540 s at most, for the next (issue 11): the pass's experts in sub-chunks of EXPERT_SUB (8,192) tokens
   # (runtime/prefill_stream.py; plan 113: a 32k pass's compute 0.407 s against 0.506 s at 2,048, and the 32k
   # double pass was compute-bound at 0.548 s against the 0.370 s floor). Its CUDA exactness cases first, then the
-  # 12-layer rows at HEAD, double and single 1k-32k (the issue's file), then the 40-layer double rows (the latest
-  # are from 2026-12-03). Carry .whl, .devcache/commit and .devcache/warm-cache.tgz.
+  # 12-layer rows at HEAD into the issue's file (prefill_stream-gpu.json), double and single 1k-32k, with
+  # llama.cpp in the same run at 1k/4k/16k (its default micro-batch takes ~100 s at 32k). First run
+  # `bash bench/device_llamacpp.sh restore` carrying .llama/llama-bench.xz.* (42 MB that leave no room for the warm
+  # cache in one carry), then this one at once, carrying .whl, .devcache/commit, .devcache/warm-cache.tgz
+  # and .llama/llama.cpp.tar.xz (the GGUF converter).
   step 45 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
   FT_TAG=plan115 FT_PER_FILE=130 FT_K="cuda and equals_resident" bash bench/device_tests.sh \
     tests/test_prefill_stream.py > /dev/null
-  step 170 prefill-stream-12 python3 -m bench.prefill_stream --layers 12 --lengths 1024,4096,8192,16384,32768 \
-    --buffering double,single --compute-pass --compute-subs 8192 --name prefill_stream-esub
+  step 360 prefill-stream-12 python3 -m bench.prefill_stream --llamacpp --llamacpp-build /tmp/ft-llama-build \
+    --llamacpp-lengths 1024,4096,16384 --layers 12 --lengths 1024,4096,8192,16384,32768 \
+    --buffering double,single --compute-pass --compute-subs 8192 --name prefill_stream
+  ;;
+118) # ~220 s at most, for the next (issue 11): the 40-layer double rows with the pass's expert sub-chunks
+  # (the latest are from 2026-12-03). Carry .whl, .devcache/commit and .devcache/warm-cache.tgz.
   step 200 prefill-stream-40 python3 -m bench.prefill_stream --layers 40 --lengths 4096,16384,32768 \
     --buffering double --no-resident --name prefill_stream-40l-esub
   ;;
@@ -1217,7 +1224,7 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   step 360 qwen3-next-80b python3 -m bench.large_models --arch qwen3_next --expert-format mxfp4 \
     --modes cache,cpu-only --capacity 0.375 --threads 6,16 --name large_models-qwen3_next-mxfp4
   ;;
-*) echo "stage 0 to 117"; exit 2 ;;
+*) echo "stage 0 to 118"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole
