@@ -1194,13 +1194,14 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   # llama.cpp in the same run at 1k/4k/16k (its default micro-batch takes ~100 s at 32k). First run
   # `bash bench/device_llamacpp.sh restore` carrying .llama/llama-bench.xz.* (42 MB that leave no room for the warm
   # cache in one carry), then this one at once, carrying .whl, .devcache/commit, .devcache/warm-cache.tgz
-  # and .llama/llama.cpp.tar.xz (the GGUF converter).
+  # and .llama/llama.cpp.tar.xz (the GGUF converter). The compute rows also try whole-pass expert sub-chunks
+  # (32,768): whether EXPERT_SUB should grow where memory allows.
   step 45 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
-  FT_TAG=plan115 FT_PER_FILE=130 FT_K="cuda and equals_resident" bash bench/device_tests.sh \
+  FT_TAG=plan115 FT_PER_FILE=100 FT_K="cuda and equals_resident" bash bench/device_tests.sh \
     tests/test_prefill_stream.py > /dev/null
-  step 360 prefill-stream-12 python3 -m bench.prefill_stream --llamacpp --llamacpp-build /tmp/ft-llama-build \
+  step 400 prefill-stream-12 python3 -m bench.prefill_stream --llamacpp --llamacpp-build /tmp/ft-llama-build \
     --llamacpp-lengths 1024,4096,16384 --layers 12 --lengths 1024,4096,8192,16384,32768 \
-    --buffering double,single --compute-pass --compute-subs 8192 --name prefill_stream
+    --buffering double,single --compute-pass --compute-subs 8192,32768 --name prefill_stream
   ;;
 118) # ~220 s at most, for the next (issue 11): the 40-layer double rows with the pass's expert sub-chunks
   # (the latest are from 2026-12-03). Carry .whl, .devcache/commit and .devcache/warm-cache.tgz.
