@@ -1225,7 +1225,14 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   step 360 qwen3-next-80b python3 -m bench.large_models --arch qwen3_next --expert-format mxfp4 \
     --modes cache,cpu-only --capacity 0.375 --threads 6,16 --name large_models-qwen3_next-mxfp4
   ;;
-*) echo "stage 0 to 118"; exit 2 ;;
+119) # ~230 s at most, for the next (issue 12): the GPU engine's fp8_block cases after its bf16 check took
+  # near-ties (plan 116: r = 0.5 parted at step 7, the cache on fp32's argmax, the resident path 0.10
+  # below it). Carry .devcache/commit, the quantized warm cache and only the wheels the tests import
+  # (llguidance, fla_core, einops): the whole cache and every wheel are over the carry limit.
+  FT_TAG=plan119 FT_PER_FILE=220 FT_K="gpu_engine and fp8_block" bash bench/device_tests.sh \
+    tests/test_expert_cache_quant.py > /dev/null
+  ;;
+*) echo "stage 0 to 119"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole

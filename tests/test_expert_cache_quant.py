@@ -382,16 +382,18 @@ def test_gpu_engine_serves_a_quantized_model(quant_ftw, fmt, share, graphs):
     """On the GPU, the real path: slots in VRAM filled by the fused transfer kernel from pinned
     host banks, the quantized Triton kernels over the slots, decode steps replayed from CUDA
     graphs (with the CPU branch in them at r = 0.5). In fp32, the served logits equal every
-    expert resident in VRAM within 1e-4; in bf16 (what users run) the same greedy tokens, and
-    logits as close to fp32 as all-resident's, step for step in the median.
+    expert resident in VRAM within 1e-4; in bf16 (what users run) the same greedy tokens up to
+    any near-tie, and logits as close to fp32 as all-resident's, step for step in the median.
 
-    Why not every bf16 step: a small random model has near-ties in its routers, which bf16
-    rounding flips one way or the other at a step now and then (on the CPU the plain bf16
-    engine, no cache at all, is 0.18 off fp32 at one step of these prompts with fp8_block),
-    so any two bf16 paths that sum in another order can differ there; fp32 rounding moves
-    scores a million times less, and there the cache must agree. (fp8_block at r = 0.5 gave
-    other bf16 tokens from its 8th on an H100, plan 112, its fp32 part passing: not yet
-    explained; a failure now reports fp32's margin between the two picks where they part.)"""
+    Why bf16 tokens may part at a near-tie: a small random model has near-ties in its routers and
+    logits, which bf16 rounding flips one way or the other at a step now and then (on the CPU the
+    plain bf16 engine, no cache at all, is 0.18 off fp32 at one step of these prompts with
+    fp8_block), so any two bf16 paths that sum in another order can differ there; fp32 rounding
+    moves scores a million times less, and there the cache must agree. Where the bf16 tokens part,
+    fp32 must put the two picks closer than twice the resident bf16 path's own distance from fp32
+    at that step; the steps up to there are compared. (Plan 116, fp8_block at r = 0.5 on an H100:
+    they part at step 7, where the cache picked fp32's argmax, 15.697, and the resident path a
+    token fp32 puts at 15.595.)"""
     path = quant_ftw[fmt]
     g = torch.Generator().manual_seed(9)
     prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (23, 9)]
@@ -437,14 +439,22 @@ def test_gpu_engine_serves_a_quantized_model(quant_ftw, fmt, share, graphs):
     ref32 = Engine(path, EngineConfig(device="cpu", dtype="float32", moe="cpu", prefill_chunk=16))
     for a, b in zip(got, want):
         truth = fp32_logits(ref32, a)  # the fp32 logits of the cache's tokens
-        if a.output_ids != b.output_ids:  # where they part: how near fp32 has the two picks
+        steps = len(a.output_ids)
+        if a.output_ids != b.output_ids:  # where they part, both saw the same tokens: truth[i] is both's
             i = next(j for j, (x, y) in enumerate(zip(a.output_ids, b.output_ids)) if x != y)
-            t = truth[i]
-            raise AssertionError(f"bf16 greedy tokens part at step {i}: cache {a.output_ids[i]}, resident "
-                                 f"{b.output_ids[i]}; fp32 gives them {float(t[a.output_ids[i]]):.4f} and "
-                                 f"{float(t[b.output_ids[i]]):.4f} (its max {float(t.max()):.4f})")
-        e_cache = [rel(la.cpu(), lb) for la, lb in zip(a.logits, truth)]
-        e_res = [rel(la.cpu(), lb) for la, lb in zip(b.logits, truth)]
+            t, pc, pr = truth[i], a.output_ids[i], b.output_ids[i]
+            margin = abs(float(t[pc]) - float(t[pr]))
+            # bf16's rounding at this step, measured on the path with no cache: the resident logits'
+            # largest distance from fp32. A near-tie is a pair fp32 puts closer than twice that.
+            noise = float((b.logits[i].cpu().float() - t).abs().max())
+            assert margin <= 2 * noise, (
+                f"bf16 greedy tokens part at step {i}: cache {pc}, resident {pr}; fp32 gives them "
+                f"{float(t[pc]):.4f} and {float(t[pr]):.4f} (its max {float(t.max()):.4f}), {margin:.4f} apart, "
+                f"not a near-tie for bf16 (resident bf16 is at most {noise:.4f} off fp32 here)")
+            # plan 116 (H100, fp8_block r = 0.5): step 7, cache 15.6970 (fp32's max), resident 15.5952
+            steps = i + 1  # past it the two requests run on different tokens
+        e_cache = [rel(la.cpu(), lb) for la, lb in zip(a.logits[:steps], truth)]
+        e_res = [rel(la.cpu(), lb) for la, lb in zip(b.logits[:steps], truth)]
         med = statistics.median
         assert med(e_cache) <= max(2 * med(e_res), 2e-2), ([round(e, 3) for e in e_cache], [round(e, 3) for e in e_res])
 
