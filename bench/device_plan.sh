@@ -1232,7 +1232,16 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   FT_TAG=plan119 FT_PER_FILE=220 FT_K="gpu_engine and fp8_block" bash bench/device_tests.sh \
     tests/test_expert_cache_quant.py > /dev/null
   ;;
-*) echo "stage 0 to 119"; exit 2 ;;
+120) # ~330 s at most, for the next (issue 11): where a compute-bound 32k pass goes. Plan 115 (H100, 7f239eb):
+  # the 12-layer 32k pass took 0.645 s against a 0.391 s floor, its compute alone 0.512 s (experts in
+  # 8,192-token sub-chunks) or 0.464 s (32,768), while its FLOPs (~76 TFLOP counted from the shapes: attention at 32k, the
+  # experts, the DeltaNet and attention projections) would take ~0.15 s at 500 TFLOP/s. GPU time by kernel
+  # of that pass, both sub-chunk sizes; then plan 117 if time is left. Carry .whl, .devcache/commit
+  # and .devcache/warm-cache.tgz (the bf16 one).
+  step 300 prefill-profile python3 -m bench.prefill_stream --layers 12 --lengths 8192,32768 --buffering double \
+    --no-resident --compute-pass --compute-subs 8192,32768 --profile --name prefill_stream-profile
+  ;;
+*) echo "stage 0 to 120"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole

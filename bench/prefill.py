@@ -20,7 +20,7 @@ from bench.serve_engine import top_functions
 from freetoken.model.state import DecodeState
 
 
-def kernels(fn) -> dict:
+def kernels(fn, top: int = 12) -> dict:
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
@@ -29,7 +29,7 @@ def kernels(fn) -> dict:
     rows.sort(key=lambda e: -e.device_time_total)
     return {"kernels": sum(e.count for e in rows), "gpu_ms": round(sum(e.device_time_total for e in rows) / 1e3, 1),
             "top": [{"kernel": e.key[:80], "calls": e.count, "ms": round(e.device_time_total / 1e3, 2)}
-                    for e in rows[:12]]}
+                    for e in rows[:top]]}
 
 
 def main():

@@ -12,7 +12,8 @@ Rows (`runs`), per --layers (12: the slice; 40: the full model), buffering and p
   of_floor       floor_s / pass_s (1.0: transfer-bound at line rate)
   resident-pass  (--compute-pass) the same passes with every expert resident in VRAM: their
                  compute alone, nothing streamed; `resident-N` rows: chunked at N tokens
-                 (--resident-chunks), `resident` being the engine's default 2,048
+                 (--resident-chunks), `resident` being the engine's default 2,048; with --profile
+                 the longest resident pass also gets `profile` (GPU time by kernel)
   bound_s        max(floor_s, the resident row's seconds per pass at that length): a pass can beat
                  neither; of_bound = bound_s / pass_s, `bound` says which limit binds
   llamacpp_tok_s with --llamacpp: llama.cpp's prompt processing of the same weights (a GGUF written
@@ -27,6 +28,7 @@ two layers: what double buffering needs, the consumer-card case). A warm-up pass
 compiles and autotunes first.
     python -m bench.prefill_stream [--layers 12,40] [--lengths 1024,2048,4096,8192,16384,32768]
         [--buffering double,single,on-demand] [--pass-tokens 32768] [--slots 512] [--no-resident]
+        [--compute-pass [--compute-subs 8192,32768] [--profile]] [--llamacpp [--llamacpp-lengths 1024,4096]]
 """
 from __future__ import annotations
 
@@ -250,6 +252,9 @@ def pass_rows(a, layers, model, st, tokens, lengths, esub, res) -> None:
         row = {"layers": layers, "prompt_tokens": n, "buffering": "resident-pass" if esub == SUB else f"resident-pass-{esub}",
                "expert_sub": esub, "tok_s": round(n / wall, 1),
                "pass_s": round(wall / count, 4), "passes": count, "floor_s": None, "llamacpp_tok_s": None}
+        if a.profile and n == max(lengths):  # where the longest pass's compute goes, kernel by kernel
+            from bench.prefill import kernels
+            row["profile"] = kernels(lambda: passes(n), top=25)
         print(row, flush=True)
         res["runs"].append(row)
 
@@ -297,6 +302,9 @@ def main():
                     help="chunk sizes of the resident rows (the first row kind's default: the engine's 2,048)")
     ap.add_argument("--compute-pass", action="store_true",
                     help="add `resident-pass` rows: the passes with every expert resident (their compute alone)")
+    ap.add_argument("--profile", action="store_true",
+                    help="the --compute-pass rows at the longest length also get `profile`: GPU time by kernel "
+                         "(torch.profiler, the 25 costliest), where a compute-bound pass goes")
     ap.add_argument("--compute-subs", default=str(SUB),
                     help="the experts' sub-chunk sizes of the --compute-pass rows (the mixers stay in pieces of 2,048)")
     ap.add_argument("--llamacpp", action="store_true", help="llama.cpp side by side (see llamacpp_tok_s above)")
