@@ -291,6 +291,33 @@ def fp32_logits(ref32: Engine, req) -> torch.Tensor:
     return ref32.prefill(ids, st, all_logits=True)[len(req.prompt_ids) - 1:]
 
 
+def assert_near_tie(truth: torch.Tensor, pick: int, ref_pick: int, ref_logits: torch.Tensor, step: int) -> None:
+    """Two bf16 paths picked different greedy tokens at `step` from the same prefix: fine only at a
+    near-tie. truth: fp32's logits there [V]; ref_logits: the reference bf16 path's [V]. bf16's
+    rounding at this step is measured on the reference path (no cache): its largest distance from
+    fp32. A near-tie is a pair of picks fp32 puts closer than twice that."""
+    margin = abs(float(truth[pick]) - float(truth[ref_pick]))
+    noise = float((ref_logits.float() - truth.float()).abs().max())
+    assert margin <= 2 * noise, (
+        f"bf16 greedy tokens part at step {step}: {pick} against the reference's {ref_pick}; fp32 gives "
+        f"them {float(truth[pick]):.4f} and {float(truth[ref_pick]):.4f} (its max {float(truth.max()):.4f}), "
+        f"{margin:.4f} apart: not a near-tie for bf16 (the reference is at most {noise:.4f} off fp32 here)")
+
+
+def test_near_tie_rule():
+    """The bf16 parting rule of the GPU engine test, on made-up logits: a parting within the
+    reference's rounding passes, one fp32 sets well apart fails."""
+    g = torch.Generator().manual_seed(3)
+    truth = torch.randn(64, generator=g) * 4
+    a, b = int(truth.argmax()), int(truth.argsort()[-2])  # fp32's best two
+    ref = (truth + torch.randn(64, generator=g) * 0.05).to(torch.bfloat16)  # bf16-sized errors
+    ref[b] = truth[a] + 0.01  # the reference moved to the runner-up: off fp32 by the gap and more
+    assert_near_tie(truth, a, b, ref, 0)
+    far = int(truth.argmin())  # fp32's worst: never a tie with the best
+    with pytest.raises(AssertionError, match="not a near-tie"):
+        assert_near_tie(truth, a, far, (truth + 0.01).to(torch.bfloat16), 0)
+
+
 def check_slots(ex) -> None:
     """Every slot the residency says holds expert e holds e's bytes, every bank (values, scales,
     scale_2, biases): what a fill, a streamed prefill pass or an eviction must never break."""
@@ -442,16 +469,8 @@ def test_gpu_engine_serves_a_quantized_model(quant_ftw, fmt, share, graphs):
         steps = len(a.output_ids)
         if a.output_ids != b.output_ids:  # where they part, both saw the same tokens: truth[i] is both's
             i = next(j for j, (x, y) in enumerate(zip(a.output_ids, b.output_ids)) if x != y)
-            t, pc, pr = truth[i], a.output_ids[i], b.output_ids[i]
-            margin = abs(float(t[pc]) - float(t[pr]))
-            # bf16's rounding at this step, measured on the path with no cache: the resident logits'
-            # largest distance from fp32. A near-tie is a pair fp32 puts closer than twice that.
-            noise = float((b.logits[i].cpu().float() - t).abs().max())
-            assert margin <= 2 * noise, (
-                f"bf16 greedy tokens part at step {i}: cache {pc}, resident {pr}; fp32 gives them "
-                f"{float(t[pc]):.4f} and {float(t[pr]):.4f} (its max {float(t.max()):.4f}), {margin:.4f} apart, "
-                f"not a near-tie for bf16 (resident bf16 is at most {noise:.4f} off fp32 here)")
             # plan 116 (H100, fp8_block r = 0.5): step 7, cache 15.6970 (fp32's max), resident 15.5952
+            assert_near_tie(truth[i], a.output_ids[i], b.output_ids[i], b.logits[i].cpu(), i)
             steps = i + 1  # past it the two requests run on different tokens
         e_cache = [rel(la.cpu(), lb) for la, lb in zip(a.logits[:steps], truth)]
         e_res = [rel(la.cpu(), lb) for la, lb in zip(b.logits[:steps], truth)]
