@@ -33,7 +33,8 @@ case "${1:-}" in
       mkdir -p $B/bin && cat .llama/llama-bench.xz.* | xz -d > $B/bin/.llama-bench.part \
         && chmod +x $B/bin/.llama-bench.part && mv $B/bin/.llama-bench.part $B/bin/llama-bench
     fi
-    if [ "$what" = restore ]; then ls -la $B/bin; $B/bin/llama-bench --help > /dev/null 2>&1; echo "llama-bench rc $?"
+    if [ "$what" = restore ]; then
+      ls -la $B/bin; $B/bin/llama-bench --help > /dev/null 2>&1; rc=$?; echo "llama-bench rc $rc"; exit $rc
     elif [ "$what" = run ]; then python3 -m bench.expert_cache --llamacpp --llamacpp-build $B "$@"
     else python3 -m bench.prefill_stream --llamacpp --llamacpp-build $B "$@"; fi ;;
   *) echo "usage: $0 build|wait|restore|run|prefill [args]"; exit 2 ;;

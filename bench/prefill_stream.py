@@ -13,7 +13,8 @@ Rows (`runs`), per --layers (12: the slice; 40: the full model), buffering and p
   resident-pass  (--compute-pass) the same passes with every expert resident in VRAM: their
                  compute alone, nothing streamed; `resident-N` rows: chunked at N tokens
                  (--resident-chunks), `resident` being the engine's default 2,048; with --profile
-                 the longest resident pass also gets `profile` (GPU time by kernel)
+                 the resident-pass rows at the longest length (one per --compute-subs value) also
+                 get `profile`: GPU time by kernel over that row's passes
   bound_s        max(floor_s, the resident row's seconds per pass at that length): a pass can beat
                  neither; of_bound = bound_s / pass_s, `bound` says which limit binds
   llamacpp_tok_s with --llamacpp: llama.cpp's prompt processing of the same weights (a GGUF written
@@ -22,7 +23,8 @@ Rows (`runs`), per --layers (12: the slice; 40: the full model), buffering and p
                  (`-ncmoe L-2`: the two layers' worth of VRAM our pool has) and its default
                  512-token micro-batch, `llamacpp_ub4096_tok_s` with `-ub 4096`; on the resident
                  rows all in VRAM. Null without it, or past --llamacpp-max-layers (a 40-layer GGUF
-                 is 64 GB: more than the GPU machine's disk holds beside the system)
+                 is 64 GB: more than the GPU machine's disk holds beside the system), or at a
+                 length left out of --llamacpp-lengths
 Each streamed run starts cold (an empty slot pool), the pool holding `--slots` experts (default
 two layers: what double buffering needs, the consumer-card case). A warm-up pass per mode
 compiles and autotunes first.
@@ -304,7 +306,7 @@ def main():
                     help="add `resident-pass` rows: the passes with every expert resident (their compute alone)")
     ap.add_argument("--profile", action="store_true",
                     help="the --compute-pass rows at the longest length also get `profile`: GPU time by kernel "
-                         "(torch.profiler, the 25 costliest), where a compute-bound pass goes")
+                         "(torch.profiler, the 25 costliest), where a compute-bound pass goes (needs --compute-pass)")
     ap.add_argument("--compute-subs", default=str(SUB),
                     help="the experts' sub-chunk sizes of the --compute-pass rows (the mixers stay in pieces of 2,048)")
     ap.add_argument("--llamacpp", action="store_true", help="llama.cpp side by side (see llamacpp_tok_s above)")
@@ -317,6 +319,8 @@ def main():
     ap.add_argument("--gguf", default="/tmp/ft-expert-cache.gguf", help="the slice's GGUF (shared with bench.expert_cache)")
     ap.add_argument("--name", default="prefill_stream", help="result name (results/NAME-gpu.json)")
     a = ap.parse_args()
+    if a.profile and not a.compute_pass:
+        ap.error("--profile profiles the --compute-pass rows: give --compute-pass too")
     if not torch.cuda.is_available():
         raise SystemExit("bench.prefill_stream needs a CUDA device: it streams experts from pinned host memory "
                          "into VRAM slots (run it on the GPU machine)")
