@@ -1241,7 +1241,16 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   step 300 prefill-profile python3 -m bench.prefill_stream --layers 12 --lengths 8192,32768 --buffering double \
     --no-resident --compute-pass --compute-subs 8192,32768 --profile --name prefill_stream-profile
   ;;
-*) echo "stage 0 to 120"; exit 2 ;;
+121) # ~400 s at most, for the next: the all-in-VRAM prefill of the full 40 layers, which the streamed pass
+  # now outruns (plan 118: 22,228 tok/s at 32k with every expert offloaded, against 12.6-15.3k for
+  # all-resident chunks of 2,048 on 2026-12-03): chunks of 2,048 and 8,192 and the resident pass
+  # (experts in 8,192-token sub-chunks) in one run, whether the engine's resident prefill should take
+  # larger chunks by default. The 64.4 GB of experts twice in VRAM (the streamed rows' pool is freed
+  # first) may need the H200 (needs_h200). Carry .whl, .devcache/commit, .devcache/warm-cache.tgz.
+  step 380 prefill-resident-40 python3 -m bench.prefill_stream --layers 40 --lengths 8192,32768 \
+    --buffering double --resident-chunks 2048,8192 --compute-pass --compute-subs 8192 --name prefill_stream-40l-resident
+  ;;
+*) echo "stage 0 to 121"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole
