@@ -122,6 +122,7 @@ class Checkpoint:
                 sl = h.get_slice(key)
                 st = sl.get_dtype()
                 self.tensors[c] = Source(fn, key, list(sl.get_shape()), ST_DTYPES.get(st), st)
+        self._fused = None  # ((file, name), tensor): the fused tensor whose parts get() read last
         if derive is not None:
             derive(self.tensors)
 
@@ -189,7 +190,10 @@ class Checkpoint:
             if s.rows is not None:  # a part of a fused tensor
                 if index is not None:
                     return h.get_slice(s.name)[s.rows[index]]
-                return h.get_tensor(s.name)[torch.tensor(s.rows)]
+                if self._fused is None or self._fused[0] != (s.file, s.name):
+                    # its parts are read one after another: the fused tensor once, not once a part
+                    self._fused = ((s.file, s.name), h.get_tensor(s.name))
+                return self._fused[1][torch.tensor(s.rows)]
             if index is None:
                 return h.get_tensor(s.name)
             return h.get_slice(s.name)[index]
