@@ -1191,7 +1191,7 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   # (runtime/prefill_stream.py; plan 113: a 32k pass's compute 0.407 s against 0.506 s at 2,048, and the 32k
   # double pass was compute-bound at 0.548 s against the 0.370 s floor). Its CUDA exactness cases first, then the
   # 12-layer rows at HEAD into the issue's file (prefill_stream-gpu.json), double and single 1k-32k, with
-  # llama.cpp in the same run at 1k/4k/16k (its default micro-batch takes ~100 s at 32k). First run
+  # llama.cpp in the same run at 1k/4k/16k (its default micro-batch prefills at ~250 tok/s there). First run
   # `bash bench/device_llamacpp.sh restore` carrying .llama/llama-bench.xz.* (42 MB that leave no room for the warm
   # cache in one carry), then this one at once, carrying .whl, .devcache/commit, .devcache/warm-cache.tgz
   # and .llama/llama.cpp.tar.xz (the GGUF converter). The compute rows also try whole-pass expert sub-chunks
@@ -1234,8 +1234,8 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   ;;
 120) # ~330 s at most, for the next (issue 11): where a compute-bound 32k pass goes. Plan 115 (H100, 7f239eb):
   # the 12-layer 32k pass took 0.645 s against a 0.391 s floor, its compute alone 0.512 s (experts in
-  # 8,192-token sub-chunks) or 0.464 s (32,768), while its FLOPs (~76 TFLOP counted from the shapes: attention at 32k, the
-  # experts, the DeltaNet and attention projections) would take ~0.15 s at 500 TFLOP/s. GPU time by kernel
+  # 8,192-token sub-chunks) or 0.464 s (32,768), far from what its FLOPs (attention at 32k, the
+  # experts, the DeltaNet and attention projections) need on an H100. GPU time by kernel
   # of that pass, both sub-chunk sizes; then plan 117 if time is left. Carry .whl, .devcache/commit
   # and .devcache/warm-cache.tgz (the bf16 one).
   step 300 prefill-profile python3 -m bench.prefill_stream --layers 12 --lengths 8192,32768 --buffering double \

@@ -125,8 +125,7 @@ def run_layers(layers: int, a, dev, res: dict) -> None:
                             "slots_gb": round(slots * slot_bytes / 1e9, 2), "bp_expert_gbs": round(bp["expert"] / 1e9, 1),
                             "bp_bulk_gbs": round(bp["bulk"] / 1e9, 1), "setup_s": round(setup_s, 1)})
     print(res["sections"][-1], flush=True)
-    llama_lengths = [int(x) for x in a.llamacpp_lengths.split(",") if x] or lengths
-    llama = side_by_side(a, cfg, mc, w, gu, dn, llama_lengths, slots, res["sections"][-1]) \
+    llama = side_by_side(a, cfg, mc, w, gu, dn, a.llamacpp_lengths or lengths, slots, res["sections"][-1]) \
         if a.llamacpp and layers <= a.llamacpp_max_layers else {}
     st = DecodeState(mc, 1, max_len, dev, torch.bfloat16, chunk=a.pass_tokens)  # rings (window layers) sized for a pass
     st.reserve(0, max_len)
@@ -315,10 +314,14 @@ def main():
     ap.add_argument("--llamacpp-max-layers", type=int, default=24, help="sections with more layers get no llama.cpp rows")
     ap.add_argument("--llamacpp-lengths", default="",
                     help="prompt lengths llama.cpp runs (default: all of --lengths; its default micro-batch "
-                         "takes ~100 s at 32k on the 12-layer slice)")
+                         "prefills a few hundred tokens a second on the 12-layer slice, slow at 32k)")
     ap.add_argument("--gguf", default="/tmp/ft-expert-cache.gguf", help="the slice's GGUF (shared with bench.expert_cache)")
     ap.add_argument("--name", default="prefill_stream", help="result name (results/NAME-gpu.json)")
     a = ap.parse_args()
+    try:
+        a.llamacpp_lengths = [int(x) for x in a.llamacpp_lengths.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--llamacpp-lengths takes prompt lengths separated by commas, got {a.llamacpp_lengths!r}")
     if a.profile and not a.compute_pass:
         ap.error("--profile profiles the --compute-pass rows: give --compute-pass too")
     if not torch.cuda.is_available():

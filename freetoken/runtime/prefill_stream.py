@@ -48,7 +48,7 @@ PASS_ACTS = 6  # [P, H] tensors alive at once: residual, its norm, the mixer's o
 # 8,192 against 0.506 s in the mixers' 2,048 (0.185 against 0.234 s at 16k): each expert's GEMM
 # gets 4x the rows (benchmarks/results/prefill_stream-compute-h100-gpu.json, resident-pass rows).
 # Not 32,768: on another H100 that saved 10% of a 32k pass (0.464 against 0.512 s, prefill_stream-gpu.json),
-# while the memory plan would reserve 1.1 GB more for it at the full-size shape, ~180 expert slots
+# while the memory plan's reserve for it (pass_reserve_bytes) comes out of the decode cache's slots
 EXPERT_SUB = 8192
 
 
