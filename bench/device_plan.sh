@@ -1250,7 +1250,18 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   step 380 prefill-resident-40 python3 -m bench.prefill_stream --layers 40 --lengths 8192,32768 \
     --buffering double --resident-chunks 2048,8192 --compute-pass --compute-subs 8192 --name prefill_stream-40l-resident
   ;;
-*) echo "stage 0 to 121"; exit 2 ;;
+122) # ~560 s at most, for the next (issue 11): the 32k pass's routed experts through torch's grouped GEMM
+  # (CUTLASS on sm90, kernels/moe_grouped.py moe_grouped_mm) against our Triton tiles: the kernels alone
+  # on the full-size expert shape at a pass's sub-chunk sizes, their CUDA tests, then the 12-layer
+  # resident-pass rows with both (8k and 32k, sub-chunks of 8,192 and 32,768) and the kernel
+  # profile of each 32k row (plan 120's question in the same call). Carry .whl, .devcache/commit,
+  # .devcache/warm-cache.tgz.
+  step 90 grouped-gemm python3 -m bench.grouped_gemm --tokens 2048,8192,32768 --name grouped_gemm
+  step 90 grouped-tests python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "moe_grouped or no_expert"
+  step 360 prefill-grouped-mm python3 -m bench.prefill_stream --layers 12 --lengths 8192,32768 --buffering double \
+    --no-resident --compute-pass --compute-subs 8192,32768 --grouped-mm off,on --profile --name prefill_stream-grouped-mm
+  ;;
+*) echo "stage 0 to 122"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole

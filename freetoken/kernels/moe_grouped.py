@@ -160,3 +160,55 @@ def moe_grouped_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
         h, tok, dest, gate, tile_expert, down, db, y, n_h, n_i, BLOCK_M=block_m, DTYPE=dt, IEEE=ieee,
         BIAS=down_bias is not None)
     return y.view(t, k, n_h).sum(1)
+
+
+
+def grouped_mm_supported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM takes these operands: rows of 16-byte multiples (H and I
+    times the element size) everywhere; on CUDA bf16 on sm90 and later (its CUTLASS kernels);
+    on the CPU any float dtype (a loop there)."""
+    if not hasattr(torch, "_grouped_mm") or not isinstance(gate_up, torch.Tensor):
+        return False
+    n, n_h, n_i = down.shape
+    el = x.element_size()
+    if (n_h * el) % 16 or (n_i * el) % 16 or not x.dtype == gate_up.dtype == down.dtype:
+        return False
+    if x.device.type != "cuda":
+        return True
+    return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
+
+def moe_grouped_mm(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                   down: torch.Tensor, max_experts: int | None = None, activation=None,
+                   gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """moe_grouped_triton's sums through torch's grouped GEMM (`torch._grouped_mm`: CUTLASS on
+    sm90, a loop elsewhere): the pairs' rows gathered in expert order, one grouped GEMM per
+    projection over every expert of the bank (a group of no rows costs nothing), the activation
+    in torch (experts.executor.Activation, op by op, as the reference), each pair's row times its
+    gate weight, then each token's k rows summed in pair order (no atomics), as the Triton path
+    does. x: [T, H]; ids, weights: [T, k] (NO_EXPERT pairs add nothing); gate_up [N, 2I, H],
+    down [N, H, I] -> [T, H]. max_experts is unused (moe_grouped_triton's signature). At its
+    peak it holds [T k, H] more than the Triton path: the gathered rows beside the down
+    projection's output (which then goes back into the gathered rows' memory)."""
+    from ..experts.executor import SILU
+    t, k = ids.shape
+    n, n_h, n_i = down.shape
+    flat = ids.reshape(-1)
+    key = torch.where(flat < 0, n, flat)  # NO_EXPERT pairs last, past every group
+    order = torch.argsort(key, stable=True)  # [P] pairs in expert order
+    counts = torch.zeros(n + 1, dtype=torch.long, device=x.device).scatter_add_(0, key, torch.ones_like(key))
+    offs = torch.cumsum(counts[:n], 0).to(torch.int32)  # [N] each expert's end among the sorted pairs
+    xs = x[order // k]  # [P, H]
+    gu = torch._grouped_mm(xs, gate_up.transpose(-2, -1), offs=offs)  # [P, 2I]
+    e_sorted = key[order].clamp(max=n - 1)
+    if gate_up_bias is not None:
+        gu = gu + gate_up_bias[e_sorted].to(x.dtype)
+    h = (activation or SILU)(gu)  # [P, I]
+    del gu
+    y = torch._grouped_mm(h, down.transpose(-2, -1), offs=offs)  # [P, H]
+    del h
+    if down_bias is not None:
+        y += down_bias[e_sorted].to(x.dtype)
+    y.mul_(weights.reshape(-1)[order, None].to(x.dtype))
+    y.masked_fill_((key[order] >= n)[:, None], 0)  # rows past the last group: not written by the GEMM
+    xs.index_copy_(0, order, y)  # back in pair order, into the gathered rows' memory (dead by now)
+    return xs.view(t, k, n_h).sum(1)
