@@ -1254,11 +1254,13 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   # (CUTLASS on sm90, kernels/moe_grouped.py moe_grouped_mm) against our Triton tiles: the kernels alone
   # on the full-size expert shape at a pass's sub-chunk sizes, their CUDA tests, then the 12-layer
   # resident-pass rows with both (8k and 32k, sub-chunks of 8,192 and 32,768) and the kernel
-  # profile of each 32k row (plan 120's question in the same call). Carry .whl, .devcache/commit,
+  # profile of each 32k row (plan 120's question in the same call). Also the pass's attention
+  # pieces (2,048 queries over 2k-32k keys) by SDPA backend: flash, which runs, against cuDNN's. Carry .whl, .devcache/commit,
   # .devcache/warm-cache.tgz.
-  step 90 grouped-gemm python3 -m bench.grouped_gemm --tokens 2048,8192,32768 --name grouped_gemm
-  step 90 grouped-tests python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "moe_grouped or no_expert"
-  step 360 prefill-grouped-mm python3 -m bench.prefill_stream --layers 12 --lengths 8192,32768 --buffering double \
+  step 60 grouped-gemm python3 -m bench.grouped_gemm --tokens 2048,8192,32768 --name grouped_gemm
+  step 45 attention-backends python3 -m bench.attention_backends --name attention_backends
+  step 60 grouped-tests python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "moe_grouped or no_expert"
+  step 330 prefill-grouped-mm python3 -m bench.prefill_stream --layers 12 --lengths 8192,32768 --buffering double \
     --no-resident --compute-pass --compute-subs 8192,32768 --grouped-mm off,on --profile --name prefill_stream-grouped-mm
   ;;
 *) echo "stage 0 to 122"; exit 2 ;;
