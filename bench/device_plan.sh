@@ -1263,7 +1263,23 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   step 330 prefill-grouped-mm python3 -m bench.prefill_stream --layers 12 --lengths 8192,32768 --buffering double \
     --no-resident --compute-pass --compute-subs 8192,32768 --grouped-mm off,on --profile --name prefill_stream-grouped-mm
   ;;
-*) echo "stage 0 to 122"; exit 2 ;;
+123) # ~560 s at most, for the next (issue 11): plan 120's profile of a 32k pass named two of its costs
+  # that are not compute: the DeltaNet conv's copy and generic depthwise kernel (46.7 of 391 ms) and the MoE
+  # block's unaligned 1,281-row in_proj GEMM (23.5 ms, cutlass_75 align1). The conv is now one Triton kernel
+  # (kernels/causal_conv.py) and CUDA fused projections are padded to 16-byte rows (FusedLinear._pad): the
+  # 12-layer pass rows with the profile again, the 40-layer rows (streamed, resident pass, chunks of 2,048
+  # and 8,192), then the new kernel's and the padding's CUDA tests, the streamed pass against the resident
+  # path, the production configs against transformers. Carry .whl, .devcache/commit, .devcache/warm-cache.tgz.
+  step 90 prefill-12 python3 -m bench.prefill_stream --layers 12 --lengths 8192,32768 --buffering double \
+    --no-resident --compute-pass --compute-subs 8192,32768 --profile --name prefill_stream-profile-conv
+  step 120 prefill-40 python3 -m bench.prefill_stream --layers 40 --lengths 8192,32768 --buffering double \
+    --resident-chunks 2048,8192 --compute-pass --compute-subs 8192 --name prefill_stream-40l-conv
+  FT_TAG=plan123 FT_PER_FILE=60 FT_K="causal_conv or moe_grouped or fused_linear" bash bench/device_tests.sh \
+    tests/test_kernels.py tests/test_layers.py > /dev/null
+  FT_TAG=plan123 FT_PER_FILE=130 FT_K="cuda and equals_resident" bash bench/device_tests.sh tests/test_prefill_stream.py > /dev/null
+  FT_TAG=plan123 FT_PER_FILE=100 bash bench/device_tests.sh tests/test_gpu_production.py > /dev/null
+  ;;
+*) echo "stage 0 to 123"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole

@@ -30,11 +30,7 @@ two layers: what double buffering needs, the consumer-card case). A warm-up pass
 compiles and autotunes first.
     python -m bench.prefill_stream [--layers 12,40] [--lengths 1024,2048,4096,8192,16384,32768]
         [--buffering double,single,on-demand] [--pass-tokens 32768] [--slots 512] [--no-resident]
-        [--compute-pass [--compute-subs 8192,32768] [--profile] [--grouped-mm off,on]]
-        [--llamacpp [--llamacpp-lengths 1024,4096]]
---grouped-mm: the resident-pass rows with the routed experts through torch's grouped GEMM
-(kernels/moe_grouped.py moe_grouped_mm; `-grouped-mm` rows, `grouped_mm` true) beside the Triton
-kernel's; the streamed rows run what FREETOKEN_GROUPED_MM sets.
+        [--compute-pass [--compute-subs 8192,32768] [--profile]] [--llamacpp [--llamacpp-lengths 1024,4096]]
 """
 from __future__ import annotations
 
@@ -47,7 +43,6 @@ from bench.common import timeit, write_result
 from bench.decode import QWEN36_35B_A3B
 from freetoken.config import ModelConfig
 from freetoken.demo import random_tensor, weight_shapes
-from freetoken.experts import executor
 from freetoken.experts.cached import CachedExpertExecutor
 from freetoken.experts.executor import ExpertExecutor, TorchExpertExecutor
 from freetoken.model.registry import model_class
@@ -161,7 +156,6 @@ def run_layers(layers: int, a, dev, res: dict) -> None:
                                                              "experts_skipped", "passes")}
             passes = max(1, d["passes"])
             row = {"layers": layers, "prompt_tokens": n, "buffering": buffering, "mode_ran": ps.loader.mode,
-                   "grouped_mm": executor.GROUPED_MM,
                    "tok_s": round(n / wall, 1), "pass_s": round(wall / passes, 4), "passes": passes,
                    "floor_s": round(floor_s, 4), "floor_bulk_s": round(floor_bulk_s, 4),
                    "of_floor": round(floor_s / (wall / passes), 3), "pass_tokens": ps.pass_tokens(), **d,
@@ -233,13 +227,9 @@ def compute_pass_rows(a, layers, mc, w, gu, dn, st, prompt, lengths, max_len, de
     ex = SubChunked(TorchExpertExecutor(gu.to(dev), dn.to(dev), layer_experts=mc.num_experts), SUB)
     model = model_class(mc.arch)(mc, w, ex, dev, torch.bfloat16, max_len)
     tokens = torch.tensor(prompt, device=dev)
-    grouped_at_start = executor.GROUPED_MM
-    for mm in a.grouped_mm.split(","):  # the routed experts through torch's grouped GEMM or not
-        executor.GROUPED_MM = mm == "on"
-        for esub in [int(c) for c in a.compute_subs.split(",")]:
-            ex.sub = esub  # the experts' sub-chunk: larger ones give each expert's GEMM more rows
-            pass_rows(a, layers, model, st, tokens, lengths, esub, res)
-    executor.GROUPED_MM = grouped_at_start
+    for esub in [int(c) for c in a.compute_subs.split(",")]:
+        ex.sub = esub  # the experts' sub-chunk: larger ones give each expert's GEMM more rows
+        pass_rows(a, layers, model, st, tokens, lengths, esub, res)
     del ex, model
 
 
@@ -260,9 +250,8 @@ def pass_rows(a, layers, model, st, tokens, lengths, esub, res) -> None:
     for n in lengths:
         wall = min(passes(n) for _ in range(1 if n >= 8192 else 2))
         count = -(-n // a.pass_tokens)
-        kind = "resident-pass" if esub == SUB else f"resident-pass-{esub}"
-        row = {"layers": layers, "prompt_tokens": n, "buffering": kind + ("-grouped-mm" if executor.GROUPED_MM else ""),
-               "expert_sub": esub, "grouped_mm": executor.GROUPED_MM, "tok_s": round(n / wall, 1),
+        row = {"layers": layers, "prompt_tokens": n, "buffering": "resident-pass" if esub == SUB else f"resident-pass-{esub}",
+               "expert_sub": esub, "tok_s": round(n / wall, 1),
                "pass_s": round(wall / count, 4), "passes": count, "floor_s": None, "llamacpp_tok_s": None}
         if a.profile and n == max(lengths):  # where the longest pass's compute goes, kernel by kernel
             from bench.prefill import kernels
@@ -319,9 +308,6 @@ def main():
                          "(torch.profiler, the 25 costliest), where a compute-bound pass goes (needs --compute-pass)")
     ap.add_argument("--compute-subs", default=str(SUB),
                     help="the experts' sub-chunk sizes of the --compute-pass rows (the mixers stay in pieces of 2,048)")
-    ap.add_argument("--grouped-mm", default="on" if executor.GROUPED_MM else "off",
-                    help="the --compute-pass rows with the routed experts through torch's grouped GEMM (on), the "
-                         "Triton grouped kernel (off), or both (off,on); default: what FREETOKEN_GROUPED_MM sets")
     ap.add_argument("--llamacpp", action="store_true", help="llama.cpp side by side (see llamacpp_tok_s above)")
     ap.add_argument("--llamacpp-build", default="/tmp/ft-llama-build", help="llama.cpp CUDA build folder (reused)")
     ap.add_argument("--llamacpp-threads", type=int, default=14)
@@ -338,8 +324,6 @@ def main():
         ap.error(f"--llamacpp-lengths takes prompt lengths separated by commas, got {a.llamacpp_lengths!r}")
     if a.profile and not a.compute_pass:
         ap.error("--profile profiles the --compute-pass rows: give --compute-pass too")
-    if not set(a.grouped_mm.split(",")) <= {"on", "off"}:
-        ap.error(f"--grouped-mm takes on, off or both (off,on), got {a.grouped_mm!r}")
     if not torch.cuda.is_available():
         raise SystemExit("bench.prefill_stream needs a CUDA device: it streams experts from pinned host memory "
                          "into VRAM slots (run it on the GPU machine)")

@@ -162,7 +162,7 @@ def test_fused_linear():
     ws = [plain[0], fp8[0], fp8[1], plain[1], fp8[2]]  # joins: [p0, p1], [128 + 40], [50]
     bs = [bias[0], None, torch.randn(40, generator=g), None, None]
     fl = FusedLinear(ws, bs)
-    assert [idx for _, _, idx in fl.groups] == [[0, 3], [1, 2], [4]]
+    assert [idx for _, _, idx, _ in fl.groups] == [[0, 3], [1, 2], [4]]
     assert isinstance(fl.groups[1][0], Fp8BlockWeight) and fl.groups[1][0].shape == (168, 150)
     assert fl.groups[2][1] is None  # no bias for a group without one
     for i, (y, w, b) in enumerate(zip(fl(x), ws, bs)):
@@ -192,7 +192,7 @@ def kept_weights(eng) -> list:
     for mixer, mlp, _, _ in eng.model.layers:
         for part in (mixer, mlp):
             for v in vars(part).values():
-                ws = [w for w, _, _ in v.groups] if isinstance(v, FusedLinear) else [v]
+                ws = [w for w, _, _, _ in v.groups] if isinstance(v, FusedLinear) else [v]
                 found += [w for w in ws if isinstance(w, Fp8BlockWeight)]
     return found
 

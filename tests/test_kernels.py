@@ -57,6 +57,30 @@ def test_conv_update(b, c, k, dtype, tol):
     assert torch.equal(state[..., -1], x) and torch.equal(state[..., :-1], before[..., 1:])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,c,k,bias", [(1, 300, 4, False), (2, 64, 4, True), (3, 200, 4, False),
+                                        (70, 130, 4, True), (37, 96, 3, False)])
+def test_causal_conv(n, c, k, bias, dtype):
+    """A prefill chunk's causal depthwise conv and SiLU in one kernel against the torch
+    reference (the state's K-1 inputs before the chunk, F.conv1d, SiLU): chunks shorter and
+    longer than the state, a bias or none, x a column slice of a wider fused-projection output;
+    and the state after the chunk (its last K-1 inputs) from conv_state_after."""
+    from freetoken.kernels.causal_conv import (causal_conv_silu_torch, causal_conv_silu_triton, conv_sequence,
+                                               conv_state_after)
+    g = torch.Generator().manual_seed(n * c + k)
+    x = torch.randn(n, c + 21, generator=g).to(DEV, dtype)[:, :c]
+    state = torch.randn(c, k - 1, generator=g).to(DEV, dtype)
+    w = (torch.randn(c, k, generator=g) * 0.5).to(DEV, dtype)
+    b = torch.randn(c, generator=g).to(DEV, dtype) if bias else None
+    ref = causal_conv_silu_torch(x, state, w, b)
+    got = causal_conv_silu_triton(x, state, w, b)
+    assert got.dtype == dtype and got.shape == (n, c)
+    # fp32: the same products summed in another order; bf16: one rounding of the conv's sum apart
+    # at most (and the interpreter's truncating bf16 rounding on the CPU)
+    assert rel(got, ref) < (1e-6 if dtype == torch.float32 else 2e-2)
+    assert torch.equal(conv_state_after(x, state), conv_sequence(x, state)[:, -(k - 1):])
+
+
 def torch_delta_step(mixed, z, b, a, neg_a, dt_bias, state, norm_w, eps, hk, hv, dk, dv):
     """Composition of the model's reference pieces (GatedDeltaNet._gates_and_heads/_finish)."""
     n = mixed.shape[0]

@@ -15,3 +15,29 @@ def test_lm_head_matches_linear(n):
     ref = F.linear(h, w)
     assert got.shape == ref.shape == (n, 5000)
     assert float((got - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+
+
+@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA: the padding is for cuBLAS's aligned kernels"))])
+def test_fused_linear_pads_unaligned_rows_on_cuda(dev):
+    """A fused projection whose rows are not whole 16 bytes (the MoE block's router, shared
+    expert and one-row gate: 1,281 rows for Qwen3.6) gets zero rows on CUDA, never on the CPU;
+    each output is the plain product, the padding never returned, part() still views each weight."""
+    from freetoken.model.layers import FusedLinear
+    g = torch.Generator().manual_seed(4)
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    ws = [torch.randn(r, 64, generator=g).to(dev, dtype) for r in (24, 13, 1)]
+    bs = [torch.randn(r, generator=g).to(dev, dtype) for r in (24, 13, 1)]
+    x = torch.randn(9, 64, generator=g).to(dev, dtype)
+    fl = FusedLinear(ws, bs)
+    pad = fl.groups[0][3]
+    assert pad == (2 if dev == "cuda" else 0)  # 38 rows -> 40 (8 bf16 values a 16-byte row)
+    outs = fl(x)
+    assert len(outs) == 3
+    for y, w, b in zip(outs, ws, bs):
+        ref = F.linear(x.float(), w.float(), b.float())
+        assert y.shape == ref.shape
+        assert float((y.float() - ref).abs().max()) <= 0.05 * float(ref.abs().max())
+    for i, (w, b) in enumerate(zip(ws, bs)):
+        wi, bi = fl.part(i)
+        assert torch.equal(wi, w) and torch.equal(bi, b)

@@ -24,7 +24,6 @@ shared expert) whatever the placement.
 """
 from __future__ import annotations
 
-import os
 import threading
 
 from concurrent.futures import Future
@@ -38,10 +37,6 @@ from ..kernels import HAS_TRITON, use_triton
 from .banks import take
 
 NO_EXPERT = -1  # routed id of a pair that runs nowhere (a batch row that is not running)
-# Prefill calls over bf16 banks on CUDA through torch's grouped GEMM (kernels/moe_grouped.py
-# moe_grouped_mm) instead of the Triton tiles: FREETOKEN_GROUPED_MM=1 where torch has it for the
-# operands (sm90+), 0 (the default) the Triton kernel; bench/grouped_gemm.py compares the two
-GROUPED_MM = os.environ.get("FREETOKEN_GROUPED_MM", "0") == "1"
 # Held while a CUDA graph is captured (runtime/decode_runner.py). Capture is global-mode: a
 # device sync from any other thread invalidates it, so code that reads device state from
 # another thread (an executor's stats() for /metrics) takes this lock first
@@ -248,9 +243,7 @@ class TorchExpertExecutor(ExpertExecutor):
             if self.quantized:
                 from ..kernels.moe_quant import moe_quant_grouped_triton as grouped
             else:
-                from ..kernels.moe_grouped import grouped_mm_supported, moe_grouped_mm, moe_grouped_triton
-                mm = GROUPED_MM and grouped_mm_supported(x, self.gate_up, self.down)
-                grouped = moe_grouped_mm if mm else moe_grouped_triton
+                from ..kernels.moe_grouped import moe_grouped_triton as grouped
             out = grouped(x, ids, weights, self.gate_up, self.down, self.layer_experts, **fn)
         elif static:
             out = self._static(x, ids, weights)

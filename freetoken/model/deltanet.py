@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import fla_delta, use_triton
+from ..kernels.causal_conv import causal_conv_silu_torch, conv_sequence, conv_state_after
 from .layers import FusedLinear, gated_rms_norm
 from .linear import linear
 from .state import DecodeState
@@ -163,12 +164,16 @@ class GatedDeltaNet:
 
     def _conv_in(self, x: torch.Tensor, conv_state: torch.Tensor):
         """The in-projection and causal conv of a chunk x [N, H] after conv_state [C, K-1] ->
-        (mixed [N, C] after the conv and SiLU, z [N, Hv*dv], b, a [N, Hv], seq [C, K-1+N]: the
-        conv's inputs, from which the next conv state is taken)."""
-        mixed, z, b, a = self.in_proj(x)  # [N, C], [N, Hv*dv], [N, Hv], [N, Hv]
-        seq = torch.cat([conv_state, mixed.t().to(conv_state.dtype)], dim=-1)  # [C, K-1+N]
-        conv = F.conv1d(seq[None], self.conv_w[:, None, :], self.conv_b, groups=seq.shape[0])
-        return F.silu(conv[0]).t().to(x.dtype), z, b, a, seq
+        (mixed [N, C] after the conv and SiLU, z [N, Hv*dv], b, a [N, Hv], raw [N, C]: the conv's
+        inputs, from which the next conv state is taken: kernels/causal_conv.py conv_state_after,
+        conv_sequence). On CUDA one kernel (causal_conv_silu_triton), else the torch reference."""
+        raw, z, b, a = self.in_proj(x)  # [N, C], [N, Hv*dv], [N, Hv], [N, Hv]
+        if use_triton(x) and conv_state.dtype == raw.dtype and raw.stride(1) == 1:
+            from ..kernels.causal_conv import causal_conv_silu_triton
+            mixed = causal_conv_silu_triton(raw, conv_state, self.conv_w, self.conv_b)
+        else:
+            mixed = causal_conv_silu_torch(raw, conv_state, self.conv_w, self.conv_b)
+        return mixed, z, b, a, raw
 
     def prefill(self, x: torch.Tensor, st: DecodeState, slot: int, start: int, capture=None) -> torch.Tensor:
         """x: [T, H] for one sequence, continuing from the state in `slot`. capture (a
@@ -181,8 +186,9 @@ class GatedDeltaNet:
             if y is not None:
                 return y
         conv_state = st.conv[self.layer][slot]  # [C, K-1]
-        mixed, z, b, a, seq = self._conv_in(x, conv_state)  # mixed [T, C], seq [C, K-1+T]
-        conv_state.copy_(seq[:, seq.shape[1] - conv_state.shape[1]:])
+        mixed, z, b, a, raw = self._conv_in(x, conv_state)  # mixed, raw [T, C]
+        seq = conv_sequence(raw, conv_state) if cuts else None  # [C, K-1+T]: the checkpoints' conv states
+        conv_state.copy_(conv_state_after(raw, conv_state))
         rec = st.rec[self.layer][slot]  # [Hv, dk, dv] fp32
         done = None
         if self.fla and fla_delta.available(x):  # CUDA: flash-linear-attention's kernels (kernels/fla_delta.py)
@@ -208,7 +214,8 @@ class GatedDeltaNet:
         decay nor write the recurrent state (as the chunk rule's own padding), and the conv
         state is the K-1 inputs before row n. -> [B, H], rows >= n meaningless."""
         w = conv_state.shape[1]
-        mixed, z, b, a, seq = self._conv_in(x, conv_state)  # mixed [B, C], seq [C, K-1+B]
+        mixed, z, b, a, raw = self._conv_in(x, conv_state)  # mixed, raw [B, C]
+        seq = conv_sequence(raw, conv_state)  # [C, K-1+B]
         # column c of seq is input c - w: the inputs n-w .. n-1 are columns n .. n+w-1
         conv_state.copy_(seq.index_select(1, n + rows[:w]))
         real = (rows < n)[:, None]  # [B, 1]
