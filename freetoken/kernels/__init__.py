@@ -24,6 +24,13 @@ def use_triton(t: torch.Tensor) -> bool:
     return HAS_TRITON and t.is_cuda
 
 
+def prefill_kernels() -> bool:
+    """Whether CUDA prefill takes the DeltaNet conv kernel (causal_conv.py) and fused projections
+    padded to 16-byte rows (model/layers.py FusedLinear): on unless FREETOKEN_PREFILL_KERNELS=0,
+    the torch paths they replaced, for A/B runs (bench/device_plan.sh 123)."""
+    return os.environ.get("FREETOKEN_PREFILL_KERNELS", "1") != "0"
+
+
 def fused_decode(t: torch.Tensor) -> bool:
     """use_triton for the fused DeepSeek-V4 / GLM-5 decode kernels (hyper.py, csa_decode.py,
     mla_decode.py): on by default since their tests passed on the H200 (2026-12-02, with the

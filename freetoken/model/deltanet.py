@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels import fla_delta, use_triton
+from ..kernels import fla_delta, prefill_kernels, use_triton
 from ..kernels.causal_conv import causal_conv_silu_torch, conv_sequence, conv_state_after
 from .layers import FusedLinear, gated_rms_norm
 from .linear import linear
@@ -168,7 +168,7 @@ class GatedDeltaNet:
         inputs, from which the next conv state is taken: kernels/causal_conv.py conv_state_after,
         conv_sequence). On CUDA one kernel (causal_conv_silu_triton), else the torch reference."""
         raw, z, b, a = self.in_proj(x)  # [N, C], [N, Hv*dv], [N, Hv], [N, Hv]
-        if use_triton(x) and conv_state.dtype == raw.dtype and raw.stride(1) == 1:
+        if use_triton(x) and prefill_kernels() and conv_state.dtype == raw.dtype and raw.stride(1) == 1:
             from ..kernels.causal_conv import causal_conv_silu_triton
             mixed = causal_conv_silu_triton(raw, conv_state, self.conv_w, self.conv_b)
         else:

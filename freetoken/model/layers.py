@@ -9,7 +9,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..kernels import use_triton
+from ..kernels import prefill_kernels, use_triton
 from ..weights.dense_fp8 import Fp8BlockWeight
 from .linear import host_gemv, linear, widened_linear
 
@@ -205,7 +205,7 @@ class FusedLinear:
         an unaligned kernel (cutlass_75 ..._align1), 23.5 of the 391 ms a 32k pass of the 12-layer
         slice spent on an H100 (results/prefill_stream-profile-h100-gpu.json). On the CPU the
         rows stay as they are."""
-        if isinstance(w, Fp8BlockWeight) or not w.is_cuda:
+        if isinstance(w, Fp8BlockWeight) or not w.is_cuda or not prefill_kernels():
             return 0
         return -w.shape[0] % max(1, 16 // w.element_size())
 
