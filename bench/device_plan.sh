@@ -1270,10 +1270,10 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   # 12-layer pass rows with the profile again, the 40-layer rows (streamed, resident pass, chunks of 2,048
   # and 8,192), then the new kernel's and the padding's CUDA tests, the streamed pass against the resident
   # path, the production configs against transformers. Carry .whl, .devcache/commit, .devcache/warm-cache.tgz.
-  step 90 prefill-12 python3 -m bench.prefill_stream --layers 12 --lengths 8192,32768 --buffering double \
-    --no-resident --compute-pass --compute-subs 8192,32768 --profile --name prefill_stream-profile-conv
+  step 120 prefill-12 python3 -m bench.prefill_stream --layers 12 --lengths 8192,32768 --buffering double \
+    --no-resident --compute-pass --compute-subs 8192,32768 --mixer-subs 2048,8192 --profile --name prefill_stream-profile-conv
   step 120 prefill-40 python3 -m bench.prefill_stream --layers 40 --lengths 8192,32768 --buffering double \
-    --resident-chunks 2048,8192 --compute-pass --compute-subs 8192 --name prefill_stream-40l-conv
+    --resident-chunks 2048,8192 --compute-pass --compute-subs 8192 --mixer-subs 2048,8192 --name prefill_stream-40l-conv
   FT_TAG=plan123 FT_PER_FILE=60 FT_K="causal_conv or moe_grouped or fused_linear" bash bench/device_tests.sh \
     tests/test_kernels.py tests/test_layers.py > /dev/null
   FT_TAG=plan123 FT_PER_FILE=130 FT_K="cuda and equals_resident" bash bench/device_tests.sh tests/test_prefill_stream.py > /dev/null

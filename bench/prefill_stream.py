@@ -30,7 +30,8 @@ two layers: what double buffering needs, the consumer-card case). A warm-up pass
 compiles and autotunes first.
     python -m bench.prefill_stream [--layers 12,40] [--lengths 1024,2048,4096,8192,16384,32768]
         [--buffering double,single,on-demand] [--pass-tokens 32768] [--slots 512] [--no-resident]
-        [--compute-pass [--compute-subs 8192,32768] [--profile]] [--llamacpp [--llamacpp-lengths 1024,4096]]
+        [--compute-pass [--compute-subs 8192,32768] [--mixer-subs 2048,8192] [--profile]]
+        [--llamacpp [--llamacpp-lengths 1024,4096]]
 """
 from __future__ import annotations
 
@@ -227,31 +228,33 @@ def compute_pass_rows(a, layers, mc, w, gu, dn, st, prompt, lengths, max_len, de
     ex = SubChunked(TorchExpertExecutor(gu.to(dev), dn.to(dev), layer_experts=mc.num_experts), SUB)
     model = model_class(mc.arch)(mc, w, ex, dev, torch.bfloat16, max_len)
     tokens = torch.tensor(prompt, device=dev)
-    for esub in [int(c) for c in a.compute_subs.split(",")]:
-        ex.sub = esub  # the experts' sub-chunk: larger ones give each expert's GEMM more rows
-        pass_rows(a, layers, model, st, tokens, lengths, esub, res)
+    for msub in [int(c) for c in a.mixer_subs.split(",")]:
+        for esub in [int(c) for c in a.compute_subs.split(",")]:
+            ex.sub = max(esub, msub)  # the experts' sub-chunk: larger ones give each expert's GEMM more rows
+            pass_rows(a, layers, model, st, tokens, lengths, ex.sub, res, msub)
     del ex, model
 
 
-def pass_rows(a, layers, model, st, tokens, lengths, esub, res) -> None:
-    """The resident-pass rows of one expert sub-chunk size (compute_pass_rows)."""
+def pass_rows(a, layers, model, st, tokens, lengths, esub, res, msub: int = SUB) -> None:
+    """The resident-pass rows of one expert sub-chunk size and one mixer piece size (compute_pass_rows)."""
     def passes(n):
         st.reset(0)
         torch.cuda.synchronize()
         t = time.perf_counter()
         for s in range(0, n, a.pass_tokens):
             e = min(n, s + a.pass_tokens)
-            pieces = [(0, p, min(e, p + SUB) - p, None, e == n and p + SUB >= e) for p in range(s, e, SUB)]
+            pieces = [(0, p, min(e, p + msub) - p, None, e == n and p + msub >= e) for p in range(s, e, msub)]
             model.prefill_batch(tokens[s:e], st, pieces)
         torch.cuda.synchronize()
         return time.perf_counter() - t
-    passes(min(SUB, max(lengths)))  # compile and autotune
+    passes(min(msub, max(lengths)))  # compile and autotune
     passes(min(a.pass_tokens, max(lengths)))
     for n in lengths:
         wall = min(passes(n) for _ in range(1 if n >= 8192 else 2))
         count = -(-n // a.pass_tokens)
-        row = {"layers": layers, "prompt_tokens": n, "buffering": "resident-pass" if esub == SUB else f"resident-pass-{esub}",
-               "expert_sub": esub, "tok_s": round(n / wall, 1),
+        kind = "resident-pass" if esub == SUB else f"resident-pass-{esub}"
+        row = {"layers": layers, "prompt_tokens": n, "buffering": kind if msub == SUB else f"{kind}-mixers-{msub}",
+               "expert_sub": esub, "mixer_sub": msub, "tok_s": round(n / wall, 1),
                "pass_s": round(wall / count, 4), "passes": count, "floor_s": None, "llamacpp_tok_s": None}
         if a.profile and n == max(lengths):  # where the longest pass's compute goes, kernel by kernel
             from bench.prefill import kernels
@@ -306,6 +309,9 @@ def main():
     ap.add_argument("--profile", action="store_true",
                     help="the --compute-pass rows at the longest length also get `profile`: GPU time by kernel "
                          "(torch.profiler, the 25 costliest), where a compute-bound pass goes (needs --compute-pass)")
+    ap.add_argument("--mixer-subs", default=str(SUB),
+                    help="the token mixers' piece sizes of the --compute-pass rows (the engine's: --prefill-chunk, 2,048); "
+                         "experts then in sub-chunks of at least that")
     ap.add_argument("--compute-subs", default=str(SUB),
                     help="the experts' sub-chunk sizes of the --compute-pass rows (the mixers stay in pieces of 2,048)")
     ap.add_argument("--llamacpp", action="store_true", help="llama.cpp side by side (see llamacpp_tok_s above)")
