@@ -1276,7 +1276,6 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
     --resident-chunks 2048,8192 --compute-pass --compute-subs 8192 --mixer-subs 2048,8192 --name prefill_stream-40l-conv
   FT_TAG=plan123 FT_PER_FILE=60 FT_K="causal_conv or moe_grouped or fused_linear" bash bench/device_tests.sh \
     tests/test_kernels.py tests/test_layers.py > /dev/null
-  FT_TAG=plan123 FT_PER_FILE=130 FT_K="cuda and equals_resident" bash bench/device_tests.sh tests/test_prefill_stream.py > /dev/null
   FT_TAG=plan123 FT_PER_FILE=100 bash bench/device_tests.sh tests/test_gpu_production.py > /dev/null
   ;;
 *) echo "stage 0 to 123"; exit 2 ;;
