@@ -1272,10 +1272,10 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   # path, the production configs against transformers. Carry .whl, .devcache/commit, .devcache/warm-cache.tgz.
   step 120 prefill-12 python3 -m bench.prefill_stream --layers 12 --lengths 8192,32768 --buffering double \
     --no-resident --compute-pass --compute-subs 8192,32768 --mixer-subs 2048,8192 --profile --name prefill_stream-profile-conv
+  FT_TAG=plan123 FT_PER_FILE=45 FT_K="causal_conv or moe_grouped or fused_linear" bash bench/device_tests.sh \
+    tests/test_kernels.py tests/test_layers.py > /dev/null
   step 120 prefill-40 python3 -m bench.prefill_stream --layers 40 --lengths 8192,32768 --buffering double \
     --resident-chunks 2048,8192 --compute-pass --compute-subs 8192 --mixer-subs 2048,8192 --name prefill_stream-40l-conv
-  FT_TAG=plan123 FT_PER_FILE=60 FT_K="causal_conv or moe_grouped or fused_linear" bash bench/device_tests.sh \
-    tests/test_kernels.py tests/test_layers.py > /dev/null
   FT_TAG=plan123 FT_PER_FILE=100 bash bench/device_tests.sh tests/test_gpu_production.py > /dev/null
   ;;
 *) echo "stage 0 to 123"; exit 2 ;;
