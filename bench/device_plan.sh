@@ -1267,11 +1267,16 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   # that are not compute: the DeltaNet conv's copy and generic depthwise kernel (46.7 of 391 ms) and the MoE
   # block's unaligned 1,281-row in_proj GEMM (23.5 ms, cutlass_75 align1). The conv is now one Triton kernel
   # (kernels/causal_conv.py) and CUDA fused projections are padded to 16-byte rows (FusedLinear._pad): the
-  # 12-layer pass rows with the profile again, the 40-layer rows (streamed, resident pass, chunks of 2,048
-  # and 8,192), then the new kernel's and the padding's CUDA tests, the streamed pass against the resident
-  # path, the production configs against transformers. Carry .whl, .devcache/commit, .devcache/warm-cache.tgz.
+  # 12-layer pass rows with the profile again (and the resident pass with its token mixers in pieces of
+  # 8,192 beside 2,048: plan 121's 40-layer pass, 20.8k tok/s at 32k, ran slower than chunks of 8,192, 25.3k),
+  # the same rows without the two changes (FREETOKEN_PREFILL_KERNELS=0, same machine), the new kernel's and
+  # the padding's CUDA tests, the 40-layer rows (streamed, resident pass, chunks of 2,048 and 8,192), the
+  # production configs against transformers. Carry .whl, .devcache/commit, .devcache/warm-cache.tgz.
   step 120 prefill-12 python3 -m bench.prefill_stream --layers 12 --lengths 8192,32768 --buffering double \
     --no-resident --compute-pass --compute-subs 8192,32768 --mixer-subs 2048,8192 --profile --name prefill_stream-profile-conv
+  step 60 prefill-12-before env FREETOKEN_PREFILL_KERNELS=0 python3 -m bench.prefill_stream --layers 12 \
+    --lengths 8192,32768 --buffering double --no-resident --compute-pass --compute-subs 8192,32768 \
+    --name prefill_stream-profile-noconv
   FT_TAG=plan123 FT_PER_FILE=45 FT_K="causal_conv or moe_grouped or fused_linear" bash bench/device_tests.sh \
     tests/test_kernels.py tests/test_layers.py > /dev/null
   step 120 prefill-40 python3 -m bench.prefill_stream --layers 40 --lengths 8192,32768 --buffering double \
