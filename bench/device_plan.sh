@@ -1263,15 +1263,15 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   step 330 prefill-grouped-mm python3 -m bench.prefill_stream --layers 12 --lengths 8192,32768 --buffering double \
     --no-resident --compute-pass --compute-subs 8192,32768 --grouped-mm off,on --profile --name prefill_stream-grouped-mm
   ;;
-123) # ~560 s at most, for the next (issue 11): plan 120's profile of a 32k pass named two of its costs
+123) # ~330 s at most, for the next (issue 11): plan 120's profile of a 32k pass named two of its costs
   # that are not compute: the DeltaNet conv's copy and generic depthwise kernel (46.7 of 391 ms) and the MoE
   # block's unaligned 1,281-row in_proj GEMM (23.5 ms, cutlass_75 align1). The conv is now one Triton kernel
   # (kernels/causal_conv.py) and CUDA fused projections are padded to 16-byte rows (FusedLinear._pad): the
   # 12-layer pass rows with the profile again (and the resident pass with its token mixers in pieces of
   # 8,192 beside 2,048: plan 121's 40-layer pass, 20.8k tok/s at 32k, ran slower than chunks of 8,192, 25.3k),
   # the same rows without the two changes (FREETOKEN_PREFILL_KERNELS=0, same machine), the new kernel's and
-  # the padding's CUDA tests, the 40-layer rows (streamed, resident pass, chunks of 2,048 and 8,192), the
-  # production configs against transformers. Carry .whl, .devcache/commit, .devcache/warm-cache.tgz.
+  # the padding's CUDA tests, the 40-layer rows (streamed, resident pass, chunks of 2,048 and 8,192); the
+  # production configs against transformers went to plan 124. Carry .whl, .devcache/commit, .devcache/warm-cache.tgz.
   step 120 prefill-12 python3 -m bench.prefill_stream --layers 12 --lengths 8192,32768 --buffering double \
     --no-resident --compute-pass --compute-subs 8192,32768 --mixer-subs 2048,8192 --profile --name prefill_stream-profile-conv
   step 60 prefill-12-before env FREETOKEN_PREFILL_KERNELS=0 python3 -m bench.prefill_stream --layers 12 \
@@ -1281,9 +1281,14 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
     tests/test_kernels.py tests/test_layers.py > /dev/null
   step 120 prefill-40 python3 -m bench.prefill_stream --layers 40 --lengths 8192,32768 --buffering double \
     --resident-chunks 2048,8192 --compute-pass --compute-subs 8192 --mixer-subs 2048,8192 --name prefill_stream-40l-conv
-  FT_TAG=plan123 FT_PER_FILE=100 bash bench/device_tests.sh tests/test_gpu_production.py > /dev/null
   ;;
-*) echo "stage 0 to 123"; exit 2 ;;
+124) # ~250 s at most, for the next: what plan 123 left for lack of device time, the production configs
+  # against transformers on CUDA with the DeltaNet conv kernel and the padded projections, and the streamed
+  # pass against the resident path. Carry .whl, .devcache/commit, .devcache/warm-cache.tgz.
+  FT_TAG=plan124 FT_PER_FILE=100 bash bench/device_tests.sh tests/test_gpu_production.py > /dev/null
+  FT_TAG=plan124 FT_PER_FILE=140 FT_K="cuda and equals_resident" bash bench/device_tests.sh tests/test_prefill_stream.py > /dev/null
+  ;;
+*) echo "stage 0 to 124"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole
