@@ -1272,6 +1272,7 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   # the same rows without the two changes (FREETOKEN_PREFILL_KERNELS=0, same machine), the new kernel's and
   # the padding's CUDA tests, the 40-layer rows (streamed, resident pass, chunks of 2,048 and 8,192); the
   # production configs against transformers went to plan 124. Carry .whl, .devcache/commit, .devcache/warm-cache.tgz.
+  export FREETOKEN_PREFILL_KERNELS=1  # off by default until this call
   step 120 prefill-12 python3 -m bench.prefill_stream --layers 12 --lengths 8192,32768 --buffering double \
     --no-resident --compute-pass --compute-subs 8192,32768 --mixer-subs 2048,8192 --profile --name prefill_stream-profile-conv
   step 60 prefill-12-before env FREETOKEN_PREFILL_KERNELS=0 python3 -m bench.prefill_stream --layers 12 \
@@ -1285,6 +1286,7 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
 124) # ~250 s at most, for the next: what plan 123 left for lack of device time, the production configs
   # against transformers on CUDA with the DeltaNet conv kernel and the padded projections, and the streamed
   # pass against the resident path. Carry .whl, .devcache/commit, .devcache/warm-cache.tgz.
+  export FREETOKEN_PREFILL_KERNELS=1
   FT_TAG=plan124 FT_PER_FILE=100 bash bench/device_tests.sh tests/test_gpu_production.py > /dev/null
   FT_TAG=plan124 FT_PER_FILE=140 FT_K="cuda and equals_resident" bash bench/device_tests.sh tests/test_prefill_stream.py > /dev/null
   ;;

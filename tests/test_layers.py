@@ -19,11 +19,15 @@ def test_lm_head_matches_linear(n):
 
 @pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="CUDA: the padding is for cuBLAS's aligned kernels"))])
-def test_fused_linear_pads_unaligned_rows_on_cuda(dev):
+def test_fused_linear_pads_unaligned_rows_on_cuda(dev, monkeypatch):
     """A fused projection whose rows are not whole 16 bytes (the MoE block's router, shared
-    expert and one-row gate: 1,281 rows for Qwen3.6) gets zero rows on CUDA, never on the CPU;
-    each output is the plain product, the padding never returned, part() still views each weight."""
+    expert and one-row gate: 1,281 rows for Qwen3.6) gets zero rows on CUDA with
+    FREETOKEN_PREFILL_KERNELS=1, never on the CPU nor without it; each output is the plain
+    product, the padding never returned, part() still views each weight."""
     from freetoken.model.layers import FusedLinear
+    monkeypatch.setenv("FREETOKEN_PREFILL_KERNELS", "0")
+    assert FusedLinear([torch.zeros(13, 64, device=dev)]).groups[0][3] == 0
+    monkeypatch.setenv("FREETOKEN_PREFILL_KERNELS", "1")
     g = torch.Generator().manual_seed(4)
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     ws = [torch.randn(r, 64, generator=g).to(dev, dtype) for r in (24, 13, 1)]

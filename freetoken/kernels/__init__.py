@@ -26,9 +26,10 @@ def use_triton(t: torch.Tensor) -> bool:
 
 def prefill_kernels() -> bool:
     """Whether CUDA prefill takes the DeltaNet conv kernel (causal_conv.py) and fused projections
-    padded to 16-byte rows (model/layers.py FusedLinear): on unless FREETOKEN_PREFILL_KERNELS=0,
-    the torch paths they replaced, for A/B runs (bench/device_plan.sh 123)."""
-    return os.environ.get("FREETOKEN_PREFILL_KERNELS", "1") != "0"
+    padded to 16-byte rows (model/layers.py FusedLinear): FREETOKEN_PREFILL_KERNELS=1. Off by
+    default until their first GPU run (bench/device_plan.sh 123 measures them against the torch
+    paths in one call): their tests passed under the CPU interpreter only."""
+    return os.environ.get("FREETOKEN_PREFILL_KERNELS", "0") == "1"
 
 
 def fused_decode(t: torch.Tensor) -> bool:

@@ -204,7 +204,7 @@ class FusedLinear:
         shared expert and its one-row gate are 1,281 rows for Qwen3.6: cuBLAS ran that GEMM with
         an unaligned kernel (cutlass_75 ..._align1), 23.5 of the 391 ms a 32k pass of the 12-layer
         slice spent on an H100 (results/prefill_stream-profile-h100-gpu.json). On the CPU the
-        rows stay as they are."""
+        rows stay as they are; on CUDA too unless FREETOKEN_PREFILL_KERNELS=1 (kernels.prefill_kernels)."""
         if isinstance(w, Fp8BlockWeight) or not w.is_cuda or not prefill_kernels():
             return 0
         return -w.shape[0] % max(1, 16 // w.element_size())
