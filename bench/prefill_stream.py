@@ -228,10 +228,12 @@ def compute_pass_rows(a, layers, mc, w, gu, dn, st, prompt, lengths, max_len, de
     ex = SubChunked(TorchExpertExecutor(gu.to(dev), dn.to(dev), layer_experts=mc.num_experts), SUB)
     model = model_class(mc.arch)(mc, w, ex, dev, torch.bfloat16, max_len)
     tokens = torch.tensor(prompt, device=dev)
-    for msub in [int(c) for c in a.mixer_subs.split(",")]:
-        for esub in [int(c) for c in a.compute_subs.split(",")]:
-            ex.sub = max(esub, msub)  # the experts' sub-chunk: larger ones give each expert's GEMM more rows
-            pass_rows(a, layers, model, st, tokens, lengths, ex.sub, res, msub)
+    # (mixer piece, expert sub-chunk) pairs, the experts in sub-chunks of at least the mixers' pieces
+    runs = dict.fromkeys((m, max(int(e), m)) for m in (int(c) for c in a.mixer_subs.split(","))
+                         for e in a.compute_subs.split(","))
+    for msub, esub in runs:
+        ex.sub = esub  # the experts' sub-chunk: larger ones give each expert's GEMM more rows
+        pass_rows(a, layers, model, st, tokens, lengths, esub, res, msub)
     del ex, model
 
 
@@ -313,7 +315,7 @@ def main():
                     help="the token mixers' piece sizes of the --compute-pass rows (the engine's: --prefill-chunk, 2,048); "
                          "experts then in sub-chunks of at least that")
     ap.add_argument("--compute-subs", default=str(SUB),
-                    help="the experts' sub-chunk sizes of the --compute-pass rows (the mixers stay in pieces of 2,048)")
+                    help="the experts' sub-chunk sizes of the --compute-pass rows (the mixers in pieces of --mixer-subs)")
     ap.add_argument("--llamacpp", action="store_true", help="llama.cpp side by side (see llamacpp_tok_s above)")
     ap.add_argument("--llamacpp-build", default="/tmp/ft-llama-build", help="llama.cpp CUDA build folder (reused)")
     ap.add_argument("--llamacpp-threads", type=int, default=14)

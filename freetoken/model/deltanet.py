@@ -169,7 +169,8 @@ class GatedDeltaNet:
         conv_sequence). On CUDA with FREETOKEN_PREFILL_KERNELS=1 one kernel (causal_conv_silu_triton),
         else the torch reference."""
         raw, z, b, a = self.in_proj(x)  # [N, C], [N, Hv*dv], [N, Hv], [N, Hv]
-        if use_triton(x) and prefill_kernels() and conv_state.dtype == raw.dtype and raw.stride(1) == 1:
+        if (use_triton(x) and prefill_kernels() and conv_state.dtype == raw.dtype and raw.stride(1) == 1
+                and conv_state.stride(1) == 1 and self.conv_w.is_contiguous()):  # what the kernel takes
             from ..kernels.causal_conv import causal_conv_silu_triton
             mixed = causal_conv_silu_triton(raw, conv_state, self.conv_w, self.conv_b)
         else:
