@@ -65,7 +65,7 @@ if HAS_TRITON:
                          mask=in_x[:, None] & cm[None, :], other=0.0)
             sv = tl.load(state_ptr + cols[None, :] * stride_sc + tl.where(in_s, src + (K - 1), 0)[:, None],
                          mask=in_s[:, None] & cm[None, :], other=0.0)
-            v = tl.where(in_x[:, None], xv.to(DTYPE).to(tl.float32), sv.to(DTYPE).to(tl.float32))
+            v = tl.where(in_x[:, None], xv, sv).to(tl.float32)  # both in the activation dtype
             acc += v * tl.load(w_ptr + cols * K + j, mask=cm, other=0.0).to(tl.float32)[None, :]
         y = acc.to(DTYPE).to(tl.float32)  # torch's conv output, in the activation dtype
         om = (rows < N)[:, None] & cm[None, :]
@@ -84,9 +84,8 @@ if HAS_TRITON:
         out = torch.empty(n, c, dtype=x.dtype, device=x.device)
         if n == 0:
             return out
-        # the state's dtype is the activation dtype in the engine (model/state.py); a wider one is
-        # rounded to x's dtype on load, as the torch path's sequence of x's inputs in the state dtype
-        # would not: callers pass a state in x's dtype
+        # the engine keeps the state in the activation dtype (model/state.py); with another dtype the
+        # torch path would convert x to the state's instead, which this kernel does not do
         assert state.dtype == x.dtype, "the conv state must be in the activations' dtype"
         block_t, block_c = 32, 128
         _causal_conv_kernel[(triton.cdiv(n, block_t), triton.cdiv(c, block_c))](

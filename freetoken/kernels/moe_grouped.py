@@ -102,6 +102,17 @@ def _grouped_down_kernel(h_ptr, tok_ptr, dest_ptr, w_ptr, tile_expert_ptr, dn_pt
         tl.store(y_ptr + dest[:, None] * H + cols[None, :], y, mask=valid[:, None] & cm[None, :])
 
 
+def sort_pairs(ids: torch.Tensor, n_experts: int):
+    """ids [T, k] -> (key [P]: each pair's expert, NO_EXPERT pairs (-1, rows that are not running)
+    as n_experts, a last bucket that runs nowhere; order [P]: the pairs grouped by expert, stable;
+    counts [N + 1]: pairs per expert, by scatter_add, not bincount, which reads the max id back to
+    the host)."""
+    flat = torch.where(ids.reshape(-1) < 0, n_experts, ids.reshape(-1))
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(n_experts + 1, dtype=torch.long, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+    return flat, order, counts
+
+
 def tile_pairs(ids: torch.Tensor, weights: torch.Tensor, n_experts: int, block_m: int, max_experts: int):
     """Sort the (token, expert) pairs by expert into tiles of block_m that share one expert.
 
@@ -110,11 +121,7 @@ def tile_pairs(ids: torch.Tensor, weights: torch.Tensor, n_experts: int, block_m
     present adds at most one partly filled tile, and at most max_experts are present."""
     t, k = ids.shape
     pairs = t * k
-    # NO_EXPERT pairs (-1, rows that are not running) go to a last bucket whose tiles run nowhere
-    flat = torch.where(ids.reshape(-1) < 0, n_experts, ids.reshape(-1))
-    order = torch.argsort(flat, stable=True)  # [P] pairs grouped by expert
-    # [N + 1] pairs per expert (scatter_add, not bincount: bincount reads the max id back to the host)
-    counts = torch.zeros(n_experts + 1, dtype=torch.long, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+    flat, order, counts = sort_pairs(ids, n_experts)
     tiles = (counts + block_m - 1) // block_m  # [N]
     tile_end = torch.cumsum(tiles, 0)  # [N]
     pair_start = torch.cumsum(counts, 0) - counts  # [N]
@@ -162,7 +169,6 @@ def moe_grouped_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     return y.view(t, k, n_h).sum(1)
 
 
-
 def grouped_mm_supported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
     """Whether torch's grouped GEMM takes these operands: rows of 16-byte multiples (H and I
     times the element size) everywhere; on CUDA bf16 on sm90 and later (its CUTLASS kernels);
@@ -177,13 +183,15 @@ def grouped_mm_supported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Ten
         return True
     return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
 
+
 def moe_grouped_mm(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                    down: torch.Tensor, max_experts: int | None = None, activation=None,
                    gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None) -> torch.Tensor:
     """moe_grouped_triton's sums through torch's grouped GEMM (`torch._grouped_mm`: CUTLASS on
-    sm90, a loop elsewhere), the comparison bench/grouped_gemm.py runs; the engine does not: on
-    an H100 (torch 2.11) it took 1.26 / 2.83 / 9.77 ms at 2k / 8k / 32k tokens of the full-size
-    expert shape against the Triton kernel's 1.01 / 1.95 / 6.15 (results/grouped_gemm-h100-gpu.json): the pairs' rows gathered in expert order, one grouped GEMM per
+    sm90, a loop elsewhere): the comparison bench/grouped_gemm.py runs, not the engine (on an
+    H100, torch 2.11, it took 1.26 / 2.83 / 9.77 ms at 2k / 8k / 32k tokens of the full-size
+    expert shape against the Triton kernel's 1.01 / 1.95 / 6.15: results/grouped_gemm-h100-gpu.json).
+    The pairs' rows gathered in expert order, one grouped GEMM per
     projection over every expert of the bank (a group of no rows costs nothing), the activation
     in torch (experts.executor.Activation, op by op, as the reference), each pair's row times its
     gate weight, then each token's k rows summed in pair order (no atomics), as the Triton path
@@ -194,10 +202,7 @@ def moe_grouped_mm(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ga
     from ..experts.executor import SILU
     t, k = ids.shape
     n, n_h, n_i = down.shape
-    flat = ids.reshape(-1)
-    key = torch.where(flat < 0, n, flat)  # NO_EXPERT pairs last, past every group
-    order = torch.argsort(key, stable=True)  # [P] pairs in expert order
-    counts = torch.zeros(n + 1, dtype=torch.long, device=x.device).scatter_add_(0, key, torch.ones_like(key))
+    key, order, counts = sort_pairs(ids, n)  # [P], [P] pairs in expert order, [N + 1]
     offs = torch.cumsum(counts[:n], 0).to(torch.int32)  # [N] each expert's end among the sorted pairs
     xs = x[order // k]  # [P, H]
     gu = torch._grouped_mm(xs, gate_up.transpose(-2, -1), offs=offs)  # [P, 2I]

@@ -190,7 +190,7 @@ class GatedDeltaNet:
         conv_state = st.conv[self.layer][slot]  # [C, K-1]
         mixed, z, b, a, raw = self._conv_in(x, conv_state)  # mixed, raw [T, C]
         seq = conv_sequence(raw, conv_state) if cuts else None  # [C, K-1+T]: the checkpoints' conv states
-        conv_state.copy_(conv_state_after(raw, conv_state))
+        conv_state.copy_(seq[:, t:] if seq is not None else conv_state_after(raw, conv_state))
         rec = st.rec[self.layer][slot]  # [Hv, dk, dv] fp32
         done = None
         if self.fla and fla_delta.available(x):  # CUDA: flash-linear-attention's kernels (kernels/fla_delta.py)
