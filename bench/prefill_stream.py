@@ -330,6 +330,10 @@ def main():
         a.llamacpp_lengths = [int(x) for x in a.llamacpp_lengths.split(",") if x.strip()]
     except ValueError:
         ap.error(f"--llamacpp-lengths takes prompt lengths separated by commas, got {a.llamacpp_lengths!r}")
+    for opt in ("lengths", "compute_subs", "mixer_subs", "resident_chunks"):
+        vals = getattr(a, opt).split(",")
+        if not all(v.strip().isdigit() and int(v) > 0 for v in vals):
+            ap.error(f"--{opt.replace('_', '-')} takes positive token counts separated by commas, got {getattr(a, opt)!r}")
     if a.profile and not a.compute_pass:
         ap.error("--profile profiles the --compute-pass rows: give --compute-pass too")
     if not torch.cuda.is_available():

@@ -45,3 +45,16 @@ def test_fused_linear_pads_unaligned_rows_on_cuda(dev, monkeypatch):
     for i, (w, b) in enumerate(zip(ws, bs)):
         wi, bi = fl.part(i)
         assert torch.equal(wi, w) and torch.equal(bi, b)
+
+
+def test_a_bad_prefill_kernels_value_is_named(monkeypatch):
+    """FREETOKEN_PREFILL_KERNELS takes 0 or 1; anything else is one clear error (the engine
+    checks it at load, on any device), never a silent choice."""
+    from freetoken.errors import FreeTokenError
+    from freetoken.kernels import prefill_kernels
+    for raw, on in (("0", False), ("1", True)):
+        monkeypatch.setenv("FREETOKEN_PREFILL_KERNELS", raw)
+        assert prefill_kernels() is on
+    monkeypatch.setenv("FREETOKEN_PREFILL_KERNELS", "yes")
+    with pytest.raises(FreeTokenError, match="FREETOKEN_PREFILL_KERNELS must be 0 or 1, got 'yes'"):
+        prefill_kernels()

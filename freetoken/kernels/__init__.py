@@ -28,8 +28,13 @@ def prefill_kernels() -> bool:
     """Whether CUDA prefill takes the DeltaNet conv kernel (causal_conv.py) and fused projections
     padded to 16-byte rows (model/layers.py FusedLinear): FREETOKEN_PREFILL_KERNELS=1. Off by
     default until their first GPU run (bench/device_plan.sh 123 measures them against the torch
-    paths in one call): their tests passed under the CPU interpreter only."""
-    return os.environ.get("FREETOKEN_PREFILL_KERNELS", "0") == "1"
+    paths in one call): their tests passed under the CPU interpreter only. Anything but 0 or 1 is
+    an error (checked at engine load)."""
+    raw = os.environ.get("FREETOKEN_PREFILL_KERNELS", "0")
+    if raw not in ("0", "1"):
+        from ..errors import FreeTokenError
+        raise FreeTokenError(f"FREETOKEN_PREFILL_KERNELS must be 0 or 1, got {raw!r}")
+    return raw == "1"
 
 
 def fused_decode(t: torch.Tensor) -> bool:

@@ -281,6 +281,8 @@ class Engine:
             raise FreeTokenError(f"{path}: lacks {len(missing)} tensor(s) the model needs, first {missing[0]}; "
                                  "it was written by an older `ft convert` or is damaged: re-run `ft convert`")
         self.dense_fp8 = self._dense_fp8(dense)
+        from ..kernels import prefill_kernels
+        prefill_kernels()  # a bad FREETOKEN_PREFILL_KERNELS is an error at load, on any device
         self.max_len = min(self.cfg.max_position_embeddings, self.ecfg.max_seq_len or 1 << 62)
         self.model = cls(self.cfg, dense, self.executor, self.device, self.dtype, self.max_len)
         if self.cfg.linear_layers:
