@@ -20,16 +20,28 @@ from bench.serve_engine import top_functions
 from freetoken.model.state import DecodeState
 
 
-def kernels(fn, top: int = 12) -> dict:
+def kernels(fn, top: int = 12, ops: bool = False) -> dict:
+    """GPU time of fn by kernel: {"kernels", "gpu_ms", "top": the `top` costliest}. With ops, also
+    "ops": GPU time by the torch op that launched it (aten::mul, aten::cat, ...; self time, so a
+    composite op's kernels count under the op that ran them): which lines of the model to fuse
+    when elementwise kernels add up."""
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if ops else [])
+    with profile(activities=acts) as prof:
         fn()
         torch.cuda.synchronize()
-    rows = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    avg = prof.key_averages()
+    rows = [e for e in avg if e.device_type.name == "CUDA"]
     rows.sort(key=lambda e: -e.device_time_total)
-    return {"kernels": sum(e.count for e in rows), "gpu_ms": round(sum(e.device_time_total for e in rows) / 1e3, 1),
-            "top": [{"kernel": e.key[:80], "calls": e.count, "ms": round(e.device_time_total / 1e3, 2)}
-                    for e in rows[:top]]}
+    out = {"kernels": sum(e.count for e in rows), "gpu_ms": round(sum(e.device_time_total for e in rows) / 1e3, 1),
+           "top": [{"kernel": e.key[:80], "calls": e.count, "ms": round(e.device_time_total / 1e3, 2)}
+                   for e in rows[:top]]}
+    if ops:
+        cpu = [e for e in avg if e.device_type.name == "CPU" and e.self_device_time_total > 0]
+        cpu.sort(key=lambda e: -e.self_device_time_total)
+        out["ops"] = [{"op": e.key[:80], "calls": e.count, "ms": round(e.self_device_time_total / 1e3, 2)}
+                      for e in cpu[:top]]
+    return out
 
 
 def main():

@@ -260,7 +260,7 @@ def pass_rows(a, layers, model, st, tokens, lengths, esub, res, msub: int = SUB)
                "pass_s": round(wall / count, 4), "passes": count, "floor_s": None, "llamacpp_tok_s": None}
         if a.profile and n == max(lengths):  # where the longest pass's compute goes, kernel by kernel
             from bench.prefill import kernels
-            row["profile"] = kernels(lambda: passes(n), top=25)
+            row["profile"] = kernels(lambda: passes(n), top=25, ops=True)
         print(row, flush=True)
         res["runs"].append(row)
 
@@ -310,7 +310,8 @@ def main():
                     help="add `resident-pass` rows: the passes with every expert resident (their compute alone)")
     ap.add_argument("--profile", action="store_true",
                     help="the --compute-pass rows at the longest length also get `profile`: GPU time by kernel "
-                         "(torch.profiler, the 25 costliest), where a compute-bound pass goes (needs --compute-pass)")
+                         "and by the torch op that launched it (torch.profiler, the 25 costliest of each), where a "
+                         "compute-bound pass goes (needs --compute-pass)")
     ap.add_argument("--mixer-subs", default=str(SUB),
                     help="the token mixers' piece sizes of the --compute-pass rows (the engine's: --prefill-chunk, 2,048); "
                          "experts then in sub-chunks of at least that")

@@ -9,7 +9,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from freetoken.kernels.deltanet_decode import conv_update_triton, delta_step_triton  # noqa: E402
-from freetoken.kernels.rmsnorm import rms_norm_triton  # noqa: E402
+from freetoken.kernels.rmsnorm import gated_rms_norm_triton, rms_norm_triton  # noqa: E402
 from freetoken.model.deltanet import l2norm, recurrent_gated_delta_step  # noqa: E402
 from freetoken.model.layers import gated_rms_norm, rms_norm_torch  # noqa: E402
 
@@ -33,6 +33,28 @@ def test_rms_norm(shape, one_centered, dtype, tol):
     ref = rms_norm_torch(x, w, 1e-6, one_centered)
     assert got.dtype == dtype and got.shape == x.shape
     assert rel(got, ref) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,h,d", [(5, 3, 128), (37, 2, 96), (1, 1, 64)])
+def test_gated_rms_norm(n, h, d, dtype):
+    """DeltaNet's output norm in one kernel against the torch form: x [N, Hv, dv] as _finish
+    passes it, the gate a column slice of the fused in-projection's output."""
+    g0 = torch.Generator().manual_seed(n * 31 + h * 7 + d)
+    x = (torch.randn(n, h, d, generator=g0) * 3).to(DEV, dtype)
+    z = (torch.randn(n, h * d + 9, generator=g0) * 2).to(DEV, dtype)[:, :h * d].view(n, h, d)
+    w = (torch.rand(d, generator=g0) + 0.5).to(DEV, dtype)
+    got, ref = gated_rms_norm_triton(x, z, w, 1e-6), gated_rms_norm(x, z, w, 1e-6)
+    assert got.dtype == dtype and got.shape == x.shape
+    if dtype == torch.float32:
+        assert torch.allclose(got, ref, rtol=1e-5, atol=1e-6)
+    else:  # rounded where torch rounds; a sum in another order or exp's last bit may tip one rounding
+        assert float((got.float() - ref.float()).abs().max()) <= float(ref.float().abs().max()) * 2 ** -7
+        assert (got == ref).float().mean() > 0.97
+    # each input matters: another gate, another weight, another row give other outputs
+    assert not torch.allclose(gated_rms_norm_triton(x, -z, w, 1e-6).float(), got.float())
+    assert not torch.allclose(gated_rms_norm_triton(x, z, w.flip(0), 1e-6).float(), got.float())
+    assert not torch.allclose(gated_rms_norm_triton(x * 2 + 1, z, w, 1e-6).float(), got.float())
 
 
 def torch_conv_update(x, state, w):
@@ -321,7 +343,8 @@ def test_linear_padded_rows_equal_the_plain_gemm_on_cuda():
 
 
 def test_deltanet_layer_with_the_conv_kernel(tmp_path, monkeypatch):
-    """GatedDeltaNet.prefill and prefill_padded with FREETOKEN_PREFILL_KERNELS=1 (the conv kernel;
+    """GatedDeltaNet.prefill and prefill_padded with FREETOKEN_PREFILL_KERNELS=1 (the conv kernel and
+    the output norm's;
     on the CPU through the interpreter, use_triton forced) against the torch path, on one layer of
     a small Qwen3.5-MoE: chunks shorter and longer than the conv's K-1, a capture with
     checkpoints inside them. The conv states, the captured states and the recurrent state are the
@@ -338,8 +361,10 @@ def test_deltanet_layer_with_the_conv_kernel(tmp_path, monkeypatch):
     eng = Engine(str(tmp_path / "m.ftw"), EngineConfig(device=DEV, dtype=str(dtype).split(".")[1]))
     layer = next(m for m, *_ in eng.model.layers if isinstance(m, GatedDeltaNet))
     layer.prefill_graphs = None
-    if DEV == "cpu":
+    if DEV == "cpu":  # the conv kernel and the output norm's, through the interpreter
+        from freetoken.model import layers
         monkeypatch.setattr(deltanet, "use_triton", lambda t: True)
+        monkeypatch.setattr(layers, "use_triton", lambda t: True)
 
     class Capture:  # cache.prefix.StateCapture's interface: checkpoints at fixed positions
         def __init__(self, positions):

@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from . import tl_dtype
+from .rounding import NO_FMA, emu, round_to
 
 
 @triton.jit
@@ -74,3 +75,39 @@ def add_rms_norm_triton(res: torch.Tensor, h: torch.Tensor, weight: torch.Tensor
     _add_rms_norm_kernel[(n,)](res, h, weight, s, out, d, eps, BLOCK=block, ONE_CENTERED=one_centered,
                                DTYPE=tl_dtype(res.dtype), num_warps=min(8, max(1, block // 256)))
     return s, out
+
+
+@triton.jit
+def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, R, D, eps, stride_x, stride_g,
+                           ROWS: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr, EMU: tl.constexpr):
+    """Program: ROWS rows of D. out = round(round(w * round(norm(x))) * silu(g)), silu in fp32."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    cm = cols < D
+    m = (rows < R)[:, None] & cm[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    normed = x * tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
+    w = tl.load(w_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+    o = round_to(w[None, :] * round_to(normed, DTYPE, EMU), DTYPE, EMU)
+    g = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    s = tl.div_rn(g, 1.0 + tl.exp(-g))  # silu(gate.float()): fp32, an exact divide as torch's
+    tl.store(out_ptr + rows[:, None] * D + cols[None, :], round_to(o * s, DTYPE, EMU).to(DTYPE), mask=m)
+
+
+def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """model.layers.gated_rms_norm (DeltaNet's output norm: w * norm(x) * silu(gate)) in one pass:
+    the torch form is about ten launches over fp32 copies of a [T, Hv, dv] tensor (plan 120's
+    32k-token profile: the largest share of its elementwise kernels). x, gate: [..., D] of one
+    dtype, weight [D] of it too -> [..., D] contiguous. Rounds where the torch form rounds."""
+    shape, d = x.shape, x.shape[-1]
+    x2, g2 = x.reshape(-1, d), gate.reshape(-1, d)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    g2 = g2 if g2.stride(-1) == 1 else g2.contiguous()
+    r = x2.shape[0]
+    out = torch.empty(r, d, dtype=x.dtype, device=x.device)
+    block = triton.next_power_of_2(d)
+    rows = max(1, min(16, 4096 // block))  # about 4k elements a program: whole rows, a full block
+    _gated_rms_norm_kernel[(triton.cdiv(r, rows),)](
+        x2, g2, weight, out, r, d, eps, x2.stride(0), g2.stride(0), ROWS=rows, BLOCK=block,
+        DTYPE=tl_dtype(x.dtype), EMU=emu(x.dtype), num_warps=4, **NO_FMA)
+    return out.view(shape)

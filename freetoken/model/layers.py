@@ -46,7 +46,11 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, one_center
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """DeltaNet output norm: w * norm(x) * silu(gate), norm before gate."""
+    """DeltaNet output norm: w * norm(x) * silu(gate), norm before gate. On CUDA with
+    FREETOKEN_PREFILL_KERNELS=1 one kernel (kernels/rmsnorm.py), else the torch form (the reference)."""
+    if use_triton(x) and prefill_kernels() and x.dtype == gate.dtype == weight.dtype:
+        from ..kernels.rmsnorm import gated_rms_norm_triton
+        return gated_rms_norm_triton(x, gate, weight, eps)
     dtype = x.dtype
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
