@@ -174,6 +174,16 @@ def test_sum_pairs(t, k, h, dtype):
     assert got.dtype == dtype and got.shape == (t, h)
     # fp32: the same sums in another order; bf16: both round the fp32 sum once
     assert rel(got, ref) < (1e-6 if dtype == torch.float32 else 1e-3)
+    # with ids: pairs routed to no expert (-1) count as zeros and are never read (the grouped
+    # kernels leave their rows unwritten: NaN here would poison any sum that read them)
+    ids = torch.randint(0, 5, (t, k), generator=g).to(DEV)
+    ids[0, -1] = -1
+    dead = (ids.reshape(-1) < 0)
+    y2 = y.masked_fill(dead[:, None], float("nan"))
+    ref2 = y.masked_fill(dead[:, None], 0).view(t, k, h).sum(1)
+    got2 = sum_pairs_triton(y2, t, k, ids)
+    assert not got2.isnan().any() and rel(got2, ref2) < (1e-6 if dtype == torch.float32 else 1e-3)
+    assert rel(got2, ref) > 1e-3  # the dead pair's row did not count
 
 
 @pytest.mark.parametrize("kernel", ["triton", "grouped_mm"])

@@ -111,27 +111,35 @@ def _down_kernel(h_ptr, ids_ptr, w_ptr, dn_ptr, b_ptr, y_ptr, H, I,
 
 
 @triton.jit
-def _sum_pairs_kernel(y_ptr, out_ptr, K, H, BLOCK: tl.constexpr, DTYPE: tl.constexpr, EMU: tl.constexpr):
+def _sum_pairs_kernel(y_ptr, ids_ptr, out_ptr, K, H, BLOCK: tl.constexpr, DTYPE: tl.constexpr, EMU: tl.constexpr,
+                      SKIP: tl.constexpr):
     """out[t] = sum over j < K of y[t, j] (fp32, in order), rounded once to DTYPE, as torch's
-    sum over dim 1 computes it; grid (token, block of H)."""
+    sum over dim 1 computes it; grid (token, block of H). SKIP: pairs whose id is < 0 (rows
+    routed to no expert) add nothing and their rows of y are never read (never written)."""
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cm = c < H
     acc = tl.zeros([BLOCK], tl.float32)
     for j in range(0, K):
-        acc += tl.load(y_ptr + (t * K + j) * H + c, mask=cm, other=0.0).to(tl.float32)
+        m = cm
+        if SKIP:
+            m = m & ((c * 0 + tl.load(ids_ptr + t * K + j)) >= 0)  # the pair's id, broadcast over the block
+        acc += tl.load(y_ptr + (t * K + j) * H + c, mask=m, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * H + c, round_to(acc, DTYPE, EMU).to(DTYPE), mask=cm)
 
 
-def sum_pairs_triton(y: torch.Tensor, t: int, k: int) -> torch.Tensor:
+def sum_pairs_triton(y: torch.Tensor, t: int, k: int, ids: torch.Tensor | None = None) -> torch.Tensor:
     """y [t * k, H] (each token's k expert outputs, contiguous) -> [t, H] in y's dtype: the
-    decode kernels' last step (reference: y.view(t, k, H).sum(1))."""
+    decode kernels' last step (reference: y.view(t, k, H).sum(1)). ids [t, k]: where given, the
+    pairs with ids < 0 count as zero rows without being read (the grouped kernels leave them
+    unwritten, so y needs no zero fill)."""
     assert y.is_contiguous() and y.shape[0] == t * k, (tuple(y.shape), t, k)
     n_h = y.shape[1]
     out = torch.empty(t, n_h, dtype=y.dtype, device=y.device)
     block = min(1024, triton.next_power_of_2(n_h))
-    _sum_pairs_kernel[(t, triton.cdiv(n_h, block))](y, out, k, n_h, BLOCK=block, DTYPE=tl_dtype(y.dtype),
-                                                      EMU=emu(y.dtype), num_warps=4)
+    flat = ids.reshape(-1).contiguous() if ids is not None else y  # unread without SKIP
+    _sum_pairs_kernel[(t, triton.cdiv(n_h, block))](y, flat, out, k, n_h, BLOCK=block, DTYPE=tl_dtype(y.dtype),
+                                                      EMU=emu(y.dtype), SKIP=ids is not None, num_warps=4)
     return out
 
 

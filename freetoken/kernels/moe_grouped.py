@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from . import INTERPRET, tl_dtype
-from .moe_decode import _activate, _round, act_args
+from .moe_decode import _activate, _round, act_args, sum_pairs_triton
 
 
 def _configs():
@@ -154,7 +154,8 @@ def moe_grouped_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     slots = tok.numel()
     x = x.contiguous()
     h = torch.empty(slots, n_i, dtype=x.dtype, device=x.device)
-    y = torch.zeros(t * k, n_h, dtype=x.dtype, device=x.device)  # each live pair's row is written once
+    # each live pair's row is written once; the others (ids < 0) stay unwritten and the sum skips them
+    y = torch.empty(t * k, n_h, dtype=x.dtype, device=x.device)
     dt, ieee = tl_dtype(x.dtype), x.dtype == torch.float32 or INTERPRET
     n_tiles = tile_expert.numel()
     act, alpha, limit = act_args(activation)
@@ -166,7 +167,7 @@ def moe_grouped_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     _grouped_down_kernel[lambda m: (n_tiles, triton.cdiv(n_h, m["BLOCK_N"]))](
         h, tok, dest, gate, tile_expert, down, db, y, n_h, n_i, BLOCK_M=block_m, DTYPE=dt, IEEE=ieee,
         BIAS=down_bias is not None)
-    return y.view(t, k, n_h).sum(1)
+    return sum_pairs_triton(y, t, k, ids)
 
 
 def grouped_mm_supported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
