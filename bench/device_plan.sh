@@ -1278,7 +1278,7 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   step 60 prefill-12-before env FREETOKEN_PREFILL_KERNELS=0 python3 -m bench.prefill_stream --layers 12 \
     --lengths 8192,32768 --buffering double --no-resident --compute-pass --compute-subs 8192,32768 \
     --name prefill_stream-profile-noconv
-  FT_TAG=plan123 FT_PER_FILE=75 FT_K="causal_conv or moe_grouped or fused_linear or deltanet_layer or gated_rms or sum_pairs or no_expert" bash bench/device_tests.sh \
+  FT_TAG=plan123 FT_PER_FILE=75 FT_K="causal_conv or moe_grouped or fused_linear or deltanet_layer or gated_rms or sum_pairs or no_expert or router" bash bench/device_tests.sh \
     tests/test_kernels.py tests/test_layers.py > /dev/null
   step 120 prefill-40 python3 -m bench.prefill_stream --layers 40 --lengths 8192,32768 --buffering double \
     --resident-chunks 2048,8192 --compute-pass --compute-subs 8192 --mixer-subs 2048,8192 --name prefill_stream-40l-conv

@@ -243,7 +243,7 @@ def test_add_rms_norm(dtype, tol, one_centered):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("t,e,k,norm", [(1, 256, 8, True), (5, 20, 4, False), (3, 16, 2, True)])
+@pytest.mark.parametrize("t,e,k,norm", [(1, 256, 8, True), (5, 20, 4, False), (3, 16, 2, True), (150, 64, 8, True)])
 def test_router(t, e, k, norm, dtype):
     from types import SimpleNamespace
     from freetoken.kernels.router import route_triton

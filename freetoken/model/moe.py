@@ -17,7 +17,7 @@ import torch
 from ..errors import UnsupportedModelError
 from ..experts import split_experts
 from ..experts.executor import NO_EXPERT, Activation
-from ..kernels import use_triton
+from ..kernels import prefill_kernels, use_triton
 from .layers import FusedLinear, gated_add, silu_mul, swiglu_mlp
 from .linear import linear
 
@@ -69,8 +69,12 @@ class MoE:
         self.prefill_graphs = None  # runtime.prefill_graphs.PrefillGraphs, where captured
 
     def route(self, logits: torch.Tensor, dtype):
-        """router logits [T, E] -> flat ids [T, k] int64, weights [T, k] in the activation dtype."""
-        if use_triton(logits) and logits.shape[0] <= 64 and self.top_k & (self.top_k - 1) == 0:
+        """router logits [T, E] -> flat ids [T, k] int64, weights [T, k] in the activation dtype.
+        On CUDA the fused kernel takes decode batches, and prompt chunks too with
+        FREETOKEN_PREFILL_KERNELS=1 (torch's softmax and top-k over a 32k-token pass: ~6 ms of
+        plan 120's 12-layer profile); else the torch form (the reference)."""
+        if (use_triton(logits) and (logits.shape[0] <= 64 or prefill_kernels())
+                and self.top_k & (self.top_k - 1) == 0):
             from ..kernels.router import route_triton
             return route_triton(logits, self.top_k, self.norm_topk or self.topk_first, self.base, dtype)
         return self.route_torch(logits, dtype)
