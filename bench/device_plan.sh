@@ -1280,8 +1280,8 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
     --name prefill_stream-profile-noconv
   FT_TAG=plan123 FT_PER_FILE=75 FT_K="causal_conv or moe_grouped or fused_linear or deltanet_layer or gated_rms or sum_pairs or no_expert or router" bash bench/device_tests.sh \
     tests/test_kernels.py tests/test_layers.py > /dev/null
-  step 120 prefill-40 python3 -m bench.prefill_stream --layers 40 --lengths 8192,32768 --buffering double \
-    --resident-chunks 2048,8192 --compute-pass --compute-subs 8192 --mixer-subs 2048,8192 --name prefill_stream-40l-conv
+  step 150 prefill-40 python3 -m bench.prefill_stream --layers 40 --lengths 8192,32768 --buffering double \
+    --resident-chunks 2048,8192 --compute-pass --compute-subs 8192 --mixer-subs 2048,8192 --profile --name prefill_stream-40l-conv
   ;;
 124) # ~250 s at most, for the next: what plan 123 left for lack of device time, the production configs
   # against transformers on CUDA with the DeltaNet conv kernel and the padded projections, and the streamed

@@ -195,6 +195,10 @@ def run_layers(layers: int, a, dev, res: dict) -> None:
                 row = {"layers": layers, "prompt_tokens": n, "buffering": "resident" if sub == SUB else f"resident-{sub}",
                        "chunk": sub, "tok_s": round(n / wall, 1), "pass_s": None, "floor_s": None,
                        "llamacpp_tok_s": llama.get((n, "resident")) if sub == SUB else None}
+                if a.profile and n == min(lengths):  # GPU time against wall: is a chunked prefill host-bound?
+                    from bench.prefill import kernels
+                    row["profile"] = kernels(lambda: chunked(n, sub), top=15, ops=True)
+                    row["profile"]["wall_ms"] = round(wall * 1e3, 1)
                 print(row, flush=True)
                 res["runs"].append(row)
         del ex, model
@@ -311,7 +315,8 @@ def main():
     ap.add_argument("--profile", action="store_true",
                     help="the --compute-pass rows at the longest length also get `profile`: GPU time by kernel "
                          "and by the torch op that launched it (torch.profiler, the 25 costliest of each), where a "
-                         "compute-bound pass goes (needs --compute-pass)")
+                         "compute-bound pass goes (needs --compute-pass); the --resident-chunks rows at the "
+                         "shortest length get one too, with their wall time (GPU time well under it: host-bound)")
     ap.add_argument("--mixer-subs", default=str(SUB),
                     help="the token mixers' piece sizes of the --compute-pass rows (the engine's: --prefill-chunk, 2,048); "
                          "experts then in sub-chunks of at least that")
