@@ -1282,6 +1282,7 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
     tests/test_kernels.py tests/test_layers.py > /dev/null
   step 150 prefill-40 python3 -m bench.prefill_stream --layers 40 --lengths 8192,32768 --buffering double \
     --resident-chunks 2048,8192 --compute-pass --compute-subs 8192 --mixer-subs 2048,8192 --profile --name prefill_stream-40l-conv
+  step 60 grouped python3 -m bench.grouped_gemm --name grouped_gemm-m128  # tiles of 128 pairs against 64
   ;;
 124) # ~250 s at most, for the next: what plan 123 left for lack of device time, the production configs
   # against transformers on CUDA with the DeltaNet conv kernel and the padded projections, and the streamed

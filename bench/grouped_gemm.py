@@ -13,11 +13,14 @@ against the torch reference (max error over the output's max). kernels/moe_group
 the two grouped GEMMs, the activation, the weighted sum in the Triton path's order). On an H100
 it ran at 0.63-0.8x the Triton kernel's speed (results/grouped_gemm-h100-gpu.json): the engine
 keeps the Triton kernel.
+Rows `triton` (the engine's tiles: 64 pairs for a prefill chunk) and `triton_m128` (tiles of 128
+pairs, 8 warps, 3-4 pipeline stages: the option for a long pass's sub-chunks), `m128_over_m64`.
     python -m bench.grouped_gemm [--tokens 2048,8192,32768] [--experts 256] [--reps 10]
 """
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 
@@ -70,7 +73,8 @@ def main():
         flop = 3 * 2 * h * i * t * k
         ref = reference_experts(x[:512], ids[:512], w[:512], gu, dn).float()  # the reference on the first rows
         row = {"tokens": t, "pairs": t * k, "gflop": round(flop / 1e9, 1)}
-        for name, fn in (("triton", moe_grouped_triton), ("grouped_mm", moe_grouped_mm)):
+        m128 = functools.partial(moe_grouped_triton, block_m=128)  # tiles of 128 pairs, 8 warps, deeper pipeline
+        for name, fn in (("triton", moe_grouped_triton), ("triton_m128", m128), ("grouped_mm", moe_grouped_mm)):
             try:
                 out = fn(x, ids, w, gu, dn, n)
                 err = float((out[:512].float() - ref).abs().max() / ref.abs().max())
@@ -80,6 +84,8 @@ def main():
                 row[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
         if "ms" in row["triton"] and "ms" in row["grouped_mm"]:
             row["triton_over_grouped_mm"] = round(row["triton"]["ms"] / row["grouped_mm"]["ms"], 2)
+        if "ms" in row["triton"] and "ms" in row["triton_m128"]:
+            row["m128_over_m64"] = round(row["triton_m128"]["ms"] / row["triton"]["ms"], 2)
         rows.append(row)
         print(row, flush=True)
     write_result(a.name, {"shape": {"experts": n, "hidden": h, "inter": i, "top_k": k, "dtype": "bfloat16"},

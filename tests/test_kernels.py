@@ -3,6 +3,8 @@
 On a CPU machine the kernels run under TRITON_INTERPRET=1 (set in conftest.py before Triton
 is imported); on CUDA they run natively.
 """
+import functools
+
 import pytest
 import torch
 
@@ -186,14 +188,15 @@ def test_sum_pairs(t, k, h, dtype):
     assert rel(got2, ref) > 1e-3  # the dead pair's row did not count
 
 
-@pytest.mark.parametrize("kernel", ["triton", "grouped_mm"])
+@pytest.mark.parametrize("kernel", ["triton", "triton-m128", "grouped_mm"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("t,k,h,i,n,layer_experts", [(37, 3, 64, 32, 10, None), (5, 2, 96, 40, 24, 12),
                                                      (70, 4, 130, 72, 16, 8)])
 def test_moe_grouped(t, k, h, i, n, layer_experts, dtype, tol, kernel):
     """Prefill-size batches: pairs sorted into expert tiles, experts read in place (both tile
     sizes: few and many pairs per expert; some experts unused; a second layer's experts); the
-    same sums through torch's grouped GEMM (moe_grouped_mm: on CUDA where it has the dtype)."""
+    same sums through torch's grouped GEMM (moe_grouped_mm: on CUDA where it has the dtype); tiles
+    of 128 pairs, a long pass's option."""
     from freetoken.experts.executor import reference_experts
     from freetoken.kernels.moe_grouped import grouped_mm_supported, moe_grouped_mm, moe_grouped_triton
     g = torch.Generator().manual_seed(t + h + n)
@@ -209,7 +212,8 @@ def test_moe_grouped(t, k, h, i, n, layer_experts, dtype, tol, kernel):
         el = x.element_size()  # rows of 16-byte multiples: the only limit on the CPU
         assert (h * el) % 16 or (i * el) % 16 or DEV == "cuda"
         pytest.skip("torch's grouped GEMM does not take this dtype or shape here")
-    fn = moe_grouped_triton if kernel == "triton" else moe_grouped_mm
+    fn = {"triton": moe_grouped_triton, "triton-m128": functools.partial(moe_grouped_triton, block_m=128),
+          "grouped_mm": moe_grouped_mm}[kernel]
     got = fn(x, ids, w, gu, dn, max_experts=layer_experts)
     assert got.dtype == dtype and rel(got.float(), ref) < tol
 

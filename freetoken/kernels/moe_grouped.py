@@ -23,12 +23,27 @@ from . import INTERPRET, tl_dtype
 from .moe_decode import _activate, _round, act_args, sum_pairs_triton
 
 
+# (BLOCK_N, BLOCK_K, warps, stages) tried for tiles of up to 64 pairs, and for tiles of 128 (a long
+# pass's sub-chunk: ~1,000 pairs an expert), whose configs carry their pipeline depth
+_SMALL = [(64, 64, 4, None), (128, 64, 4, None), (64, 128, 8, None)]
+_LARGE = [(64, 64, 8, 3), (128, 64, 8, 3), (64, 64, 8, 4)]
+
+
 def _configs():
-    shapes = [(64, 64, 4), (128, 64, 4), (64, 128, 8)]
-    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in (shapes[:1] if INTERPRET else shapes)]
+    shapes = _SMALL[:1] if INTERPRET else _SMALL + _LARGE
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, **({} if st is None else {"num_stages": st}))
+            for n, k, w, st in shapes]
 
 
-@triton.autotune(configs=_configs(), key=["H", "I", "BLOCK_M"])
+def _prune(configs, named_args, **kw):
+    """The configs of this tile height: BLOCK_M 128 takes the deeper-pipelined 8-warp ones."""
+    large = kw.get("BLOCK_M", 64) >= 128
+    keep = [c for c in configs
+            if ((c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages) in _LARGE) == large]
+    return keep or configs[:1]  # the interpreter's one config
+
+
+@triton.autotune(configs=_configs(), key=["H", "I", "BLOCK_M"], prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _grouped_gate_up_kernel(x_ptr, tok_ptr, tile_expert_ptr, gu_ptr, h_ptr, b_ptr, H, I, alpha, limit,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -69,7 +84,7 @@ def _grouped_gate_up_kernel(x_ptr, tok_ptr, tile_expert_ptr, gu_ptr, h_ptr, b_pt
                  _activate(g, u, alpha, limit, ACT, DTYPE).to(DTYPE), mask=valid[:, None] & cm[None, :])
 
 
-@triton.autotune(configs=_configs(), key=["H", "I", "BLOCK_M"])
+@triton.autotune(configs=_configs(), key=["H", "I", "BLOCK_M"], prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _grouped_down_kernel(h_ptr, tok_ptr, dest_ptr, w_ptr, tile_expert_ptr, dn_ptr, b_ptr, y_ptr, H, I,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -142,14 +157,19 @@ def tile_pairs(ids: torch.Tensor, weights: torch.Tensor, n_experts: int, block_m
 
 def moe_grouped_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                        down: torch.Tensor, max_experts: int | None = None, activation=None,
-                       gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None) -> torch.Tensor:
+                       gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                       block_m: int | None = None) -> torch.Tensor:
     """x: [T, H]; ids, weights: [T, k]; gate_up: [N, 2I, H]; down: [N, H, I] -> [T, H].
     max_experts: how many distinct experts one call can route to (a layer's count), a bound
     that keeps the tile grid small; default all N. activation, gate_up_bias [N, 2I], down_bias
-    [N, H]: the expert function, as moe_decode_triton takes it."""
+    [N, H]: the expert function, as moe_decode_triton takes it. block_m: pairs a tile (16, 64 or
+    128; default by the pairs an expert gets on average: 16 up to 16, else 64)."""
     t, k = ids.shape
     n, n_h, n_i = down.shape
-    block_m = 16 if t * k <= 16 * min(n, max_experts or n) else 64  # ~pairs per expert
+    if block_m is None:
+        block_m = 16 if t * k <= 16 * min(n, max_experts or n) else 64  # ~pairs per expert
+    if block_m not in (16, 64, 128):
+        raise ValueError(f"block_m must be 16, 64 or 128, got {block_m}")
     tok, dest, gate, tile_expert = tile_pairs(ids, weights.to(x.dtype), n, block_m, min(n, max_experts or n))
     slots = tok.numel()
     x = x.contiguous()
