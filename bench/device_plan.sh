@@ -1297,6 +1297,17 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
     --name prefill_stream-profile-noconv
   step 40 grouped python3 -m bench.grouped_gemm --tokens 2048,8192,32768 --reps 5 --name grouped_gemm-m128
   ;;
+126) # ~200 s at most: plan 125 cut again (359 s of device time left after an hour of failed starts): the
+  # new prefill kernels' CUDA tests and the 12-layer rows with them and without. Carry as plan 125.
+  export FREETOKEN_PREFILL_KERNELS=1
+  FT_TAG=plan126 FT_PER_FILE=55 FT_K="causal_conv or moe_grouped or fused_linear or deltanet_layer or gated_rms or sum_pairs or no_expert or router" \
+    bash bench/device_tests.sh tests/test_kernels.py tests/test_layers.py > /dev/null
+  step 50 prefill-12 python3 -m bench.prefill_stream --layers 12 --lengths 8192,32768 --buffering double \
+    --no-resident --compute-pass --compute-subs 8192 --profile --name prefill_stream-profile-conv
+  step 40 prefill-12-before env FREETOKEN_PREFILL_KERNELS=0 python3 -m bench.prefill_stream --layers 12 \
+    --lengths 8192,32768 --buffering double --no-resident --compute-pass --compute-subs 8192 \
+    --name prefill_stream-profile-noconv
+  ;;
 124) # ~250 s at most, for the next: what plan 123 left for lack of device time, the production configs
   # against transformers on CUDA with the DeltaNet conv kernel and the padded projections, and the streamed
   # pass against the resident path. Carry .whl, .devcache/commit, .devcache/warm-cache.tgz.
@@ -1304,7 +1315,7 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   FT_TAG=plan124 FT_PER_FILE=100 bash bench/device_tests.sh tests/test_gpu_production.py > /dev/null
   FT_TAG=plan124 FT_PER_FILE=140 FT_K="cuda and equals_resident" bash bench/device_tests.sh tests/test_prefill_stream.py > /dev/null
   ;;
-*) echo "stage 0 to 125"; exit 2 ;;
+*) echo "stage 0 to 126"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole
