@@ -13,7 +13,7 @@ triton = pytest.importorskip("triton")
 from freetoken.kernels.deltanet_decode import conv_update_triton, delta_step_triton  # noqa: E402
 from freetoken.kernels.rmsnorm import gated_rms_norm_triton, rms_norm_triton  # noqa: E402
 from freetoken.model.deltanet import l2norm, recurrent_gated_delta_step  # noqa: E402
-from freetoken.model.layers import gated_rms_norm, rms_norm_torch  # noqa: E402
+from freetoken.model.layers import gated_rms_norm, gated_rms_norm_torch, rms_norm_torch  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # the CPU interpreter rounds to bf16 by truncation, one ulp off torch's round-to-nearest
@@ -41,13 +41,14 @@ def test_rms_norm(shape, one_centered, dtype, tol):
 @pytest.mark.parametrize("n,h,d", [(5, 3, 128), (37, 2, 96), (1, 1, 64)])
 def test_gated_rms_norm(n, h, d, dtype):
     """DeltaNet's output norm in one kernel against the torch form: x [N, Hv, dv] as _finish
-    passes it, the gate a column slice of the fused in-projection's output."""
+    passes it, the gate a column slice of the fused in-projection's output (read in place), and
+    a 2-D call."""
     g0 = torch.Generator().manual_seed(n * 31 + h * 7 + d)
     x = (torch.randn(n, h, d, generator=g0) * 3).to(DEV, dtype)
     z = (torch.randn(n, h * d + 9, generator=g0) * 2).to(DEV, dtype)[:, :h * d].view(n, h, d)
     w = (torch.rand(d, generator=g0) + 0.5).to(DEV, dtype)
-    got, ref = gated_rms_norm_triton(x, z, w, 1e-6), gated_rms_norm(x, z, w, 1e-6)
-    assert got.dtype == dtype and got.shape == x.shape
+    got, ref = gated_rms_norm_triton(x, z, w, 1e-6), gated_rms_norm_torch(x, z, w, 1e-6)
+    assert got.dtype == dtype and got.shape == x.shape and got.is_contiguous()
     if dtype == torch.float32:
         assert torch.allclose(got, ref, rtol=1e-5, atol=1e-6)
     else:  # rounded where torch rounds; a sum in another order or exp's last bit may tip one rounding
@@ -57,6 +58,9 @@ def test_gated_rms_norm(n, h, d, dtype):
     assert not torch.allclose(gated_rms_norm_triton(x, -z, w, 1e-6).float(), got.float())
     assert not torch.allclose(gated_rms_norm_triton(x, z, w.flip(0), 1e-6).float(), got.float())
     assert not torch.allclose(gated_rms_norm_triton(x * 2 + 1, z, w, 1e-6).float(), got.float())
+    # [N * Hv, dv] rows: the same values
+    flat = gated_rms_norm_triton(x.reshape(n * h, d), z.reshape(n * h, d), w, 1e-6)
+    assert torch.equal(flat.view(n, h, d), got)
 
 
 def torch_conv_update(x, state, w):
@@ -309,6 +313,11 @@ def test_rows_routed_to_no_expert_add_nothing(grouped):
     live = reference_experts(x[~idle], ids[~idle], w[~idle], gu, dn)
     fn = moe_grouped_triton if grouped else moe_decode_triton
     extra = [moe_grouped_mm(x, routed, w, gu, dn)] if grouped and grouped_mm_supported(x, gu, dn) else []
+    if grouped:  # tiles of 128 too; the pair rows the grouped kernels leave unwritten (torch.empty)
+        # handed back NaN-filled, as the allocator recycles a freed block of the same size
+        poison = torch.full((t * k, h), float("nan"), device=DEV)
+        del poison
+        extra.append(moe_grouped_triton(x, routed, w, gu, dn, block_m=128))
     for got in (fn(x, routed, w, gu, dn), *extra, TorchExpertExecutor(gu, dn)._static(x, routed, w),
                 reference_experts(x, routed, w, gu, dn),
                 CpuExpertExecutor(gu.cpu(), dn.cpu()).kernel(x.cpu(), routed.cpu(), w.cpu()).to(DEV)):

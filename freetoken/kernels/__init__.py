@@ -26,7 +26,8 @@ def use_triton(t: torch.Tensor) -> bool:
 
 def prefill_kernels() -> bool:
     """Whether CUDA prefill takes the DeltaNet conv kernel (causal_conv.py), its output norm as one
-    kernel (rmsnorm.py gated_rms_norm_triton), the fused router on prompt chunks (router.py; decode
+    kernel (rmsnorm.py gated_rms_norm_triton; decode steps on CUDA take it too, their layer ending
+    in the same GatedDeltaNet._finish), the fused router on prompt chunks (router.py; decode
     batches always take it) and fused projections padded to 16-byte rows (model/layers.py
     FusedLinear): FREETOKEN_PREFILL_KERNELS=1. Off by
     default until their first GPU run (bench/device_plan.sh 123 measures them against the torch

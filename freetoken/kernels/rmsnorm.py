@@ -78,36 +78,47 @@ def add_rms_norm_triton(res: torch.Tensor, h: torch.Tensor, weight: torch.Tensor
 
 
 @triton.jit
-def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, R, D, eps, stride_x, stride_g,
+def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, R, NH, D, eps, sx_t, sx_h, sg_t, sg_h,
                            ROWS: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr, EMU: tl.constexpr):
-    """Program: ROWS rows of D. out = round(round(w * round(norm(x))) * silu(g)), silu in fp32."""
+    """Program: ROWS rows of D; row r is head r % NH of token r // NH (each input's own token and
+    head strides: the gate is a column slice of the fused in-projection, read in place).
+    out = round(round(w * round(norm(x))) * silu(g)), silu in fp32."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    tok, head = rows // NH, rows % NH
     cols = tl.arange(0, BLOCK)
     cm = cols < D
     m = (rows < R)[:, None] & cm[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + (tok * sx_t + head * sx_h)[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
     normed = x * tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
     w = tl.load(w_ptr + cols, mask=cm, other=0.0).to(tl.float32)
     o = round_to(w[None, :] * round_to(normed, DTYPE, EMU), DTYPE, EMU)
-    g = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + (tok * sg_t + head * sg_h)[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
     s = tl.div_rn(g, 1.0 + tl.exp(-g))  # silu(gate.float()): fp32, an exact divide as torch's
     tl.store(out_ptr + rows[:, None] * D + cols[None, :], round_to(o * s, DTYPE, EMU).to(DTYPE), mask=m)
 
 
+def _token_head(t: torch.Tensor):
+    """t [N, NH, D] or [N, D] with unit stride along D -> (t, token stride, head stride), copied
+    only where D is not contiguous."""
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    return (t, t.stride(0), t.stride(1)) if t.dim() == 3 else (t, t.stride(0), 0)
+
+
 def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """model.layers.gated_rms_norm (DeltaNet's output norm: w * norm(x) * silu(gate)) in one pass:
-    the torch form is about ten launches over fp32 copies of a [T, Hv, dv] tensor (plan 120's
-    32k-token profile: the largest share of its elementwise kernels). x, gate: [..., D] of one
-    dtype, weight [D] of it too -> [..., D] contiguous. Rounds where the torch form rounds."""
-    shape, d = x.shape, x.shape[-1]
-    x2, g2 = x.reshape(-1, d), gate.reshape(-1, d)
-    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-    g2 = g2 if g2.stride(-1) == 1 else g2.contiguous()
-    r = x2.shape[0]
-    out = torch.empty(r, d, dtype=x.dtype, device=x.device)
+    """model.layers.gated_rms_norm_torch (DeltaNet's output norm) in one pass: the torch form is about ten
+    launches over fp32 copies of a [T, Hv, dv] tensor (plan 120's 32k-token profile: the largest
+    share of its elementwise kernels). x, gate: [N, NH, D] or [N, D] of one dtype (any token and
+    head strides, D contiguous), weight [D] of it too -> x's shape, contiguous."""
+    assert x.shape == gate.shape and x.dim() in (2, 3), (tuple(x.shape), tuple(gate.shape))
+    d = x.shape[-1]
+    nh = x.shape[1] if x.dim() == 3 else 1
+    (x3, sx_t, sx_h), (g3, sg_t, sg_h) = _token_head(x), _token_head(gate)
+    r = x.shape[0] * nh
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     block = triton.next_power_of_2(d)
     rows = max(1, min(16, 4096 // block))  # about 4k elements a program: whole rows, a full block
     _gated_rms_norm_kernel[(triton.cdiv(r, rows),)](
-        x2, g2, weight, out, r, d, eps, x2.stride(0), g2.stride(0), ROWS=rows, BLOCK=block,
+        x3, g3, weight, out, r, nh, d, eps, sx_t, sx_h, sg_t, sg_h, ROWS=rows, BLOCK=block,
         DTYPE=tl_dtype(x.dtype), EMU=emu(x.dtype), num_warps=4, **NO_FMA)
-    return out.view(shape)
+    return out

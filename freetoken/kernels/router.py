@@ -28,6 +28,7 @@ def _route_kernel(logits_ptr, ids_ptr, w_ptr, E, stride_l, base,
     for j in tl.static_range(K):
         best = tl.max(p, axis=0)
         at = tl.min(tl.where(p == best, e, BLOCK_E), axis=0)  # lowest index among equals
+        at = tl.minimum(at, E - 1)  # a row of NaN logits matches nothing: an id in range, not past the layer
         vals = tl.where(ks == j, best, vals)
         idxs = tl.where(ks == j, at.to(tl.int64), idxs)
         p = tl.where(e == at, -1.0, p)

@@ -46,11 +46,19 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, one_center
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """DeltaNet output norm: w * norm(x) * silu(gate), norm before gate. On CUDA with
-    FREETOKEN_PREFILL_KERNELS=1 one kernel (kernels/rmsnorm.py), else the torch form (the reference)."""
-    if use_triton(x) and prefill_kernels() and x.dtype == gate.dtype == weight.dtype:
+    """DeltaNet output norm: w * norm(x) * silu(gate), norm before gate; x, gate [N, Hv, dv]. On
+    CUDA with FREETOKEN_PREFILL_KERNELS=1 one kernel (kernels/rmsnorm.py gated_rms_norm_triton;
+    prompt chunks and, since both end in GatedDeltaNet._finish, eager decode steps and the
+    graphs captured from them), else the torch form (gated_rms_norm_torch, the reference)."""
+    if use_triton(x) and prefill_kernels() and x.dtype == gate.dtype == weight.dtype and x.dim() == 3:
         from ..kernels.rmsnorm import gated_rms_norm_triton
         return gated_rms_norm_triton(x, gate, weight, eps)
+    return gated_rms_norm_torch(x, gate, weight, eps)
+
+
+def gated_rms_norm_torch(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The reference (and CPU path) of gated_rms_norm: rounded to x's dtype after the norm, after
+    the weight and at the end."""
     dtype = x.dtype
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
