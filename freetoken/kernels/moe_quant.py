@@ -363,7 +363,8 @@ def moe_quant_grouped_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.
     gb, db = _Bank(gate_up), _Bank(down)
     x = x.contiguous()
     h = torch.empty(tok.numel(), n_i, dtype=x.dtype, device=x.device)  # [S, I]
-    y = torch.zeros(t * k, n_h, dtype=x.dtype, device=x.device)  # each live pair's row is written once
+    # each live pair's row is written once; the others (ids < 0) stay unwritten and the sum skips them
+    y = torch.empty(t * k, n_h, dtype=x.dtype, device=x.device)
     dt, ieee = tl_dtype(x.dtype), x.dtype == torch.float32 or INTERPRET
     n_tiles = tile_expert.numel()
     act, alpha, limit = act_args(activation)
@@ -377,7 +378,7 @@ def moe_quant_grouped_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.
     _qg_down_kernel[lambda m: (n_tiles, triton.cdiv(n_h, m["BLOCK_N"]))](
         h, tok, dest, gate, tile_expert, db.v, db.s, db.s2, dnb, y, n_h, n_i, db.cs, *db.strides, db.rps,
         FMT=fmt, SB=sb, BLOCK_M=block_m, DTYPE=dt, IEEE=ieee, BIAS=down_bias is not None)
-    return y.view(t, k, n_h).sum(1)
+    return sum_pairs_triton(y, t, k, ids)
 
 
 def moe_quant_grouped_torch(x, ids, weights, gate_up, down, activation=None, gate_up_bias=None, down_bias=None):
