@@ -1278,8 +1278,8 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   step 60 prefill-12-before env FREETOKEN_PREFILL_KERNELS=0 python3 -m bench.prefill_stream --layers 12 \
     --lengths 8192,32768 --buffering double --no-resident --compute-pass --compute-subs 8192,32768 \
     --name prefill_stream-profile-noconv
-  FT_TAG=plan123 FT_PER_FILE=75 FT_K="causal_conv or moe_grouped or fused_linear or deltanet_layer or gated_rms or sum_pairs or no_expert or router" bash bench/device_tests.sh \
-    tests/test_kernels.py tests/test_layers.py > /dev/null
+  FT_TAG=plan123 FT_PER_FILE=75 FT_K="causal_conv or moe_grouped or fused_linear or deltanet_layer or gated_rms or sum_pairs or no_expert or router or grouped_kernel" bash bench/device_tests.sh \
+    tests/test_kernels.py tests/test_layers.py tests/test_quant_kernels.py > /dev/null
   step 150 prefill-40 python3 -m bench.prefill_stream --layers 40 --lengths 8192,32768 --buffering double \
     --resident-chunks 2048,8192 --compute-pass --compute-subs 8192 --mixer-subs 2048,8192 --profile --name prefill_stream-40l-conv
   step 60 grouped python3 -m bench.grouped_gemm --name grouped_gemm-m128  # tiles of 128 pairs against 64
@@ -1288,8 +1288,8 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   # prefill kernels' CUDA tests first, then the 12-layer rows with them and without, then the grouped
   # GEMM's tiles of 128 against 64. Carry .whl, .devcache/commit, .devcache/warm-cache.tgz.
   export FREETOKEN_PREFILL_KERNELS=1
-  FT_TAG=plan125 FT_PER_FILE=70 FT_K="causal_conv or moe_grouped or fused_linear or deltanet_layer or gated_rms or sum_pairs or no_expert or router" \
-    bash bench/device_tests.sh tests/test_kernels.py tests/test_layers.py > /dev/null
+  FT_TAG=plan125 FT_PER_FILE=70 FT_K="causal_conv or moe_grouped or fused_linear or deltanet_layer or gated_rms or sum_pairs or no_expert or router or grouped_kernel" \
+    bash bench/device_tests.sh tests/test_kernels.py tests/test_layers.py tests/test_quant_kernels.py > /dev/null
   step 60 prefill-12 python3 -m bench.prefill_stream --layers 12 --lengths 8192,32768 --buffering double \
     --no-resident --compute-pass --compute-subs 8192 --profile --name prefill_stream-profile-conv
   step 45 prefill-12-before env FREETOKEN_PREFILL_KERNELS=0 python3 -m bench.prefill_stream --layers 12 \
@@ -1300,8 +1300,8 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
 126) # ~200 s at most: plan 125 cut again (359 s of device time left after an hour of failed starts): the
   # new prefill kernels' CUDA tests and the 12-layer rows with them and without. Carry as plan 125.
   export FREETOKEN_PREFILL_KERNELS=1
-  FT_TAG=plan126 FT_PER_FILE=55 FT_K="causal_conv or moe_grouped or fused_linear or deltanet_layer or gated_rms or sum_pairs or no_expert or router" \
-    bash bench/device_tests.sh tests/test_kernels.py tests/test_layers.py > /dev/null
+  FT_TAG=plan126 FT_PER_FILE=55 FT_K="causal_conv or moe_grouped or fused_linear or deltanet_layer or gated_rms or sum_pairs or no_expert or router or grouped_kernel" \
+    bash bench/device_tests.sh tests/test_kernels.py tests/test_layers.py tests/test_quant_kernels.py > /dev/null
   step 50 prefill-12 python3 -m bench.prefill_stream --layers 12 --lengths 8192,32768 --buffering double \
     --no-resident --compute-pass --compute-subs 8192 --profile --name prefill_stream-profile-conv
   step 40 prefill-12-before env FREETOKEN_PREFILL_KERNELS=0 python3 -m bench.prefill_stream --layers 12 \
