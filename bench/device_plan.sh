@@ -88,6 +88,18 @@ step() {
   timeout "$limit" "$@" >> "$LOG" 2>&1
   echo "=== rc $? $name ($(date +%T))" >> "$LOG"
 }
+# prefill_kernel_rows TAG PER_FILE LIMIT_ON LIMIT_OFF: the prefill kernels' CUDA tests (each file
+# under PER_FILE s), then the 12-layer pass rows with FREETOKEN_PREFILL_KERNELS=1 (profiled) and =0
+prefill_kernel_rows() {
+  export FREETOKEN_PREFILL_KERNELS=1
+  FT_TAG=$1 FT_PER_FILE=$2 FT_K="causal_conv or moe_grouped or fused_linear or deltanet_layer or gated_rms or sum_pairs or no_expert or router or grouped_kernel" \
+    bash bench/device_tests.sh tests/test_kernels.py tests/test_layers.py tests/test_quant_kernels.py > /dev/null
+  step "$3" prefill-12 python3 -m bench.prefill_stream --layers 12 --lengths 8192,32768 --buffering double \
+    --no-resident --compute-pass --compute-subs 8192 --profile --name prefill_stream-profile-conv
+  step "$4" prefill-12-before env FREETOKEN_PREFILL_KERNELS=0 python3 -m bench.prefill_stream --layers 12 \
+    --lengths 8192,32768 --buffering double --no-resident --compute-pass --compute-subs 8192 \
+    --name prefill_stream-profile-noconv
+}
 # fixed_cost_rows TAG: issue 12's batch-1 rows with --fixed-cost (experts from cache beside the DRAM
 # rows), MXFP4 and NVFP4 at 6 and 16 threads, as cpu_experts-FORMAT-TAG-tTHREADS
 fixed_cost_rows() {
@@ -1287,26 +1299,12 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
 125) # ~280 s at most: plan 123 cut to fit what device time was left (no machine for an hour): the new
   # prefill kernels' CUDA tests first, then the 12-layer rows with them and without, then the grouped
   # GEMM's tiles of 128 against 64. Carry .whl, .devcache/commit, .devcache/warm-cache.tgz.
-  export FREETOKEN_PREFILL_KERNELS=1
-  FT_TAG=plan125 FT_PER_FILE=70 FT_K="causal_conv or moe_grouped or fused_linear or deltanet_layer or gated_rms or sum_pairs or no_expert or router or grouped_kernel" \
-    bash bench/device_tests.sh tests/test_kernels.py tests/test_layers.py tests/test_quant_kernels.py > /dev/null
-  step 60 prefill-12 python3 -m bench.prefill_stream --layers 12 --lengths 8192,32768 --buffering double \
-    --no-resident --compute-pass --compute-subs 8192 --profile --name prefill_stream-profile-conv
-  step 45 prefill-12-before env FREETOKEN_PREFILL_KERNELS=0 python3 -m bench.prefill_stream --layers 12 \
-    --lengths 8192,32768 --buffering double --no-resident --compute-pass --compute-subs 8192 \
-    --name prefill_stream-profile-noconv
+  prefill_kernel_rows plan125 70 60 45
   step 40 grouped python3 -m bench.grouped_gemm --tokens 2048,8192,32768 --reps 5 --name grouped_gemm-m128
   ;;
 126) # ~200 s at most: plan 125 cut again (359 s of device time left after an hour of failed starts): the
   # new prefill kernels' CUDA tests and the 12-layer rows with them and without. Carry as plan 125.
-  export FREETOKEN_PREFILL_KERNELS=1
-  FT_TAG=plan126 FT_PER_FILE=55 FT_K="causal_conv or moe_grouped or fused_linear or deltanet_layer or gated_rms or sum_pairs or no_expert or router or grouped_kernel" \
-    bash bench/device_tests.sh tests/test_kernels.py tests/test_layers.py tests/test_quant_kernels.py > /dev/null
-  step 50 prefill-12 python3 -m bench.prefill_stream --layers 12 --lengths 8192,32768 --buffering double \
-    --no-resident --compute-pass --compute-subs 8192 --profile --name prefill_stream-profile-conv
-  step 40 prefill-12-before env FREETOKEN_PREFILL_KERNELS=0 python3 -m bench.prefill_stream --layers 12 \
-    --lengths 8192,32768 --buffering double --no-resident --compute-pass --compute-subs 8192 \
-    --name prefill_stream-profile-noconv
+  prefill_kernel_rows plan126 55 50 40
   ;;
 124) # ~250 s at most, for the next: what plan 123 left for lack of device time, the production configs
   # against transformers on CUDA with the DeltaNet conv kernel and the padded projections, and the streamed
