@@ -1306,6 +1306,19 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   # new prefill kernels' CUDA tests and the 12-layer rows with them and without. Carry as plan 125.
   prefill_kernel_rows plan126 55 50 40
   ;;
+127) # ~520 s at most: plan 125 on a machine with no warm cache (the thirty-ninth session's checkout had
+  # none: every Triton kernel compiles on the device, so the rows get longer limits). Carry .whl and
+  # .devcache/commit.
+  prefill_kernel_rows plan127 70 170 100
+  step 60 grouped python3 -m bench.grouped_gemm --tokens 2048,8192,32768 --reps 5 --name grouped_gemm-m128
+  ;;
+128) # ~420 s at most: plan 123's 40-layer rows alone (streamed, resident pass, resident chunks of 2,048
+  # and 8,192, profiled: is a 2,048-token chunk host-bound?), the kernels on. May need the H200 (the
+  # pool twice in VRAM, plan 121). Carry .whl, .devcache/commit (and the warm cache plan 127 returned).
+  export FREETOKEN_PREFILL_KERNELS=1
+  step 400 prefill-40 python3 -m bench.prefill_stream --layers 40 --lengths 8192,32768 --buffering double \
+    --resident-chunks 2048,8192 --compute-pass --compute-subs 8192 --mixer-subs 2048,8192 --profile --name prefill_stream-40l-conv
+  ;;
 124) # ~250 s at most, for the next: what plan 123 left for lack of device time, the production configs
   # against transformers on CUDA with the DeltaNet conv kernel and the padded projections, and the streamed
   # pass against the resident path. Carry .whl, .devcache/commit, .devcache/warm-cache.tgz.
@@ -1313,7 +1326,7 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   FT_TAG=plan124 FT_PER_FILE=100 bash bench/device_tests.sh tests/test_gpu_production.py > /dev/null
   FT_TAG=plan124 FT_PER_FILE=140 FT_K="cuda and equals_resident" bash bench/device_tests.sh tests/test_prefill_stream.py > /dev/null
   ;;
-*) echo "stage 0 to 126"; exit 2 ;;
+*) echo "stage 0 to 128"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole
