@@ -133,3 +133,33 @@ def test_short_prompts_further_on_go_whole_in_arrival_order_too():
     assert [(r.id, a, b) for r, a, b in s.schedule(prefill_budget=4).prefill] == [(long.id, 0, 4)]
     assert [(r.id, a, b) for r, a, b in s.schedule(prefill_budget=4, short_whole=True).prefill] == \
         [(long.id, 0, 4), (short.id, 0, 6)]  # past the spent budget, whole
+
+
+def test_an_idle_step_takes_its_own_budget_until_a_stream_decodes():
+    """idle_tokens: a step in which nothing decodes (and no latency budget is set) prefills up to
+    it, one request's chunk included; once a row decodes, the step budget and the chunk hold again."""
+    s = Scheduler(slots=2, max_queue=2, chunk=4, step_tokens=6, idle_tokens=16)
+    a, b = req(40), req(3)
+    s.add(a)
+    batch = s.schedule()
+    assert [(st, en) for _, st, en in batch.prefill] == [(0, 16)]  # past chunk and step budget
+    a.computed = 16
+    # a latency budget set by the runtime: the ordinary step's rules (its chunk of 4 here)
+    assert [(st, en) for _, st, en in s.schedule(prefill_budget=5).prefill] == [(16, 20)]
+    s.add(b)
+    batch = s.schedule()
+    assert [(r.id, st, en) for r, st, en in batch.prefill] == [(b.id, 0, 3), (a.id, 16, 29)]  # 16 in all
+    b.computed = 3
+    b.output_ids.append(1)  # b decodes now: the step's budget (6 - 1 row) and the chunk of 4 again
+    batch = s.schedule()
+    assert batch.decode == [b] and [(st, en) for _, st, en in batch.prefill] == [(16, 20)]
+
+
+def test_idle_tokens_follow_the_step_budget_unless_set():
+    s = Scheduler(slots=1, max_queue=1, chunk=8, step_tokens=6)
+    assert s.idle_tokens == 6
+    s.step_tokens = 3  # as tests and benchmarks change it after construction
+    assert s.idle_tokens == 3
+    a = req(20)
+    s.add(a)
+    assert [(st, en) for _, st, en in s.schedule().prefill] == [(0, 3)]

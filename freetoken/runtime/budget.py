@@ -109,18 +109,47 @@ def work_bytes(cfg: ModelConfig, chunk: int, slots: int, dtype) -> int:
     return chunk * per_token + logits + 256 * (1 << 20)
 
 
+# prompt tokens an idle step may take on CUDA with the experts in VRAM (--idle-step-tokens auto),
+# largest first. Why: a 2,048-token chunk's forward is bound by host launch time, not by the GPU:
+# the Qwen3.6 shape's 40 layers all in VRAM prefilled 8k / 32k prompts at 11.0k / 11.1k tok/s in
+# chunks of 2,048 against 29.9k / 25.3k in chunks of 8,192 (H100, benchmarks/results/
+# prefill_stream-40l-resident-h100-gpu.json, the resident rows).
+IDLE_CANDIDATES = (8192, 4096)
+# the share of the KV pool a larger idle chunk's work buffers may take from it (auto)
+IDLE_KV_SHARE = 1 / 8
+
+
+def idle_step_tokens(plan_for, base: "MemoryPlan", base_chunk: int, step_tokens: int) -> tuple[int, "MemoryPlan"]:
+    """--idle-step-tokens auto: (tokens, plan). plan_for(n) -> the memory plan with work buffers for
+    a step of n prompt tokens (raising FreeTokenError where it does not fit); base: the plan for
+    base_chunk. The largest IDLE_CANDIDATES chunk above the step budget whose extra work buffers
+    take at most IDLE_KV_SHARE of base's KV pool and leave the expert cache its slots; else
+    (the larger of step_tokens and base_chunk, base): base has room for base_chunk already."""
+    for c in IDLE_CANDIDATES:
+        if c <= max(step_tokens, base_chunk):
+            break
+        try:
+            plan = plan_for(c)
+        except FreeTokenError:
+            continue
+        if plan.expert_slots >= base.expert_slots and base.kv - plan.kv <= IDLE_KV_SHARE * base.kv:
+            return c, plan
+    return max(step_tokens, base_chunk), base
+
+
 def plan_memory(cfg: ModelConfig, device: torch.device, dtype, budget: int, weights: int, slots: int,
                 max_len: int, chunk: int, page_size: int, checkpoint_slots: int, kv_tokens: int = 0,
                 expert_slot_bytes: int = 0, num_experts: int = 0, expert_cache: str = "",
-                prefill_pass: int = 0, sliding: str = "window") -> MemoryPlan:
+                prefill_pass: int = 0, sliding: str = "window", work_chunk: int = 0) -> MemoryPlan:
     """Size everything before allocating any of it. kv_tokens 0: what is left, up to every
     slot's full context. expert_slot_bytes (the GPU expert cache): its slots come before the KV
     pool (what `expert_cache` asks, else all but one full context of KV, at most num_experts).
     prefill_pass: bytes reserved for a streamed prefill pass's activations, capped at a tenth of
     what is left after the fixed parts (the pass then takes fewer tokens, never the KV's room).
     sliding: "window" keeps sliding-window layers in per-slot rings (model/state.py), out of the
-    pool's pages and into the slots' state."""
-    work = work_bytes(cfg, chunk, slots, dtype)
+    pool's pages and into the slots' state. work_chunk: the work buffers are sized for the larger
+    of it and chunk (a prompt step on an idle engine: --idle-step-tokens); the rings for chunk."""
+    work = work_bytes(cfg, max(chunk, work_chunk), slots, dtype)
     if torch.device(device).type == "cuda" and page_gather.ENABLED and getattr(cfg, "num_kv_heads", 0):
         # the prefill attention's kept gather buffers (kernels/page_gather.py): one context's K and V
         work += page_gather.workspace_bytes(cfg.num_kv_heads, cfg.head_dim, max_len + page_size, dtype)
@@ -136,7 +165,7 @@ def plan_memory(cfg: ModelConfig, device: torch.device, dtype, budget: int, weig
         raise FreeTokenError(
             f"the model does not fit in {gb(budget)} on {device}: weights {gb(weights)}, work buffers "
             f"{gb(work)}, recurrent state {gb(state)}, checkpoints {gb(ckpt)}; raise --vram-budget, or "
-            "lower --max-batch / --prefill-chunk / --checkpoint-budget, or keep the experts on the host "
+            "lower --max-batch / --prefill-chunk / --idle-step-tokens / --checkpoint-budget, or keep the experts on the host "
             "(--experts cpu)")
     full = slots * -(-max_len // page_size) + 1  # every slot's whole context, and the scratch page
     cache_slots = 0

@@ -23,7 +23,7 @@ from ..cache.config import CacheConfig
 from ..errors import FreeTokenError
 from ..experts import split_experts
 from ..model.state import DecodeState, checkpoint_state_bytes, ring_layers, window_layers
-from .budget import plan_memory
+from .budget import idle_step_tokens, plan_memory
 from .decode_runner import DecodeRunner
 from .gcwatch import GcWatch
 from .grammar import GrammarRunner
@@ -60,11 +60,16 @@ class EngineLoop:
         ex = engine.executor
         slots = ex if getattr(ex, "pool", 0) is None else None  # a GPU expert cache still to size
         weights = engine.weight_bytes + getattr(engine, "prefill_graph_bytes", 0)  # the prefill graphs' pool too
-        self.plan = plan_memory(cfg, engine.device, engine.dtype, engine.budget, weights, max_batch,
-                                engine.max_len, ecfg.prefill_chunk, page_size, ckpt,
-                                ecfg.kv_cache_tokens if kv_tokens is None else kv_tokens,
-                                slots.slot_bytes if slots else 0, slots.num_experts if slots else 0,
-                                ecfg.expert_cache, self._pass_reserve(engine), ecfg.sliding_kv)
+        reserve = self._pass_reserve(engine)
+
+        def plan_for(work_chunk: int):
+            return plan_memory(cfg, engine.device, engine.dtype, engine.budget, weights, max_batch,
+                               engine.max_len, ecfg.prefill_chunk, page_size, ckpt,
+                               ecfg.kv_cache_tokens if kv_tokens is None else kv_tokens,
+                               slots.slot_bytes if slots else 0, slots.num_experts if slots else 0,
+                               ecfg.expert_cache, reserve, ecfg.sliding_kv, work_chunk=work_chunk)
+        step_tokens = ecfg.max_step_tokens or (2048 if engine.device.type == "cuda" else 512)
+        self.plan, self.idle_tokens = self._idle_plan(engine, plan_for, step_tokens)
         if slots is not None:
             slots.allocate(self.plan.expert_slots)
         self.max_len = min(engine.max_len, self.plan.kv_tokens)
@@ -79,7 +84,6 @@ class EngineLoop:
         self.kv = KVSpace(self.state, self.cache)
         self.decode = self._decode_runner(engine)
         self.mixed = self.decode.path == "eager"  # decode rows and prompt chunks share a forward
-        step_tokens = ecfg.max_step_tokens or (2048 if engine.device.type == "cuda" else 512)
         chunk = ecfg.prefill_chunk
         # ---- issue 11: with the experts streamed per pass (--moe cache), a prompt's chunk is a whole
         # pass, and it runs alone (a mixed forward would run its mixers over the pass at once)
@@ -91,8 +95,10 @@ class EngineLoop:
             # layer's routed experts again for 2 tokens; H200, 264ce62)
             step_tokens = max(step_tokens, chunk + max_batch)
             self.mixed = False
+            self.idle_tokens = step_tokens
         # ---- end issue 11
-        self.sched = Scheduler(max_batch, max_queue, chunk, step_tokens)
+        self.sched = Scheduler(max_batch, max_queue, chunk, step_tokens,
+                               idle_tokens=self.idle_tokens if self.idle_tokens != step_tokens else 0)
         self.slowdown = ecfg.decode_slowdown
         # decode steps between a prefill forward's layers: where decode is its own forward
         # (graphs), on the CPU, or on eager CUDA steps with --decode-between-layers on; eager
@@ -193,6 +199,24 @@ class EngineLoop:
         self.grammar = GrammarRunner(engine.tokenizer, cfg.vocab_size, engine.eos_ids, engine.device)
 
     @staticmethod
+    def _idle_plan(engine, plan_for, step_tokens: int):
+        """(memory plan, prompt tokens of a step while nothing decodes): --idle-step-tokens, or auto
+        (budget.idle_step_tokens: larger on CUDA with the experts in VRAM, the step budget elsewhere:
+        a CPU forward's prompt chunk holds every request that arrives meanwhile for its whole length,
+        and a streamed pass has its own size). The plan's work buffers are sized for the larger of
+        --prefill-chunk and it."""
+        ecfg = engine.ecfg
+        if ecfg.idle_step_tokens:
+            idle = ecfg.idle_step_tokens
+            return plan_for(max(ecfg.prefill_chunk, idle)), idle
+        base = plan_for(ecfg.prefill_chunk)
+        if (engine.device.type != "cuda" or engine.experts_on != "gpu" or ecfg.max_step_tokens
+                or getattr(engine, "prefill_stream", None) is not None):
+            return base, step_tokens
+        idle, plan = idle_step_tokens(plan_for, base, ecfg.prefill_chunk, step_tokens)
+        return plan, idle
+
+    @staticmethod
     def _pass_reserve(engine) -> int:
         """Bytes the plan keeps for a streamed prefill pass (--moe cache on CUDA): a pass of
         up to MAX_PASS_TOKENS (or the context) streams every expert once for that many tokens,
@@ -252,7 +276,8 @@ class EngineLoop:
         """Engine.describe() plus the loop's own choices, for the banner, /health, /metrics."""
         return {**self.engine.describe(), "context": self.max_len, "decode_path": self.decode.path,
                 "eager_reason": self.eager_reason, "max_batch": self.state.slots,
-                "max_step_tokens": self.sched.step_tokens, "prefix_cache": self.cache is not None,
+                "max_step_tokens": self.sched.step_tokens, "idle_step_tokens": self.sched.idle_tokens,
+                "prefix_cache": self.cache is not None,
                 "decode_between_layers": self.between.enabled, "decode_overlap": self.overlap is not None,
                 "memory_plan": self.plan.to_dict(),
                 # sliding-window layers: in per-slot rings of ring_pages pages, or in the pool

@@ -10,7 +10,9 @@ prefilled gets its first token after one step instead of after the whole long pr
 
 The runtime may lower the prefill budget of a step (to keep decoding streams' inter-token
 latency bounded) and may preempt a request when KV pages run out: preempt() puts it back at
-the head of the queue, to be recomputed from its tokens when a slot frees up.
+the head of the queue, to be recomputed from its tokens when a slot frees up. A step in which
+nothing decodes may take a budget of its own (idle_tokens): on CUDA a prompt chunk of 2,048
+tokens is bound by host launch time, and with no stream waiting a larger one costs no one.
 """
 from __future__ import annotations
 
@@ -40,9 +42,12 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, slots: int, max_queue: int, chunk: int, step_tokens: int = 0, order: str = "shortest"):
+    def __init__(self, slots: int, max_queue: int, chunk: int, step_tokens: int = 0, order: str = "shortest",
+                 idle_tokens: int = 0):
         """chunk: most tokens of one request per step; step_tokens: token budget of a step
-        (decode rows + prefill chunks; 0: one chunk); order: which prompts prefill first."""
+        (decode rows + prefill chunks; 0: one chunk); order: which prompts prefill first;
+        idle_tokens: the prompt tokens of a step in which nothing decodes and the runtime sets no
+        latency budget, one request's chunk included (0: step_tokens and chunk as any step)."""
         if order not in ORDERS:
             raise ValueError(f"prefill order must be one of {ORDERS}, got {order!r}")
         self.free = list(range(slots))  # lowest slot first keeps the decode batch compact
@@ -50,7 +55,12 @@ class Scheduler:
         self.running: dict[int, Request] = {}  # slot -> request
         self.max_queue, self.chunk = max_queue, chunk
         self.step_tokens = step_tokens or chunk
+        self.idle = idle_tokens  # 0: follow step_tokens (which callers may change)
         self.order = order
+
+    @property
+    def idle_tokens(self) -> int:
+        return self.idle or self.step_tokens
 
     def add(self, req: Request) -> None:
         # free slots absorb arrivals the engine thread has not scheduled yet
@@ -88,7 +98,9 @@ class Scheduler:
                 prefilling.append(req)
             else:
                 b.decode.append(req)
-        budget = self.step_tokens - len(b.decode)
+        idle = not b.decode and prefill_budget is None and self.idle_tokens != self.step_tokens
+        budget = self.idle_tokens if idle else self.step_tokens - len(b.decode)
+        chunk = max(self.chunk, self.idle_tokens) if idle else self.chunk
         if prefill_budget is not None:
             budget = min(budget, prefill_budget)
         if not b.decode:
@@ -97,10 +109,10 @@ class Scheduler:
             prefilling.sort(key=lambda r: (r.prefill_end - r.computed, r.arrival))
         else:
             prefilling.sort(key=lambda r: r.arrival)
-        room = self.step_tokens - len(b.decode)  # the step's own budget, past the latency one
+        room = budget if idle else self.step_tokens - len(b.decode)  # the step's own budget, past the latency one
         for req in prefilling:
             rest = req.prefill_end - req.computed
-            if short_whole and rest > budget and req.prefill_end <= min(room, self.chunk):
+            if short_whole and rest > budget and req.prefill_end <= min(room, chunk):
                 b.prefill.append((req, req.computed, req.prefill_end))
                 room -= rest
                 budget = 0  # the latency budget is spent: long prompts wait for the next step
@@ -109,7 +121,7 @@ class Scheduler:
                 if short_whole:
                     continue  # a short prompt further on may still go whole (arrival order)
                 break
-            end = min(req.prefill_end, req.computed + self.chunk, req.computed + budget)
+            end = min(req.prefill_end, req.computed + chunk, req.computed + budget)
             b.prefill.append((req, req.computed, end))
             budget -= end - req.computed
             room -= end - req.computed
