@@ -1319,6 +1319,13 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   step 400 prefill-40 python3 -m bench.prefill_stream --layers 40 --lengths 8192,32768 --buffering double \
     --resident-chunks 2048,8192 --compute-pass --compute-subs 8192 --mixer-subs 2048,8192 --profile --name prefill_stream-40l-conv
   ;;
+129) # ~300 s at most: --idle-step-tokens (new) on the Qwen3.6 shape's 40 layers, experts in VRAM: a long
+  # prompt's TTFT through the serving loop with nothing else decoding, steps of 2,048 (the old
+  # behaviour), 4,096, 8,192 and auto (what the memory plan allows on this card), 8k and 32k prompts.
+  # Carry .whl and .devcache/commit.
+  step 300 idle-prefill python3 -m bench.idle_prefill --full-size --layers 40 --lengths 8192,32768 \
+    --idle 2048,4096,8192,auto --reps 2 --name idle_prefill-40l
+  ;;
 124) # ~250 s at most, for the next: what plan 123 left for lack of device time, the production configs
   # against transformers on CUDA with the DeltaNet conv kernel and the padded projections, and the streamed
   # pass against the resident path. Carry .whl, .devcache/commit, .devcache/warm-cache.tgz.
@@ -1326,7 +1333,7 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   FT_TAG=plan124 FT_PER_FILE=100 bash bench/device_tests.sh tests/test_gpu_production.py > /dev/null
   FT_TAG=plan124 FT_PER_FILE=140 FT_K="cuda and equals_resident" bash bench/device_tests.sh tests/test_prefill_stream.py > /dev/null
   ;;
-*) echo "stage 0 to 128"; exit 2 ;;
+*) echo "stage 0 to 129"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole

@@ -111,13 +111,22 @@ def run(ftw, **kw):
 def test_the_loop_prefills_in_idle_steps_with_the_same_tokens(ftw):
     plain, plain_steps, plain_idle = run(ftw)
     idle, idle_steps, n = run(ftw, idle_step_tokens=64)
-    assert plain_idle == 24  # auto on the CPU: the step budget
+    assert plain_idle == 24  # auto with --max-step-tokens given: the step budget
     assert n == 64
     assert idle == plain
     assert plain_steps[:7] == [16] * 6 + [4]  # the first prompt, alone, in --prefill-chunk's 16
     assert idle_steps[:2] == [64, 36]  # alone: steps of 64, past --prefill-chunk's 16
     # the second prompt arrives while the first decodes: the step budget less the decode row
     assert max(idle_steps[2:]) <= 23
+
+
+def test_auto_on_the_cpu_is_the_prefill_chunk(ftw):
+    eng = Engine(ftw, EngineConfig(device="cpu", dtype="float32", prefill_chunk=300))
+    d = ServingEngine(eng, max_batch=2, max_queue=4, start=False).describe()
+    assert (d["max_step_tokens"], d["idle_step_tokens"]) == (512, 512)  # the larger of the two
+    eng = Engine(ftw, EngineConfig(device="cpu", dtype="float32", prefill_chunk=900))
+    d = ServingEngine(eng, max_batch=2, max_queue=4, start=False).describe()
+    assert (d["max_step_tokens"], d["idle_step_tokens"]) == (512, 900)
 
 
 def test_a_negative_idle_budget_is_refused():

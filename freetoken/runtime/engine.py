@@ -109,14 +109,14 @@ class EngineConfig:
                 "(0: what the budget leaves, up to every batch slot's full context)"})
     max_step_tokens: int = field(default=0, metadata={
         "help": "tokens one engine step may process: decode rows plus prompt chunks of one or more "
-                "requests (0: 512 on the CPU, 2048 on CUDA)"})
+                "requests (0: 512 on the CPU, 2048 on CUDA; a step in which nothing decodes: --idle-step-tokens)"})
     idle_step_tokens: int = field(default=0, metadata={
         "help": "prompt tokens a step may take while no stream decodes, one prompt's chunk included (0: auto: "
-                "on CUDA with the experts in VRAM and --max-step-tokens unset, the largest of 8192 and 4096 whose "
-                "work buffers take at most an eighth of the KV pool, else the step budget). A 2,048-token "
-                "chunk's forward is bound by host launch time there: a long prompt alone prefilled 2.3-2.7x faster "
-                "in chunks of 8,192 (the Qwen3.6 shape on an H100); while streams decode, --max-step-tokens "
-                "and --decode-slowdown bound the step as before"})
+                "the step budget where --max-step-tokens is given or with --moe cache; on CUDA with the experts "
+                "in VRAM the largest of 8192 and 4096 whose work buffers take at most an eighth of the KV pool "
+                "(a 2,048-token chunk's forward is bound by host launch time there: the Qwen3.6 shape prefilled "
+                "2.3-2.7x faster in chunks of 8,192 on an H100); elsewhere --prefill-chunk). While streams decode, "
+                "--max-step-tokens and --decode-slowdown bound the step as before"})
     decode_slowdown: float = field(default=1.5, metadata={
         "help": "while streams decode, prompt work is paced so their inter-token gap is at most about "
                 "this many times a plain decode step: decode steps run between a prompt forward's layers "

@@ -200,19 +200,22 @@ class EngineLoop:
 
     @staticmethod
     def _idle_plan(engine, plan_for, step_tokens: int):
-        """(memory plan, prompt tokens of a step while nothing decodes): --idle-step-tokens, or auto
-        (budget.idle_step_tokens: larger on CUDA with the experts in VRAM, the step budget elsewhere:
-        a CPU forward's prompt chunk holds every request that arrives meanwhile for its whole length,
-        and a streamed pass has its own size). The plan's work buffers are sized for the larger of
-        --prefill-chunk and it."""
+        """(memory plan, prompt tokens of a step while nothing decodes): --idle-step-tokens, or auto:
+        the step budget where --max-step-tokens is given or prompts stream in passes (a pass has its
+        own size); on CUDA with the experts in VRAM budget.idle_step_tokens (8192 or 4096 where the
+        KV pool can spare the work buffers); elsewhere --prefill-chunk, whose work buffers the plan
+        holds anyway (the CPU: 512-token steps read every expert of every layer four times as often
+        as one 2,048-token chunk; short prompts that arrive meanwhile still jump in between its
+        layers). The plan's work buffers are sized for the larger of --prefill-chunk and the step."""
         ecfg = engine.ecfg
         if ecfg.idle_step_tokens:
             idle = ecfg.idle_step_tokens
             return plan_for(max(ecfg.prefill_chunk, idle)), idle
         base = plan_for(ecfg.prefill_chunk)
-        if (engine.device.type != "cuda" or engine.experts_on != "gpu" or ecfg.max_step_tokens
-                or getattr(engine, "prefill_stream", None) is not None):
+        if ecfg.max_step_tokens or getattr(engine, "prefill_stream", None) is not None:
             return base, step_tokens
+        if engine.device.type != "cuda" or engine.experts_on != "gpu":
+            return base, max(step_tokens, ecfg.prefill_chunk)
         idle, plan = idle_step_tokens(plan_for, base, ecfg.prefill_chunk, step_tokens)
         return plan, idle
 
