@@ -290,3 +290,22 @@ def test_float32_calls_over_bf16_banks_keep_the_cpp_kernel_while_experts_get_few
     assert f32.torch_path(x, ids)  # no widening: the float threshold
     # and a chunk past the float threshold through the kernel equals the reference (fp32)
     assert rel(ex.launch(x, ids, w, phase="prefill").out, reference_experts(x, ids, w, gu.float(), dn.float())) < 2e-6
+
+
+@pytest.mark.parametrize("h,i", [(64, 32), (136, 22), (2048 // 16, 40)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_blocks_give_the_per_token_bits(h, i, dtype):
+    """A prompt chunk's tokens routed to one expert go through the kernels four at a time
+    (dot4x4_*: each weight vector widened once for four tokens); every output equals, bit for
+    bit, what the same token gets in a call of its own (one token a call: the per-token
+    kernels), with float and bf16 activations, row and column tails included."""
+    n, k, t = 6, 3, 23  # few experts: each gets ~11 of the tokens, blocks of four and a remainder
+    gu, dn = banks(n, h, i, dtype, seed=h * i)
+    ex = CpuExpertExecutor(gu, dn, threads=2)
+    x, ids, w = inputs(t, h, k, n, seed=7)
+    for act in (x, x.bfloat16()):
+        whole = ex.kernel(act, ids, w)
+        alone = torch.cat([ex.kernel(act[r:r + 1], ids[r:r + 1], w[r:r + 1]) for r in range(t)])
+        assert torch.equal(whole, alone)
+        ref = reference_experts(act.float(), ids, w, gu.float(), dn.float())
+        assert rel(whole, ref) < (2e-2 if act.dtype == torch.bfloat16 else 2e-6)

@@ -266,6 +266,72 @@ __attribute__((target("avx512f,avx512bf16"), noclone)) void dot4_bf16dp(const ui
     for (int j = 0; j < 4; ++j) out[j] += bf16_to_f32(w[j * stride + i]) * bf16_to_f32(xb[i]);
 }
 
+// Four rows against four activation rows at once (a prompt chunk's tokens routed to one expert):
+// each weight vector is loaded and widened once for four tokens instead of once per token, 16
+// accumulators in registers. Every (row, token) dot keeps dot4_avx512's per-lane order and its
+// reduction, so the results are dot4's bit for bit (test_token_blocks_give_the_per_token_bits).
+// out[j][t]: row j against xs[t].
+template <typename W>
+__attribute__((target("avx512f"), noclone)) void dot4x4_avx512(const W* w, int64_t stride, const float* const* xs,
+                                                      int len, float (*out)[4], const W* next = nullptr) {
+  __m512 a[4][4];
+  for (int j = 0; j < 4; ++j)
+    for (int t = 0; t < 4; ++t) a[j][t] = _mm512_setzero_ps();
+  int i = 0;
+  for (; i + 16 <= len; i += 16) {
+    if (sizeof(W) == 4 || (i & 31) == 0) prefetch4(next, stride, i);
+    const __m512 w0 = load16(w + i), w1 = load16(w + stride + i), w2 = load16(w + 2 * stride + i),
+                 w3 = load16(w + 3 * stride + i);
+    for (int t = 0; t < 4; ++t) {
+      const __m512 xv = _mm512_loadu_ps(xs[t] + i);
+      a[0][t] = _mm512_fmadd_ps(w0, xv, a[0][t]);
+      a[1][t] = _mm512_fmadd_ps(w1, xv, a[1][t]);
+      a[2][t] = _mm512_fmadd_ps(w2, xv, a[2][t]);
+      a[3][t] = _mm512_fmadd_ps(w3, xv, a[3][t]);
+    }
+  }
+  for (int j = 0; j < 4; ++j)
+    for (int t = 0; t < 4; ++t) out[j][t] = _mm512_reduce_add_ps(a[j][t]);
+  for (; i < len; ++i)
+    for (int t = 0; t < 4; ++t)
+      for (int j = 0; j < 4; ++j) out[j][t] += load1(w + j * stride, i) * xs[t][i];
+}
+
+// The same with bf16 activations through VDPBF16PS (dot4_bf16dp's order and reduction).
+__attribute__((target("avx512f,avx512bf16"), noclone)) void dot4x4_bf16dp(const uint16_t* w, int64_t stride,
+                                                                const uint16_t* const* xs, int len,
+                                                                float (*out)[4], const uint16_t* next = nullptr) {
+  __m512 a[4][4];
+  for (int j = 0; j < 4; ++j)
+    for (int t = 0; t < 4; ++t) a[j][t] = _mm512_setzero_ps();
+  int i = 0;
+  for (; i + 32 <= len; i += 32) {
+    prefetch4(next, stride, i);
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + i), w1 = (__m512bh)_mm512_loadu_si512(w + stride + i),
+                   w2 = (__m512bh)_mm512_loadu_si512(w + 2 * stride + i),
+                   w3 = (__m512bh)_mm512_loadu_si512(w + 3 * stride + i);
+    for (int t = 0; t < 4; ++t) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(xs[t] + i);
+      a[0][t] = _mm512_dpbf16_ps(a[0][t], w0, xv);
+      a[1][t] = _mm512_dpbf16_ps(a[1][t], w1, xv);
+      a[2][t] = _mm512_dpbf16_ps(a[2][t], w2, xv);
+      a[3][t] = _mm512_dpbf16_ps(a[3][t], w3, xv);
+    }
+  }
+  for (int j = 0; j < 4; ++j)
+    for (int t = 0; t < 4; ++t) out[j][t] = _mm512_reduce_add_ps(a[j][t]);
+  for (; i < len; ++i)
+    for (int t = 0; t < 4; ++t)
+      for (int j = 0; j < 4; ++j) out[j][t] += bf16_to_f32(w[j * stride + i]) * bf16_to_f32(xs[t][i]);
+}
+
+// Four tokens at a time where an expert has them (FREETOKEN_CPU_TOKEN_BLOCK=0: one at a time, for
+// an A/B run of bench/cpu_experts.py; the results are the same bits either way).
+static const bool g_token_block = [] {
+  const char* v = std::getenv("FREETOKEN_CPU_TOKEN_BLOCK");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}();
+
 enum Isa { SCALAR = 0, AVX2 = 1, AVX512 = 2, AVX512_BF16 = 3 };
 
 Isa detect() {
@@ -1061,6 +1127,7 @@ struct Executor {
     const int nt = pool.size();
     constexpr int RB = 16;  // rows per work unit
     const int ib = (I + RB - 1) / RB;
+    const bool quad = g_token_block && isa >= AVX512;  // 4-token blocks (dot4x4_*) where a group has them
     // phase 1: gate and up rows of every selected expert
     Share sh1, sh2;
     pool.run([&](int tid) {
@@ -1079,6 +1146,31 @@ struct Executor {
           // the gate (and up) block read next: 4 rows on, or the next unit's first
           const W* nx_ = r + 4 < r1 ? wg + int64_t(r + 4) * H : (u + 1 < u1 ? gate_rows(u + 1) : nullptr);
           for (int q = starts[g]; q < starts[g + 1]; ++q) {
+            if (nr == 4 && quad && starts[g + 1] - q >= 4) {  // four of the expert's tokens at once
+              const W* nx = q == starts[g] ? nx_ : nullptr;
+              float g44[4][4], v44[4][4];
+              if (dp) {
+                const uint16_t* xs[4];
+                for (int t = 0; t < 4; ++t) xs[t] = xb.data() + int64_t(order[q + t] / K) * H;
+                auto nb = reinterpret_cast<const uint16_t*>(nx);
+                dot4x4_bf16dp(reinterpret_cast<const uint16_t*>(wg) + int64_t(r) * H, H, xs, H, g44, nb);
+                dot4x4_bf16dp(reinterpret_cast<const uint16_t*>(wg) + int64_t(I + r) * H, H, xs, H, v44,
+                              nb ? nb + int64_t(I) * H : nullptr);
+              } else {
+                const float* xs[4];
+                for (int t = 0; t < 4; ++t) xs[t] = x + int64_t(order[q + t] / K) * H;
+                dot4x4_avx512(wg + int64_t(r) * H, H, xs, H, g44, nx);
+                dot4x4_avx512(wg + int64_t(I + r) * H, H, xs, H, v44, nx ? nx + int64_t(I) * H : nullptr);
+              }
+              for (int t = 0; t < 4; ++t)
+                for (int j = 0; j < 4; ++j) {
+                  const float hv = plain ? silu(g44[j][t]) * v44[j][t] : fn.h(e, I, r + j, g44[j][t], v44[j][t]);
+                  h[size_t(q + t) * I + r + j] = hv;
+                  if (dp) hb[size_t(q + t) * I + r + j] = f32_to_bf16(hv);
+                }
+              q += 3;
+              continue;
+            }
             const int tok = order[q] / K;
             if (nr == 4) {
               // the next block once per group: later tokens re-read this one from L1
@@ -1131,6 +1223,28 @@ struct Executor {
                            : g + 1 < G ? dn + ids[order[starts[g + 1]]] * int64_t(H) * I + int64_t(r0) * I
                            : blk + 1 < b1 ? dn + ids[order[starts[0]]] * int64_t(H) * I + int64_t(r1) * I : nullptr;
             for (int q = starts[g]; q < starts[g + 1]; ++q) {
+              if (nr == 4 && quad && starts[g + 1] - q >= 4) {  // four pairs at once, added in order
+                const W* nx = q == starts[g] ? nx_ : nullptr;
+                float d44[4][4];
+                if (dp) {
+                  const uint16_t* hs[4];
+                  for (int t = 0; t < 4; ++t) hs[t] = hb.data() + size_t(q + t) * I;
+                  dot4x4_bf16dp(reinterpret_cast<const uint16_t*>(wd) + int64_t(r) * I, I, hs, I, d44,
+                                reinterpret_cast<const uint16_t*>(nx));
+                } else {
+                  const float* hs[4];
+                  for (int t = 0; t < 4; ++t) hs[t] = h.data() + size_t(q + t) * I;
+                  dot4x4_avx512(wd + int64_t(r) * I, I, hs, I, d44, nx);
+                }
+                for (int t = 0; t < 4; ++t) {
+                  const int tok = order[q + t] / K;
+                  const float wq = gw[order[q + t]];
+                  for (int j = 0; j < 4; ++j)
+                    out[int64_t(tok) * H + r + j] += wq * (plain ? d44[j][t] : fn.y(e, H, r + j, d44[j][t]));
+                }
+                q += 3;
+                continue;
+              }
               const int tok = order[q] / K;
               const float wq = gw[order[q]];
               if (nr == 4) {
