@@ -241,6 +241,8 @@ def main():
             row["int8_vs_read_bw"] = round(row["cpp_int8_gbs"] / res["host_read_gbs"], 2)
     name = "cpu_experts" if a.format == "bf16" else f"cpu_experts-{a.format}"
     res["schedule"] = os.environ.get("FREETOKEN_CPU_SCHEDULE") or "static"
+    # bf16 / fp32 banks: an expert's tokens four at a time (moe_cpu.cpp dot4x4_*) or one at a time
+    res["token_block"] = os.environ.get("FREETOKEN_CPU_TOKEN_BLOCK", "1") != "0"
     # the quantized kernels' software look-ahead (moe_cpu.cpp g_pf_hint / g_pf)
     res["prefetch"] = (f"{os.environ.get('FREETOKEN_CPU_PREFETCH_HINT') or 't2'}:"
                        f"{os.environ.get('FREETOKEN_CPU_PREFETCH_BYTES') or '8192'}")
