@@ -454,6 +454,7 @@ def _run_setting(eng, name: str, a) -> dict:
     srv.sched.order = s["order"]
     if s["step_tokens"] is None:
         srv.sched.step_tokens = eng.ecfg.prefill_chunk
+        srv.sched.idle = 0  # one chunk a step, with or without streams (as before --idle-step-tokens)
     if s["slowdown"] is not None:
         srv.slowdown = s["slowdown"]
     # decode steps between the prompt forward's layers (the default with CUDA graphs and on the

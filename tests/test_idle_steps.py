@@ -56,6 +56,8 @@ def test_auto_takes_the_largest_step_the_kv_pool_can_spare(cfg):
     assert n == 4096 and plan.work == tight(4096).work and plan.kv < b.kv
     # a step budget of 4096 already: no smaller candidate is taken, the plan stays the base one
     assert idle_step_tokens(tight, b, 2048, 4096) == (4096, b)
+    # a pool that would then hold fewer tokens than the context a request may have: not taken
+    assert idle_step_tokens(tight, b, 2048, 2048, context=b.kv_tokens) == (2048, b)
     # a pool too small for either: the step budget
     small = planner(cfg, fixed + 4 * extra[4096], max_len=1 << 20)
     assert idle_step_tokens(small, small(0), 2048, 2048) == (2048, small(0))

@@ -163,3 +163,10 @@ def test_idle_tokens_follow_the_step_budget_unless_set():
     a = req(20)
     s.add(a)
     assert [(st, en) for _, st, en in s.schedule().prefill] == [(0, 3)]
+
+
+def test_an_idle_budget_equal_to_the_step_budget_still_takes_the_chunk_past_its_cap():
+    s = Scheduler(slots=1, max_queue=1, chunk=4, step_tokens=16, idle_tokens=16)
+    a = req(40)
+    s.add(a)
+    assert [(st, en) for _, st, en in s.schedule().prefill] == [(0, 16)]  # one request's chunk included

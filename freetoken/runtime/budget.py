@@ -119,12 +119,15 @@ IDLE_CANDIDATES = (8192, 4096)
 IDLE_KV_SHARE = 1 / 8
 
 
-def idle_step_tokens(plan_for, base: "MemoryPlan", base_chunk: int, step_tokens: int) -> tuple[int, "MemoryPlan"]:
+def idle_step_tokens(plan_for, base: "MemoryPlan", base_chunk: int, step_tokens: int,
+                     context: int = 0) -> tuple[int, "MemoryPlan"]:
     """--idle-step-tokens auto: (tokens, plan). plan_for(n) -> the memory plan with work buffers for
     a step of n prompt tokens (raising FreeTokenError where it does not fit); base: the plan for
     base_chunk. The largest IDLE_CANDIDATES chunk above the step budget whose extra work buffers
-    take at most IDLE_KV_SHARE of base's KV pool and leave the expert cache its slots; else
-    (the larger of step_tokens and base_chunk, base): base has room for base_chunk already."""
+    cost base's KV pool at most IDLE_KV_SHARE of it, leave the expert cache its slots and the pool
+    at least `context` tokens (or base's, if fewer: a speed setting must not shorten the context a
+    request may have); else (the larger of step_tokens and base_chunk, base): base has room for
+    base_chunk's work buffers already."""
     for c in IDLE_CANDIDATES:
         if c <= max(step_tokens, base_chunk):
             break
@@ -132,7 +135,8 @@ def idle_step_tokens(plan_for, base: "MemoryPlan", base_chunk: int, step_tokens:
             plan = plan_for(c)
         except FreeTokenError:
             continue
-        if plan.expert_slots >= base.expert_slots and base.kv - plan.kv <= IDLE_KV_SHARE * base.kv:
+        if (plan.expert_slots >= base.expert_slots and base.kv - plan.kv <= IDLE_KV_SHARE * base.kv
+                and plan.kv_tokens >= min(context, base.kv_tokens)):
             return c, plan
     return max(step_tokens, base_chunk), base
 

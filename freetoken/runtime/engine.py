@@ -112,11 +112,14 @@ class EngineConfig:
                 "requests (0: 512 on the CPU, 2048 on CUDA; a step in which nothing decodes: --idle-step-tokens)"})
     idle_step_tokens: int = field(default=0, metadata={
         "help": "prompt tokens a step may take while no stream decodes, one prompt's chunk included (0: auto: "
-                "the step budget where --max-step-tokens is given or with --moe cache; on CUDA with the experts "
-                "in VRAM the largest of 8192 and 4096 whose work buffers take at most an eighth of the KV pool "
-                "(a 2,048-token chunk's forward is bound by host launch time there: the Qwen3.6 shape prefilled "
-                "2.3-2.7x faster in chunks of 8,192 on an H100); elsewhere --prefill-chunk). While streams decode, "
-                "--max-step-tokens and --decode-slowdown bound the step as before"})
+                "the step budget where --max-step-tokens is given; on CUDA with the experts in VRAM the largest "
+                "of 8192 and 4096 whose work buffers cost the KV pool at most an eighth of it and none of the "
+                "context (a 2,048-token chunk's forward is bound by host launch time there: the Qwen3.6 shape "
+                "prefilled 2.3-2.7x faster in chunks of 8,192 on an H100), else the step budget; elsewhere the "
+                "larger of the step budget and --prefill-chunk). Not with --moe cache (streamed passes). Steps "
+                "that start while streams decode are bounded by --max-step-tokens and --decode-slowdown as "
+                "before; a stream that starts inside an idle step (a short prompt that jumped in) decodes "
+                "between its layers until it ends"})
     decode_slowdown: float = field(default=1.5, metadata={
         "help": "while streams decode, prompt work is paced so their inter-token gap is at most about "
                 "this many times a plain decode step: decode steps run between a prompt forward's layers "
@@ -337,9 +340,10 @@ class Engine:
     def _warm_up_gemms(self) -> None:
         """cuBLAS's kernel picks for every row count a prompt chunk's dense GEMMs run at (model/
         linear.py ROW_GRANULE) through the weights the warm-up forwards ran, at load: each new
-        one held the host ~4.6 ms on the H200 inside the forward that met it. Up to the largest
-        step the loop runs (its step budget, 2,048 tokens by default on CUDA, or the chunk),
-        capped at WARM_GEMM_ROWS."""
+        one held the host ~4.6 ms on the H200 inside the forward that met it. Up to the step
+        budget (2,048 tokens by default on CUDA) or the chunk, capped at WARM_GEMM_ROWS; an idle
+        step past it (--idle-step-tokens) meets a row count or two a prompt (its full steps and
+        its last), not warmed here."""
         from ..model import linear as lin
         t0 = time.perf_counter()
         step = max(self.ecfg.prefill_chunk, self.ecfg.max_step_tokens or 2048)

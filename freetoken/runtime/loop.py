@@ -97,8 +97,10 @@ class EngineLoop:
             self.mixed = False
             self.idle_tokens = step_tokens
         # ---- end issue 11
+        # an idle budget of its own where one was given or auto differs from the step's (0: the step's rules)
+        idle = self.idle_tokens if engine.ecfg.idle_step_tokens or self.idle_tokens != step_tokens else 0
         self.sched = Scheduler(max_batch, max_queue, chunk, step_tokens,
-                               idle_tokens=self.idle_tokens if self.idle_tokens != step_tokens else 0)
+                               idle_tokens=0 if engine.prefill_stream is not None else idle)
         self.slowdown = ecfg.decode_slowdown
         # decode steps between a prefill forward's layers: where decode is its own forward
         # (graphs), on the CPU, or on eager CUDA steps with --decode-between-layers on; eager
@@ -208,15 +210,18 @@ class EngineLoop:
         as one 2,048-token chunk; short prompts that arrive meanwhile still jump in between its
         layers). The plan's work buffers are sized for the larger of --prefill-chunk and the step."""
         ecfg = engine.ecfg
-        if ecfg.idle_step_tokens:
+        streamed = getattr(engine, "prefill_stream", None) is not None
+        if ecfg.idle_step_tokens and streamed:
+            log.warning("--idle-step-tokens has no effect with --moe cache: prompts prefill in streamed passes")
+        elif ecfg.idle_step_tokens:
             idle = ecfg.idle_step_tokens
             return plan_for(max(ecfg.prefill_chunk, idle)), idle
         base = plan_for(ecfg.prefill_chunk)
-        if ecfg.max_step_tokens or getattr(engine, "prefill_stream", None) is not None:
+        if ecfg.max_step_tokens or streamed:
             return base, step_tokens
         if engine.device.type != "cuda" or engine.experts_on != "gpu":
             return base, max(step_tokens, ecfg.prefill_chunk)
-        idle, plan = idle_step_tokens(plan_for, base, ecfg.prefill_chunk, step_tokens)
+        idle, plan = idle_step_tokens(plan_for, base, ecfg.prefill_chunk, step_tokens, context=engine.max_len)
         return plan, idle
 
     @staticmethod

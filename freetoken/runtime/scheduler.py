@@ -98,7 +98,7 @@ class Scheduler:
                 prefilling.append(req)
             else:
                 b.decode.append(req)
-        idle = not b.decode and prefill_budget is None and self.idle_tokens != self.step_tokens
+        idle = not b.decode and prefill_budget is None and self.idle > 0
         budget = self.idle_tokens if idle else self.step_tokens - len(b.decode)
         chunk = max(self.chunk, self.idle_tokens) if idle else self.chunk
         if prefill_budget is not None:
