@@ -205,8 +205,8 @@ class EngineLoop:
         """(memory plan, prompt tokens of a step while nothing decodes): --idle-step-tokens, or auto:
         the step budget where --max-step-tokens is given or prompts stream in passes (a pass has its
         own size); on CUDA with the experts in VRAM budget.idle_step_tokens (8192 or 4096 where the
-        KV pool can spare the work buffers); elsewhere --prefill-chunk, whose work buffers the plan
-        holds anyway (the CPU: 512-token steps read every expert of every layer four times as often
+        KV pool can spare the work buffers and no context is shortened); elsewhere the larger of the
+        step budget and --prefill-chunk, whose work buffers the plan holds anyway (the CPU: 512-token steps read every expert of every layer four times as often
         as one 2,048-token chunk; short prompts that arrive meanwhile still jump in between its
         layers). The plan's work buffers are sized for the larger of --prefill-chunk and the step."""
         ecfg = engine.ecfg
