@@ -721,6 +721,57 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) void qdot4_fp4_avx512(const QRo
   for (int p = 0; p < 4; ++p) out[p] = _mm512_reduce_add_ps(acc[p]);
 }
 
+// qdot4_fp4_avx512 for two activation rows at once (a prompt chunk's tokens of one expert): each
+// code lookup (shift + permute) feeds both tokens; every token's partial sums t0 / t1, their
+// scaling and reduction are qdot4_fp4_avx512's, so out[t] is its result bit for bit.
+template <int FMT>
+__attribute__((target("avx512f,avx2,fma,f16c"))) void qdot4x2_fp4_avx512(const QRow* rows, const float* const* xs, int C,
+                                                                    float (*out)[4]) {
+  const __m512 table = _mm512_load_ps(E2M1_F32);
+  __m512 acc[2][4];
+  #pragma GCC unroll 4
+  for (int p = 0; p < 4; ++p) acc[0][p] = acc[1][p] = _mm512_setzero_ps();
+  prefetch_scales(rows, FMT == FMT_MXFP4 ? C / 32 : C / 16);
+  for (int base = 0; base < C; base += 128) {
+    const int nl = std::min(16, (C - base) / 8);
+    const __mmask16 m = __mmask16((1u << nl) - 1);
+    __m512i v[4];
+    __m512 t0[2][4], t1[2][4];
+    #pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      prefetch_ahead(rows[p].v + base / 2);
+      v[p] = nl == 16 ? _mm512_loadu_si512(rows[p].v + base / 2) : _mm512_maskz_loadu_epi32(m, rows[p].v + base / 2);
+      t0[0][p] = t1[0][p] = t0[1][p] = t1[1][p] = _mm512_setzero_ps();
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j += 2) {
+      __m512 x0[2], x1[2];
+      for (int t = 0; t < 2; ++t) {
+        const float* x = xs[t];
+        x0[t] = nl == 16 ? _mm512_loadu_ps(x + base + 16 * j) : _mm512_maskz_loadu_ps(m, x + base + j * nl);
+        x1[t] = nl == 16 ? _mm512_loadu_ps(x + base + 16 * j + 16) : _mm512_maskz_loadu_ps(m, x + base + (j + 1) * nl);
+      }
+      #pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {
+        const __m512 w0 = _mm512_permutexvar_ps(_mm512_srli_epi32(v[p], 4 * j), table);
+        const __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v[p], 4 * j + 4), table);
+        for (int t = 0; t < 2; ++t) {
+          t0[t][p] = _mm512_fmadd_ps(w0, x0[t], t0[t][p]);
+          t1[t][p] = _mm512_fmadd_ps(w1, x1[t], t1[t][p]);
+        }
+      }
+    }
+    #pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      const __m512 sc = fp4_scales_avx512(FMT, rows[p], base, nl);
+      for (int t = 0; t < 2; ++t) acc[t][p] = _mm512_fmadd_ps(_mm512_add_ps(t0[t][p], t1[t][p]), sc, acc[t][p]);
+    }
+  }
+  for (int t = 0; t < 2; ++t)
+    #pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) out[t][p] = _mm512_reduce_add_ps(acc[t][p]);
+}
+
 // bf16 activations (a bf16 model): e2m1 -> bf16 by vpermw, 32 products per VDPBF16PS. Word k
 // of vector j is column 4k + j; a dot pair (2k', 2k'+1) lands in f32 lane k' = columns
 // [8k', 8k' + 8) of the chunk, the same lane -> scale-block map as the f32 kernel.
@@ -1068,6 +1119,12 @@ inline void qdot4(Isa isa, int fmt, bool dp, const QRow* rows, const float* x, c
   return mx ? qdot4_scalar<FMT_MXFP4>(rows, x, C, sdt, out) : qdot4_scalar<FMT_NVFP4>(rows, x, C, sdt, out);
 }
 
+// The two-token form of qdot4's exact AVX-512 fp4 kernels (run_q takes it where pair2 holds).
+inline void qdot4x2_fp4(int fmt, const QRow* rows, const float* const* xs, int C, float (*out)[4]) {
+  if (fmt == FMT_MXFP4) return qdot4x2_fp4_avx512<FMT_MXFP4>(rows, xs, C, out);
+  qdot4x2_fp4_avx512<FMT_NVFP4>(rows, xs, C, out);
+}
+
 // ---------------------------------------------------------------- executor
 struct Executor {
   Pool pool;
@@ -1293,6 +1350,9 @@ struct Executor {
     const bool i8 = q8 && fmt != FMT_FP8;  // fp8 values are not small integers: exact kernels
     const bool dp = !i8 && bf16_act && isa == AVX512_BF16 && fmt != FMT_FP8;
     const Layout lay = i8 ? Layout() : layout_for(fmt, isa, dp);
+    // two tokens at a time where an expert has them: the exact fp4 kernels with float activations
+    // on AVX-512 (qdot4x2_fp4_avx512: the same bits); the others take one token at a time
+    const bool pair2 = g_token_block && !i8 && !dp && fmt != FMT_FP8 && isa >= AVX512;
     const std::vector<int>& posH = positions(lay, H, 0);
     const std::vector<int>& posI = positions(lay, I, 1);
     // activations in the kernel's layout (bf16 for the dot-product path); h rows likewise
@@ -1357,6 +1417,19 @@ struct Executor {
             ru[j] = qrow(gu, e, I + r + std::min(j, nr - 1));
           }
           for (int q = starts[g]; q < starts[g + 1]; ++q) {
+            if (pair2 && starts[g + 1] - q >= 2) {  // two of the expert's tokens at once (exact fp4, AVX-512)
+              const float* xs[2] = {xl.data() + size_t(order[q] / K) * H, xl.data() + size_t(order[q + 1] / K) * H};
+              float g2[2][4], v2[2][4];
+              qdot4x2_fp4(fmt, rg, xs, H, g2);
+              qdot4x2_fp4(fmt, ru, xs, H, v2);
+              for (int t = 0; t < 2; ++t)
+                for (int j = 0; j < nr; ++j) {
+                  const float hv = plain ? silu(g2[t][j]) * v2[t][j] : fn.h(e, I, r + j, g2[t][j], v2[t][j]);
+                  hl[size_t(q + t) * I + posI[r + j]] = hv;
+                }
+              ++q;
+              continue;
+            }
             const int tok = order[q] / K;
             if (i8) {
               const Q8Act xa = q8row(xq, xqs, xqo, chH, tok);
@@ -1404,6 +1477,19 @@ struct Executor {
               const int nr = std::min(4, r1 - r);
               for (int j = 0; j < 4; ++j) rd[j] = qrow(dn, e, r + std::min(j, nr - 1));
               for (int q = starts[g]; q < starts[g + 1]; ++q) {
+                if (pair2 && starts[g + 1] - q >= 2) {  // two pairs at once, added in order
+                  const float* hs[2] = {hl.data() + size_t(q) * I, hl.data() + size_t(q + 1) * I};
+                  float d2[2][4];
+                  qdot4x2_fp4(fmt, rd, hs, I, d2);
+                  for (int t = 0; t < 2; ++t) {
+                    const int tok = order[q + t] / K;
+                    const float wq = gw[order[q + t]];
+                    for (int j = 0; j < nr; ++j)
+                      out[int64_t(tok) * H + r + j] += wq * (plain ? d2[t][j] : fn.y(e, H, r + j, d2[t][j]));
+                  }
+                  ++q;
+                  continue;
+                }
                 const int tok = order[q] / K;
                 const float wq = gw[order[q]];
                 if (i8)
