@@ -1339,6 +1339,13 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   FT_TAG=plan131 FT_PER_FILE=95 FT_K="moe_grouped or sum_pairs or no_expert or grouped_kernel" \
     bash bench/device_tests.sh tests/test_kernels.py tests/test_quant_kernels.py > /dev/null
   ;;
+132) # ~330 s at most: plan 130 cut to fit ~490 s of device time: the k-sum's CUDA tests, then the
+  # idle-step rows of 2,048 against auto, one rep. Carry .whl and .devcache/commit.
+  FT_TAG=plan132 FT_PER_FILE=80 FT_K="moe_grouped or sum_pairs or no_expert or grouped_kernel" \
+    bash bench/device_tests.sh tests/test_kernels.py tests/test_quant_kernels.py > /dev/null
+  step 170 idle-prefill python3 -m bench.idle_prefill --full-size --layers 40 --lengths 8192,32768 \
+    --idle 2048,auto --reps 1 --name idle_prefill-40l
+  ;;
 124) # ~250 s at most, for the next: what plan 123 left for lack of device time, the production configs
   # against transformers on CUDA with the DeltaNet conv kernel and the padded projections, and the streamed
   # pass against the resident path. Carry .whl, .devcache/commit, .devcache/warm-cache.tgz.
@@ -1346,7 +1353,7 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   FT_TAG=plan124 FT_PER_FILE=100 bash bench/device_tests.sh tests/test_gpu_production.py > /dev/null
   FT_TAG=plan124 FT_PER_FILE=140 FT_K="cuda and equals_resident" bash bench/device_tests.sh tests/test_prefill_stream.py > /dev/null
   ;;
-*) echo "stage 0 to 131"; exit 2 ;;
+*) echo "stage 0 to 132"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole
