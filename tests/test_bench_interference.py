@@ -81,7 +81,8 @@ def test_line_trace_names_the_line_that_held_the_host():
             _blocking_layer(8.0 if i == 1 else 0.5)
         tl.end()
     assert sys.gettrace() is before and sys._getframe().f_trace is frame_before
-    rows = lines.summary()
+    # the layers' stretches (a loaded machine may also hold begin()'s own setup past min_ms)
+    rows = [r for r in lines.summary() if r["stretch"] != "setup"]
     assert len(rows) == 1, rows
     r = rows[0]
     assert r["stretch"] == "1" and r["count"] == 2 and r["after"] == "return"
