@@ -70,7 +70,7 @@ def run(threads: int, mb: int, cpus: list[int] | None, out: str | None, seconds:
     gbs = moved / (time.perf_counter() - t0) / 1e9
     if out:
         with open(out, "w") as f:
-            f.write(f"{gbs:.1f}\n")
+            f.write(f"{gbs:.6g}\n")  # not rounded to 0.0 when a short run moved little
     return gbs
 
 

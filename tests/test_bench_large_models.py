@@ -216,9 +216,7 @@ def test_drift_run_reports_the_splits_reaction():
                     {"threads": 1, "cpus": None, "steps": 300, "mb": 16})
     assert got["r_before"] == 0.7 and got["r_after"] == 1.0 and got["decided_after"]
     assert got["drifts"] == 1 and got["decisions"] == 1 and 0 < got["steps_to_react"] <= 30
-    # the hog reported (its rate to one decimal: a short run of simulated steps can round to 0.0)
-    assert got["hog_gbs"] is not None and got["hog_gbs"] >= 0
-    assert len(got["r_per_step"]) == 300 and got["r_per_step"][0] == 0.7
+    assert got["hog_gbs"] > 0 and len(got["r_per_step"]) == 300 and got["r_per_step"][0] == 0.7
 
 
 def test_control_variant_changes_only_decode_calls(monkeypatch):
