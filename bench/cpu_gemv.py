@@ -11,7 +11,12 @@ plain fp32 sum over a 1 GB buffer, the same threads) for scale.
 dtype `mixed`: bf16 weights under a float32 model (--dense-bf16, the CPU's default for bf16
 checkpoints), float32 rows; its `torch` way is model/linear.py's widened_linear, what linear()
 runs past MIXED_HOST_ROWS rows (a prompt chunk's rows), against the rows kernel at those counts.
-    python -m bench.cpu_gemv [--threads 0] [--rows 1,2,4,8,16] [--dtypes bfloat16,float32,mixed]
+dtype `fp8`: FP8 block weights as an FP8 checkpoint publishes them (random e4m3 bytes, bf16 scales
+per 128 x 128 block as Qwen's releases; the lm_head is not quantized there, so it is skipped), GB/s
+of the e4m3 bytes: `cpp` is ext.dense_gemv_fp8 (host_gemv_fp8, up to FP8_HOST_ROWS rows), `torch`
+model/linear.py's fp8_blocks_linear (past them), `dequant_cpp` the rows kernel on the same weight
+dequantized to fp32 at load (the CPU's --dense-fp8 dequant; ms comparable, its GB/s of fp32 bytes).
+    python -m bench.cpu_gemv [--threads 0] [--rows 1,2,4,8,16] [--dtypes bfloat16,float32,mixed,fp8]
 Results: benchmarks/results/cpu_gemv-cpu.json (--name to change).
 """
 from __future__ import annotations
@@ -24,7 +29,8 @@ import torch.nn.functional as F
 from bench.common import timeit, write_result
 from bench.cpu_experts import read_bandwidth
 from freetoken.experts.cpu import extension
-from freetoken.model.linear import widened_linear
+from freetoken.model.linear import fp8_blocks_linear, widened_linear
+from freetoken.weights.dense_fp8 import Fp8BlockWeight
 
 H = 2048
 SHAPES = {  # name: (N, K) of the Qwen3.6-35B-A3B decode step's weights
@@ -43,7 +49,53 @@ def cycled(n: int, k: int, dtype, total: int = 512 << 20) -> list[torch.Tensor]:
     return [torch.randn(n, k).to(dtype) for _ in range(max(1, -(-total // one)))]
 
 
+def random_fp8(n: int, k: int) -> Fp8BlockWeight:
+    """A random FP8 block weight: e4m3 bytes (no NaN codes), bf16 block scales of a weight ~N(0, 1/k)."""
+    v = torch.randint(0, 256, (n, k), dtype=torch.uint8)
+    v[(v & 0x7F) == 0x7F] = 0x7E  # 0x7f / 0xff are e4m3's NaN
+    s = torch.full((-(-n // 128), -(-k // 128)), (k ** -0.5) / 64).bfloat16()
+    return Fp8BlockWeight(v.view(torch.float8_e4m3fn), s, torch.float32)
+
+
+def fp8_case(name: str, n: int, k: int, rows: list[int], ext) -> list[dict]:
+    one = random_fp8(n, k)
+    ws = [one] + [random_fp8(n, k) for _ in range(max(1, -(-(512 << 20) // one.nbytes)) - 1)]
+    wf = cycled(n, k, torch.float32)  # the same shape dequantized at load: fp32 bytes
+    out = []
+    for m in rows:
+        x = torch.randn(m, k)
+        it = {"i": 0, "f": 0}
+
+        def nxt():
+            it["i"] = (it["i"] + 1) % len(ws)
+            return ws[it["i"]]
+
+        def nxtf():
+            it["f"] = (it["f"] + 1) % len(wf)
+            return wf[it["f"]]
+        ways = {"torch": lambda: fp8_blocks_linear(x, nxt())}
+        if ext is not None:
+            ways["cpp"] = lambda: ext.dense_gemv_fp8(x, (w := nxt()).values, w.scale_inv, torch.empty(0), 3)
+            if m <= 64:
+                ways["dequant_cpp"] = lambda: ext.dense_gemv(x, nxtf(), torch.empty(0), 3)
+        row = {"weight": name, "n": n, "k": k, "dtype": "fp8", "rows": m, "weight_mb": round(one.nbytes / 1e6, 2)}
+        for way, fn in ways.items():
+            s = timeit(fn, warmup=2, iters=30)
+            nbytes = n * k * 4 if way == "dequant_cpp" else one.nbytes
+            row[f"{way}_ms"] = round(s * 1e3, 3)
+            row[f"{way}_gbs"] = round(nbytes / s / 1e9, 1)
+        if "cpp_ms" in row:
+            row["cpp_speedup"] = round(row["torch_ms"] / row["cpp_ms"], 2)
+            if "dequant_cpp_ms" in row:
+                row["cpp_over_dequant"] = round(row["dequant_cpp_ms"] / row["cpp_ms"], 2)
+        print(row, flush=True)
+        out.append(row)
+    return out
+
+
 def case(name: str, n: int, k: int, dtype, rows: list[int], ext) -> list[dict]:
+    if dtype == "fp8":
+        return [] if name == "lm_head" else fp8_case(name, n, k, rows, ext)
     mixed = dtype == "mixed"  # bf16 weights, float32 rows
     ws = cycled(n, k, torch.bfloat16 if mixed else dtype)
     nbytes = ws[0].numel() * ws[0].element_size()
@@ -86,7 +138,7 @@ def main():
     if a.threads:
         torch.set_num_threads(a.threads)
     rows = [int(r) for r in a.rows.split(",") if r]
-    dtypes = [d if d == "mixed" else getattr(torch, d) for d in a.dtypes.split(",") if d]
+    dtypes = [d if d in ("mixed", "fp8") else getattr(torch, d) for d in a.dtypes.split(",") if d]
     ext = extension()
     probe = read_bandwidth(torch.randn(1 << 28), torch.get_num_threads())  # 1 GB
     res = {"threads": torch.get_num_threads(), "read_probe_gbs": round(probe, 1),

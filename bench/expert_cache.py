@@ -207,7 +207,8 @@ def floors(row: dict, resident_ms: float, bp: float, bh: float, dram: float | No
 
 def run_config(mc, w, ex, dev, batch: int, tokens: int, warmup: int, routes, prompt: int = 64,
                trace: str | None = None, max_warmup: int | None = None, profile: bool = False,
-               cpu_branch: bool | None = None, timeline: bool = False, drift: dict | None = None) -> dict:
+               cpu_branch: bool | None = None, timeline: bool = False, drift: dict | None = None,
+               dtype: torch.dtype = torch.bfloat16) -> dict:
     """max_warmup: for an adaptive cache, warm up past `warmup` until its split has decided
     (the steady state a server reaches), at most this many steps; the row says how many ran.
     profile (CUDA): the row's `profile`, GPU time per kernel of three eager steps after the timed
@@ -217,7 +218,8 @@ def run_config(mc, w, ex, dev, batch: int, tokens: int, warmup: int, routes, pro
     timeline (CUDA): the row's `timeline`, three more steps as timed (graph replays) under the
     profiler, their device activity summed (bench/step_timeline.py).
     drift (an adaptive cache): the row's `drift`, a host-memory hog started after the timed steps
-    (drift_run: {"threads", "cpus", "steps"}), and what the split does about it."""
+    (drift_run: {"threads", "cpus", "steps"}), and what the split does about it.
+    dtype: the model's compute dtype (float32: a CPU engine's default)."""
     from freetoken.runtime import host_wait
     inner = ex
     fixed_branch = cpu_branch  # None: asked of the executor at every step (the cache's split moves)
@@ -227,9 +229,9 @@ def run_config(mc, w, ex, dev, batch: int, tokens: int, warmup: int, routes, pro
     if routes is not None:
         buf = torch.full((len(mc.moe_layers), batch, mc.top_k), -1, dtype=torch.int64, device=dev)
         ex = ReplayRouting(ex, buf)
-    model = model_class(mc.arch)(mc, w, ex, dev, torch.bfloat16, 4096)
+    model = model_class(mc.arch)(mc, w, ex, dev, dtype, 4096)
     ctx = prompt + max_warmup + tokens + 8 + (drift["steps"] if drift else 0)
-    st = DecodeState(mc, batch, ctx, dev, torch.bfloat16)
+    st = DecodeState(mc, batch, ctx, dev, dtype)
     g = torch.Generator(device="cpu").manual_seed(1)
     tok = torch.zeros(batch, dtype=torch.long, device=dev)
     for b in range(batch):

@@ -265,8 +265,12 @@ def weight_plan(cfg: dict, dtype=torch.bfloat16) -> dict[str, tuple[tuple, torch
     if missing:
         raise SystemExit(f"bench.large_models: the transformers model has no tensor {missing[0]} "
                          f"({len(missing)} of {len(want)} expected tensors missing)")
-    meta = {n: torch.empty(hf[n][0], dtype=hf[n][1], device="meta") for n in want}
-    loaded = dense_weights({}, meta, torch.device("meta"), dtype, getattr(cls, "KEEP_FP32", ()))
+    # 2-D floating weights as a bf16 release stores them; under a float32 compute dtype they stay bf16
+    # as a CPU engine keeps them (--dense-bf16 auto), widened where read
+    meta = {n: torch.empty(hf[n][0], dtype=torch.bfloat16 if len(hf[n][0]) == 2 and hf[n][1].is_floating_point
+                           else hf[n][1], device="meta") for n in want}
+    loaded = dense_weights({}, meta, torch.device("meta"), dtype, getattr(cls, "KEEP_FP32", ()),
+                           keep_bf16=dtype == torch.float32, bf16_widen=getattr(cls, "DENSE_WIDEN", ()))
     return {n: (tuple(t.shape), t.dtype) for n, t in loaded.items()}
 
 
@@ -289,6 +293,20 @@ def dense_value(name: str, shape, dtype, num_experts: int, g: torch.Generator, d
     else:
         t = t.mul_(0.1)
     return t.to(dtype)
+
+
+def fp8_projections(w: dict, keep: bool, dtype: torch.dtype) -> None:
+    """w's projections as an FP8 release publishes them (weights/quant.py is_projection, less
+    SMALL_PROJECTIONS), quantized in place (bf16 scales, as Qwen's): kept as Fp8BlockWeight (what
+    the engine holds with --dense-fp8 auto), or dequantized to `dtype` (--dense-fp8 dequant). The
+    rest (lm_head, embeddings, norms, routers) stays."""
+    from freetoken.weights.dense_fp8 import Fp8BlockWeight
+    from freetoken.weights.quant import SMALL_PROJECTIONS, is_projection, quant_fp8_block
+    for name, t in list(w.items()):
+        if t.dim() == 2 and t.is_floating_point() and is_projection(name) and not name.endswith(SMALL_PROJECTIONS):
+            q, sc = quant_fp8_block(t, torch.bfloat16)
+            fw = Fp8BlockWeight(q, sc, dtype, name)
+            w[name] = fw if keep else fw.dequantize(dtype)
 
 
 def random_dense(plan: dict, mc, dev, seed: int = 0) -> dict:
@@ -589,7 +607,8 @@ def _run_mode(mode: str, a, mc, w, banks, dev, batch: int, threads: int, slots: 
             t0 = time.perf_counter()
             got = run_config(mc, w, EagerOnly(ex) if eager else ex, dev, batch, a.tokens, a.warmup, None,
                              prompt=a.prompt, max_warmup=a.cache_warmup, profile=a.profile,
-                             timeline=a.timeline, drift=drift_spec(a, threads) if mode == "cache" else None)
+                             timeline=a.timeline, drift=drift_spec(a, threads) if mode == "cache" else None,
+                             dtype=getattr(torch, a.compute_dtype) if mode == "cpu-only" else torch.bfloat16)
             row.update(got, run_s=round(time.perf_counter() - t0, 1))
             if mode == "cache":  # without the CPU branch in stream order (no CUDA) the cache stays fill-only
                 row["adaptive_split"] = ex.tuner is not None
@@ -618,10 +637,11 @@ def _time_prefill(a, mc, w, banks, dev, threads: int, chunk: int) -> float:
     from freetoken.model.state import DecodeState
     n = a.prefill
     ex = make_executor("cpu-only", banks, mc, dev, threads, 1, 1.0, a.policy, a.cpu_act)
-    model = model_class(mc.arch)(mc, w, ex, dev, torch.bfloat16, n + 64)
+    dt = getattr(torch, a.compute_dtype)
+    model = model_class(mc.arch)(mc, w, ex, dev, dt, n + 64)
     ids = torch.randint(0, mc.vocab_size, (n,), generator=torch.Generator().manual_seed(a.seed + 2)).to(dev)
     for timed in (False, True):
-        st = DecodeState(mc, 1, n + 64, dev, torch.bfloat16)
+        st = DecodeState(mc, 1, n + 64, dev, dt)
         st.reserve(0, n + 64)
         end = n if timed else min(n, 64)
         t0 = time.perf_counter()
@@ -690,6 +710,14 @@ def parse(argv=None):
     ap.add_argument("--expert-format", default=None, help="routed experts' format, of " + ", ".join(FORMATS) +
                     " (comma-separated: each in turn, the banks of one freed before the next; default: the "
                     "release's, mxfp4 for DeepSeek-V4-Flash, nvfp4 for GLM-5, bf16 for Qwen3.6)")
+    ap.add_argument("--dense-format", default="bf16", choices=["bf16", "fp8_block", "fp8_dequant"],
+                    help="the non-expert projections: bf16; fp8_block as an FP8 release publishes them (every "
+                    "Linear projection but DeltaNet's in_proj_a / in_proj_b; lm_head, embeddings, routers stay "
+                    "bf16), kept FP8 as the engine keeps them (--dense-fp8 auto); fp8_dequant: the same values "
+                    "dequantized to the compute dtype at load (--dense-fp8 dequant)")
+    ap.add_argument("--compute-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="the model's compute dtype in cpu-only rows (float32: a CPU engine's default, its bf16 "
+                    "dense weights kept bf16 and widened as read, as --dense-bf16 auto does)")
     ap.add_argument("--modes", default="resident,cpu-only,cache")
     ap.add_argument("--threads", default="6", help="CPU threads of the cpu-only and cache rows (comma-separated: "
                     "a row each)")
@@ -909,7 +937,7 @@ def main(argv=None) -> str | None:
                          "only (everything on the host: the C++ executor for the experts, torch for the rest); "
                          "the other modes need the GPU machine (--tiny runs them all on the CPU)")
     t0 = time.perf_counter()
-    plan = weight_plan(cfg)
+    plan = weight_plan(cfg, getattr(torch, a.compute_dtype))
     ctx = a.prompt + a.cache_warmup + a.tokens + 8 + (a.drift_steps if a.drift_hog else 0)
     ests = {fmt: estimate(cfg, mc, fmt, plan, a.modes, a.capacity, max(a.batch), ctx, dev,
                           a.host_gb * GB if a.host_gb else None, cuda or not a.tiny, header=n == 0, name=NAMES[a.arch])
@@ -921,6 +949,8 @@ def main(argv=None) -> str | None:
     if a.estimate_only:
         return None
     w = random_dense(plan, mc, dev, a.seed)
+    if a.dense_format != "bf16":
+        fp8_projections(w, keep=a.dense_format == "fp8_block", dtype=getattr(torch, a.compute_dtype))
     setup_s = time.perf_counter() - t0
     est = next(iter(ests.values()))
     fmts = ", ".join(a.expert_format)
@@ -928,7 +958,12 @@ def main(argv=None) -> str | None:
              f"experts {fmts}")
     res = {"model": label, "arch": a.arch, "tiny": a.tiny, "config": cfg, "layers": a.layers,
            "moe_layers": len(mc.moe_layers), "hash_layers": mc.hash_layers, "expert_format": ",".join(a.expert_format),
-           "expert_formats": list(a.expert_format), "dense_dtype": "bfloat16 (KEEP_FP32 modules fp32)",
+           "expert_formats": list(a.expert_format), "dense_format": a.dense_format,
+           "dense_dtype": "bfloat16 (KEEP_FP32 modules fp32)" + {
+               "fp8_block": "; projections fp8_block (bf16 scales), kept",
+               "fp8_dequant": f"; projections fp8_block (bf16 scales) dequantized to {a.compute_dtype}"}.get(
+               a.dense_format, ""), "compute_dtype": a.compute_dtype,
+           "dense_kept_gb": round(sum(getattr(t, "nbytes", 0) for t in w.values()) / GB, 4),
            "dense_gb": round(est["dense_bytes"] / GB, 4), "per_moe_layer_gb": est["per_layer_gb"],
            "host_available_gb": est["host_available_gb"], "prompt_tokens": a.prompt, "decode_tokens": a.tokens,
            "setup_s": round(setup_s, 1), "device": dev.type, "transformers": _transformers_version(), "runs": []}

@@ -33,7 +33,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import hf_models
-from freetoken.weights.quant import dequant_fp8_block, dequant_mxfp4, dequant_nvfp4, pack_fp4
+from freetoken.weights.quant import dequant_fp8_block, dequant_mxfp4, dequant_nvfp4, pack_fp4, quant_fp8_block  # noqa: F401
+from freetoken.weights.quant import SMALL_PROJECTIONS, is_projection
 
 FP8_MAX = 448.0
 E2M1_MAX = 6.0
@@ -50,20 +51,6 @@ def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     hi = torch.bucketize(a, E2M1_MIDPOINTS, right=True)  # ties go up
     code = torch.where(hi % 2 == 0, hi, lo)  # a tie takes the even code; otherwise lo == hi
     return (code | ((x < 0).to(torch.long) << 3)).to(torch.uint8)
-
-
-def quant_fp8_block(w: torch.Tensor, scale_dtype=torch.float32, block: int = 128):
-    """[R, C] -> (e4m3 [R, C], scale_inv [ceil(R/b), ceil(C/b)] in scale_dtype): one scale per
-    block, amax / 448 (DeepSeek's and Qwen's quantizer), so that w = q * scale_inv."""
-    r, c = w.shape
-    gr, gc = -(-r // block), -(-c // block)
-    pad = torch.zeros(gr * block, gc * block)
-    pad[:r, :c] = w.float()
-    amax = pad.view(gr, block, gc, block).abs().amax(dim=(1, 3))
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)).to(scale_dtype)
-    s = scale.float().repeat_interleave(block, 0)[:r].repeat_interleave(block, 1)[:, :c]
-    q = (w.float() / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, scale
 
 
 def quant_mxfp4(w: torch.Tensor):
@@ -99,14 +86,14 @@ def quantizable(name: str, t: torch.Tensor, scope: str) -> bool:
     """Weights the releases quantize: routed experts; with scope "all" also the Linear weights of
     attention, DeltaNet's qkv/z/out projections, shared and dense MLPs. Kept unquantized as the
     releases keep them: embeddings, lm_head, norms, routers (`mlp.gate`), shared_expert_gate,
-    DeltaNet's in_proj_a / in_proj_b / conv1d / A_log / dt_bias."""
-    if t.dim() != 2 or not name.endswith("_proj.weight"):
+    DeltaNet's in_proj_a / in_proj_b (in_proj_ba) / conv1d / A_log / dt_bias."""
+    if t.dim() != 2 or not is_projection(name):
         return False
     if ".mlp.experts." in name:
         return True
     if scope != "all":
         return False
-    return not name.endswith(("in_proj_a.weight", "in_proj_b.weight"))
+    return not name.endswith(SMALL_PROJECTIONS)
 
 
 def excluded_modules(names, scope: str) -> list[str]:
@@ -115,9 +102,9 @@ def excluded_modules(names, scope: str) -> list[str]:
     for n in names:
         if n.endswith(".mlp.gate.weight") or n.endswith("shared_expert_gate.weight"):
             mods.add(n[: -len(".weight")])
-        elif scope != "all" and n.endswith("_proj.weight") and ".mlp.experts." not in n:
+        elif scope != "all" and is_projection(n) and ".mlp.experts." not in n:
             mods.add(n[: -len(".weight")])
-        elif n.endswith(("in_proj_a.weight", "in_proj_b.weight")):
+        elif n.endswith(SMALL_PROJECTIONS):
             mods.add(n[: -len(".weight")])
     return sorted(mods)
 

@@ -177,6 +177,43 @@ def test_tiny_run_on_the_cpu(arch, tmp_path, monkeypatch):
         assert cache["slots"] == int(0.33 * experts * res["moe_layers"]) and cache["floor_ms"] > 0
 
 
+def test_fp8_projections_as_a_release_quantizes_them(tmp_path, monkeypatch):
+    """--dense-format: the projections an FP8 release publishes in FP8 become Fp8BlockWeight (kept)
+    or their dequantized values in the compute dtype; DeltaNet's in_proj_a / in_proj_b, routers,
+    lm_head and embeddings stay as they were."""
+    from freetoken.config import ModelConfig
+    from freetoken.weights.dense_fp8 import Fp8BlockWeight
+    cfg = lm.slice_config(lm.TINY["qwen3_5_moe"], 4)
+    plan = lm.weight_plan(cfg, torch.float32)
+    w0 = lm.random_dense(plan, ModelConfig.from_hf(cfg), torch.device("cpu"))
+    kept, deq = dict(w0), dict(w0)
+    lm.fp8_projections(kept, keep=True, dtype=torch.float32)
+    lm.fp8_projections(deq, keep=False, dtype=torch.float32)
+    fp8 = {n for n, t in kept.items() if isinstance(t, Fp8BlockWeight)}
+    assert any(n.endswith("linear_attn.in_proj_qkv.weight") for n in fp8)
+    assert any(n.endswith("self_attn.q_proj.weight") for n in fp8)
+    assert any(n.endswith("shared_expert.down_proj.weight") for n in fp8)
+    assert not any(n.endswith(("in_proj_a.weight", "in_proj_b.weight", "mlp.gate.weight", "lm_head.weight",
+                               "embed_tokens.weight")) for n in fp8)
+    for n in fp8:
+        assert deq[n].dtype == torch.float32 and torch.equal(deq[n], kept[n].dequantize(torch.float32))
+        # the block quantizer's error: within half an e4m3 step of each block's scale
+        assert (deq[n] - w0[n].float()).abs().max() <= w0[n].float().abs().max() / 448 * 16
+    # a float32 plan keeps the 2-D weights bf16 (a CPU engine's --dense-bf16 auto), the norms fp32
+    assert w0["lm_head.weight"].dtype == torch.bfloat16
+    assert all(t.dtype == torch.float32 for n, t in w0.items() if n.endswith("norm.weight"))
+    # a cpu-only row through the real model with them kept, in a CPU engine's float32
+    monkeypatch.setenv("OUT", str(tmp_path))
+    path = lm.main(["--arch", "qwen3_5_moe", "--tiny", "--modes", "cpu-only", "--threads", "1", "--expert-format",
+                    "fp8_block", "--dense-format", "fp8_block", "--compute-dtype", "float32", "--prompt", "40",
+                    "--tokens", "3", "--warmup", "1"])
+    with open(path) as f:
+        res = json.load(f)["results"]
+    assert res["dense_format"] == "fp8_block" and res["compute_dtype"] == "float32"
+    assert res["dense_kept_gb"] < res["dense_gb"]  # the plan's bf16 projections, kept in FP8
+    assert "error" not in res["runs"][0] and res["runs"][0]["tok_s"] > 0
+
+
 def test_fixed_split_and_fill_only_rows(tmp_path, monkeypatch):
     """--modes split,fill-only: the pool with a fixed fill share per --fill-shares value (the
     misses beyond it run on the CPU) and with every miss filled, beside the adaptive cache."""

@@ -137,9 +137,13 @@ def test_linear_on_plain_tensors_is_f_linear(dtype):
 def test_linear_on_fp8_on_the_cpu_is_the_reference(dtype):
     g = torch.Generator().manual_seed(14)
     v, s = random_fp8(200, 140, "bf16", g, "cpu")
-    x, b = torch.randn(7, 140, generator=g).to(dtype), torch.randn(200, generator=g).to(dtype)
+    x, b = torch.randn(40, 140, generator=g).to(dtype), torch.randn(200, generator=g).to(dtype)
     w = Fp8BlockWeight(v, s, dtype)
+    # past a decode step's rows: the weight dequantized per call, torch's GEMM (the reference's own)
     assert torch.equal(linear(x, w, b), fp8_linear_reference(x, v, s, b))
+    # a decode step's rows: the C++ kernel where built (tests/test_cpu_dense_fp8.py), to a sum's order
+    tol = dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    assert torch.allclose(linear(x[:3], w, b).float(), fp8_linear_reference(x[:3], v, s, b).float(), **tol)
 
 
 def test_fused_linear():
@@ -212,11 +216,19 @@ def test_qwen_fp8_dense_kept_equals_dequantized(qwen_fp8):
     kept = kept_weights(ek)
     assert kept and not kept_weights(ed)
     assert any(w.shape[0] == 384 + 96 for w in kept)  # q_proj (384 rows) joined with k_proj in one GEMM
+    mixer0 = ek.model.layers[0][0]  # a DeltaNet layer: in_proj_qkv / in_proj_z are FP8 in the release
+    assert type(mixer0).__name__ == "GatedDeltaNet" and any(
+        isinstance(w, Fp8BlockWeight) for v in vars(mixer0).values() if isinstance(v, FusedLinear)
+        for w, _, _, _ in v.groups)
     assert not isinstance(ek.model.lm_head, Fp8BlockWeight)
     assert ek.weight_bytes < ed.weight_bytes
     assert rel_err(pk, pd) < 1e-4 and rel_err(sk, sd) < 1e-4 and tk == td
     cpu_default = Engine(qwen_fp8, EngineConfig(device="cpu", dtype="float32"))
-    assert cpu_default.describe()["dense_fp8"] == "dequantized"  # auto: dequantized on the CPU
+    # auto: kept on the CPU too, where the C++ rows kernel reads the FP8 bytes (tests/test_cpu_dense_fp8.py)
+    import freetoken.experts.cpu as cpu_mod
+    assert cpu_default.describe()["dense_fp8"] == ("kept" if cpu_mod.extension() is not None else "dequantized")
+    with mock.patch.object(cpu_mod, "DECODE_KERNELS", False):  # FREETOKEN_CPU_KERNELS=0: dequantized at load
+        assert Engine(qwen_fp8, EngineConfig(device="cpu", dtype="float32")).describe()["dense_fp8"] == "dequantized"
 
 
 def test_deepseek_v4_flash_ue8m0_kept_equals_dequantized(tmp_path):

@@ -6,14 +6,16 @@ be kept quantized (weights/dense_fp8.py Fp8BlockWeight).
                   differ from an unpadded call by rounding, never by which rows meet; on the
                   CPU up to HOST_ROWS rows (a decode step) the C++ rows kernel (host_gemv)
   Fp8BlockWeight  CUDA: the Triton kernel reading the FP8 bytes in place (kernels/fp8_linear.py)
-                  CPU:  dequantized per call to fp32 (bit for bit quant.py's), then F.linear
-                        in fp32, rounded once to x's dtype
+                  CPU:  up to FP8_HOST_ROWS rows (a decode step) the C++ rows kernel reading
+                        the e4m3 bytes in place (host_gemv_fp8); past them dequantized per call
+                        to fp32 (bit for bit quant.py's) in blocks of rows, then F.linear in fp32,
+                        rounded once to x's dtype (fp8_blocks_linear)
 
-Why the CPU path dequantizes per call rather than caching the dequantized weight: a cache is
-the copy keeping FP8 exists to avoid (the dense weights at fp32 would take 4x their published
-bytes), and the per-call copy lives for one GEMM, one weight at a time. The engine's default on
-the CPU is to dequantize at load anyway (--dense-fp8 auto: host memory is not the scarce kind
-there, and a GEMM then pays no dequantization); keeping FP8 there is for hosts short of memory.
+Why the CPU keeps FP8 (--dense-fp8 auto, where the C++ kernels are built): a CPU decode step is
+bound by reading its dense weights, and the same weight dequantized to fp32 at load is 4x the
+bytes (2x at bf16). A prompt chunk pays one dequantization per weight per chunk, small beside its
+GEMM (2 x rows multiply-adds per value). Why per call rather than caching the dequantized weight:
+a cache is the copy keeping FP8 exists to avoid, and the per-call block lives for one block's GEMM.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 
 from ..kernels import use_triton
 from ..weights.dense_fp8 import Fp8BlockWeight
+from ..weights.quant import FP8_BLOCK
 
 
 # cuBLAS picks a GEMM's kernel by its heuristics once per shape and keeps the pick; a prompt
@@ -87,6 +90,60 @@ def host_gemv(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
+# Rows of x up to which a kept FP8 weight goes to the C++ kernel rather than a per-call dequantized
+# copy and torch's GEMM (bench/cpu_gemv.py --dtypes fp8 measures the crossover).
+FP8_HOST_ROWS = 32
+
+
+def host_gemv_fp8(x: torch.Tensor, w: Fp8BlockWeight, b: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [..., K] @ w's dequantized [N, K]^T (+ b) by the C++ FP8 rows kernel (experts/cpu/dense.h
+    dense_gemv_fp8), in x's dtype; None where it does not apply (as host_gemv: CPU tensors, float32
+    or bfloat16 x, at most FP8_HOST_ROWS rows, no autograd, the extension built)."""
+    from ..experts import cpu
+    k, n = w.shape[1], w.shape[0]
+    if (not cpu.DECODE_KERNELS or x.device.type != "cpu" or w.device.type != "cpu" or x.shape[-1] != k
+            or x.dtype not in (torch.float32, torch.bfloat16) or (torch.is_grad_enabled() and x.requires_grad)):
+        return None
+    if b is not None and (b.dim() != 1 or b.shape[0] != n or b.device.type != "cpu"):
+        return None
+    rows = x.numel() // k if k else 0
+    if not 0 < rows <= FP8_HOST_ROWS:
+        return None
+    ext = cpu.extension()
+    if ext is None:
+        return None
+    bias = torch.empty(0) if b is None else b.to(torch.float32).contiguous()
+    out = ext.dense_gemv_fp8(x.reshape(rows, k), w.values, w.scale_inv.contiguous(), bias, 3)  # [rows, N] fp32
+    return out.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+def fp8_blocks_linear(x: torch.Tensor, w: Fp8BlockWeight, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x in fp32, w dequantized to fp32, b) rounded once to x's dtype, the weight dequantized
+    a block of 128-row scale blocks at a time (at most ~WIDEN_ELEMENTS values): the whole weight
+    at fp32 would be a temporary of 4x its bytes per call (a 12,352 x 2,048 projection: 100 MB)."""
+    n, k = w.shape
+    xf = x.float()
+    bf = None if b is None else b.float()
+    step = max(1, WIDEN_ELEMENTS // max(k * FP8_BLOCK, 1)) * FP8_BLOCK
+    if n <= step:
+        return F.linear(xf, _dequantized(w), bf).to(x.dtype)
+    out = torch.empty(*x.shape[:-1], n, dtype=torch.float32, device=x.device)  # [..., N]
+    for a in range(0, n, step):
+        e = min(n, a + step)
+        out[..., a:e] = F.linear(xf, _dequantized(w.rows(a, e - a)), None if bf is None else bf[a:e])
+    return out.to(x.dtype)
+
+
+def _dequantized(w: Fp8BlockWeight) -> torch.Tensor:
+    """w [N, K] in float32 as w.dequantize builds it: by the C++ kernel where built (torch's float8
+    cast is slow on the CPU), else by w.dequantize."""
+    from ..experts import cpu
+    ext = cpu.extension() if cpu.DECODE_KERNELS and w.device.type == "cpu" else None
+    if ext is None:
+        return w.dequantize(torch.float32)
+    return ext.dense_dequant_fp8(w.values, w.scale_inv.contiguous())
+
+
 # values of a kept bf16 weight widened to fp32 at a time past the rows kernel's row counts: a 1 GB
 # lm_head widened whole would be a 2 GB temporary per call, and a 4 MB block is written and read
 # back from the caches rather than DRAM
@@ -135,8 +192,10 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
     if use_triton(x):
         from ..kernels.fp8_linear import fp8_linear_triton
         return fp8_linear_triton(x, w.values, w.scale_inv, b)
-    out = F.linear(x.float(), w.dequantize(torch.float32), None if b is None else b.float())  # [..., N]
-    return out.to(x.dtype)
+    out = host_gemv_fp8(x, w, b)
+    if out is not None:
+        return out
+    return fp8_blocks_linear(x, w, b)
 
 
 def warm_gemm_rows(cap: int) -> int:

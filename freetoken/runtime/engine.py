@@ -92,8 +92,8 @@ class EngineConfig:
     dense_fp8: str = field(default="auto", metadata={
         "help": "dense (non-expert) weights an FP8 checkpoint publishes in FP8: keep = as published, the "
                 "GEMMs reading the FP8 bytes (half the memory of bf16); dequant = dequantized to the compute "
-                "dtype at load (auto: keep on CUDA, dequant on the CPU, where a GEMM would dequantize its "
-                "weight each call)",
+                "dtype at load (auto: keep, unless on the CPU without the C++ kernels, where every product "
+                "would dequantize its weight)",
         "choices": ["auto", "keep", "dequant"]})
     dense_bf16: str = field(default="auto", metadata={
         "help": "2-D dense (non-expert) weights a checkpoint stores in bf16, when the compute dtype is float32 "
@@ -239,9 +239,11 @@ class Engine:
             # ops and the dense rows / attention / DeltaNet kernels (torch's intra-op count) too,
             # not only the expert executor (they took every core whatever --cpu-threads said)
             torch.set_num_threads(self.ecfg.cpu_threads)
-        # dense FP8 weights kept as published: on CUDA by default (VRAM is what runs out; the Triton
-        # GEMM reads the bytes in place); on the CPU a kept weight is dequantized every call
-        self.keep_fp8 = self.ecfg.dense_fp8 == "keep" or (self.ecfg.dense_fp8 == "auto" and self.device.type == "cuda")
+        # dense FP8 weights kept as published (--dense-fp8 auto): on CUDA (VRAM is what runs out; the
+        # Triton GEMM reads the bytes in place) and on the CPU where the C++ rows kernel is built (a
+        # decode step is bound by reading them: fp32 copies were 4x the bytes; model/linear.py)
+        self.keep_fp8 = self.ecfg.dense_fp8 == "keep" or (self.ecfg.dense_fp8 == "auto" and (
+            self.device.type == "cuda" or self._host_fp8_kernel()))
         # bf16 dense weights kept bf16 under a float32 compute dtype on the CPU (--dense-bf16): a decode
         # step's dense products read them through the C++ rows kernel, widened exactly as they are read
         # (model/linear.py); at fp32 they were twice the bytes of a step bound by reading them
@@ -440,6 +442,12 @@ class Engine:
                 f"{path}: the weights take {n / 1e9:.1f} GB on {self.device}, more than the budget of "
                 f"{self.budget / 1e9:.1f} GB; raise --vram-budget{hint}")
         return n
+
+    def _host_fp8_kernel(self) -> bool:
+        """Whether a CPU engine's decode rows can read FP8 dense weights in place (the C++ kernel
+        built and not turned off by FREETOKEN_CPU_KERNELS=0)."""
+        from ..experts import cpu
+        return self.device.type == "cpu" and cpu.DECODE_KERNELS and cpu.extension() is not None
 
     def _dense_fp8(self, dense: dict) -> str:
         """describe()'s dense_fp8: "kept" (some dense weights are Fp8BlockWeight), "dequantized"

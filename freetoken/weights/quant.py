@@ -32,6 +32,7 @@ FORMATS = ("dense", "fp8_block", "mxfp4", "nvfp4")
 FP8_BLOCK = 128
 MX_BLOCK = 32
 NV_BLOCK = 16
+E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
 # e2m1 code -> value, sign in bit 3
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
@@ -88,6 +89,37 @@ def dequant_fp8_block(values: torch.Tensor, scale: torch.Tensor, block: int = FP
     r, c = values.shape[-2:]
     s = scale.repeat_interleave(block, dim=-2)[..., :r, :].repeat_interleave(block, dim=-1)[..., :c]
     return values.float() * s
+
+
+def quant_fp8_block(w: torch.Tensor, scale_dtype=torch.float32, block: int = FP8_BLOCK):
+    """[R, C] -> (e4m3 [R, C], scale_inv [ceil(R/block), ceil(C/block)] in scale_dtype), so that
+    w ~ dequant_fp8_block(q, scale_inv): one scale per block, its amax / 448 (DeepSeek's and Qwen's
+    quantizer; an all-zero block gets scale 1). The reference quantizer of the tests' checkpoints
+    and the benchmarks' FP8 weights; `ft convert` never re-quantizes."""
+    r, c = w.shape
+    gr, gc = -(-r // block), -(-c // block)
+    pad = torch.zeros(gr * block, gc * block, device=w.device)
+    pad[:r, :c] = w.float()
+    amax = pad.view(gr, block, gc, block).abs().amax(dim=(1, 3))  # [gr, gc]
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax)).to(scale_dtype)
+    s = scale.float().repeat_interleave(block, 0)[:r].repeat_interleave(block, 1)[:, :c]  # [R, C]
+    q = (w.float() / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def is_projection(name: str) -> bool:
+    """A Linear projection's weight by its name, as the FP8 / FP4 releases select what they quantize:
+    `*_proj.weight`, and DeltaNet's `in_proj_qkv` / `in_proj_z` / `in_proj_a` / `in_proj_b`
+    (Qwen3.5/3.6) and `in_proj_qkvz` / `in_proj_ba` (Qwen3-Next); the releases then leave DeltaNet's
+    small a / b (ba) projections out (SMALL_PROJECTIONS), with lm_head, embeddings and routers."""
+    if not name.endswith(".weight"):
+        return False
+    module = name[: -len(".weight")].rsplit(".", 1)[-1]
+    return module.endswith("_proj") or module.startswith("in_proj_")
+
+
+# projection weights the releases keep unquantized (a few rows each: DeltaNet's gates' inputs)
+SMALL_PROJECTIONS = ("in_proj_a.weight", "in_proj_b.weight", "in_proj_ba.weight")
 
 
 def dequant_fp8_block_pair(values: torch.Tensor, scale: torch.Tensor, rows_first: int,

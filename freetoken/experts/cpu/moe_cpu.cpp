@@ -2001,6 +2001,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode_cpu, "paged decode attention over host pages (attention.h)");
   m.def("dense_gemv", &dense_gemv, "x [M, K] @ w [N, K]^T + b for the few rows of a decode step (dense.h)",
         py::arg("x"), py::arg("w"), py::arg("b"), py::arg("isa_cap") = 3);
+  m.def("dense_gemv_fp8", &dense_gemv_fp8, "x [M, K] @ an FP8 block weight's dequantized [N, K]^T + b for the few "
+        "rows of a decode step, reading the e4m3 bytes in place (dense.h)", py::arg("x"), py::arg("values"),
+        py::arg("scale_inv"), py::arg("b"), py::arg("isa_cap") = 3);
+  m.def("dense_dequant_fp8", &dense_dequant_fp8, "an FP8 block weight dequantized to float32 [N, K] as "
+        "Fp8BlockWeight.dequantize builds it (dense.h)", py::arg("values"), py::arg("scale_inv"));
   m.def("deltanet_decode", &deltanet_decode_cpu, "a gated DeltaNet layer's decode step between its projections, "
         "conv window and recurrent state in place (deltanet.h)");
   m.def("host_call_address", &host_call_address, "address of the host-function entry (a CUhostFn)");
