@@ -355,12 +355,12 @@ def test_kernels_dequantize_every_code_as_the_reference(case, isa):
     assert torch.isfinite(want).all() and (want != 0).any()
 
 
-@pytest.mark.parametrize("name", ["mxfp4", "nvfp4", "fp8_block-bf16"])
+@pytest.mark.parametrize("name", ["mxfp4", "nvfp4", "fp8_block-bf16", "fp8_block-f32", "fp8_block-f16"])
 def test_token_pairs_give_the_per_token_bits(name):
-    """A prompt chunk's tokens of one expert go through the exact fp4 kernels two at a time
-    (qdot4x2_fp4_avx512); every output equals, bit for bit, what the token gets in a call of its
-    own (the per-token kernels), at every ISA this CPU has, with column and row tails and a row
-    that routes nowhere. fp8 takes one token at a time either way."""
+    """A prompt chunk's tokens of one expert go through the exact kernels two at a time
+    (qdot4x2_fp4_avx512, qdot4x2_fp8_avx512); every output equals, bit for bit, what the token gets
+    in a call of its own (the per-token kernels), at every ISA this CPU has, with column and row
+    tails and a row that routes nowhere."""
     fmt, sdt, h, i = CASES[name]
     banks = random_banks(fmt, sdt, 5, h, i, seed=11)
     x, ids, w = inputs(19, h, seed=5, n=5, k=3)  # 5 experts: each gets ~11 tokens, pairs and a remainder

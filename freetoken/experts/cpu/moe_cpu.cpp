@@ -275,13 +275,16 @@ template <typename W>
 __attribute__((target("avx512f"), noclone)) void dot4x4_avx512(const W* w, int64_t stride, const float* const* xs,
                                                       int len, float (*out)[4], const W* next = nullptr) {
   __m512 a[4][4];
+#pragma GCC unroll 4
   for (int j = 0; j < 4; ++j)
+#pragma GCC unroll 4
     for (int t = 0; t < 4; ++t) a[j][t] = _mm512_setzero_ps();
   int i = 0;
   for (; i + 16 <= len; i += 16) {
     if (sizeof(W) == 4 || (i & 31) == 0) prefetch4(next, stride, i);
     const __m512 w0 = load16(w + i), w1 = load16(w + stride + i), w2 = load16(w + 2 * stride + i),
                  w3 = load16(w + 3 * stride + i);
+#pragma GCC unroll 4
     for (int t = 0; t < 4; ++t) {
       const __m512 xv = _mm512_loadu_ps(xs[t] + i);
       a[0][t] = _mm512_fmadd_ps(w0, xv, a[0][t]);
@@ -290,10 +293,14 @@ __attribute__((target("avx512f"), noclone)) void dot4x4_avx512(const W* w, int64
       a[3][t] = _mm512_fmadd_ps(w3, xv, a[3][t]);
     }
   }
+#pragma GCC unroll 4
   for (int j = 0; j < 4; ++j)
+#pragma GCC unroll 4
     for (int t = 0; t < 4; ++t) out[j][t] = _mm512_reduce_add_ps(a[j][t]);
   for (; i < len; ++i)
+#pragma GCC unroll 4
     for (int t = 0; t < 4; ++t)
+#pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) out[j][t] += load1(w + j * stride, i) * xs[t][i];
 }
 
@@ -302,7 +309,9 @@ __attribute__((target("avx512f,avx512bf16"), noclone)) void dot4x4_bf16dp(const 
                                                                 const uint16_t* const* xs, int len,
                                                                 float (*out)[4], const uint16_t* next = nullptr) {
   __m512 a[4][4];
+#pragma GCC unroll 4
   for (int j = 0; j < 4; ++j)
+#pragma GCC unroll 4
     for (int t = 0; t < 4; ++t) a[j][t] = _mm512_setzero_ps();
   int i = 0;
   for (; i + 32 <= len; i += 32) {
@@ -310,6 +319,7 @@ __attribute__((target("avx512f,avx512bf16"), noclone)) void dot4x4_bf16dp(const 
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + i), w1 = (__m512bh)_mm512_loadu_si512(w + stride + i),
                    w2 = (__m512bh)_mm512_loadu_si512(w + 2 * stride + i),
                    w3 = (__m512bh)_mm512_loadu_si512(w + 3 * stride + i);
+#pragma GCC unroll 4
     for (int t = 0; t < 4; ++t) {
       const __m512bh xv = (__m512bh)_mm512_loadu_si512(xs[t] + i);
       a[0][t] = _mm512_dpbf16_ps(a[0][t], w0, xv);
@@ -318,10 +328,14 @@ __attribute__((target("avx512f,avx512bf16"), noclone)) void dot4x4_bf16dp(const 
       a[3][t] = _mm512_dpbf16_ps(a[3][t], w3, xv);
     }
   }
+#pragma GCC unroll 4
   for (int j = 0; j < 4; ++j)
+#pragma GCC unroll 4
     for (int t = 0; t < 4; ++t) out[j][t] = _mm512_reduce_add_ps(a[j][t]);
   for (; i < len; ++i)
+#pragma GCC unroll 4
     for (int t = 0; t < 4; ++t)
+#pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) out[j][t] += bf16_to_f32(w[j * stride + i]) * bf16_to_f32(xs[t][i]);
 }
 
@@ -746,6 +760,7 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) void qdot4x2_fp4_avx512(const Q
 #pragma GCC unroll 8
     for (int j = 0; j < 8; j += 2) {
       __m512 x0[2], x1[2];
+#pragma GCC unroll 2
       for (int t = 0; t < 2; ++t) {
         const float* x = xs[t];
         x0[t] = nl == 16 ? _mm512_loadu_ps(x + base + 16 * j) : _mm512_maskz_loadu_ps(m, x + base + j * nl);
@@ -755,6 +770,7 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) void qdot4x2_fp4_avx512(const Q
       for (int p = 0; p < 4; ++p) {
         const __m512 w0 = _mm512_permutexvar_ps(_mm512_srli_epi32(v[p], 4 * j), table);
         const __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v[p], 4 * j + 4), table);
+#pragma GCC unroll 2
         for (int t = 0; t < 2; ++t) {
           t0[t][p] = _mm512_fmadd_ps(w0, x0[t], t0[t][p]);
           t1[t][p] = _mm512_fmadd_ps(w1, x1[t], t1[t][p]);
@@ -764,9 +780,11 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) void qdot4x2_fp4_avx512(const Q
     #pragma GCC unroll 4
     for (int p = 0; p < 4; ++p) {
       const __m512 sc = fp4_scales_avx512(FMT, rows[p], base, nl);
+#pragma GCC unroll 2
       for (int t = 0; t < 2; ++t) acc[t][p] = _mm512_fmadd_ps(_mm512_add_ps(t0[t][p], t1[t][p]), sc, acc[t][p]);
     }
   }
+#pragma GCC unroll 2
   for (int t = 0; t < 2; ++t)
     #pragma GCC unroll 4
     for (int p = 0; p < 4; ++p) out[t][p] = _mm512_reduce_add_ps(acc[t][p]);
@@ -856,6 +874,72 @@ __attribute__((target("avx512f,avx512bw,avx2,fma,f16c"))) void qdot4_fp8_avx512(
   }
 #pragma GCC unroll 4
   for (int p = 0; p < 4; ++p) out[p] = _mm512_reduce_add_ps(acc[p]) + rest[p];
+}
+
+// qdot4_fp8_avx512 for two activation rows at once (a prompt chunk's tokens of one expert): each
+// 32-byte load and e4m3 -> f32 conversion feeds both tokens; every token's block partial sums, its
+// scalar rest, scaling and reduction are qdot4_fp8_avx512's in its order, so out[t] is that
+// kernel's result bit for bit (tests/test_cpu_token_blocks.py).
+__attribute__((target("avx512f,avx512bw,avx2,fma,f16c"))) void qdot4x2_fp8_avx512(const QRow* rows, const float* const* xs,
+                                                                                   int C, int sdt, float (*out)[4]) {
+  const __m512i mask = _mm512_set1_epi16(short(0xBF80));
+  __m512 acc[2][4];
+  float rest[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma GCC unroll 4
+  for (int p = 0; p < 4; ++p) acc[0][p] = acc[1][p] = _mm512_setzero_ps();
+  for (int base = 0, cb = 0; base < C; base += 128, ++cb) {
+    const int end = std::min(C, base + 128);
+    __m512 t[2][4];
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) t[0][p] = t[1][p] = _mm512_setzero_ps();
+    int c = base;
+    for (; c + 32 <= end; c += 32) {
+      __m512 x0[2], x1[2];
+#pragma GCC unroll 2
+      for (int q = 0; q < 2; ++q) x0[q] = _mm512_loadu_ps(xs[q] + c), x1[q] = _mm512_loadu_ps(xs[q] + c + 16);
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {
+        prefetch_ahead(rows[p].v + c);
+        const __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[p].v + c)));
+        const __m512i h = _mm512_and_si512(_mm512_slli_epi16(b, 7), mask);
+        const __m512 w0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), w1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+#pragma GCC unroll 2
+        for (int q = 0; q < 2; ++q) {
+          t[q][p] = _mm512_fmadd_ps(w0, x0[q], t[q][p]);
+          t[q][p] = _mm512_fmadd_ps(w1, x1[q], t[q][p]);
+        }
+      }
+    }
+    if (c + 16 <= end) {
+      __m512 x0[2];
+#pragma GCC unroll 2
+      for (int q = 0; q < 2; ++q) x0[q] = _mm512_loadu_ps(xs[q] + c);
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {
+        const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[p].v + c)));
+        const __m256i h = _mm256_and_si256(_mm256_slli_epi16(b, 7), _mm512_castsi512_si256(mask));
+        const __m512 w = _mm512_cvtph_ps(h);
+#pragma GCC unroll 2
+        for (int q = 0; q < 2; ++q) t[q][p] = _mm512_fmadd_ps(w, x0[q], t[q][p]);
+      }
+      c += 16;
+    }
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      const float sc = fp8_scale(rows[p].s, sdt, cb);
+#pragma GCC unroll 2
+      for (int q = 0; q < 2; ++q) {
+        float r = 0.f;
+        for (int k = c; k < end; ++k) r += e4m3_f32(rows[p].v[k]) * xs[q][k];
+        acc[q][p] = _mm512_fmadd_ps(t[q][p], _mm512_set1_ps(sc * 256.f), acc[q][p]);
+        rest[q][p] += r * sc;
+      }
+    }
+  }
+#pragma GCC unroll 2
+  for (int q = 0; q < 2; ++q)
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) out[q][p] = _mm512_reduce_add_ps(acc[q][p]) + rest[q][p];
 }
 
 // --- int8 activations (opt-in, Executor::q8; not bit-exact): llama.cpp's way for 4-bit banks.
@@ -1119,8 +1203,9 @@ inline void qdot4(Isa isa, int fmt, bool dp, const QRow* rows, const float* x, c
   return mx ? qdot4_scalar<FMT_MXFP4>(rows, x, C, sdt, out) : qdot4_scalar<FMT_NVFP4>(rows, x, C, sdt, out);
 }
 
-// The two-token form of qdot4's exact AVX-512 fp4 kernels (run_q takes it where pair2 holds).
-inline void qdot4x2_fp4(int fmt, const QRow* rows, const float* const* xs, int C, float (*out)[4]) {
+// The two-token form of qdot4's exact AVX-512 kernels (run_q takes it where pair2 holds).
+inline void qdot4x2(int fmt, const QRow* rows, const float* const* xs, int C, int sdt, float (*out)[4]) {
+  if (fmt == FMT_FP8) return qdot4x2_fp8_avx512(rows, xs, C, sdt, out);
   if (fmt == FMT_MXFP4) return qdot4x2_fp4_avx512<FMT_MXFP4>(rows, xs, C, out);
   qdot4x2_fp4_avx512<FMT_NVFP4>(rows, xs, C, out);
 }
@@ -1350,9 +1435,9 @@ struct Executor {
     const bool i8 = q8 && fmt != FMT_FP8;  // fp8 values are not small integers: exact kernels
     const bool dp = !i8 && bf16_act && isa == AVX512_BF16 && fmt != FMT_FP8;
     const Layout lay = i8 ? Layout() : layout_for(fmt, isa, dp);
-    // two tokens at a time where an expert has them: the exact fp4 kernels with float activations
-    // on AVX-512 (qdot4x2_fp4_avx512: the same bits); the others take one token at a time
-    const bool pair2 = g_token_block && !i8 && !dp && fmt != FMT_FP8 && isa >= AVX512;
+    // two tokens at a time where an expert has them: the exact kernels with float activations on
+    // AVX-512 (qdot4x2_fp4_avx512 / qdot4x2_fp8_avx512: the same bits); the others one at a time
+    const bool pair2 = g_token_block && !i8 && !dp && isa >= AVX512;
     const std::vector<int>& posH = positions(lay, H, 0);
     const std::vector<int>& posI = positions(lay, I, 1);
     // activations in the kernel's layout (bf16 for the dot-product path); h rows likewise
@@ -1420,8 +1505,8 @@ struct Executor {
             if (pair2 && starts[g + 1] - q >= 2) {  // two of the expert's tokens at once (exact fp4, AVX-512)
               const float* xs[2] = {xl.data() + size_t(order[q] / K) * H, xl.data() + size_t(order[q + 1] / K) * H};
               float g2[2][4], v2[2][4];
-              qdot4x2_fp4(fmt, rg, xs, H, g2);
-              qdot4x2_fp4(fmt, ru, xs, H, v2);
+              qdot4x2(fmt, rg, xs, H, gu.sdt, g2);
+              qdot4x2(fmt, ru, xs, H, gu.sdt, v2);
               for (int t = 0; t < 2; ++t)
                 for (int j = 0; j < nr; ++j) {
                   const float hv = plain ? silu(g2[t][j]) * v2[t][j] : fn.h(e, I, r + j, g2[t][j], v2[t][j]);
@@ -1480,7 +1565,7 @@ struct Executor {
                 if (pair2 && starts[g + 1] - q >= 2) {  // two pairs at once, added in order
                   const float* hs[2] = {hl.data() + size_t(q) * I, hl.data() + size_t(q + 1) * I};
                   float d2[2][4];
-                  qdot4x2_fp4(fmt, rd, hs, I, d2);
+                  qdot4x2(fmt, rd, hs, I, dn.sdt, d2);
                   for (int t = 0; t < 2; ++t) {
                     const int tok = order[q + t] / K;
                     const float wq = gw[order[q + t]];
