@@ -20,8 +20,11 @@ DeepSeek-V4, deepseek_v4_name()) and checked against the model class's expected_
 dtypes are what the engine's loader makes of them (weights/reader.py dense_weights: bf16, the
 class's KEEP_FP32 modules and the routers' correction bias in fp32, DeepSeek-V4's token -> expert
 tables as integers). Their values are random, made directly on the compute device (the hash
-tables valid: k distinct experts per token). The dense weights are BF16 (the releases publish
-DeepSeek-V4-Flash's dense layers in FP8; the engine's FP8 dense GEMM is not used here).
+tables valid: k distinct experts per token). The dense weights are BF16, or with `--dense-format
+fp8_block` their projections in FP8 as an FP8 release publishes them (Qwen3.6-FP8, DeepSeek-V4-Flash's
+dense layers): kept, as the engine keeps them, or `fp8_dequant`, dequantized at load.
+`--compute-dtype float32` runs the cpu-only rows as a CPU engine does (its bf16 2-D weights kept
+bf16 and widened as read).
 The routed experts: random banks in the published layout (bench/cpu_experts.py quantized_banks),
 `--expert-format` mxfp4 (DeepSeek-V4-Flash's default), nvfp4 (GLM-5's default), bf16 (Qwen3.6's
 default; Qwen also publishes FP8) or fp8_block, made one layer at a time on the device and copied
