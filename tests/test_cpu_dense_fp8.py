@@ -135,6 +135,11 @@ def test_host_gemv_fp8_declines_what_it_does_not_serve():
     assert host_gemv_fp8(torch.randn(1, 8, requires_grad=True), w) is None
     assert host_gemv_fp8(torch.randn(1, 8), w, torch.randn(1, 16)) is None  # a broadcast bias
     assert host_gemv_fp8(torch.randn(1, 8), w, torch.randn(16)) is not None
+    # scales of a dtype the kernels do not read: the torch way, the reference's result
+    w64 = Fp8BlockWeight(w.values, w.scale_inv.double(), torch.float32)
+    x = torch.randn(2, 8)
+    assert host_gemv_fp8(x, w64) is None
+    assert torch.allclose(linear(x, w64), F.linear(x, w.dequantize(torch.float32)), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("sdt", [torch.float32, torch.bfloat16, torch.float16])

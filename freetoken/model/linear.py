@@ -107,7 +107,7 @@ def host_gemv_fp8(x: torch.Tensor, w: Fp8BlockWeight, b: torch.Tensor | None = N
     if b is not None and (b.dim() != 1 or b.shape[0] != n or b.device.type != "cpu"):
         return None
     rows = x.numel() // k if k else 0
-    if not 0 < rows <= FP8_HOST_ROWS:
+    if not 0 < rows <= FP8_HOST_ROWS or not _kernel_reads(w):
         return None
     ext = cpu.extension()
     if ext is None:
@@ -134,11 +134,18 @@ def fp8_blocks_linear(x: torch.Tensor, w: Fp8BlockWeight, b: torch.Tensor | None
     return out.to(x.dtype)
 
 
+def _kernel_reads(w: Fp8BlockWeight) -> bool:
+    """Whether the C++ FP8 kernels take w as it is: contiguous rows of e4m3 bytes and a float32,
+    bfloat16 or float16 scale (anything else goes the torch way rather than failing a call)."""
+    k = w.shape[1]
+    return w.values.stride() == (k, 1) and w.scale_inv.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _dequantized(w: Fp8BlockWeight) -> torch.Tensor:
     """w [N, K] in float32 as w.dequantize builds it: by the C++ kernel where built (torch's float8
     cast is slow on the CPU), else by w.dequantize."""
     from ..experts import cpu
-    ext = cpu.extension() if cpu.DECODE_KERNELS and w.device.type == "cpu" else None
+    ext = cpu.extension() if cpu.DECODE_KERNELS and w.device.type == "cpu" and _kernel_reads(w) else None
     if ext is None:
         return w.dequantize(torch.float32)
     return ext.dense_dequant_fp8(w.values, w.scale_inv.contiguous())
