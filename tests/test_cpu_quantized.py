@@ -358,9 +358,9 @@ def test_kernels_dequantize_every_code_as_the_reference(case, isa):
 @pytest.mark.parametrize("name", ["mxfp4", "nvfp4", "fp8_block-bf16", "fp8_block-f32", "fp8_block-f16"])
 def test_token_pairs_give_the_per_token_bits(name):
     """A prompt chunk's tokens of one expert go through the exact kernels two at a time
-    (qdot4x2_fp4_avx512, qdot4x2_fp8_avx512); every output equals, bit for bit, what the token gets
-    in a call of its own (the per-token kernels), at every ISA this CPU has, with column and row
-    tails and a row that routes nowhere."""
+    (qdot4x2_fp4_avx512, qdot4x2_fp8_avx512; with bf16 activations qdot4x2_fp4_bf16dp); every
+    output equals, bit for bit, what the token gets in a call of its own (the per-token kernels),
+    at every ISA this CPU has, with column and row tails and a row that routes nowhere."""
     fmt, sdt, h, i = CASES[name]
     banks = random_banks(fmt, sdt, 5, h, i, seed=11)
     x, ids, w = inputs(19, h, seed=5, n=5, k=3)  # 5 experts: each gets ~11 tokens, pairs and a remainder
@@ -373,3 +373,9 @@ def test_token_pairs_give_the_per_token_bits(name):
         assert torch.equal(whole, alone), (name, ISA_NAMES[isa])
         gu, dn = banks.dequant(torch.arange(5))
         assert rel(whole, reference_experts(x, ids, w, gu, dn)) < 1e-5
+        xb = x.bfloat16()  # a bf16 model's rows: VDPBF16PS for the fp4 formats on avx512-bf16
+        whole_b = ex.kernel(xb, ids, w)
+        alone_b = torch.cat([ex.kernel(xb[r:r + 1], ids[r:r + 1], w[r:r + 1]) for r in range(x.shape[0])])
+        assert torch.equal(whole_b, alone_b), (name, ISA_NAMES[isa], "bf16")
+        dp = ISA_NAMES[isa] == "avx512-bf16" and fmt != "fp8_block"
+        assert rel(whole_b, reference_experts(xb.float(), ids, w, gu, dn)) < (2e-2 if dp else 1e-5)

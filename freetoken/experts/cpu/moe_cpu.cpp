@@ -830,6 +830,54 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c"))) void qdot4_
   for (int p = 0; p < 4; ++p) out[p] = _mm512_reduce_add_ps(acc[p]);
 }
 
+// qdot4_fp4_bf16dp for two activation rows at once (a bf16 model's prompt chunk, or a GPU engine's
+// CPU experts): each code lookup feeds both tokens; every token's partial sums, their scaling and
+// reduction are qdot4_fp4_bf16dp's, so out[t] is its result bit for bit.
+template <int FMT>
+__attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c"))) void qdot4x2_fp4_bf16dp(
+    const QRow* rows, const uint16_t* const* xbs, int C, float (*out)[4]) {
+  const __m512i table = _mm512_load_si512(E2M1_BF16);
+  __m512 acc[2][4];
+  #pragma GCC unroll 4
+  for (int p = 0; p < 4; ++p) acc[0][p] = acc[1][p] = _mm512_setzero_ps();
+  prefetch_scales(rows, FMT == FMT_MXFP4 ? C / 32 : C / 16);
+  for (int base = 0; base < C; base += 128) {
+    const int nl = std::min(16, (C - base) / 8), nw = 2 * nl;
+    const __mmask16 m = __mmask16((1u << nl) - 1);
+    __m512i v[4];
+    __m512 t[2][4];
+    #pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      prefetch_ahead(rows[p].v + base / 2);
+      v[p] = nl == 16 ? _mm512_loadu_si512(rows[p].v + base / 2) : _mm512_maskz_loadu_epi32(m, rows[p].v + base / 2);
+      t[0][p] = t[1][p] = _mm512_setzero_ps();
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      __m512i xj[2];
+#pragma GCC unroll 2
+      for (int q = 0; q < 2; ++q)
+        xj[q] = nl == 16 ? _mm512_loadu_si512(xbs[q] + base + 32 * j) : _mm512_maskz_loadu_epi32(m, xbs[q] + base + j * nw);
+      #pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {
+        const __m512i w = _mm512_permutexvar_epi16(_mm512_srli_epi16(v[p], 4 * j), table);
+#pragma GCC unroll 2
+        for (int q = 0; q < 2; ++q) t[q][p] = _mm512_dpbf16_ps(t[q][p], (__m512bh)w, (__m512bh)xj[q]);
+      }
+    }
+    #pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      const __m512 sc = fp4_scales_avx512(FMT, rows[p], base, nl);
+#pragma GCC unroll 2
+      for (int q = 0; q < 2; ++q) acc[q][p] = _mm512_fmadd_ps(t[q][p], sc, acc[q][p]);
+    }
+  }
+#pragma GCC unroll 2
+  for (int q = 0; q < 2; ++q)
+  #pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) out[q][p] = _mm512_reduce_add_ps(acc[q][p]);
+}
+
 __attribute__((target("avx512f,avx512bw,avx2,fma,f16c"))) void qdot4_fp8_avx512(const QRow* rows, const float* x, int C,
                                                                                  int sdt, float* out) {
   // as qdot4_fp8_avx2: e4m3 -> f16 bits (value * 2^-8, exact) -> vcvtph2ps; 2^8 in the block scale
@@ -1205,6 +1253,12 @@ inline void qdot4(Isa isa, int fmt, bool dp, const QRow* rows, const float* x, c
   return mx ? qdot4_scalar<FMT_MXFP4>(rows, x, C, sdt, out) : qdot4_scalar<FMT_NVFP4>(rows, x, C, sdt, out);
 }
 
+// The two-token form of the bf16-activation fp4 kernels (run_q with dp, where pair2 holds).
+inline void qdot4x2_dp(int fmt, const QRow* rows, const uint16_t* const* xbs, int C, float (*out)[4]) {
+  if (fmt == FMT_MXFP4) return qdot4x2_fp4_bf16dp<FMT_MXFP4>(rows, xbs, C, out);
+  qdot4x2_fp4_bf16dp<FMT_NVFP4>(rows, xbs, C, out);
+}
+
 // The two-token form of qdot4's exact AVX-512 kernels (run_q takes it where pair2 holds).
 inline void qdot4x2(int fmt, const QRow* rows, const float* const* xs, int C, int sdt, float (*out)[4]) {
   if (fmt == FMT_FP8) return qdot4x2_fp8_avx512(rows, xs, C, sdt, out);
@@ -1437,9 +1491,10 @@ struct Executor {
     const bool i8 = q8 && fmt != FMT_FP8;  // fp8 values are not small integers: exact kernels
     const bool dp = !i8 && bf16_act && isa == AVX512_BF16 && fmt != FMT_FP8;
     const Layout lay = i8 ? Layout() : layout_for(fmt, isa, dp);
-    // two tokens at a time where an expert has them: the exact kernels with float activations on
-    // AVX-512 (qdot4x2_fp4_avx512 / qdot4x2_fp8_avx512: the same bits); the others one at a time
-    const bool pair2 = g_token_block && !i8 && !dp && isa >= AVX512;
+    // two tokens at a time where an expert has them: the exact kernels on AVX-512, float
+    // activations (qdot4x2_fp4_avx512 / qdot4x2_fp8_avx512) or bf16 ones (qdot4x2_fp4_bf16dp), the
+    // same bits as one at a time; int8 activations take one token at a time
+    const bool pair2 = g_token_block && !i8 && isa >= AVX512;
     const std::vector<int>& posH = positions(lay, H, 0);
     const std::vector<int>& posI = positions(lay, I, 1);
     // activations in the kernel's layout (bf16 for the dot-product path); h rows likewise
@@ -1504,15 +1559,23 @@ struct Executor {
             ru[j] = qrow(gu, e, I + r + std::min(j, nr - 1));
           }
           for (int q = starts[g]; q < starts[g + 1]; ++q) {
-            if (pair2 && starts[g + 1] - q >= 2) {  // two of the expert's tokens at once (exact fp4, AVX-512)
-              const float* xs[2] = {xl.data() + size_t(order[q] / K) * H, xl.data() + size_t(order[q + 1] / K) * H};
+            if (pair2 && starts[g + 1] - q >= 2) {  // two of the expert's tokens at once (exact, AVX-512)
+              const size_t t0 = size_t(order[q] / K), t1 = size_t(order[q + 1] / K);
               float g2[2][4], v2[2][4];
-              qdot4x2(fmt, rg, xs, H, gu.sdt, g2);
-              qdot4x2(fmt, ru, xs, H, gu.sdt, v2);
+              if (dp) {
+                const uint16_t* xs[2] = {xb.data() + t0 * H, xb.data() + t1 * H};
+                qdot4x2_dp(fmt, rg, xs, H, g2);
+                qdot4x2_dp(fmt, ru, xs, H, v2);
+              } else {
+                const float* xs[2] = {xl.data() + t0 * H, xl.data() + t1 * H};
+                qdot4x2(fmt, rg, xs, H, gu.sdt, g2);
+                qdot4x2(fmt, ru, xs, H, gu.sdt, v2);
+              }
               for (int t = 0; t < 2; ++t)
                 for (int j = 0; j < nr; ++j) {
                   const float hv = plain ? silu(g2[t][j]) * v2[t][j] : fn.h(e, I, r + j, g2[t][j], v2[t][j]);
-                  hl[size_t(q + t) * I + posI[r + j]] = hv;
+                  if (dp) hb[size_t(q + t) * I + posI[r + j]] = f32_to_bf16(hv);
+                  else hl[size_t(q + t) * I + posI[r + j]] = hv;
                 }
               ++q;
               continue;
@@ -1565,9 +1628,14 @@ struct Executor {
               for (int j = 0; j < 4; ++j) rd[j] = qrow(dn, e, r + std::min(j, nr - 1));
               for (int q = starts[g]; q < starts[g + 1]; ++q) {
                 if (pair2 && starts[g + 1] - q >= 2) {  // two pairs at once, added in order
-                  const float* hs[2] = {hl.data() + size_t(q) * I, hl.data() + size_t(q + 1) * I};
                   float d2[2][4];
-                  qdot4x2(fmt, rd, hs, I, dn.sdt, d2);
+                  if (dp) {
+                    const uint16_t* hs[2] = {hb.data() + size_t(q) * I, hb.data() + size_t(q + 1) * I};
+                    qdot4x2_dp(fmt, rd, hs, I, d2);
+                  } else {
+                    const float* hs[2] = {hl.data() + size_t(q) * I, hl.data() + size_t(q + 1) * I};
+                    qdot4x2(fmt, rd, hs, I, dn.sdt, d2);
+                  }
                   for (int t = 0; t < 2; ++t) {
                     const int tok = order[q + t] / K;
                     const float wq = gw[order[q + t]];
