@@ -1353,7 +1353,26 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   FT_TAG=plan124 FT_PER_FILE=100 bash bench/device_tests.sh tests/test_gpu_production.py > /dev/null
   FT_TAG=plan124 FT_PER_FILE=140 FT_K="cuda and equals_resident" bash bench/device_tests.sh tests/test_prefill_stream.py > /dev/null
   ;;
-*) echo "stage 0 to 132"; exit 2 ;;
+133) # ~540 s at most: the fortieth session's CPU kernels on the Xeon host, the GPU hidden (no CUDA
+  # needed; runs on any machine kind): the expert executor's token blocks on and off (FP8, MXFP4, bf16
+  # banks, 6 threads, prompt-sized calls), the FP8 dense rows kernel per weight, then a decode step of
+  # the 12-layer Qwen3.6 slice with FP8 projections kept against dequantized to fp32. Carry .whl and
+  # .devcache/commit.
+  for f in fp8_block mxfp4 bf16; do
+    for tb in 0 1; do
+      FREETOKEN_CPU_TOKEN_BLOCK=$tb CUDA_VISIBLE_DEVICES= step 40 "tokenblock-$f-$tb" python3 -m bench.cpu_experts \
+        --format $f --experts 256 --threads 6 --batches 64,256,512 --iters 3 --name "cpu_experts-$f-tokenblock$tb-t6"
+    done
+  done
+  CUDA_VISIBLE_DEVICES= step 60 gemv-fp8 python3 -m bench.cpu_gemv --dtypes fp8 --threads 6 --rows 1,2,4,16,32 \
+    --name cpu_gemv-fp8-t6
+  for d in fp8_block fp8_dequant; do
+    CUDA_VISIBLE_DEVICES= step 120 "dense-$d" python3 -m bench.large_models --arch qwen3_5_moe --layers 12 \
+      --expert-format fp8_block --modes cpu-only --compute-dtype float32 --threads 6 --tokens 32 \
+      --dense-format $d --name "large_models-qwen3_5_moe-12-fp8-dense-$d-t6"
+  done
+  ;;
+*) echo "stage 0 to 133"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole
