@@ -762,6 +762,8 @@ def parse(argv=None):
     if a.llamacpp and a.arch != "qwen3_5_moe":
         ap.error("--llamacpp: only the qwen3_5_moe shape is written as a GGUF here")
     a.modes = [m for m in a.modes.split(",") if m]
+    if a.compute_dtype != "bfloat16" and set(a.modes) - {"cpu-only"}:
+        ap.error("--compute-dtype float32 is for --modes cpu-only (the GPU modes run a bf16 model)")
     try:
         a.fill_shares = [float(r) for r in a.fill_shares.split(",") if r]
     except ValueError:

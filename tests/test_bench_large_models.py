@@ -212,6 +212,8 @@ def test_fp8_projections_as_a_release_quantizes_them(tmp_path, monkeypatch):
     assert res["dense_format"] == "fp8_block" and res["compute_dtype"] == "float32"
     assert res["dense_kept_gb"] < res["dense_gb"]  # the plan's bf16 projections, kept in FP8
     assert "error" not in res["runs"][0] and res["runs"][0]["tok_s"] > 0
+    with pytest.raises(SystemExit):  # the GPU modes run a bf16 model
+        lm.main(["--arch", "qwen3_5_moe", "--tiny", "--modes", "cpu-only,resident", "--compute-dtype", "float32"])
 
 
 def test_fixed_split_and_fill_only_rows(tmp_path, monkeypatch):

@@ -87,8 +87,10 @@ def test_dense_gemv_fp8_refuses_bad_arguments():
         ext.dense_gemv_fp8(torch.randn(1, 200), v, s[:1], none, 3)
     with pytest.raises(RuntimeError, match="scale_inv float32, bfloat16 or float16"):
         ext.dense_gemv_fp8(torch.randn(1, 200), v, s.double(), none, 3)
-    with pytest.raises(RuntimeError, match="contiguous 1-byte"):
+    with pytest.raises(RuntimeError, match="contiguous float8_e4m3fn"):
         ext.dense_gemv_fp8(torch.randn(1, 130), v.view(torch.uint8).t(), s.t().contiguous(), none, 3)
+    with pytest.raises(RuntimeError, match="contiguous float8_e4m3fn"):  # another 1-byte type is not e4m3
+        ext.dense_gemv_fp8(torch.randn(1, 200), v.view(torch.int8), s, none, 3)
     with pytest.raises(RuntimeError, match="x float32 or bfloat16"):
         ext.dense_gemv_fp8(torch.randn(1, 200).half(), v, s, none, 3)
     with pytest.raises(RuntimeError, match=r"b \[N\]"):
@@ -134,6 +136,7 @@ def test_host_gemv_fp8_declines_what_it_does_not_serve():
     assert host_gemv_fp8(torch.randn(FP8_HOST_ROWS + 1, 8), w) is None
     assert host_gemv_fp8(torch.randn(1, 8, requires_grad=True), w) is None
     assert host_gemv_fp8(torch.randn(1, 8), w, torch.randn(1, 16)) is None  # a broadcast bias
+    assert host_gemv_fp8(torch.randn(1, 8), w, torch.randn(16, requires_grad=True)) is None  # autograd
     assert host_gemv_fp8(torch.randn(1, 8), w, torch.randn(16)) is not None
     # scales of a dtype the kernels do not read: the torch way, the reference's result
     w64 = Fp8BlockWeight(w.values, w.scale_inv.double(), torch.float32)

@@ -102,7 +102,8 @@ def host_gemv_fp8(x: torch.Tensor, w: Fp8BlockWeight, b: torch.Tensor | None = N
     from ..experts import cpu
     k, n = w.shape[1], w.shape[0]
     if (not cpu.DECODE_KERNELS or x.device.type != "cpu" or w.device.type != "cpu" or x.shape[-1] != k
-            or x.dtype not in (torch.float32, torch.bfloat16) or (torch.is_grad_enabled() and x.requires_grad)):
+            or x.dtype not in (torch.float32, torch.bfloat16)
+            or (torch.is_grad_enabled() and (x.requires_grad or (b is not None and b.requires_grad)))):
         return None
     if b is not None and (b.dim() != 1 or b.shape[0] != n or b.device.type != "cpu"):
         return None
@@ -138,7 +139,8 @@ def _kernel_reads(w: Fp8BlockWeight) -> bool:
     """Whether the C++ FP8 kernels take w as it is: contiguous rows of e4m3 bytes and a float32,
     bfloat16 or float16 scale (anything else goes the torch way rather than failing a call)."""
     k = w.shape[1]
-    return w.values.stride() == (k, 1) and w.scale_inv.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    return (w.values.stride() == (k, 1) and w.values.dtype in (torch.float8_e4m3fn, torch.uint8)
+            and w.scale_inv.dtype in (torch.float32, torch.bfloat16, torch.float16))
 
 
 def _dequantized(w: Fp8BlockWeight) -> torch.Tensor:
@@ -199,6 +201,8 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
     if use_triton(x):
         from ..kernels.fp8_linear import fp8_linear_triton
         return fp8_linear_triton(x, w.values, w.scale_inv, b)
+    if x.is_cuda:  # no Triton: the reference's one GEMM on the device
+        return F.linear(x.float(), w.dequantize(torch.float32), None if b is None else b.float()).to(x.dtype)
     out = host_gemv_fp8(x, w, b)
     if out is not None:
         return out

@@ -243,7 +243,7 @@ class Engine:
         # Triton GEMM reads the bytes in place) and on the CPU where the C++ rows kernel is built (a
         # decode step is bound by reading them: fp32 copies were 4x the bytes; model/linear.py)
         self.keep_fp8 = self.ecfg.dense_fp8 == "keep" or (self.ecfg.dense_fp8 == "auto" and (
-            self.device.type == "cuda" or self._host_fp8_kernel()))
+            self.device.type == "cuda" or (self._has_fp8_dense(path) and self._host_fp8_kernel())))
         # bf16 dense weights kept bf16 under a float32 compute dtype on the CPU (--dense-bf16): a decode
         # step's dense products read them through the C++ rows kernel, widened exactly as they are read
         # (model/linear.py); at fp32 they were twice the bytes of a step bound by reading them
@@ -442,6 +442,12 @@ class Engine:
                 f"{path}: the weights take {n / 1e9:.1f} GB on {self.device}, more than the budget of "
                 f"{self.budget / 1e9:.1f} GB; raise --vram-budget{hint}")
         return n
+
+    @staticmethod
+    def _has_fp8_dense(path: str) -> bool:
+        """Whether the checkpoint stores dense weights in FP8 blocks (its header alone)."""
+        qd = (read_header(path)[0].get("quant") or {}).get("dense") or {}
+        return any(d.get("format") == "fp8_block" for d in qd.values())
 
     def _host_fp8_kernel(self) -> bool:
         """Whether a CPU engine's decode rows can read FP8 dense weights in place (the C++ kernel

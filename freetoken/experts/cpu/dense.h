@@ -167,8 +167,9 @@ void gemv(Isa isa, bool dp, const W* w, int64_t N, int64_t K, const float* x, co
 //
 // The conversion, as the expert executor's fp8 kernels: e4m3 -> f16 bits by a shift and a mask (the
 // value times 2^-8, exact, subnormals included) -> f32 (vcvtph2ps), times the block's scale times
-// 2^8: two exact factors whose product is rounded once, as value * scale is.
-__attribute__((target("avx512f,avx512bw,avx2,fma,f16c"))) void dequant_fp8_avx512(const uint8_t* v, float sc, int n,
+// 2^8: two exact factors whose product is rounded once, as value * scale is. e4m3's NaN codes
+// (0x7f / 0xff; no release has them) decode as 480 x scale here, NaN in the reference.
+__attribute__((target("avx512f,avx512bw,avx2,fma,f16c"))) inline void dequant_fp8_avx512(const uint8_t* v, float sc, int n,
                                                                                    float* out) {
   const __m512i mask = _mm512_set1_epi16(short(0xBF80));
   const __m512 s = _mm512_set1_ps(sc * 256.f);
@@ -182,7 +183,7 @@ __attribute__((target("avx512f,avx512bw,avx2,fma,f16c"))) void dequant_fp8_avx51
   for (; c < n; ++c) out[c] = e4m3_f32(v[c]) * sc;
 }
 
-__attribute__((target("avx2,fma,f16c"))) void dequant_fp8_avx2(const uint8_t* v, float sc, int n, float* out) {
+__attribute__((target("avx2,fma,f16c"))) inline void dequant_fp8_avx2(const uint8_t* v, float sc, int n, float* out) {
   const __m256i mask = _mm256_set1_epi16(short(0xBF80));
   const __m256 s = _mm256_set1_ps(sc * 256.f);
   int c = 0;
@@ -264,7 +265,7 @@ inline void dequant_fp8_row(Isa isa, const uint8_t* v, const uint8_t* s, int sdt
   }
 }
 
-void rows_fp8(Isa isa, const uint8_t* v, const uint8_t* s, int64_t srow, int sdt, int64_t K, int64_t n0, int64_t n1,
+inline void rows_fp8(Isa isa, const uint8_t* v, const uint8_t* s, int64_t srow, int sdt, int64_t K, int64_t n0, int64_t n1,
               int64_t N, const float* x, int M, const float* b, float* out) {
   const int64_t es = sdt == 0 ? 4 : 2;  // scale bytes: f32, or bf16 / f16 as the release has them
   thread_local std::vector<float> scratch;
@@ -320,7 +321,7 @@ void rows_fp8(Isa isa, const uint8_t* v, const uint8_t* s, int64_t srow, int sdt
   }
 }
 
-void gemv_fp8(Isa isa, const uint8_t* v, const uint8_t* s, int64_t srow, int sdt, int64_t N, int64_t K,
+inline void gemv_fp8(Isa isa, const uint8_t* v, const uint8_t* s, int64_t srow, int sdt, int64_t N, int64_t K,
               const float* x, int M, const float* b, float* out, int threads) {
   const int64_t blocks = (N + 3) / 4;
   threads = int(std::max<int64_t>(1, std::min<int64_t>(threads, blocks / 16)));  // >= 64 rows a thread
@@ -383,8 +384,9 @@ inline torch::Tensor dense_gemv_fp8(torch::Tensor x, torch::Tensor v, torch::Ten
               "dense_gemv_fp8: x [M, K] and values [N, K] with one K expected");
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= ft_dense::MAX_ROWS, "dense_gemv_fp8: 1 to 64 rows of x");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "dense_gemv_fp8: x float32 or bfloat16");
-  TORCH_CHECK(v.element_size() == 1 && v.stride(1) == 1 && v.stride(0) == v.size(1),
-              "dense_gemv_fp8: values must be contiguous 1-byte e4m3");
+  TORCH_CHECK((v.scalar_type() == at::kFloat8_e4m3fn || v.scalar_type() == at::kByte) && v.stride(1) == 1 &&
+                  v.stride(0) == v.size(1),
+              "dense_gemv_fp8: values must be contiguous float8_e4m3fn (or its bytes as uint8)");
   const int64_t M = x.size(0), K = x.size(1), N = v.size(0);
   TORCH_CHECK(K <= (int64_t(1) << 30), "dense_gemv_fp8: K too large");
   const int64_t sr = (N + 127) / 128, sc = (K + 127) / 128;
@@ -414,8 +416,9 @@ inline torch::Tensor dense_gemv_fp8(torch::Tensor x, torch::Tensor v, torch::Ten
 // prompt chunk's GEMM reads, a block of rows at a time (model/linear.py fp8_blocks_linear).
 inline torch::Tensor dense_dequant_fp8(torch::Tensor v, torch::Tensor scale) {
   TORCH_CHECK(v.device().is_cpu() && scale.device().is_cpu(), "dense_dequant_fp8: CPU tensors only");
-  TORCH_CHECK(v.dim() == 2 && v.element_size() == 1 && v.stride(1) == 1 && v.stride(0) == v.size(1),
-              "dense_dequant_fp8: values must be contiguous 1-byte e4m3 [N, K]");
+  TORCH_CHECK(v.dim() == 2 && (v.scalar_type() == at::kFloat8_e4m3fn || v.scalar_type() == at::kByte) &&
+                  v.stride(1) == 1 && v.stride(0) == v.size(1),
+              "dense_dequant_fp8: values must be contiguous float8_e4m3fn [N, K] (or its bytes as uint8)");
   const int64_t N = v.size(0), K = v.size(1);
   const auto st = scale.scalar_type();
   TORCH_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf,

@@ -929,7 +929,7 @@ __attribute__((target("avx512f,avx512bw,avx2,fma,f16c"))) void qdot4_fp8_avx512(
 // qdot4_fp8_avx512 for two activation rows at once (a prompt chunk's tokens of one expert): each
 // 32-byte load and e4m3 -> f32 conversion feeds both tokens; every token's block partial sums, its
 // scalar rest, scaling and reduction are qdot4_fp8_avx512's in its order, so out[t] is that
-// kernel's result bit for bit (tests/test_cpu_token_blocks.py).
+// kernel's result bit for bit (tests/test_cpu_quantized.py test_token_pairs_give_the_per_token_bits).
 __attribute__((target("avx512f,avx512bw,avx2,fma,f16c"))) void qdot4x2_fp8_avx512(const QRow* rows, const float* const* xs,
                                                                                    int C, int sdt, float (*out)[4]) {
   const __m512i mask = _mm512_set1_epi16(short(0xBF80));
