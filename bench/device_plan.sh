@@ -1353,11 +1353,12 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   FT_TAG=plan124 FT_PER_FILE=100 bash bench/device_tests.sh tests/test_gpu_production.py > /dev/null
   FT_TAG=plan124 FT_PER_FILE=140 FT_K="cuda and equals_resident" bash bench/device_tests.sh tests/test_prefill_stream.py > /dev/null
   ;;
-133) # ~540 s at most: the fortieth session's CPU kernels on the Xeon host, the GPU hidden (no CUDA
+133) # ~600 s at most (the C++ build first): the fortieth session's CPU kernels on the Xeon host, the GPU hidden (no CUDA
   # needed; runs on any machine kind): the expert executor's token blocks on and off (FP8, MXFP4, bf16
   # banks, 6 threads, prompt-sized calls), the FP8 dense rows kernel per weight, then a decode step of
   # the 12-layer Qwen3.6 slice with FP8 projections kept against dequantized to fp32. Carry .whl and
   # .devcache/commit.
+  CUDA_VISIBLE_DEVICES= step 120 cpu-build python3 -c "from freetoken.experts.cpu import extension; extension()"
   for f in fp8_block mxfp4 bf16; do
     for tb in 0 1; do
       FREETOKEN_CPU_TOKEN_BLOCK=$tb CUDA_VISIBLE_DEVICES= step 40 "tokenblock-$f-$tb" python3 -m bench.cpu_experts \
