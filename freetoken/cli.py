@@ -12,6 +12,7 @@ import errno
 import json
 import logging
 import os
+import re
 import socket
 import sys
 import time
@@ -43,18 +44,91 @@ def add_config_args(parser: argparse.ArgumentParser, cls) -> None:
                                 default=f.default, help=help_)
         else:
             typ = {"int": int, "float": float, "str": str}.get(str(f.type), str)
-            parser.add_argument(flag, dest=f.name, type=typ, default=f.default,
+            # the names vLLM and llama.cpp users type for the same setting (metadata "aliases")
+            parser.add_argument(flag, *f.metadata.get("aliases", ()), dest=f.name, type=typ, default=f.default,
                                 choices=f.metadata.get("choices"), help=help_)
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """MODEL as the positional argument, or as -m/--model (vLLM's and llama.cpp's spelling)."""
+    parser.add_argument("model", nargs="?", help=MODEL_HELP)
+    parser.add_argument("-m", "--model", dest="model_flag", metavar="MODEL", default=None,
+                        help="the model, as the positional MODEL (either form)")
+
+
+def merge_model_args(args) -> None:
+    """args.model from the positional or the -m/--model form; both, naming different models, is
+    an error."""
+    flag = getattr(args, "model_flag", None)
+    if flag is None:
+        return
+    if args.model is not None and args.model != flag:
+        raise FreeTokenError(f"two models given: {args.model} and --model {flag}; give one")
+    args.model = flag
 
 
 def config_from_args(cls, args):
     return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
+HUB_ID = re.compile(r"[A-Za-z0-9_][\w.-]*/[\w.-]+")  # ORG/NAME as the hub spells a model id
+
+
+def hf_hub_cache() -> str:
+    """The Hugging Face hub cache folder, as huggingface_hub finds it."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface")
+    return os.path.join(home, "hub")
+
+
+def hub_snapshot(repo_dir: str) -> str | None:
+    """The snapshot folder of a hub cache repo folder (models--ORG--NAME): the one refs/main
+    names, else the only or newest snapshot; None if it holds none."""
+    snaps = os.path.join(repo_dir, "snapshots")
+    try:
+        with open(os.path.join(repo_dir, "refs", "main")) as f:
+            main = os.path.join(snaps, f.read().strip())
+        if os.path.isdir(main):
+            return main
+    except OSError:
+        pass
+    try:
+        found = [os.path.join(snaps, d) for d in os.listdir(snaps) if os.path.isdir(os.path.join(snaps, d))]
+    except OSError:
+        return None
+    return max(found, key=os.path.getmtime) if found else None
+
+
+def hub_model(repo_id: str) -> str:
+    """ORG/NAME, a model id as vLLM takes it, from the local Hugging Face cache (FreeToken does
+    not download)."""
+    repo_dir = os.path.join(hf_hub_cache(), "models--" + repo_id.replace("/", "--"))
+    snap = hub_snapshot(repo_dir) if os.path.isdir(repo_dir) else None
+    if snap is None:
+        raise FreeTokenError(f"{repo_id}: no such file or folder, and not in the Hugging Face cache ({repo_dir}); "
+                             f"FreeToken does not download models: fetch it first (`hf download {repo_id}`) or give "
+                             "a local path")
+    return snap
+
+
 def resolve_model(path: str | None) -> str:
     if path is None:
         from .demo import demo_path
         return demo_path()
+    if not os.path.exists(path) and HUB_ID.fullmatch(path):
+        path = hub_model(path)  # a hub id: its snapshot, a transformers checkpoint folder
+    if os.path.isdir(path) and os.path.basename(os.path.normpath(path)).startswith("models--"):
+        snap = hub_snapshot(path)  # a hub cache repo folder given as it is
+        if snap is None:
+            raise FreeTokenError(f"{path}: a Hugging Face cache folder with no snapshot in it; download the model "
+                                 "again or give the checkpoint folder")
+        path = snap
+    if path.lower().endswith(".gguf") and os.path.isfile(path):
+        raise FreeTokenError(f"{path}: GGUF files are not supported; serve the model's safetensors release (a "
+                             "transformers checkpoint folder, FP8 / MXFP4 / NVFP4 ones included), which "
+                             "FreeToken converts once, or `ft convert` it")
     if os.path.isdir(path):
         ftws = sorted(f for f in os.listdir(path) if f.endswith(".ftw"))
         if len(ftws) == 1:
@@ -228,8 +302,13 @@ def cmd_convert(args) -> int:
     had_parent = os.path.isdir(parent)
     sigs = [s for s in (signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None]
     before = {s: signal.signal(s, _exit_on_signal) for s in sigs}
+    src = args.src
+    if not os.path.exists(src) and HUB_ID.fullmatch(src):
+        src = hub_model(src)
+    elif os.path.isdir(src) and os.path.basename(os.path.normpath(src)).startswith("models--"):
+        src = hub_snapshot(src) or src
     try:
-        out = convert(args.src, args.out, progress=not args.quiet)
+        out = convert(src, args.out, progress=not args.quiet)
     finally:
         for s, h in before.items():
             signal.signal(s, h)
@@ -323,6 +402,27 @@ def cmd_serve(args) -> int:
             s.close()
 
 
+def template_kwargs_arg(text: str) -> dict:
+    """--default-chat-template-kwargs: a JSON object."""
+    try:
+        v = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e.msg} at character {e.pos}): {text!r}") from None
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object such as '{{\"enable_thinking\": false}}', got {text!r}")
+    return v
+
+
+def served_names(values: list[str] | None) -> list[str]:
+    """--served-model-name's values (repeated, or a,b in one) in order, without repeats."""
+    out: list[str] = []
+    for v in values or ():
+        for n in v.split(","):
+            if n.strip() and n.strip() not in out:
+                out.append(n.strip())
+    return out
+
+
 def _serve(args, socks: list[socket.socket]) -> int:
     import asyncio
 
@@ -336,7 +436,8 @@ def _serve(args, socks: list[socket.socket]) -> int:
     path, eng = load_engine(args, progress=sys.stderr.isatty())
     files = eng.files
     template = ChatTemplate.from_files(files, load_json(files.get("tokenizer_config.json"), "tokenizer_config.json"))
-    name = args.served_model_name or (eng.meta.get("source") if args.model else DEMO_NAME)
+    names = served_names(args.served_model_name) or [eng.meta.get("source") if args.model else DEMO_NAME]
+    name = names[0]
     metrics = Metrics()
     cache = CacheConfig(enabled=not args.no_prefix_cache, page_size=args.page_size,
                         checkpoint_budget=args.checkpoint_budget, checkpoint_policy=args.checkpoint_policy)
@@ -344,7 +445,9 @@ def _serve(args, socks: list[socket.socket]) -> int:
                             max_new_tokens=args.max_new_tokens, cache=cache, page_size=args.page_size,
                             kv_tokens=args.prefix_cache_tokens)
     try:
-        ctx = ServerContext(serving, eng.tokenizer, template, [name], eng.cfg.vocab_size, api_key=args.api_key,
+        ctx = ServerContext(serving, eng.tokenizer, template, names, eng.cfg.vocab_size,
+                            api_key=args.api_key or os.environ.get("FREETOKEN_API_KEY") or None,
+                            default_template_kwargs=args.default_chat_template_kwargs or {},
                             metrics=metrics, responses_store=args.responses_store)
         app = build_app(ctx)
         host = socks[0].getsockname()[0]
@@ -398,7 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help_, description=help_, parents=[common], formatter_class=HelpFormatter)
 
     g = command("generate", "generate text from a prompt")
-    g.add_argument("model", nargs="?", help=MODEL_HELP)
+    add_model_args(g)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", metavar="FILE",
@@ -428,15 +531,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     s = command("serve", "OpenAI- and Anthropic-compatible HTTP server")
-    s.add_argument("model", nargs="?", help=MODEL_HELP)
+    add_model_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     s.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
-    s.add_argument("--served-model-name", default=None,
+    s.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
                    help="model id clients must send (default: the name of the checkpoint folder the FTW was "
-                        f"converted from; {DEMO_NAME} for the demo model)")
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' "
-                                                   "(default: no key)")
-    s.add_argument("--max-batch", type=int, default=8, help="requests decoded together (continuous batching)")
+                        f"converted from; {DEMO_NAME} for the demo model); several as a,b or the flag repeated, "
+                        "the first one reported")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (default: $FREETOKEN_API_KEY, "
+                        "else no key; the variable keeps the key off the process list)")
+    s.add_argument("--default-chat-template-kwargs", "--chat-template-kwargs", default=None, metavar="JSON",
+                   type=template_kwargs_arg,
+                   help="chat-template kwargs every request renders with unless it sets its own, as a JSON object "
+                        "(e.g. '{\"enable_thinking\": false}' to answer without thinking by default)")
+    s.add_argument("--max-batch", "--max-num-seqs", "--parallel", "-np", type=int, default=8,
+                   help="requests decoded together (continuous batching)")
     s.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch; more get 429")
     s.add_argument("--responses-store", type=int, default=256,
                    help="Responses API: stored responses kept in memory for previous_response_id "
@@ -491,7 +601,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "while the other runs, and the CPU's fixed cost per call; saves a profile the "
                                      "GPU expert cache can start its fill share from.",
                          parents=[common], formatter_class=HelpFormatter)
-    bw.add_argument("model", nargs="?", help=MODEL_HELP)
+    add_model_args(bw)
     bw.add_argument("--threads", type=int, default=0,
                     help="CPU executor threads (0: as the engine, every physical core; on CUDA all but two)")
     bw.add_argument("--seconds", type=float, default=2.0, help="seconds each measurement runs")
@@ -541,6 +651,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
+        merge_model_args(args)
         return args.func(args)
     except FreeTokenError as e:
         print(f"ft: error: {e}", file=sys.stderr)

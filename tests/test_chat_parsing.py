@@ -17,6 +17,12 @@ SCRIPTS = [
      False, "x < y and </thinking> is not a tag", "", [("a", {}), ("run", {"cmd": "ls -la", "n": 3})]),
     ("no tags at all, just <b>html</b> and a lone <", False, "", "no tags at all, just <b>html</b> and a lone <", []),
     ("<tool_call>not json at all</tool_call> tail", False, "", "<tool_call>not json at all</tool_call>tail", []),
+    # an XML-form call without its <tool_call> wrapper (Qwen3-Coder, Qwen3.5/3.6 at times); prose
+    # that mentions the tag with no identifier after it stays text, as does an unreadable block
+    ("Let me look.\n<function=read_file>\n<parameter=path>\nsrc/a.py\n</parameter>\n</function>\nthen more",
+     False, "", "Let me look.\nthen more", [("read_file", {"path": "src/a.py"})]),
+    ("Write <function=my func> here.", False, "", "Write <function=my func> here.", []),
+    ("<think>a <function=x> in thought</think>ok", False, "a <function=x> in thought", "ok", []),
 ]
 
 

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .. import limits
 from ..config import ModelConfig
 from ..errors import FreeTokenError
 from ..kernels import page_gather
@@ -87,14 +88,19 @@ def device_budget(device: torch.device, spec: str, margin: int = GiB) -> int:
 
 
 def host_available() -> int:
+    """Host memory this process may still take: MemAvailable, or less where a container's memory
+    limit leaves less (freetoken/limits.py; MemAvailable is the whole host's figure there)."""
+    avail = 0
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    avail = int(line.split()[1]) * 1024
+                    break
     except OSError:
         pass
-    return 0
+    left = limits.memory_left()
+    return avail if left is None else min(avail, left) if avail else left
 
 
 def work_bytes(cfg: ModelConfig, chunk: int, slots: int, dtype) -> int:

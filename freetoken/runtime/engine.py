@@ -11,6 +11,7 @@ the other quantized dense weights are dequantized to the compute dtype here, at 
 """
 from __future__ import annotations
 
+import os
 import logging
 import time
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import ModelConfig
-from ..errors import ContextOverflowError, FreeTokenError
+from ..errors import ContextOverflowError, FreeTokenError, notice
 from ..experts.banks import ExpertBanks
 from ..kernels import page_gather
 from ..experts.executor import SILU, Activation, QuantizedHostExecutor, TorchExpertExecutor, expert_bias_banks
@@ -71,7 +72,7 @@ class EngineConfig:
                 "split between the PCIe fills and the CPU (models with few, large experts: Mixtral-like top-2); "
                 "must divide the intermediate size, and with quantized experts leave each piece whole scale "
                 "blocks (fp8_block 128 rows, mxfp4 32, nvfp4 16) (1: off)"})
-    cpu_threads: int = field(default=0, metadata={
+    cpu_threads: int = field(default=0, metadata={"aliases": ("-t", "--threads"),
         "help": "CPU expert threads (0: the physical cores; on CUDA all but two, left to the thread that "
                 "launches the GPU work and the one that runs the CPU branch of a decode step); on a CPU-only "
                 "engine also torch's threads, so the whole step keeps to this many"})
@@ -82,7 +83,8 @@ class EngineConfig:
                 "off the exact one, more through a whole model: not bit-exact)",
         "choices": ["exact", "int8"]})
     prefill_chunk: int = field(default=2048, metadata={"help": "tokens per prefill chunk"})
-    max_seq_len: int = field(default=0, metadata={"help": "context limit (0: the model's)"})
+    max_seq_len: int = field(default=0, metadata={"help": "context limit (0: the model's)",
+                                                  "aliases": ("--max-model-len", "-c", "--ctx-size")})
     sliding_kv: str = field(default="window", metadata={
         "help": "K/V of sliding-window attention layers: window = a ring per batch slot holding only what "
                 "the window sees (prefix reuse restores at checkpoints, as for DeltaNet layers); full = every "
@@ -101,13 +103,13 @@ class EngineConfig:
                 "to fp32 as it reads them (the same results as widen, half the memory and half the bytes a "
                 "decode step reads); widen = float32 copies at load (auto: keep)",
         "choices": ["auto", "keep", "widen"]})
-    vram_budget: str = field(default="", metadata={
+    vram_budget: str = field(default="", metadata={"aliases": ("--gpu-memory-utilization",),
         "help": "memory the engine may use on the device: a size (24GiB) or a fraction of it (0.9); "
                 "on the CPU, of host memory (default: free memory less 1 GiB)"})
     kv_cache_tokens: int = field(default=0, metadata={
         "help": "tokens of KV the page pool holds, shared by running requests and the prefix cache "
                 "(0: what the budget leaves, up to every batch slot's full context)"})
-    max_step_tokens: int = field(default=0, metadata={
+    max_step_tokens: int = field(default=0, metadata={"aliases": ("--max-num-batched-tokens",),
         "help": "tokens one engine step may process: decode rows plus prompt chunks of one or more "
                 "requests (0: 512 on the CPU, 2048 on CUDA; a step in which nothing decodes: --idle-step-tokens)"})
     idle_step_tokens: int = field(default=0, metadata={
@@ -239,6 +241,7 @@ class Engine:
             # ops and the dense rows / attention / DeltaNet kernels (torch's intra-op count) too,
             # not only the expert executor (they took every core whatever --cpu-threads said)
             torch.set_num_threads(self.ecfg.cpu_threads)
+        self._keep_to_cpu_quota()
         # dense FP8 weights kept as published (--dense-fp8 auto): on CUDA (VRAM is what runs out; the
         # Triton GEMM reads the bytes in place) and on the CPU where the C++ rows kernel is built (a
         # decode step is bound by reading them: fp32 copies were 4x the bytes; model/linear.py)
@@ -282,6 +285,7 @@ class Engine:
             self.executor = self._quantized_executor(banks)
         else:
             self.executor = self._executor(banks.gate_up if banks else None, banks.down if banks else None)
+        self._warn_cache_flags_unused()
         if hasattr(self.executor, "warm_control"):  # the expert cache's control kernel, compiled when its pool is sized
             self.executor.warm_control = self.ecfg.warm_up
         cls = model_class(self.cfg.arch)
@@ -441,7 +445,23 @@ class Engine:
             raise FreeTokenError(
                 f"{path}: the weights take {n / 1e9:.1f} GB on {self.device}, more than the budget of "
                 f"{self.budget / 1e9:.1f} GB; raise --vram-budget{hint}")
+        if self.device.type == "cuda":
+            self._check_host_fits(path)
         return n
+
+    @staticmethod
+    def _check_host_fits(path: str) -> None:
+        """A CUDA engine reads the whole file into pinned host memory first (the experts stay
+        there for the cache and the CPU branch), which cannot be swapped: a file larger than the
+        memory left (MemAvailable, or a container's limit) is refused here with both figures,
+        not killed by the kernel's OOM killer half-way through the load."""
+        from .budget import host_available
+        need, avail = os.path.getsize(path), host_available()
+        if avail and need > avail:
+            raise FreeTokenError(
+                f"{path}: loading it takes {need / 1e9:.1f} GB of host memory (it is read into pinned memory before "
+                f"the GPU gets its part) and only {avail / 1e9:.1f} GB is available (MemAvailable or this container's "
+                "memory limit); free memory, raise the container's limit, or use a smaller quantization of the model")
 
     @staticmethod
     def _has_fp8_dense(path: str) -> bool:
@@ -515,6 +535,20 @@ class Engine:
             log.warning("--expert-pieces %d has no effect with the experts %s: pieces are for --moe cache",
                         self.ecfg.expert_pieces, "in VRAM" if self.experts_on == "gpu" else "on the CPU")
 
+    def _warn_cache_flags_unused(self) -> None:
+        """The expert cache's flags given where no cache runs: said, not silently dropped (a user
+        who sized the cache by hand should hear that the engine chose another mode)."""
+        if self.experts_on == "cache":
+            return
+        given = [f"--{k.replace('_', '-')} {v}" for k, v, default in (
+            ("expert_cache", self.ecfg.expert_cache, ""), ("fill_share", self.ecfg.fill_share, "auto"),
+            ("cache_policy", self.ecfg.cache_policy, "recent"), ("expert_prefetch", self.ecfg.expert_prefetch, 0))
+            if v != default]
+        if given:
+            where = "in VRAM" if self.experts_on == "gpu" else "on the CPU"
+            log.warning("%s: no effect, the experts run %s (--moe %s); these flags are for --moe cache",
+                        ", ".join(given), where, self.ecfg.moe)
+
     def _executor(self, gate_up, down):
         if gate_up is None:
             return None
@@ -584,6 +618,25 @@ class Engine:
         experts/cpu SPIN_SHARED), the pool's default on CUDA."""
         from ..experts.cpu import SPIN_SHARED
         return SPIN_SHARED if self.device.type == "cpu" else None
+
+    def _keep_to_cpu_quota(self) -> None:
+        """Under a container's CPU quota (freetoken/limits.py), said once at start: the default
+        thread counts keep within it (physical_cores), torch's own too on a CPU engine (it sizes
+        its pool from the affinity mask, the whole host), and a --cpu-threads above it is warned
+        about (its workers would be throttled every period)."""
+        from .. import limits
+        quota = limits.process_cpu_limit()
+        if quota is None:
+            return
+        if self.ecfg.cpu_threads > quota:
+            log.warning("--cpu-threads %d is more than this container's CPU quota of %d CPUs: its workers will be "
+                        "throttled, and a step waits for the slowest; try --cpu-threads %d", self.ecfg.cpu_threads,
+                        quota, quota)
+        elif not self.ecfg.cpu_threads and len(os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)) > quota:
+            notice(f"this container may use {quota} CPUs (its CPU quota): the CPU threads default to that "
+                   "(--cpu-threads overrides; FREETOKEN_IGNORE_CPU_QUOTA=1 ignores the quota)")
+            if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ and torch.get_num_threads() > quota:
+                torch.set_num_threads(quota)
 
     def _cpu_threads(self) -> int:
         """--cpu-threads, or its default: every physical core on a CPU-only machine; on CUDA two

@@ -146,8 +146,8 @@ def prepare(ctx, body: dict):
     spec = output_format(body)
     thinking = body.get("thinking")
     kwargs = {}
-    if isinstance(thinking, dict) and thinking.get("type") == "disabled":
-        kwargs["enable_thinking"] = False
+    if isinstance(thinking, dict) and thinking.get("type") in ("disabled", "enabled"):
+        kwargs["enable_thinking"] = thinking["type"] == "enabled"  # over a server default either way
     # a final assistant message is a prefill: the answer continues its text (Anthropic's API)
     last = messages[-1]
     prefill = last["role"] == "assistant" and not last.get("tool_calls") and bool(last["content"].strip())

@@ -33,6 +33,8 @@ class ServerContext:
     started: int = field(default_factory=lambda: int(time.time()))
     token_text: TokenText | None = None  # token spellings for logprobs (set by build_app)
     responses_store: int = 256  # Responses API: stored responses kept (LRU)
+    # chat-template kwargs every request renders with, under its own (--default-chat-template-kwargs)
+    default_template_kwargs: dict = field(default_factory=dict)
 
 
 def _api_of(request: Request) -> str:
@@ -95,8 +97,9 @@ def build_app(ctx: ServerContext) -> FastAPI:
     route("/v1/messages", anthropic.messages)
     route("/v1/messages/count_tokens", anthropic.count_tokens)
     route("/v1/responses", responses.create)
-    route("/tokenize", tokenize.tokenize)
-    route("/detokenize", tokenize.detokenize)
+    for prefix in ("", "/v1"):  # vLLM and llama.cpp serve them at the root; clients with a /v1 base URL ask there
+        route(prefix + "/tokenize", tokenize.tokenize)
+        route(prefix + "/detokenize", tokenize.detokenize)
 
     async def stored_response(request: Request, api: str):
         return responses.stored(ctx, request.method, request.path_params["rid"])

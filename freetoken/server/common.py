@@ -229,6 +229,20 @@ def fit_prompt(ctx, ids: list[int], sampling: SamplingOptions) -> None:
 RENDER_OWNS = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "continue_final")
 
 
+# reasoning efforts a client may ask for (OpenAI's chat `reasoning_effort`, the Responses API's
+# `reasoning.effort`): none / minimal turn the template's thinking switch off, the others on
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def effort_kwargs(effort: str | None) -> dict:
+    """Chat-template kwargs for a reasoning effort (already checked against EFFORTS)."""
+    if effort is None:
+        return {}
+    if effort in ("none", "minimal"):
+        return {"enable_thinking": False}
+    return {"enable_thinking": True, "reasoning_effort": "high" if effort == "xhigh" else effort}  # gpt-oss levels
+
+
 def template_kwargs(body: dict) -> dict:
     """vLLM's `chat_template_kwargs`, less the keys the renderer sets itself (RENDER_OWNS): they
     go to the template and to the tool-call probes, so they are filtered once, here."""
@@ -242,7 +256,9 @@ def render(ctx, messages: list[dict], tools: list[dict] | None, kwargs: dict | N
     continue_final: the last message is an assistant turn to continue (a prefill), not a turn
     to close and answer after (ChatTemplate.render). generation: whether the assistant's turn
     is opened after the last message (vLLM's add_generation_prompt; True unless a client says)."""
-    kwargs = {k: v for k, v in (kwargs or {}).items() if k not in RENDER_OWNS}
+    # the server's defaults (ft serve --default-chat-template-kwargs) under the request's own keys
+    kwargs = {k: v for k, v in {**getattr(ctx, "default_template_kwargs", {}), **(kwargs or {})}.items()
+              if k not in RENDER_OWNS}
     try:
         return ctx.template.render(messages, tools, add_generation_prompt=generation and not continue_final,
                                    continue_final=continue_final, **kwargs)

@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse
 
 from ..runtime.scheduler import QueueFull
 from ..runtime.serving import ShuttingDown
-from .common import (ApiError, build_prompt, constrain, continuation, field, fit_prompt, grammar_for, json_args,
+from .common import (EFFORTS, ApiError, build_prompt, constrain, continuation, effort_kwargs, field, fit_prompt, grammar_for, json_args,
                      logit_options, off_loop, refuse_continued_grammar, render, sampling_from, template_kwargs,
                      text_of)
 from .generation import Done, Ping, RequestStream, Tokens, cancel_unfinished, collect, events, start
@@ -204,7 +204,11 @@ def _chat_plan(ctx, body: dict):
     sampling = sampling_from(body, _max_tokens(body), body.get("stop"), default_max=ctx.serving.max_len)
     logit_options(body, sampling, ctx.vocab_size)
     want_logprobs = chat_options(body, sampling)
-    kwargs = template_kwargs(body)
+    effort = field(body, "reasoning_effort", "string")
+    if effort is not None and effort not in EFFORTS:
+        raise ApiError(400, f"reasoning_effort must be one of {', '.join(EFFORTS)}, got {effort!r}",
+                       param="reasoning_effort")
+    kwargs = {**effort_kwargs(effort), **template_kwargs(body)}  # chat_template_kwargs win, as in vLLM
     cont, gen = continuation(body)
     choice = body.get("tool_choice")
     if isinstance(choice, dict) and choice.get("type") == "allowed_tools":

@@ -11,7 +11,9 @@ template):
   values raw, others as JSON; at least one argument: a bare word stays text). A value of the XML
   and GLM forms is typed by its parameter's schema in the request's tools where there is one (a
   string parameter keeps "02139" or "true" as written), else read as JSON when it parses.
-- "glm": the same, and a bare NAME is a call without arguments (as GLM's templates write one).
+  An XML-form call without the <tool_call> wrapper (<function=NAME>...</function> in the text) is
+  read as a call too.
+- "glm": the same (but the unwrapped XML form), and a bare NAME is a call without arguments (as GLM's templates write one).
 - "dsml" (DeepSeek-V3.2 and V4): a block <｜DSML｜tool_calls> ... </｜DSML｜tool_calls> (V3.2:
   function_calls) of one or more <｜DSML｜invoke name="NAME"> ... </｜DSML｜invoke>, each
   parameter <｜DSML｜parameter name="P" string="true|false">V</｜DSML｜parameter>: V is raw text
@@ -33,6 +35,7 @@ from typing import Callable
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+FUNCTION_OPEN, FUNCTION_CLOSE = "<function=", "</function>"  # an XML-form call without its wrapper
 GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 NAME = re.compile(r"[\w.:/-]+")
 
@@ -193,8 +196,19 @@ def _single(bare: bool) -> Callable[..., list[ToolCall] | None]:
     return read
 
 
+def _bare_function(body: str, schemas: Schemas | None = None) -> list[ToolCall] | None:
+    """An XML-form call the model wrote without its <tool_call> wrapper (Qwen3-Coder and Qwen3.5/3.6
+    drop it at times, as vLLM's qwen3_coder parser allows): <function=NAME> ... </function>,
+    NAME a plain identifier (prose that mentions the tag stays text)."""
+    name = body.partition(">")[0].strip()
+    if not NAME.fullmatch(name):
+        return None
+    call = parse_tool_call(FUNCTION_OPEN + body + FUNCTION_CLOSE, False, schemas)
+    return None if call is None else [call]
+
+
 FORMATS: dict[str, tuple[Block, ...]] = {
-    "tool_call": (Block(TOOL_OPEN, TOOL_CLOSE, _single(False)),),
+    "tool_call": (Block(TOOL_OPEN, TOOL_CLOSE, _single(False)), Block(FUNCTION_OPEN, FUNCTION_CLOSE, _bare_function)),
     "glm": (Block(TOOL_OPEN, TOOL_CLOSE, _single(True)),),
     "dsml": tuple(Block(f"<{DSML}{b}>", f"</{DSML}{b}>", parse_dsml) for b in DSML_BLOCKS),
     "deepseek_v3": (Block(V3_OPEN, V3_CLOSE, parse_deepseek_v3),),

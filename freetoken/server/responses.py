@@ -35,7 +35,7 @@ from .openai import check_model, submit
 from .parser import Event
 from .tool_choice import call_grammar, forced_opening, strict_grammar, wanted
 
-EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+EFFORTS = common.EFFORTS
 SUMMARIES = ("auto", "concise", "detailed")
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -335,12 +335,7 @@ def _reasoning(body: dict) -> tuple[dict, dict]:
         raise _bad(f"reasoning.effort must be one of {', '.join(EFFORTS)}, got {effort!r}", "reasoning.effort")
     if summary is not None and summary not in SUMMARIES:
         raise _bad(f"reasoning.summary must be one of {', '.join(SUMMARIES)}, got {summary!r}", "reasoning.summary")
-    kwargs = {}
-    if effort in ("none", "minimal"):
-        kwargs["enable_thinking"] = False
-    elif effort is not None:
-        kwargs["enable_thinking"] = True
-        kwargs["reasoning_effort"] = "high" if effort == "xhigh" else effort  # templates with levels (gpt-oss)
+    kwargs = common.effort_kwargs(effort)
     kwargs.update(common.template_kwargs(body))  # vLLM's extension, as in chat completions
     return {"effort": effort, "summary": summary}, kwargs
 

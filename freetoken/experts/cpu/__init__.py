@@ -28,6 +28,7 @@ import torch
 from ..banks import ExpertBanks, QuantBank
 from .. import split_experts
 from ..executor import NO_EXPERT, SILU, Activation, ExpertExecutor, Pending, reference_experts
+from ... import limits
 from ...errors import notice
 from ...paths import cache_dir, file_lock
 
@@ -157,7 +158,9 @@ WIDENING_PAIRS_PER_EXPERT = 64  # below this many pairs per distinct expert, the
 
 
 def physical_cores() -> list[int]:
-    """One logical CPU per physical core among those this process may run on."""
+    """One logical CPU per physical core among those this process may run on, no more than a
+    container's CPU quota allows (freetoken/limits.py: a pool wider than the quota is throttled
+    every period, and a call waits for its slowest worker)."""
     allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     seen, cpus = set(), []
     for c in allowed:
@@ -171,7 +174,8 @@ def physical_cores() -> list[int]:
         if core not in seen:
             seen.add(core)
             cpus.append(c)
-    return cpus
+    quota = limits.process_cpu_limit()
+    return cpus[:quota] if quota else cpus
 
 
 def pool_cpus(threads: int = 0) -> list[int]:
