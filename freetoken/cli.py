@@ -101,15 +101,23 @@ def hub_snapshot(repo_dir: str) -> str | None:
     return max(found, key=os.path.getmtime) if found else None
 
 
+def looks_like_hub_id(arg: str) -> bool:
+    """ORG/NAME that is no local path: not an existing file or folder, no file suffix, and its
+    ORG not a folder here (`checkpoints/Qwen3` mistyped is a missing path, not a hub id)."""
+    return (not os.path.exists(arg) and bool(HUB_ID.fullmatch(arg))
+            and not arg.lower().endswith((".ftw", ".gguf", ".safetensors", ".json", ".bin"))
+            and not os.path.isdir(arg.split("/")[0]))
+
+
 def hub_model(repo_id: str) -> str:
     """ORG/NAME, a model id as vLLM takes it, from the local Hugging Face cache (FreeToken does
     not download)."""
     repo_dir = os.path.join(hf_hub_cache(), "models--" + repo_id.replace("/", "--"))
     snap = hub_snapshot(repo_dir) if os.path.isdir(repo_dir) else None
     if snap is None:
-        raise FreeTokenError(f"{repo_id}: no such file or folder, and not in the Hugging Face cache ({repo_dir}); "
-                             f"FreeToken does not download models: fetch it first (`hf download {repo_id}`) or give "
-                             "a local path")
+        raise FreeTokenError(f"{repo_id}: no such file or folder; as a Hugging Face model id it is not in the local "
+                             f"cache either ({repo_dir}): FreeToken does not download models, so fetch it first "
+                             f"(`hf download {repo_id}`) or give a local path")
     return snap
 
 
@@ -117,7 +125,7 @@ def resolve_model(path: str | None) -> str:
     if path is None:
         from .demo import demo_path
         return demo_path()
-    if not os.path.exists(path) and HUB_ID.fullmatch(path):
+    if looks_like_hub_id(path):
         path = hub_model(path)  # a hub id: its snapshot, a transformers checkpoint folder
     if os.path.isdir(path) and os.path.basename(os.path.normpath(path)).startswith("models--"):
         snap = hub_snapshot(path)  # a hub cache repo folder given as it is
@@ -138,6 +146,9 @@ def resolve_model(path: str | None) -> str:
                                  f"name one, e.g. {os.path.join(path, ftws[0])}")
         if os.path.exists(os.path.join(path, "config.json")):
             return converted(path)
+        if any(f.lower().endswith(".gguf") for f in os.listdir(path)):
+            raise FreeTokenError(f"{path}: holds GGUF files, which are not supported; serve the model's safetensors "
+                                 "release (a transformers checkpoint folder) or an .ftw file")
         raise FreeTokenError(f"{path}: no .ftw file in this directory")
     if not os.path.exists(path):
         raise FreeTokenError(f"{path}: no such model file")
@@ -303,7 +314,7 @@ def cmd_convert(args) -> int:
     sigs = [s for s in (signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None]
     before = {s: signal.signal(s, _exit_on_signal) for s in sigs}
     src = args.src
-    if not os.path.exists(src) and HUB_ID.fullmatch(src):
+    if looks_like_hub_id(src):
         src = hub_model(src)
     elif os.path.isdir(src) and os.path.basename(os.path.normpath(src)).startswith("models--"):
         src = hub_snapshot(src) or src
@@ -394,6 +405,7 @@ def banner(name: str, arch: str, url: str, d: dict) -> str:
 def cmd_serve(args) -> int:
     if args.max_batch < 1 or args.max_queue < 0 or args.responses_store < 0:
         raise FreeTokenError("--max-batch must be >= 1, --max-queue and --responses-store >= 0")
+    check_served_names(args)
     socks = bind_sockets(args.host, args.port)
     try:
         return _serve(args, socks)
@@ -411,6 +423,36 @@ def template_kwargs_arg(text: str) -> dict:
     if not isinstance(v, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object such as '{{\"enable_thinking\": false}}', got {text!r}")
     return v
+
+
+def default_names(model: str | None, source: str | None) -> list[str]:
+    """The ids served without --served-model-name: the checkpoint's name, and before it the
+    Hugging Face id when MODEL was one (vLLM serves a hub id under itself: its clients send it)."""
+    if model is None:
+        return [DEMO_NAME]
+    names = [model] if looks_like_hub_id(model) else []
+    return names + [n for n in [source] if n and n not in names] or [os.path.basename(model)]
+
+
+def api_key_of(args) -> str | None:
+    """--api-key, else $FREETOKEN_API_KEY (said once: a variable exported for a client, such as
+    Codex's provider, turns authentication on too); '' means no key."""
+    if args.api_key is not None:
+        return args.api_key or None
+    key = os.environ.get("FREETOKEN_API_KEY") or None
+    if key:
+        from .errors import notice
+        notice("requiring the API key in $FREETOKEN_API_KEY from clients (--api-key '' serves without one)")
+    return key
+
+
+def check_served_names(args) -> None:
+    """A served name that is a model path given after --served-model-name (its values run on to
+    the next flag, so `--served-model-name qwen model.ftw` took the model for a name)."""
+    for n in args.served_model_name or ():
+        if args.model is None and (os.path.exists(n) or n.lower().endswith((".ftw", ".gguf"))):
+            raise FreeTokenError(f"--served-model-name {n}: this is a model path; put MODEL before the flag "
+                                 f"(`ft serve {n} --served-model-name ...`) or use -m/--model")
 
 
 def served_names(values: list[str] | None) -> list[str]:
@@ -436,7 +478,7 @@ def _serve(args, socks: list[socket.socket]) -> int:
     path, eng = load_engine(args, progress=sys.stderr.isatty())
     files = eng.files
     template = ChatTemplate.from_files(files, load_json(files.get("tokenizer_config.json"), "tokenizer_config.json"))
-    names = served_names(args.served_model_name) or [eng.meta.get("source") if args.model else DEMO_NAME]
+    names = served_names(args.served_model_name) or default_names(args.model, eng.meta.get("source"))
     name = names[0]
     metrics = Metrics()
     cache = CacheConfig(enabled=not args.no_prefix_cache, page_size=args.page_size,
@@ -446,7 +488,7 @@ def _serve(args, socks: list[socket.socket]) -> int:
                             kv_tokens=args.prefix_cache_tokens)
     try:
         ctx = ServerContext(serving, eng.tokenizer, template, names, eng.cfg.vocab_size,
-                            api_key=args.api_key or os.environ.get("FREETOKEN_API_KEY") or None,
+                            api_key=api_key_of(args),
                             default_template_kwargs=args.default_chat_template_kwargs or {},
                             metrics=metrics, responses_store=args.responses_store)
         app = build_app(ctx)
@@ -534,13 +576,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     s.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
-    s.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
+    s.add_argument("--served-model-name", nargs="+", action="extend", default=None, metavar="NAME",
                    help="model id clients must send (default: the name of the checkpoint folder the FTW was "
-                        f"converted from; {DEMO_NAME} for the demo model); several as a,b or the flag repeated, "
-                        "the first one reported")
+                        f"converted from, and the id for a Hugging Face id given as MODEL; {DEMO_NAME} for the demo "
+                        "model); several as `a b` (vLLM), a,b or the flag repeated, the first one reported")
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (default: $FREETOKEN_API_KEY, "
-                        "else no key; the variable keeps the key off the process list)")
+                        "else no key; the variable keeps the key off the process list; --api-key '' for none)")
     s.add_argument("--default-chat-template-kwargs", "--chat-template-kwargs", default=None, metavar="JSON",
                    type=template_kwargs_arg,
                    help="chat-template kwargs every request renders with unless it sets its own, as a JSON object "
@@ -644,7 +686,17 @@ def cmd_launch(args) -> int:
 
 def main(argv=None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `ft launch CLIENT [flags] -- ARGS`: everything after the first `--` is the client's, taken
+    # apart before argparse, which loses them when a flag sits between CLIENT and `--` (its
+    # ARGS positional is matched, empty, together with CLIENT)
+    extra = None
+    command = next((a for a in argv if not a.startswith("-")), None)  # ft's own flags take no values
+    if command == "launch" and "--" in argv:
+        argv, extra = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     args = parser.parse_args(argv)
+    if extra is not None:
+        args.client_args = list(args.client_args or []) + extra
     if args.cmd is None:
         parser.print_help(sys.stderr)
         return 2

@@ -144,9 +144,8 @@ def codex_setup(t: Target) -> Setup:
     (selected with `--profile freetoken`, layered over the user's config.toml, which is not
     touched) defines a model provider with `wire_api = "responses"`; the key is read from the
     variable its `env_key` names. Hosted web search is off (`web_search = "disabled"`: a local
-    server has none to run), and so are sub-agents (`agents.enabled`: Codex sends their
-    tools grouped in a `namespace` tool, which /v1/responses does not take yet). Codex has no
-    output-limit setting."""
+    server has none to run). Sub-agents stay on: Codex sends their tools grouped in a `namespace`
+    tool, which /v1/responses takes (responses.py). Codex has no output-limit setting."""
     path = os.path.join(codex_home(), f"{PROVIDER_ID}.config.toml")
     text = "\n".join([
         f"# {MARKER} codex`: FreeToken at {t.v1} (`codex --profile {PROVIDER_ID}`; "
@@ -164,10 +163,6 @@ def codex_setup(t: Target) -> Setup:
         'wire_api = "responses"',
         "requires_openai_auth = false",
         "stream_idle_timeout_ms = 600000",  # a long prompt prefills for minutes on a CPU
-        "",
-        "[agents]",
-        # sub-agent tools come as a `namespace` tool, which /v1/responses does not take (yet)
-        "enabled = false",
         "",
     ])
     return Setup(files={path: text}, env={KEY_ENV: t.api_key}, args=["--profile", PROVIDER_ID])
@@ -564,6 +559,9 @@ def cmd_launch(args) -> int:
         raise FreeTokenError(f"--port must be 1-65535, got {args.port}")
     if args.max_new_tokens is not None and args.max_new_tokens < 0:
         raise FreeTokenError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.served_model_name is not None and (not args.served_model_name.strip() or "," in args.served_model_name):
+        raise FreeTokenError(f"--served-model-name {args.served_model_name!r}: one model id (the client is "
+                             "configured with it), without commas")
     binary = None
     if not args.print:
         binary = shutil.which(client.binary)

@@ -64,7 +64,8 @@ def _dirs(controller: str, root: str) -> list[str]:
             continue
         mroot, mpoint = mounts[key]
         # inside a container the mount's root is the container's own cgroup, and so is the path
-        rel = os.path.relpath(path, mroot) if path.startswith(mroot) else path.lstrip("/")
+        under = path == mroot or path.startswith(mroot.rstrip("/") + "/")
+        rel = os.path.relpath(path, mroot) if under else path.lstrip("/")
         rel = "" if rel in (".", "") else rel
         base = os.path.join(root, mpoint.lstrip("/"))
         out, d = [], os.path.normpath(os.path.join(base, rel))
@@ -116,21 +117,23 @@ def _stat(d: str, key: str) -> int:
 
 def memory_left(root: str = "/") -> int | None:
     """Bytes this process's cgroup may still take before its memory limit, or None where no limit
-    is set. Page cache that is not in use (inactive files, which the kernel drops before it kills)
-    counts as free, as the container runtimes' own "working set" does."""
+    is set. File pages in the page cache (a checkpoint just read, active or not) count as free:
+    the kernel reclaims them before it kills anything in the cgroup."""
     best = math.inf
     for d in _dirs("", root):
         lim, cur = _read(os.path.join(d, "memory.max")), _read(os.path.join(d, "memory.current"))
         if lim and lim != "max" and cur is not None:
             try:
-                best = min(best, int(lim) - max(int(cur) - _stat(d, "inactive_file"), 0))
+                cache = _stat(d, "file") or _stat(d, "active_file") + _stat(d, "inactive_file")
+                best = min(best, int(lim) - max(int(cur) - cache, 0))
             except ValueError:
                 pass
     for d in _dirs("memory", root):
         lim, cur = _read(os.path.join(d, "memory.limit_in_bytes")), _read(os.path.join(d, "memory.usage_in_bytes"))
         try:
             if lim is not None and cur is not None and int(lim) < UNLIMITED_V1:
-                best = min(best, int(lim) - max(int(cur) - _stat(d, "total_inactive_file"), 0))
+                cache = _stat(d, "total_active_file") + _stat(d, "total_inactive_file")
+                best = min(best, int(lim) - max(int(cur) - cache, 0))
         except ValueError:
             pass
     return None if best == math.inf else max(int(best), 0)

@@ -168,13 +168,15 @@ def test_formats_do_not_misfire_on_other_models_text():
     qwen = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
     dsml = dsml_call("f", [("x", True, "1")])
     v3 = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
-    for fmt, others in [("tool_call", [dsml, v3, "<tool_call>f</tool_call>"]), ("glm", [dsml, v3]),
+    for fmt, others in [("tool_call", [dsml, v3, "<tool_call>f</tool_call>"]),
+                        ("tool_call_xml", [dsml, v3, "<tool_call>f</tool_call>"]), ("glm", [dsml, v3]),
                         ("dsml", [qwen, v3]), ("deepseek_v3", [qwen, dsml])]:
         for text in others:
             assert merge(run(fmt, False, [text])) == ("", text, []), (fmt, text)
-    for fmt, text in [("tool_call", qwen), ("glm", qwen), ("dsml", dsml), ("deepseek_v3", v3)]:
+    for fmt, text in [("tool_call", qwen), ("tool_call_xml", qwen), ("glm", qwen), ("dsml", dsml),
+                      ("deepseek_v3", v3)]:
         assert [t.name for t in merge(run(fmt, False, [text]))[2]] == ["f"]
-    assert set(FORMATS) == {"tool_call", "glm", "dsml", "deepseek_v3"}
+    assert set(FORMATS) == {"tool_call", "tool_call_xml", "glm", "dsml", "deepseek_v3"}
     with pytest.raises(ValueError, match="unknown tool-call format"):
         OutputParser(fmt="nope")
     assert merge(run(None, False, [dsml]))[2] == []  # no format given: Qwen's (as before)
@@ -283,7 +285,7 @@ FAMILIES = [
     ("v31", "deepseek_v3", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather",
      "<｜tool▁calls▁end｜>"),
     ("qwen", "tool_call", "<tool_call>", '<tool_call>\n{"name": "get_weather"', "</tool_call>"),
-    ("xml", "tool_call", "<tool_call>", "<tool_call>\n<function=get_weather>", "</tool_call>"),
+    ("xml", "tool_call_xml", "<tool_call>", "<tool_call>\n<function=get_weather>", "</tool_call>"),
 ]
 
 

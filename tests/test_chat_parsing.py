@@ -17,12 +17,6 @@ SCRIPTS = [
      False, "x < y and </thinking> is not a tag", "", [("a", {}), ("run", {"cmd": "ls -la", "n": 3})]),
     ("no tags at all, just <b>html</b> and a lone <", False, "", "no tags at all, just <b>html</b> and a lone <", []),
     ("<tool_call>not json at all</tool_call> tail", False, "", "<tool_call>not json at all</tool_call>tail", []),
-    # an XML-form call without its <tool_call> wrapper (Qwen3-Coder, Qwen3.5/3.6 at times); prose
-    # that mentions the tag with no identifier after it stays text, as does an unreadable block
-    ("Let me look.\n<function=read_file>\n<parameter=path>\nsrc/a.py\n</parameter>\n</function>\nthen more",
-     False, "", "Let me look.\nthen more", [("read_file", {"path": "src/a.py"})]),
-    ("Write <function=my func> here.", False, "", "Write <function=my func> here.", []),
-    ("<think>a <function=x> in thought</think>ok", False, "a <function=x> in thought", "ok", []),
 ]
 
 
@@ -133,3 +127,33 @@ def test_model_template_from_tokenizer_config():
     t = ChatTemplate.from_files({}, cfg)
     assert not t.builtin
     assert t.render([{"role": "user", "content": "hi"}]) == "[user]hi[assistant]</s>"
+
+
+# an XML-form call without its <tool_call> wrapper (Qwen3-Coder, Qwen3.5/3.6 at times), read with the
+# XML templates' format when it calls one of the request's tools and opens like a call; anything
+# else that mentions the tag stays text, and tags after it are still read
+BARE = [
+    ("Let me look.\n<function=read_file>\n<parameter=path>\nsrc/a.py\n</parameter>\n</function>\nthen more",
+     "", "Let me look.\nthen more", [("read_file", {"path": "src/a.py"})]),
+    ("<function=now>\n</function>", "", "", [("now", {})]),
+    ("Write <function=my func> here.", "", "Write <function=my func> here.", []),
+    ("Qwen writes <function=read_file> like so, then <tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n</tool_call>",
+     "", "Qwen writes <function=read_file> like so, then ", [("now", {})]),
+    ("In HTML: <function=unknown>\n<parameter=a>\n1\n</parameter>\n</function> is not ours", "",
+     "In HTML: <function=unknown>\n<parameter=a>\n1\n</parameter>\n</function> is not ours", []),
+    ("cut <function=read_file>\n<parameter=path>\nx", "", "cut <function=read_file>\n<parameter=path>\nx", []),
+    ("<think>a <function=now> in thought</think>ok", "a <function=now> in thought", "ok", []),
+]
+BARE_SCHEMAS = {"read_file": {"type": "object", "properties": {"path": {"type": "string"}}}, "now": {}}
+
+
+@pytest.mark.parametrize("i", range(len(BARE)))
+def test_unwrapped_xml_calls_at_every_split(i):
+    text, *expected = BARE[i]
+    for cut in range(len(text) + 1):
+        parser = OutputParser(fmt="tool_call_xml", schemas=BARE_SCHEMAS)
+        check(run(parser, [text[:cut], text[cut:]]), *expected)
+    check(run(OutputParser(fmt="tool_call_xml", schemas=BARE_SCHEMAS), list(text)), *expected)
+    if expected[2]:  # JSON-form templates, or no tools given: the unwrapped form is text
+        for p in (OutputParser(schemas=BARE_SCHEMAS), OutputParser(fmt="tool_call_xml")):
+            assert run(p, [text])[2] == [] or "<tool_call>" in text

@@ -719,3 +719,38 @@ def test_scripted_xml_call_values_follow_the_tools_schema(scripted):
         "model": "scripted", "max_tokens": 64, "messages": [{"role": "user", "content": "Ship it"}],
         "tools": [{"name": "ship", "input_schema": params}]}).json()
     assert [b["input"] for b in msg["content"] if b["type"] == "tool_use"] == [want]
+
+
+NS_TOOLS = [{"type": "namespace", "name": "agents", "description": "Sub-agents.",
+             "tools": [{"type": "function", "name": "spawn", "description": "Start one.",
+                        "parameters": {"type": "object", "properties": {"task": {"type": "string"}}}}]}] + TOOLS
+
+
+def test_scripted_namespace_tools(scripted):
+    """A namespace tool (Codex sends its sub-agent tools as one) reaches the model as NS.NAME; the
+    call comes back as a function_call with name and namespace apart, and renders under NS.NAME
+    again when the client sends it back."""
+    call = '<tool_call>\n{"name": "agents.spawn", "arguments": {"task": "look"}}\n</tool_call>'
+    scripted.serving.script = [(call, "stop")]
+    r = scripted.http.post("/v1/responses", json={"model": "scripted", "input": "Go", "tools": NS_TOOLS}).json()
+    fc = [i for i in r["output"] if i["type"] == "function_call"]
+    assert [(c["name"], c.get("namespace"), json.loads(c["arguments"])) for c in fc] == [("spawn", "agents", {"task": "look"})]
+    assert r["tools"][0]["type"] == "namespace" and r["tools"][0]["tools"][0]["name"] == "spawn"
+    assert r["tools"][1]["name"] == "get_weather"
+    text = scripted.tok.decode(_prompt(scripted))
+    assert '"name": "agents.spawn"' in text and "[agents: Sub-agents.] Start one." in text
+    # sent back as input: the assistant's call is rendered under its qualified name
+    back = [{"role": "user", "content": "Go"}, fc[0],
+            {"type": "function_call_output", "call_id": fc[0]["call_id"], "output": "done"}]
+    scripted.http.post("/v1/responses", json={"model": "scripted", "input": back, "tools": NS_TOOLS})
+    assert text.count("agents.spawn") < scripted.tok.decode(_prompt(scripted)).count("agents.spawn")
+    # a forced call to a namespaced tool by name and namespace
+    scripted.serving.script = [('{"name": "agents.spawn", "arguments": {"task": "x"}}\n</tool_call>', "stop")]
+    r = scripted.http.post("/v1/responses", json={
+        "model": "scripted", "input": "Go", "tools": NS_TOOLS,
+        "tool_choice": {"type": "function", "name": "spawn", "namespace": "agents"}})
+    assert r.status_code == 200, r.text
+    for bad in ({"type": "namespace", "name": "x"}, {"type": "namespace", "tools": []},
+                {"type": "namespace", "name": "x", "tools": [{"type": "web_search"}]}):
+        r = scripted.http.post("/v1/responses", json={"model": "scripted", "input": "Go", "tools": [bad]})
+        assert r.status_code == 400 and r.json()["error"]["message"], r.text

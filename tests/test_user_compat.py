@@ -50,12 +50,12 @@ def test_cgroup_v2_limits_take_the_tightest_on_the_path(tmp_path):
         "kube/pod1/cpu.max": "600000 100000",
         "kube/pod1/memory.max": str(8 << 30),
         "kube/pod1/memory.current": str(3 << 30),
-        "kube/pod1/memory.stat": f"anon 123\ninactive_file {1 << 30}\n",
+        "kube/pod1/memory.stat": f"anon 123\nfile {1 << 30}\nactive_file {1 << 29}\ninactive_file {1 << 29}\n",
         "kube/memory.max": "max",
     })
     assert limits.cpu_quota(root) == pytest.approx(2.5)
     assert limits.cpu_limit(root) == 3  # whole CPUs: a pool of 3 uses the quota
-    # 8 GiB limit, 3 GiB charged of which 1 GiB is idle page cache the kernel drops first
+    # 8 GiB limit, 3 GiB charged of which 1 GiB is page cache the kernel reclaims first
     assert limits.memory_left(root) == (8 << 30) - (2 << 30)
 
 
@@ -74,13 +74,13 @@ def test_cgroup_v1_quota_and_memory_limit(tmp_path):
         "cpu,cpuacct/cpu.cfs_period_us": "100000",
         "memory/docker/abc/memory.limit_in_bytes": str(4 << 30),
         "memory/docker/abc/memory.usage_in_bytes": str(1 << 30),
-        "memory/docker/abc/memory.stat": "cache 10\ntotal_inactive_file 0\n",
+        "memory/docker/abc/memory.stat": f"cache 10\ntotal_active_file {1 << 29}\ntotal_inactive_file {1 << 29}\n",
         "memory/memory.limit_in_bytes": "9223372036854771712",  # v1's "no limit"
         "memory/memory.usage_in_bytes": "1",
     })
     assert limits.cpu_quota(root) == pytest.approx(1.5)
     assert limits.cpu_limit(root) == 2
-    assert limits.memory_left(root) == 3 << 30
+    assert limits.memory_left(root) == 4 << 30
 
 
 def test_cpu_defaults_and_host_memory_keep_to_the_container(monkeypatch):
@@ -134,6 +134,11 @@ def test_served_names_and_template_defaults_flags(capsys):
     a = _parse("serve", "--served-model-name", "qwen,qwen-coder", "--served-model-name", "gpt-4o",
                "--served-model-name", "qwen", "--default-chat-template-kwargs", '{"enable_thinking": false}')
     assert cli.served_names(a.served_model_name) == ["qwen", "qwen-coder", "gpt-4o"]
+    v = _parse("serve", "m.ftw", "--served-model-name", "a", "b", "--port", "1")  # vLLM's form
+    assert cli.served_names(v.served_model_name) == ["a", "b"] and v.model == "m.ftw"
+    cli.check_served_names(v)
+    with pytest.raises(FreeTokenError, match="is a model path; put MODEL before the flag"):
+        cli.check_served_names(_parse("serve", "--served-model-name", "a", "m.ftw"))
     assert a.default_chat_template_kwargs == {"enable_thinking": False}
     assert _parse("serve", "--chat-template-kwargs", "{}").default_chat_template_kwargs == {}
     for bad, says in (("{nope", "not JSON"), ("[1]", "JSON object")):
@@ -155,15 +160,21 @@ def test_hub_ids_resolve_from_the_local_cache(tmp_path, monkeypatch):
     os.remove(repo / "refs" / "main")
     os.utime(old, (1, 1))
     assert cli.resolve_model("Org/Model-A3B") == str(new / "model.ftw")  # else the newest snapshot
-    with pytest.raises(FreeTokenError, match="not in the Hugging Face cache.*does not download"):
+    with pytest.raises(FreeTokenError, match="no such file or folder; as a Hugging Face model id .*does not download"):
         cli.resolve_model("Org/Missing")
+    assert cli.default_names("Org/Model-A3B", "Model-A3B") == ["Org/Model-A3B", "Model-A3B"]  # vLLM's id first
+    assert cli.default_names(str(old / "model.ftw"), "Model-A3B") == ["Model-A3B"]
+    assert cli.default_names(None, None) == [cli.DEMO_NAME]
     monkeypatch.delenv("HF_HUB_CACHE")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
     assert cli.hf_hub_cache() == str(tmp_path / "home" / "hub")
-    # a local relative path that exists is a path, not a hub id
+    # a local relative path that exists is a path, not a hub id; a mistyped one is a missing path
     monkeypatch.chdir(tmp_path)
     _write(str(tmp_path / "Org" / "local.ftw"), "x")
     assert cli.resolve_model("Org/local.ftw") == "Org/local.ftw"
+    for typo in ("Org/lokal.ftw", "Org/Qwen3", "models/foo.ftw"):
+        with pytest.raises(FreeTokenError, match="no such model file"):
+            cli.resolve_model(typo)
 
 
 def test_gguf_is_refused_with_what_to_do(tmp_path):
@@ -171,6 +182,18 @@ def test_gguf_is_refused_with_what_to_do(tmp_path):
     g.write_bytes(b"GGUF\x03\x00\x00\x00")
     with pytest.raises(FreeTokenError, match="GGUF files are not supported; serve the model's safetensors"):
         cli.resolve_model(str(g))
+    with pytest.raises(FreeTokenError, match="holds GGUF files, which are not supported"):
+        cli.resolve_model(str(tmp_path))
+
+
+def test_api_key_from_the_environment(monkeypatch, capsys):
+    monkeypatch.setenv("FREETOKEN_API_KEY", "env-key")
+    assert cli.api_key_of(_parse("serve")) == "env-key"
+    assert "requiring the API key in $FREETOKEN_API_KEY" in capsys.readouterr().err
+    assert cli.api_key_of(_parse("serve", "--api-key", "")) is None  # '' serves without a key
+    assert cli.api_key_of(_parse("serve", "--api-key", "k")) == "k"
+    monkeypatch.delenv("FREETOKEN_API_KEY")
+    assert cli.api_key_of(_parse("serve")) is None
 
 
 def _ctx(defaults=None):
@@ -182,14 +205,36 @@ MSGS = [{"role": "user", "content": "hi"}]
 
 
 def test_server_template_defaults_under_the_request():
-    plain = common.render(_ctx(), MSGS, None)
-    off = common.render(_ctx({"enable_thinking": False}), MSGS, None)
+    """Chat completions' plan renders with the server's defaults under the request's own keys."""
+    def prompt(defaults, **body):
+        return openai._chat_plan(_ctx(defaults), {"model": "m", "messages": MSGS, **body})
+    plain, off = common.render(_ctx(), MSGS, None), common.render(_ctx(), MSGS, None, {"enable_thinking": False})
     assert off != plain and off.rstrip().endswith("</think>")
-    # the request's own keys win over the server's default
-    assert common.render(_ctx({"enable_thinking": False}), MSGS, None, {"enable_thinking": True}) == \
-        common.render(_ctx(), MSGS, None, {"enable_thinking": True})
-    # a default may not set what the renderer owns
-    assert common.render(_ctx({"add_generation_prompt": False}), MSGS, None) == plain
+    seen = []
+    import freetoken.server.openai as o
+    real = o.render
+    try:
+        o.render = lambda ctx, m, t, kw, **k: seen.append(kw) or real(ctx, m, t, kw, **k)
+        for defaults, body, want in (({"enable_thinking": False}, {}, {"enable_thinking": False}),
+                                     ({"enable_thinking": False}, {"chat_template_kwargs": {"enable_thinking": True}},
+                                      {"enable_thinking": True}),
+                                     ({"enable_thinking": False}, {"reasoning_effort": "high"},
+                                      {"enable_thinking": True, "reasoning_effort": "high"}),
+                                     ({"add_generation_prompt": False}, {}, {})):
+            seen.clear()
+            try:
+                prompt(defaults, **body)
+            except Exception:  # past rendering, the stub context has no tokenizer
+                pass
+            assert seen == [want]
+    finally:
+        o.render = real
+
+
+def test_defaults_merge_once_for_prompt_and_probes():
+    ctx = _ctx({"enable_thinking": False, "add_generation_prompt": False})
+    assert common.with_defaults(ctx, {}) == {"enable_thinking": False}  # what the renderer owns dropped
+    assert common.with_defaults(ctx, {"enable_thinking": True, "x": 1}) == {"enable_thinking": True, "x": 1}
 
 
 def test_chat_reasoning_effort():
@@ -201,18 +246,24 @@ def test_chat_reasoning_effort():
         openai._chat_plan(_ctx(), body)
 
 
-def test_cuda_load_refuses_a_file_larger_than_host_memory(tmp_path, monkeypatch):
+def test_cuda_load_refuses_a_file_larger_than_host_memory(tmp_path, monkeypatch, caplog):
     from freetoken.runtime import budget
     from freetoken.runtime.engine import Engine
     f = tmp_path / "big.ftw"
     f.write_bytes(os.urandom(4096))
-    monkeypatch.setattr(budget, "host_available", lambda: 1000)
-    with pytest.raises(FreeTokenError, match=r"takes 0.0 GB of host memory .* only 0.0 GB is available"):
-        Engine._check_host_fits(str(f))
     monkeypatch.setattr(budget, "host_available", lambda: 1 << 20)
+    monkeypatch.setattr(limits, "memory_left", lambda: 1000)  # a container's hard limit: refused
+    with pytest.raises(FreeTokenError, match=r"takes 0.0 GB of host memory .* container's memory limit leaves"):
+        Engine._check_host_fits(str(f))
+    monkeypatch.setattr(limits, "memory_left", lambda: 0)  # at its limit already
+    with pytest.raises(FreeTokenError):
+        Engine._check_host_fits(str(f))
+    monkeypatch.setattr(limits, "memory_left", lambda: None)
     Engine._check_host_fits(str(f))
-    monkeypatch.setattr(budget, "host_available", lambda: 0)  # unknown (no /proc/meminfo): not refused
-    Engine._check_host_fits(str(f))
+    monkeypatch.setattr(budget, "host_available", lambda: 1000)  # MemAvailable alone: a warning, tried
+    with caplog.at_level("WARNING", logger="freetoken"):
+        Engine._check_host_fits(str(f))
+    assert "the load may fail or swap" in caplog.text
 
 
 def test_cache_flags_outside_the_cache_are_said(caplog):
@@ -220,9 +271,27 @@ def test_cache_flags_outside_the_cache_are_said(caplog):
     eng = SimpleNamespace(experts_on="cpu", ecfg=EngineConfig(moe="cpu", expert_cache="8GiB", fill_share="0.5"))
     with caplog.at_level("WARNING", logger="freetoken"):
         Engine._warn_cache_flags_unused(eng)
-    assert "--expert-cache 8GiB, --fill-share 0.5: no effect, the experts run on the CPU (--moe cpu)" in caplog.text
+    assert "--expert-cache 8GiB, --fill-share 0.5: no effect, the experts run on the CPU here" in caplog.text
     caplog.clear()
-    for on, cfg in (("cache", EngineConfig(expert_cache="8GiB")), ("gpu", EngineConfig())):
+    for on, cfg in (("cache", EngineConfig(expert_cache="8GiB")), ("gpu", EngineConfig(fill_share="AUTO"))):
         with caplog.at_level("WARNING", logger="freetoken"):
             Engine._warn_cache_flags_unused(SimpleNamespace(experts_on=on, ecfg=cfg))
     assert caplog.text == ""
+
+
+def test_launch_client_args_after_flags(monkeypatch):
+    """`ft launch codex --port N -- exec ...`: a flag between the client and `--` kept its ARGS
+    (argparse dropped them: 'unrecognized arguments')."""
+    seen = []
+
+    def fake_launch(args):
+        seen.append((args.client, args.port, args.client_args))
+        return 0
+    monkeypatch.setattr(cli, "cmd_launch", fake_launch)
+    want = ("codex", 8144, ["exec", "--skip-git-repo-check", "say hi"])
+    for argv in (["launch", "codex", "--port", "8144", "--", "exec", "--skip-git-repo-check", "say hi"],
+                 ["launch", "--port", "8144", "codex", "--", "exec", "--skip-git-repo-check", "say hi"]):
+        assert cli.main(argv) == 0 and seen.pop() == want
+    assert cli.main(["launch", "codex", "--", "--port", "1"]) == 0 and seen.pop() == ("codex", 8000, ["--port", "1"])
+    args = cli.build_parser().parse_args(["generate", "--prompt", "launch", "--", "m.ftw"])  # not launch's
+    assert args.cmd == "generate" and args.model == "m.ftw"

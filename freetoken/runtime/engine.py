@@ -452,16 +452,22 @@ class Engine:
     @staticmethod
     def _check_host_fits(path: str) -> None:
         """A CUDA engine reads the whole file into pinned host memory first (the experts stay
-        there for the cache and the CPU branch), which cannot be swapped: a file larger than the
-        memory left (MemAvailable, or a container's limit) is refused here with both figures,
-        not killed by the kernel's OOM killer half-way through the load."""
+        there for the cache and the CPU branch), which cannot be swapped. Under a container's
+        memory limit (a hard one: the OOM killer ends the process past it) a larger file is
+        refused here with both figures, not killed half-way through the load. Against the host's
+        MemAvailable only a warning: it can under-count what the kernel would free (ZFS's ARC is
+        not in it), so the load is tried."""
+        from .. import limits
         from .budget import host_available
-        need, avail = os.path.getsize(path), host_available()
+        need, left, avail = os.path.getsize(path), limits.memory_left(), host_available()
+        what = (f"{path}: loading it takes {need / 1e9:.1f} GB of host memory (it is read into pinned memory "
+                "before the GPU gets its part)")
+        if left is not None and need > left:
+            raise FreeTokenError(f"{what} and this container's memory limit leaves {left / 1e9:.1f} GB; raise the "
+                                 "container's limit (docker run --memory), or use a smaller quantization of the model")
         if avail and need > avail:
-            raise FreeTokenError(
-                f"{path}: loading it takes {need / 1e9:.1f} GB of host memory (it is read into pinned memory before "
-                f"the GPU gets its part) and only {avail / 1e9:.1f} GB is available (MemAvailable or this container's "
-                "memory limit); free memory, raise the container's limit, or use a smaller quantization of the model")
+            log.warning("%s and the host reports %.1f GB available (MemAvailable): the load may fail or swap",
+                        what, avail / 1e9)
 
     @staticmethod
     def _has_fp8_dense(path: str) -> bool:
@@ -540,14 +546,14 @@ class Engine:
         who sized the cache by hand should hear that the engine chose another mode)."""
         if self.experts_on == "cache":
             return
+        # (--expert-prefetch has its own warning, which covers more cases)
         given = [f"--{k.replace('_', '-')} {v}" for k, v, default in (
             ("expert_cache", self.ecfg.expert_cache, ""), ("fill_share", self.ecfg.fill_share, "auto"),
-            ("cache_policy", self.ecfg.cache_policy, "recent"), ("expert_prefetch", self.ecfg.expert_prefetch, 0))
-            if v != default]
+            ("cache_policy", self.ecfg.cache_policy, "recent")) if str(v).strip().lower() != default]
         if given:
             where = "in VRAM" if self.experts_on == "gpu" else "on the CPU"
-            log.warning("%s: no effect, the experts run %s (--moe %s); these flags are for --moe cache",
-                        ", ".join(given), where, self.ecfg.moe)
+            log.warning("%s: no effect, the experts run %s here; these flags are for --moe cache",
+                        ", ".join(given), where)
 
     def _executor(self, gate_up, down):
         if gate_up is None:

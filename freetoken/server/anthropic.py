@@ -16,7 +16,7 @@ import uuid
 from starlette.responses import JSONResponse
 
 from .common import (ApiError, build_prompt, constrain, field, grammar_for, json_args, off_loop,
-                     refuse_continued_grammar, render, sampling_from, text_of)
+                     refuse_continued_grammar, render, sampling_from, text_of, with_defaults)
 from .tool_choice import call_grammar, forced_opening, strict_grammar, wanted
 from .generation import Done, Ping, RequestStream, collect, events
 from .openai import submit
@@ -146,11 +146,14 @@ def prepare(ctx, body: dict):
     spec = output_format(body)
     thinking = body.get("thinking")
     kwargs = {}
-    if isinstance(thinking, dict) and thinking.get("type") in ("disabled", "enabled"):
-        kwargs["enable_thinking"] = thinking["type"] == "enabled"  # over a server default either way
+    # "disabled" turns thinking off; "enabled" (which Claude Code sends on every turn) leaves the
+    # template's or the server's default (--default-chat-template-kwargs) in charge
+    if isinstance(thinking, dict) and thinking.get("type") == "disabled":
+        kwargs["enable_thinking"] = False
     # a final assistant message is a prefill: the answer continues its text (Anthropic's API)
     last = messages[-1]
     prefill = last["role"] == "assistant" and not last.get("tool_calls") and bool(last["content"].strip())
+    kwargs = with_defaults(ctx, kwargs)
     text = render(ctx, messages, tools, kwargs, continue_final=prefill)
     choice = body.get("tool_choice")
     must, name = wanted(choice, [t["function"]["name"] for t in tools or []], "anthropic") \

@@ -249,6 +249,13 @@ def template_kwargs(body: dict) -> dict:
     return {k: v for k, v in (field(body, "chat_template_kwargs", "object") or {}).items() if k not in RENDER_OWNS}
 
 
+def with_defaults(ctx, kwargs: dict) -> dict:
+    """A request's chat-template kwargs over the server's (ft serve --default-chat-template-kwargs),
+    merged once where a request's kwargs are built, so the prompt and the tool-call probes
+    (tool_choice.py) render with the same ones."""
+    return {k: v for k, v in {**getattr(ctx, "default_template_kwargs", {}), **kwargs}.items() if k not in RENDER_OWNS}
+
+
 def render(ctx, messages: list[dict], tools: list[dict] | None, kwargs: dict | None = None,
            continue_final: bool = False, generation: bool = True) -> str:
     """The prompt in the model's chat template. kwargs: chat_template_kwargs; the keys the
@@ -256,9 +263,7 @@ def render(ctx, messages: list[dict], tools: list[dict] | None, kwargs: dict | N
     continue_final: the last message is an assistant turn to continue (a prefill), not a turn
     to close and answer after (ChatTemplate.render). generation: whether the assistant's turn
     is opened after the last message (vLLM's add_generation_prompt; True unless a client says)."""
-    # the server's defaults (ft serve --default-chat-template-kwargs) under the request's own keys
-    kwargs = {k: v for k, v in {**getattr(ctx, "default_template_kwargs", {}), **(kwargs or {})}.items()
-              if k not in RENDER_OWNS}
+    kwargs = {k: v for k, v in (kwargs or {}).items() if k not in RENDER_OWNS}
     try:
         return ctx.template.render(messages, tools, add_generation_prompt=generation and not continue_final,
                                    continue_final=continue_final, **kwargs)

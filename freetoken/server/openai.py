@@ -14,7 +14,7 @@ from ..runtime.scheduler import QueueFull
 from ..runtime.serving import ShuttingDown
 from .common import (EFFORTS, ApiError, build_prompt, constrain, continuation, effort_kwargs, field, fit_prompt, grammar_for, json_args,
                      logit_options, off_loop, refuse_continued_grammar, render, sampling_from, template_kwargs,
-                     text_of)
+                     text_of, with_defaults)
 from .generation import Done, Ping, RequestStream, Tokens, cancel_unfinished, collect, events, start
 from .logprobs import TokenText, chat_entries, chat_options, completion_logprobs, completion_options
 from .merge import END, merged
@@ -208,7 +208,7 @@ def _chat_plan(ctx, body: dict):
     if effort is not None and effort not in EFFORTS:
         raise ApiError(400, f"reasoning_effort must be one of {', '.join(EFFORTS)}, got {effort!r}",
                        param="reasoning_effort")
-    kwargs = {**effort_kwargs(effort), **template_kwargs(body)}  # chat_template_kwargs win, as in vLLM
+    kwargs = with_defaults(ctx, {**effort_kwargs(effort), **template_kwargs(body)})  # chat_template_kwargs win
     cont, gen = continuation(body)
     choice = body.get("tool_choice")
     if isinstance(choice, dict) and choice.get("type") == "allowed_tools":

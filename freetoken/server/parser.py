@@ -11,9 +11,10 @@ template):
   values raw, others as JSON; at least one argument: a bare word stays text). A value of the XML
   and GLM forms is typed by its parameter's schema in the request's tools where there is one (a
   string parameter keeps "02139" or "true" as written), else read as JSON when it parses.
-  An XML-form call without the <tool_call> wrapper (<function=NAME>...</function> in the text) is
-  read as a call too.
-- "glm": the same (but the unwrapped XML form), and a bare NAME is a call without arguments (as GLM's templates write one).
+- "tool_call_xml": the same, for templates that write the XML form; a call without the
+  <tool_call> wrapper (<function=NAME> then a parameter or </function>, NAME one of the request's
+  tools, closed by </function>) is read as a call too.
+- "glm": the same as "tool_call", and a bare NAME is a call without arguments (as GLM's templates write one).
 - "dsml" (DeepSeek-V3.2 and V4): a block <｜DSML｜tool_calls> ... </｜DSML｜tool_calls> (V3.2:
   function_calls) of one or more <｜DSML｜invoke name="NAME"> ... </｜DSML｜invoke>, each
   parameter <｜DSML｜parameter name="P" string="true|false">V</｜DSML｜parameter>: V is raw text
@@ -198,17 +199,37 @@ def _single(bare: bool) -> Callable[..., list[ToolCall] | None]:
 
 def _bare_function(body: str, schemas: Schemas | None = None) -> list[ToolCall] | None:
     """An XML-form call the model wrote without its <tool_call> wrapper (Qwen3-Coder and Qwen3.5/3.6
-    drop it at times, as vLLM's qwen3_coder parser allows): <function=NAME> ... </function>,
-    NAME a plain identifier (prose that mentions the tag stays text)."""
+    drop it at times, as vLLM's qwen3_coder parser allows): <function=NAME> ... </function>, NAME
+    one of the request's tools (OutputParser checks the opening as it streams: bare_opening)."""
     name = body.partition(">")[0].strip()
-    if not NAME.fullmatch(name):
+    if not schemas or name not in schemas:
         return None
     call = parse_tool_call(FUNCTION_OPEN + body + FUNCTION_CLOSE, False, schemas)
     return None if call is None else [call]
 
 
+# what may follow <function=NAME> in an unwrapped call: a parameter, or the close of a call
+# without arguments (a newline between them or not)
+BARE_NEXT = ("\n<parameter=", "<parameter=", "\n</function>", "</function>")
+
+
+def bare_opening(text: str, names) -> bool | None:
+    """Whether `text` (what follows "<function=") opens an unwrapped call: True, False, or None
+    while too little of it has come to say."""
+    name, gt, rest = text.partition(">")
+    if not gt:
+        return None if len(name) <= 128 and "\n" not in name and any(n.startswith(name) for n in names) else False
+    if name not in names:
+        return False
+    if any(rest.startswith(b) for b in BARE_NEXT):
+        return True
+    return None if any(b.startswith(rest) for b in BARE_NEXT) else False
+
+
 FORMATS: dict[str, tuple[Block, ...]] = {
-    "tool_call": (Block(TOOL_OPEN, TOOL_CLOSE, _single(False)), Block(FUNCTION_OPEN, FUNCTION_CLOSE, _bare_function)),
+    "tool_call": (Block(TOOL_OPEN, TOOL_CLOSE, _single(False)),),
+    # the XML call form's templates (Qwen3-Coder, Qwen3.5/3.6): an unwrapped call is read too
+    "tool_call_xml": (Block(TOOL_OPEN, TOOL_CLOSE, _single(False)), Block(FUNCTION_OPEN, FUNCTION_CLOSE, _bare_function)),
     "glm": (Block(TOOL_OPEN, TOOL_CLOSE, _single(True)),),
     "dsml": tuple(Block(f"<{DSML}{b}>", f"</{DSML}{b}>", parse_dsml) for b in DSML_BLOCKS),
     "deepseek_v3": (Block(V3_OPEN, V3_CLOSE, parse_deepseek_v3),),
@@ -227,6 +248,8 @@ class OutputParser:
         self.state = "reasoning" if in_reasoning else "content"
         self.tools = tools
         self.blocks = {b.open: b for b in FORMATS[fmt or "tool_call"]} if tools else {}
+        if not schemas:  # an unwrapped call is read only as a call of one of the request's tools
+            self.blocks.pop(FUNCTION_OPEN, None)
         self.block: Block | None = None  # the open tool-call block
         self.buf = ""
         self.tool_buf = ""
@@ -256,6 +279,11 @@ class OutputParser:
         out: list[Event] = []
         self.buf += text
         while True:
+            if self.state == "tool" and self.block.open == FUNCTION_OPEN:
+                ok = bare_opening(self.tool_buf + self.buf, self.schemas)
+                if ok is False:  # not a call after all: its text again, read as text
+                    self._unbare(out)
+                    continue
             tags = self._tags()
             hits = [(self.buf.find(t), t) for t in tags if t in self.buf]
             if hits:
@@ -287,15 +315,28 @@ class OutputParser:
             self.state, self.block, self.tool_buf = "tool", self.blocks[tag], ""
 
     def _calls(self, calls: list[ToolCall] | None, close: str, out: list[Event]) -> None:
-        if calls is None:  # not calls we can read: keep the text rather than lose it
+        if calls is None and self.block.open == FUNCTION_OPEN:
+            self.buf = close + self.buf
+            self._unbare(out)
+        elif calls is None:  # not calls we can read: keep the text rather than lose it
             self.state = "content"
             out.append(Event("content", self.block.open + self.tool_buf + close))
         else:
             out += [Event("tool_call", tool=c) for c in calls]
 
+    def _unbare(self, out: list[Event]) -> None:
+        """An unwrapped-call opening that is not one: "<function=" is text, and what followed it
+        is parsed again as content (it may hold a real <tool_call> or <think>)."""
+        add_text(out, "content", FUNCTION_OPEN)
+        self.state, self.buf, self.tool_buf = "content", self.tool_buf + self.buf, ""
+
     def finish(self) -> list[Event]:
-        """End of output: flush what was held back; an unterminated block is tried as is."""
+        """End of output: flush what was held back; an unterminated block is tried as is (an
+        unwrapped call needs its </function>: without it, it is text)."""
         out: list[Event] = []
+        if self.state == "tool" and self.block.open == FUNCTION_OPEN:
+            self._unbare(out)
+            out += self.feed("")
         rest, self.buf = self.buf, ""
         if self.state == "tool":
             self.tool_buf += rest

@@ -216,8 +216,11 @@ def to_messages(items, where: str = "input") -> list[dict]:
                 raise _bad(f"{at}: function_call items need a name and a call_id")
             if not isinstance(args, (str, dict)):
                 raise _bad(f"{at}: function_call arguments must be a JSON string")
+            ns = item.get("namespace")
+            if ns is not None and not isinstance(ns, str):
+                raise _bad(f"{at}: function_call namespace must be a string")
             _turn(out, lambda m: True)["tool_calls"].append(
-                {"id": call_id, "type": "function", "function": {"name": name, "arguments": json_args(args)}})
+                {"id": call_id, "type": "function", "function": {"name": qualified(name, ns), "arguments": json_args(args)}})
         elif kind == "function_call_output":
             call_id = item.get("call_id")
             if not isinstance(call_id, str):
@@ -246,45 +249,78 @@ def _leading_system_merged(messages: list[dict]) -> list[dict]:
 
 
 # ---------------------------------------------------------------- request fields
-def _tools(body: dict) -> tuple[list[dict], list[dict]]:
-    """-> (tools as given, for the response; tools in the template's shape)."""
+# A namespace tool ({"type": "namespace", "name": NS, "tools": [function tools]}: a group of tools
+# such as an MCP server's or Codex's sub-agent tools) reaches the model as its function tools named
+# NS.NAME; a call to one comes back as a function_call item with name NAME and namespace NS, and
+# such items in the input are rendered under NS.NAME again.
+NS_SEP = "."
+
+
+def qualified(name: str, namespace: str | None) -> str:
+    return f"{namespace}{NS_SEP}{name}" if namespace else name
+
+
+def _tools(body: dict) -> tuple[list[dict], list[dict], dict[str, tuple[str, str]]]:
+    """-> (tools as given, for the response; tools in the template's shape; NS.NAME -> (NS, NAME)
+    for the namespaces' tools)."""
     raw = field(body, "tools", "array") or []
-    echo, out = [], []
+    echo, out, spaced = [], [], {}
     for i, t in enumerate(raw):
-        at = f"tools[{i}]"
-        if not isinstance(t, dict):
-            raise _bad(f"{at} must be an object", "tools")
-        kind = t.get("type")
-        if kind != "function":
-            if not isinstance(kind, str):
-                raise _bad(f"{at}: missing the tool's type", "tools")
-            raise _bad(f"{at}: tool type {kind!r} is not supported: this server runs only function tools "
-                       "({'type': 'function', 'name': ..., 'parameters': {...}}); built-in tools (web search, "
-                       "file search, code interpreter, computer use, image generation, MCP, shells, custom "
-                       "tools) are not available", "tools")
-        if "name" not in t and isinstance(t.get("function"), dict):
-            raise _bad(f"{at}: Responses function tools are flat, {{'type': 'function', 'name': ..., "
-                       "'parameters': {...}}, not Chat Completions' {'type': 'function', 'function': {...}}",
-                       "tools")
-        name, desc, params = t.get("name"), t.get("description"), t.get("parameters")
-        if not isinstance(name, str) or not name:
-            raise _bad(f"{at}: function tools need a name", "tools")
-        if desc is not None and not isinstance(desc, str):
-            raise _bad(f"{at}: description must be a string", "tools")
-        if params is not None and not isinstance(params, dict):
-            raise _bad(f"{at}: parameters must be a JSON schema object", "tools")
-        if t.get("strict") is not None and not isinstance(t.get("strict"), bool):
-            raise _bad(f"{at}: strict must be a boolean", "tools")
-        fn = {"name": name}
-        if desc:
-            fn["description"] = desc
-        fn["parameters"] = params if params is not None else {"type": "object", "properties": {}}
-        if t.get("strict") is not None:  # as chat passes it: strict tools' calls follow their schema
-            fn["strict"] = t["strict"]
-        out.append({"type": "function", "function": fn})
-        echo.append({"type": "function", "name": name, "description": desc, "parameters": params,
-                     "strict": t.get("strict")})
-    return echo, out
+        if isinstance(t, dict) and t.get("type") == "namespace":
+            ns, desc, inner = t.get("name"), t.get("description"), t.get("tools")
+            if not isinstance(ns, str) or not ns or not isinstance(inner, list):
+                raise _bad(f"tools[{i}]: namespace tools need a name and a list of tools", "tools")
+            if desc is not None and not isinstance(desc, str):
+                raise _bad(f"tools[{i}]: description must be a string", "tools")
+            pairs = [_function_tool(x, f"tools[{i}].tools[{j}]") for j, x in enumerate(inner)]
+            e, o = [p[0] for p in pairs], [p[1] for p in pairs]
+            for fn in (x["function"] for x in o):
+                spaced[qualified(fn["name"], ns)] = (ns, fn["name"])
+                fn["name"] = qualified(fn["name"], ns)
+                if desc:  # the group's description, which the model sees nowhere else
+                    fn["description"] = f"[{ns}: {desc}] " + fn.get("description", "")
+            out += o
+            echo.append({"type": "namespace", "name": ns, "description": desc, "tools": e})
+        else:
+            e, o = _function_tool(t, f"tools[{i}]")
+            echo.append(e)
+            out.append(o)
+    return echo, out, spaced
+
+
+def _function_tool(t, at: str) -> tuple[dict, dict]:
+    """A function tool -> (as echoed, in the template's shape)."""
+    if not isinstance(t, dict):
+        raise _bad(f"{at} must be an object", "tools")
+    kind = t.get("type")
+    if kind != "function":
+        if not isinstance(kind, str):
+            raise _bad(f"{at}: missing the tool's type", "tools")
+        raise _bad(f"{at}: tool type {kind!r} is not supported: this server runs only function tools "
+                   "({'type': 'function', 'name': ..., 'parameters': {...}}) and namespaces of them; built-in "
+                   "tools (web search, file search, code interpreter, computer use, image generation, MCP, "
+                   "shells, custom tools) are not available", "tools")
+    if "name" not in t and isinstance(t.get("function"), dict):
+        raise _bad(f"{at}: Responses function tools are flat, {{'type': 'function', 'name': ..., "
+                   "'parameters': {...}}, not Chat Completions' {'type': 'function', 'function': {...}}",
+                   "tools")
+    name, desc, params = t.get("name"), t.get("description"), t.get("parameters")
+    if not isinstance(name, str) or not name:
+        raise _bad(f"{at}: function tools need a name", "tools")
+    if desc is not None and not isinstance(desc, str):
+        raise _bad(f"{at}: description must be a string", "tools")
+    if params is not None and not isinstance(params, dict):
+        raise _bad(f"{at}: parameters must be a JSON schema object", "tools")
+    if t.get("strict") is not None and not isinstance(t.get("strict"), bool):
+        raise _bad(f"{at}: strict must be a boolean", "tools")
+    fn = {"name": name}
+    if desc:
+        fn["description"] = desc
+    fn["parameters"] = params if params is not None else {"type": "object", "properties": {}}
+    if t.get("strict") is not None:  # as chat passes it: strict tools' calls follow their schema
+        fn["strict"] = t["strict"]
+    return ({"type": "function", "name": name, "description": desc, "parameters": params, "strict": t.get("strict")},
+            {"type": "function", "function": fn})
 
 
 def _tool_choice(body: dict, tools: list[dict]) -> tuple[object, list[dict], bool, str | None]:
@@ -298,7 +334,7 @@ def _tool_choice(body: dict, tools: list[dict]) -> tuple[object, list[dict], boo
     elif isinstance(choice, dict) and choice.get("type") == "function":
         if not isinstance(choice.get("name"), str):
             raise _bad("tool_choice {'type': 'function'} needs the function's name", "tool_choice")
-        chat_choice = {"type": "function", "function": {"name": choice["name"]}}
+        chat_choice = {"type": "function", "function": {"name": qualified(choice["name"], choice.get("namespace"))}}
     elif isinstance(choice, dict) and choice.get("type") == "allowed_tools":
         mode, allowed = choice.get("mode", "auto"), choice.get("tools")
         if mode not in ("auto", "required") or not isinstance(allowed, list) or \
@@ -306,7 +342,7 @@ def _tool_choice(body: dict, tools: list[dict]) -> tuple[object, list[dict], boo
                         for a in allowed):
             raise _bad("tool_choice allowed_tools needs mode 'auto' or 'required' and tools "
                        "[{'type': 'function', 'name': ...}, ...]", "tool_choice")
-        keep = {a["name"] for a in allowed}
+        keep = {qualified(a["name"], a.get("namespace")) for a in allowed}
         if keep - set(names):
             raise _bad(f"tool_choice allowed_tools names {sorted(keep - set(names))}, which are not among "
                        "the tools given", "tool_choice")
@@ -408,6 +444,7 @@ class Plan:
     echo: dict  # request fields the Response object repeats
     store: bool
     parallel: bool
+    spaced: dict = dataclasses.field(default_factory=dict)  # NS.NAME -> (NS, NAME): namespace tools
 
 
 def plan(ctx, body: dict) -> Plan:
@@ -428,9 +465,10 @@ def plan(ctx, body: dict) -> Plan:
         raise _bad(f"max_output_tokens must be >= 1, got {max_out}", "max_output_tokens")
     for name in ("user", "prompt_cache_key", "safety_identifier", "service_tier"):
         field(body, name, "string")
-    tools_echo, tools = _tools(body)
+    tools_echo, tools, spaced = _tools(body)
     choice_echo, tools, must, name = _tool_choice(body, tools)
     reasoning_echo, kwargs = _reasoning(body)
+    kwargs = common.with_defaults(ctx, kwargs)
     sampling = sampling_from(body, max_out, None, default_max=ctx.serving.max_len)
     text_echo = _text_format(body, sampling)
     history: list[dict] = []
@@ -460,7 +498,7 @@ def plan(ctx, body: dict) -> Plan:
             "temperature": field(body, "temperature", "number", 1.0), "text": text_echo, "tool_choice": choice_echo,
             "tools": tools_echo, "top_p": field(body, "top_p", "number", 1.0), "truncation": truncation,
             "user": body.get("user"), "store": store}
-    return Plan(model, history, tools, prompt, sampling, kwargs, echo, store, parallel)
+    return Plan(model, history, tools, prompt, sampling, kwargs, echo, store, parallel, spaced)
 
 
 def _fit(ctx, system: list[dict], history: list[dict], tools, kwargs, sampling, auto: bool) -> Prompt:
@@ -504,7 +542,8 @@ def _id(prefix: str) -> str:
 class Output:
     """Parser events -> output items, and the stream events that build them (type, data)."""
 
-    def __init__(self, parallel: bool):
+    def __init__(self, parallel: bool, spaced: dict | None = None):
+        self.spaced = spaced or {}  # NS.NAME -> (NS, NAME): calls of namespace tools
         self.items: list[dict] = []
         self.open: dict | None = None  # the reasoning or message item being written
         self.parallel = parallel
@@ -554,6 +593,8 @@ class Output:
             t = ev.tool
             item = {"id": _id("fc_"), "type": "function_call", "status": "in_progress", "arguments": "",
                     "call_id": t.id, "name": t.name}
+            if t.name in self.spaced:
+                item["namespace"], item["name"] = self.spaced[t.name]
             self.items.append(item)
             at = {"item_id": item["id"], "output_index": len(self.items) - 1}
             out.append(("response.output_item.added", {"output_index": at["output_index"], "item": dict(item)}))
@@ -668,7 +709,7 @@ async def create(ctx, body: dict, request):
     done = collect(evs)[3]  # ClientGone when the client left
     if done.finish_reason == "error":
         raise ApiError(500, f"generation failed: {done.error}", kind="server_error")
-    out = Output(p.parallel)
+    out = Output(p.parallel, p.spaced)
     for e in evs:
         if isinstance(e, Event):
             out.feed(e)
@@ -687,7 +728,7 @@ async def _stream(gen, answer: Answer):
         nonlocal seq
         seq += 1
         return _sse(kind, data, seq)
-    out = Output(answer.p.parallel)
+    out = Output(answer.p.parallel, answer.p.spaced)
     start = answer.response("in_progress", [])
     yield sse("response.created", {"response": start})
     yield sse("response.in_progress", {"response": start})

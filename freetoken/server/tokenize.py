@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from starlette.responses import JSONResponse
 
-from .common import ApiError, continuation, field, off_loop, render, template_kwargs
+from .common import ApiError, continuation, field, off_loop, render, template_kwargs, with_defaults
 from .openai import normalize_messages, normalize_tools
 
 
@@ -27,7 +27,8 @@ def _text(ctx, body: dict) -> str:
         messages = normalize_messages(body["messages"])
         tools = normalize_tools(body)
         cont, generation = continuation(body)
-        return render(ctx, messages, tools, template_kwargs(body), continue_final=cont, generation=generation)
+        return render(ctx, messages, tools, with_defaults(ctx, template_kwargs(body)), continue_final=cont,
+                      generation=generation)
     prompt = body.get("prompt", body.get("content"))
     if not isinstance(prompt, str):
         raise ApiError(400, "give 'prompt' (or llama.cpp's 'content') as a string, or chat 'messages'",

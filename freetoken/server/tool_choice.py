@@ -34,7 +34,7 @@ _CLOSERS = "\"'>"  # what ends a tool name in the known formats: JSON string, XM
 _BLOCKS = {"<tool_call>": "</tool_call>", "<｜DSML｜tool_calls>": "</｜DSML｜tool_calls>",
            "<｜DSML｜function_calls>": "</｜DSML｜function_calls>", "<｜tool▁calls▁begin｜>": "<｜tool▁calls▁end｜>"}
 # the output parser's format (parser.FORMATS, and harmony.py's) for each call syntax
-_PARSER = {"json": "tool_call", "xml": "tool_call", "glm": "glm", "dsml": "dsml", "deepseek_v3": "deepseek_v3",
+_PARSER = {"json": "tool_call", "xml": "tool_call_xml", "glm": "glm", "dsml": "dsml", "deepseek_v3": "deepseek_v3",
            "harmony": "harmony"}
 # GPT-OSS's Harmony (server/harmony.py): a call is a commentary message to functions.NAME whose
 # body is the JSON arguments, ended by <|call|> (a stop token: one call a turn). Not probed: the
