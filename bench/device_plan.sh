@@ -1373,7 +1373,18 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
       --dense-format $d --name "large_models-qwen3_5_moe-12-fp8-dense-$d-t6"
   done
   ;;
-*) echo "stage 0 to 133"; exit 2 ;;
+134) # ~420 s at most: the prefill kernels' CUDA tests alone (conv, fused router, gated norm, padded
+  # fused projections, the DeltaNet layer), the one thing left before FREETOKEN_PREFILL_KERNELS
+  # turns on by default: plan 127 ran them with 70 s a file and a cold Triton cache, and both
+  # files ran out of time with no failure (test_kernels 10 passed, test_quant_kernels 7; plan 131's
+  # k-sum cases then passed in full). Carry .whl, .devcache/commit, .devcache/warm-cache.tgz (the
+  # forty-first session's, which holds these kernels' compiles).
+  export FREETOKEN_PREFILL_KERNELS=1
+  FT_TAG=plan134 FT_PER_FILE=200 FT_K="causal_conv or fused_linear or deltanet_layer or gated_rms or router" \
+    bash bench/device_tests.sh tests/test_kernels.py tests/test_layers.py > /dev/null
+  FT_TAG=plan134 FT_PER_FILE=150 FT_K="cuda and equals_resident" bash bench/device_tests.sh tests/test_prefill_stream.py > /dev/null
+  ;;
+*) echo "stage 0 to 134"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole

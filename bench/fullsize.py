@@ -31,6 +31,8 @@ def full_size_engine(layers: int = 40, device: str = "cuda", experts_on: str = "
     # a CPU engine computes in float32 over bf16 weights (bench.decode.build), as Engine's default there
     eng.device, eng.dtype, eng.experts_on = dev, torch.float32 if dev.type == "cpu" else torch.bfloat16, experts_on
     eng.keep_bf16 = dev.type == "cpu"
+    # what describe() reports (Engine.__init__ sets them from the file; these are bench.decode's banks)
+    eng.expert_format, eng.dense_fp8, eng.keep_fp8 = "bf16", "none", False
     eng.cfg, eng.model, eng.executor, eng.max_len = mc, model, ex, max_len
     eng.tokenizer, eng.eos_ids, eng.files, eng.meta, eng.load_s = demo.tokenizer, demo.eos_ids, demo.files, {}, 0.0
     eng.weight_bytes = 0  # already allocated: the budget below is what is free now

@@ -146,3 +146,11 @@ def process_cpu_limit() -> int | None:
     if os.environ.get("FREETOKEN_IGNORE_CPU_QUOTA", "") == "1":
         return None
     return cpu_limit()
+
+
+def quota_binds() -> bool:
+    """Whether this process's CPU quota is smaller than the CPUs its affinity mask allows (the
+    case where one worker per core would be throttled)."""
+    quota = process_cpu_limit()
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return quota is not None and quota < allowed

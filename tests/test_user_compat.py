@@ -7,6 +7,7 @@ import os
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from freetoken import cli, limits
 from freetoken.errors import FreeTokenError
@@ -98,6 +99,34 @@ def test_cpu_defaults_and_host_memory_keep_to_the_container(monkeypatch):
     assert budget.host_available() == 12345
     monkeypatch.setattr(limits, "memory_left", lambda: host * 4)
     assert budget.host_available() <= host * 1.5  # MemAvailable still bounds it (it moves a little)
+
+
+def test_quota_unpins_the_pool(monkeypatch):
+    """Under a binding quota the executor's workers are not pinned (cpu -1: the scheduler places
+    them), the default count keeps to the quota."""
+    from freetoken.experts import cpu
+    if cpu.extension() is None:
+        pytest.skip("no C++ executor here")
+    made = []
+    real = cpu.extension()
+
+    class Ext:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def create(self, cpus, isa, spin):
+            made.append(list(cpus))
+            return real.create(cpus, isa, spin)
+    monkeypatch.setattr(cpu, "extension", lambda: Ext())
+    gate_up, down = torch.randn(2, 8, 16), torch.randn(2, 16, 4)
+    monkeypatch.setattr(limits, "process_cpu_limit", lambda: 1)
+    if not limits.quota_binds():
+        pytest.skip("one CPU here: a quota of 1 does not bind")
+    ex = cpu.CpuExpertExecutor(gate_up, down)
+    assert made[-1] == [-1] and ex.threads == 1
+    monkeypatch.setattr(limits, "process_cpu_limit", lambda: None)
+    cpu.CpuExpertExecutor(gate_up, down)
+    assert made[-1] == cpu.physical_cores() and -1 not in made[-1]
 
 
 def test_ignore_cpu_quota_switch(monkeypatch):

@@ -638,9 +638,9 @@ class Engine:
             log.warning("--cpu-threads %d is more than this container's CPU quota of %d CPUs: its workers will be "
                         "throttled, and a step waits for the slowest; try --cpu-threads %d", self.ecfg.cpu_threads,
                         quota, quota)
-        elif not self.ecfg.cpu_threads and len(os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)) > quota:
-            notice(f"this container may use {quota} CPUs (its CPU quota): the CPU threads default to that "
-                   "(--cpu-threads overrides; FREETOKEN_IGNORE_CPU_QUOTA=1 ignores the quota)")
+        elif not self.ecfg.cpu_threads and limits.quota_binds():
+            notice(f"this container may use {quota} CPUs (its CPU quota): the CPU threads default to that, "
+                   "unpinned (--cpu-threads overrides; FREETOKEN_IGNORE_CPU_QUOTA=1 ignores the quota)")
             if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ and torch.get_num_threads() > quota:
                 torch.set_num_threads(quota)
 

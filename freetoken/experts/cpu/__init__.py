@@ -278,6 +278,10 @@ class CpuExpertExecutor(ExpertExecutor):
         ext = extension()
         cpus = pool_cpus(threads)
         self.threads = len(cpus)
+        if limits.quota_binds():
+            # under a CPU quota the cores are shared time, not ours: workers pinned to the first
+            # ones would pile onto the same cores as every other container pinned the same way
+            cpus = [-1] * len(cpus)
         env_spin = os.environ.get("FREETOKEN_CPU_SPIN")
         if env_spin is not None:
             if not env_spin.strip().isdigit():  # moe_cpu.cpp would read a bad value as 0
