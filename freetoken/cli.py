@@ -18,7 +18,7 @@ import sys
 import time
 
 from . import __distribution__, __version__
-from .errors import CorruptModelError, FreeTokenError
+from .errors import CorruptModelError, FreeTokenError, notice
 
 DEMO_NAME = "freetoken-demo"
 
@@ -179,7 +179,6 @@ def converted(src: str) -> str:
     first. `ft convert` writes the file where the user chooses instead."""
     import glob
 
-    from .errors import notice
     from .paths import cache_dir, file_lock
     from .weights.convert import convert, source_name
     src_abs = os.path.abspath(src)
@@ -441,7 +440,6 @@ def api_key_of(args) -> str | None:
         return args.api_key or None
     key = os.environ.get("FREETOKEN_API_KEY") or None
     if key:
-        from .errors import notice
         notice("requiring the API key in $FREETOKEN_API_KEY from clients (--api-key '' serves without one)")
     return key
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import limits
 from ..config import ModelConfig
 from ..errors import ContextOverflowError, FreeTokenError, notice
 from ..experts.banks import ExpertBanks
@@ -457,7 +458,6 @@ class Engine:
         refused here with both figures, not killed half-way through the load. Against the host's
         MemAvailable only a warning: it can under-count what the kernel would free (ZFS's ARC is
         not in it), so the load is tried."""
-        from .. import limits
         from .budget import host_available
         need, left, avail = os.path.getsize(path), limits.memory_left(), host_available()
         what = (f"{path}: loading it takes {need / 1e9:.1f} GB of host memory (it is read into pinned memory "
@@ -630,7 +630,6 @@ class Engine:
         thread counts keep within it (physical_cores), torch's own too on a CPU engine (it sizes
         its pool from the affinity mask, the whole host), and a --cpu-threads above it is warned
         about (its workers would be throttled every period)."""
-        from .. import limits
         quota = limits.process_cpu_limit()
         if quota is None:
             return
