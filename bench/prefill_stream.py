@@ -14,7 +14,9 @@ Rows (`runs`), per --layers (12: the slice; 40: the full model), buffering and p
                  compute alone, nothing streamed; `resident-N` rows: chunked at N tokens
                  (--resident-chunks), `resident` being the engine's default 2,048; with --profile
                  the resident-pass rows at the longest length (one per --compute-subs value) also
-                 get `profile`: GPU time by kernel over that row's passes
+                 get `profile`: GPU time by kernel over that row's passes; with --timeline the
+                 double row at the longest length gets `timeline`: the copy engine against the
+                 compute, one more pass profiled (bench/copy_timeline.py)
   bound_s        max(floor_s, the resident row's seconds per pass at that length): a pass can beat
                  neither; of_bound = bound_s / pass_s, `bound` says which limit binds
   llamacpp_tok_s with --llamacpp: llama.cpp's prompt processing of the same weights (a GGUF written
@@ -163,6 +165,9 @@ def run_layers(layers: int, a, dev, res: dict) -> None:
                    "llamacpp_tok_s": llama.get((n, "offloaded")) if buffering == "double" else None}
             if buffering == "double" and llama:
                 row["llamacpp_ub4096_tok_s"] = llama.get((n, "offloaded-ub4096"))
+            if a.timeline and n == max(lengths) and buffering == "double":  # one more run, profiled, not timed
+                from bench.copy_timeline import timeline
+                row["timeline"] = timeline(lambda: prefill(n))
             print(row, flush=True)
             res["runs"].append(row)
         del ps
@@ -317,6 +322,10 @@ def main():
                          "and by the torch op that launched it (torch.profiler, the 25 costliest of each), where a "
                          "compute-bound pass goes (needs --compute-pass); the --resident-chunks rows at the "
                          "shortest length get one too, with their wall time (GPU time well under it: host-bound)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="the double row at the longest length also gets `timeline` (bench/copy_timeline.py): "
+                         "one more pass, profiled: the copy engine's and the compute's busy time and idle gaps, "
+                         "copy GB/s alone and under compute")
     ap.add_argument("--mixer-subs", default=str(SUB),
                     help="the token mixers' piece sizes of the --compute-pass rows (the engine's: --prefill-chunk, 2,048); "
                          "experts then in sub-chunks of at least that")

@@ -29,11 +29,11 @@ def prefill_kernels() -> bool:
     kernel (rmsnorm.py gated_rms_norm_triton; decode steps on CUDA take it too, their layer ending
     in the same GatedDeltaNet._finish), the fused router on prompt chunks (router.py; decode
     batches always take it) and fused projections padded to 16-byte rows (model/layers.py
-    FusedLinear): FREETOKEN_PREFILL_KERNELS=1. Off by
-    default until their first GPU run (bench/device_plan.sh 123 measures them against the torch
-    paths in one call): their tests passed under the CPU interpreter only. Anything but 0 or 1 is
-    an error (checked at engine load)."""
-    raw = os.environ.get("FREETOKEN_PREFILL_KERNELS", "0")
+    FusedLinear). On by default since their CUDA tests passed on an H100 (plan 134, 2026-12-07) and
+    they took the 12-layer 32k compute pass from 0.401 to 0.319 s (plan 127);
+    FREETOKEN_PREFILL_KERNELS=0 gives the torch paths back, for A/B runs. Anything but 0 or 1 is an
+    error (checked at engine load)."""
+    raw = os.environ.get("FREETOKEN_PREFILL_KERNELS", "1")
     if raw not in ("0", "1"):
         from ..errors import FreeTokenError
         raise FreeTokenError(f"FREETOKEN_PREFILL_KERNELS must be 0 or 1, got {raw!r}")

@@ -166,7 +166,7 @@ class GatedDeltaNet:
         """The in-projection and causal conv of a chunk x [N, H] after conv_state [C, K-1] ->
         (mixed [N, C] after the conv and SiLU, z [N, Hv*dv], b, a [N, Hv], raw [N, C]: the conv's
         inputs, from which the next conv state is taken: kernels/causal_conv.py conv_state_after,
-        conv_sequence). On CUDA with FREETOKEN_PREFILL_KERNELS=1 one kernel (causal_conv_silu_triton),
+        conv_sequence). On CUDA (unless FREETOKEN_PREFILL_KERNELS=0) one kernel (causal_conv_silu_triton),
         else the torch reference."""
         raw, z, b, a = self.in_proj(x)  # [N, C], [N, Hv*dv], [N, Hv], [N, Hv]
         if (use_triton(x) and prefill_kernels() and conv_state.dtype == raw.dtype and raw.stride(1) == 1

@@ -47,7 +47,7 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, one_center
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """DeltaNet output norm: w * norm(x) * silu(gate), norm before gate; x, gate [N, Hv, dv]. On
-    CUDA with FREETOKEN_PREFILL_KERNELS=1 one kernel (kernels/rmsnorm.py gated_rms_norm_triton;
+    CUDA (unless FREETOKEN_PREFILL_KERNELS=0) one kernel (kernels/rmsnorm.py gated_rms_norm_triton;
     prompt chunks and, since both end in GatedDeltaNet._finish, eager decode steps and the
     graphs captured from them), else the torch form (gated_rms_norm_torch, the reference)."""
     if use_triton(x) and prefill_kernels() and x.dtype == gate.dtype == weight.dtype and x.dim() == 3:
@@ -216,7 +216,7 @@ class FusedLinear:
         shared expert and its one-row gate are 1,281 rows for Qwen3.6: cuBLAS ran that GEMM with
         an unaligned kernel (cutlass_75 ..._align1), 23.5 of the 391 ms a 32k pass of the 12-layer
         slice spent on an H100 (results/prefill_stream-profile-h100-gpu.json). On the CPU the
-        rows stay as they are; on CUDA too unless FREETOKEN_PREFILL_KERNELS=1 (kernels.prefill_kernels)."""
+        rows stay as they are; on CUDA too with FREETOKEN_PREFILL_KERNELS=0 (kernels.prefill_kernels)."""
         if isinstance(w, Fp8BlockWeight) or not w.is_cuda or not prefill_kernels():
             return 0
         return -w.shape[0] % max(1, 16 // w.element_size())

@@ -70,8 +70,8 @@ class MoE:
 
     def route(self, logits: torch.Tensor, dtype):
         """router logits [T, E] -> flat ids [T, k] int64, weights [T, k] in the activation dtype.
-        On CUDA the fused kernel takes decode batches, and prompt chunks too with
-        FREETOKEN_PREFILL_KERNELS=1 (torch's softmax and top-k over a 32k-token pass: ~6 ms of
+        On CUDA the fused kernel takes decode batches, and prompt chunks too unless
+        FREETOKEN_PREFILL_KERNELS=0 (torch's softmax and top-k over a 32k-token pass: ~6 ms of
         plan 120's 12-layer profile); else the torch form (the reference)."""
         if (use_triton(logits) and (logits.shape[0] <= 64 or prefill_kernels())
                 and self.top_k & (self.top_k - 1) == 0):
