@@ -10,7 +10,10 @@ time to one of three things, which this tells apart:
   - the copy engine idles mid-pass (`copy.gaps`: a copy waits for the compute stream to be past
     the region's previous tenant),
   - the compute idles waiting for copies or for the host (`compute.gaps`, each gap labelled by
-    whether a copy was running through it).
+    whether a copy was running through it and by how much of it passed before the host launched
+    the kernel that ends it: `host_ms`, from the runtime calls matched by correlation id).
+Each copy row also says how long after its host call it started (`after_issue_ms`: near 0, the
+copy was issued late; more, it waited on the stream for the compute or an earlier copy).
 
     from bench.copy_timeline import timeline
     row["timeline"] = timeline(lambda: ps.prefill(prompt, st))
@@ -52,14 +55,23 @@ def _gaps(busy: list[tuple[float, float]], t0: float, t1: float) -> list[tuple[f
     return out
 
 
-def analyze(events: list[dict], top: int = 8) -> dict:
+def analyze(events: list[dict], top: int = 12) -> dict:
     """Chrome-trace events (ts / dur in microseconds, `cat` kernel or gpu_memcpy, args.stream,
     args.bytes on copies) -> the summary: wall, the copies (host-to-device ones: busy time, bytes,
     GB/s while busy, alone and under compute, the copy stream's idle gaps), the compute (kernel
     busy time, idle gaps and whether a copy ran through them) and the time both ran."""
-    copies = [e for e in events if e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", "")]
-    copy_streams = {e.get("args", {}).get("stream") for e in copies}
-    kernels = [e for e in events if e.get("cat") == "kernel" and e.get("args", {}).get("stream") not in copy_streams]
+    stream = lambda e: e.get("args", {}).get("stream")  # noqa: E731
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    k_streams = {stream(e) for e in kernels}
+    h2d = [e for e in events if e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", "")]
+    # the streamed experts' copies: those on streams that run no kernels (the loader's copy stream);
+    # small uploads on the compute stream (slot tables) are part of the compute
+    copies = [e for e in h2d if stream(e) not in k_streams] or h2d
+    # when the host issued each GPU event (its runtime call, matched by correlation id): a copy or
+    # kernel that starts right after its call waited for the host, not for the device
+    issued = {e["args"]["correlation"]: e["ts"] for e in events
+              if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    issue = lambda e: issued.get(e.get("args", {}).get("correlation"))  # noqa: E731
     if not copies and not kernels:
         return {"events": 0}
     spans = [(e["ts"], e["ts"] + e.get("dur", 0)) for e in copies + kernels]
@@ -79,13 +91,21 @@ def analyze(events: list[dict], top: int = 8) -> dict:
             alone[0], alone[1] = alone[0] + n, alone[1] + d
         elif share >= 0.9:
             under[0], under[1] = under[0] + n, under[1] + d
+        i = issue(e)
         rows.append({"at_ms": ms(a - t0), "ms": ms(d), "gbs": round(n / d / 1e3, 1) if d > 0 else None,
-                     "under_compute": round(share, 2)})
+                     "under_compute": round(share, 2), "after_issue_ms": None if i is None else ms(a - i)})
     c_span = (c_busy[0][0], c_busy[-1][1]) if c_busy else (t0, t0)
     c_gaps = [g for g in _gaps(c_busy, *c_span) if g[1] - g[0] >= GAP_MS * 1e3]
     k_gaps = [g for g in _gaps(k_busy, t0, t1) if g[1] - g[0] >= GAP_MS * 1e3]
-    k_gap_rows = [{"at_ms": ms(a - t0), "ms": ms(b - a), "copy_running": round(_covered(a, b, c_busy) / (b - a), 2)}
-                  for a, b in k_gaps]
+    starts = sorted((e["ts"], issue(e)) for e in kernels)
+    k_gap_rows, host_us = [], 0.0
+    for a, b in k_gaps:
+        # the kernel that ends the gap: launched by the host inside the gap, the device waited for the host
+        nxt = next((i for ts, i in starts if ts >= b - 1e-3), None)
+        late = None if nxt is None else min(max(nxt - a, 0.0), b - a)  # None: no runtime call in the trace
+        host_us += late or 0.0
+        k_gap_rows.append({"at_ms": ms(a - t0), "ms": ms(b - a), "copy_running": round(_covered(a, b, c_busy) / (b - a), 2),
+                           "host_ms": None if late is None else ms(late)})
     gbs = lambda n, us: round(n / us / 1e3, 1) if us > 0 else None  # noqa: E731  bytes per us / 1e3 = GB/s
     c_total = sum(b - a for a, b in c_busy)
     k_total = sum(b - a for a, b in k_busy)
@@ -102,16 +122,18 @@ def analyze(events: list[dict], top: int = 8) -> dict:
         "compute": {"kernels": len(kernels), "busy_ms": ms(k_total), "gaps_ms": ms(sum(b - a for a, b in k_gaps)),
                     "gaps": len(k_gaps),
                     "gaps_copy_running_ms": ms(sum(_covered(a, b, c_busy) for a, b in k_gaps)),
+                    "gaps_host_ms": ms(host_us),
                     "tail_ms": ms(t1 - c_span[1]),
                     "top_gaps": sorted(k_gap_rows, key=lambda r: -r["ms"])[:top]},
     }
 
 
-def timeline(fn, top: int = 8) -> dict:
-    """Profile one call of fn (CUDA activity) -> analyze() of its trace."""
+def timeline(fn, top: int = 12) -> dict:
+    """Profile one call of fn (CPU and CUDA activity: the runtime calls date each launch) -> analyze()
+    of its trace."""
     import torch
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
     fd, path = tempfile.mkstemp(suffix=".json")

@@ -30,20 +30,45 @@ def test_copies_alone_and_under_compute():
     assert c["busy_ms"] == 35.0
     # idle: 0-20 ms (the first copy running through it) and 45-50 ms (none)
     assert c["gaps"] == 2 and c["gaps_ms"] == 25.0 and c["gaps_copy_running_ms"] == 20.0
-    assert c["top_gaps"][0] == {"at_ms": 0.0, "ms": 20.0, "copy_running": 1.0}
+    assert c["top_gaps"][0] == {"at_ms": 0.0, "ms": 20.0, "copy_running": 1.0, "host_ms": None}
     assert c["tail_ms"] == 15.0
     assert [r["under_compute"] for r in t["copy"]["rows"]] == [0.0, 1.0]
 
 
 def test_copy_stream_gaps_and_overlapping_kernels():
-    # kernels on two compute streams overlapping each other count once; a 3 ms hole on the copy engine
+    # kernels on two compute streams overlapping each other count once; a 3 ms hole on the copy engine;
+    # a slot table's small upload on the compute stream is not one of the streamed copies
     ev = [copy(0, 10_000, 5 * 10**8), copy(13_000, 10_000, 5 * 10**8), kernel(0, 8_000), kernel(4_000, 8_000, stream=9),
-          kernel(12_000, 11_000), kernel(1_000, 50, stream=20, name="on-the-copy-stream")]
+          kernel(12_000, 11_000), copy(11_000, 5, 2048, stream=7)]
     t = analyze(ev)
+    assert t["copy"]["n"] == 2 and t["copy"]["gb"] == 1.0
     assert t["copy"]["gaps"] == 1 and t["copy"]["gaps_ms"] == 3.0 and t["copy"]["top_gaps"][0]["at_ms"] == 10.0
-    assert t["compute"]["kernels"] == 3  # the copy stream's own kernel is not compute
+    assert t["compute"]["kernels"] == 3
     assert t["compute"]["busy_ms"] == 23.0
     assert t["both_ms"] == pytest.approx(10.0 + 10.0)
+
+
+def runtime(ts, corr, name="cudaLaunchKernel"):
+    return {"ph": "X", "cat": "cuda_runtime", "name": name, "ts": ts, "dur": 5, "args": {"correlation": corr}}
+
+
+def with_corr(e, corr):
+    e["args"]["correlation"] = corr
+    return e
+
+
+def test_host_launch_lateness():
+    # compute idles 10-20 ms: the kernel ending the gap was launched by the host at 16 ms (6 ms of the gap
+    # is the host's), the other gap 30-34 ms ends with a kernel queued long before (the device waited on a copy)
+    ev = [with_corr(kernel(0, 10_000), 1), runtime(0, 1),
+          with_corr(kernel(20_000, 10_000), 2), runtime(16_000, 2),
+          with_corr(kernel(34_000, 1_000), 3), runtime(21_000, 3),
+          with_corr(copy(25_000, 9_000, 10**8), 4), runtime(1_000, 4, "cudaMemcpyAsync")]
+    t = analyze(ev)
+    gaps = sorted(t["compute"]["top_gaps"], key=lambda g: g["at_ms"])
+    assert [(g["at_ms"], g["ms"], g["host_ms"]) for g in gaps] == [(10.0, 10.0, 6.0), (30.0, 4.0, 0.0)]
+    assert t["compute"]["gaps_host_ms"] == 6.0
+    assert t["copy"]["rows"][0]["after_issue_ms"] == 24.0
 
 
 def test_short_jitter_is_not_a_gap_and_random_traces_add_up():
