@@ -1394,7 +1394,17 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   step 170 timeline-40 python3 -m bench.prefill_stream --layers 40 --lengths 32768 --buffering double \
     --no-resident --timeline --name prefill_stream-timeline-40l
   ;;
-*) echo "stage 0 to 135"; exit 2 ;;
+136) # ~330 s at most: plan 135's timeline showed the copy engine idle ~21 ms after each attention layer of a
+  # 32k pass (two regions: layer j+1's copy waits for layer j-1's experts, and a long prompt's attention
+  # layer computes ~50 ms against a 29 ms copy). Triple buffering (a third region, two layers ahead) against
+  # double on a pool of three layers' slots, timelines of both. Carry .whl, .devcache/commit,
+  # .devcache/warm-cache.tgz.
+  step 160 triple-12 python3 -m bench.prefill_stream --layers 12 --lengths 8192,32768 --buffering triple,double \
+    --slots 768 --no-resident --timeline --name prefill_stream-triple-12l
+  step 170 triple-40 python3 -m bench.prefill_stream --layers 40 --lengths 16384,32768 --buffering triple,double \
+    --slots 768 --no-resident --timeline --name prefill_stream-triple-40l
+  ;;
+*) echo "stage 0 to 136"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole

@@ -3,7 +3,7 @@ layer-major passes (runtime/prefill_stream.py, experts/stream.py), on a Qwen3.6-
 model with random BF16 weights made in place (no file). GPU only.
 
 Rows (`runs`), per --layers (12: the slice; 40: the full model), buffering and prompt length:
-  buffering      double / single / on-demand (asked; `mode_ran` is what the pool allowed), or
+  buffering      triple / double / single / on-demand (asked; `mode_ran` is what the pool allowed), or
                  `resident` (every expert in VRAM, chunked prefill: the compute-bound ceiling)
   tok_s, pass_s  prompt tokens per second; mean seconds of one pass (ceil(n / pass_tokens) passes)
   floor_s        the transfer floor of one pass: pool_bytes / B_P, B_P measured in this run with
@@ -15,7 +15,7 @@ Rows (`runs`), per --layers (12: the slice; 40: the full model), buffering and p
                  (--resident-chunks), `resident` being the engine's default 2,048; with --profile
                  the resident-pass rows at the longest length (one per --compute-subs value) also
                  get `profile`: GPU time by kernel over that row's passes; with --timeline the
-                 double row at the longest length gets `timeline`: the copy engine against the
+                 double and triple rows at the longest length get `timeline`: the copy engine against the
                  compute, one more pass profiled (bench/copy_timeline.py)
   bound_s        max(floor_s, the resident row's seconds per pass at that length): a pass can beat
                  neither; of_bound = bound_s / pass_s, `bound` says which limit binds
@@ -165,7 +165,7 @@ def run_layers(layers: int, a, dev, res: dict) -> None:
                    "llamacpp_tok_s": llama.get((n, "offloaded")) if buffering == "double" else None}
             if buffering == "double" and llama:
                 row["llamacpp_ub4096_tok_s"] = llama.get((n, "offloaded-ub4096"))
-            if a.timeline and n == max(lengths) and buffering == "double":  # one more run, profiled, not timed
+            if a.timeline and n == max(lengths) and buffering in ("double", "triple"):  # one more run, profiled
                 from bench.copy_timeline import timeline
                 row["timeline"] = timeline(lambda: prefill(n))
             print(row, flush=True)
@@ -323,7 +323,7 @@ def main():
                          "compute-bound pass goes (needs --compute-pass); the --resident-chunks rows at the "
                          "shortest length get one too, with their wall time (GPU time well under it: host-bound)")
     ap.add_argument("--timeline", action="store_true",
-                    help="the double row at the longest length also gets `timeline` (bench/copy_timeline.py): "
+                    help="the double and triple rows at the longest length also get `timeline` (bench/copy_timeline.py): "
                          "one more pass, profiled: the copy engine's and the compute's busy time and idle gaps, "
                          "copy GB/s alone and under compute")
     ap.add_argument("--mixer-subs", default=str(SUB),

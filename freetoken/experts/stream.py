@@ -9,11 +9,14 @@ The pool's S slots during a pass:
   keep     [0, S - R)  the decode cache's experts, never overwritten by the pass; an expert of
                        the layer found there is used where it lies (no copy at all, not even
                        D2D). Free ones take the pass's copies first (kept: they seed the cache)
-  regions  [S - R, S)  R = 2E (double), E (single) or min(S, E) (on-demand) slots; layer j's
-                       experts go to region j % regions, expert e to slot base + e (with a
-                       region of E slots: a full layer is one bulk copy per bank)
+  regions  [S - R, S)  R = 3E (triple), 2E (double), E (single) or min(S, E) (on-demand) slots;
+                       layer j's experts go to region j % regions, expert e to slot base + e
+                       (with a region of E slots: a full layer is one bulk copy per bank)
 Buffering (chosen per pass from the pool's size; a mode that does not fit falls back, never
 oversubscribing):
+  triple     S >= 3E, passes of TRIPLE_TOKENS or more (auto): as double, two layers ahead: layer
+             j+2 loads once layer j-1 is done, so a layer that computes longer than its copy
+             (attention over a long prompt) does not stall the copy engine
   double     S >= 2E: while layer j computes from one region, a copy stream loads layer j+1
              into the other, starting before j+1's routing is known (at the hook before layer
              j, once layer j-1's experts, the region's previous tenant, are done)
@@ -48,21 +51,30 @@ import torch
 from .executor import NO_EXPERT, ExpertExecutor, Pending
 
 log = logging.getLogger("freetoken.experts")
-MODES = ("double", "single", "on-demand")
+MODES = ("triple", "double", "single", "on-demand")
 BUFFERING = ("auto",) + MODES
+# auto takes a third region for passes of at least this many tokens, where the pool has room.
+# With two, the copy of layer j+1 waits for layer j-1's experts: on an H100 a 32k pass of the
+# Qwen3.6 shape computes its attention layers in ~50 ms against a 29 ms layer copy, and the copy
+# engine idled ~21 ms after each (plan 135, results/prefill_stream-timeline-*-h100-gpu.json: 394 ms
+# of copy gaps in a 1.6 s profiled 40-layer pass). Shorter passes compute well under their copies
+# (8k: at the floor with two regions), and the third region costs the decode cache E more slots.
+TRIPLE_TOKENS = 16384
 # a full layer is loaded while the predicted share of a layer's experts routed to is at least
 # this: loading it all overlaps the compute, loading the routed ones only does not, so skipping
 # pays when few are left out and little compute hides the transfer (short passes)
 DENSE_SHARE = 0.9
 
 
-def pick_mode(requested: str, slots: int, experts: int) -> str:
-    """The buffering a pool of `slots` slots can hold: the requested one, or the next smaller."""
+def pick_mode(requested: str, slots: int, experts: int, tokens: int = 0) -> str:
+    """The buffering a pool of `slots` slots can hold for a pass of `tokens` tokens: the requested
+    one, or the next smaller; auto: the largest that fits, triple only for long passes."""
     if requested not in BUFFERING:
         raise ValueError(f"buffering must be one of {BUFFERING}, got {requested!r}")
-    fits = "double" if slots >= 2 * experts else "single" if slots >= experts else "on-demand"
+    fits = ("triple" if slots >= 3 * experts else "double" if slots >= 2 * experts
+            else "single" if slots >= experts else "on-demand")
     if requested == "auto":
-        return fits
+        return "double" if fits == "triple" and tokens < TRIPLE_TOKENS else fits
     return MODES[max(MODES.index(requested), MODES.index(fits))]
 
 
@@ -91,7 +103,7 @@ class LayerStreamer(ExpertExecutor):
         self._gpu = None  # the resident executor over the pool's banks (slot ids), at the first pass
         self._warned = False
         self.mode = None  # the running (or last) pass's buffering
-        self.counts = {"passes": 0, "passes_double": 0, "passes_single": 0, "passes_on_demand": 0, "tokens": 0,
+        self.counts = {"passes": 0, "passes_triple": 0, "passes_double": 0, "passes_single": 0, "passes_on_demand": 0, "tokens": 0,
                        "layers_full": 0, "layers_routed": 0, "experts_h2d": 0, "experts_resident": 0,
                        "experts_skipped": 0, "bytes_h2d": 0}
         self.last = {}  # the last pass: tokens, seconds, layers loaded full / routed
@@ -105,12 +117,12 @@ class LayerStreamer(ExpertExecutor):
         if self._gpu is None or self._gpu.gate_up is not pool.gate_up:  # every bank of the slots, quantized too
             self._gpu = self.cache.slot_executor(layer_experts=self.experts)
         e, s = self.experts, pool.slots
-        self.mode = pick_mode(self.buffering, s, e)
+        self.mode = pick_mode(self.buffering, s, e, tokens)
         if self.mode != self.buffering and self.buffering != "auto" and not self._warned:
             log.warning("prefill buffering %s needs %d expert slots, the pool has %d: %s instead", self.buffering,
-                        2 * e if self.buffering == "double" else e, s, self.mode)
+                        {"triple": 3, "double": 2}.get(self.buffering, 1) * e, s, self.mode)
             self._warned = True
-        self.regions = 2 if self.mode == "double" else 1
+        self.regions = {"triple": 3, "double": 2}.get(self.mode, 1)
         self.width = e if self.mode != "on-demand" else min(s, e)  # slots per region
         self.base = s - self.regions * self.width
         res = pool.res
@@ -136,11 +148,12 @@ class LayerStreamer(ExpertExecutor):
 
     def before_layer(self, j: int) -> None:
         """The hook before MoE layer j's token mixer: start the loads this mode runs ahead."""
-        if self.mode == "double":
-            if j == 0:
-                self._prefetch(0)
-            if j + 1 < self.layers:
-                self._prefetch(j + 1)  # into the region layer j-1 leaves, while layer j computes
+        if self.mode in ("double", "triple"):
+            ahead = self.regions - 1
+            # the first layers at once, then layer j + ahead into the region layer j-1 leaves
+            for k in (range(ahead + 1) if j == 0 else (j + ahead,)):
+                if k < self.layers:
+                    self._prefetch(k)
         elif self.mode == "single":
             self._prefetch(j)
 
