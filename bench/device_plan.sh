@@ -1404,7 +1404,18 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   step 170 triple-40 python3 -m bench.prefill_stream --layers 40 --lengths 16384,32768 --buffering triple,double \
     --slots 768 --no-resident --timeline --name prefill_stream-triple-40l
   ;;
-*) echo "stage 0 to 136"; exit 2 ;;
+137) # ~300 s at most: plan 136 was noisy (the same double 40-layer row took 2.0 s against 1.36-1.38 in plans
+  # 128 and 135) and its timelines traced the host, which slows it. Triple against double twice each,
+  # alternating, timelines of the device only; and double with the pass's mixers in pieces of 8,192
+  # (a quarter of the launches: is the pass host-bound?). Carry .whl, .devcache/commit, .devcache/warm-cache.tgz.
+  step 130 abab-12 python3 -m bench.prefill_stream --layers 12 --lengths 32768 --buffering triple,double,triple,double \
+    --slots 768 --no-resident --timeline --name prefill_stream-abab-12l
+  step 150 abab-40 python3 -m bench.prefill_stream --layers 40 --lengths 32768 --buffering triple,double,triple,double \
+    --slots 768 --no-resident --timeline --name prefill_stream-abab-40l
+  step 100 msub-40 python3 -m bench.prefill_stream --layers 40 --lengths 32768 --buffering double \
+    --stream-mixer-subs 2048,8192,2048,8192 --no-resident --timeline --name prefill_stream-msub-40l
+  ;;
+*) echo "stage 0 to 137"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole

@@ -137,8 +137,8 @@ def run_layers(layers: int, a, dev, res: dict) -> None:
     cache = CachedExpertExecutor(gu, dn, slots, dev, torch.bfloat16, TorchExpertExecutor(gu, dn), 1.0, "recent",
                                  layer_experts=e)
     model = model_class(mc.arch)(mc, w, cache, dev, torch.bfloat16, max_len)
-    for buffering in a.buffering.split(","):
-        ps = PrefillStream(model, mc, cache, SUB, max_pass_tokens=a.pass_tokens, buffering=buffering)
+    for buffering, msub in [(b, int(m)) for b in a.buffering.split(",") for m in a.stream_mixer_subs.split(",")]:
+        ps = PrefillStream(model, mc, cache, msub, max_pass_tokens=a.pass_tokens, buffering=buffering)
 
         def prefill(n):
             st.reset(0)
@@ -159,6 +159,7 @@ def run_layers(layers: int, a, dev, res: dict) -> None:
                                                              "experts_skipped", "passes")}
             passes = max(1, d["passes"])
             row = {"layers": layers, "prompt_tokens": n, "buffering": buffering, "mode_ran": ps.loader.mode,
+                   "mixer_sub": msub,
                    "tok_s": round(n / wall, 1), "pass_s": round(wall / passes, 4), "passes": passes,
                    "floor_s": round(floor_s, 4), "floor_bulk_s": round(floor_bulk_s, 4),
                    "of_floor": round(floor_s / (wall / passes), 3), "pass_tokens": ps.pass_tokens(), **d,
@@ -167,7 +168,7 @@ def run_layers(layers: int, a, dev, res: dict) -> None:
                 row["llamacpp_ub4096_tok_s"] = llama.get((n, "offloaded-ub4096"))
             if a.timeline and n == max(lengths) and buffering in ("double", "triple"):  # one more run, profiled
                 from bench.copy_timeline import timeline
-                row["timeline"] = timeline(lambda: prefill(n))
+                row["timeline"] = timeline(lambda: prefill(n), host=a.timeline_host)
             print(row, flush=True)
             res["runs"].append(row)
         del ps
@@ -326,6 +327,11 @@ def main():
                     help="the double and triple rows at the longest length also get `timeline` (bench/copy_timeline.py): "
                          "one more pass, profiled: the copy engine's and the compute's busy time and idle gaps, "
                          "copy GB/s alone and under compute")
+    ap.add_argument("--timeline-host", action="store_true",
+                    help="the timeline also traces the host's calls (dates each launch: host lateness), which "
+                         "slows the host and so the pass it profiles")
+    ap.add_argument("--stream-mixer-subs", default=str(SUB),
+                    help="the token mixers' piece sizes of the streamed rows (the engine's: --prefill-chunk, 2,048)")
     ap.add_argument("--mixer-subs", default=str(SUB),
                     help="the token mixers' piece sizes of the --compute-pass rows (the engine's: --prefill-chunk, 2,048); "
                          "experts then in sub-chunks of at least that")
@@ -345,7 +351,7 @@ def main():
         a.llamacpp_lengths = [int(x) for x in a.llamacpp_lengths.split(",") if x.strip()]
     except ValueError:
         ap.error(f"--llamacpp-lengths takes prompt lengths separated by commas, got {a.llamacpp_lengths!r}")
-    for opt in ("lengths", "compute_subs", "mixer_subs", "resident_chunks"):
+    for opt in ("lengths", "compute_subs", "mixer_subs", "resident_chunks", "stream_mixer_subs"):
         vals = getattr(a, opt).split(",")
         if not all(v.strip().isdigit() and int(v) > 0 for v in vals):
             ap.error(f"--{opt.replace('_', '-')} takes positive token counts separated by commas, got {getattr(a, opt)!r}")
