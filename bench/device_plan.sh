@@ -1412,7 +1412,7 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
     --slots 768 --no-resident --timeline --name prefill_stream-abab-12l
   step 150 abab-40 python3 -m bench.prefill_stream --layers 40 --lengths 32768 --buffering triple,double,triple,double \
     --slots 768 --no-resident --timeline --name prefill_stream-abab-40l
-  step 100 msub-40 python3 -m bench.prefill_stream --layers 40 --lengths 32768 --buffering double \
+  step 130 msub-40 python3 -m bench.prefill_stream --layers 40 --lengths 32768 --buffering double \
     --stream-mixer-subs 2048,8192,2048,8192 --no-resident --timeline --name prefill_stream-msub-40l
   ;;
 *) echo "stage 0 to 137"; exit 2 ;;
