@@ -1415,7 +1415,17 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   step 130 msub-40 python3 -m bench.prefill_stream --layers 40 --lengths 32768 --buffering double \
     --stream-mixer-subs 2048,8192,2048,8192 --no-resident --timeline --name prefill_stream-msub-40l
   ;;
-*) echo "stage 0 to 137"; exit 2 ;;
+138) # ~330 s at most: plan 137 found the 32k pass paced by the host (copy and compute idle together; mixers
+  # in pieces of 8,192 cut the copy gaps from ~280 to 138 ms) and triple buffering no better than double.
+  # The loader's per-layer routed-set sync (the host in lockstep with the device) is now skipped for
+  # passes of 4,096 tokens or more: rows without it (double and triple, pieces of 2,048 and 8,192) and
+  # with it (--layer-sync, double) in one run each. Carry .whl, .devcache/commit, .devcache/warm-cache.tgz.
+  step 150 nosync-40 python3 -m bench.prefill_stream --layers 40 --lengths 32768 --buffering double,triple \
+    --slots 768 --stream-mixer-subs 2048,8192 --no-resident --timeline --name prefill_stream-nosync-40l
+  step 110 sync-40 python3 -m bench.prefill_stream --layers 40 --lengths 32768 --buffering double \
+    --slots 768 --stream-mixer-subs 2048,8192 --layer-sync --no-resident --timeline --name prefill_stream-sync-40l
+  ;;
+*) echo "stage 0 to 138"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole

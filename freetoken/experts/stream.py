@@ -60,6 +60,13 @@ BUFFERING = ("auto",) + MODES
 # of copy gaps in a 1.6 s profiled 40-layer pass). Shorter passes compute well under their copies
 # (8k: at the floor with two regions), and the third region costs the decode cache E more slots.
 TRIPLE_TOKENS = 16384
+# passes of at least this many tokens skip the host sync that reads a fully loaded layer's routed
+# set: it only updates the coverage prediction, and at 4,096 tokens x top-k every expert of a layer
+# is routed to even under skewed routing. The sync kept the host in lockstep with the device, the
+# next layer's launches (and the copy they queue) waiting for this layer's router: on an H100 the
+# copy engine idled 4 ms after each DeltaNet layer of a 32k pass and 18 ms after each attention
+# layer (plan 137, results/prefill_stream-abab-40l-h100-gpu.json)
+SYNC_FREE_TOKENS = 4096
 # a full layer is loaded while the predicted share of a layer's experts routed to is at least
 # this: loading it all overlaps the compute, loading the routed ones only does not, so skipping
 # pays when few are left out and little compute hides the transfer (short passes)
@@ -103,6 +110,7 @@ class LayerStreamer(ExpertExecutor):
         self._gpu = None  # the resident executor over the pool's banks (slot ids), at the first pass
         self._warned = False
         self.mode = None  # the running (or last) pass's buffering
+        self.sync_free_tokens = SYNC_FREE_TOKENS  # an attribute: benchmarks compare with the sync kept
         self.counts = {"passes": 0, "passes_triple": 0, "passes_double": 0, "passes_single": 0, "passes_on_demand": 0, "tokens": 0,
                        "layers_full": 0, "layers_routed": 0, "experts_h2d": 0, "experts_resident": 0,
                        "experts_skipped": 0, "bytes_h2d": 0}
@@ -142,6 +150,7 @@ class LayerStreamer(ExpertExecutor):
         self._used = torch.zeros(s, dtype=torch.bool)  # slots read this pass (stamped at the end)
         self._staged = {}  # layer -> (table [E] on the device, copy-done event or None)
         self._share = uniform_coverage(tokens, self.top_k, e)
+        self._sync_free = tokens >= self.sync_free_tokens
         self.last = {"mode": self.mode, "tokens": tokens, "layers_full": 0, "layers_routed": 0}
         self._t0 = time.perf_counter()
         return self.mode
@@ -166,10 +175,12 @@ class LayerStreamer(ExpertExecutor):
         e = self.experts
         live = ids >= 0
         local = torch.where(live, ids - layer * e, 0)  # [T, k] expert within the layer
+        staged = self._staged.pop(layer, None)
+        if staged is not None and self._sync_free:  # a long pass's full layer: no sync, the host runs ahead
+            return Pending(out=self._compute(x, local, live, weights, *staged))
         routed = torch.unique(torch.where(live, local, -1)).cpu()  # the one host sync per layer: the routed set
         routed = routed[routed >= 0]
         self._share = routed.numel() / e  # predicts the next layer's coverage
-        staged = self._staged.pop(layer, None)
         if staged is not None:
             return Pending(out=self._compute(x, local, live, weights, *staged))
         self.counts["layers_routed"] += 1
