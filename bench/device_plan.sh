@@ -1419,13 +1419,19 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   # in pieces of 8,192 cut the copy gaps from ~280 to 138 ms) and triple buffering no better than double.
   # The loader's per-layer routed-set sync (the host in lockstep with the device) is now skipped for
   # passes of 4,096 tokens or more: rows without it (double and triple, pieces of 2,048 and 8,192) and
-  # with it (--layer-sync, double) in one run each. Carry .whl, .devcache/commit, .devcache/warm-cache.tgz.
+  # with it (--sync-free-tokens 0, double) in one run each. The sync-free step printed no row in 150 s. Carry .whl, .devcache/commit, .devcache/warm-cache.tgz.
   step 150 nosync-40 python3 -m bench.prefill_stream --layers 40 --lengths 32768 --buffering double,triple \
-    --slots 768 --stream-mixer-subs 2048,8192 --no-resident --timeline --name prefill_stream-nosync-40l
+    --slots 768 --stream-mixer-subs 2048,8192 --sync-free-tokens 4096 --no-resident --timeline --name prefill_stream-nosync-40l
   step 110 sync-40 python3 -m bench.prefill_stream --layers 40 --lengths 32768 --buffering double \
-    --slots 768 --stream-mixer-subs 2048,8192 --layer-sync --no-resident --timeline --name prefill_stream-sync-40l
+    --slots 768 --stream-mixer-subs 2048,8192 --sync-free-tokens 0 --no-resident --timeline --name prefill_stream-sync-40l
   ;;
-*) echo "stage 0 to 138"; exit 2 ;;
+139) # ~100 s at most, for a session's last device seconds: does the sync-free pass hang? Plan 138's sync-free
+  # 40-layer step printed no row in 150 s. The 12-layer slice at 32k with --sync-free-tokens 4096, its Python
+  # stacks dumped (faulthandler on SIGABRT) if it runs past 70 s. Carry .whl, .devcache/commit.
+  step 85 nosync-12 env PYTHONFAULTHANDLER=1 timeout -s ABRT 70 python3 -m bench.prefill_stream --layers 12 \
+    --lengths 32768 --buffering double --sync-free-tokens 4096 --no-resident --name prefill_stream-nosync-12l
+  ;;
+*) echo "stage 0 to 139"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole

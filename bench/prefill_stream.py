@@ -139,8 +139,8 @@ def run_layers(layers: int, a, dev, res: dict) -> None:
     model = model_class(mc.arch)(mc, w, cache, dev, torch.bfloat16, max_len)
     for buffering, msub in [(b, int(m)) for b in a.buffering.split(",") for m in a.stream_mixer_subs.split(",")]:
         ps = PrefillStream(model, mc, cache, msub, max_pass_tokens=a.pass_tokens, buffering=buffering)
-        if a.layer_sync:  # the loader's routed-set sync on every layer, as before SYNC_FREE_TOKENS
-            ps.loader.sync_free_tokens = 1 << 62
+        if a.sync_free_tokens >= 0:  # passes this long skip the loader's routed-set sync (experts/stream.py)
+            ps.loader.sync_free_tokens = a.sync_free_tokens or None
 
         def prefill(n):
             st.reset(0)
@@ -161,7 +161,7 @@ def run_layers(layers: int, a, dev, res: dict) -> None:
                                                              "experts_skipped", "passes")}
             passes = max(1, d["passes"])
             row = {"layers": layers, "prompt_tokens": n, "buffering": buffering, "mode_ran": ps.loader.mode,
-                   "mixer_sub": msub, "layer_sync": a.layer_sync,
+                   "mixer_sub": msub, "sync_free_tokens": ps.loader.sync_free_tokens,
                    "tok_s": round(n / wall, 1), "pass_s": round(wall / passes, 4), "passes": passes,
                    "floor_s": round(floor_s, 4), "floor_bulk_s": round(floor_bulk_s, 4),
                    "of_floor": round(floor_s / (wall / passes), 3), "pass_tokens": ps.pass_tokens(), **d,
@@ -332,9 +332,9 @@ def main():
     ap.add_argument("--timeline-host", action="store_true",
                     help="the timeline also traces the host's calls (dates each launch: host lateness), which "
                          "slows the host and so the pass it profiles")
-    ap.add_argument("--layer-sync", action="store_true",
-                    help="the streamed rows read each layer's routed set on the host, long passes too (the "
-                         "loader's behaviour before experts/stream.py SYNC_FREE_TOKENS), for A/B runs")
+    ap.add_argument("--sync-free-tokens", type=int, default=-1,
+                    help="passes of this many tokens or more skip the loader's per-layer routed-set sync "
+                         "(experts/stream.py SYNC_FREE_TOKENS; 0: never skip; default: the loader's)")
     ap.add_argument("--stream-mixer-subs", default=str(SUB),
                     help="the token mixers' piece sizes of the streamed rows (the engine's: --prefill-chunk, 2,048)")
     ap.add_argument("--mixer-subs", default=str(SUB),

@@ -65,8 +65,10 @@ TRIPLE_TOKENS = 16384
 # is routed to even under skewed routing. The sync kept the host in lockstep with the device, the
 # next layer's launches (and the copy they queue) waiting for this layer's router: on an H100 the
 # copy engine idled 4 ms after each DeltaNet layer of a 32k pass and 18 ms after each attention
-# layer (plan 137, results/prefill_stream-abab-40l-h100-gpu.json)
-SYNC_FREE_TOKENS = 4096
+# layer (plan 137, results/prefill_stream-abab-40l-h100-gpu.json). Off (None) by default: its first
+# GPU run (plan 138, a 40-layer 32k pass) printed no row within 150 s where the synced rows took
+# ~20 s, a hang or a stall not yet explained (plan 139 dumps its stacks); 4,096 is the value to try.
+SYNC_FREE_TOKENS = None
 # a full layer is loaded while the predicted share of a layer's experts routed to is at least
 # this: loading it all overlaps the compute, loading the routed ones only does not, so skipping
 # pays when few are left out and little compute hides the transfer (short passes)
@@ -110,7 +112,7 @@ class LayerStreamer(ExpertExecutor):
         self._gpu = None  # the resident executor over the pool's banks (slot ids), at the first pass
         self._warned = False
         self.mode = None  # the running (or last) pass's buffering
-        self.sync_free_tokens = SYNC_FREE_TOKENS  # an attribute: benchmarks compare with the sync kept
+        self.sync_free_tokens = SYNC_FREE_TOKENS  # an attribute: benchmarks try the sync-free path
         self.counts = {"passes": 0, "passes_triple": 0, "passes_double": 0, "passes_single": 0, "passes_on_demand": 0, "tokens": 0,
                        "layers_full": 0, "layers_routed": 0, "experts_h2d": 0, "experts_resident": 0,
                        "experts_skipped": 0, "bytes_h2d": 0}
@@ -150,7 +152,7 @@ class LayerStreamer(ExpertExecutor):
         self._used = torch.zeros(s, dtype=torch.bool)  # slots read this pass (stamped at the end)
         self._staged = {}  # layer -> (table [E] on the device, copy-done event or None)
         self._share = uniform_coverage(tokens, self.top_k, e)
-        self._sync_free = tokens >= self.sync_free_tokens
+        self._sync_free = self.sync_free_tokens is not None and tokens >= self.sync_free_tokens
         self.last = {"mode": self.mode, "tokens": tokens, "layers_full": 0, "layers_routed": 0}
         self._t0 = time.perf_counter()
         return self.mode
