@@ -14,7 +14,7 @@ import torch
 import hf_models
 from drive import drive
 from freetoken.cache.config import CacheConfig
-from freetoken.experts.stream import TRIPLE_TOKENS, pick_mode, uniform_coverage
+from freetoken.experts.stream import pick_mode, uniform_coverage
 from freetoken.runtime.engine import Engine, EngineConfig
 from freetoken.runtime.budget import work_bytes
 from freetoken.runtime.prefill_stream import (EXPERT_SUB, PrefillStream, expert_bytes_per_token, pass_bytes_per_token,
@@ -478,11 +478,9 @@ def test_mode_choice():
     assert pick_mode("single", 600, 256) == "single" and pick_mode("on-demand", 600, 256) == "on-demand"
     with pytest.raises(ValueError):
         pick_mode("quadruple", 600, 256)
-    # a third region: asked for where it fits, or by auto for long passes only
+    # a third region: only where asked for and where it fits; auto stays with two
     assert pick_mode("triple", 768, 256) == "triple" and pick_mode("triple", 767, 256) == "double"
-    assert pick_mode("auto", 768, 256, tokens=TRIPLE_TOKENS) == "triple"
-    assert pick_mode("auto", 768, 256, tokens=TRIPLE_TOKENS - 1) == "double" == pick_mode("auto", 5000, 256)
-    assert pick_mode("auto", 767, 256, tokens=32768) == "double" and pick_mode("double", 5000, 256, 32768) == "double"
+    assert pick_mode("auto", 5000, 256) == "double" and pick_mode("double", 5000, 256) == "double"
     # 44 tokens of top-8 over 256 experts cover 75% under uniform routing, 72 tokens 90%
     assert uniform_coverage(1, 8, 256) == 8 / 256 and 0.74 < uniform_coverage(44, 8, 256) < 0.76
     assert uniform_coverage(72, 8, 256) > 0.89 and uniform_coverage(4096, 8, 256) > 0.999
@@ -490,7 +488,7 @@ def test_mode_choice():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("buffering,pass_tokens", [("double", 32768), ("double", 2048), ("single", 4096),
-                                                   ("on-demand", 32768), ("auto", 32768)])
+                                                   ("on-demand", 32768), ("triple", 32768)])
 def test_cuda_streamed_prefill_equals_resident(tmp_path_factory, buffering, pass_tokens):
     """On the GPU (copy stream, events, bf16): 1, 511, 4,096 and 16,384 tokens, one pass or several,
     against the all-resident experts and the regular prefill through the cache, within bf16
@@ -515,8 +513,8 @@ def test_cuda_streamed_prefill_equals_resident(tmp_path_factory, buffering, pass
         assert residency_ok(eng.executor)
     st = eng.prefill_stream.stats()
     assert st["passes"] == 2 + (-(-4096 // pass_tokens)) + (-(-16384 // pass_tokens))
-    if buffering == "auto" and eng.executor.pool.slots >= 3 * eng.prefill_stream.loader.experts:
-        assert st["passes_triple"] == 1  # the 16,384-token pass: a third region; the shorter ones two
+    if buffering == "triple" and eng.executor.pool.slots >= 3 * eng.prefill_stream.loader.experts:
+        assert st["passes_triple"] == st["passes"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

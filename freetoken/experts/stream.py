@@ -14,9 +14,9 @@ The pool's S slots during a pass:
                        (with a region of E slots: a full layer is one bulk copy per bank)
 Buffering (chosen per pass from the pool's size; a mode that does not fit falls back, never
 oversubscribing):
-  triple     S >= 3E, passes of TRIPLE_TOKENS or more (auto): as double, two layers ahead: layer
-             j+2 loads once layer j-1 is done, so a layer that computes longer than its copy
-             (attention over a long prompt) does not stall the copy engine
+  triple     S >= 3E, asked for only (auto never takes it): as double, two layers ahead: layer
+             j+2 loads once layer j-1 is done, for passes whose layers compute longer than their
+             copies (attention over a long prompt); it measured no faster than double (TRIPLE)
   double     S >= 2E: while layer j computes from one region, a copy stream loads layer j+1
              into the other, starting before j+1's routing is known (at the hook before layer
              j, once layer j-1's experts, the region's previous tenant, are done)
@@ -53,13 +53,12 @@ from .executor import NO_EXPERT, ExpertExecutor, Pending
 log = logging.getLogger("freetoken.experts")
 MODES = ("triple", "double", "single", "on-demand")
 BUFFERING = ("auto",) + MODES
-# auto takes a third region for passes of at least this many tokens, where the pool has room.
-# With two, the copy of layer j+1 waits for layer j-1's experts: on an H100 a 32k pass of the
-# Qwen3.6 shape computes its attention layers in ~50 ms against a 29 ms layer copy, and the copy
-# engine idled ~21 ms after each (plan 135, results/prefill_stream-timeline-*-h100-gpu.json: 394 ms
-# of copy gaps in a 1.6 s profiled 40-layer pass). Shorter passes compute well under their copies
-# (8k: at the floor with two regions), and the third region costs the decode cache E more slots.
-TRIPLE_TOKENS = 16384
+# TRIPLE: with two regions the copy of layer j+1 waits for layer j-1's experts, and on an H100 the
+# copy engine idled ~18 ms after each attention layer of a 32k pass of the Qwen3.6 shape (plan 135,
+# results/prefill_stream-timeline-*-h100-gpu.json). A third region did not remove those gaps: 1.389
+# and 1.429 s a 40-layer pass against double's 1.419 and 1.439, alternating in one process (plan
+# 137, prefill_stream-abab-40l-h100-gpu.json); the host paces the pass (its launches, and the sync
+# below), not the regions. So auto stays with double, and the decode cache keeps its E slots.
 # passes of at least this many tokens skip the host sync that reads a fully loaded layer's routed
 # set: it only updates the coverage prediction, and at 4,096 tokens x top-k every expert of a layer
 # is routed to even under skewed routing. The sync kept the host in lockstep with the device, the
@@ -75,15 +74,15 @@ SYNC_FREE_TOKENS = None
 DENSE_SHARE = 0.9
 
 
-def pick_mode(requested: str, slots: int, experts: int, tokens: int = 0) -> str:
-    """The buffering a pool of `slots` slots can hold for a pass of `tokens` tokens: the requested
-    one, or the next smaller; auto: the largest that fits, triple only for long passes."""
+def pick_mode(requested: str, slots: int, experts: int) -> str:
+    """The buffering a pool of `slots` slots can hold: the requested one, or the next smaller;
+    auto: the largest that fits, double at most (TRIPLE above)."""
     if requested not in BUFFERING:
         raise ValueError(f"buffering must be one of {BUFFERING}, got {requested!r}")
     fits = ("triple" if slots >= 3 * experts else "double" if slots >= 2 * experts
             else "single" if slots >= experts else "on-demand")
     if requested == "auto":
-        return "double" if fits == "triple" and tokens < TRIPLE_TOKENS else fits
+        return "double" if fits == "triple" else fits
     return MODES[max(MODES.index(requested), MODES.index(fits))]
 
 
@@ -127,7 +126,7 @@ class LayerStreamer(ExpertExecutor):
         if self._gpu is None or self._gpu.gate_up is not pool.gate_up:  # every bank of the slots, quantized too
             self._gpu = self.cache.slot_executor(layer_experts=self.experts)
         e, s = self.experts, pool.slots
-        self.mode = pick_mode(self.buffering, s, e, tokens)
+        self.mode = pick_mode(self.buffering, s, e)
         if self.mode != self.buffering and self.buffering != "auto" and not self._warned:
             log.warning("prefill buffering %s needs %d expert slots, the pool has %d: %s instead", self.buffering,
                         {"triple": 3, "double": 2}.get(self.buffering, 1) * e, s, self.mode)
