@@ -433,15 +433,31 @@ def default_names(model: str | None, source: str | None) -> list[str]:
     return names + [n for n in [source] if n and n not in names] or [os.path.basename(model)]
 
 
-def api_key_of(args) -> str | None:
-    """--api-key, else $FREETOKEN_API_KEY (said once: a variable exported for a client, such as
-    Codex's provider, turns authentication on too); '' means no key."""
-    if args.api_key is not None:
-        return args.api_key or None
+def api_keys_of(args) -> tuple[str, ...]:
+    """The keys a client may send: those of --api-key (several separated by commas, as llama.cpp's
+    server takes them) and the lines of --api-key-file (which keeps them off the process list and
+    out of the environment); neither given: $FREETOKEN_API_KEY (said once: a variable exported for
+    a client, such as Codex's provider, turns authentication on too). () serves without a key
+    (--api-key '')."""
+    keys = [k.strip() for k in (args.api_key or "").split(",") if k.strip()]
+    if args.api_key_file:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                lines = [ln.strip() for ln in f.read().splitlines()]
+        except (OSError, UnicodeDecodeError) as e:
+            raise FreeTokenError(f"--api-key-file {args.api_key_file}: cannot read it "
+                                 f"({getattr(e, 'strerror', None) or e}); give a text file with one key a line") from None
+        found = [ln for ln in lines if ln and not ln.startswith("#")]
+        if not found:
+            raise FreeTokenError(f"--api-key-file {args.api_key_file}: the file holds no key "
+                                 "(one key a line; blank lines and lines starting with # are skipped)")
+        keys += found
+    if args.api_key is not None or args.api_key_file:
+        return tuple(dict.fromkeys(keys))
     key = os.environ.get("FREETOKEN_API_KEY") or None
     if key:
         notice("requiring the API key in $FREETOKEN_API_KEY from clients (--api-key '' serves without one)")
-    return key
+    return (key,) if key else ()
 
 
 def check_served_names(args) -> None:
@@ -486,7 +502,7 @@ def _serve(args, socks: list[socket.socket]) -> int:
                             kv_tokens=args.prefix_cache_tokens)
     try:
         ctx = ServerContext(serving, eng.tokenizer, template, names, eng.cfg.vocab_size,
-                            api_key=api_key_of(args),
+                            api_keys=api_keys_of(args),
                             default_template_kwargs=args.default_chat_template_kwargs or {},
                             metrics=metrics, responses_store=args.responses_store)
         app = build_app(ctx)
@@ -579,8 +595,11 @@ def build_parser() -> argparse.ArgumentParser:
                         f"converted from, and the id for a Hugging Face id given as MODEL; {DEMO_NAME} for the demo "
                         "model); several as `a b` (vLLM), a,b or the flag repeated, the first one reported")
     s.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (default: $FREETOKEN_API_KEY, "
-                        "else no key; the variable keeps the key off the process list; --api-key '' for none)")
+                   help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY'; several keys separated by commas "
+                        "(default: $FREETOKEN_API_KEY, else no key; the variable or --api-key-file keeps the key off "
+                        "the process list; --api-key '' for none)")
+    s.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="keys clients may send, one a line (with --api-key: either's keys)")
     s.add_argument("--default-chat-template-kwargs", "--chat-template-kwargs", default=None, metavar="JSON",
                    type=template_kwargs_arg,
                    help="chat-template kwargs every request renders with unless it sets its own, as a JSON object "

@@ -263,9 +263,15 @@ def write_files(files: dict[str, str]) -> list[str]:
     return said
 
 
+def api_key_path() -> str:
+    """The file holding ft launch's key (mode 0600): the servers it starts read it
+    (--api-key-file), so the key is on no process list."""
+    return os.path.join(launch_dir(), "api-key")
+
+
 def api_key() -> str:
     """The key `ft launch` gives the servers it starts: random, made once, kept in the cache."""
-    path = os.path.join(launch_dir(), "api-key")
+    path = api_key_path()
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
@@ -517,12 +523,13 @@ class Server:
 
 # ---- the command ---------------------------------------------------------------------------
 
-def serve_command(args, name: str, key: str, max_new_tokens: int | None) -> list[str]:
+def serve_command(args, name: str, max_new_tokens: int | None) -> list[str]:
+    """The server ft launch starts: the key from its file (api_key() made it), never in argv."""
     cmd = [sys.executable, "-m", "freetoken.cli", "serve"]
     if args.model is not None:
         from .cli import resolve_model
         cmd.append(os.path.abspath(resolve_model(args.model)))
-    cmd += ["--host", HOST, "--port", str(args.port), "--api-key", key]
+    cmd += ["--host", HOST, "--port", str(args.port), "--api-key-file", api_key_path()]
     if args.served_model_name:
         cmd += ["--served-model-name", args.served_model_name]
     if max_new_tokens:
@@ -593,7 +600,7 @@ def cmd_launch(args) -> int:
             cap = max_new
             context = file_context or 32768
             where = ["no server running there yet; ft launch would start one:",
-                     shlex.join(["ft", *serve_command(args, name, key, max_new)[3:]]),
+                     shlex.join(["ft", *serve_command(args, name, max_new)[3:]]),
                      "(context from the model file: the server may report less)"]
         t = Target(server.url, name, key, context, cap or default_output(context))
         setup = client.configure(t)
@@ -602,7 +609,7 @@ def cmd_launch(args) -> int:
         sys.stdout.write(render(client, t, setup, user_args, header))
         return 0
 
-    server.acquire(name, key, serve_command(args, name, key, max_new), max_new)
+    server.acquire(name, key, serve_command(args, name, max_new), max_new)
     try:
         h = server.health
         context = min(c for c in (h["context"], h.get("max_model_len")) if c)

@@ -221,7 +221,10 @@ def test_print_writes_and_runs_nothing(client, homes, capsys, monkeypatch):
     for k in setup.env:
         assert f"export {k}=" in out
     assert f"context 65536 tokens, replies up to 256" in out  # the demo model's, capped
-    assert f"ft serve --host 127.0.0.1 --port {port} --api-key" in out
+    # the key stays in its file: the command a user would run names the file, not the key
+    assert f"ft serve --host 127.0.0.1 --port {port} --api-key-file {launch.api_key_path()}" in out
+    serve_line = next(ln for ln in out.splitlines() if "ft serve --host" in ln)
+    assert launch.api_key() not in serve_line
     cmd = out.split("# --- command ---\n")[1].splitlines()[0]
     assert cmd.startswith(launch.CLIENTS[client].binary) and cmd.endswith("run 'say hi'")
 

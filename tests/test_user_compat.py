@@ -217,12 +217,49 @@ def test_gguf_is_refused_with_what_to_do(tmp_path):
 
 def test_api_key_from_the_environment(monkeypatch, capsys):
     monkeypatch.setenv("FREETOKEN_API_KEY", "env-key")
-    assert cli.api_key_of(_parse("serve")) == "env-key"
+    assert cli.api_keys_of(_parse("serve")) == ("env-key",)
     assert "requiring the API key in $FREETOKEN_API_KEY" in capsys.readouterr().err
-    assert cli.api_key_of(_parse("serve", "--api-key", "")) is None  # '' serves without a key
-    assert cli.api_key_of(_parse("serve", "--api-key", "k")) == "k"
+    assert cli.api_keys_of(_parse("serve", "--api-key", "")) == ()  # '' serves without a key
+    assert cli.api_keys_of(_parse("serve", "--api-key", "k")) == ("k",)
     monkeypatch.delenv("FREETOKEN_API_KEY")
-    assert cli.api_key_of(_parse("serve")) is None
+    assert cli.api_keys_of(_parse("serve")) == ()
+
+
+def test_api_keys_several_and_from_a_file(tmp_path, monkeypatch):
+    """llama.cpp's forms: --api-key a,b and --api-key-file (one key a line), either's keys; the
+    environment's key only when neither is given; a missing or empty file is one clear error."""
+    monkeypatch.setenv("FREETOKEN_API_KEY", "env-key")
+    f = tmp_path / "keys"
+    f.write_text("# team keys\nk1\n\n  k2  \nk1\n")
+    assert cli.api_keys_of(_parse("serve", "--api-key", "a, b,")) == ("a", "b")
+    assert cli.api_keys_of(_parse("serve", "--api-key-file", str(f))) == ("k1", "k2")
+    assert cli.api_keys_of(_parse("serve", "--api-key", "a", "--api-key-file", str(f))) == ("a", "k1", "k2")
+    with pytest.raises(FreeTokenError, match="--api-key-file .*missing: cannot read it"):
+        cli.api_keys_of(_parse("serve", "--api-key-file", str(tmp_path / "missing")))
+    (tmp_path / "empty").write_text("# nothing\n\n")
+    with pytest.raises(FreeTokenError, match="the file holds no key"):
+        cli.api_keys_of(_parse("serve", "--api-key-file", str(tmp_path / "empty")))
+
+
+def test_any_of_several_keys_authorizes(monkeypatch):
+    """The server takes any of its keys, as a bearer token or x-api-key; a wrong, empty or
+    missing key is a 401 in the API's error shape; no keys: no check. (/v1/models needs no
+    model: a stand-in engine and tokenizer.)"""
+    from fastapi.testclient import TestClient
+    from freetoken.server import app as server_app
+    from freetoken.server.app import ServerContext, build_app
+    monkeypatch.setattr(server_app, "TokenText", lambda tok: None)
+    serving = SimpleNamespace(describe=lambda: {}, max_len=4096)
+    tok = SimpleNamespace()
+    app = build_app(ServerContext(serving, tok, ChatTemplate(None), ["m"], 100, api_keys=("k1", "k2")))
+    c = TestClient(app)
+    assert c.get("/v1/models", headers={"authorization": "Bearer k2"}).status_code == 200
+    assert c.get("/v1/models", headers={"x-api-key": "k1"}).status_code == 200
+    for h in ({"authorization": "Bearer k3"}, {"authorization": "Bearer "}, {"x-api-key": "k"}, {}):
+        r = c.get("/v1/models", headers=h)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", h
+    open_app = TestClient(build_app(ServerContext(serving, tok, ChatTemplate(None), ["m"], 100)))
+    assert open_app.get("/v1/models").status_code == 200
 
 
 def _ctx(defaults=None):

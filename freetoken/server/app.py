@@ -5,6 +5,7 @@ API's own shape (OpenAI or Anthropic) and status; nothing a client sends can sto
 """
 from __future__ import annotations
 
+import hmac
 import logging
 import time
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ class ServerContext:
     template: ChatTemplate
     model_names: list[str]
     vocab_size: int
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # any of them authorizes a request; () serves without a key
     metrics: Metrics = field(default_factory=Metrics)
     started: int = field(default_factory=lambda: int(time.time()))
     token_text: TokenText | None = None  # token spellings for logprobs (set by build_app)
@@ -58,12 +59,16 @@ def build_app(ctx: ServerContext) -> FastAPI:
     ctx.metrics.attach(ctx.serving, engine_info)
     app.state.ctx = ctx
 
+    keys = [k.encode() for k in ctx.api_keys]
+
     def authorized(request: Request) -> bool:
-        if not ctx.api_key:
+        if not keys:
             return True
         auth = request.headers.get("authorization", "")
-        token = auth[7:].strip() if auth.lower().startswith("bearer ") else None
-        return ctx.api_key in (token, request.headers.get("x-api-key"))
+        sent = [t.encode() for t in (auth[7:].strip() if auth.lower().startswith("bearer ") else None,
+                                     request.headers.get("x-api-key")) if t]
+        # every key compared in constant time: the answer's timing tells nothing of a key's prefix
+        return any([hmac.compare_digest(t, k) for t in sent for k in keys])
 
     def guarded(endpoint_name: str, handler):
         """Authentication, the API's error shape for every failure, and request counting.
