@@ -12,7 +12,9 @@ time to one of three things, which this tells apart:
   - the compute idles waiting for copies or for the host (`compute.gaps`, each gap labelled by
     whether a copy was running through it and by how much of it passed before the host launched
     the kernel that ends it: `host_ms`, from the runtime calls matched by correlation id).
-Each copy row also says how long after its host call it started (`after_issue_ms`: near 0, the
+The window is the whole call profiled (a bench's state reset and the pass's begin and end with
+it), so the first and last gaps include that set-up. Each copy row also says how long after its
+host call it started (`after_issue_ms`: near 0, the
 copy was issued late; more, it waited on the stream for the compute or an earlier copy).
 
     from bench.copy_timeline import timeline
@@ -20,6 +22,7 @@ copy was issued late; more, it waited on the stream for the compute or an earlie
 """
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import tempfile
@@ -97,11 +100,13 @@ def analyze(events: list[dict], top: int = 12) -> dict:
     c_span = (c_busy[0][0], c_busy[-1][1]) if c_busy else (t0, t0)
     c_gaps = [g for g in _gaps(c_busy, *c_span) if g[1] - g[0] >= GAP_MS * 1e3]
     k_gaps = [g for g in _gaps(k_busy, t0, t1) if g[1] - g[0] >= GAP_MS * 1e3]
-    starts = sorted((e["ts"], issue(e)) for e in kernels)
+    starts = sorted(((e["ts"], issue(e)) for e in kernels), key=lambda p: p[0])  # issue may be None
+    start_ts = [ts for ts, _ in starts]
     k_gap_rows, host_us = [], 0.0
     for a, b in k_gaps:
         # the kernel that ends the gap: launched by the host inside the gap, the device waited for the host
-        nxt = next((i for ts, i in starts if ts >= b - 1e-3), None)
+        i = bisect.bisect_left(start_ts, b - 1e-3)
+        nxt = starts[i][1] if i < len(starts) else None
         late = None if nxt is None else min(max(nxt - a, 0.0), b - a)  # None: no runtime call in the trace
         host_us += late or 0.0
         k_gap_rows.append({"at_ms": ms(a - t0), "ms": ms(b - a), "copy_running": round(_covered(a, b, c_busy) / (b - a), 2),

@@ -134,13 +134,18 @@ def run_layers(layers: int, a, dev, res: dict) -> None:
     st.reserve(0, max_len)
     prompt = torch.randint(0, mc.vocab_size, (max(lengths),)).tolist()
     # the cache's CPU branch never runs in a prefill pass: the host torch path stands in for it
-    cache = CachedExpertExecutor(gu, dn, slots, dev, torch.bfloat16, TorchExpertExecutor(gu, dn), 1.0, "recent",
+    cache = CachedExpertExecutor(gu, dn, None, dev, torch.bfloat16, TorchExpertExecutor(gu, dn), 1.0, "recent",
                                  layer_experts=e)
+    # a pass never runs the decode cache's control kernel: not compiled here (its variants for a new
+    # slot count took a cold machine past plan 137's and 138's 130-150 s step limits before any row)
+    cache.warm_control = False
+    cache.allocate(slots)
     model = model_class(mc.arch)(mc, w, cache, dev, torch.bfloat16, max_len)
-    for buffering, msub in [(b, int(m)) for b in a.buffering.split(",") for m in a.stream_mixer_subs.split(",")]:
+    for buffering, msub, sft in [(b, int(m), int(t)) for b in a.buffering.split(",")
+                                 for m in a.stream_mixer_subs.split(",") for t in a.sync_free_tokens.split(",")]:
         ps = PrefillStream(model, mc, cache, msub, max_pass_tokens=a.pass_tokens, buffering=buffering)
-        if a.sync_free_tokens >= 0:  # passes this long skip the loader's routed-set sync (experts/stream.py)
-            ps.loader.sync_free_tokens = a.sync_free_tokens or None
+        if sft >= 0:  # passes this long skip the loader's routed-set sync (experts/stream.py)
+            ps.loader.sync_free_tokens = sft or None
 
         def prefill(n):
             st.reset(0)
@@ -150,6 +155,8 @@ def run_layers(layers: int, a, dev, res: dict) -> None:
             ps.prefill(prompt[:n], st, 0, 0)
             torch.cuda.synchronize()
             return time.perf_counter() - t
+        print(f"{buffering}, mixer pieces of {msub}, sync-free from {ps.loader.sync_free_tokens}: warm-up passes",
+              flush=True)
         prefill(min(SUB, max(lengths)))  # compile and autotune
         prefill(min(a.pass_tokens, max(lengths)))
         for n in lengths:
@@ -332,9 +339,10 @@ def main():
     ap.add_argument("--timeline-host", action="store_true",
                     help="the timeline also traces the host's calls (dates each launch: host lateness), which "
                          "slows the host and so the pass it profiles")
-    ap.add_argument("--sync-free-tokens", type=int, default=-1,
+    ap.add_argument("--sync-free-tokens", default="-1",
                     help="passes of this many tokens or more skip the loader's per-layer routed-set sync "
-                         "(experts/stream.py SYNC_FREE_TOKENS; 0: never skip; default: the loader's)")
+                         "(experts/stream.py SYNC_FREE_TOKENS; 0: never skip; -1: the loader's default); "
+                         "several separated by commas: rows for each, in turn")
     ap.add_argument("--stream-mixer-subs", default=str(SUB),
                     help="the token mixers' piece sizes of the streamed rows (the engine's: --prefill-chunk, 2,048)")
     ap.add_argument("--mixer-subs", default=str(SUB),
@@ -360,6 +368,9 @@ def main():
         vals = getattr(a, opt).split(",")
         if not all(v.strip().isdigit() and int(v) > 0 for v in vals):
             ap.error(f"--{opt.replace('_', '-')} takes positive token counts separated by commas, got {getattr(a, opt)!r}")
+    if not all(v.strip().lstrip("-").isdigit() and int(v) >= -1 for v in a.sync_free_tokens.split(",")):
+        ap.error(f"--sync-free-tokens takes token counts (0: never, -1: the default) separated by commas, "
+                 f"got {a.sync_free_tokens!r}")
     if a.profile and not a.compute_pass:
         ap.error("--profile profiles the --compute-pass rows: give --compute-pass too")
     if not torch.cuda.is_available():

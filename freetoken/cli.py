@@ -405,6 +405,7 @@ def cmd_serve(args) -> int:
     if args.max_batch < 1 or args.max_queue < 0 or args.responses_store < 0:
         raise FreeTokenError("--max-batch must be >= 1, --max-queue and --responses-store >= 0")
     check_served_names(args)
+    args.api_keys = api_keys_of(args)  # a bad key setting fails here, before the model loads
     socks = bind_sockets(args.host, args.port)
     try:
         return _serve(args, socks)
@@ -437,12 +438,20 @@ def api_keys_of(args) -> tuple[str, ...]:
     """The keys a client may send: those of --api-key (several separated by commas, as llama.cpp's
     server takes them) and the lines of --api-key-file (which keeps them off the process list and
     out of the environment); neither given: $FREETOKEN_API_KEY (said once: a variable exported for
-    a client, such as Codex's provider, turns authentication on too). () serves without a key
-    (--api-key '')."""
-    keys = [k.strip() for k in (args.api_key or "").split(",") if k.strip()]
-    if args.api_key_file:
+    a client, such as Codex's provider, turns authentication on too). () serves without a key, and
+    only `--api-key ''` asks for that: a setting that names no key (`--api-key ,`, an empty file
+    or file name) is an error, never a server open to all."""
+    keys = []
+    if args.api_key is not None and args.api_key != "":
+        keys = [k.strip() for k in args.api_key.split(",") if k.strip()]
+        if not keys:
+            raise FreeTokenError(f"--api-key {args.api_key!r} names no key; give KEY or KEY1,KEY2 "
+                                 "(--api-key '' serves without one)")
+    if args.api_key_file is not None:
+        if not args.api_key_file.strip():
+            raise FreeTokenError("--api-key-file was given an empty file name")
         try:
-            with open(args.api_key_file, encoding="utf-8") as f:
+            with open(args.api_key_file, encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not part of a key
                 lines = [ln.strip() for ln in f.read().splitlines()]
         except (OSError, UnicodeDecodeError) as e:
             raise FreeTokenError(f"--api-key-file {args.api_key_file}: cannot read it "
@@ -452,9 +461,9 @@ def api_keys_of(args) -> tuple[str, ...]:
             raise FreeTokenError(f"--api-key-file {args.api_key_file}: the file holds no key "
                                  "(one key a line; blank lines and lines starting with # are skipped)")
         keys += found
-    if args.api_key is not None or args.api_key_file:
+    if args.api_key is not None or args.api_key_file is not None:
         return tuple(dict.fromkeys(keys))
-    key = os.environ.get("FREETOKEN_API_KEY") or None
+    key = (os.environ.get("FREETOKEN_API_KEY") or "").strip()
     if key:
         notice("requiring the API key in $FREETOKEN_API_KEY from clients (--api-key '' serves without one)")
     return (key,) if key else ()
@@ -502,7 +511,7 @@ def _serve(args, socks: list[socket.socket]) -> int:
                             kv_tokens=args.prefix_cache_tokens)
     try:
         ctx = ServerContext(serving, eng.tokenizer, template, names, eng.cfg.vocab_size,
-                            api_keys=api_keys_of(args),
+                            api_keys=args.api_keys,
                             default_template_kwargs=args.default_chat_template_kwargs or {},
                             metrics=metrics, responses_store=args.responses_store)
         app = build_app(ctx)

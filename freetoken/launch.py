@@ -23,6 +23,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -270,19 +271,35 @@ def api_key_path() -> str:
 
 
 def api_key() -> str:
-    """The key `ft launch` gives the servers it starts: random, made once, kept in the cache."""
+    """The key `ft launch` gives the servers it starts: random, made once, kept in the cache.
+    Made whole in a private temporary file, then linked into place (fails if one is there): two
+    ft launch starting at once never see a half-written file, and both end with the one key the
+    file holds, which is what their servers read (--api-key-file)."""
     path = api_key_path()
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        with open(path) as f:
-            key = f.read().strip()
-        if key:
-            return key
-        fd = os.open(path, os.O_WRONLY | os.O_TRUNC)
-    key = "ft-" + secrets.token_urlsafe(24)
-    with os.fdopen(fd, "w") as f:
-        f.write(key + "\n")
+    for _ in range(2):
+        with contextlib.suppress(FileNotFoundError):
+            with open(path) as f:
+                key = f.read().strip()
+            if key:
+                return key
+            os.unlink(path)  # empty (an older ft launch died mid-write): made again below
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".api-key-")  # mode 0600
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write("ft-" + secrets.token_urlsafe(24) + "\n")
+            try:
+                os.link(tmp, path)
+            except FileExistsError:  # another ft launch linked its key first: read that
+                pass
+            except OSError:  # a file system without hard links: renamed into place, last writer wins
+                os.replace(tmp, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+    with open(path) as f:
+        key = f.read().strip()
+    if not key:
+        raise FreeTokenError(f"{path} holds no API key; delete it and run ft launch again")
     return key
 
 

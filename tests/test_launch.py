@@ -164,6 +164,25 @@ def test_api_key_is_random_and_kept(homes):
     assert launch.api_key() == k
     path = homes / "cache" / "freetoken" / "launch" / "api-key"
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert str(path) == launch.api_key_path()
+    path.write_text("")  # left empty by an ft launch that died mid-write: made again
+    k2 = launch.api_key()
+    assert k2.startswith("ft-") and k2 != k and path.read_text().strip() == k2
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".api-key-")]  # no temporary left
+
+
+def test_api_key_made_once_by_concurrent_launches(homes):
+    """ft launch processes starting together all get the one key the file ends with (the key
+    their servers read from it): made whole, then linked into place."""
+    import concurrent.futures
+    import subprocess
+    import sys
+    code = "from freetoken import launch; print(launch.api_key())"
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        outs = list(pool.map(lambda _: subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                                      env=dict(os.environ)).stdout.strip(), range(6)))
+    path = homes / "cache" / "freetoken" / "launch" / "api-key"
+    assert len(set(outs)) == 1 and outs[0] == path.read_text().strip() and outs[0].startswith("ft-")
 
 
 def _sleeper():

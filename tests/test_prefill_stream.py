@@ -113,6 +113,22 @@ def test_streamed_prefill_equals_regular(ftw, buffering):
     assert st["tokens"] == 1 + 5 + 37 + 100 and st["pass_tokens"] == 48 and st["expert_sub"] == esub
 
 
+def test_sync_free_passes_equal_regular(ftw):
+    """experts/stream.py sync_free_tokens (off by default, SYNC_FREE_TOKENS): passes this long skip
+    the host read of a fully loaded layer's routed set. The same logits and state, whole layers
+    loaded, no coverage measured from them (the prediction stays the pass length's)."""
+    path, _ = ftw
+    ref = engine(path, stream=False)
+    eng = engine(path, max_pass_tokens=48, buffering="double")
+    eng.prefill_stream.loader.sync_free_tokens = 40
+    ids = prompt(100, seed=9)  # passes of 48, 48 (sync-free) and 4 (synced, routed)
+    a, b = ref.new_state(128), eng.new_state(128)
+    assert rel(eng.prefill(ids, b), ref.prefill(ids, a)) < 1e-5
+    check_same_state(ref, eng, a, b, 100)
+    st = eng.prefill_stream.stats()
+    assert st["passes"] == 3 and st["layers_full"] >= 2 * LAYERS and residency_ok(eng.executor)
+
+
 @pytest.fixture(scope="module")
 def ftw_long(tmp_path_factory):
     """The same shape with room for 16k-token prompts."""

@@ -239,6 +239,14 @@ def test_api_keys_several_and_from_a_file(tmp_path, monkeypatch):
     (tmp_path / "empty").write_text("# nothing\n\n")
     with pytest.raises(FreeTokenError, match="the file holds no key"):
         cli.api_keys_of(_parse("serve", "--api-key-file", str(tmp_path / "empty")))
+    # a setting that names no key is an error, not a server open to all; only --api-key '' is that
+    for bad in ((",",), (" , ",)):
+        with pytest.raises(FreeTokenError, match="names no key"):
+            cli.api_keys_of(_parse("serve", "--api-key", *bad))
+    with pytest.raises(FreeTokenError, match="empty file name"):
+        cli.api_keys_of(_parse("serve", "--api-key-file", ""))
+    (tmp_path / "bom").write_bytes("\ufeffk-bom\n".encode("utf-8"))
+    assert cli.api_keys_of(_parse("serve", "--api-key-file", str(tmp_path / "bom"))) == ("k-bom",)
 
 
 def test_any_of_several_keys_authorizes(monkeypatch):
@@ -255,6 +263,9 @@ def test_any_of_several_keys_authorizes(monkeypatch):
     c = TestClient(app)
     assert c.get("/v1/models", headers={"authorization": "Bearer k2"}).status_code == 200
     assert c.get("/v1/models", headers={"x-api-key": "k1"}).status_code == 200
+    # a key with non-ASCII characters, sent as its UTF-8 bytes (httpx takes bytes header values)
+    utf = TestClient(build_app(ServerContext(serving, tok, ChatTemplate(None), ["m"], 100, api_keys=("clé",))))
+    assert utf.get("/v1/models", headers={"x-api-key": "clé".encode()}).status_code == 200
     for h in ({"authorization": "Bearer k3"}, {"authorization": "Bearer "}, {"x-api-key": "k"}, {}):
         r = c.get("/v1/models", headers=h)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", h

@@ -64,9 +64,11 @@ BUFFERING = ("auto",) + MODES
 # is routed to even under skewed routing. The sync kept the host in lockstep with the device, the
 # next layer's launches (and the copy they queue) waiting for this layer's router: on an H100 the
 # copy engine idled 4 ms after each DeltaNet layer of a 32k pass and 18 ms after each attention
-# layer (plan 137, results/prefill_stream-abab-40l-h100-gpu.json). Off (None) by default: its first
-# GPU run (plan 138, a 40-layer 32k pass) printed no row within 150 s where the synced rows took
-# ~20 s, a hang or a stall not yet explained (plan 139 dumps its stacks); 4,096 is the value to try.
+# layer (plan 137, results/prefill_stream-abab-40l-h100-gpu.json). Off (None) by default until it
+# runs on a GPU: its first run (plan 138, a 40-layer 32k pass) printed no row within 150 s, most
+# likely the bench compiling the decode cache's control kernel for a new slot count first (plan
+# 137's first step at that count stalled the same way without this path); plan 139 measures it
+# against the synced pass in one process. 4,096 is the value to try.
 SYNC_FREE_TOKENS = None
 # a full layer is loaded while the predicted share of a layer's experts routed to is at least
 # this: loading it all overlaps the compute, loading the routed ones only does not, so skipping

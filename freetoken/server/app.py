@@ -59,14 +59,15 @@ def build_app(ctx: ServerContext) -> FastAPI:
     ctx.metrics.attach(ctx.serving, engine_info)
     app.state.ctx = ctx
 
-    keys = [k.encode() for k in ctx.api_keys]
+    keys = [k.encode() for k in ctx.api_keys]  # a key's UTF-8 bytes: what a client sends for it
 
     def authorized(request: Request) -> bool:
         if not keys:
             return True
         auth = request.headers.get("authorization", "")
-        sent = [t.encode() for t in (auth[7:].strip() if auth.lower().startswith("bearer ") else None,
-                                     request.headers.get("x-api-key")) if t]
+        # header values arrive decoded as latin-1: encoding them back gives the bytes that were sent
+        sent = [t.encode("latin-1", "replace") for t in (auth[7:].strip() if auth.lower().startswith("bearer ")
+                                                         else None, request.headers.get("x-api-key")) if t]
         # every key compared in constant time: the answer's timing tells nothing of a key's prefix
         return any([hmac.compare_digest(t, k) for t in sent for k in keys])
 
