@@ -24,6 +24,14 @@ def use_triton(t: torch.Tensor) -> bool:
     return HAS_TRITON and t.is_cuda
 
 
+_PREFILL_OFF: list[str] = []  # why the load-time proof turned the prefill kernels off (prefill_proof.py)
+
+
+def prefill_off(reason: str | None) -> None:
+    """The prefill kernels off for the process (reason), or on again (None: tests)."""
+    _PREFILL_OFF[:] = [reason] if reason else []
+
+
 def prefill_kernels() -> bool:
     """Whether CUDA prefill takes the DeltaNet conv kernel (causal_conv.py), its output norm as one
     kernel (rmsnorm.py gated_rms_norm_triton; decode steps on CUDA take it too, their layer ending
@@ -32,12 +40,13 @@ def prefill_kernels() -> bool:
     FusedLinear). On by default since their CUDA tests passed on an H100 (plan 134, 2026-12-07) and
     they took the 12-layer 32k compute pass from 0.401 to 0.319 s (plan 127);
     FREETOKEN_PREFILL_KERNELS=0 gives the torch paths back, for A/B runs. Anything but 0 or 1 is an
-    error (checked at engine load)."""
+    error (checked at engine load). Off too once the load-time proof failed on this GPU
+    (prefill_proof.py: a kernel that does not compile or computes something else here)."""
     raw = os.environ.get("FREETOKEN_PREFILL_KERNELS", "1")
     if raw not in ("0", "1"):
         from ..errors import FreeTokenError
         raise FreeTokenError(f"FREETOKEN_PREFILL_KERNELS must be 0 or 1, got {raw!r}")
-    return raw == "1"
+    return raw == "1" and not _PREFILL_OFF
 
 
 def fused_decode(t: torch.Tensor) -> bool:

@@ -323,13 +323,15 @@ class Engine:
     WARM_UP_TOKENS = (16, 32, 64, 128, 1024)
 
     def warm_up(self) -> None:
-        """Kernel autotuning and compiles at load, not in the first requests (CUDA): fla's
-        DeltaNet kernels, then one prompt forward of each kind of length (_warm_up_prefill);
+        """Kernel autotuning and compiles at load, not in the first requests (CUDA): the prefill
+        kernels against their references (kernels/prefill_proof.py), fla's DeltaNet kernels, then one prompt forward of each kind of length (_warm_up_prefill);
         then the prompt chunks' graphs of the MoE blocks and DeltaNet mixers (runtime/prefill_graphs.py)."""
         self.prefill_graphs = None
         self.prefill_graph_bytes = 0  # device memory they hold: the memory plan counts it with the weights
         if self.device.type != "cuda":
             return
+        from ..kernels import prefill_proof
+        prefill_proof.prove(self.cfg, self.device, self.dtype)  # off for the process where they fail here
         if self.cfg.linear_layers:
             from ..kernels import fla_delta
             fla_delta.warm_up(self.cfg, self.device, self.dtype)  # also its proof (kernels/fla_delta.py)
@@ -496,7 +498,18 @@ class Engine:
                 "experts": self.experts_on, "expert_backend": ex.backend if ex is not None else "none",
                 "expert_isa": getattr(ex, "isa", None), "expert_threads": getattr(ex, "threads", None),
                 "expert_format": self.expert_format, "expert_pieces": getattr(ex, "pieces", 1), "cpu_act": self._cpu_act(ex), "dense_fp8": self.dense_fp8,
-                "context": self.max_len, "prefill_graphs": getattr(self, "prefill_graphs", None) is not None}
+                "context": self.max_len, "prefill_graphs": getattr(self, "prefill_graphs", None) is not None,
+                "prefill_kernels": self._prefill_kernels_state()}
+
+    def _prefill_kernels_state(self) -> str | None:
+        """CUDA: "on", "off" (FREETOKEN_PREFILL_KERNELS=0) or "off: why" (the load-time proof
+        failed on this GPU, kernels/prefill_proof.py); None elsewhere (they are CUDA kernels)."""
+        if self.device.type != "cuda":
+            return None
+        from ..kernels import _PREFILL_OFF, prefill_kernels
+        if prefill_kernels():
+            return "on"
+        return f"off: {_PREFILL_OFF[0]}" if _PREFILL_OFF else "off"
 
     @staticmethod
     def _cpu_act(ex) -> str | None:
