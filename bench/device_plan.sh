@@ -1425,13 +1425,15 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   step 110 sync-40 python3 -m bench.prefill_stream --layers 40 --lengths 32768 --buffering double \
     --slots 768 --stream-mixer-subs 2048,8192 --sync-free-tokens 0 --no-resident --timeline --name prefill_stream-sync-40l
   ;;
-139) # ~330 s at most: does the sync-free pass hang? Plan 138's sync-free 40-layer step printed no row in 150 s,
+139) # ~480 s at most: the prefill kernels' load-time proof and `triple` on CUDA (tests), then: does the sync-free pass hang? Plan 138's sync-free 40-layer step printed no row in 150 s,
   # but a review found the bench compiling the decode cache's control kernel for a new slot count (768)
   # before any row, as plan 137's first step at 768 slots did before the sync-free code existed: the bench
   # no longer compiles it, and the warm cache now holds those compiles. Synced and sync-free rows
   # alternating in one process (12 layers, then 40 with mixer pieces of 2,048 and 8,192), the Python
   # stacks dumped (faulthandler on SIGABRT) if a step runs past its limit. Carry .whl, .devcache/commit,
   # .devcache/warm-cache.tgz.
+  FT_TAG=plan139 FT_PER_FILE=150 FT_K="cuda" bash bench/device_tests.sh tests/test_prefill_proof.py \
+    tests/test_prefill_stream.py > /dev/null  # the load-time proof; the streamed passes with `triple`
   step 100 nosync-12 env PYTHONFAULTHANDLER=1 timeout -s ABRT 90 python3 -m bench.prefill_stream --layers 12 \
     --lengths 32768 --buffering double --sync-free-tokens 0,4096,0,4096 --no-resident --timeline \
     --name prefill_stream-nosync-12l

@@ -62,3 +62,11 @@ def test_nothing_runs_when_they_are_off_or_not_used(monkeypatch):
     # no DeltaNet layers, top-k not a power of two: none of the kernels is this model's
     dense = SimpleNamespace(**{**vars(CFG), "linear_layers": [], "top_k": 6})
     assert prefill_proof.prove(dense, "cpu", torch.float32) is None and kernels.prefill_kernels()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_proof_passes_at_the_qwen36_shape():
+    """On the GPU, in bf16, at the full-size Qwen3.6-35B-A3B shape's DeltaNet and router widths."""
+    q36 = SimpleNamespace(conv_dim=8192, linear_conv_kernel_dim=4, linear_num_value_heads=32, linear_value_head_dim=128,
+                          rms_norm_eps=1e-6, num_experts=256, top_k=8, linear_layers=[0])
+    assert prefill_proof.prove(q36, "cuda", torch.bfloat16) is None and kernels.prefill_kernels()
