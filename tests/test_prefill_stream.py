@@ -17,8 +17,8 @@ from freetoken.cache.config import CacheConfig
 from freetoken.experts.stream import pick_mode, uniform_coverage
 from freetoken.runtime.engine import Engine, EngineConfig
 from freetoken.runtime.budget import work_bytes
-from freetoken.runtime.prefill_stream import (EXPERT_SUB, PrefillStream, expert_bytes_per_token, pass_bytes_per_token,
-                                             pass_reserve_bytes)
+from freetoken.runtime.prefill_stream import (EXPERT_SUB, MIXER_SUB, PrefillStream, expert_bytes_per_token,
+                                             mixer_extra_bytes, pass_bytes_per_token, pass_reserve_bytes)
 from freetoken.runtime.request import Request, SamplingOptions
 from freetoken.runtime.serving import ServingEngine
 from freetoken.server.metrics import Metrics
@@ -454,36 +454,43 @@ def test_failed_pass_restores_the_model(ftw):
 def test_pass_size_follows_the_budget(ftw, monkeypatch, caplog):
     """On CUDA a pass takes what the budget has left beside one sub-chunk's work (here the
     allocator's reading is faked): a multiple of the sub-chunk, at least one, said in the log.
-    What the pass leaves buys its experts larger sub-chunks (up to EXPERT_SUB), never a shorter
-    pass: more budget never shortens one. Asking (as /metrics does) changes nothing."""
+    What the pass leaves buys its experts larger sub-chunks (up to EXPERT_SUB), then its token
+    mixers larger pieces (MIXER_SUB, else half), never a shorter pass: more budget never shortens
+    one. Asking (as /metrics does) changes nothing."""
     from types import SimpleNamespace
     path, _ = ftw
     eng = engine(path)
     ps = eng.prefill_stream
-    assert ps.sizes() == (32768, EXPERT_SUB)  # the CPU: the caps
+    assert ps.sizes() == (32768, EXPERT_SUB, SUB)  # the CPU: the caps, the mixers in --prefill-chunk pieces
     ps.model = SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16, layers=[])
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: 5 << 30)
-    fixed = (5 << 30) + work_bytes(eng.cfg, SUB, 1, torch.bfloat16)
-    per = pass_bytes_per_token(eng.cfg, torch.bfloat16)
-    ebpt = expert_bytes_per_token(eng.cfg, torch.bfloat16)
+    bf = torch.bfloat16
+    fixed = (5 << 30) + work_bytes(eng.cfg, SUB, 1, bf)
+    per = pass_bytes_per_token(eng.cfg, bf)
+    ebpt = expert_bytes_per_token(eng.cfg, bf)
     ps.budget = fixed + 100 * per
     # the pass first; the 4 tokens' room its rounding left to the experts' sub-chunk
-    assert ps.sizes() == (96, SUB + (4 * per // ebpt) // SUB * SUB) and "limited to 96 tokens" in caplog.text
+    assert ps.sizes() == (96, SUB + (4 * per // ebpt) // SUB * SUB, SUB) and "limited to 96 tokens" in caplog.text
     ps.budget = fixed + 3 * per
-    assert ps.sizes() == (SUB, SUB)
+    assert ps.sizes() == (SUB, SUB, SUB)
     ps.budget = fixed + 32768 * per  # room for the longest pass and nothing more: the mixers' sub-chunk
-    assert ps.sizes() == (32768, SUB)
-    ps.budget += (EXPERT_SUB - SUB) * ebpt  # and for the larger sub-chunk: what the plan reserves
-    assert ps.sizes() == (32768, EXPERT_SUB)
-    assert ps.budget - fixed == pass_reserve_bytes(eng.cfg, torch.bfloat16, 10 ** 6, SUB)
-    ps.budget = fixed + 32768 * per + (EXPERT_SUB - SUB) * ebpt // 2  # half of it: a multiple of SUB between
-    n, esub = ps.sizes()
-    assert n == 32768 and SUB < esub < EXPERT_SUB and esub % SUB == 0
+    assert ps.sizes() == (32768, SUB, SUB)
+    ps.budget += (EXPERT_SUB - SUB) * ebpt  # and for the larger sub-chunk
+    assert ps.sizes() == (32768, EXPERT_SUB, SUB)
+    ps.budget += mixer_extra_bytes(eng.cfg, bf, SUB, MIXER_SUB)  # and for the larger mixer pieces: what the plan reserves
+    assert ps.sizes() == (32768, EXPERT_SUB, MIXER_SUB)
+    assert ps.budget - fixed == pass_reserve_bytes(eng.cfg, bf, 10 ** 6, SUB)
+    ps.budget -= mixer_extra_bytes(eng.cfg, bf, SUB, MIXER_SUB) // 2  # half of that room: pieces of half
+    assert ps.sizes() == (32768, EXPERT_SUB, MIXER_SUB // 2)
+    ps.budget = fixed + 32768 * per + (EXPERT_SUB - SUB) * ebpt // 2  # half of the sub-chunk's: a multiple of SUB between
+    n, esub, msub = ps.sizes()
+    assert n == 32768 and SUB < esub < EXPERT_SUB and esub % SUB == 0 and msub == SUB
     last = 0
     for extra in range(0, 40000 * per, 997 * per + 12345):  # more room never shortens a pass
         ps.budget = fixed + extra
-        n, esub = ps.sizes()
-        assert n >= last and SUB <= esub <= EXPERT_SUB and n == ps.pass_tokens()
+        n, esub, msub = ps.sizes()
+        assert n >= last and SUB <= esub <= EXPERT_SUB and SUB <= msub <= min(n, MIXER_SUB) and msub <= esub
+        assert n == ps.pass_tokens()
         last = n
     assert ps.loader.sub == SUB  # no pass ran: the sub-chunk the loader was made with
 

@@ -7,8 +7,9 @@ per chunk. A pass here takes as many tokens as the memory budget allows (`pass_t
 embed -> layer 0..L-1 -> head over all of them, so the pool crosses once per pass, each layer's
 experts loaded by the expert loader (experts/stream.py) from the hook before that layer.
 
-Inside a layer the token mixers' work stays in pieces of --prefill-chunk tokens, the size the
-memory plan's work buffers are made for: they run piece by piece in order, exactly the
+Inside a layer the token mixers' work stays in pieces: of MIXER_SUB tokens where the budget has
+room for their work buffers (the memory plan reserves it last), else of --prefill-chunk tokens,
+the size the plan's work buffers are made for. They run piece by piece in order, exactly the
 calls chunked prefill makes (attention writes each piece's K/V before the next reads them,
 DeltaNet carries its state from piece to piece), so KV, recurrent state and prefix-cache
 checkpoints are written as today. Checkpoints never force a boundary: the DeltaNet layers take
@@ -50,6 +51,13 @@ PASS_ACTS = 6  # [P, H] tensors alive at once: residual, its norm, the mixer's o
 # Not 32,768: on another H100 that saved 10% of a 32k pass (0.464 against 0.512 s, prefill_stream-gpu.json),
 # while the memory plan's reserve for it (pass_reserve_bytes) comes out of the decode cache's slots
 EXPERT_SUB = 8192
+# tokens per token-mixer piece inside a pass, where the budget has room after the pass's length and
+# its experts' sub-chunk: a 32k pass is paced by the host's launches, and pieces of 8,192 instead of
+# --prefill-chunk's 2,048 took the 40-layer Qwen3.6 shape's 32k pass on an H100 from 1.37-1.56 s to
+# 1.33 s, 1.07x its transfer floor (results/prefill_stream-msub-40l-h100-gpu.json, plans 137-138).
+# Their work buffers cost ~2.2 GB more on that shape: the memory plan reserves them last
+# (pass_reserve_bytes), within its cap of a tenth of what the fixed parts leave.
+MIXER_SUB = 8192
 
 
 def pass_bytes_per_token(cfg, dtype, pieces: int = 1) -> int:
@@ -72,13 +80,21 @@ def expert_bytes_per_token(cfg, dtype, pieces: int = 1) -> int:
     return k * inter * el + k * pieces * (cfg.hidden_size * el + 100) + cfg.hidden_size * el
 
 
+def mixer_extra_bytes(cfg, dtype, sub: int, msub: int) -> int:
+    """Device bytes token-mixer pieces of msub tokens need beyond the work buffers for sub."""
+    return max(work_bytes(cfg, msub, 1, dtype) - work_bytes(cfg, sub, 1, dtype), 0)
+
+
 def pass_reserve_bytes(cfg, dtype, max_len: int, sub: int, pieces: int = 1) -> int:
     """What the memory plan keeps for streamed passes (runtime/loop.py): a pass of up to
-    MAX_PASS_TOKENS (or the context), and the experts' sub-chunks of EXPERT_SUB tokens beyond
-    the sub-chunk the work buffers are sized for."""
+    MAX_PASS_TOKENS (or the context), the experts' sub-chunks of EXPERT_SUB tokens beyond
+    the sub-chunk the work buffers are sized for, then token-mixer pieces of MIXER_SUB tokens
+    (PrefillStream.sizes grants them in that order from what the budget has left)."""
     tokens = min(MAX_PASS_TOKENS, max_len)
     esub = max(min(EXPERT_SUB, tokens) - sub, 0)
-    return tokens * pass_bytes_per_token(cfg, dtype, pieces) + esub * expert_bytes_per_token(cfg, dtype, pieces)
+    msub = min(MIXER_SUB, tokens)
+    return (tokens * pass_bytes_per_token(cfg, dtype, pieces) + esub * expert_bytes_per_token(cfg, dtype, pieces)
+            + (mixer_extra_bytes(cfg, dtype, sub, msub) if msub > sub else 0))
 
 
 class PrefillStream:
@@ -104,6 +120,8 @@ class PrefillStream:
             self._pass_executor = PiecedExecutor(self.loader, p)
         self.ordinal = {layer: j for j, layer in enumerate(cfg.moe_layers)}
         self._limited = None  # the budget-limited pass size last logged
+        self.mixer_sub = MIXER_SUB  # the largest token-mixer piece a pass may take (sizes())
+        self._msub = self.sub  # the token mixers' piece of the latest pass
 
     @classmethod
     def for_engine(cls, engine, **kw) -> "PrefillStream":
@@ -113,20 +131,23 @@ class PrefillStream:
         """Tokens one pass may take now (sizes())."""
         return self.sizes()[0]
 
-    def sizes(self) -> tuple[int, int]:
-        """(tokens one pass may take, its experts' sub-chunk) now. Tokens: max_pass_tokens, less on CUDA when the budget's free part
+    def sizes(self) -> tuple[int, int, int]:
+        """(tokens one pass may take, its experts' sub-chunk, its token mixers' piece) now.
+        Tokens: max_pass_tokens, less on CUDA when the budget's free part
         cannot hold the pass beside one sub-chunk's work; a multiple of the sub-chunk (pieces
         then fall where chunked prefill puts its chunks), at least one. The memory plan reserves
         room for a pass (pass_reserve_bytes, at most a tenth of what the fixed parts leave);
         what the pass may take is measured here, and a limit is said once in the log.
         The pass's length comes first (a shorter pass streams the pool more often, which costs
         more than the GEMMs' shape gains); what it leaves buys expert sub-chunks of up to
-        expert_sub tokens. Changes nothing but the log: the entry points set the loader's
+        expert_sub tokens, then token-mixer pieces of mixer_sub (fewer host launches) where their
+        work buffers fit; else the mixers keep sub_tokens, and so does every pass off CUDA or
+        without a budget. Changes nothing but the log: the entry points set the loader's
         sub-chunk on the serving loop's thread, never /metrics (stats()) mid-pass."""
         cap, esub = self.max_pass_tokens, self.expert_sub
         dev = self.model.device
         if self.budget is None or torch.device(dev).type != "cuda":
-            return max(self.sub, cap // self.sub * self.sub), esub
+            return max(self.sub, cap // self.sub * self.sub), esub, self.sub
         dt = self.model.dtype
         room = max(self.budget - torch.cuda.memory_allocated(dev) - work_bytes(self.cfg, self.sub, 1, dt), 0)
         pieces = self.loader.top_k // max(1, self.cfg.top_k)
@@ -134,20 +155,28 @@ class PrefillStream:
         cap = min(cap, room // per)
         n = max(self.sub, cap // self.sub * self.sub)  # pieces fall where chunked prefill puts its chunks
         left = max(room - n * per, 0)  # what the pass leaves: the experts' larger sub-chunk's
-        esub = min(esub, self.sub + left // expert_bytes_per_token(self.cfg, dt, pieces))
+        ebpt = expert_bytes_per_token(self.cfg, dt, pieces)
+        esub = min(esub, self.sub + left // ebpt)
         esub = max(self.sub, esub // self.sub * self.sub)
+        left -= (esub - self.sub) * ebpt
+        msub = self.sub
+        for m in (self.mixer_sub, self.mixer_sub // 2):  # the larger piece, else half of it
+            if self.sub < m <= n and m % self.sub == 0 and mixer_extra_bytes(self.cfg, dt, self.sub, m) <= left:
+                msub = m
+                break
+        esub = max(esub, msub)  # the mixers' work buffers hold that many tokens' expert pairs too
         if cap < self.max_pass_tokens and n != self._limited:
             self._limited = n
             log.warning("prefill passes are limited to %d tokens by the memory budget (%.2f GB of it free); "
                         "each pass streams every expert once: leave room (a smaller KV pool or expert cache) "
                         "for longer passes", n, room / 1e9)
-        return n, esub
+        return n, esub, msub
 
     # ---- entry points (Engine.prefill / prefill_batch) -----------------------------------------
     def prefill(self, ids: list[int], st, slot: int = 0, start: int = 0, logits: bool = True,
                 capture=None) -> torch.Tensor | None:
         """One sequence's tokens at positions start.. in passes -> last logits [1, V] or None."""
-        (n, self.loader.sub), out = self.sizes(), None
+        (n, self.loader.sub, self._msub), out = self.sizes(), None
         for s in range(0, len(ids), n):
             last = s + n >= len(ids)
             out = self._pass(st, [(ids[s:s + n], slot, start + s, capture, logits and last)])
@@ -159,7 +188,7 @@ class PrefillStream:
         logits [S, V] of the segments asking for them, or None. between(i): the serving loop's
         hook before layer i of each pass (decode steps of the streams that are decoding), run
         with the expert cache frozen (_pass)."""
-        (cap, self.loader.sub), rows, batch, used = self.sizes(), [], [], 0
+        (cap, self.loader.sub, self._msub), rows, batch, used = self.sizes(), [], [], 0
 
         def flush():
             lg = self._pass(st, batch, between)
@@ -183,10 +212,10 @@ class PrefillStream:
         """One layer-major pass over segments -> logits of those asking, or None. between(i),
         if given, runs before layer i after the loader's hook (so the next layer's copies are
         queued first and run under whatever between queues), the cache frozen meanwhile."""
-        pieces, flat = [], []
+        pieces, flat, m = [], [], self._msub
         for toks, slot, start, capture, want in segs:
-            for a in range(0, len(toks), self.sub):
-                b = min(a + self.sub, len(toks))
+            for a in range(0, len(toks), m):
+                b = min(a + m, len(toks))
                 pieces.append((slot, start + a, b - a, capture, want and b == len(toks)))
             flat += list(toks)
         tokens = torch.tensor(flat, dtype=torch.long, device=self.model.device)  # [P]
@@ -226,4 +255,5 @@ class PrefillStream:
         """The loader's counters (passes by buffering, layers loaded whole or routed, experts
         copied / used in place / skipped, bytes copied) and the last pass; `pass_tokens`: what a
         pass would take now; `expert_sub`: the experts' sub-chunk of the latest pass."""
-        return {**self.loader.stats(), "pass_tokens": self.pass_tokens(), "expert_sub": self.loader.sub}
+        return {**self.loader.stats(), "pass_tokens": self.pass_tokens(), "expert_sub": self.loader.sub,
+                "mixer_sub": self._msub}
