@@ -263,44 +263,45 @@ class LayerStreamer(ExpertExecutor):
         self._used[table[table >= 0]] = True
         self.counts["experts_resident"] += len(hits)
         self.counts["experts_h2d"] += len(copies)
-        return self._issue(copies, table)
+        if self._copy is not None:  # from pinned memory: the upload does not wait for the compute stream
+            table = table.pin_memory()
+        return table.to(self.device, non_blocking=True), self._issue(copies)
 
     def _evict(self, base: int, width: int) -> None:
         held = self._id_of[base:base + width]
         self._slot_of[held[held >= 0]] = -1
         held.fill_(-1)
 
-    def _issue(self, copies: list[tuple[int, int]], table: torch.Tensor):
-        """Copy host rows -> slots, runs of consecutive ids and slots as one copy per bank, and
-        the slot table [E] to the device; on CUDA on the copy stream, the rows once the compute
-        stream is past what it has queued (the region's previous tenant). -> (the table on the
-        device, the event the compute waits for, or None).
-        The table travels on the copy stream too: an upload on the compute stream would queue
-        on the copy engine behind the bulk copy in flight, holding the next token mixer (which
-        needs no expert) until that layer's experts had landed."""
-        runs = []
-        for f, s in copies:
-            if runs and f == runs[-1][0] + runs[-1][2] and s == runs[-1][1] + runs[-1][2]:
-                runs[-1][2] += 1
-            else:
-                runs.append([f, s, 1])
+    def _issue(self, copies: list[tuple[int, int]]):
+        """Copy host rows -> slots, runs of consecutive ids and slots as one copy per bank; on
+        CUDA on the copy stream once the compute stream is past what it has queued (the
+        region's previous tenant). -> the event the compute waits for, or None."""
+        if not copies:
+            return None
         pool = self.cache.pool
+        runs, (f0, s0), n = [], copies[0], 1
+        for f, s in copies[1:]:
+            if f == f0 + n and s == s0 + n:
+                n += 1
+            else:
+                runs.append((f0, s0, n))
+                (f0, s0), n = (f, s), 1
+        runs.append((f0, s0, n))
+
+        def copy():
+            pool.copy_runs(runs)  # every bank of each run: gate_up, down (values, scales), biases
         self.counts["bytes_h2d"] += len(copies) * pool.slot_bytes
         if self._copy is None:
-            pool.copy_runs(runs)  # every bank of each run: gate_up, down (values, scales), biases
-            return table.to(self.device), None
-        compute = torch.cuda.current_stream(self.device)
+            copy()
+            return None
         ready = torch.cuda.Event()
-        ready.record(compute)
+        ready.record(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._copy):
-            dev_table = table.pin_memory().to(self.device, non_blocking=True)  # [E]
-            dev_table.record_stream(compute)  # read there: not reused before the compute is past it
-            if runs:
-                self._copy.wait_event(ready)
-                pool.copy_runs(runs)
+            self._copy.wait_event(ready)
+            copy()
             done = torch.cuda.Event()
             done.record(self._copy)
-        return dev_table, done
+        return done
 
     # ---- computing --------------------------------------------------------------------------
     def _compute(self, x, local, live, weights, table, event) -> torch.Tensor:
