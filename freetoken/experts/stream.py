@@ -52,6 +52,7 @@ from .executor import NO_EXPERT, ExpertExecutor, Pending
 
 log = logging.getLogger("freetoken.experts")
 MODES = ("triple", "double", "single", "on-demand")
+REGIONS = {"triple": 3, "double": 2}  # layer buffers a mode keeps (else one)
 BUFFERING = ("auto",) + MODES
 # TRIPLE: with two regions the copy of layer j+1 waits for layer j-1's experts, and on an H100 the
 # copy engine idled ~18 ms after each attention layer of a 32k pass of the Qwen3.6 shape (plan 135,
@@ -131,9 +132,9 @@ class LayerStreamer(ExpertExecutor):
         self.mode = pick_mode(self.buffering, s, e)
         if self.mode != self.buffering and self.buffering != "auto" and not self._warned:
             log.warning("prefill buffering %s needs %d expert slots, the pool has %d: %s instead", self.buffering,
-                        {"triple": 3, "double": 2}.get(self.buffering, 1) * e, s, self.mode)
+                        REGIONS.get(self.buffering, 1) * e, s, self.mode)
             self._warned = True
-        self.regions = {"triple": 3, "double": 2}.get(self.mode, 1)
+        self.regions = REGIONS.get(self.mode, 1)
         self.width = e if self.mode != "on-demand" else min(s, e)  # slots per region
         self.base = s - self.regions * self.width
         res = pool.res
@@ -160,7 +161,7 @@ class LayerStreamer(ExpertExecutor):
 
     def before_layer(self, j: int) -> None:
         """The hook before MoE layer j's token mixer: start the loads this mode runs ahead."""
-        if self.mode in ("double", "triple"):
+        if self.mode in REGIONS:
             ahead = self.regions - 1
             # the first layers at once, then layer j + ahead into the region layer j-1 leaves
             for k in (range(ahead + 1) if j == 0 else (j + ahead,)):
