@@ -1425,23 +1425,33 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   step 110 sync-40 python3 -m bench.prefill_stream --layers 40 --lengths 32768 --buffering double \
     --slots 768 --stream-mixer-subs 2048,8192 --sync-free-tokens 0 --no-resident --timeline --name prefill_stream-sync-40l
   ;;
-139) # ~480 s at most: the prefill kernels' load-time proof and `triple` on CUDA (tests), then: does the sync-free pass hang? Plan 138's sync-free 40-layer step printed no row in 150 s,
-  # but a review found the bench compiling the decode cache's control kernel for a new slot count (768)
-  # before any row, as plan 137's first step at 768 slots did before the sync-free code existed: the bench
-  # no longer compiles it, and the warm cache now holds those compiles. Synced and sync-free rows
-  # alternating in one process (12 layers, then 40 with mixer pieces of 2,048 and 8,192), the Python
-  # stacks dumped (faulthandler on SIGABRT) if a step runs past its limit. Carry .whl, .devcache/commit,
-  # .devcache/warm-cache.tgz.
+139) # ~300 s at most: the prefill kernels' load-time proof and the streamed passes on CUDA (tests: `triple`,
+  # and the slot tables uploaded on the copy stream), then on the 12-layer slice, alternating in one process:
+  # the synced pass against the sync-free one (plan 138's sync-free 40-layer step printed no row in 150 s, most
+  # likely the bench compiling the decode cache's control kernel for 768 slots first; the bench no longer
+  # compiles it), each with the slot tables on the compute stream and on the copy stream
+  # (experts/stream.py TABLE_ON_COPY). Python stacks dumped (SIGABRT) if a step runs past its limit.
+  # Carry .whl, .devcache/commit, .devcache/warm-cache.tgz.
   FT_TAG=plan139 FT_PER_FILE=150 FT_K="cuda" bash bench/device_tests.sh tests/test_prefill_proof.py \
     tests/test_prefill_stream.py > /dev/null  # the load-time proof; the streamed passes with `triple`
-  step 100 nosync-12 env PYTHONFAULTHANDLER=1 timeout -s ABRT 90 python3 -m bench.prefill_stream --layers 12 \
-    --lengths 32768 --buffering double --sync-free-tokens 0,4096,0,4096 --no-resident --timeline \
+  step 110 nosync-12 env PYTHONFAULTHANDLER=1 timeout -s ABRT 100 python3 -m bench.prefill_stream --layers 12 \
+    --lengths 32768 --buffering double --sync-free-tokens 0,4096,0,4096 --table-on-copy 0,1 --no-resident \
     --name prefill_stream-nosync-12l
-  step 200 nosync-40 env PYTHONFAULTHANDLER=1 timeout -s ABRT 190 python3 -m bench.prefill_stream --layers 40 \
-    --lengths 32768 --buffering double --stream-mixer-subs 2048,8192 --sync-free-tokens 0,4096 --no-resident \
-    --timeline --name prefill_stream-nosync-40l
   ;;
-*) echo "stage 0 to 139"; exit 2 ;;
+140) # ~330 s at most: plan 139's choices on the 40 layers with the engine's mixer pieces of 8,192 (plan 137-138:
+  # the host no longer paces the pass there, 35 ms of host gaps, but the copy engine still idles ~15 ms after
+  # each attention layer: the next region frees only when that layer's compute ends, which a third region
+  # removes; `triple` was measured only with pieces of 2,048). double and triple (768 slots) x synced and
+  # sync-free x tables on the compute or the copy stream, in one process; then pieces of 2,048 synced
+  # against sync-free (where plan 138 found 557 ms of host gaps).
+  step 230 modes-40 env PYTHONFAULTHANDLER=1 timeout -s ABRT 220 python3 -m bench.prefill_stream --layers 40 \
+    --lengths 32768 --buffering double,triple --slots 768 --stream-mixer-subs 8192 --sync-free-tokens 0,4096 \
+    --table-on-copy 0,1 --no-resident --name prefill_stream-modes-40l
+  step 100 nosync2048-40 env PYTHONFAULTHANDLER=1 timeout -s ABRT 90 python3 -m bench.prefill_stream --layers 40 \
+    --lengths 32768 --buffering double --stream-mixer-subs 2048 --sync-free-tokens 0,4096,0,4096 --no-resident \
+    --name prefill_stream-nosync2048-40l
+  ;;
+*) echo "stage 0 to 140"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole

@@ -141,11 +141,13 @@ def run_layers(layers: int, a, dev, res: dict) -> None:
     cache.warm_control = False
     cache.allocate(slots)
     model = model_class(mc.arch)(mc, w, cache, dev, torch.bfloat16, max_len)
-    for buffering, msub, sft in [(b, int(m), int(t)) for b in a.buffering.split(",")
-                                 for m in a.stream_mixer_subs.split(",") for t in a.sync_free_tokens.split(",")]:
+    for buffering, msub, sft, toc in [(b, int(m), int(t), c == "1") for b in a.buffering.split(",")
+                                      for m in a.stream_mixer_subs.split(",") for t in a.sync_free_tokens.split(",")
+                                      for c in a.table_on_copy.split(",")]:
         ps = PrefillStream(model, mc, cache, msub, max_pass_tokens=a.pass_tokens, buffering=buffering)
         if sft >= 0:  # passes this long skip the loader's routed-set sync (experts/stream.py)
             ps.loader.sync_free_tokens = sft or None
+        ps.loader.table_on_copy = toc  # a layer's slot table uploaded on the copy stream (experts/stream.py)
 
         def prefill(n):
             st.reset(0)
@@ -155,7 +157,8 @@ def run_layers(layers: int, a, dev, res: dict) -> None:
             ps.prefill(prompt[:n], st, 0, 0)
             torch.cuda.synchronize()
             return time.perf_counter() - t
-        print(f"{buffering}, mixer pieces of {msub}, sync-free from {ps.loader.sync_free_tokens}: warm-up passes",
+        print(f"{buffering}, mixer pieces of {msub}, sync-free from {ps.loader.sync_free_tokens}, "
+              f"table on the copy stream {toc}: warm-up passes",
               flush=True)
         prefill(min(SUB, max(lengths)))  # compile and autotune
         prefill(min(a.pass_tokens, max(lengths)))
@@ -168,7 +171,7 @@ def run_layers(layers: int, a, dev, res: dict) -> None:
                                                              "experts_skipped", "passes")}
             passes = max(1, d["passes"])
             row = {"layers": layers, "prompt_tokens": n, "buffering": buffering, "mode_ran": ps.loader.mode,
-                   "mixer_sub": msub, "sync_free_tokens": ps.loader.sync_free_tokens,
+                   "mixer_sub": msub, "sync_free_tokens": ps.loader.sync_free_tokens, "table_on_copy": toc,
                    "tok_s": round(n / wall, 1), "pass_s": round(wall / passes, 4), "passes": passes,
                    "floor_s": round(floor_s, 4), "floor_bulk_s": round(floor_bulk_s, 4),
                    "of_floor": round(floor_s / (wall / passes), 3), "pass_tokens": ps.pass_tokens(), **d,
@@ -343,6 +346,9 @@ def main():
                     help="passes of this many tokens or more skip the loader's per-layer routed-set sync "
                          "(experts/stream.py SYNC_FREE_TOKENS; 0: never skip; -1: the loader's default); "
                          "several separated by commas: rows for each, in turn")
+    ap.add_argument("--table-on-copy", default="0",
+                    help="1: a layer's slot table goes up on the copy stream ahead of its bulk copy, 0: on the "
+                         "compute stream (experts/stream.py TABLE_ON_COPY); 0,1: rows for each, in turn")
     ap.add_argument("--stream-mixer-subs", default=str(SUB),
                     help="the token mixers' piece sizes of the streamed rows (the engine's: --prefill-chunk, 2,048)")
     ap.add_argument("--mixer-subs", default=str(SUB),
@@ -371,6 +377,8 @@ def main():
     if not all(v.strip().lstrip("-").isdigit() and int(v) >= -1 for v in a.sync_free_tokens.split(",")):
         ap.error(f"--sync-free-tokens takes token counts (0: never, -1: the default) separated by commas, "
                  f"got {a.sync_free_tokens!r}")
+    if not all(v.strip() in ("0", "1") for v in a.table_on_copy.split(",")):
+        ap.error(f"--table-on-copy takes 0 or 1 separated by commas, got {a.table_on_copy!r}")
     if a.profile and not a.compute_pass:
         ap.error("--profile profiles the --compute-pass rows: give --compute-pass too")
     if not torch.cuda.is_available():

@@ -510,12 +510,14 @@ def test_mode_choice():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("buffering,pass_tokens", [("double", 32768), ("double", 2048), ("single", 4096),
-                                                   ("on-demand", 32768), ("triple", 32768)])
-def test_cuda_streamed_prefill_equals_resident(tmp_path_factory, buffering, pass_tokens):
+@pytest.mark.parametrize("buffering,pass_tokens,table_on_copy", [
+    ("double", 32768, False), ("double", 2048, False), ("single", 4096, False), ("on-demand", 32768, False),
+    ("triple", 32768, False), ("double", 32768, True), ("on-demand", 32768, True)])
+def test_cuda_streamed_prefill_equals_resident(tmp_path_factory, buffering, pass_tokens, table_on_copy):
     """On the GPU (copy stream, events, bf16): 1, 511, 4,096 and 16,384 tokens, one pass or several,
     against the all-resident experts and the regular prefill through the cache, within bf16
-    rounding; then a decode step through the cache the pass left behind."""
+    rounding; then a decode step through the cache the pass left behind. table_on_copy: the slot
+    tables go up on the copy stream (experts/stream.py TABLE_ON_COPY)."""
     path = build(tmp_path_factory, "cuda", 43, 16400)[0]
 
     def make(moe):
@@ -524,6 +526,7 @@ def test_cuda_streamed_prefill_equals_resident(tmp_path_factory, buffering, pass
     regular.prefill_stream = None
     eng.prefill_stream = PrefillStream(eng.model, eng.cfg, eng.executor, eng.ecfg.prefill_chunk,
                                        max_pass_tokens=pass_tokens, buffering=buffering)
+    eng.prefill_stream.loader.table_on_copy = table_on_copy
     for n in (1, 511, 4096, 16384):
         ids = prompt(n, seed=n)
         states = [x.new_state(n + 8) for x in (resident, regular, eng)]

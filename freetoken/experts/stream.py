@@ -71,6 +71,11 @@ BUFFERING = ("auto",) + MODES
 # 137's first step at that count stalled the same way without this path); plan 139 measures it
 # against the synced pass in one process. 4,096 is the value to try.
 SYNC_FREE_TOKENS = None
+# a layer's slot table [E] goes up on the copy stream ahead of that layer's bulk copy (the compute
+# waits for the copy anyway) instead of on the compute stream. The hypothesis (plan 137's pacing):
+# an upload on the compute stream queues on the copy engine behind the bulk copy in flight and
+# holds the next token mixer until that copy lands. Off until plan 139 measures it.
+TABLE_ON_COPY = False
 # a full layer is loaded while the predicted share of a layer's experts routed to is at least
 # this: loading it all overlaps the compute, loading the routed ones only does not, so skipping
 # pays when few are left out and little compute hides the transfer (short passes)
@@ -115,6 +120,7 @@ class LayerStreamer(ExpertExecutor):
         self._warned = False
         self.mode = None  # the running (or last) pass's buffering
         self.sync_free_tokens = SYNC_FREE_TOKENS  # an attribute: benchmarks try the sync-free path
+        self.table_on_copy = TABLE_ON_COPY  # an attribute: benchmarks try both
         self.counts = {"passes": 0, "passes_triple": 0, "passes_double": 0, "passes_single": 0, "passes_on_demand": 0, "tokens": 0,
                        "layers_full": 0, "layers_routed": 0, "experts_h2d": 0, "experts_resident": 0,
                        "experts_skipped": 0, "bytes_h2d": 0}
@@ -264,8 +270,13 @@ class LayerStreamer(ExpertExecutor):
         self._used[table[table >= 0]] = True
         self.counts["experts_resident"] += len(hits)
         self.counts["experts_h2d"] += len(copies)
-        if self._copy is not None:  # from pinned memory: the upload does not wait for the compute stream
-            table = table.pin_memory()
+        if self._copy is None:
+            return table.to(self.device), self._issue(copies)
+        table = table.pin_memory()  # from pinned memory: the upload does not wait for the compute stream
+        if copies and self.table_on_copy:
+            # allocated on the compute stream, which reads it only after waiting for the copies' event
+            dev = torch.empty(e, dtype=torch.int64, device=self.device)  # [E]
+            return dev, self._issue(copies, (dev, table))
         return table.to(self.device, non_blocking=True), self._issue(copies)
 
     def _evict(self, base: int, width: int) -> None:
@@ -273,10 +284,11 @@ class LayerStreamer(ExpertExecutor):
         self._slot_of[held[held >= 0]] = -1
         held.fill_(-1)
 
-    def _issue(self, copies: list[tuple[int, int]]):
+    def _issue(self, copies: list[tuple[int, int]], table=None):
         """Copy host rows -> slots, runs of consecutive ids and slots as one copy per bank; on
         CUDA on the copy stream once the compute stream is past what it has queued (the
-        region's previous tenant). -> the event the compute waits for, or None."""
+        region's previous tenant); table: (device [E], pinned host [E]) uploaded first on that
+        stream. -> the event the compute waits for, or None."""
         if not copies:
             return None
         pool = self.cache.pool
@@ -299,6 +311,8 @@ class LayerStreamer(ExpertExecutor):
         ready.record(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._copy):
             self._copy.wait_event(ready)
+            if table is not None:
+                table[0].copy_(table[1], non_blocking=True)
             copy()
             done = torch.cuda.Event()
             done.record(self._copy)
