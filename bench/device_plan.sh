@@ -1451,7 +1451,15 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
     --lengths 32768 --buffering double --stream-mixer-subs 2048 --sync-free-tokens 0,4096,0,4096 --no-resident \
     --name prefill_stream-nosync2048-40l
   ;;
-*) echo "stage 0 to 140"; exit 2 ;;
+141) # ~480 s at most: plans 139 and 140 cut to one call for a session with little device time: the CUDA
+  # tests, then the 40-layer modes step (no 12-layer rows, no pieces of 2,048).
+  FT_TAG=plan141 FT_PER_FILE=150 FT_K="cuda" bash bench/device_tests.sh tests/test_prefill_proof.py \
+    tests/test_prefill_stream.py > /dev/null
+  step 230 modes-40 env PYTHONFAULTHANDLER=1 timeout -s ABRT 220 python3 -m bench.prefill_stream --layers 40 \
+    --lengths 32768 --buffering double,triple --slots 768 --stream-mixer-subs 8192 --sync-free-tokens 0,4096 \
+    --table-on-copy 0,1 --no-resident --name prefill_stream-modes-40l
+  ;;
+*) echo "stage 0 to 141"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole
