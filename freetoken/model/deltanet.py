@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..experts.cpu.denormals import flushed
 from ..kernels import fla_delta, prefill_kernels, use_triton
 from ..kernels.causal_conv import causal_conv_silu_torch, conv_sequence, conv_state_after
 from .layers import FusedLinear, gated_rms_norm
@@ -200,7 +201,8 @@ class GatedDeltaNet:
             core, new, snaps = done
         else:
             q, k, v, g, beta = self._gates_and_heads(mixed, a, b)
-            core, new, snaps = chunk_gated_delta_rule(q, k, v, g, beta, rec, cuts=cuts)
+            with flushed(x.device):  # its decays' products are fp32 denormals (experts/cpu/denormals.h)
+                core, new, snaps = chunk_gated_delta_rule(q, k, v, g, beta, rec, cuts=cuts)
         rec.copy_(new)
         w = conv_state.shape[1]
         for c, snap in zip(cuts, snaps):  # conv state after c tokens: the K-1 inputs before it
@@ -227,7 +229,8 @@ class GatedDeltaNet:
             done = fla_delta.try_chunk_delta_fla(q, k, v, g * real, beta * real, rec, self.dk ** -0.5)
         if done is None:
             q, k, v, g, beta = self._gates_and_heads(mixed, a, b)
-            done = chunk_gated_delta_rule(q, k, v, g * real, beta * real, rec)
+            with flushed(x.device):
+                done = chunk_gated_delta_rule(q, k, v, g * real, beta * real, rec)
         core, new, _ = done
         rec.copy_(new)
         return self._finish(core, z, x.dtype)

@@ -41,7 +41,7 @@ INT8_KERNELS = ("scalar", "vnni", "vbmi")
 
 
 EXT_NAME = "freetoken_moe_cpu"
-HEADERS = ("attention.h", "dense.h", "deltanet.h")  # included by moe_cpu.cpp
+HEADERS = ("attention.h", "dense.h", "deltanet.h", "denormals.h")  # included by moe_cpu.cpp
 BUILD_SECONDS = "20-60 s"  # for the first-run message
 
 
