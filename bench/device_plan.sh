@@ -1459,7 +1459,15 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
     --lengths 32768 --buffering double,triple --slots 768 --stream-mixer-subs 8192 --sync-free-tokens 0,4096 \
     --table-on-copy 0,1 --no-resident --name prefill_stream-modes-40l
   ;;
-*) echo "stage 0 to 141"; exit 2 ;;
+142) # ~330 s at most: plan 141 cut further for ~450 s of device time: the two CUDA cases of the slot tables on
+  # the copy stream, then the 40-layer modes step.
+  FT_TAG=plan142 FT_PER_FILE=100 FT_K="cuda_streamed_prefill_equals_resident and True" bash bench/device_tests.sh \
+    tests/test_prefill_stream.py > /dev/null
+  step 230 modes-40 env PYTHONFAULTHANDLER=1 timeout -s ABRT 220 python3 -m bench.prefill_stream --layers 40 \
+    --lengths 32768 --buffering double,triple --slots 768 --stream-mixer-subs 8192 --sync-free-tokens 0,4096 \
+    --table-on-copy 0,1 --no-resident --name prefill_stream-modes-40l
+  ;;
+*) echo "stage 0 to 142"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole
