@@ -41,15 +41,35 @@ def test_every_thread_flushes_inside_and_none_after():
         torch.set_num_threads(threads)
 
 
-def test_a_caller_that_flushes_keeps_it():
+def test_a_caller_that_flushes_keeps_it_and_the_team_is_cleared():
+    """torch.set_flush_denormal(True) before (the caller only): the caller keeps it after, and the
+    team's other threads, which torch cannot set, are cleared again."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
     torch.set_flush_denormal(True)
     try:
         with flushed(CPU):
             pass
-        assert float((torch.tensor([TINY]) * TINY).abs().max()) == 0.0
+        assert float((torch.tensor([TINY]) * TINY).abs().max()) == 0.0  # one element: the caller's
     finally:
         torch.set_flush_denormal(False)
-    assert denormal_share(torch.tensor([TINY]) * TINY) == 1.0
+    try:
+        assert denormal_share(products()) == 1.0  # no thread left flushing
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_nested_uses_leave_it_to_the_outermost():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with flushed(CPU):
+            with flushed(CPU):
+                pass
+            assert float(products().abs().max()) == 0.0  # still on after the inner one ended
+        assert denormal_share(products()) == 1.0
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_off_switch_and_other_devices(monkeypatch):

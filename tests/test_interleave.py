@@ -748,7 +748,9 @@ def test_tail_cycles_teach_the_points_after_a_forwards_last_step(eng):
         finally:
             del srv.engine.prefill_batch  # the engine is the module's: its own method again
         assert missed, "no interleaved forward of the long prompt"
-        assert max(spans) < 0.05, spans
+        # the bound: the host's work before the forward (milliseconds alone; 65 ms was seen with the
+        # suite in two processes on two cores), far under the server's idle time that must not count
+        assert max(spans) < 0.15, spans
         if tail:
             assert all(m == [] for m in missed), missed
         else:

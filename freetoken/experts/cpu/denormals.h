@@ -38,13 +38,17 @@ inline GompParallel gomp_parallel() {
 
 }  // namespace ft_denormals
 
-// on: set (true) or clear the bits. -> 2: the caller and its OpenMP team; 1: the caller only
-// (no GNU OpenMP loaded). Returns the caller's previous state in bit 2 (4: it had them set).
-int64_t flush_denormals(bool on) {
+// caller / team: set (true) or clear the bits on the calling thread / on the other threads of its
+// OpenMP team (the team's region runs on the caller too: the caller's setting is applied after).
+// -> 2: the team was reached; 1: the caller only (no GNU OpenMP loaded); plus 4 if the caller had
+// the bits set before.
+int64_t flush_denormals(bool caller, bool team) {
   int64_t was = (_mm_getcsr() & ft_denormals::kFtzDaz) == ft_denormals::kFtzDaz ? 4 : 0;
-  ft_denormals::set_here(&on);
-  auto par = ft_denormals::gomp_parallel();
-  if (par == nullptr) return was | 1;
-  par(ft_denormals::set_here, &on, 0, 0);  // 0 threads: the team size of the caller's next parallel region
-  return was | 2;
+  int64_t reached = 1;
+  if (auto par = ft_denormals::gomp_parallel()) {
+    par(ft_denormals::set_here, &team, 0, 0);  // 0 threads: the team size of the caller's next parallel region
+    reached = 2;
+  }
+  ft_denormals::set_here(&caller);
+  return was | reached;
 }

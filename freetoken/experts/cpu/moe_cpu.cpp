@@ -2155,8 +2155,9 @@ int64_t host_call_size() { return int64_t(sizeof(HostCall)); }
 #include "denormals.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("flush_denormals", &flush_denormals, "set (or clear) flush-to-zero and denormals-are-zero on the caller "
-        "and torch's OpenMP team; -> 2 both, 1 the caller only, plus 4 if the caller had them set (denormals.h)");
+  m.def("flush_denormals", &flush_denormals, "set (or clear) flush-to-zero and denormals-are-zero on the caller and "
+        "on the rest of torch's OpenMP team; -> 2 the team reached, 1 the caller only, plus 4 if the caller had them "
+        "set (denormals.h)", py::arg("caller"), py::arg("team"));
   m.def("paged_decode", &paged_decode_cpu, "paged decode attention over host pages (attention.h)");
   m.def("dense_gemv", &dense_gemv, "x [M, K] @ w [N, K]^T + b for the few rows of a decode step (dense.h)",
         py::arg("x"), py::arg("w"), py::arg("b"), py::arg("isa_cap") = 3);
