@@ -5,17 +5,16 @@ reaches about -32 s and, past s ~ 2.7, its decays' products are fp32 denormals.
     python -m bench.deltanet_denormals [--tokens 512] [--scales 1,2,3.3,5,10] [--threads 2]
 
 Each row: ms of the plain call (IEEE denormals on torch's OpenMP workers), ms inside `flushed`,
-and the largest difference of their outputs. Results: benchmarks/results/deltanet_denormals-cpu.json.
+and the largest difference of their outputs (medians of --reps calls). Results: benchmarks/results/deltanet_denormals-cpu.json.
 """
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 
-from bench.common import write_result
+from bench.common import timeit, write_result
 from freetoken.experts.cpu import extension
 from freetoken.experts.cpu.denormals import flushed
 from freetoken.model.deltanet import chunk_gated_delta_rule
@@ -29,16 +28,6 @@ def inputs(tokens: int, heads: int, d: int, scale: float, seed: int = 1):
     decay = -torch.rand(tokens, heads, generator=g) * scale  # [T, Hv] log-decay per token
     beta = torch.rand(tokens, heads, generator=g)  # [T, Hv]
     return q, k, v, decay, beta, torch.zeros(heads, d, d)
-
-
-def best_ms(fn, reps: int) -> float:
-    fn()
-    out = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return round(min(out) * 1e3, 1)
 
 
 def main() -> None:
@@ -62,7 +51,8 @@ def main() -> None:
         def flushed_call():
             with flushed(cpu):
                 return chunk_gated_delta_rule(*x)
-        plain, flush = best_ms(lambda: chunk_gated_delta_rule(*x), a.reps), best_ms(flushed_call, a.reps)
+        plain, flush = (round(timeit(f, warmup=1, iters=a.reps) * 1e3, 1)
+                       for f in (lambda: chunk_gated_delta_rule(*x), flushed_call))
         diff = float((chunk_gated_delta_rule(*x)[0] - flushed_call()[0]).abs().max())
         row = {"gate_scale": s, "plain_ms": plain, "flushed_ms": flush, "speedup": round(plain / flush, 2),
                "max_abs_diff": diff}
