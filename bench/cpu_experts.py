@@ -143,6 +143,9 @@ def main():
     ap.add_argument("--fixed-cost", action="store_true",
                     help="also time batch-1 calls on experts already in cache: one expert, and the same "
                          "top-k every call (what a call costs besides streaming its bytes)")
+    ap.add_argument("--decode-once", default="",
+                    help="N,M,...: the bf16-activation row again with each decode-once threshold (moe_cpu "
+                         "set_decode_once; 0: the rows decoded once per two tokens), alternating, twice each")
     ap.add_argument("--plain-banks", action="store_true",
                     help="banks in plain torch tensors instead of the engine's (huge-page) host buffers")
     a = ap.parse_args()
@@ -200,6 +203,16 @@ def main():
                "cpp_ms": round(t_cpp * 1e3, 3), "cpp_gbs": round(distinct * per_expert / t_cpp / 1e9, 1),
                "cpp_bf16act_ms": round(t_bf * 1e3, 3),
                "cpp_bf16act_gbs": round(distinct * per_expert / t_bf / 1e9, 1)}
+        if a.decode_once and ex.handle is not None:  # A/B of the decode-once threshold, alternating
+            ab: dict[str, list[float]] = {}
+            before = extension().set_decode_once(4)
+            for _ in range(2):
+                for m in [int(v) for v in a.decode_once.split(",") if v]:
+                    extension().set_decode_once(m)
+                    ab.setdefault(str(m), []).append(
+                        round(run(lambda x, ids, w: ex.kernel(x.bfloat16(), ids, w)) * 1e3, 3))
+            extension().set_decode_once(before)
+            row["bf16act_ms_by_decode_once"] = ab
         if a.format in ("mxfp4", "nvfp4") and ex.handle is not None:  # --cpu-act int8, same executor
             vnni = ex.set_act(True) == "int8"
             kernel = ex.int8_kernel

@@ -1467,7 +1467,16 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
     --lengths 32768 --buffering double,triple --slots 768 --stream-mixer-subs 8192 --sync-free-tokens 0,4096 \
     --table-on-copy 0,1 --no-resident --name prefill_stream-modes-40l
   ;;
-*) echo "stage 0 to 142"; exit 2 ;;
+143) # ~420 s at most: TABLE_ON_COPY and SYNC_FREE_TOKENS=4096 now on by default (plan 140): the CUDA cases of
+  # the streamed passes with them, then through the serving loop: TTFT of 8k and 32k prompts alone on the
+  # 40 layers with the experts behind the GPU cache (streamed passes), tables on the compute stream then
+  # on the copy stream. Carry .whl, .devcache/commit, .devcache/warm-cache.tgz.
+  FT_TAG=plan143 FT_PER_FILE=150 FT_K="cuda" bash bench/device_tests.sh tests/test_prefill_stream.py > /dev/null
+  step 260 idle-cache-40 env PYTHONFAULTHANDLER=1 timeout -s ABRT 250 python3 -m bench.idle_prefill --full-size \
+    --layers 40 --experts cache --lengths 8192,32768 --idle auto --reps 2 --table-on-copy 0,1 \
+    --name idle_prefill-cache-40l
+  ;;
+*) echo "stage 0 to 143"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole

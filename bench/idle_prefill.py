@@ -74,19 +74,36 @@ def main():
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--full-size", action="store_true", help="Qwen3.6-35B-A3B shape, random weights (GPU machine)")
     ap.add_argument("--layers", type=int, default=40, help="with --full-size")
+    ap.add_argument("--experts", default="gpu", choices=["gpu", "cache"],
+                    help="with --full-size: every expert in VRAM, or in host memory behind the GPU cache (a "
+                         "long prompt then prefills in streamed passes, runtime/prefill_stream.py)")
+    ap.add_argument("--expert-cache", default="", help="with --experts cache: the cache's size (default: the "
+                    "engine's memory plan)")
+    ap.add_argument("--table-on-copy", default="", help="with --experts cache: 0,1 runs every setting with the "
+                    "passes' slot tables on the compute stream, then on the copy stream (experts/stream.py "
+                    "TABLE_ON_COPY); default: the engine's")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--name", default="")
     a = ap.parse_args()
     lengths = [int(x) for x in a.lengths.split(",")]
     ctx = max(lengths) + 64
     if a.full_size:
-        eng = full_size_engine(a.layers, "cuda", max_len=ctx)
+        extra = {"expert_cache": a.expert_cache} if a.expert_cache else {}
+        eng = full_size_engine(a.layers, "cuda", experts_on=a.experts, max_len=ctx, **extra)
     else:
         eng = Engine(demo_path(), EngineConfig(device=a.device, max_seq_len=ctx))
-    rows = [setting(eng, s, lengths, a.reps) for s in a.idle.split(",")]
+    rows = []
+    for toc in [int(v) for v in a.table_on_copy.split(",") if v] or [None]:
+        if toc is not None and eng.prefill_stream is not None:
+            eng.prefill_stream.loader.table_on_copy = bool(toc)
+        for s in a.idle.split(","):
+            rows.append(setting(eng, s, lengths, a.reps))
+            rows[-1]["table_on_copy"] = (eng.prefill_stream.loader.table_on_copy
+                                         if eng.prefill_stream is not None else None)
     name = a.name or "idle_prefill" + ("-full" if a.full_size else "")
     write_result(name, {"model": f"Qwen3.6-35B-A3B shape, {a.layers} layers" if a.full_size else "demo",
-                        "device": str(eng.device), "experts_on": eng.experts_on, "context": ctx, "settings": rows})
+                        "device": str(eng.device), "experts_on": eng.experts_on, "context": ctx, "settings": rows,
+                        "prefill_passes": eng.prefill_stream.stats() if eng.prefill_stream is not None else None})
 
 
 if __name__ == "__main__":

@@ -114,7 +114,7 @@ def test_streamed_prefill_equals_regular(ftw, buffering):
 
 
 def test_sync_free_passes_equal_regular(ftw):
-    """experts/stream.py sync_free_tokens (off by default, SYNC_FREE_TOKENS): passes this long skip
+    """experts/stream.py sync_free_tokens (SYNC_FREE_TOKENS, 4,096 by default): passes this long skip
     the host read of a fully loaded layer's routed set. The same logits and state, whole layers
     loaded, no coverage measured from them (the prediction stays the pass length's)."""
     path, _ = ftw
@@ -511,13 +511,14 @@ def test_mode_choice():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("buffering,pass_tokens,table_on_copy", [
-    ("double", 32768, False), ("double", 2048, False), ("single", 4096, False), ("on-demand", 32768, False),
-    ("triple", 32768, False), ("double", 32768, True), ("on-demand", 32768, True)])
+    ("double", 32768, True), ("double", 2048, True), ("single", 4096, True), ("on-demand", 32768, True),
+    ("triple", 32768, True), ("double", 32768, False), ("on-demand", 32768, False)])
 def test_cuda_streamed_prefill_equals_resident(tmp_path_factory, buffering, pass_tokens, table_on_copy):
     """On the GPU (copy stream, events, bf16): 1, 511, 4,096 and 16,384 tokens, one pass or several,
     against the all-resident experts and the regular prefill through the cache, within bf16
     rounding; then a decode step through the cache the pass left behind. table_on_copy: the slot
-    tables go up on the copy stream (experts/stream.py TABLE_ON_COPY)."""
+    tables go up on the copy stream (experts/stream.py TABLE_ON_COPY, the default) or on the
+    compute stream. Passes of 4,096 tokens or more skip the routed-set sync (SYNC_FREE_TOKENS)."""
     path = build(tmp_path_factory, "cuda", 43, 16400)[0]
 
     def make(moe):

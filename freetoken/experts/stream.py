@@ -63,19 +63,20 @@ BUFFERING = ("auto",) + MODES
 # passes of at least this many tokens skip the host sync that reads a fully loaded layer's routed
 # set: it only updates the coverage prediction, and at 4,096 tokens x top-k every expert of a layer
 # is routed to even under skewed routing. The sync kept the host in lockstep with the device, the
-# next layer's launches (and the copy they queue) waiting for this layer's router: on an H100 the
-# copy engine idled 4 ms after each DeltaNet layer of a 32k pass and 18 ms after each attention
-# layer (plan 137, results/prefill_stream-abab-40l-h100-gpu.json). Off (None) by default until it
-# runs on a GPU: its first run (plan 138, a 40-layer 32k pass) printed no row within 150 s, most
-# likely the bench compiling the decode cache's control kernel for a new slot count first (plan
-# 137's first step at that count stalled the same way without this path); plan 139 measures it
-# against the synced pass in one process. 4,096 is the value to try.
-SYNC_FREE_TOKENS = None
+# next layer's launches (and the copy they queue) waiting for this layer's router. On an H100, 40
+# layers, 32k, double buffering, alternating in one process: 1.345 / 1.346 s a pass without it
+# against 1.474 / 1.523 s with it, mixers in pieces of 2,048 (plan 140,
+# results/prefill_stream-nosync2048-40l-h100-gpu.json); with pieces of 8,192 the same either way
+# (prefill_stream-modes-40l{,-run2}-h100-gpu.json). None: always sync.
+SYNC_FREE_TOKENS = 4096
 # a layer's slot table [E] goes up on the copy stream ahead of that layer's bulk copy (the compute
-# waits for the copy anyway) instead of on the compute stream. The hypothesis (plan 137's pacing):
-# an upload on the compute stream queues on the copy engine behind the bulk copy in flight and
-# holds the next token mixer until that copy lands. Off until plan 139 measures it.
-TABLE_ON_COPY = False
+# waits for the copy anyway) instead of on the compute stream, where it queued on the copy engine
+# behind the bulk copy in flight and held the next token mixer until that copy landed. On an H100,
+# 40 layers, 32k, mixers in pieces of 8,192, in two processes of 8 rows each (plan 140,
+# results/prefill_stream-modes-40l{,-run2}-h100-gpu.json): 1.190-1.195 s a pass against
+# 1.321-1.341 s on the compute stream, double and triple, synced or not (the expert-copy floor of
+# those runs: 1.227 / 1.231 s).
+TABLE_ON_COPY = True
 # a full layer is loaded while the predicted share of a layer's experts routed to is at least
 # this: loading it all overlaps the compute, loading the routed ones only does not, so skipping
 # pays when few are left out and little compute hides the transfer (short passes)

@@ -346,6 +346,15 @@ static const bool g_token_block = [] {
   return v == nullptr || std::strcmp(v, "0") != 0;
 }();
 
+// bf16-activation fp4 banks: an expert with at least this many of a call's tokens has each
+// 4-row block decoded once for all of them (qdot4xn_fp4_bf16dp) instead of once per two tokens;
+// the same bits either way. FREETOKEN_CPU_DECODE_ONCE=N sets it, 0 turns it off (A/B runs).
+// (set_decode_once changes it at run time: bench/cpu_experts.py's A/B rows in one process)
+static std::atomic<int> g_decode_once{[] {
+  const char* v = std::getenv("FREETOKEN_CPU_DECODE_ONCE");
+  return v == nullptr ? 4 : std::max(0, std::atoi(v));
+}()};
+
 enum Isa { SCALAR = 0, AVX2 = 1, AVX512 = 2, AVX512_BF16 = 3 };
 
 Isa detect() {
@@ -878,6 +887,103 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c"))) void qdot4x
     for (int p = 0; p < 4; ++p) out[q][p] = _mm512_reduce_add_ps(acc[q][p]);
 }
 
+// qdot4_fp4_bf16dp for n activation rows (a prompt chunk's tokens of one expert). The pair kernel
+// above decodes the four rows again for every two tokens: at ~16 tokens an expert (a 512-token
+// chunk, top-8 of 256) the lookups cost as much as the products. Here the rows are decoded once
+// into a per-thread buffer (per 128-column chunk: 4 x 4 vectors of bf16 words and 4 lane-scale
+// vectors, 1.25 KB, so a 2,048-column row block is 20 KB, in L1) and the tokens then read it two at
+// a time. Each token's partial sums, their scaling and reduction are qdot4_fp4_bf16dp's, in its
+// order, so out[t] is its result bit for bit.
+template <int FMT>
+__attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c"))) void qdot4xn_fp4_bf16dp(
+    const QRow* rows, const uint16_t* const* xbs, int n, int C, float (*out)[4]) {
+  const int nch = (C + 127) / 128;
+  thread_local std::vector<float> buf;  // 64-byte aligned below: [nch][4 j][4 p] words, [nch][4 p] scales
+  const size_t need = size_t(nch) * 20 * 16 + 16;
+  if (buf.size() < need) buf.resize(need);
+  float* base0 = buf.data() + ((16 - (reinterpret_cast<uintptr_t>(buf.data()) / 4) % 16) % 16);
+  __m512i* W = reinterpret_cast<__m512i*>(base0);
+  __m512* S = reinterpret_cast<__m512*>(base0) + size_t(nch) * 16;
+  const __m512i table = _mm512_load_si512(E2M1_BF16);
+  prefetch_scales(rows, FMT == FMT_MXFP4 ? C / 32 : C / 16);
+  for (int ch = 0, base = 0; ch < nch; ++ch, base += 128) {  // the decode, once for all n tokens
+    const int nl = std::min(16, (C - base) / 8);
+    const __mmask16 m = __mmask16((1u << nl) - 1);
+    #pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      prefetch_ahead(rows[p].v + base / 2);
+      const __m512i v = nl == 16 ? _mm512_loadu_si512(rows[p].v + base / 2) : _mm512_maskz_loadu_epi32(m, rows[p].v + base / 2);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j)
+        _mm512_store_si512(W + (size_t(ch) * 4 + j) * 4 + p, _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4 * j), table));
+      _mm512_store_ps(S + size_t(ch) * 4 + p, fp4_scales_avx512(FMT, rows[p], base, nl));
+    }
+  }
+  int t0 = 0;
+  for (; t0 + 2 <= n; t0 += 2) {  // two tokens a pass: each decoded vector loaded once for both
+    __m512 acc[2][4];
+    #pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) acc[0][p] = acc[1][p] = _mm512_setzero_ps();
+    for (int ch = 0, base = 0; ch < nch; ++ch, base += 128) {
+      const int nl = std::min(16, (C - base) / 8), nw = 2 * nl;
+      const __mmask16 m = __mmask16((1u << nl) - 1);
+      __m512 t[2][4];
+      #pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) t[0][p] = t[1][p] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        __m512i xj[2];
+#pragma GCC unroll 2
+        for (int q = 0; q < 2; ++q) {
+          const uint16_t* xb = xbs[t0 + q];
+          xj[q] = nl == 16 ? _mm512_loadu_si512(xb + base + 32 * j) : _mm512_maskz_loadu_epi32(m, xb + base + j * nw);
+        }
+        #pragma GCC unroll 4
+        for (int p = 0; p < 4; ++p) {
+          const __m512i w = _mm512_load_si512(W + (size_t(ch) * 4 + j) * 4 + p);
+#pragma GCC unroll 2
+          for (int q = 0; q < 2; ++q) t[q][p] = _mm512_dpbf16_ps(t[q][p], (__m512bh)w, (__m512bh)xj[q]);
+        }
+      }
+      #pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {
+        const __m512 sc = _mm512_load_ps(reinterpret_cast<const float*>(S + size_t(ch) * 4 + p));
+#pragma GCC unroll 2
+        for (int q = 0; q < 2; ++q) acc[q][p] = _mm512_fmadd_ps(t[q][p], sc, acc[q][p]);
+      }
+    }
+#pragma GCC unroll 2
+    for (int q = 0; q < 2; ++q)
+    #pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) out[t0 + q][p] = _mm512_reduce_add_ps(acc[q][p]);
+  }
+  if (t0 < n) {  // an odd count's last token
+    const uint16_t* xb = xbs[t0];
+    __m512 acc[4];
+    #pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) acc[p] = _mm512_setzero_ps();
+    for (int ch = 0, base = 0; ch < nch; ++ch, base += 128) {
+      const int nl = std::min(16, (C - base) / 8), nw = 2 * nl;
+      const __mmask16 m = __mmask16((1u << nl) - 1);
+      __m512 t[4];
+      #pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) t[p] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const __m512i xj = nl == 16 ? _mm512_loadu_si512(xb + base + 32 * j) : _mm512_maskz_loadu_epi32(m, xb + base + j * nw);
+        #pragma GCC unroll 4
+        for (int p = 0; p < 4; ++p)
+          t[p] = _mm512_dpbf16_ps(t[p], (__m512bh)_mm512_load_si512(W + (size_t(ch) * 4 + j) * 4 + p), (__m512bh)xj);
+      }
+      #pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p)
+        acc[p] = _mm512_fmadd_ps(t[p], _mm512_load_ps(reinterpret_cast<const float*>(S + size_t(ch) * 4 + p)), acc[p]);
+    }
+    #pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) out[t0][p] = _mm512_reduce_add_ps(acc[p]);
+  }
+}
+
 __attribute__((target("avx512f,avx512bw,avx2,fma,f16c"))) void qdot4_fp8_avx512(const QRow* rows, const float* x, int C,
                                                                                  int sdt, float* out) {
   // as qdot4_fp8_avx2: e4m3 -> f16 bits (value * 2^-8, exact) -> vcvtph2ps; 2^8 in the block scale
@@ -1259,6 +1365,12 @@ inline void qdot4x2_dp(int fmt, const QRow* rows, const uint16_t* const* xbs, in
   qdot4x2_fp4_bf16dp<FMT_NVFP4>(rows, xbs, C, out);
 }
 
+// The n-token form (qdot4xn_fp4_bf16dp: the rows decoded once for all n tokens of an expert).
+inline void qdot4xn_dp(int fmt, const QRow* rows, const uint16_t* const* xbs, int n, int C, float (*out)[4]) {
+  if (fmt == FMT_MXFP4) return qdot4xn_fp4_bf16dp<FMT_MXFP4>(rows, xbs, n, C, out);
+  qdot4xn_fp4_bf16dp<FMT_NVFP4>(rows, xbs, n, C, out);
+}
+
 // The two-token form of qdot4's exact AVX-512 kernels (run_q takes it where pair2 holds).
 inline void qdot4x2(int fmt, const QRow* rows, const float* const* xs, int C, int sdt, float (*out)[4]) {
   if (fmt == FMT_FP8) return qdot4x2_fp8_avx512(rows, xs, C, sdt, out);
@@ -1544,19 +1656,42 @@ struct Executor {
     constexpr int RB = 16;  // rows per work unit
     const int ib = (I + RB - 1) / RB;
     Share sh1, sh2;
+    // decode once (qdot4xn_dp) for an expert with at least g_decode_once of the call's tokens
+    const int once_min = g_decode_once.load(std::memory_order_relaxed);
+    const bool once = dp && pair2 && once_min > 0;
     pool.run([&](int tid) {
       const int units = G * ib;
       float g4[4], v4[4];
       QRow rg[4], ru[4];
+      std::vector<const uint16_t*> xn;  // the expert's token rows (decode-once path)
+      std::vector<float> gn, vn;        // [n][4] their gate and up dots
       for (int u0, u1, k = 0; sh1.take(units, tid, nt, k++, u0, u1);)
       for (int u = u0; u < u1; ++u) {
         const int g = u / ib, r0 = (u % ib) * RB, r1 = std::min(I, r0 + RB);
         const int64_t e = ids[order[starts[g]]];
+        const int cnt = starts[g + 1] - starts[g];
+        const bool many = once && cnt >= once_min;
+        if (many) {
+          xn.resize(cnt), gn.resize(size_t(cnt) * 4), vn.resize(size_t(cnt) * 4);
+          for (int i = 0; i < cnt; ++i) xn[i] = xb.data() + size_t(order[starts[g] + i] / K) * H;
+        }
         for (int r = r0; r < r1; r += 4) {
           const int nr = std::min(4, r1 - r);
           for (int j = 0; j < 4; ++j) {  // a short block repeats its last row
             rg[j] = qrow(gu, e, r + std::min(j, nr - 1));
             ru[j] = qrow(gu, e, I + r + std::min(j, nr - 1));
+          }
+          if (many) {
+            float(*g2)[4] = reinterpret_cast<float(*)[4]>(gn.data());
+            float(*v2)[4] = reinterpret_cast<float(*)[4]>(vn.data());
+            qdot4xn_dp(fmt, rg, xn.data(), cnt, H, g2);
+            qdot4xn_dp(fmt, ru, xn.data(), cnt, H, v2);
+            for (int i = 0; i < cnt; ++i)
+              for (int j = 0; j < nr; ++j) {
+                const float hv = plain ? silu(g2[i][j]) * v2[i][j] : fn.h(e, I, r + j, g2[i][j], v2[i][j]);
+                hb[size_t(starts[g] + i) * I + posI[r + j]] = f32_to_bf16(hv);
+              }
+            continue;
           }
           for (int q = starts[g]; q < starts[g + 1]; ++q) {
             if (pair2 && starts[g + 1] - q >= 2) {  // two of the expert's tokens at once (exact, AVX-512)
@@ -1613,6 +1748,8 @@ struct Executor {
     pool.run([&](int tid) {
       float d4[4];
       QRow rd[4];
+      std::vector<const uint16_t*> hn;  // the expert's h rows (decode-once path)
+      std::vector<float> dnn;           // [n][4] their down dots
       for (int b0, b1, k = 0; sh2.take(hb_blocks, tid, nt, k++, b0, b1);) {
         for (int t = 0; t < T; ++t)
           for (int r = b0 * RB; r < std::min(H, b1 * RB); ++r) out[int64_t(t) * H + r] = 0.f;
@@ -1621,11 +1758,28 @@ struct Executor {
         // stream); every output still adds the experts in ascending order, as block by block
         for (int g = 0; g < G; ++g) {
           const int64_t e = ids[order[starts[g]]];
+          const int cnt = starts[g + 1] - starts[g];
+          const bool many = once && cnt >= once_min;
+          if (many) {
+            hn.resize(cnt), dnn.resize(size_t(cnt) * 4);
+            for (int i = 0; i < cnt; ++i) hn[i] = hb.data() + size_t(starts[g] + i) * I;
+          }
           for (int blk = b0; blk < b1; ++blk) {
             const int r0 = blk * RB, r1 = std::min(H, r0 + RB);
             for (int r = r0; r < r1; r += 4) {
               const int nr = std::min(4, r1 - r);
               for (int j = 0; j < 4; ++j) rd[j] = qrow(dn, e, r + std::min(j, nr - 1));
+              if (many) {  // every token of the expert, added in the pairs' order as below
+                float(*d2)[4] = reinterpret_cast<float(*)[4]>(dnn.data());
+                qdot4xn_dp(fmt, rd, hn.data(), cnt, I, d2);
+                for (int i = 0; i < cnt; ++i) {
+                  const int tok = order[starts[g] + i] / K;
+                  const float wq = gw[order[starts[g] + i]];
+                  for (int j = 0; j < nr; ++j)
+                    out[int64_t(tok) * H + r + j] += wq * (plain ? d2[i][j] : fn.y(e, H, r + j, d2[i][j]));
+                }
+                continue;
+              }
               for (int q = starts[g]; q < starts[g + 1]; ++q) {
                 if (pair2 && starts[g + 1] - q >= 2) {  // two pairs at once, added in order
                   float d2[2][4];
@@ -2178,6 +2332,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("host_call_size", &host_call_size, "sizeof the HostCall descriptor (checked against hostcall.py)");
   m.def("create", &create, "create an executor with a pinned thread pool", py::arg("cpus"), py::arg("isa_cap"),
         py::arg("spin") = -1);
+  m.def("set_decode_once", [](int64_t n) { return int64_t(g_decode_once.exchange(int(std::max<int64_t>(0, n)))); },
+        "bf16-activation fp4 calls: experts with at least n tokens decode each row block once for all of them "
+        "(0: off); returns the previous n", py::arg("n"));
   m.def("isa", &isa_of, "ISA level in use: 0 scalar, 1 avx2, 2 avx512, 3 avx512-bf16");
   m.def("set_act_int8", &set_act_int8, "int8 activations for MXFP4 / NVFP4 banks (on) or exact ones; returns the kernel that serves them (vbmi, vnni or scalar)",
         py::arg("handle"), py::arg("on"), py::arg("max_kernel") = 2);
