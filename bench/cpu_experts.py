@@ -144,8 +144,8 @@ def main():
                     help="also time batch-1 calls on experts already in cache: one expert, and the same "
                          "top-k every call (what a call costs besides streaming its bytes)")
     ap.add_argument("--decode-once", default="",
-                    help="N,M,...: the bf16-activation row again with each decode-once threshold (moe_cpu "
-                         "set_decode_once; 0: the rows decoded once per two tokens), alternating, twice each")
+                    help="N,M,...: the float- and bf16-activation rows again with each decode-once threshold "
+                         "(moe_cpu set_decode_once; 0: the rows decoded once per two tokens), alternating, twice each")
     ap.add_argument("--plain-banks", action="store_true",
                     help="banks in plain torch tensors instead of the engine's (huge-page) host buffers")
     a = ap.parse_args()
@@ -204,15 +204,16 @@ def main():
                "cpp_bf16act_ms": round(t_bf * 1e3, 3),
                "cpp_bf16act_gbs": round(distinct * per_expert / t_bf / 1e9, 1)}
         if a.decode_once and ex.handle is not None:  # A/B of the decode-once threshold, alternating
-            ab: dict[str, list[float]] = {}
             before = extension().set_decode_once(4)
-            for _ in range(2):
-                for m in [int(v) for v in a.decode_once.split(",") if v]:
-                    extension().set_decode_once(m)
-                    ab.setdefault(str(m), []).append(
-                        round(run(lambda x, ids, w: ex.kernel(x.bfloat16(), ids, w)) * 1e3, 3))
+            for act, cast in (("f32act", lambda x: x), ("bf16act", lambda x: x.bfloat16())):
+                ab: dict[str, list[float]] = {}
+                for _ in range(2):
+                    for m in [int(v) for v in a.decode_once.split(",") if v]:
+                        extension().set_decode_once(m)
+                        ab.setdefault(str(m), []).append(
+                            round(run(lambda x, ids, w: ex.kernel(cast(x), ids, w)) * 1e3, 3))
+                row[f"{act}_ms_by_decode_once"] = ab
             extension().set_decode_once(before)
-            row["bf16act_ms_by_decode_once"] = ab
         if a.format in ("mxfp4", "nvfp4") and ex.handle is not None:  # --cpu-act int8, same executor
             vnni = ex.set_act(True) == "int8"
             kernel = ex.int8_kernel

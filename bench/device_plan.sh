@@ -1476,7 +1476,19 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
     --layers 40 --experts cache --lengths 8192,32768 --idle auto --reps 2 --table-on-copy 0,1 \
     --name idle_prefill-cache-40l
   ;;
-*) echo "stage 0 to 143"; exit 2 ;;
+144) # ~330 s at most: the 12-layer slice's 32k pass with the new defaults and mixer pieces of 8,192 against its
+  # bound (max(floor, the resident compute of the same pass)), tables on the compute stream then on the
+  # copy stream; then the Xeon's rows of the fp4 decode-once kernels (float and bf16 activations, 6 and 16
+  # threads, the GPU hidden). Carry .whl, .devcache/commit, .devcache/warm-cache.tgz.
+  step 150 bound-12 env PYTHONFAULTHANDLER=1 timeout -s ABRT 140 python3 -m bench.prefill_stream --layers 12 \
+    --lengths 8192,32768 --buffering double --stream-mixer-subs 8192 --table-on-copy 0,1 --compute-pass \
+    --compute-subs 8192 --name prefill_stream-bound-12l
+  CUDA_VISIBLE_DEVICES= step 80 once-t6 python3 -m bench.cpu_experts --format mxfp4 --experts 256 --threads 6 \
+    --batches 64,512 --iters 8 --decode-once 0,4 --name cpu_experts-mxfp4-decode-once-f32-xeon-t6
+  CUDA_VISIBLE_DEVICES= step 80 once-t16 python3 -m bench.cpu_experts --format mxfp4 --experts 256 --threads 16 \
+    --batches 64,512 --iters 8 --decode-once 0,4 --name cpu_experts-mxfp4-decode-once-f32-xeon-t16
+  ;;
+*) echo "stage 0 to 144"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole

@@ -346,9 +346,9 @@ static const bool g_token_block = [] {
   return v == nullptr || std::strcmp(v, "0") != 0;
 }();
 
-// bf16-activation fp4 banks: an expert with at least this many of a call's tokens has each
-// 4-row block decoded once for all of them (qdot4xn_fp4_bf16dp) instead of once per two tokens;
-// the same bits either way. FREETOKEN_CPU_DECODE_ONCE=N sets it, 0 turns it off (A/B runs).
+// fp4 banks on AVX-512: an expert with at least this many of a call's tokens has each 4-row block
+// decoded once for all of them (qdot4xn_fp4_avx512 / _bf16dp) instead of once per two tokens; the
+// same bits either way. FREETOKEN_CPU_DECODE_ONCE=N sets it, 0 turns it off (A/B runs).
 // (set_decode_once changes it at run time: bench/cpu_experts.py's A/B rows in one process)
 static std::atomic<int> g_decode_once{[] {
   const char* v = std::getenv("FREETOKEN_CPU_DECODE_ONCE");
@@ -887,6 +887,113 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c"))) void qdot4x
     for (int p = 0; p < 4; ++p) out[q][p] = _mm512_reduce_add_ps(acc[q][p]);
 }
 
+// The decode-once kernels' per-thread buffer of at least `floats` floats, 64-byte aligned (one
+// kernel call at a time per thread uses it: it holds that call's decoded rows).
+inline float* decode_scratch(size_t floats) {
+  thread_local std::vector<float> buf;
+  if (buf.size() < floats + 16) buf.resize(floats + 16);
+  return buf.data() + ((16 - (reinterpret_cast<uintptr_t>(buf.data()) / 4) % 16) % 16);
+}
+
+// qdot4x2_fp4_avx512 for n activation rows (a float model's prompt chunk: the CPU engine's default
+// dtype), as qdot4xn_fp4_bf16dp below: the four rows decoded once into a per-thread buffer (per
+// 128-column chunk: 8 x 4 vectors of f32 weights and 4 lane-scale vectors, 2.25 KB, so 36 KB for a
+// 2,048-column row block), then the tokens two at a time. Each token's partial sums t0 / t1, their
+// scaling and reduction are qdot4_fp4_avx512's, so out[t] is its result bit for bit.
+template <int FMT>
+__attribute__((target("avx512f,avx2,fma,f16c"))) void qdot4xn_fp4_avx512(const QRow* rows, const float* const* xs, int n,
+                                                                    int C, float (*out)[4]) {
+  const int nch = (C + 127) / 128;
+  float* W = decode_scratch(size_t(nch) * 36 * 16);  // [nch][8 j][4 p] weights, then [nch][4 p] scales
+  float* S = W + size_t(nch) * 32 * 16;
+  const __m512 table = _mm512_load_ps(E2M1_F32);
+  prefetch_scales(rows, FMT == FMT_MXFP4 ? C / 32 : C / 16);
+  for (int ch = 0, base = 0; ch < nch; ++ch, base += 128) {  // the decode, once for all n tokens
+    const int nl = std::min(16, (C - base) / 8);
+    const __mmask16 m = __mmask16((1u << nl) - 1);
+    #pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      prefetch_ahead(rows[p].v + base / 2);
+      const __m512i v = nl == 16 ? _mm512_loadu_si512(rows[p].v + base / 2) : _mm512_maskz_loadu_epi32(m, rows[p].v + base / 2);
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j)
+        _mm512_store_ps(W + ((size_t(ch) * 8 + j) * 4 + p) * 16, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4 * j), table));
+      _mm512_store_ps(S + (size_t(ch) * 4 + p) * 16, fp4_scales_avx512(FMT, rows[p], base, nl));
+    }
+  }
+  int t0i = 0;
+  for (; t0i + 2 <= n; t0i += 2) {  // two tokens a pass: each decoded vector loaded once for both
+    // the scaled sums in memory, as in qdot4x2_fp4_avx512 (registers hold the 16 partial sums)
+    alignas(64) float acc[2][4][16] = {};
+    for (int ch = 0, base = 0; ch < nch; ++ch, base += 128) {
+      const int nl = std::min(16, (C - base) / 8);
+      const __mmask16 m = __mmask16((1u << nl) - 1);
+      __m512 t0[2][4], t1[2][4];
+      #pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) t0[0][p] = t1[0][p] = t0[1][p] = t1[1][p] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; j += 2) {
+        __m512 x0[2], x1[2];
+#pragma GCC unroll 2
+        for (int t = 0; t < 2; ++t) {
+          const float* x = xs[t0i + t];
+          x0[t] = nl == 16 ? _mm512_loadu_ps(x + base + 16 * j) : _mm512_maskz_loadu_ps(m, x + base + j * nl);
+          x1[t] = nl == 16 ? _mm512_loadu_ps(x + base + 16 * j + 16) : _mm512_maskz_loadu_ps(m, x + base + (j + 1) * nl);
+        }
+        #pragma GCC unroll 4
+        for (int p = 0; p < 4; ++p) {
+          const __m512 w0 = _mm512_load_ps(W + ((size_t(ch) * 8 + j) * 4 + p) * 16);
+          const __m512 w1 = _mm512_load_ps(W + ((size_t(ch) * 8 + j + 1) * 4 + p) * 16);
+#pragma GCC unroll 2
+          for (int t = 0; t < 2; ++t) {
+            t0[t][p] = _mm512_fmadd_ps(w0, x0[t], t0[t][p]);
+            t1[t][p] = _mm512_fmadd_ps(w1, x1[t], t1[t][p]);
+          }
+        }
+      }
+      #pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {
+        const __m512 sc = _mm512_load_ps(S + (size_t(ch) * 4 + p) * 16);
+#pragma GCC unroll 2
+        for (int t = 0; t < 2; ++t)
+          _mm512_store_ps(acc[t][p], _mm512_fmadd_ps(_mm512_add_ps(t0[t][p], t1[t][p]), sc, _mm512_load_ps(acc[t][p])));
+      }
+    }
+#pragma GCC unroll 2
+    for (int t = 0; t < 2; ++t)
+      #pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) out[t0i + t][p] = _mm512_reduce_add_ps(_mm512_load_ps(acc[t][p]));
+  }
+  if (t0i < n) {  // an odd count's last token
+    const float* x = xs[t0i];
+    __m512 acc[4];
+    #pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) acc[p] = _mm512_setzero_ps();
+    for (int ch = 0, base = 0; ch < nch; ++ch, base += 128) {
+      const int nl = std::min(16, (C - base) / 8);
+      const __mmask16 m = __mmask16((1u << nl) - 1);
+      __m512 t0[4], t1[4];
+      #pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) t0[p] = t1[p] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; j += 2) {
+        const __m512 x0 = nl == 16 ? _mm512_loadu_ps(x + base + 16 * j) : _mm512_maskz_loadu_ps(m, x + base + j * nl);
+        const __m512 x1 = nl == 16 ? _mm512_loadu_ps(x + base + 16 * j + 16) : _mm512_maskz_loadu_ps(m, x + base + (j + 1) * nl);
+        #pragma GCC unroll 4
+        for (int p = 0; p < 4; ++p) {
+          t0[p] = _mm512_fmadd_ps(_mm512_load_ps(W + ((size_t(ch) * 8 + j) * 4 + p) * 16), x0, t0[p]);
+          t1[p] = _mm512_fmadd_ps(_mm512_load_ps(W + ((size_t(ch) * 8 + j + 1) * 4 + p) * 16), x1, t1[p]);
+        }
+      }
+      #pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p)
+        acc[p] = _mm512_fmadd_ps(_mm512_add_ps(t0[p], t1[p]), _mm512_load_ps(S + (size_t(ch) * 4 + p) * 16), acc[p]);
+    }
+    #pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) out[t0i][p] = _mm512_reduce_add_ps(acc[p]);
+  }
+}
+
 // qdot4_fp4_bf16dp for n activation rows (a prompt chunk's tokens of one expert). The pair kernel
 // above decodes the four rows again for every two tokens: at ~16 tokens an expert (a 512-token
 // chunk, top-8 of 256) the lookups cost as much as the products. Here the rows are decoded once
@@ -898,10 +1005,7 @@ template <int FMT>
 __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c"))) void qdot4xn_fp4_bf16dp(
     const QRow* rows, const uint16_t* const* xbs, int n, int C, float (*out)[4]) {
   const int nch = (C + 127) / 128;
-  thread_local std::vector<float> buf;  // 64-byte aligned below: [nch][4 j][4 p] words, [nch][4 p] scales
-  const size_t need = size_t(nch) * 20 * 16 + 16;
-  if (buf.size() < need) buf.resize(need);
-  float* base0 = buf.data() + ((16 - (reinterpret_cast<uintptr_t>(buf.data()) / 4) % 16) % 16);
+  float* base0 = decode_scratch(size_t(nch) * 20 * 16);  // [nch][4 j][4 p] words, then [nch][4 p] scales
   __m512i* W = reinterpret_cast<__m512i*>(base0);
   __m512* S = reinterpret_cast<__m512*>(base0) + size_t(nch) * 16;
   const __m512i table = _mm512_load_si512(E2M1_BF16);
@@ -1365,10 +1469,17 @@ inline void qdot4x2_dp(int fmt, const QRow* rows, const uint16_t* const* xbs, in
   qdot4x2_fp4_bf16dp<FMT_NVFP4>(rows, xbs, C, out);
 }
 
-// The n-token form (qdot4xn_fp4_bf16dp: the rows decoded once for all n tokens of an expert).
-inline void qdot4xn_dp(int fmt, const QRow* rows, const uint16_t* const* xbs, int n, int C, float (*out)[4]) {
-  if (fmt == FMT_MXFP4) return qdot4xn_fp4_bf16dp<FMT_MXFP4>(rows, xbs, n, C, out);
-  qdot4xn_fp4_bf16dp<FMT_NVFP4>(rows, xbs, n, C, out);
+// The n-token forms of the fp4 kernels (the rows decoded once for all n tokens of an expert):
+// bf16 activations (qdot4xn_fp4_bf16dp) or float ones (qdot4xn_fp4_avx512); xs holds uint16_t
+// rows for the first, float rows for the second.
+inline void qdot4xn(int fmt, bool dp, const void* const* xs, int n, const QRow* rows, int C, float (*out)[4]) {
+  const bool mx = fmt == FMT_MXFP4;
+  if (dp) {
+    const uint16_t* const* xb = reinterpret_cast<const uint16_t* const*>(xs);
+    return mx ? qdot4xn_fp4_bf16dp<FMT_MXFP4>(rows, xb, n, C, out) : qdot4xn_fp4_bf16dp<FMT_NVFP4>(rows, xb, n, C, out);
+  }
+  const float* const* xf = reinterpret_cast<const float* const*>(xs);
+  mx ? qdot4xn_fp4_avx512<FMT_MXFP4>(rows, xf, n, C, out) : qdot4xn_fp4_avx512<FMT_NVFP4>(rows, xf, n, C, out);
 }
 
 // The two-token form of qdot4's exact AVX-512 kernels (run_q takes it where pair2 holds).
@@ -1656,15 +1767,16 @@ struct Executor {
     constexpr int RB = 16;  // rows per work unit
     const int ib = (I + RB - 1) / RB;
     Share sh1, sh2;
-    // decode once (qdot4xn_dp) for an expert with at least g_decode_once of the call's tokens
+    // decode once (qdot4xn) for an expert with at least g_decode_once of the call's tokens: the
+    // fp4 formats on AVX-512, float or bf16 activations
     const int once_min = g_decode_once.load(std::memory_order_relaxed);
-    const bool once = dp && pair2 && once_min > 0;
+    const bool once = pair2 && once_min > 0 && fmt != FMT_FP8;
     pool.run([&](int tid) {
       const int units = G * ib;
       float g4[4], v4[4];
       QRow rg[4], ru[4];
-      std::vector<const uint16_t*> xn;  // the expert's token rows (decode-once path)
-      std::vector<float> gn, vn;        // [n][4] their gate and up dots
+      std::vector<const void*> xn;  // the expert's token rows (decode-once path)
+      std::vector<float> gn, vn;    // [n][4] their gate and up dots
       for (int u0, u1, k = 0; sh1.take(units, tid, nt, k++, u0, u1);)
       for (int u = u0; u < u1; ++u) {
         const int g = u / ib, r0 = (u % ib) * RB, r1 = std::min(I, r0 + RB);
@@ -1673,7 +1785,10 @@ struct Executor {
         const bool many = once && cnt >= once_min;
         if (many) {
           xn.resize(cnt), gn.resize(size_t(cnt) * 4), vn.resize(size_t(cnt) * 4);
-          for (int i = 0; i < cnt; ++i) xn[i] = xb.data() + size_t(order[starts[g] + i] / K) * H;
+          for (int i = 0; i < cnt; ++i) {
+            const size_t row = size_t(order[starts[g] + i] / K) * H;
+            xn[i] = dp ? static_cast<const void*>(xb.data() + row) : static_cast<const void*>(xl.data() + row);
+          }
         }
         for (int r = r0; r < r1; r += 4) {
           const int nr = std::min(4, r1 - r);
@@ -1684,12 +1799,13 @@ struct Executor {
           if (many) {
             float(*g2)[4] = reinterpret_cast<float(*)[4]>(gn.data());
             float(*v2)[4] = reinterpret_cast<float(*)[4]>(vn.data());
-            qdot4xn_dp(fmt, rg, xn.data(), cnt, H, g2);
-            qdot4xn_dp(fmt, ru, xn.data(), cnt, H, v2);
+            qdot4xn(fmt, dp, xn.data(), cnt, rg, H, g2);
+            qdot4xn(fmt, dp, xn.data(), cnt, ru, H, v2);
             for (int i = 0; i < cnt; ++i)
               for (int j = 0; j < nr; ++j) {
                 const float hv = plain ? silu(g2[i][j]) * v2[i][j] : fn.h(e, I, r + j, g2[i][j], v2[i][j]);
-                hb[size_t(starts[g] + i) * I + posI[r + j]] = f32_to_bf16(hv);
+                if (dp) hb[size_t(starts[g] + i) * I + posI[r + j]] = f32_to_bf16(hv);
+                else hl[size_t(starts[g] + i) * I + posI[r + j]] = hv;
               }
             continue;
           }
@@ -1748,8 +1864,8 @@ struct Executor {
     pool.run([&](int tid) {
       float d4[4];
       QRow rd[4];
-      std::vector<const uint16_t*> hn;  // the expert's h rows (decode-once path)
-      std::vector<float> dnn;           // [n][4] their down dots
+      std::vector<const void*> hn;  // the expert's h rows (decode-once path)
+      std::vector<float> dnn;       // [n][4] their down dots
       for (int b0, b1, k = 0; sh2.take(hb_blocks, tid, nt, k++, b0, b1);) {
         for (int t = 0; t < T; ++t)
           for (int r = b0 * RB; r < std::min(H, b1 * RB); ++r) out[int64_t(t) * H + r] = 0.f;
@@ -1762,7 +1878,9 @@ struct Executor {
           const bool many = once && cnt >= once_min;
           if (many) {
             hn.resize(cnt), dnn.resize(size_t(cnt) * 4);
-            for (int i = 0; i < cnt; ++i) hn[i] = hb.data() + size_t(starts[g] + i) * I;
+            for (int i = 0; i < cnt; ++i)
+              hn[i] = dp ? static_cast<const void*>(hb.data() + size_t(starts[g] + i) * I)
+                         : static_cast<const void*>(hl.data() + size_t(starts[g] + i) * I);
           }
           for (int blk = b0; blk < b1; ++blk) {
             const int r0 = blk * RB, r1 = std::min(H, r0 + RB);
@@ -1771,7 +1889,7 @@ struct Executor {
               for (int j = 0; j < 4; ++j) rd[j] = qrow(dn, e, r + std::min(j, nr - 1));
               if (many) {  // every token of the expert, added in the pairs' order as below
                 float(*d2)[4] = reinterpret_cast<float(*)[4]>(dnn.data());
-                qdot4xn_dp(fmt, rd, hn.data(), cnt, I, d2);
+                qdot4xn(fmt, dp, hn.data(), cnt, rd, I, d2);
                 for (int i = 0; i < cnt; ++i) {
                   const int tok = order[starts[g] + i] / K;
                   const float wq = gw[order[starts[g] + i]];
@@ -2333,7 +2451,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("create", &create, "create an executor with a pinned thread pool", py::arg("cpus"), py::arg("isa_cap"),
         py::arg("spin") = -1);
   m.def("set_decode_once", [](int64_t n) { return int64_t(g_decode_once.exchange(int(std::max<int64_t>(0, n)))); },
-        "bf16-activation fp4 calls: experts with at least n tokens decode each row block once for all of them "
+        "fp4 calls on AVX-512: experts with at least n tokens decode each row block once for all of them "
         "(0: off); returns the previous n", py::arg("n"));
   m.def("isa", &isa_of, "ISA level in use: 0 scalar, 1 avx2, 2 avx512, 3 avx512-bf16");
   m.def("set_act_int8", &set_act_int8, "int8 activations for MXFP4 / NVFP4 banks (on) or exact ones; returns the kernel that serves them (vbmi, vnni or scalar)",
