@@ -360,18 +360,25 @@ def test_kernels_dequantize_every_code_as_the_reference(case, isa):
 PAIR_CASES = {**CASES, "fp8_block-bf16-16": ("fp8_block", torch.bfloat16, 240, 176)}
 
 
-@pytest.mark.parametrize("name", ["mxfp4", "nvfp4"])
+# FP8 takes the decode-once kernel where both widths are multiples of 16 (every published shape):
+# H 272 = 2 chunks of 128 + one 16-column group, I 144 = 128 + 16
+ONCE_CASES = {"mxfp4": CASES["mxfp4"], "nvfp4": CASES["nvfp4"],
+              **{f"fp8_block-{n}-272": ("fp8_block", d, 272, 144)
+                 for n, d in (("f32", torch.float32), ("bf16", torch.bfloat16), ("f16", torch.float16))}}
+
+
+@pytest.mark.parametrize("name", sorted(ONCE_CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_once_gives_the_per_token_bits(name, dtype):
-    """A prompt chunk on the fp4 formats, float activations (a CPU engine's default dtype) and bf16
-    ones: an expert with at least set_decode_once's count of the call's tokens has each 4-row block
-    decoded once for all of them (qdot4xn_fp4_avx512 / qdot4xn_fp4_bf16dp), even and odd counts,
-    column tails in both phases. Its outputs equal, bit for bit, the pair kernels' (decode once
-    off) and what each token gets in a call of its own."""
-    fmt, sdt, h, i = CASES[name]
+    """A prompt chunk, float activations (a CPU engine's default dtype) and bf16 ones: an expert
+    with at least set_decode_once's count of the call's tokens has each 4-row block decoded once for
+    all of them (qdot4xn_fp4_avx512 / qdot4xn_fp4_bf16dp / qdot4xn_fp8_avx512, the FP8 scales in
+    each published dtype), even and odd counts, column tails in both phases. Its outputs equal, bit
+    for bit, the pair kernels' (decode once off) and what each token gets in a call of its own."""
+    fmt, sdt, h, i = ONCE_CASES[name]
     banks = random_banks(fmt, sdt, 3, h, i, seed=23)
     ex = CpuExpertExecutor(banks, threads=2)
-    need = "avx512-bf16" if dtype == torch.bfloat16 else "avx512"
+    need = "avx512-bf16" if dtype == torch.bfloat16 and fmt != "fp8_block" else "avx512"
     if ISA_NAMES.index(ex.isa) < ISA_NAMES.index(need):
         pytest.skip(f"the decode-once kernel needs {need}; this CPU's executor runs {ex.isa}")
     x, ids, w = inputs(41, h, seed=9, n=3, k=2)  # 3 experts: ~27 tokens each, one row routed nowhere
@@ -388,7 +395,8 @@ def test_decode_once_gives_the_per_token_bits(name, dtype):
     alone = torch.cat([ex.kernel(xa[r:r + 1], ids[r:r + 1], w[r:r + 1]) for r in range(x.shape[0])])
     assert torch.equal(once, pairs) and torch.equal(once, alone)
     gu, dn = banks.dequant(torch.arange(3))
-    assert rel(once, reference_experts(xa.float(), ids, w, gu, dn)) < (2e-2 if dtype == torch.bfloat16 else 1e-5)
+    dp = dtype == torch.bfloat16 and fmt != "fp8_block"  # VDPBF16PS: bf16 products
+    assert rel(once, reference_experts(xa.float(), ids, w, gu, dn)) < (2e-2 if dp else 1e-5)
 
 
 @pytest.mark.parametrize("name", ["mxfp4", "nvfp4", "fp8_block-bf16", "fp8_block-f32", "fp8_block-f16",

@@ -750,7 +750,7 @@ def test_tail_cycles_teach_the_points_after_a_forwards_last_step(eng):
         finally:
             del srv.engine.prefill_batch  # the engine is the module's: its own method again
         assert missed, "no interleaved forward of the long prompt"
-        assert max(spans) < 0.05, spans
+        assert max(spans) < 0.05, (tail, defer, spans)  # which clock learned past its window
         if tail:
             assert all(m == [] for m in missed), missed
         else:

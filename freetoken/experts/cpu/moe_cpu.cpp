@@ -346,9 +346,9 @@ static const bool g_token_block = [] {
   return v == nullptr || std::strcmp(v, "0") != 0;
 }();
 
-// fp4 banks on AVX-512: an expert with at least this many of a call's tokens has each 4-row block
-// decoded once for all of them (qdot4xn_fp4_avx512 / _bf16dp) instead of once per two tokens; the
-// same bits either way. FREETOKEN_CPU_DECODE_ONCE=N sets it, 0 turns it off (A/B runs).
+// Quantized banks on AVX-512: an expert with at least this many of a call's tokens has each 4-row
+// block decoded once for all of them (qdot4xn_*) instead of once per two tokens; the same bits
+// either way. FREETOKEN_CPU_DECODE_ONCE=N sets it, 0 turns it off (A/B runs).
 // (set_decode_once changes it at run time: bench/cpu_experts.py's A/B rows in one process)
 static std::atomic<int> g_decode_once{[] {
   const char* v = std::getenv("FREETOKEN_CPU_DECODE_ONCE");
@@ -994,6 +994,74 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) void qdot4xn_fp4_avx512(const Q
   }
 }
 
+// qdot4x2_fp8_avx512 for n activation rows, as the fp4 forms above: each row's e4m3 values widened
+// to f32 once into the per-thread buffer (per 128-column chunk: up to 8 x 4 vectors and 4 block
+// scales), then the tokens two at a time. For C a multiple of 16 only (the caller's gate: every
+// published shape), where qdot4_fp8_avx512 has no scalar rest; each token's block sums, scaling
+// and reduction are that kernel's in its order (its rest, +0, added as it adds it), so out[t] is
+// its result bit for bit.
+__attribute__((target("avx512f,avx512bw,avx2,fma,f16c"))) void qdot4xn_fp8_avx512(const QRow* rows, const float* const* xs,
+                                                                                   int n, int C, int sdt, float (*out)[4]) {
+  const int nch = (C + 127) / 128;
+  float* W = decode_scratch(size_t(nch) * 32 * 16 + size_t(nch) * 4);  // [nch][8 g][4 p] x 16, then [nch][4 p] scales
+  float* S = W + size_t(nch) * 32 * 16;
+  const __m512i mask = _mm512_set1_epi16(short(0xBF80));
+  for (int ch = 0, base = 0; ch < nch; ++ch, base += 128) {  // the widening, once for all n tokens
+    const int ng = (std::min(C, base + 128) - base) / 16;
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      const uint8_t* v = rows[p].v + base;
+      int g = 0;
+      for (; g + 2 <= ng; g += 2) {
+        prefetch_ahead(v + 16 * g);
+        const __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * g)));
+        const __m512i h = _mm512_and_si512(_mm512_slli_epi16(b, 7), mask);
+        _mm512_store_ps(W + ((size_t(ch) * 8 + g) * 4 + p) * 16, _mm512_cvtph_ps(_mm512_castsi512_si256(h)));
+        _mm512_store_ps(W + ((size_t(ch) * 8 + g + 1) * 4 + p) * 16, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)));
+      }
+      if (g < ng) {
+        const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + 16 * g)));
+        const __m256i h = _mm256_and_si256(_mm256_slli_epi16(b, 7), _mm512_castsi512_si256(mask));
+        _mm512_store_ps(W + ((size_t(ch) * 8 + g) * 4 + p) * 16, _mm512_cvtph_ps(h));
+      }
+      S[size_t(ch) * 4 + p] = fp8_scale(rows[p].s, sdt, ch) * 256.f;
+    }
+  }
+  for (int t0 = 0; t0 < n; t0 += 2) {  // two tokens a pass (the last alone where n is odd)
+    const int nt = std::min(2, n - t0);
+    __m512 acc[2][4];
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) acc[0][p] = acc[1][p] = _mm512_setzero_ps();
+    for (int ch = 0, base = 0; ch < nch; ++ch, base += 128) {
+      const int ng = (std::min(C, base + 128) - base) / 16;
+      __m512 t[2][4];
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) t[0][p] = t[1][p] = _mm512_setzero_ps();
+      for (int g = 0; g < ng; ++g) {
+        __m512 x[2];
+        x[0] = _mm512_loadu_ps(xs[t0] + base + 16 * g);
+        x[1] = nt == 2 ? _mm512_loadu_ps(xs[t0 + 1] + base + 16 * g) : x[0];
+#pragma GCC unroll 4
+        for (int p = 0; p < 4; ++p) {
+          const __m512 w = _mm512_load_ps(W + ((size_t(ch) * 8 + g) * 4 + p) * 16);
+#pragma GCC unroll 2
+          for (int q = 0; q < 2; ++q) t[q][p] = _mm512_fmadd_ps(w, x[q], t[q][p]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {
+        const __m512 sc = _mm512_set1_ps(S[size_t(ch) * 4 + p]);
+#pragma GCC unroll 2
+        for (int q = 0; q < 2; ++q) acc[q][p] = _mm512_fmadd_ps(t[q][p], sc, acc[q][p]);
+      }
+    }
+    const float rest = 0.f;  // qdot4_fp8_avx512's scalar rest, empty at these widths
+    for (int q = 0; q < nt; ++q)
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) out[t0 + q][p] = _mm512_reduce_add_ps(acc[q][p]) + rest;
+  }
+}
+
 // qdot4_fp4_bf16dp for n activation rows (a prompt chunk's tokens of one expert). The pair kernel
 // above decodes the four rows again for every two tokens: at ~16 tokens an expert (a 512-token
 // chunk, top-8 of 256) the lookups cost as much as the products. Here the rows are decoded once
@@ -1469,10 +1537,11 @@ inline void qdot4x2_dp(int fmt, const QRow* rows, const uint16_t* const* xbs, in
   qdot4x2_fp4_bf16dp<FMT_NVFP4>(rows, xbs, C, out);
 }
 
-// The n-token forms of the fp4 kernels (the rows decoded once for all n tokens of an expert):
-// bf16 activations (qdot4xn_fp4_bf16dp) or float ones (qdot4xn_fp4_avx512); xs holds uint16_t
-// rows for the first, float rows for the second.
-inline void qdot4xn(int fmt, bool dp, const void* const* xs, int n, const QRow* rows, int C, float (*out)[4]) {
+// The n-token forms (the rows decoded once for all n tokens of an expert): fp4 with bf16
+// activations (qdot4xn_fp4_bf16dp) or float ones (qdot4xn_fp4_avx512), fp8 with float ones and C
+// a multiple of 16 (qdot4xn_fp8_avx512); xs holds uint16_t rows for dp, float rows otherwise.
+inline void qdot4xn(int fmt, bool dp, const void* const* xs, int n, const QRow* rows, int C, int sdt, float (*out)[4]) {
+  if (fmt == FMT_FP8) return qdot4xn_fp8_avx512(rows, reinterpret_cast<const float* const*>(xs), n, C, sdt, out);
   const bool mx = fmt == FMT_MXFP4;
   if (dp) {
     const uint16_t* const* xb = reinterpret_cast<const uint16_t* const*>(xs);
@@ -1768,9 +1837,9 @@ struct Executor {
     const int ib = (I + RB - 1) / RB;
     Share sh1, sh2;
     // decode once (qdot4xn) for an expert with at least g_decode_once of the call's tokens: the
-    // fp4 formats on AVX-512, float or bf16 activations
+    // fp4 formats on AVX-512, float or bf16 activations; fp8 where both widths are multiples of 16
     const int once_min = g_decode_once.load(std::memory_order_relaxed);
-    const bool once = pair2 && once_min > 0 && fmt != FMT_FP8;
+    const bool once = pair2 && once_min > 0 && (fmt != FMT_FP8 || (H % 16 == 0 && I % 16 == 0));
     pool.run([&](int tid) {
       const int units = G * ib;
       float g4[4], v4[4];
@@ -1799,8 +1868,8 @@ struct Executor {
           if (many) {
             float(*g2)[4] = reinterpret_cast<float(*)[4]>(gn.data());
             float(*v2)[4] = reinterpret_cast<float(*)[4]>(vn.data());
-            qdot4xn(fmt, dp, xn.data(), cnt, rg, H, g2);
-            qdot4xn(fmt, dp, xn.data(), cnt, ru, H, v2);
+            qdot4xn(fmt, dp, xn.data(), cnt, rg, H, gu.sdt, g2);
+            qdot4xn(fmt, dp, xn.data(), cnt, ru, H, gu.sdt, v2);
             for (int i = 0; i < cnt; ++i)
               for (int j = 0; j < nr; ++j) {
                 const float hv = plain ? silu(g2[i][j]) * v2[i][j] : fn.h(e, I, r + j, g2[i][j], v2[i][j]);
@@ -1889,7 +1958,7 @@ struct Executor {
               for (int j = 0; j < 4; ++j) rd[j] = qrow(dn, e, r + std::min(j, nr - 1));
               if (many) {  // every token of the expert, added in the pairs' order as below
                 float(*d2)[4] = reinterpret_cast<float(*)[4]>(dnn.data());
-                qdot4xn(fmt, dp, hn.data(), cnt, rd, I, d2);
+                qdot4xn(fmt, dp, hn.data(), cnt, rd, I, dn.sdt, d2);
                 for (int i = 0; i < cnt; ++i) {
                   const int tok = order[starts[g] + i] / K;
                   const float wq = gw[order[starts[g] + i]];
@@ -2451,7 +2520,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("create", &create, "create an executor with a pinned thread pool", py::arg("cpus"), py::arg("isa_cap"),
         py::arg("spin") = -1);
   m.def("set_decode_once", [](int64_t n) { return int64_t(g_decode_once.exchange(int(std::max<int64_t>(0, n)))); },
-        "fp4 calls on AVX-512: experts with at least n tokens decode each row block once for all of them "
+        "quantized calls on AVX-512: experts with at least n tokens decode each row block once for all of them "
         "(0: off); returns the previous n", py::arg("n"));
   m.def("isa", &isa_of, "ISA level in use: 0 scalar, 1 avx2, 2 avx512, 3 avx512-bf16");
   m.def("set_act_int8", &set_act_int8, "int8 activations for MXFP4 / NVFP4 banks (on) or exact ones; returns the kernel that serves them (vbmi, vnni or scalar)",
