@@ -348,11 +348,12 @@ static const bool g_token_block = [] {
 
 // Quantized banks on AVX-512: an expert with at least this many of a call's tokens has each 4-row
 // block decoded once for all of them (qdot4xn_*) instead of once per two tokens; the same bits
-// either way. FREETOKEN_CPU_DECODE_ONCE=N sets it, 0 turns it off (A/B runs).
+// either way. Exact activations only (int8 ones take a token at a time), and not with
+// FREETOKEN_CPU_TOKEN_BLOCK=0 (one token at a time throughout). FREETOKEN_CPU_DECODE_ONCE=N sets it, 0 turns it off (A/B runs).
 // (set_decode_once changes it at run time: bench/cpu_experts.py's A/B rows in one process)
 static std::atomic<int> g_decode_once{[] {
   const char* v = std::getenv("FREETOKEN_CPU_DECODE_ONCE");
-  return v == nullptr ? 4 : std::max(0, std::atoi(v));
+  return v == nullptr ? 4 : int(std::min<long>(std::max<long>(0, std::strtol(v, nullptr, 10)), 1 << 30));
 }()};
 
 enum Isa { SCALAR = 0, AVX2 = 1, AVX512 = 2, AVX512_BF16 = 3 };
@@ -1055,7 +1056,9 @@ __attribute__((target("avx512f,avx512bw,avx2,fma,f16c"))) void qdot4xn_fp8_avx51
         for (int q = 0; q < 2; ++q) acc[q][p] = _mm512_fmadd_ps(t[q][p], sc, acc[q][p]);
       }
     }
-    const float rest = 0.f;  // qdot4_fp8_avx512's scalar rest, empty at these widths
+    // qdot4_fp8_avx512's scalar rest, empty at these widths: +0 (there 0 * an infinite block scale
+    // would make it NaN; finite scales, which every checkpoint has, give the same bits)
+    const float rest = 0.f;
     for (int q = 0; q < nt; ++q)
 #pragma GCC unroll 4
       for (int p = 0; p < 4; ++p) out[t0 + q][p] = _mm512_reduce_add_ps(acc[q][p]) + rest;
@@ -1538,16 +1541,13 @@ inline void qdot4x2_dp(int fmt, const QRow* rows, const uint16_t* const* xbs, in
 }
 
 // The n-token forms (the rows decoded once for all n tokens of an expert): fp4 with bf16
-// activations (qdot4xn_fp4_bf16dp) or float ones (qdot4xn_fp4_avx512), fp8 with float ones and C
-// a multiple of 16 (qdot4xn_fp8_avx512); xs holds uint16_t rows for dp, float rows otherwise.
-inline void qdot4xn(int fmt, bool dp, const void* const* xs, int n, const QRow* rows, int C, int sdt, float (*out)[4]) {
-  if (fmt == FMT_FP8) return qdot4xn_fp8_avx512(rows, reinterpret_cast<const float* const*>(xs), n, C, sdt, out);
+// activations (qdot4xn_fp4_bf16dp, rows xb) or float ones (qdot4xn_fp4_avx512, rows xf), fp8 with
+// float ones and C a multiple of 16 (qdot4xn_fp8_avx512, rows xf).
+inline void qdot4xn(int fmt, bool dp, const float* const* xf, const uint16_t* const* xb, int n, const QRow* rows, int C,
+                    int sdt, float (*out)[4]) {
+  if (fmt == FMT_FP8) return qdot4xn_fp8_avx512(rows, xf, n, C, sdt, out);
   const bool mx = fmt == FMT_MXFP4;
-  if (dp) {
-    const uint16_t* const* xb = reinterpret_cast<const uint16_t* const*>(xs);
-    return mx ? qdot4xn_fp4_bf16dp<FMT_MXFP4>(rows, xb, n, C, out) : qdot4xn_fp4_bf16dp<FMT_NVFP4>(rows, xb, n, C, out);
-  }
-  const float* const* xf = reinterpret_cast<const float* const*>(xs);
+  if (dp) return mx ? qdot4xn_fp4_bf16dp<FMT_MXFP4>(rows, xb, n, C, out) : qdot4xn_fp4_bf16dp<FMT_NVFP4>(rows, xb, n, C, out);
   mx ? qdot4xn_fp4_avx512<FMT_MXFP4>(rows, xf, n, C, out) : qdot4xn_fp4_avx512<FMT_NVFP4>(rows, xf, n, C, out);
 }
 
@@ -1844,8 +1844,9 @@ struct Executor {
       const int units = G * ib;
       float g4[4], v4[4];
       QRow rg[4], ru[4];
-      std::vector<const void*> xn;  // the expert's token rows (decode-once path)
-      std::vector<float> gn, vn;    // [n][4] their gate and up dots
+      std::vector<const float*> xf;     // the expert's token rows (decode-once path): float
+      std::vector<const uint16_t*> x16;  // or bf16 (dp)
+      std::vector<float> gn, vn;         // [n][4] their gate and up dots
       for (int u0, u1, k = 0; sh1.take(units, tid, nt, k++, u0, u1);)
       for (int u = u0; u < u1; ++u) {
         const int g = u / ib, r0 = (u % ib) * RB, r1 = std::min(I, r0 + RB);
@@ -1853,10 +1854,12 @@ struct Executor {
         const int cnt = starts[g + 1] - starts[g];
         const bool many = once && cnt >= once_min;
         if (many) {
-          xn.resize(cnt), gn.resize(size_t(cnt) * 4), vn.resize(size_t(cnt) * 4);
+          gn.resize(size_t(cnt) * 4), vn.resize(size_t(cnt) * 4);
+          (dp ? x16.resize(cnt) : xf.resize(cnt));
           for (int i = 0; i < cnt; ++i) {
             const size_t row = size_t(order[starts[g] + i] / K) * H;
-            xn[i] = dp ? static_cast<const void*>(xb.data() + row) : static_cast<const void*>(xl.data() + row);
+            if (dp) x16[i] = xb.data() + row;
+            else xf[i] = xl.data() + row;
           }
         }
         for (int r = r0; r < r1; r += 4) {
@@ -1868,8 +1871,8 @@ struct Executor {
           if (many) {
             float(*g2)[4] = reinterpret_cast<float(*)[4]>(gn.data());
             float(*v2)[4] = reinterpret_cast<float(*)[4]>(vn.data());
-            qdot4xn(fmt, dp, xn.data(), cnt, rg, H, gu.sdt, g2);
-            qdot4xn(fmt, dp, xn.data(), cnt, ru, H, gu.sdt, v2);
+            qdot4xn(fmt, dp, xf.data(), x16.data(), cnt, rg, H, gu.sdt, g2);
+            qdot4xn(fmt, dp, xf.data(), x16.data(), cnt, ru, H, gu.sdt, v2);
             for (int i = 0; i < cnt; ++i)
               for (int j = 0; j < nr; ++j) {
                 const float hv = plain ? silu(g2[i][j]) * v2[i][j] : fn.h(e, I, r + j, g2[i][j], v2[i][j]);
@@ -1933,8 +1936,9 @@ struct Executor {
     pool.run([&](int tid) {
       float d4[4];
       QRow rd[4];
-      std::vector<const void*> hn;  // the expert's h rows (decode-once path)
-      std::vector<float> dnn;       // [n][4] their down dots
+      std::vector<const float*> hf;     // the expert's h rows (decode-once path): float
+      std::vector<const uint16_t*> h16;  // or bf16 (dp)
+      std::vector<float> dnn;            // [n][4] their down dots
       for (int b0, b1, k = 0; sh2.take(hb_blocks, tid, nt, k++, b0, b1);) {
         for (int t = 0; t < T; ++t)
           for (int r = b0 * RB; r < std::min(H, b1 * RB); ++r) out[int64_t(t) * H + r] = 0.f;
@@ -1946,10 +1950,13 @@ struct Executor {
           const int cnt = starts[g + 1] - starts[g];
           const bool many = once && cnt >= once_min;
           if (many) {
-            hn.resize(cnt), dnn.resize(size_t(cnt) * 4);
-            for (int i = 0; i < cnt; ++i)
-              hn[i] = dp ? static_cast<const void*>(hb.data() + size_t(starts[g] + i) * I)
-                         : static_cast<const void*>(hl.data() + size_t(starts[g] + i) * I);
+            dnn.resize(size_t(cnt) * 4);
+            (dp ? h16.resize(cnt) : hf.resize(cnt));
+            for (int i = 0; i < cnt; ++i) {
+              const size_t row = size_t(starts[g] + i) * I;
+              if (dp) h16[i] = hb.data() + row;
+              else hf[i] = hl.data() + row;
+            }
           }
           for (int blk = b0; blk < b1; ++blk) {
             const int r0 = blk * RB, r1 = std::min(H, r0 + RB);
@@ -1958,7 +1965,7 @@ struct Executor {
               for (int j = 0; j < 4; ++j) rd[j] = qrow(dn, e, r + std::min(j, nr - 1));
               if (many) {  // every token of the expert, added in the pairs' order as below
                 float(*d2)[4] = reinterpret_cast<float(*)[4]>(dnn.data());
-                qdot4xn(fmt, dp, hn.data(), cnt, rd, I, dn.sdt, d2);
+                qdot4xn(fmt, dp, hf.data(), h16.data(), cnt, rd, I, dn.sdt, d2);
                 for (int i = 0; i < cnt; ++i) {
                   const int tok = order[starts[g] + i] / K;
                   const float wq = gw[order[starts[g] + i]];
@@ -2519,7 +2526,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("host_call_size", &host_call_size, "sizeof the HostCall descriptor (checked against hostcall.py)");
   m.def("create", &create, "create an executor with a pinned thread pool", py::arg("cpus"), py::arg("isa_cap"),
         py::arg("spin") = -1);
-  m.def("set_decode_once", [](int64_t n) { return int64_t(g_decode_once.exchange(int(std::max<int64_t>(0, n)))); },
+  m.def("set_decode_once", [](int64_t n) { return int64_t(g_decode_once.exchange(int(std::clamp<int64_t>(n, 0, 1 << 30)))); },
         "quantized calls on AVX-512: experts with at least n tokens decode each row block once for all of them "
         "(0: off); returns the previous n", py::arg("n"));
   m.def("isa", &isa_of, "ISA level in use: 0 scalar, 1 avx2, 2 avx512, 3 avx512-bf16");
