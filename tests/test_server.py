@@ -356,6 +356,15 @@ def test_response_format_shapes(oai, server):
     assert oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=2, response_format={"type": "text"}).choices
 
 
+def test_model_may_be_left_out(server):
+    """Without a "model" field the OpenAI endpoints serve the first served id (vLLM's rule;
+    llama.cpp's server ignores the field); a wrong one is still a 404 (test_openai_errors)."""
+    r = post(server, "/v1/chat/completions", {"messages": USER, "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["model"] == MODEL, r.text
+    r = post(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["model"] == MODEL, r.text
+
+
 @pytest.mark.parametrize("body,status,needle", [
     ({"model": MODEL, "messages": USER, "temperature": "hot"}, 400, "temperature"),
     ({"model": "gpt-4o", "messages": USER}, 404, "gpt-4o"),

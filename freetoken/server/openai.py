@@ -31,7 +31,11 @@ def error_body(e: ApiError) -> dict:
 
 
 def check_model(ctx, body: dict) -> str:
-    model = field(body, "model", "string", required=True)
+    """The request's model id, which must be one this server serves; left out, the first of them
+    (vLLM's rule: a client written for llama.cpp's server, which ignores the field, may omit it)."""
+    model = field(body, "model", "string")
+    if model is None:
+        return ctx.model_names[0]
     if model not in ctx.model_names:
         raise ApiError(404, f"model '{model}' does not exist; this server serves {ctx.model_names[0]!r}",
                        param="model", code="model_not_found")
