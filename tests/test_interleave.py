@@ -708,12 +708,17 @@ def test_device_costs_time_the_points_between_deferred_steps(eng):
     assert runs[True, True] == runs[True, False] == runs[False, False]
 
 
-def test_tail_cycles_teach_the_points_after_a_forwards_last_step(eng):
+@pytest.mark.parametrize("hook_sleep", [0.0, 0.06])
+def test_tail_cycles_teach_the_points_after_a_forwards_last_step(eng, hook_sleep):
     """With tail_cycles (interleave.TAIL_CYCLES, off by default) the points queued after an
     interleaved forward's last decode step learn their costs at the forward's end, on the host's
     clock (waited steps, the CPU) or the device's (deferred steps with device_costs: here host
     marks): every point of a forward with a step in it has a cost from that forward. Without it
-    those points learn nothing in it. The tokens are the same either way."""
+    those points learn nothing in it. The tokens are the same either way.
+    hook_sleep: each point's hook made that much slower, as a loaded machine makes the layers
+    between two steps: a stretch learned twice (a forward's first deferred step timed on the
+    host's clock up to its cycle's end, the next from the step's own end mark) then shows past
+    the window bound, as it did in two CI runs under two test processes."""
     g = torch.Generator().manual_seed(19)
     ps = [torch.randint(5, eng.cfg.vocab_size, (n,), generator=g).tolist() for n in (12, 250)]
     runs = {}
@@ -728,6 +733,7 @@ def test_tail_cycles_teach_the_points_after_a_forwards_last_step(eng):
 
         def queued(i, seen=seen, real=real_queued):
             seen.append(i)
+            time.sleep(hook_sleep)
             real(i)
 
         def prefill(*a, at_start=at_start, real=real_prefill, iv=iv, **kw):
@@ -750,10 +756,7 @@ def test_tail_cycles_teach_the_points_after_a_forwards_last_step(eng):
         finally:
             del srv.engine.prefill_batch  # the engine is the module's: its own method again
         assert missed, "no interleaved forward of the long prompt"
-        # KNOWN OPEN (forty-fourth session): with deferred steps timed by host marks (tail, defer both
-        # on) a forward's points learned 0.06 s past its window in a fresh-clone CI run under two test
-        # processes (0.11 s in another, clock not recorded then); not reproduced beside CPU hogs and
-        # not yet explained by the loop's clocks. The bound stays; the message names the clock.
+        # no point learns time from outside its forward's window, nor a stretch twice
         assert max(spans) < 0.05, (tail, defer, spans)  # which clock learned past its window
         if tail:
             assert all(m == [] for m in missed), missed

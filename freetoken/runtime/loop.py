@@ -31,7 +31,7 @@ from .interleave import GAP_CEILING, MIN_PREFILL, TAIL_CYCLES, CostModel, Interl
 from .overlap import DecodeOverlap, LayerPacer, eligible as overlap_eligible
 from .request import Request, TokenEvent
 from . import host_wait
-from .deferred_step import DeferredStep, mark
+from .deferred_step import DeferredStep, HostMark, mark
 from .penalties import LogitAdjuster
 from .sampler import SamplingParams, greedy_rows, sample, top_entries
 from .scheduler import Scheduler
@@ -758,6 +758,12 @@ class EngineLoop:
         work, self._tail_on_host = None, False
         if d.start is not None and self._prev_step_end is not None:  # device_costs: the device's clock
             work = self._prev_step_end.elapsed_time(d.start) / 1e3
+        elif isinstance(d.start, HostMark) and self.between.learn_from is not None:
+            # the forward's first step, on a device that runs each op as it is called (the CPU): the
+            # host's clock up to the step's start. Up to now (the cycle's default) would also count
+            # the layers run since the step, which the next cycle learns again from the step's end
+            # mark: one stretch twice (test_tail_cycles_teach_the_points_after_a_forwards_last_step)
+            work = max(0.0, d.start.t - self.between.learn_from)
         self._prev_step_end = d.event if d.start is not None else None
         self.between.cycle(self._decode_s, d.queued, work)
 
