@@ -19,6 +19,9 @@ Results go to cpu_experts (bf16) or cpu_experts-FORMAT.
                                 [--fixed-cost]
 --fixed-cost adds batch-1 calls on experts already in cache (`fixed_cost`: one expert, and the
 same top-k every call): what a call costs besides streaming its bytes (issue 12).
+--row-scales 1,0 times the fp4 rows again with the kernels' block scales decoded once per call
+(1, the default) and per chunk (0), alternating in one process (`*_ms_by_row_scales`, and the
+cached top-k's `us_by_row_scales`): an A/B of moe_cpu's FREETOKEN_CPU_ROW_SCALES.
 """
 from __future__ import annotations
 
@@ -121,9 +124,43 @@ def fixed_cost_rows(ex, a, h: int, k: int, per_expert: int, g: torch.Generator) 
                 med = [statistics.median(p[j] for p in parts) for j in range(6)]
                 row["parts_us"] = {k: round(v, 1) for k, v in zip(PARTS, med)}
                 row["outside_cpp_us"] = round(t * 1e6 - sum(med), 1)  # Python, pybind, the GIL
+            if name == "topk" and a.row_scales and a.format in ("mxfp4", "nvfp4") and ex.handle is not None:
+                before, ab = extension().set_row_scales(True), {}
+                for _ in range(2):  # the cached (compute-bound) call with each block-scale setting, alternating
+                    for v in [int(v) for v in a.row_scales.split(",") if v]:
+                        extension().set_row_scales(bool(v))
+                        ab.setdefault(str(v), []).append(round(timeit(lambda: ex.kernel(x, ids, w), warmup=5,
+                                                                      iters=max(a.iters, 50)) * 1e6, 1))
+                extension().set_row_scales(before)
+                row["us_by_row_scales"] = ab
             rows.append(row)
         ex.set_act(False)
     return rows
+
+
+def row_scales_ab(ex, a, run) -> dict:
+    """ms of the fp4 kernels with each --row-scales setting, alternating, twice each: float, bf16
+    and int8 activations ({act}_ms_by_row_scales)."""
+    settings = [int(v) for v in a.row_scales.split(",") if v]
+    before = extension().set_row_scales(True)
+    out = {}
+    try:
+        for act, cast, int8 in (("f32act", lambda x: x, False), ("bf16act", lambda x: x.bfloat16(), False),
+                                ("int8", lambda x: x, True)):
+            if int8 and ex.set_act(True) != "int8":
+                ex.set_act(False)
+                continue
+            ab: dict[str, list[float]] = {}
+            for _ in range(2):
+                for v in settings:
+                    extension().set_row_scales(bool(v))
+                    ab.setdefault(str(v), []).append(round(run(lambda x, ids, w: ex.kernel(cast(x), ids, w)) * 1e3, 3))
+            out[f"{act}_ms_by_row_scales"] = ab
+            ex.set_act(False)
+    finally:
+        extension().set_row_scales(before)
+        ex.set_act(False)
+    return out
 
 
 def main():
@@ -146,6 +183,10 @@ def main():
     ap.add_argument("--decode-once", default="",
                     help="N,M,...: the float- and bf16-activation rows again with each decode-once threshold "
                          "(moe_cpu set_decode_once; 0: the rows decoded once per two tokens), alternating, twice each")
+    ap.add_argument("--row-scales", default="",
+                    help="1,0: the fp4 formats' float-, bf16- and int8-activation rows (and --fixed-cost's cached "
+                         "top-k) again with the block scales decoded once per call (1, the default) and per chunk "
+                         "(0, the former way; moe_cpu set_row_scales), alternating, twice each")
     ap.add_argument("--plain-banks", action="store_true",
                     help="banks in plain torch tensors instead of the engine's (huge-page) host buffers")
     a = ap.parse_args()
@@ -214,6 +255,8 @@ def main():
                             round(run(lambda x, ids, w: ex.kernel(cast(x), ids, w)) * 1e3, 3))
                 row[f"{act}_ms_by_decode_once"] = ab
             extension().set_decode_once(before)
+        if a.row_scales and a.format in ("mxfp4", "nvfp4") and ex.handle is not None:
+            row.update(row_scales_ab(ex, a, run))
         if a.format in ("mxfp4", "nvfp4") and ex.handle is not None:  # --cpu-act int8, same executor
             vnni = ex.set_act(True) == "int8"
             kernel = ex.int8_kernel

@@ -1483,12 +1483,23 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   step 150 bound-12 env PYTHONFAULTHANDLER=1 timeout -s ABRT 140 python3 -m bench.prefill_stream --layers 12 \
     --lengths 8192,32768 --buffering double --stream-mixer-subs 8192 --table-on-copy 0,1 --compute-pass \
     --compute-subs 8192 --name prefill_stream-bound-12l
+  step 150 build-cpp python3 -c "from freetoken.experts.cpu import extension; extension()"  # a changed moe_cpu.cpp
   CUDA_VISIBLE_DEVICES= step 80 once-t6 python3 -m bench.cpu_experts --format mxfp4 --experts 256 --threads 6 \
     --batches 64,512 --iters 8 --decode-once 0,4 --name cpu_experts-mxfp4-decode-once-f32-xeon-t6
   CUDA_VISIBLE_DEVICES= step 80 once-t16 python3 -m bench.cpu_experts --format mxfp4 --experts 256 --threads 16 \
     --batches 64,512 --iters 8 --decode-once 0,4 --name cpu_experts-mxfp4-decode-once-f32-xeon-t16
   ;;
-*) echo "stage 0 to 144"; exit 2 ;;
+145) # ~400 s at most: the fp4 kernels' block scales decoded once per call against per chunk (moe_cpu
+  # FREETOKEN_CPU_ROW_SCALES; the same bits), A/B in one process on the Xeon, where the kernels are bound by
+  # their instructions (issue 12's 80% of host read): MXFP4 and NVFP4 at 6 and 14 threads, batch 1 and 4 from
+  # DRAM and the cached top-k, float, bf16 and int8 activations; the GPU hidden. Carry .whl, .devcache/commit.
+  step 150 build-cpp python3 -c "from freetoken.experts.cpu import extension; extension()"  # a changed moe_cpu.cpp
+  for t in 6 14; do for f in mxfp4 nvfp4; do
+    CUDA_VISIBLE_DEVICES= step 95 rowscales-$f-t$t python3 -m bench.cpu_experts --format $f --experts 512 --threads $t \
+      --batches 1,4 --iters 30 --fixed-cost --row-scales 1,0 --name cpu_experts-$f-rowscales-xeon-t$t
+  done; done
+  ;;
+*) echo "stage 0 to 145"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole

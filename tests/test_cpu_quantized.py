@@ -409,6 +409,45 @@ def test_decode_once_gives_the_per_token_bits(name, dtype):
     assert rel(once, reference_experts(xa.float(), ids, w, gu, dn)) < (2e-2 if dp else 1e-5)
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_row_scales_give_the_per_chunk_bits(fmt):
+    """The fp4 kernels take each row's block scales decoded once per call (fp4_block_scales, the
+    default) or made per chunk (set_row_scales(False), the former way): the same bits in every
+    kernel that reads them: float and bf16 activations one token at a time, in pairs and decoded
+    once, and both int8 kernels, with the cases' short last chunks (96 and 48 columns)."""
+    _, sdt, h, i = CASES[fmt]
+    banks = random_banks(fmt, sdt, N, h, i, seed=31)
+    ex = CpuExpertExecutor(banks, threads=2)
+    if ISA_NAMES.index(ex.isa) < ISA_NAMES.index("avx512"):
+        pytest.skip(f"the block scales are the AVX-512 kernels'; this CPU's executor runs {ex.isa}")
+    ext = extension()
+    runs = []  # (activation, tokens)
+    for t in (1, 5, 19):  # 6 experts, top-2: one token; ~2 an expert (pairs, odd ones); ~6 (decoded once)
+        x, ids, w = inputs(t, h, seed=40 + t, n=6, k=2)
+        runs += [("f32", x, ids, w), ("bf16", x.bfloat16(), ids, w)]
+    int8 = ["vbmi", "vnni"] if ex.set_act(True) == "int8" else []
+    ex.set_act(False)
+    outs = {}
+    before = ext.set_row_scales(True)
+    try:
+        for on in (True, False, True):
+            ext.set_row_scales(on)
+            got = [ex.kernel(x, ids, w) for _, x, ids, w in runs]
+            for kernel in int8:
+                ex.set_act(True, max_kernel=kernel)
+                got += [ex.kernel(x, ids, w) for act, x, ids, w in runs if act == "f32"]
+                ex.set_act(False)
+            outs.setdefault(on, []).append(got)
+    finally:
+        ext.set_row_scales(before)
+    for a, b, c in zip(outs[True][0], outs[False][0], outs[True][1]):
+        assert torch.isfinite(a).all() and (a != 0).any()
+        assert torch.equal(a, b) and torch.equal(a, c), int((a != b).sum())
+    gu, dn = banks.dequant(torch.arange(N))
+    x, ids, w = runs[0][1:]
+    assert rel(outs[True][0][0], reference_experts(x, ids, w, gu, dn)) < 1e-5
+
+
 @pytest.mark.parametrize("name", ["mxfp4", "nvfp4", "fp8_block-bf16", "fp8_block-f32", "fp8_block-f16",
                                   "fp8_block-bf16-16"])
 def test_token_pairs_give_the_per_token_bits(name):

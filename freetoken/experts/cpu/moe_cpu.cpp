@@ -356,6 +356,14 @@ static std::atomic<int> g_decode_once{[] {
   return v == nullptr ? 4 : int(std::min<long>(std::max<long>(0, std::strtol(v, nullptr, 10)), 1 << 30));
 }()};
 
+// The fp4 kernels on AVX-512 take each row's block scales decoded once per call
+// (fp4_block_scales) instead of per chunk: the same bits. FREETOKEN_CPU_ROW_SCALES=0 (or
+// set_row_scales at run time) decodes them per chunk as before, for A/B runs.
+static std::atomic<bool> g_row_scales{[] {
+  const char* v = std::getenv("FREETOKEN_CPU_ROW_SCALES");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}()};
+
 enum Isa { SCALAR = 0, AVX2 = 1, AVX512 = 2, AVX512_BF16 = 3 };
 
 Isa detect() {
@@ -709,12 +717,67 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) inline __m512 fp4_scales_avx512
   return _mm512_mul_ps(_mm512_mul_ps(f, _mm512_set1_ps(256.f)), _mm512_set1_ps(q.s2));
 }
 
+// A per-thread buffer of at least `floats` floats, 64-byte aligned; each SLOT is one kernel's
+// (a kernel call at a time per thread uses it).
+template <int SLOT>
+inline float* thread_scratch(size_t floats) {
+  thread_local std::vector<float> buf;
+  if (buf.size() < floats + 16) buf.resize(floats + 16);
+  return buf.data() + ((16 - (reinterpret_cast<uintptr_t>(buf.data()) / 4) % 16) % 16);
+}
+
+// The block scales of a call's 4 rows as f32, decoded once per row, 16 at a time, into a
+// per-thread buffer ([4][*stride] floats). Per 128-column chunk a kernel then takes a row's lane
+// scales with one load and one permute (fp4_chunk_scales) where fp4_scales_avx512 spends about
+// six instructions on every chunk: a third of the int8 kernels' instructions per chunk, an eighth
+// of the float one's. The values are fp4_scales_avx512's bit for bit (e8m0 0 -> 2^-127 by the
+// same max; NVFP4 (f * 2^8) * scale_2 in the same order); the blocks past a row's last one (a
+// short last chunk's idle lanes) read what chunk_scales' zero bytes give there (2^-127 / 0).
+template <int FMT>
+__attribute__((target("avx512f,avx2,fma,f16c"))) inline const float* fp4_block_scales(const QRow* rows, int C, int* stride) {
+  const int nb = FMT == FMT_MXFP4 ? C / 32 : C / 16;  // whole blocks, as the chunks' nl / 4 (nl / 2) count them
+  const int ss = (nb + 15) / 16 * 16;  // >= 4 (8) floats for every chunk, a short last one too
+  float* S = thread_scratch<1>(size_t(4) * ss);
+  for (int p = 0; p < 4; ++p)
+    for (int g = 0; g < ss; g += 16) {
+      const int n = std::max(0, std::min(16, nb - g));
+      alignas(16) uint8_t tail[16] = {};
+      if (n < 16) std::memcpy(tail, rows[p].s + g, n);
+      const __m128i b = n == 16 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[p].s + g))
+                                : _mm_load_si128(reinterpret_cast<const __m128i*>(tail));
+      __m512 f;
+      if (FMT == FMT_MXFP4) {
+        f = _mm512_castsi512_ps(_mm512_max_epi32(_mm512_slli_epi32(_mm512_cvtepu8_epi32(b), 23), _mm512_set1_epi32(0x00400000)));
+      } else {
+        const __m256i e = _mm256_cvtepi8_epi16(b);
+        f = _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(e, 7), _mm256_set1_epi16(short(0xBF80))));
+        f = _mm512_mul_ps(_mm512_mul_ps(f, _mm512_set1_ps(256.f)), _mm512_set1_ps(rows[p].s2));
+      }
+      _mm512_store_ps(S + size_t(p) * ss + g, f);
+    }
+  *stride = ss;
+  return S;
+}
+
+// Chunk ch's 16 lane scales of one row's decoded block scales s: lane l covers columns
+// [8l, 8l + 8) of the chunk, in block l / 4 (MXFP4, 32 columns) or l / 2 (NVFP4, 16).
+template <int FMT>
+__attribute__((target("avx512f"))) inline __m512 fp4_chunk_scales(const float* s, int ch) {
+  if (FMT == FMT_MXFP4)
+    return _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                                 _mm512_castps128_ps512(_mm_load_ps(s + 4 * ch)));
+  return _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0),
+                               _mm512_castps256_ps512(_mm256_load_ps(s + 8 * ch)));
+}
+
 template <int FMT>
 __attribute__((target("avx512f,avx2,fma,f16c"))) void qdot4_fp4_avx512(const QRow* rows, const float* x, int C, float* out) {
   const __m512 table = _mm512_load_ps(E2M1_F32);
   __m512 acc[4];
   #pragma GCC unroll 4
   for (int p = 0; p < 4; ++p) acc[p] = _mm512_setzero_ps();
+  int ss = 0;  // bs: [4][ss] f32 block scales (nullptr: made per chunk, g_row_scales off)
+  const float* bs = g_row_scales.load(std::memory_order_relaxed) ? fp4_block_scales<FMT>(rows, C, &ss) : nullptr;
   prefetch_scales(rows, FMT == FMT_MXFP4 ? C / 32 : C / 16);
   for (int base = 0; base < C; base += 128) {
     const int nl = std::min(16, (C - base) / 8);
@@ -738,8 +801,10 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) void qdot4_fp4_avx512(const QRo
       }
     }
     #pragma GCC unroll 4
-    for (int p = 0; p < 4; ++p)
-      acc[p] = _mm512_fmadd_ps(_mm512_add_ps(t0[p], t1[p]), fp4_scales_avx512(FMT, rows[p], base, nl), acc[p]);
+    for (int p = 0; p < 4; ++p) {
+      const __m512 sc = bs ? fp4_chunk_scales<FMT>(bs + p * ss, base / 128) : fp4_scales_avx512(FMT, rows[p], base, nl);
+      acc[p] = _mm512_fmadd_ps(_mm512_add_ps(t0[p], t1[p]), sc, acc[p]);
+    }
   }
   #pragma GCC unroll 4
   for (int p = 0; p < 4; ++p) out[p] = _mm512_reduce_add_ps(acc[p]);
@@ -756,6 +821,8 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) void qdot4x2_fp4_avx512(const Q
   // partial sums, the codes, the table and the activations they were 35, and GCC spilled the hot
   // partial sums instead (objdump: 85 zmm stack accesses); a store and reload is exact
   alignas(64) float acc[2][4][16] = {};
+  int ss = 0;  // bs: [4][ss] f32 block scales (nullptr: made per chunk, g_row_scales off)
+  const float* bs = g_row_scales.load(std::memory_order_relaxed) ? fp4_block_scales<FMT>(rows, C, &ss) : nullptr;
   prefetch_scales(rows, FMT == FMT_MXFP4 ? C / 32 : C / 16);
   for (int base = 0; base < C; base += 128) {
     const int nl = std::min(16, (C - base) / 8);
@@ -790,7 +857,7 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) void qdot4x2_fp4_avx512(const Q
     }
     #pragma GCC unroll 4
     for (int p = 0; p < 4; ++p) {
-      const __m512 sc = fp4_scales_avx512(FMT, rows[p], base, nl);
+      const __m512 sc = bs ? fp4_chunk_scales<FMT>(bs + p * ss, base / 128) : fp4_scales_avx512(FMT, rows[p], base, nl);
 #pragma GCC unroll 2
       for (int t = 0; t < 2; ++t)
         _mm512_store_ps(acc[t][p], _mm512_fmadd_ps(_mm512_add_ps(t0[t][p], t1[t][p]), sc, _mm512_load_ps(acc[t][p])));
@@ -812,6 +879,8 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c"))) void qdot4_
   __m512 acc[4];
   #pragma GCC unroll 4
   for (int p = 0; p < 4; ++p) acc[p] = _mm512_setzero_ps();
+  int ss = 0;  // bs: [4][ss] f32 block scales (nullptr: made per chunk, g_row_scales off)
+  const float* bs = g_row_scales.load(std::memory_order_relaxed) ? fp4_block_scales<FMT>(rows, C, &ss) : nullptr;
   prefetch_scales(rows, FMT == FMT_MXFP4 ? C / 32 : C / 16);
   for (int base = 0; base < C; base += 128) {
     const int nl = std::min(16, (C - base) / 8), nw = 2 * nl;
@@ -834,7 +903,10 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c"))) void qdot4_
       }
     }
     #pragma GCC unroll 4
-    for (int p = 0; p < 4; ++p) acc[p] = _mm512_fmadd_ps(t[p], fp4_scales_avx512(FMT, rows[p], base, nl), acc[p]);
+    for (int p = 0; p < 4; ++p) {
+      const __m512 sc = bs ? fp4_chunk_scales<FMT>(bs + p * ss, base / 128) : fp4_scales_avx512(FMT, rows[p], base, nl);
+      acc[p] = _mm512_fmadd_ps(t[p], sc, acc[p]);
+    }
   }
   #pragma GCC unroll 4
   for (int p = 0; p < 4; ++p) out[p] = _mm512_reduce_add_ps(acc[p]);
@@ -850,6 +922,8 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c"))) void qdot4x
   __m512 acc[2][4];
   #pragma GCC unroll 4
   for (int p = 0; p < 4; ++p) acc[0][p] = acc[1][p] = _mm512_setzero_ps();
+  int ss = 0;  // bs: [4][ss] f32 block scales (nullptr: made per chunk, g_row_scales off)
+  const float* bs = g_row_scales.load(std::memory_order_relaxed) ? fp4_block_scales<FMT>(rows, C, &ss) : nullptr;
   prefetch_scales(rows, FMT == FMT_MXFP4 ? C / 32 : C / 16);
   for (int base = 0; base < C; base += 128) {
     const int nl = std::min(16, (C - base) / 8), nw = 2 * nl;
@@ -877,7 +951,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c"))) void qdot4x
     }
     #pragma GCC unroll 4
     for (int p = 0; p < 4; ++p) {
-      const __m512 sc = fp4_scales_avx512(FMT, rows[p], base, nl);
+      const __m512 sc = bs ? fp4_chunk_scales<FMT>(bs + p * ss, base / 128) : fp4_scales_avx512(FMT, rows[p], base, nl);
 #pragma GCC unroll 2
       for (int q = 0; q < 2; ++q) acc[q][p] = _mm512_fmadd_ps(t[q][p], sc, acc[q][p]);
     }
@@ -890,11 +964,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c"))) void qdot4x
 
 // The decode-once kernels' per-thread buffer of at least `floats` floats, 64-byte aligned (one
 // kernel call at a time per thread uses it: it holds that call's decoded rows).
-inline float* decode_scratch(size_t floats) {
-  thread_local std::vector<float> buf;
-  if (buf.size() < floats + 16) buf.resize(floats + 16);
-  return buf.data() + ((16 - (reinterpret_cast<uintptr_t>(buf.data()) / 4) % 16) % 16);
-}
+inline float* decode_scratch(size_t floats) { return thread_scratch<0>(floats); }
 
 // qdot4x2_fp4_avx512 for n activation rows (a float model's prompt chunk: the CPU engine's default
 // dtype), as qdot4xn_fp4_bf16dp below: the four rows decoded once into a per-thread buffer (per
@@ -1422,6 +1492,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma,f16c"))) void qdot4_
   __m512 acc[4];
   #pragma GCC unroll 4
   for (int p = 0; p < 4; ++p) acc[p] = _mm512_setzero_ps();
+  int ss = 0;  // bs: [4][ss] f32 block scales (nullptr: made per chunk, g_row_scales off)
+  const float* bs = g_row_scales.load(std::memory_order_relaxed) ? fp4_block_scales<FMT>(rows, C, &ss) : nullptr;
   prefetch_scales(rows, FMT == FMT_MXFP4 ? C / 32 : C / 16);
   for (int base = 0, ch = 0; base < C; base += Q8_CHUNK, ++ch) {
     const Q8Chunk c = q8_chunk(a, C, base, ch);
@@ -1431,7 +1503,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma,f16c"))) void qdot4_
       const __m512i lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, nib));
       const __m512i hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
       const __m512i t = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(c.off, lo, c.xe), hi, c.xo);
-      acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(fp4_scales_avx512(FMT, rows[p], base, c.nl), c.xs), acc[p]);
+      const __m512 sw = bs ? fp4_chunk_scales<FMT>(bs + p * ss, ch) : fp4_scales_avx512(FMT, rows[p], base, c.nl);
+      acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(sw, c.xs), acc[p]);
     }
   }
   #pragma GCC unroll 4
@@ -1445,11 +1518,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma,f16c"))) void qdot4_
 // - VPERMB looks a code up in a 64-entry table by the low 6 bits of its byte: the low nibble
 //   needs no mask, the high one (a 16-bit shift by 4 leaves the next byte's low bits above it)
 //   none either, each entry repeating the 16-entry table (5 instructions -> 3).
-// - The block scales come from one masked VPERMB of the chunk's scale bytes into byte 0 of each
-//   lane (MXFP4: lane l <- byte l / 4; e8m0 -> f32 bits by a shift, and a 0 byte -> 2^-127 by a
-//   max, as the exact kernels do); NVFP4 into byte 1 of each 16-bit word (lane l <- byte l / 2),
-//   then e4m3 -> f16 as fp4_scales_avx512 does, times the row's constant 2^8 * scale_2 (the f16
-//   exponent's bias and the tensor's second scale) in one multiply.
+// - The block scales, as in every fp4 kernel, are decoded once per row (fp4_block_scales) and
+//   taken per chunk by one load and one permute (until the forty-fifth session this kernel made
+//   them per chunk from the scale bytes by a masked VPERMB, a shift and a max: 4 instructions).
 // The integers and the f32 arithmetic are the kernel above's, bit for bit. (With the constant
 // moved to the end of the row instead, the sums differed in their last bits, and the int8
 // rounding of the intermediate activations then flipped more often: a whole-model test saw 4
@@ -1458,24 +1529,37 @@ alignas(64) const int8_t E2M1_X2_PLUS12_64[64] = {
     12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
     12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 
+// A chunk's lane scales as the VBMI kernel made them before fp4_block_scales (the A/B's other
+// side, FREETOKEN_CPU_ROW_SCALES=0): one masked VPERMB of the chunk's scale bytes into byte 0 of
+// each lane (MXFP4: lane l <- byte l / 4; e8m0 -> f32 bits by a shift, a 0 byte -> 2^-127 by a
+// max); NVFP4 into byte 1 of each 16-bit word (lane l <- byte l / 2), then e4m3 -> f16 as
+// fp4_scales_avx512 does, times 2^8 * scale_2 in one multiply: f * (2^8 s2) rounds as
+// (f * 2^8) * s2 does, f * 2^8 being exact.
+template <int FMT>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx2,f16c"))) inline __m512 vbmi_chunk_scales(const QRow& r, int base, int nl) {
+  if (FMT == FMT_MXFP4) {
+    const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512i b = _mm512_castsi128_si512(_mm_cvtsi32_si128(int(chunk_scales<4>(r.s + base / 32, nl / 4))));
+    const __m512i e = _mm512_maskz_permutexvar_epi8(0x1111111111111111ull, idx, b);
+    return _mm512_castsi512_ps(_mm512_max_epi32(_mm512_slli_epi32(e, 23), _mm512_set1_epi32(0x00400000)));
+  }
+  const __m256i idx = _mm256_set_epi16(7 << 8, 7 << 8, 6 << 8, 6 << 8, 5 << 8, 5 << 8, 4 << 8, 4 << 8,
+                                       3 << 8, 3 << 8, 2 << 8, 2 << 8, 1 << 8, 1 << 8, 0, 0);
+  const __m256i b = _mm256_castsi128_si256(_mm_cvtsi64_si128(int64_t(chunk_scales<8>(r.s + base / 16, nl / 2))));
+  const __m256i w = _mm256_maskz_permutexvar_epi8(0xAAAAAAAAu, idx, b);  // byte << 8 per word
+  return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_and_si256(_mm256_srai_epi16(w, 1), _mm256_set1_epi16(short(0xBF80)))),
+                       _mm512_set1_ps(256.f * r.s2));
+}
+
 template <int FMT>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c"))) void qdot4_fp4_q8_vbmi(
     const QRow* rows, const Q8Act& a, int C, float* out) {
   const __m512i lut = _mm512_load_si512(E2M1_X2_PLUS12_64);
-  // MXFP4: dword lane l <- scale byte l / 4 (byte 0 of the lane, the others zeroed by the mask)
-  const __m512i mx_idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  // NVFP4: 16-bit word l <- scale byte l / 2, in the word's high byte (the low byte zeroed)
-  const __m256i nv_idx = _mm256_set_epi16(7 << 8, 7 << 8, 6 << 8, 6 << 8, 5 << 8, 5 << 8, 4 << 8, 4 << 8,
-                                          3 << 8, 3 << 8, 2 << 8, 2 << 8, 1 << 8, 1 << 8, 0, 0);
-  __m512 acc[4], nv_scale[4];
+  __m512 acc[4];
   #pragma GCC unroll 4
-  for (int p = 0; p < 4; ++p) {
-    acc[p] = _mm512_setzero_ps();
-    // NVFP4: the f16 exponent's 2^8 times the tensor's scale_2, one product per row: f * (2^8 s2)
-    // rounds as the exact kernels' (f * 2^8) * s2 does (f * 2^8 is exact), so the sums stay
-    // bit for bit those of the VNNI kernel
-    nv_scale[p] = _mm512_set1_ps(FMT == FMT_MXFP4 ? 1.f : 256.f * rows[p].s2);
-  }
+  for (int p = 0; p < 4; ++p) acc[p] = _mm512_setzero_ps();
+  int ss = 0;  // bs: [4][ss] f32 block scales, the VNNI kernel's (nullptr: made per chunk, g_row_scales off)
+  const float* bs = g_row_scales.load(std::memory_order_relaxed) ? fp4_block_scales<FMT>(rows, C, &ss) : nullptr;
   prefetch_scales(rows, FMT == FMT_MXFP4 ? C / 32 : C / 16);
   for (int base = 0, ch = 0; base < C; base += Q8_CHUNK, ++ch) {
     const Q8Chunk c = q8_chunk(a, C, base, ch);
@@ -1485,17 +1569,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,
       const __m512i lo = _mm512_permutexvar_epi8(v, lut);
       const __m512i hi = _mm512_permutexvar_epi8(_mm512_srli_epi16(v, 4), lut);
       const __m512i t = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(c.off, lo, c.xe), hi, c.xo);
-      __m512 sw;
-      if (FMT == FMT_MXFP4) {
-        const __m512i b = _mm512_castsi128_si512(_mm_cvtsi32_si128(int(chunk_scales<4>(rows[p].s + base / 32, c.nl / 4))));
-        const __m512i e = _mm512_maskz_permutexvar_epi8(0x1111111111111111ull, mx_idx, b);
-        sw = _mm512_castsi512_ps(_mm512_max_epi32(_mm512_slli_epi32(e, 23), _mm512_set1_epi32(0x00400000)));
-      } else {
-        const __m256i b = _mm256_castsi128_si256(_mm_cvtsi64_si128(int64_t(chunk_scales<8>(rows[p].s + base / 16, c.nl / 2))));
-        const __m256i w = _mm256_maskz_permutexvar_epi8(0xAAAAAAAAu, nv_idx, b);  // byte << 8 per word
-        sw = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_and_si256(_mm256_srai_epi16(w, 1), _mm256_set1_epi16(short(0xBF80)))),
-                           nv_scale[p]);
-      }
+      const __m512 sw = bs ? fp4_chunk_scales<FMT>(bs + p * ss, ch) : vbmi_chunk_scales<FMT>(rows[p], base, c.nl);
       acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(sw, c.xs), acc[p]);
     }
   }
@@ -2526,6 +2600,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("host_call_size", &host_call_size, "sizeof the HostCall descriptor (checked against hostcall.py)");
   m.def("create", &create, "create an executor with a pinned thread pool", py::arg("cpus"), py::arg("isa_cap"),
         py::arg("spin") = -1);
+  m.def("set_row_scales", [](bool on) { return g_row_scales.exchange(on); },
+        "the fp4 kernels' block scales decoded once per call (on, the default) or per chunk (off, the former way); "
+        "returns the previous setting (the same bits either way: A/B runs)");
   m.def("set_decode_once", [](int64_t n) { return int64_t(g_decode_once.exchange(int(std::clamp<int64_t>(n, 0, 1 << 30)))); },
         "quantized calls on AVX-512: experts with at least n tokens decode each row block once for all of them "
         "(0: off); returns the previous n", py::arg("n"));
