@@ -696,9 +696,9 @@ def test_device_costs_time_the_points_between_deferred_steps(eng):
         srv.defer_steps, srv.device_costs, srv.start_marks = True, costs, marks
         works, real = [], srv.between.cycle
 
-        def spy(decode_s, ran=None, work_s=None, real=real, works=works):
+        def spy(decode_s, ran=None, work_s=None, until=None, real=real, works=works):
             works.append(work_s)
-            real(decode_s, ran, work_s)
+            real(decode_s, ran, work_s, until)
         srv.between.cycle = spy
         out = drive(srv, [greedy(ps[0], 30), greedy(ps[1], 3)], arrive=[0, 2])
         given = [w for w in works if w is not None]
@@ -824,9 +824,9 @@ def deferred_against_waiting(eng, step_stream: bool = False):
         srv.defer_steps, srv.step_stream = defer, step_stream
         cycles, real = [], srv.between.cycle
 
-        def spy(decode_s, ran=None, work_s=None, real=real, srv=srv, cycles=cycles):
+        def spy(decode_s, ran=None, work_s=None, until=None, real=real, srv=srv, cycles=cycles):
             cycles.append((list(srv.between.queued), ran))
-            real(decode_s, ran, work_s)
+            real(decode_s, ran, work_s, until)
         srv.between.cycle = spy
         rs = reqs()
         srv._gens[rs[1].id] = torch.Generator().manual_seed(5)  # as the server seeds it (serving.py)

@@ -431,7 +431,8 @@ class Interleaver:
     def layer_queued(self, i: float = 0) -> None:
         self.queued.append(i)
 
-    def cycle(self, decode_s: float, ran: list | None = None, work_s: float | None = None) -> None:
+    def cycle(self, decode_s: float, ran: list | None = None, work_s: float | None = None,
+              until: float | None = None) -> None:
         """A decode step between layers ended; the cycle since the previous decode step ran the
         queued layers of prompt work and that step: their time is shared among them in
         proportion to what they are known to cost (equally while any is unknown).
@@ -439,11 +440,14 @@ class Interleaver:
         tokens are read a hook later, and the points queued since run after it on the device:
         they stay queued, for the next cycle); None: every queued point. work_s: those points'
         time as the device measured it (the loop's device_costs), instead of the cycle's wall
-        time less the decode step's."""
+        time less the decode step's. until: where that wall time ends, if not now: the step's
+        start (perf_counter) on a device that runs each op as it is called, the step not in it."""
         points = self.queued if ran is None else ran
         if self.last_decode is not None and points:
-            self._learn(points, max(0.0, time.perf_counter() - self.learn_from - decode_s) if work_s is None
-                        else work_s)
+            if work_s is None:
+                work_s = max(0.0, until - self.learn_from) if until is not None else \
+                    max(0.0, time.perf_counter() - self.learn_from - decode_s)
+            self._learn(points, work_s)
         self.steps += 1
         after = [] if ran is None else self.queued
         self.decoded()

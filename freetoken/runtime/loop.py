@@ -755,17 +755,17 @@ class EngineLoop:
             self._prev_step_end, self._tail_on_host = None, False
             self.between.cycle(self._decode_s, d.queued)
             return
-        work, self._tail_on_host = None, False
+        work, until, self._tail_on_host = None, None, False
         if d.start is not None and self._prev_step_end is not None:  # device_costs: the device's clock
             work = self._prev_step_end.elapsed_time(d.start) / 1e3
-        elif isinstance(d.start, HostMark) and self.between.learn_from is not None:
+        elif isinstance(d.start, HostMark):
             # the forward's first step, on a device that runs each op as it is called (the CPU): the
             # host's clock up to the step's start. Up to now (the cycle's default) would also count
             # the layers run since the step, which the next cycle learns again from the step's end
             # mark: one stretch twice (test_tail_cycles_teach_the_points_after_a_forwards_last_step)
-            work = max(0.0, d.start.t - self.between.learn_from)
+            until = d.start.t
         self._prev_step_end = d.event if d.start is not None else None
-        self.between.cycle(self._decode_s, d.queued, work)
+        self.between.cycle(self._decode_s, d.queued, work, until)
 
     def _emit_step(self, d: DeferredStep) -> bool:
         """Wait for a deferred decode step's tokens and emit them; False if it failed (its
