@@ -187,6 +187,9 @@ def main():
                     help="1,0: the fp4 formats' float-, bf16- and int8-activation rows (and --fixed-cost's cached "
                          "top-k) again with the block scales decoded once per call (1, the default) and per chunk "
                          "(0, the former way; moe_cpu set_row_scales), alternating, twice each")
+    ap.add_argument("--isa-cap", type=int, default=3,
+                    help="the executor's highest ISA (0 scalar, 1 AVX2, 2 AVX-512, 3 AVX-512 BF16): an AVX-512 "
+                         "machine timing the kernels a CPU without it runs (the AVX2 int8 kernel included)")
     ap.add_argument("--plain-banks", action="store_true",
                     help="banks in plain torch tensors instead of the engine's (huge-page) host buffers")
     a = ap.parse_args()
@@ -210,7 +213,7 @@ def main():
                   gate_up_bias=(torch.randn(n, 2 * i, generator=g) * 0.1).bfloat16(),
                   down_bias=(torch.randn(n, h, generator=g) * 0.1).bfloat16())
     gen_s = time.perf_counter() - t0
-    ex = CpuExpertExecutor(gu, dn, threads=a.threads, **fn)
+    ex = CpuExpertExecutor(gu, dn, threads=a.threads, isa_cap=a.isa_cap, **fn)
     threads = ex.threads
     res = {"format": a.format, "activation": a.activation, "isa": ex.isa, "threads": threads, "physical_cores": len(physical_cores()),
            "shape": [h, i], "top_k": k,

@@ -1,5 +1,5 @@
 """The CPU executor's int8-activation path for MXFP4 / NVFP4 banks (`--cpu-act int8`;
-moe_cpu.cpp's qdot4_fp4_q8, its VBMI form and its scalar form) against its pure-torch reference
+moe_cpu.cpp's qdot4_fp4_q8, its VBMI, AVX2 and scalar forms) against its pure-torch reference
 (experts/cpu/int8_act.py: the same quantization, float64 sums), on random banks with edge
 values and shapes with tails; then how far it lands from the exact reference, and that it is
 opt-in (the exact kernels stay the default, FP8 banks stay exact)."""
@@ -51,7 +51,7 @@ def test_quantize_int8_blocks():
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-@pytest.mark.parametrize("kernel", ["vbmi", "vnni", "scalar"])
+@pytest.mark.parametrize("kernel", ["vbmi", "vnni", "avx2", "scalar"])
 def test_int8_kernel_matches_its_reference(fmt, kernel):
     h, i = SHAPES[fmt]
     b = random_banks(fmt, None, N, h, i, seed=21)
@@ -112,6 +112,32 @@ def test_int8_vbmi_kernel_equals_the_vnni_one(fmt):
         ex.set_act(True, max_kernel="avx")
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_int8_avx2_kernel_equals_the_vnni_one(fmt):
+    """The AVX2 kernel (VPMADDUBSW + VPMADDWD, for CPUs without AVX512-VNNI) computes the VNNI
+    kernel's integers and its f32 arithmetic and reduction order, bit for bit, in both formats
+    and with short last chunks; under an AVX2 ISA cap the executor picks it on its own."""
+    h, i = SHAPES[fmt]
+    b = random_banks(fmt, None, N, h, i, seed=33)
+    ex = CpuExpertExecutor(b, threads=2)
+    ex.set_act(True, max_kernel="vnni")
+    if ex.int8_kernel != "vnni":
+        pytest.skip("this CPU has no AVX512-VNNI to compare with")
+    capped = CpuExpertExecutor(b, threads=2, isa_cap=1, act_int8=True)  # 1: AVX2
+    assert capped.int8_kernel == "avx2" and capped.act == "int8"
+    for t in (1, 6, 260):
+        x, ids, w = routed(t, h, seed=50 + t)
+        ids[0, 1] = -1
+        vnni = ex.kernel(x, ids, w)
+        ex.set_act(True, max_kernel="avx2")
+        assert ex.int8_kernel == "avx2"
+        avx2 = ex.kernel(x, ids, w)
+        ex.set_act(True, max_kernel="vnni")
+        assert torch.isfinite(vnni).all() and (vnni != 0).any()
+        assert torch.equal(avx2, vnni), (t, int((avx2 != vnni).sum()))
+        assert torch.equal(capped.kernel(x, ids, w), vnni), t
+
+
 def test_int8_with_gpt_oss_expert_function():
     """The clamped SwiGLU with bf16 bias banks: the epilogue is shared with the exact path."""
     h, i = SHAPES["mxfp4"]
@@ -170,8 +196,8 @@ def test_cpu_act_option_is_checked_and_shown():
 
 
 def test_vector_quantization_gives_the_scalar_bits():
-    """The activation quantization's AVX-512 form (moe_cpu.cpp quantize_q8_blocks_avx512, what
-    a decode call runs on the caller's thread) against the scalar one, bit for bit: random rows
+    """The activation quantization's AVX-512 and AVX2 forms (moe_cpu.cpp quantize_q8_blocks_avx512 /
+    _avx2, what a decode call runs on the caller's thread) against the scalar one, bit for bit: random rows
     at several scales, a zero block, one-outlier blocks, denormal blocks, NaN and infinities,
     exact halves (ties round to even), and widths whose last 32-column block is half full."""
     ext = extension()
@@ -189,8 +215,10 @@ def test_vector_quantization_gives_the_scalar_bits():
         x[7, :16] = torch.arange(16) - 7.5  # with the block's max 7.5 / 127 steps: many exact halves
         x[8] = torch.round(x[8] * 2) / 2
         vec, sca = ext.quantize_q8_rows(x, True), ext.quantize_q8_rows(x, False)
-        for a, b, name in zip(vec, sca, ("q", "xs", "off")):
-            assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8) if a.dtype == torch.int8 else a,
-                                                      b.view(torch.uint8) if b.dtype == torch.int8 else b), (c, name)
+        avx2 = ext.quantize_q8_rows(x, True, isa_cap=1)  # the AVX2 form (CPUs without AVX-512)
+        for a, a2, b, name in zip(vec, avx2, sca, ("q", "xs", "off")):
+            for v in (a, a2):
+                assert v.dtype == b.dtype and torch.equal(v.view(torch.uint8) if v.dtype == torch.int8 else v,
+                                                          b.view(torch.uint8) if b.dtype == torch.int8 else b), (c, name)
         q, _ = quantize_int8(x[:1])  # and the reference's values, in the kernels' order per chunk
         assert int(vec[0][0].abs().max()) == int(q.abs().max())

@@ -37,7 +37,7 @@ _ext = None
 _ext_error: str | None = None
 ISA_NAMES = ["scalar", "avx2", "avx512", "avx512-bf16"]
 # the int8-activation kernels in order (moe_cpu.cpp Q8Kernel): each later one needs more of the ISA
-INT8_KERNELS = ("scalar", "vnni", "vbmi")
+INT8_KERNELS = ("scalar", "avx2", "vnni", "vbmi")  # moe_cpu.cpp Q8Kernel, slowest first
 
 
 EXT_NAME = "freetoken_moe_cpu"
@@ -298,15 +298,15 @@ class CpuExpertExecutor(ExpertExecutor):
         self.backend = "cpp" if ext is not None else "torch-fallback"
         self.calls = self.pairs = 0
         self.act = "exact"  # activations of the kernel's calls: exact, int8 or int8-scalar (set_act)
-        self.int8_kernel: str | None = None  # with int8: vbmi, vnni or scalar (set_act)
+        self.int8_kernel: str | None = None  # with int8: vbmi, vnni, avx2 or scalar (set_act)
         if act_int8:
             self.set_act(True)
 
     def set_act(self, int8: bool, max_kernel: str = "vbmi") -> str:
         """int8 activations for this executor's MXFP4 / NVFP4 calls (--cpu-act int8), or the exact
         kernels again; -> self.act. Other banks, and the torch fallback, stay exact (said once).
-        max_kernel caps the int8 kernel (vbmi, vnni, scalar: tests and A/B runs); the one chosen
-        is self.int8_kernel."""
+        max_kernel caps the int8 kernel (vbmi, vnni, avx2, scalar: tests and A/B runs); the one
+        chosen is self.int8_kernel."""
         if max_kernel not in INT8_KERNELS:
             raise ValueError(f"max_kernel {max_kernel!r}: one of {', '.join(INT8_KERNELS)}")
         ext = extension()
@@ -319,7 +319,7 @@ class CpuExpertExecutor(ExpertExecutor):
         self.int8_kernel = kernel if int8 else None
         self.act = "exact" if not int8 else "int8" if kernel != "scalar" else "int8-scalar"
         if int8 and kernel == "scalar" and max_kernel != "scalar":
-            log.warning("--cpu-act int8: this CPU (or the ISA cap) has no AVX512-VNNI; the int8 path runs its "
+            log.warning("--cpu-act int8: this CPU (or the ISA cap) has no AVX2; the int8 path runs its "
                         "scalar form, slower than the exact kernels")
         return self.act
 

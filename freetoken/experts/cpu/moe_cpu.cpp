@@ -1351,7 +1351,7 @@ __attribute__((target("avx512f,avx512bw,avx2,fma,f16c"))) void qdot4x2_fp8_avx51
 // becomes 2 * e2m1 + 12 in [0, 24] (VPSHUFB), unsigned as VPDPBUSD wants; the offset lane
 // starts at -12 * (the lane's 8 quantized activations), which takes the +12 back out exactly.
 constexpr int Q8_CHUNK = 128;
-enum Q8Kernel { Q8_SCALAR = 0, Q8_VNNI = 1, Q8_VBMI = 2 };  // which int8 kernel runs (Executor::q8k)
+enum Q8Kernel { Q8_SCALAR = 0, Q8_AVX2 = 1, Q8_VNNI = 2, Q8_VBMI = 3 };  // which int8 kernel runs (Executor::q8k)
 struct Q8Act {  // one quantized row: chunks of [64 even | 64 odd] int8, then per chunk 16 scales, 16 offsets
   const int8_t* q;
   const float* xs;
@@ -1423,12 +1423,50 @@ __attribute__((target("avx512f"))) void quantize_q8_blocks_avx512(const float* x
   }
 }
 
+// quantize_q8_blocks with AVX2 (CPUs without AVX-512, the AVX2 int8 kernel's), the same bits:
+// the block's max, product, clamp and rounding as the AVX-512 form computes them (vmaxps keeping
+// its second operand on a NaN, vcvtps2dq), 8 lanes at a time; the 32 values then go to their
+// even / odd places by scalar stores (a block's 32 bytes: cheaper than the arithmetic was).
+__attribute__((target("avx2,fma"))) void quantize_q8_blocks_avx2(const float* x, int C, int8_t* q, float* xs) {
+  const int nch = q8_chunks(C);
+  std::memset(q, 0, size_t(nch) * Q8_CHUNK);
+  const __m256 sign = _mm256_set1_ps(-0.f), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int b = 0; b < nch * 4; ++b) {
+    const int c0 = b * 32, n = std::max(0, std::min(32, C - c0));
+    __m256 v[4];
+    __m256 mx = _mm256_setzero_ps();
+    for (int k = 0; k < 4; ++k) {  // missing columns load as 0
+      const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - 8 * k), lane);
+      v[k] = _mm256_maskload_ps(x + c0 + 8 * k, m);
+      mx = _mm256_max_ps(_mm256_andnot_ps(sign, v[k]), mx);  // |x|; a NaN lane keeps mx
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = std::max(_mm_cvtss_f32(m4), _mm_cvtss_f32(_mm_movehdup_ps(m4)));
+    const float d = amax / 127.f, inv = amax > 127.f / FLT_MAX ? 127.f / amax : 0.f;
+    const int ch = c0 / Q8_CHUNK, o = (c0 % Q8_CHUNK) / 2;
+    alignas(32) int32_t r[32];
+    for (int k = 0; k < 4; ++k)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(r + 8 * k),
+                         _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(v[k], _mm256_set1_ps(inv)), lo), hi)));
+    int8_t* dst = q + size_t(ch) * Q8_CHUNK;
+    for (int k = 0; k < 16; ++k) {
+      dst[o + k] = int8_t(r[2 * k]);
+      dst[64 + o + k] = int8_t(r[2 * k + 1]);
+    }
+    for (int l = (c0 % Q8_CHUNK) / 8; l < (c0 % Q8_CHUNK) / 8 + 4; ++l) xs[ch * 16 + l] = d;
+  }
+}
+
 // x [C] f32 -> q [chunks * 128] int8, xs [chunks * 16] f32, off [chunks * 16] int32 (C a
-// multiple of 16, as every 4-bit bank's is; the tail of the last chunk is zero): in the vector
-// form where the CPU has AVX-512 (isa >= AVX512), else the scalar one
+// multiple of 16, as every 4-bit bank's is; the tail of the last chunk is zero): in a vector
+// form where the CPU has AVX-512 or AVX2, else the scalar one
 inline void quantize_q8(Isa isa, const float* x, int C, int8_t* q, float* xs, int32_t* off) {
   if (isa >= AVX512)
     quantize_q8_blocks_avx512(x, C, q, xs);
+  else if (isa >= AVX2)
+    quantize_q8_blocks_avx2(x, C, q, xs);
   else
     quantize_q8_blocks(x, C, q, xs);
   q8_offsets(q, q8_chunks(C), off);
@@ -1457,6 +1495,54 @@ void qdot4_fp4_q8_scalar(const QRow* rows, const Q8Act& a, int C, float* out) {
       }
     out[p] = 0.5f * acc;
   }
+}
+
+// qdot4_fp4_q8 for CPUs with AVX2 but no AVX512-VNNI (most consumer Intel CPUs, AMD before Zen 4;
+// the exact AVX2 kernel spends ~5 instructions on every 8 weights, this one ~14 on 64): a chunk
+// in two 256-bit halves (lanes 0-7, 8-15). VPMADDUBSW multiplies the unsigned codes (2 e2m1 + 12,
+// in [0, 24]) by the signed activations into 16-bit pair sums (at most 2 x 24 x 127 = 6,096; the
+// even and odd columns' sums added, 12,192: no saturation), VPMADDWD by ones sums them into each
+// lane's 32 bits: the integers VPDPBUSD gives. The lanes' f32 arithmetic is the VNNI kernel's
+// (the same scales, fp4_scales_avx2's per 64 columns; cvt, scale, fma), and the two halves are
+// reduced in _mm512_reduce_add_ps's order (hi + lo, then hsum8's), so the outputs are the VNNI
+// kernel's bit for bit (test_int8_avx2_kernel_equals_the_vnni_one).
+template <int FMT>
+__attribute__((target("avx2,fma,f16c"))) void qdot4_fp4_q8_avx2(const QRow* rows, const Q8Act& a, int C, float* out) {
+  const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(E2M1_X2_PLUS12)));
+  const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 acc[2][4];
+  #pragma GCC unroll 4
+  for (int p = 0; p < 4; ++p) acc[0][p] = acc[1][p] = _mm256_setzero_ps();
+  prefetch_scales(rows, FMT == FMT_MXFP4 ? C / 32 : C / 16);
+  for (int base = 0, ch = 0; base < C; base += Q8_CHUNK, ++ch) {
+    const int nl = std::min(16, (C - base) / 8);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const int nh = std::min(8, nl - 8 * h);  // this half's lanes
+      if (nh <= 0) break;
+      const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(nh), lane);
+      const __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + size_t(ch) * Q8_CHUNK + 32 * h));
+      const __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + size_t(ch) * Q8_CHUNK + 64 + 32 * h));
+      const __m256i off = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.off + ch * 16 + 8 * h));
+      const __m256 xs = _mm256_loadu_ps(a.xs + ch * 16 + 8 * h);
+      #pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {
+        const uint8_t* src = rows[p].v + base / 2 + 32 * h;
+        prefetch_ahead(src);
+        const __m256i v = nh == 8 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))
+                                  : _mm256_maskload_epi32(reinterpret_cast<const int*>(src), m);
+        const __m256i lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, nib));
+        const __m256i hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), nib));
+        const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));
+        const __m256i t = _mm256_add_epi32(off, _mm256_madd_epi16(pairs, ones));
+        const __m256 sw = fp4_scales_avx2(FMT, rows[p], base + 64 * h, nh);
+        acc[h][p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(sw, xs), acc[h][p]);
+      }
+    }
+  }
+  #pragma GCC unroll 4
+  for (int p = 0; p < 4; ++p) out[p] = 0.5f * hsum8(_mm256_add_ps(acc[1][p], acc[0][p]));
 }
 
 // One 128-column chunk of a quantized activation row, as both int8 kernels read it: its lanes
@@ -1581,6 +1667,7 @@ inline void qdot4_q8(int kernel, int fmt, const QRow* rows, const Q8Act& a, int 
   const bool mx = fmt == FMT_MXFP4;
   if (kernel == Q8_VBMI) return mx ? qdot4_fp4_q8_vbmi<FMT_MXFP4>(rows, a, C, out) : qdot4_fp4_q8_vbmi<FMT_NVFP4>(rows, a, C, out);
   if (kernel == Q8_VNNI) return mx ? qdot4_fp4_q8<FMT_MXFP4>(rows, a, C, out) : qdot4_fp4_q8<FMT_NVFP4>(rows, a, C, out);
+  if (kernel == Q8_AVX2) return mx ? qdot4_fp4_q8_avx2<FMT_MXFP4>(rows, a, C, out) : qdot4_fp4_q8_avx2<FMT_NVFP4>(rows, a, C, out);
   return mx ? qdot4_fp4_q8_scalar<FMT_MXFP4>(rows, a, C, out) : qdot4_fp4_q8_scalar<FMT_NVFP4>(rows, a, C, out);
 }
 
@@ -2126,9 +2213,10 @@ bool cpu_has_vbmi() {
 }
 
 // int8 activations for the executor's MXFP4 / NVFP4 calls (on) or the exact kernels (off).
-// Returns the kernel that serves them: "vbmi" (AVX512-VBMI and VNNI), "vnni", or "scalar"
-// (without VNNI, or under a lower ISA cap: correct, slow; the caller warns); max_kernel caps it
-// (Q8Kernel: 1 keeps the VNNI kernel where VBMI is there too, for tests and A/B runs).
+// Returns the kernel that serves them: "vbmi" (AVX512-VBMI and VNNI), "vnni", "avx2" (AVX2
+// without AVX512-VNNI), or "scalar" (no AVX2, or under a lower ISA cap: correct, slow; the
+// caller warns); max_kernel caps it (Q8Kernel: 2 keeps the VNNI kernel where VBMI is there too,
+// 1 the AVX2 one, for tests and A/B runs).
 std::string set_act_int8(int64_t handle, bool on, int64_t max_kernel) {
   Executor& ex = exec_of(handle);
   py::gil_scoped_release nogil;
@@ -2136,8 +2224,9 @@ std::string set_act_int8(int64_t handle, bool on, int64_t max_kernel) {
   ex.q8 = on;
   int k = Q8_SCALAR;
   if (on && ex.isa >= AVX512 && cpu_has_vnni()) k = cpu_has_vbmi() ? Q8_VBMI : Q8_VNNI;
+  else if (on && ex.isa >= AVX2) k = Q8_AVX2;
   ex.q8k = std::min<int>(k, int(std::max<int64_t>(max_kernel, 0)));
-  return ex.q8k == Q8_VBMI ? "vbmi" : ex.q8k == Q8_VNNI ? "vnni" : "scalar";
+  return ex.q8k == Q8_VBMI ? "vbmi" : ex.q8k == Q8_VNNI ? "vnni" : ex.q8k == Q8_AVX2 ? "avx2" : "scalar";
 }
 
 // The executor's worker threads end (after the call in flight, if any); the executor itself
@@ -2474,10 +2563,10 @@ torch::Tensor qdot_rows(int64_t fmt, torch::Tensor v, torch::Tensor s, torch::Te
   return out;
 }
 
-// quantize_q8 on rows x [R, C] f32 with the vector form (vector, where the CPU has AVX-512) or
-// the scalar one -> (q [R, chunks * 128] int8, xs [R, chunks * 16] f32, off [R, chunks * 16] i32):
-// the test hook that checks the two forms give the same bits
-std::vector<torch::Tensor> quantize_q8_rows(torch::Tensor x, bool vector) {
+// quantize_q8 on rows x [R, C] f32 with a vector form (vector: the CPU's best up to isa_cap, 2
+// AVX-512, 1 AVX2) or the scalar one -> (q [R, chunks * 128] int8, xs [R, chunks * 16] f32,
+// off [R, chunks * 16] i32): the test hook that checks the forms give the same bits
+std::vector<torch::Tensor> quantize_q8_rows(torch::Tensor x, bool vector, int64_t isa_cap) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) % 16 == 0,
               "moe_cpu.quantize_q8_rows: x f32 [R, C] with C a multiple of 16 expected");
   x = x.contiguous();
@@ -2485,7 +2574,7 @@ std::vector<torch::Tensor> quantize_q8_rows(torch::Tensor x, bool vector) {
   auto q = torch::empty({R, nch * Q8_CHUNK}, torch::kInt8);
   auto xs = torch::empty({R, nch * 16}, torch::kFloat32);
   auto off = torch::empty({R, nch * 16}, torch::kInt32);
-  const Isa isa = vector ? detect() : SCALAR;
+  const Isa isa = vector ? Isa(std::min<int64_t>(detect(), std::max<int64_t>(isa_cap, 0))) : SCALAR;
   for (int r = 0; r < R; ++r)
     quantize_q8(isa, x.data_ptr<float>() + size_t(r) * C, C, q.data_ptr<int8_t>() + size_t(r) * nch * Q8_CHUNK,
                 xs.data_ptr<float>() + size_t(r) * nch * 16, off.data_ptr<int32_t>() + size_t(r) * nch * 16);
@@ -2607,12 +2696,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "quantized calls on AVX-512: experts with at least n tokens decode each row block once for all of them "
         "(0: off); returns the previous n", py::arg("n"));
   m.def("isa", &isa_of, "ISA level in use: 0 scalar, 1 avx2, 2 avx512, 3 avx512-bf16");
-  m.def("set_act_int8", &set_act_int8, "int8 activations for MXFP4 / NVFP4 banks (on) or exact ones; returns the kernel that serves them (vbmi, vnni or scalar)",
+  m.def("set_act_int8", &set_act_int8, "int8 activations for MXFP4 / NVFP4 banks (on) or exact ones; returns the kernel that serves them (vbmi, vnni, avx2 or scalar)",
         py::arg("handle"), py::arg("on"), py::arg("max_kernel") = 2);
   m.def("qdot_rows", &qdot_rows, "rows of one quantized bank against rows of x by the decode kernels (a test hook: "
         "one-hot x reads what they dequantize)");
-  m.def("quantize_q8_rows", &quantize_q8_rows, "the int8 activation quantization of rows x, vector form or "
-        "scalar (a test hook)");
+  m.def("quantize_q8_rows", &quantize_q8_rows, "the int8 activation quantization of rows x, vector form (the "
+        "CPU's best up to isa_cap: 2 AVX-512, 1 AVX2) or scalar (a test hook)", py::arg("x"), py::arg("vector"),
+        py::arg("isa_cap") = 3);
   m.def("timing", &timing, "the last quantized call's time by part, us: wrapper, grouping, x quantization, "
         "phase 1, h quantization, phase 2");
   m.def("release", &release, "end an executor's worker threads (it then runs on the caller alone)");
