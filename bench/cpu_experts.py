@@ -126,12 +126,14 @@ def fixed_cost_rows(ex, a, h: int, k: int, per_expert: int, g: torch.Generator) 
                 row["outside_cpp_us"] = round(t * 1e6 - sum(med), 1)  # Python, pybind, the GIL
             if name == "topk" and a.row_scales and a.format in ("mxfp4", "nvfp4") and ex.handle is not None:
                 before, ab = extension().set_row_scales(True), {}
-                for _ in range(2):  # the cached (compute-bound) call with each block-scale setting, alternating
-                    for v in [int(v) for v in a.row_scales.split(",") if v]:
-                        extension().set_row_scales(bool(v))
-                        ab.setdefault(str(v), []).append(round(timeit(lambda: ex.kernel(x, ids, w), warmup=5,
-                                                                      iters=max(a.iters, 50)) * 1e6, 1))
-                extension().set_row_scales(before)
+                try:
+                    for _ in range(2):  # the cached (compute-bound) call with each block-scale setting, alternating
+                        for v in [int(v) for v in a.row_scales.split(",") if v]:
+                            extension().set_row_scales(bool(v))
+                            ab.setdefault(str(v), []).append(round(timeit(lambda: ex.kernel(x, ids, w), warmup=5,
+                                                                          iters=max(a.iters, 50)) * 1e6, 1))
+                finally:
+                    extension().set_row_scales(before)
                 row["us_by_row_scales"] = ab
             rows.append(row)
         ex.set_act(False)

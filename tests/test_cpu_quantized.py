@@ -413,8 +413,10 @@ def test_decode_once_gives_the_per_token_bits(name, dtype):
 def test_row_scales_give_the_per_chunk_bits(fmt):
     """The fp4 kernels take each row's block scales decoded once per call (fp4_block_scales, the
     default) or made per chunk (set_row_scales(False), the former way): the same bits in every
-    kernel that reads them: float and bf16 activations one token at a time, in pairs and decoded
-    once, and both int8 kernels, with the cases' short last chunks (96 and 48 columns)."""
+    kernel that reads them: float and bf16 activations one token at a time and in pairs, the
+    int8 kernels this CPU has (VBMI, VNNI, AVX2), and the float AVX2 kernel (an ISA cap), with the
+    cases' short last chunks (96 and 48 columns). (The decode-once kernels, ~6 tokens an expert
+    here, make their scales once per call already: unaffected, run to show it.)"""
     _, sdt, h, i = CASES[fmt]
     banks = random_banks(fmt, sdt, N, h, i, seed=31)
     ex = CpuExpertExecutor(banks, threads=2)
@@ -425,14 +427,21 @@ def test_row_scales_give_the_per_chunk_bits(fmt):
     for t in (1, 5, 19):  # 6 experts, top-2: one token; ~2 an expert (pairs, odd ones); ~6 (decoded once)
         x, ids, w = inputs(t, h, seed=40 + t, n=6, k=2)
         runs += [("f32", x, ids, w), ("bf16", x.bfloat16(), ids, w)]
-    int8 = ["vbmi", "vnni"] if ex.set_act(True) == "int8" else []
+    int8 = []  # the int8 kernels this CPU runs
+    for kernel in ("vbmi", "vnni", "avx2"):
+        ex.set_act(True, max_kernel=kernel)
+        if ex.int8_kernel == kernel:
+            int8.append(kernel)
     ex.set_act(False)
+    assert "avx2" in int8  # every AVX-512 CPU has AVX2
+    avx2 = CpuExpertExecutor(banks, threads=2, isa_cap=1)  # the float AVX2 kernel
     outs = {}
     before = ext.set_row_scales(True)
     try:
         for on in (True, False, True):
             ext.set_row_scales(on)
             got = [ex.kernel(x, ids, w) for _, x, ids, w in runs]
+            got += [avx2.kernel(x, ids, w) for act, x, ids, w in runs if act == "f32"]
             for kernel in int8:
                 ex.set_act(True, max_kernel=kernel)
                 got += [ex.kernel(x, ids, w) for act, x, ids, w in runs if act == "f32"]

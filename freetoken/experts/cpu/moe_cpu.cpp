@@ -624,6 +624,49 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 fp4_scales_avx2(int fmt, 
   return _mm256_mul_ps(_mm256_mul_ps(f, _mm256_set1_ps(256.f)), _mm256_set1_ps(q.s2));
 }
 
+// fp4_block_scales (below, AVX-512) for the AVX2 kernels: a row's block scales as f32, 8 at a
+// time, fp4_scales_avx2's values bit for bit; fp4_half_scales_avx2 then gives a 64-column
+// chunk's 8 lane scales (lane k: block k / 4, MXFP4; k / 2, NVFP4) with one load and one permute.
+// A per-thread buffer of at least `floats` floats, 64-byte aligned; each SLOT is one kernel's
+// (a kernel call at a time per thread uses it).
+template <int SLOT>
+inline float* thread_scratch(size_t floats) {
+  thread_local std::vector<float> buf;
+  if (buf.size() < floats + 16) buf.resize(floats + 16);
+  return buf.data() + ((16 - (reinterpret_cast<uintptr_t>(buf.data()) / 4) % 16) % 16);
+}
+template <int FMT>
+__attribute__((target("avx2,fma,f16c"))) inline const float* fp4_block_scales_avx2(const QRow* rows, int C, int* stride) {
+  const int nb = FMT == FMT_MXFP4 ? C / 32 : C / 16;  // whole blocks, as the chunks' nl / 4 (nl / 2) count them
+  // >= the 2 (4) floats every 64-column chunk reads (fp4_block_scales' sizing), zero bytes past nb
+  const int ss = (std::max(nb, (C + 63) / 64 * (FMT == FMT_MXFP4 ? 2 : 4)) + 15) / 16 * 16;
+  float* S = thread_scratch<1>(size_t(4) * ss);
+  for (int p = 0; p < 4; ++p)
+    for (int g = 0; g < ss; g += 8) {
+      const __m128i b = _mm_cvtsi64_si128(int64_t(load_bytes(rows[p].s + g, std::max(0, std::min(8, nb - g)))));
+      __m256 f;
+      if (FMT == FMT_MXFP4) {
+        const __m256i e = _mm256_cvtepu8_epi32(b);
+        const __m256i zero = _mm256_and_si256(_mm256_cmpeq_epi32(e, _mm256_setzero_si256()), _mm256_set1_epi32(0x00400000));
+        f = _mm256_castsi256_ps(_mm256_or_si256(_mm256_slli_epi32(e, 23), zero));
+      } else {
+        const __m128i e = _mm_cvtepi8_epi16(b);
+        f = _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(e, 7), _mm_set1_epi16(short(0xBF80))));
+        f = _mm256_mul_ps(_mm256_mul_ps(f, _mm256_set1_ps(256.f)), _mm256_set1_ps(rows[p].s2));
+      }
+      _mm256_store_ps(S + size_t(p) * ss + g, f);
+    }
+  *stride = ss;
+  return S;
+}
+template <int FMT>
+__attribute__((target("avx2"))) inline __m256 fp4_half_scales_avx2(const float* s, int c64) {
+  if (FMT == FMT_MXFP4)  // two floats, loaded as one 64-bit lane (no read past them)
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(s + 2 * c64)))),
+                                    _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+  return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(s + 4 * c64)), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+}
+
 template <int FMT>
 __attribute__((target("avx2,fma,f16c"))) void qdot4_fp4_avx2(const QRow* rows, const float* x, int C, float* out) {
   // 8 magnitudes, each xor-ed with its own index << 28: c = code >> 4j has the sign in bit 3,
@@ -634,6 +677,8 @@ __attribute__((target("avx2,fma,f16c"))) void qdot4_fp4_avx2(const QRow* rows, c
   __m256 acc[4];
   #pragma GCC unroll 4
   for (int p = 0; p < 4; ++p) acc[p] = _mm256_setzero_ps();
+  int ss = 0;  // bs: [4][ss] f32 block scales (nullptr: made per chunk, g_row_scales off)
+  const float* bs = g_row_scales.load(std::memory_order_relaxed) ? fp4_block_scales_avx2<FMT>(rows, C, &ss) : nullptr;
   prefetch_scales(rows, FMT == FMT_MXFP4 ? C / 32 : C / 16);
   for (int base = 0; base < C; base += 64) {
     const int nl = std::min(8, (C - base) / 8);
@@ -658,7 +703,10 @@ __attribute__((target("avx2,fma,f16c"))) void qdot4_fp4_avx2(const QRow* rows, c
       }
     }
     #pragma GCC unroll 4
-    for (int p = 0; p < 4; ++p) acc[p] = _mm256_fmadd_ps(t[p], fp4_scales_avx2(FMT, rows[p], base, nl), acc[p]);
+    for (int p = 0; p < 4; ++p) {
+      const __m256 sc = bs ? fp4_half_scales_avx2<FMT>(bs + p * ss, base / 64) : fp4_scales_avx2(FMT, rows[p], base, nl);
+      acc[p] = _mm256_fmadd_ps(t[p], sc, acc[p]);
+    }
   }
   #pragma GCC unroll 4
   for (int p = 0; p < 4; ++p) out[p] = hsum8(acc[p]);
@@ -717,15 +765,6 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) inline __m512 fp4_scales_avx512
   return _mm512_mul_ps(_mm512_mul_ps(f, _mm512_set1_ps(256.f)), _mm512_set1_ps(q.s2));
 }
 
-// A per-thread buffer of at least `floats` floats, 64-byte aligned; each SLOT is one kernel's
-// (a kernel call at a time per thread uses it).
-template <int SLOT>
-inline float* thread_scratch(size_t floats) {
-  thread_local std::vector<float> buf;
-  if (buf.size() < floats + 16) buf.resize(floats + 16);
-  return buf.data() + ((16 - (reinterpret_cast<uintptr_t>(buf.data()) / 4) % 16) % 16);
-}
-
 // The block scales of a call's 4 rows as f32, decoded once per row, 16 at a time, into a
 // per-thread buffer ([4][*stride] floats). Per 128-column chunk a kernel then takes a row's lane
 // scales with one load and one permute (fp4_chunk_scales) where fp4_scales_avx512 spends about
@@ -736,7 +775,9 @@ inline float* thread_scratch(size_t floats) {
 template <int FMT>
 __attribute__((target("avx512f,avx2,fma,f16c"))) inline const float* fp4_block_scales(const QRow* rows, int C, int* stride) {
   const int nb = FMT == FMT_MXFP4 ? C / 32 : C / 16;  // whole blocks, as the chunks' nl / 4 (nl / 2) count them
-  const int ss = (nb + 15) / 16 * 16;  // >= 4 (8) floats for every chunk, a short last one too
+  // >= the 4 (8) floats every chunk reads, a short last one too (with C a multiple of the block,
+  // as every bank's is, that is nb rounded up; the max guards any other C), zero bytes past nb
+  const int ss = (std::max(nb, (C + 127) / 128 * (FMT == FMT_MXFP4 ? 4 : 8)) + 15) / 16 * 16;
   float* S = thread_scratch<1>(size_t(4) * ss);
   for (int p = 0; p < 4; ++p)
     for (int g = 0; g < ss; g += 16) {
@@ -1514,6 +1555,8 @@ __attribute__((target("avx2,fma,f16c"))) void qdot4_fp4_q8_avx2(const QRow* rows
   __m256 acc[2][4];
   #pragma GCC unroll 4
   for (int p = 0; p < 4; ++p) acc[0][p] = acc[1][p] = _mm256_setzero_ps();
+  int ss = 0;  // bs: [4][ss] f32 block scales (nullptr: made per chunk, g_row_scales off)
+  const float* bs = g_row_scales.load(std::memory_order_relaxed) ? fp4_block_scales_avx2<FMT>(rows, C, &ss) : nullptr;
   prefetch_scales(rows, FMT == FMT_MXFP4 ? C / 32 : C / 16);
   for (int base = 0, ch = 0; base < C; base += Q8_CHUNK, ++ch) {
     const int nl = std::min(16, (C - base) / 8);
@@ -1536,7 +1579,7 @@ __attribute__((target("avx2,fma,f16c"))) void qdot4_fp4_q8_avx2(const QRow* rows
         const __m256i hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), nib));
         const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));
         const __m256i t = _mm256_add_epi32(off, _mm256_madd_epi16(pairs, ones));
-        const __m256 sw = fp4_scales_avx2(FMT, rows[p], base + 64 * h, nh);
+        const __m256 sw = bs ? fp4_half_scales_avx2<FMT>(bs + p * ss, 2 * ch + h) : fp4_scales_avx2(FMT, rows[p], base + 64 * h, nh);
         acc[h][p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(sw, xs), acc[h][p]);
       }
     }
@@ -1725,7 +1768,7 @@ struct Executor {
   Isa isa;
   std::mutex call_mutex;  // one MoE call at a time: the pool is shared
   // int8 activations for the 4-bit banks (set_act_int8; off: the exact kernels); q8k: which
-  // int8 kernel (VBMI, VNNI, or the scalar form: no VNNI, an ISA cap, tests)
+  // int8 kernel (VBMI, VNNI, AVX2, or the scalar form: no AVX2, an ISA cap, tests)
   bool q8 = false;
   int q8k = Q8_SCALAR;  // the int8 kernel (Q8Kernel)
   // the last quantized call's time by part, us (timing(): where a call's fixed cost goes, issue
@@ -2697,7 +2740,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(0: off); returns the previous n", py::arg("n"));
   m.def("isa", &isa_of, "ISA level in use: 0 scalar, 1 avx2, 2 avx512, 3 avx512-bf16");
   m.def("set_act_int8", &set_act_int8, "int8 activations for MXFP4 / NVFP4 banks (on) or exact ones; returns the kernel that serves them (vbmi, vnni, avx2 or scalar)",
-        py::arg("handle"), py::arg("on"), py::arg("max_kernel") = 2);
+        py::arg("handle"), py::arg("on"), py::arg("max_kernel") = int64_t(Q8_VBMI));
   m.def("qdot_rows", &qdot_rows, "rows of one quantized bank against rows of x by the decode kernels (a test hook: "
         "one-hot x reads what they dequantize)");
   m.def("quantize_q8_rows", &quantize_q8_rows, "the int8 activation quantization of rows x, vector form (the "
