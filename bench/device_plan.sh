@@ -1499,7 +1499,22 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
       --batches 1,4 --iters 30 --fixed-cost --row-scales 1,0 --name cpu_experts-$f-rowscales-xeon-t$t
   done; done
   ;;
-*) echo "stage 0 to 145"; exit 2 ;;
+146) # ~330 s at most: plan 145 again after the kernels became templates on the block-scale choice (no branch
+  # in their loops: plan 145's float and int8 rows from DRAM ran 2-8% slower with the scales on), at 6 threads,
+  # then the 12-layer MXFP4 slice's CPU-only and cache decode with FREETOKEN_CPU_ROW_SCALES=1, 0, 1, 0
+  # (one process each). Carry .whl, .devcache/commit, .devcache/warm-cache.tgz.
+  step 150 build-cpp python3 -c "from freetoken.experts.cpu import extension; extension()"  # a changed moe_cpu.cpp
+  for f in mxfp4 nvfp4; do
+    CUDA_VISIBLE_DEVICES= step 60 rowscales-$f-t6 python3 -m bench.cpu_experts --format $f --experts 512 --threads 6 \
+      --batches 1,4 --iters 30 --fixed-cost --row-scales 1,0 --name cpu_experts-$f-rowscales-tpl-xeon-t6
+  done
+  for rs in 1 0 1 0; do
+    FREETOKEN_CPU_ROW_SCALES=$rs step 60 lm-rs$rs python3 -m bench.large_models --arch qwen3_5_moe --layers 12 \
+      --expert-format mxfp4 --modes cpu-only,cache --capacity 0.33 --threads 6 --tokens 64 \
+      --name large_models-qwen3_5_moe-12-mxfp4-rowscales$rs-tpl-t6-$RANDOM
+  done
+  ;;
+*) echo "stage 0 to 146"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole

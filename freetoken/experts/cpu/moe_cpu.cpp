@@ -667,8 +667,8 @@ __attribute__((target("avx2"))) inline __m256 fp4_half_scales_avx2(const float* 
   return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(s + 4 * c64)), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
 }
 
-template <int FMT>
-__attribute__((target("avx2,fma,f16c"))) void qdot4_fp4_avx2(const QRow* rows, const float* x, int C, float* out) {
+template <int FMT, bool RS>
+__attribute__((target("avx2,fma,f16c"))) void qdot4_fp4_avx2_rs(const QRow* rows, const float* x, int C, float* out) {
   // 8 magnitudes, each xor-ed with its own index << 28: c = code >> 4j has the sign in bit 3,
   // so (c << 28) is the sign at bit 31 plus the index at bits 28-30, which the table cancels
   const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -677,8 +677,8 @@ __attribute__((target("avx2,fma,f16c"))) void qdot4_fp4_avx2(const QRow* rows, c
   __m256 acc[4];
   #pragma GCC unroll 4
   for (int p = 0; p < 4; ++p) acc[p] = _mm256_setzero_ps();
-  int ss = 0;  // bs: [4][ss] f32 block scales (nullptr: made per chunk, g_row_scales off)
-  const float* bs = g_row_scales.load(std::memory_order_relaxed) ? fp4_block_scales_avx2<FMT>(rows, C, &ss) : nullptr;
+  int ss = 0;  // bs: [4][ss] f32 block scales (RS; else made per chunk)
+  const float* bs = RS ? fp4_block_scales_avx2<FMT>(rows, C, &ss) : nullptr;
   prefetch_scales(rows, FMT == FMT_MXFP4 ? C / 32 : C / 16);
   for (int base = 0; base < C; base += 64) {
     const int nl = std::min(8, (C - base) / 8);
@@ -704,12 +704,19 @@ __attribute__((target("avx2,fma,f16c"))) void qdot4_fp4_avx2(const QRow* rows, c
     }
     #pragma GCC unroll 4
     for (int p = 0; p < 4; ++p) {
-      const __m256 sc = bs ? fp4_half_scales_avx2<FMT>(bs + p * ss, base / 64) : fp4_scales_avx2(FMT, rows[p], base, nl);
+      const __m256 sc = RS ? fp4_half_scales_avx2<FMT>(bs + p * ss, base / 64) : fp4_scales_avx2(FMT, rows[p], base, nl);
       acc[p] = _mm256_fmadd_ps(t[p], sc, acc[p]);
     }
   }
   #pragma GCC unroll 4
   for (int p = 0; p < 4; ++p) out[p] = hsum8(acc[p]);
+}
+
+// qdot4_fp4_avx2 with the block scales decoded once per row (RS) or per chunk, as g_row_scales says
+template <int FMT>
+__attribute__((target("avx2,fma,f16c"))) inline void qdot4_fp4_avx2(const QRow* rows, const float* x, int C, float* out) {
+  if (g_row_scales.load(std::memory_order_relaxed)) return qdot4_fp4_avx2_rs<FMT, true>(rows, x, C, out);
+  return qdot4_fp4_avx2_rs<FMT, false>(rows, x, C, out);
 }
 
 __attribute__((target("avx2,fma,f16c"))) void qdot4_fp8_avx2(const QRow* rows, const float* x, int C, int sdt, float* out) {
@@ -811,14 +818,14 @@ __attribute__((target("avx512f"))) inline __m512 fp4_chunk_scales(const float* s
                                _mm512_castps256_ps512(_mm256_load_ps(s + 8 * ch)));
 }
 
-template <int FMT>
-__attribute__((target("avx512f,avx2,fma,f16c"))) void qdot4_fp4_avx512(const QRow* rows, const float* x, int C, float* out) {
+template <int FMT, bool RS>
+__attribute__((target("avx512f,avx2,fma,f16c"))) void qdot4_fp4_avx512_rs(const QRow* rows, const float* x, int C, float* out) {
   const __m512 table = _mm512_load_ps(E2M1_F32);
   __m512 acc[4];
   #pragma GCC unroll 4
   for (int p = 0; p < 4; ++p) acc[p] = _mm512_setzero_ps();
-  int ss = 0;  // bs: [4][ss] f32 block scales (nullptr: made per chunk, g_row_scales off)
-  const float* bs = g_row_scales.load(std::memory_order_relaxed) ? fp4_block_scales<FMT>(rows, C, &ss) : nullptr;
+  int ss = 0;  // bs: [4][ss] f32 block scales (RS; else made per chunk)
+  const float* bs = RS ? fp4_block_scales<FMT>(rows, C, &ss) : nullptr;
   prefetch_scales(rows, FMT == FMT_MXFP4 ? C / 32 : C / 16);
   for (int base = 0; base < C; base += 128) {
     const int nl = std::min(16, (C - base) / 8);
@@ -843,7 +850,7 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) void qdot4_fp4_avx512(const QRo
     }
     #pragma GCC unroll 4
     for (int p = 0; p < 4; ++p) {
-      const __m512 sc = bs ? fp4_chunk_scales<FMT>(bs + p * ss, base / 128) : fp4_scales_avx512(FMT, rows[p], base, nl);
+      const __m512 sc = RS ? fp4_chunk_scales<FMT>(bs + p * ss, base / 128) : fp4_scales_avx512(FMT, rows[p], base, nl);
       acc[p] = _mm512_fmadd_ps(_mm512_add_ps(t0[p], t1[p]), sc, acc[p]);
     }
   }
@@ -851,19 +858,26 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) void qdot4_fp4_avx512(const QRo
   for (int p = 0; p < 4; ++p) out[p] = _mm512_reduce_add_ps(acc[p]);
 }
 
+// qdot4_fp4_avx512 with the block scales decoded once per row (RS) or per chunk, as g_row_scales says
+template <int FMT>
+__attribute__((target("avx512f,avx2,fma,f16c"))) inline void qdot4_fp4_avx512(const QRow* rows, const float* x, int C, float* out) {
+  if (g_row_scales.load(std::memory_order_relaxed)) return qdot4_fp4_avx512_rs<FMT, true>(rows, x, C, out);
+  return qdot4_fp4_avx512_rs<FMT, false>(rows, x, C, out);
+}
+
 // qdot4_fp4_avx512 for two activation rows at once (a prompt chunk's tokens of one expert): each
 // code lookup (shift + permute) feeds both tokens; every token's partial sums t0 / t1, their
 // scaling and reduction are qdot4_fp4_avx512's, so out[t] is its result bit for bit.
-template <int FMT>
-__attribute__((target("avx512f,avx2,fma,f16c"))) void qdot4x2_fp4_avx512(const QRow* rows, const float* const* xs, int C,
+template <int FMT, bool RS>
+__attribute__((target("avx512f,avx2,fma,f16c"))) void qdot4x2_fp4_avx512_rs(const QRow* rows, const float* const* xs, int C,
                                                                     float (*out)[4]) {
   const __m512 table = _mm512_load_ps(E2M1_F32);
   // the scaled sums live in memory, touched once per 128 columns: in registers beside the 16
   // partial sums, the codes, the table and the activations they were 35, and GCC spilled the hot
   // partial sums instead (objdump: 85 zmm stack accesses); a store and reload is exact
   alignas(64) float acc[2][4][16] = {};
-  int ss = 0;  // bs: [4][ss] f32 block scales (nullptr: made per chunk, g_row_scales off)
-  const float* bs = g_row_scales.load(std::memory_order_relaxed) ? fp4_block_scales<FMT>(rows, C, &ss) : nullptr;
+  int ss = 0;  // bs: [4][ss] f32 block scales (RS; else made per chunk)
+  const float* bs = RS ? fp4_block_scales<FMT>(rows, C, &ss) : nullptr;
   prefetch_scales(rows, FMT == FMT_MXFP4 ? C / 32 : C / 16);
   for (int base = 0; base < C; base += 128) {
     const int nl = std::min(16, (C - base) / 8);
@@ -898,7 +912,7 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) void qdot4x2_fp4_avx512(const Q
     }
     #pragma GCC unroll 4
     for (int p = 0; p < 4; ++p) {
-      const __m512 sc = bs ? fp4_chunk_scales<FMT>(bs + p * ss, base / 128) : fp4_scales_avx512(FMT, rows[p], base, nl);
+      const __m512 sc = RS ? fp4_chunk_scales<FMT>(bs + p * ss, base / 128) : fp4_scales_avx512(FMT, rows[p], base, nl);
 #pragma GCC unroll 2
       for (int t = 0; t < 2; ++t)
         _mm512_store_ps(acc[t][p], _mm512_fmadd_ps(_mm512_add_ps(t0[t][p], t1[t][p]), sc, _mm512_load_ps(acc[t][p])));
@@ -910,18 +924,26 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) void qdot4x2_fp4_avx512(const Q
     for (int p = 0; p < 4; ++p) out[t][p] = _mm512_reduce_add_ps(_mm512_load_ps(acc[t][p]));
 }
 
+// qdot4x2_fp4_avx512 with the block scales decoded once per row (RS) or per chunk, as g_row_scales says
+template <int FMT>
+__attribute__((target("avx512f,avx2,fma,f16c"))) inline void qdot4x2_fp4_avx512(const QRow* rows, const float* const* xs, int C,
+                                                                    float (*out)[4]) {
+  if (g_row_scales.load(std::memory_order_relaxed)) return qdot4x2_fp4_avx512_rs<FMT, true>(rows, xs, C, out);
+  return qdot4x2_fp4_avx512_rs<FMT, false>(rows, xs, C, out);
+}
+
 // bf16 activations (a bf16 model): e2m1 -> bf16 by vpermw, 32 products per VDPBF16PS. Word k
 // of vector j is column 4k + j; a dot pair (2k', 2k'+1) lands in f32 lane k' = columns
 // [8k', 8k' + 8) of the chunk, the same lane -> scale-block map as the f32 kernel.
-template <int FMT>
-__attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c"))) void qdot4_fp4_bf16dp(const QRow* rows, const uint16_t* xb,
+template <int FMT, bool RS>
+__attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c"))) void qdot4_fp4_bf16dp_rs(const QRow* rows, const uint16_t* xb,
                                                                                      int C, float* out) {
   const __m512i table = _mm512_load_si512(E2M1_BF16);
   __m512 acc[4];
   #pragma GCC unroll 4
   for (int p = 0; p < 4; ++p) acc[p] = _mm512_setzero_ps();
-  int ss = 0;  // bs: [4][ss] f32 block scales (nullptr: made per chunk, g_row_scales off)
-  const float* bs = g_row_scales.load(std::memory_order_relaxed) ? fp4_block_scales<FMT>(rows, C, &ss) : nullptr;
+  int ss = 0;  // bs: [4][ss] f32 block scales (RS; else made per chunk)
+  const float* bs = RS ? fp4_block_scales<FMT>(rows, C, &ss) : nullptr;
   prefetch_scales(rows, FMT == FMT_MXFP4 ? C / 32 : C / 16);
   for (int base = 0; base < C; base += 128) {
     const int nl = std::min(16, (C - base) / 8), nw = 2 * nl;
@@ -945,7 +967,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c"))) void qdot4_
     }
     #pragma GCC unroll 4
     for (int p = 0; p < 4; ++p) {
-      const __m512 sc = bs ? fp4_chunk_scales<FMT>(bs + p * ss, base / 128) : fp4_scales_avx512(FMT, rows[p], base, nl);
+      const __m512 sc = RS ? fp4_chunk_scales<FMT>(bs + p * ss, base / 128) : fp4_scales_avx512(FMT, rows[p], base, nl);
       acc[p] = _mm512_fmadd_ps(t[p], sc, acc[p]);
     }
   }
@@ -953,18 +975,26 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c"))) void qdot4_
   for (int p = 0; p < 4; ++p) out[p] = _mm512_reduce_add_ps(acc[p]);
 }
 
+// qdot4_fp4_bf16dp with the block scales decoded once per row (RS) or per chunk, as g_row_scales says
+template <int FMT>
+__attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c"))) inline void qdot4_fp4_bf16dp(const QRow* rows, const uint16_t* xb,
+                                                                                     int C, float* out) {
+  if (g_row_scales.load(std::memory_order_relaxed)) return qdot4_fp4_bf16dp_rs<FMT, true>(rows, xb, C, out);
+  return qdot4_fp4_bf16dp_rs<FMT, false>(rows, xb, C, out);
+}
+
 // qdot4_fp4_bf16dp for two activation rows at once (a bf16 model's prompt chunk, or a GPU engine's
 // CPU experts): each code lookup feeds both tokens; every token's partial sums, their scaling and
 // reduction are qdot4_fp4_bf16dp's, so out[t] is its result bit for bit.
-template <int FMT>
-__attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c"))) void qdot4x2_fp4_bf16dp(
+template <int FMT, bool RS>
+__attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c"))) void qdot4x2_fp4_bf16dp_rs(
     const QRow* rows, const uint16_t* const* xbs, int C, float (*out)[4]) {
   const __m512i table = _mm512_load_si512(E2M1_BF16);
   __m512 acc[2][4];
   #pragma GCC unroll 4
   for (int p = 0; p < 4; ++p) acc[0][p] = acc[1][p] = _mm512_setzero_ps();
-  int ss = 0;  // bs: [4][ss] f32 block scales (nullptr: made per chunk, g_row_scales off)
-  const float* bs = g_row_scales.load(std::memory_order_relaxed) ? fp4_block_scales<FMT>(rows, C, &ss) : nullptr;
+  int ss = 0;  // bs: [4][ss] f32 block scales (RS; else made per chunk)
+  const float* bs = RS ? fp4_block_scales<FMT>(rows, C, &ss) : nullptr;
   prefetch_scales(rows, FMT == FMT_MXFP4 ? C / 32 : C / 16);
   for (int base = 0; base < C; base += 128) {
     const int nl = std::min(16, (C - base) / 8), nw = 2 * nl;
@@ -992,7 +1022,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c"))) void qdot4x
     }
     #pragma GCC unroll 4
     for (int p = 0; p < 4; ++p) {
-      const __m512 sc = bs ? fp4_chunk_scales<FMT>(bs + p * ss, base / 128) : fp4_scales_avx512(FMT, rows[p], base, nl);
+      const __m512 sc = RS ? fp4_chunk_scales<FMT>(bs + p * ss, base / 128) : fp4_scales_avx512(FMT, rows[p], base, nl);
 #pragma GCC unroll 2
       for (int q = 0; q < 2; ++q) acc[q][p] = _mm512_fmadd_ps(t[q][p], sc, acc[q][p]);
     }
@@ -1001,6 +1031,14 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c"))) void qdot4x
   for (int q = 0; q < 2; ++q)
   #pragma GCC unroll 4
     for (int p = 0; p < 4; ++p) out[q][p] = _mm512_reduce_add_ps(acc[q][p]);
+}
+
+// qdot4x2_fp4_bf16dp with the block scales decoded once per row (RS) or per chunk, as g_row_scales says
+template <int FMT>
+__attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c"))) inline void qdot4x2_fp4_bf16dp(
+    const QRow* rows, const uint16_t* const* xbs, int C, float (*out)[4]) {
+  if (g_row_scales.load(std::memory_order_relaxed)) return qdot4x2_fp4_bf16dp_rs<FMT, true>(rows, xbs, C, out);
+  return qdot4x2_fp4_bf16dp_rs<FMT, false>(rows, xbs, C, out);
 }
 
 // The decode-once kernels' per-thread buffer of at least `floats` floats, 64-byte aligned (one
@@ -1547,16 +1585,16 @@ void qdot4_fp4_q8_scalar(const QRow* rows, const Q8Act& a, int C, float* out) {
 // (the same scales, fp4_scales_avx2's per 64 columns; cvt, scale, fma), and the two halves are
 // reduced in _mm512_reduce_add_ps's order (hi + lo, then hsum8's), so the outputs are the VNNI
 // kernel's bit for bit (test_int8_avx2_kernel_equals_the_vnni_one).
-template <int FMT>
-__attribute__((target("avx2,fma,f16c"))) void qdot4_fp4_q8_avx2(const QRow* rows, const Q8Act& a, int C, float* out) {
+template <int FMT, bool RS>
+__attribute__((target("avx2,fma,f16c"))) void qdot4_fp4_q8_avx2_rs(const QRow* rows, const Q8Act& a, int C, float* out) {
   const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(E2M1_X2_PLUS12)));
   const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   __m256 acc[2][4];
   #pragma GCC unroll 4
   for (int p = 0; p < 4; ++p) acc[0][p] = acc[1][p] = _mm256_setzero_ps();
-  int ss = 0;  // bs: [4][ss] f32 block scales (nullptr: made per chunk, g_row_scales off)
-  const float* bs = g_row_scales.load(std::memory_order_relaxed) ? fp4_block_scales_avx2<FMT>(rows, C, &ss) : nullptr;
+  int ss = 0;  // bs: [4][ss] f32 block scales (RS; else made per chunk)
+  const float* bs = RS ? fp4_block_scales_avx2<FMT>(rows, C, &ss) : nullptr;
   prefetch_scales(rows, FMT == FMT_MXFP4 ? C / 32 : C / 16);
   for (int base = 0, ch = 0; base < C; base += Q8_CHUNK, ++ch) {
     const int nl = std::min(16, (C - base) / 8);
@@ -1579,13 +1617,20 @@ __attribute__((target("avx2,fma,f16c"))) void qdot4_fp4_q8_avx2(const QRow* rows
         const __m256i hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), nib));
         const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));
         const __m256i t = _mm256_add_epi32(off, _mm256_madd_epi16(pairs, ones));
-        const __m256 sw = bs ? fp4_half_scales_avx2<FMT>(bs + p * ss, 2 * ch + h) : fp4_scales_avx2(FMT, rows[p], base + 64 * h, nh);
+        const __m256 sw = RS ? fp4_half_scales_avx2<FMT>(bs + p * ss, 2 * ch + h) : fp4_scales_avx2(FMT, rows[p], base + 64 * h, nh);
         acc[h][p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(sw, xs), acc[h][p]);
       }
     }
   }
   #pragma GCC unroll 4
   for (int p = 0; p < 4; ++p) out[p] = 0.5f * hsum8(_mm256_add_ps(acc[1][p], acc[0][p]));
+}
+
+// qdot4_fp4_q8_avx2 with the block scales decoded once per row (RS) or per chunk, as g_row_scales says
+template <int FMT>
+__attribute__((target("avx2,fma,f16c"))) inline void qdot4_fp4_q8_avx2(const QRow* rows, const Q8Act& a, int C, float* out) {
+  if (g_row_scales.load(std::memory_order_relaxed)) return qdot4_fp4_q8_avx2_rs<FMT, true>(rows, a, C, out);
+  return qdot4_fp4_q8_avx2_rs<FMT, false>(rows, a, C, out);
 }
 
 // One 128-column chunk of a quantized activation row, as both int8 kernels read it: its lanes
@@ -1613,16 +1658,16 @@ __attribute__((target("avx512f,avx512bw"))) inline Q8Chunk q8_chunk(const Q8Act&
   return c;
 }
 
-template <int FMT>
-__attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma,f16c"))) void qdot4_fp4_q8(const QRow* rows, const Q8Act& a,
+template <int FMT, bool RS>
+__attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma,f16c"))) void qdot4_fp4_q8_rs(const QRow* rows, const Q8Act& a,
                                                                                       int C, float* out) {
   const __m512i lut = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(E2M1_X2_PLUS12)));
   const __m512i nib = _mm512_set1_epi8(15);
   __m512 acc[4];
   #pragma GCC unroll 4
   for (int p = 0; p < 4; ++p) acc[p] = _mm512_setzero_ps();
-  int ss = 0;  // bs: [4][ss] f32 block scales (nullptr: made per chunk, g_row_scales off)
-  const float* bs = g_row_scales.load(std::memory_order_relaxed) ? fp4_block_scales<FMT>(rows, C, &ss) : nullptr;
+  int ss = 0;  // bs: [4][ss] f32 block scales (RS; else made per chunk)
+  const float* bs = RS ? fp4_block_scales<FMT>(rows, C, &ss) : nullptr;
   prefetch_scales(rows, FMT == FMT_MXFP4 ? C / 32 : C / 16);
   for (int base = 0, ch = 0; base < C; base += Q8_CHUNK, ++ch) {
     const Q8Chunk c = q8_chunk(a, C, base, ch);
@@ -1632,12 +1677,20 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma,f16c"))) void qdot4_
       const __m512i lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, nib));
       const __m512i hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
       const __m512i t = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(c.off, lo, c.xe), hi, c.xo);
-      const __m512 sw = bs ? fp4_chunk_scales<FMT>(bs + p * ss, ch) : fp4_scales_avx512(FMT, rows[p], base, c.nl);
+      const __m512 sw = RS ? fp4_chunk_scales<FMT>(bs + p * ss, ch) : fp4_scales_avx512(FMT, rows[p], base, c.nl);
       acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(sw, c.xs), acc[p]);
     }
   }
   #pragma GCC unroll 4
   for (int p = 0; p < 4; ++p) out[p] = 0.5f * _mm512_reduce_add_ps(acc[p]);
+}
+
+// qdot4_fp4_q8 with the block scales decoded once per row (RS) or per chunk, as g_row_scales says
+template <int FMT>
+__attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma,f16c"))) inline void qdot4_fp4_q8(const QRow* rows, const Q8Act& a,
+                                                                                      int C, float* out) {
+  if (g_row_scales.load(std::memory_order_relaxed)) return qdot4_fp4_q8_rs<FMT, true>(rows, a, C, out);
+  return qdot4_fp4_q8_rs<FMT, false>(rows, a, C, out);
 }
 
 // The same sums with fewer instructions per 64 bytes where AVX512-VBMI is there (Ice Lake,
@@ -1680,15 +1733,15 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx2,f16c"))) inline
                        _mm512_set1_ps(256.f * r.s2));
 }
 
-template <int FMT>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c"))) void qdot4_fp4_q8_vbmi(
+template <int FMT, bool RS>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c"))) void qdot4_fp4_q8_vbmi_rs(
     const QRow* rows, const Q8Act& a, int C, float* out) {
   const __m512i lut = _mm512_load_si512(E2M1_X2_PLUS12_64);
   __m512 acc[4];
   #pragma GCC unroll 4
   for (int p = 0; p < 4; ++p) acc[p] = _mm512_setzero_ps();
-  int ss = 0;  // bs: [4][ss] f32 block scales, the VNNI kernel's (nullptr: made per chunk, g_row_scales off)
-  const float* bs = g_row_scales.load(std::memory_order_relaxed) ? fp4_block_scales<FMT>(rows, C, &ss) : nullptr;
+  int ss = 0;  // bs: [4][ss] f32 block scales, the VNNI kernel's (RS; else made per chunk)
+  const float* bs = RS ? fp4_block_scales<FMT>(rows, C, &ss) : nullptr;
   prefetch_scales(rows, FMT == FMT_MXFP4 ? C / 32 : C / 16);
   for (int base = 0, ch = 0; base < C; base += Q8_CHUNK, ++ch) {
     const Q8Chunk c = q8_chunk(a, C, base, ch);
@@ -1698,12 +1751,20 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,
       const __m512i lo = _mm512_permutexvar_epi8(v, lut);
       const __m512i hi = _mm512_permutexvar_epi8(_mm512_srli_epi16(v, 4), lut);
       const __m512i t = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(c.off, lo, c.xe), hi, c.xo);
-      const __m512 sw = bs ? fp4_chunk_scales<FMT>(bs + p * ss, ch) : vbmi_chunk_scales<FMT>(rows[p], base, c.nl);
+      const __m512 sw = RS ? fp4_chunk_scales<FMT>(bs + p * ss, ch) : vbmi_chunk_scales<FMT>(rows[p], base, c.nl);
       acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(sw, c.xs), acc[p]);
     }
   }
   #pragma GCC unroll 4
   for (int p = 0; p < 4; ++p) out[p] = 0.5f * _mm512_reduce_add_ps(acc[p]);
+}
+
+// qdot4_fp4_q8_vbmi with the block scales decoded once per row (RS) or per chunk, as g_row_scales says
+template <int FMT>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c"))) inline void qdot4_fp4_q8_vbmi(
+    const QRow* rows, const Q8Act& a, int C, float* out) {
+  if (g_row_scales.load(std::memory_order_relaxed)) return qdot4_fp4_q8_vbmi_rs<FMT, true>(rows, a, C, out);
+  return qdot4_fp4_q8_vbmi_rs<FMT, false>(rows, a, C, out);
 }
 
 inline void qdot4_q8(int kernel, int fmt, const QRow* rows, const Q8Act& a, int C, float* out) {
