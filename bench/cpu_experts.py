@@ -19,9 +19,9 @@ Results go to cpu_experts (bf16) or cpu_experts-FORMAT.
                                 [--fixed-cost]
 --fixed-cost adds batch-1 calls on experts already in cache (`fixed_cost`: one expert, and the
 same top-k every call): what a call costs besides streaming its bytes (issue 12).
---row-scales 1,0 times the fp4 rows again with the kernels' block scales decoded once per call
-(1, the default) and per chunk (0), alternating in one process (`*_ms_by_row_scales`, and the
-cached top-k's `us_by_row_scales`): an A/B of moe_cpu's FREETOKEN_CPU_ROW_SCALES.
+--row-scales 3,0 times the fp4 rows again with each mask of the kernels that decode their block
+scales once per call (moe_cpu's FREETOKEN_CPU_ROW_SCALES: 1 AVX2, 2 AVX-512, 3 both, 0 none),
+alternating in one process (`*_ms_by_row_scales`, and the cached top-k's `us_by_row_scales`).
 """
 from __future__ import annotations
 
@@ -125,11 +125,11 @@ def fixed_cost_rows(ex, a, h: int, k: int, per_expert: int, g: torch.Generator) 
                 row["parts_us"] = {k: round(v, 1) for k, v in zip(PARTS, med)}
                 row["outside_cpp_us"] = round(t * 1e6 - sum(med), 1)  # Python, pybind, the GIL
             if name == "topk" and a.row_scales and a.format in ("mxfp4", "nvfp4") and ex.handle is not None:
-                before, ab = extension().set_row_scales(True), {}
+                before, ab = extension().set_row_scales(3), {}
                 try:
                     for _ in range(2):  # the cached (compute-bound) call with each block-scale setting, alternating
                         for v in [int(v) for v in a.row_scales.split(",") if v]:
-                            extension().set_row_scales(bool(v))
+                            extension().set_row_scales(v)
                             ab.setdefault(str(v), []).append(round(timeit(lambda: ex.kernel(x, ids, w), warmup=5,
                                                                           iters=max(a.iters, 50)) * 1e6, 1))
                 finally:
@@ -144,7 +144,7 @@ def row_scales_ab(ex, a, run) -> dict:
     """ms of the fp4 kernels with each --row-scales setting, alternating, twice each: float, bf16
     and int8 activations ({act}_ms_by_row_scales)."""
     settings = [int(v) for v in a.row_scales.split(",") if v]
-    before = extension().set_row_scales(True)
+    before = extension().set_row_scales(3)
     out = {}
     try:
         for act, cast, int8 in (("f32act", lambda x: x, False), ("bf16act", lambda x: x.bfloat16(), False),
@@ -155,7 +155,7 @@ def row_scales_ab(ex, a, run) -> dict:
             ab: dict[str, list[float]] = {}
             for _ in range(2):
                 for v in settings:
-                    extension().set_row_scales(bool(v))
+                    extension().set_row_scales(v)
                     ab.setdefault(str(v), []).append(round(run(lambda x, ids, w: ex.kernel(cast(x), ids, w)) * 1e3, 3))
             out[f"{act}_ms_by_row_scales"] = ab
             ex.set_act(False)
@@ -186,9 +186,10 @@ def main():
                     help="N,M,...: the float- and bf16-activation rows again with each decode-once threshold "
                          "(moe_cpu set_decode_once; 0: the rows decoded once per two tokens), alternating, twice each")
     ap.add_argument("--row-scales", default="",
-                    help="1,0: the fp4 formats' float-, bf16- and int8-activation rows (and --fixed-cost's cached "
-                         "top-k) again with the block scales decoded once per call (1, the default) and per chunk "
-                         "(0, the former way; moe_cpu set_row_scales), alternating, twice each")
+                    help="3,0: the fp4 formats' float-, bf16- and int8-activation rows (and --fixed-cost's cached "
+                         "top-k) again with each moe_cpu set_row_scales mask (which kernels decode the block scales "
+                         "once per call: 1 the AVX2 ones, the default; 2 the AVX-512 ones; 3 both; 0 none), "
+                         "alternating, twice each")
     ap.add_argument("--isa-cap", type=int, default=3,
                     help="the executor's highest ISA (0 scalar, 1 AVX2, 2 AVX-512, 3 AVX-512 BF16): an AVX-512 "
                          "machine timing the kernels a CPU without it runs (the AVX2 int8 kernel included)")

@@ -1493,6 +1493,7 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   # FREETOKEN_CPU_ROW_SCALES; the same bits), A/B in one process on the Xeon, where the kernels are bound by
   # their instructions (issue 12's 80% of host read): MXFP4 and NVFP4 at 6 and 14 threads, batch 1 and 4 from
   # DRAM and the cached top-k, float, bf16 and int8 activations; the GPU hidden. Carry .whl, .devcache/commit.
+  # (Written when set_row_scales took a bool; since 17da23c's successor it takes a mask: 1,0 would be AVX2 only.)
   step 150 build-cpp python3 -c "from freetoken.experts.cpu import extension; extension()"  # a changed moe_cpu.cpp
   for t in 6 14; do for f in mxfp4 nvfp4; do
     CUDA_VISIBLE_DEVICES= step 95 rowscales-$f-t$t python3 -m bench.cpu_experts --format $f --experts 512 --threads $t \
@@ -1501,14 +1502,14 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   ;;
 146) # ~330 s at most: plan 145 again after the kernels became templates on the block-scale choice (no branch
   # in their loops: plan 145's float and int8 rows from DRAM ran 2-8% slower with the scales on), at 6 threads,
-  # then the 12-layer MXFP4 slice's CPU-only and cache decode with FREETOKEN_CPU_ROW_SCALES=1, 0, 1, 0
+  # then the 12-layer MXFP4 slice's CPU-only and cache decode with FREETOKEN_CPU_ROW_SCALES=3, 0, 3, 0 (3: every kernel; the default is 1, AVX2 only)
   # (one process each). Carry .whl, .devcache/commit, .devcache/warm-cache.tgz.
   step 150 build-cpp python3 -c "from freetoken.experts.cpu import extension; extension()"  # a changed moe_cpu.cpp
   for f in mxfp4 nvfp4; do
     CUDA_VISIBLE_DEVICES= step 60 rowscales-$f-t6 python3 -m bench.cpu_experts --format $f --experts 512 --threads 6 \
-      --batches 1,4 --iters 30 --fixed-cost --row-scales 1,0 --name cpu_experts-$f-rowscales-tpl-xeon-t6
+      --batches 1,4 --iters 30 --fixed-cost --row-scales 3,0 --name cpu_experts-$f-rowscales-tpl-xeon-t6
   done
-  for rs in 1 0 1 0; do
+  for rs in 3 0 3 0; do
     FREETOKEN_CPU_ROW_SCALES=$rs step 60 lm-rs$rs python3 -m bench.large_models --arch qwen3_5_moe --layers 12 \
       --expert-format mxfp4 --modes cpu-only,cache --capacity 0.33 --threads 6 --tokens 64 \
       --name large_models-qwen3_5_moe-12-mxfp4-rowscales$rs-tpl-t6-$RANDOM

@@ -412,7 +412,7 @@ def test_decode_once_gives_the_per_token_bits(name, dtype):
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_row_scales_give_the_per_chunk_bits(fmt):
     """The fp4 kernels take each row's block scales decoded once per call (fp4_block_scales, the
-    default) or made per chunk (set_row_scales(False), the former way): the same bits in every
+    default for the AVX2 kernels, set_row_scales' mask) or made per chunk: the same bits in every
     kernel that reads them: float and bf16 activations one token at a time and in pairs, the
     int8 kernels this CPU has (VBMI, VNNI, AVX2), and the float AVX2 kernel (an ISA cap), with the
     cases' short last chunks (96 and 48 columns). (The decode-once kernels, ~6 tokens an expert
@@ -436,10 +436,10 @@ def test_row_scales_give_the_per_chunk_bits(fmt):
     assert "avx2" in int8  # every AVX-512 CPU has AVX2
     avx2 = CpuExpertExecutor(banks, threads=2, isa_cap=1)  # the float AVX2 kernel
     outs = {}
-    before = ext.set_row_scales(True)
+    before = ext.set_row_scales(3)
     try:
         for on in (True, False, True):
-            ext.set_row_scales(on)
+            ext.set_row_scales(3 if on else 0)
             got = [ex.kernel(x, ids, w) for _, x, ids, w in runs]
             got += [avx2.kernel(x, ids, w) for act, x, ids, w in runs if act == "f32"]
             for kernel in int8:

@@ -356,13 +356,19 @@ static std::atomic<int> g_decode_once{[] {
   return v == nullptr ? 4 : int(std::min<long>(std::max<long>(0, std::strtol(v, nullptr, 10)), 1 << 30));
 }()};
 
-// The fp4 kernels on AVX-512 take each row's block scales decoded once per call
-// (fp4_block_scales) instead of per chunk: the same bits. FREETOKEN_CPU_ROW_SCALES=0 (or
-// set_row_scales at run time) decodes them per chunk as before, for A/B runs.
-static std::atomic<bool> g_row_scales{[] {
+// Which fp4 kernels take each row's block scales decoded once per call (fp4_block_scales*)
+// instead of per chunk: the same bits either way. A mask: 1 the AVX2 kernels, 2 the AVX-512 ones.
+// The default is 1. Measured A/B in one process (benchmarks/README.md, forty-fifth session): the
+// AVX2 int8 kernel gained 1.15-1.2x on the dev machine and up to 1.18x on the Xeon, where its
+// scales were a quarter of its instructions; the AVX-512 kernels gained 3-12% on calls whose
+// experts sit in the caches but ran 2-8% slower from DRAM on the Xeon (float and int8), and a
+// 12-layer CPU-only decode was no faster, so they keep making their scales per chunk for now.
+// FREETOKEN_CPU_ROW_SCALES=M (or set_row_scales at run time) sets the mask, for A/B runs.
+static std::atomic<int> g_row_scales{[] {
   const char* v = std::getenv("FREETOKEN_CPU_ROW_SCALES");
-  return v == nullptr || std::strcmp(v, "0") != 0;
+  return v == nullptr ? 1 : int(std::strtol(v, nullptr, 10) & 3);
 }()};
+constexpr int ROW_SCALES_AVX2 = 1, ROW_SCALES_AVX512 = 2;
 
 enum Isa { SCALAR = 0, AVX2 = 1, AVX512 = 2, AVX512_BF16 = 3 };
 
@@ -712,10 +718,10 @@ __attribute__((target("avx2,fma,f16c"))) void qdot4_fp4_avx2_rs(const QRow* rows
   for (int p = 0; p < 4; ++p) out[p] = hsum8(acc[p]);
 }
 
-// qdot4_fp4_avx2 with the block scales decoded once per row (RS) or per chunk, as g_row_scales says
+// qdot4_fp4_avx2 with the block scales decoded once per row (RS) or per chunk, as g_row_scales's mask says
 template <int FMT>
 __attribute__((target("avx2,fma,f16c"))) inline void qdot4_fp4_avx2(const QRow* rows, const float* x, int C, float* out) {
-  if (g_row_scales.load(std::memory_order_relaxed)) return qdot4_fp4_avx2_rs<FMT, true>(rows, x, C, out);
+  if (g_row_scales.load(std::memory_order_relaxed) & ROW_SCALES_AVX2) return qdot4_fp4_avx2_rs<FMT, true>(rows, x, C, out);
   return qdot4_fp4_avx2_rs<FMT, false>(rows, x, C, out);
 }
 
@@ -858,10 +864,10 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) void qdot4_fp4_avx512_rs(const 
   for (int p = 0; p < 4; ++p) out[p] = _mm512_reduce_add_ps(acc[p]);
 }
 
-// qdot4_fp4_avx512 with the block scales decoded once per row (RS) or per chunk, as g_row_scales says
+// qdot4_fp4_avx512 with the block scales decoded once per row (RS) or per chunk, as g_row_scales's mask says
 template <int FMT>
 __attribute__((target("avx512f,avx2,fma,f16c"))) inline void qdot4_fp4_avx512(const QRow* rows, const float* x, int C, float* out) {
-  if (g_row_scales.load(std::memory_order_relaxed)) return qdot4_fp4_avx512_rs<FMT, true>(rows, x, C, out);
+  if (g_row_scales.load(std::memory_order_relaxed) & ROW_SCALES_AVX512) return qdot4_fp4_avx512_rs<FMT, true>(rows, x, C, out);
   return qdot4_fp4_avx512_rs<FMT, false>(rows, x, C, out);
 }
 
@@ -924,11 +930,11 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) void qdot4x2_fp4_avx512_rs(cons
     for (int p = 0; p < 4; ++p) out[t][p] = _mm512_reduce_add_ps(_mm512_load_ps(acc[t][p]));
 }
 
-// qdot4x2_fp4_avx512 with the block scales decoded once per row (RS) or per chunk, as g_row_scales says
+// qdot4x2_fp4_avx512 with the block scales decoded once per row (RS) or per chunk, as g_row_scales's mask says
 template <int FMT>
 __attribute__((target("avx512f,avx2,fma,f16c"))) inline void qdot4x2_fp4_avx512(const QRow* rows, const float* const* xs, int C,
                                                                     float (*out)[4]) {
-  if (g_row_scales.load(std::memory_order_relaxed)) return qdot4x2_fp4_avx512_rs<FMT, true>(rows, xs, C, out);
+  if (g_row_scales.load(std::memory_order_relaxed) & ROW_SCALES_AVX512) return qdot4x2_fp4_avx512_rs<FMT, true>(rows, xs, C, out);
   return qdot4x2_fp4_avx512_rs<FMT, false>(rows, xs, C, out);
 }
 
@@ -975,11 +981,11 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c"))) void qdot4_
   for (int p = 0; p < 4; ++p) out[p] = _mm512_reduce_add_ps(acc[p]);
 }
 
-// qdot4_fp4_bf16dp with the block scales decoded once per row (RS) or per chunk, as g_row_scales says
+// qdot4_fp4_bf16dp with the block scales decoded once per row (RS) or per chunk, as g_row_scales's mask says
 template <int FMT>
 __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c"))) inline void qdot4_fp4_bf16dp(const QRow* rows, const uint16_t* xb,
                                                                                      int C, float* out) {
-  if (g_row_scales.load(std::memory_order_relaxed)) return qdot4_fp4_bf16dp_rs<FMT, true>(rows, xb, C, out);
+  if (g_row_scales.load(std::memory_order_relaxed) & ROW_SCALES_AVX512) return qdot4_fp4_bf16dp_rs<FMT, true>(rows, xb, C, out);
   return qdot4_fp4_bf16dp_rs<FMT, false>(rows, xb, C, out);
 }
 
@@ -1033,11 +1039,11 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c"))) void qdot4x
     for (int p = 0; p < 4; ++p) out[q][p] = _mm512_reduce_add_ps(acc[q][p]);
 }
 
-// qdot4x2_fp4_bf16dp with the block scales decoded once per row (RS) or per chunk, as g_row_scales says
+// qdot4x2_fp4_bf16dp with the block scales decoded once per row (RS) or per chunk, as g_row_scales's mask says
 template <int FMT>
 __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c"))) inline void qdot4x2_fp4_bf16dp(
     const QRow* rows, const uint16_t* const* xbs, int C, float (*out)[4]) {
-  if (g_row_scales.load(std::memory_order_relaxed)) return qdot4x2_fp4_bf16dp_rs<FMT, true>(rows, xbs, C, out);
+  if (g_row_scales.load(std::memory_order_relaxed) & ROW_SCALES_AVX512) return qdot4x2_fp4_bf16dp_rs<FMT, true>(rows, xbs, C, out);
   return qdot4x2_fp4_bf16dp_rs<FMT, false>(rows, xbs, C, out);
 }
 
@@ -1626,10 +1632,10 @@ __attribute__((target("avx2,fma,f16c"))) void qdot4_fp4_q8_avx2_rs(const QRow* r
   for (int p = 0; p < 4; ++p) out[p] = 0.5f * hsum8(_mm256_add_ps(acc[1][p], acc[0][p]));
 }
 
-// qdot4_fp4_q8_avx2 with the block scales decoded once per row (RS) or per chunk, as g_row_scales says
+// qdot4_fp4_q8_avx2 with the block scales decoded once per row (RS) or per chunk, as g_row_scales's mask says
 template <int FMT>
 __attribute__((target("avx2,fma,f16c"))) inline void qdot4_fp4_q8_avx2(const QRow* rows, const Q8Act& a, int C, float* out) {
-  if (g_row_scales.load(std::memory_order_relaxed)) return qdot4_fp4_q8_avx2_rs<FMT, true>(rows, a, C, out);
+  if (g_row_scales.load(std::memory_order_relaxed) & ROW_SCALES_AVX2) return qdot4_fp4_q8_avx2_rs<FMT, true>(rows, a, C, out);
   return qdot4_fp4_q8_avx2_rs<FMT, false>(rows, a, C, out);
 }
 
@@ -1685,11 +1691,11 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma,f16c"))) void qdot4_
   for (int p = 0; p < 4; ++p) out[p] = 0.5f * _mm512_reduce_add_ps(acc[p]);
 }
 
-// qdot4_fp4_q8 with the block scales decoded once per row (RS) or per chunk, as g_row_scales says
+// qdot4_fp4_q8 with the block scales decoded once per row (RS) or per chunk, as g_row_scales's mask says
 template <int FMT>
 __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma,f16c"))) inline void qdot4_fp4_q8(const QRow* rows, const Q8Act& a,
                                                                                       int C, float* out) {
-  if (g_row_scales.load(std::memory_order_relaxed)) return qdot4_fp4_q8_rs<FMT, true>(rows, a, C, out);
+  if (g_row_scales.load(std::memory_order_relaxed) & ROW_SCALES_AVX512) return qdot4_fp4_q8_rs<FMT, true>(rows, a, C, out);
   return qdot4_fp4_q8_rs<FMT, false>(rows, a, C, out);
 }
 
@@ -1759,11 +1765,11 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,
   for (int p = 0; p < 4; ++p) out[p] = 0.5f * _mm512_reduce_add_ps(acc[p]);
 }
 
-// qdot4_fp4_q8_vbmi with the block scales decoded once per row (RS) or per chunk, as g_row_scales says
+// qdot4_fp4_q8_vbmi with the block scales decoded once per row (RS) or per chunk, as g_row_scales's mask says
 template <int FMT>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c"))) inline void qdot4_fp4_q8_vbmi(
     const QRow* rows, const Q8Act& a, int C, float* out) {
-  if (g_row_scales.load(std::memory_order_relaxed)) return qdot4_fp4_q8_vbmi_rs<FMT, true>(rows, a, C, out);
+  if (g_row_scales.load(std::memory_order_relaxed) & ROW_SCALES_AVX512) return qdot4_fp4_q8_vbmi_rs<FMT, true>(rows, a, C, out);
   return qdot4_fp4_q8_vbmi_rs<FMT, false>(rows, a, C, out);
 }
 
@@ -2793,9 +2799,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("host_call_size", &host_call_size, "sizeof the HostCall descriptor (checked against hostcall.py)");
   m.def("create", &create, "create an executor with a pinned thread pool", py::arg("cpus"), py::arg("isa_cap"),
         py::arg("spin") = -1);
-  m.def("set_row_scales", [](bool on) { return g_row_scales.exchange(on); },
-        "the fp4 kernels' block scales decoded once per call (on, the default) or per chunk (off, the former way); "
-        "returns the previous setting (the same bits either way: A/B runs)");
+  m.def("set_row_scales", [](int64_t mask) { return int64_t(g_row_scales.exchange(int(mask & 3))); },
+        "which fp4 kernels take their block scales decoded once per call (a mask: 1 the AVX2 kernels, 2 the "
+        "AVX-512 ones; default 1) instead of per chunk; returns the previous mask (the same bits either way: A/B runs)");
   m.def("set_decode_once", [](int64_t n) { return int64_t(g_decode_once.exchange(int(std::clamp<int64_t>(n, 0, 1 << 30)))); },
         "quantized calls on AVX-512: experts with at least n tokens decode each row block once for all of them "
         "(0: off); returns the previous n", py::arg("n"));
