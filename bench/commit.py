@@ -95,7 +95,8 @@ def commit_info(root: str = ROOT, path: str = STAMP) -> dict:
     # earlier call, whose HEAD is not the commit the tree came from
     if doc is not None and fingerprint(files, root) == tree:
         return {"commit": label, "source": "stamp", "changed": doc.get("changed", [])}
-    g = from_git(root)
+    # FT_COMMIT_SOURCE=stamp (bench/device_env.sh, the GPU machine): never that stale .git
+    g = None if os.environ.get("FT_COMMIT_SOURCE") == "stamp" and doc is not None else from_git(root)
     if g is not None:
         return dict(g, source="git")
     if doc is None:

@@ -6,6 +6,9 @@ if ls .whl/*.whl >/dev/null 2>&1 && ! { [ -f /tmp/site/.ft-wheels ] && ls .whl |
     && ls .whl > /tmp/site/.ft-wheels
 fi
 export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1
+# the results' commit label from .devcache/commit (bench/commit.py), "-stale" where the tree moved since:
+# a .git left on this machine by an earlier call names another commit (plan 146 was labelled 9a9608c-dirty)
+export FT_COMMIT_SOURCE=stamp
 # One cache folder for every pytest process and bench of a call (tests/conftest.py reads
 # FREETOKEN_TEST_CACHE): each test file used to rebuild the C++ executor (20-60 s) in a fresh one.
 export FREETOKEN_TEST_CACHE="${FREETOKEN_TEST_CACHE:-$HOME/.cache}"

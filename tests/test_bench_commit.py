@@ -67,3 +67,24 @@ def test_a_tree_inside_another_repository_is_not_read_from_it(repo):
     inner = repo / "pkg" / "inner"
     inner.mkdir()
     assert commit_info(str(inner), str(inner / "nostamp"))["commit"] == "unknown"
+
+
+def test_on_the_device_a_stale_git_does_not_name_the_results(repo, tmp_path, monkeypatch):
+    """The GPU machine may keep a .git from an earlier call, at another commit: with
+    FT_COMMIT_SOURCE=stamp (bench/device_env.sh) a tree that moved since its stamp is labelled
+    from the stamp, -stale, not from that .git (plan 146's files said 9a9608c-dirty)."""
+    old = git(repo, "rev-parse", "--short", "HEAD")
+    copy = tmp_path / "copy"
+    shutil.copytree(repo, copy)  # the machine's copy from an earlier call, .git and all
+    (repo / "pkg" / "a.py").write_text("x = 5\n")
+    git(repo, "commit", "-qam", "two")
+    new = git(repo, "rev-parse", "--short", "HEAD")
+    stamp(str(repo), str(repo / ".devcache" / "commit"))
+    shutil.copytree(repo / ".devcache", copy / ".devcache")
+    (copy / "pkg" / "a.py").write_text("x = 6\n")  # this call's tree, edited after the stamp
+    st = str(copy / ".devcache" / "commit")
+    assert commit_info(str(copy), st)["commit"] == old + "-dirty"  # what git says there: the wrong commit
+    monkeypatch.setenv("FT_COMMIT_SOURCE", "stamp")
+    assert commit_info(str(copy), st)["commit"] == new + "-stale"
+    shutil.copy(repo / "pkg" / "a.py", copy / "pkg" / "a.py")  # the stamped tree itself
+    assert commit_info(str(copy), st) == {"commit": new, "source": "stamp", "changed": []}
