@@ -292,7 +292,8 @@ def test_prefetch_settings_give_the_same_bits(tmp_path):
 
 
 @pytest.mark.parametrize("var,value", [("FREETOKEN_CPU_PREFETCH_HINT", "L2"), ("FREETOKEN_CPU_PREFETCH_BYTES", "-1"),
-                                       ("FREETOKEN_CPU_PREFETCH_BYTES", "8k")])
+                                       ("FREETOKEN_CPU_PREFETCH_BYTES", "8k"), ("FREETOKEN_CPU_ROW_SCALES", "on"),
+                                       ("FREETOKEN_CPU_ROW_SCALES", "4"), ("FREETOKEN_CPU_DECODE_ONCE", "-1")])
 def test_a_bad_prefetch_setting_is_named(monkeypatch, var, value):
     monkeypatch.setenv(var, value)
     b = random_banks("mxfp4", None, 4, 64, 32, seed=3)

@@ -109,8 +109,9 @@ PREFETCH_HINTS = ("t0", "t1", "t2", "nta", "off")
 
 
 def check_prefetch_env() -> None:
-    """FREETOKEN_CPU_PREFETCH_HINT / _BYTES (the quantized kernels' look-ahead, read by
-    moe_cpu.cpp, which would quietly take a default for a bad value): one clear error instead."""
+    """FREETOKEN_CPU_PREFETCH_HINT / _BYTES (the quantized kernels' look-ahead), _ROW_SCALES and
+    _DECODE_ONCE, read by moe_cpu.cpp, which would quietly take a default or 0 for a bad value:
+    one clear error instead."""
     from ...errors import FreeTokenError
     hint = os.environ.get("FREETOKEN_CPU_PREFETCH_HINT", "")
     if hint and hint not in PREFETCH_HINTS:
@@ -118,6 +119,14 @@ def check_prefetch_env() -> None:
     raw = os.environ.get("FREETOKEN_CPU_PREFETCH_BYTES", "")
     if raw and not (raw.isdigit() and int(raw) <= 1 << 20):
         raise FreeTokenError(f"FREETOKEN_CPU_PREFETCH_BYTES must be a byte count from 0 to 1048576, got {raw!r}")
+    # the kernels' A/B switches, read by moe_cpu.cpp as integers (a typo there would read as 0)
+    raw = os.environ.get("FREETOKEN_CPU_ROW_SCALES", "")
+    if raw and raw not in ("0", "1", "2", "3"):
+        raise FreeTokenError("FREETOKEN_CPU_ROW_SCALES must be a mask from 0 to 3 (1: the AVX2 kernels, "
+                             f"2: the AVX-512 ones), got {raw!r}")
+    raw = os.environ.get("FREETOKEN_CPU_DECODE_ONCE", "")
+    if raw and not raw.isdigit():
+        raise FreeTokenError(f"FREETOKEN_CPU_DECODE_ONCE must be a token count (0: off), got {raw!r}")
 
 
 def has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
