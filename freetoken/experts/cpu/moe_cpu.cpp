@@ -356,7 +356,7 @@ static std::atomic<int> g_decode_once{[] {
   return v == nullptr ? 4 : int(std::min<long>(std::max<long>(0, std::strtol(v, nullptr, 10)), 1 << 30));
 }()};
 
-// Which fp4 kernels take each row's block scales decoded once per call (fp4_block_scales*)
+// Which fp4 kernels take each row's block scales decoded once per call (fp4_block_scales)
 // instead of per chunk: the same bits either way. A mask: 1 the AVX2 kernels, 2 the AVX-512 ones.
 // The default is 1. Measured A/B in one process (benchmarks/README.md, forty-fifth session): the
 // AVX2 int8 kernel gained 1.15-1.2x on the dev machine and up to 1.18x on the Xeon, where its
@@ -630,9 +630,13 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 fp4_scales_avx2(int fmt, 
   return _mm256_mul_ps(_mm256_mul_ps(f, _mm256_set1_ps(256.f)), _mm256_set1_ps(q.s2));
 }
 
-// fp4_block_scales (below, AVX-512) for the AVX2 kernels: a row's block scales as f32, 8 at a
-// time, fp4_scales_avx2's values bit for bit; fp4_half_scales_avx2 then gives a 64-column
-// chunk's 8 lane scales (lane k: block k / 4, MXFP4; k / 2, NVFP4) with one load and one permute.
+// The block scales of a call's 4 rows as f32, decoded once per row, 8 at a time, into a
+// per-thread buffer ([4][*stride] floats), for the AVX2 and the AVX-512 kernels alike. Per chunk a
+// kernel then takes a row's lane scales with one load and one permute (fp4_half_scales_avx2 for a
+// 64-column chunk, fp4_chunk_scales for a 128-column one) where fp4_scales_avx2 / _avx512 spend
+// about six instructions on every chunk. The values are theirs bit for bit (e8m0 0 -> 2^-127;
+// NVFP4 (f * 2^8) * scale_2 in the same order); blocks past a row's last one (a short last
+// chunk's idle lanes) read what chunk_scales' zero bytes give there (2^-127 / 0).
 // A per-thread buffer of at least `floats` floats, 64-byte aligned; each SLOT is one kernel's
 // (a kernel call at a time per thread uses it).
 template <int SLOT>
@@ -642,10 +646,12 @@ inline float* thread_scratch(size_t floats) {
   return buf.data() + ((16 - (reinterpret_cast<uintptr_t>(buf.data()) / 4) % 16) % 16);
 }
 template <int FMT>
-__attribute__((target("avx2,fma,f16c"))) inline const float* fp4_block_scales_avx2(const QRow* rows, int C, int* stride) {
+__attribute__((target("avx2,fma,f16c"))) inline const float* fp4_block_scales(const QRow* rows, int C, int* stride) {
   const int nb = FMT == FMT_MXFP4 ? C / 32 : C / 16;  // whole blocks, as the chunks' nl / 4 (nl / 2) count them
-  // >= the 2 (4) floats every 64-column chunk reads (fp4_block_scales' sizing), zero bytes past nb
-  const int ss = (std::max(nb, (C + 63) / 64 * (FMT == FMT_MXFP4 ? 2 : 4)) + 15) / 16 * 16;
+  // >= the 4 (8) floats every 128-column chunk reads, a short last one too, and so the 2 (4) of
+  // every 64-column one (with C a multiple of the block, as every bank's is, that is nb rounded
+  // up; the max guards any other C), zero bytes past nb
+  const int ss = (std::max(nb, (C + 127) / 128 * (FMT == FMT_MXFP4 ? 4 : 8)) + 15) / 16 * 16;
   float* S = thread_scratch<1>(size_t(4) * ss);
   for (int p = 0; p < 4; ++p)
     for (int g = 0; g < ss; g += 8) {
@@ -684,7 +690,7 @@ __attribute__((target("avx2,fma,f16c"))) void qdot4_fp4_avx2_rs(const QRow* rows
   #pragma GCC unroll 4
   for (int p = 0; p < 4; ++p) acc[p] = _mm256_setzero_ps();
   int ss = 0;  // bs: [4][ss] f32 block scales (RS; else made per chunk)
-  const float* bs = RS ? fp4_block_scales_avx2<FMT>(rows, C, &ss) : nullptr;
+  const float* bs = RS ? fp4_block_scales<FMT>(rows, C, &ss) : nullptr;
   prefetch_scales(rows, FMT == FMT_MXFP4 ? C / 32 : C / 16);
   for (int base = 0; base < C; base += 64) {
     const int nl = std::min(8, (C - base) / 8);
@@ -778,40 +784,6 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) inline __m512 fp4_scales_avx512
   return _mm512_mul_ps(_mm512_mul_ps(f, _mm512_set1_ps(256.f)), _mm512_set1_ps(q.s2));
 }
 
-// The block scales of a call's 4 rows as f32, decoded once per row, 16 at a time, into a
-// per-thread buffer ([4][*stride] floats). Per 128-column chunk a kernel then takes a row's lane
-// scales with one load and one permute (fp4_chunk_scales) where fp4_scales_avx512 spends about
-// six instructions on every chunk: a third of the int8 kernels' instructions per chunk, an eighth
-// of the float one's. The values are fp4_scales_avx512's bit for bit (e8m0 0 -> 2^-127 by the
-// same max; NVFP4 (f * 2^8) * scale_2 in the same order); the blocks past a row's last one (a
-// short last chunk's idle lanes) read what chunk_scales' zero bytes give there (2^-127 / 0).
-template <int FMT>
-__attribute__((target("avx512f,avx2,fma,f16c"))) inline const float* fp4_block_scales(const QRow* rows, int C, int* stride) {
-  const int nb = FMT == FMT_MXFP4 ? C / 32 : C / 16;  // whole blocks, as the chunks' nl / 4 (nl / 2) count them
-  // >= the 4 (8) floats every chunk reads, a short last one too (with C a multiple of the block,
-  // as every bank's is, that is nb rounded up; the max guards any other C), zero bytes past nb
-  const int ss = (std::max(nb, (C + 127) / 128 * (FMT == FMT_MXFP4 ? 4 : 8)) + 15) / 16 * 16;
-  float* S = thread_scratch<1>(size_t(4) * ss);
-  for (int p = 0; p < 4; ++p)
-    for (int g = 0; g < ss; g += 16) {
-      const int n = std::max(0, std::min(16, nb - g));
-      alignas(16) uint8_t tail[16] = {};
-      if (n < 16) std::memcpy(tail, rows[p].s + g, n);
-      const __m128i b = n == 16 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[p].s + g))
-                                : _mm_load_si128(reinterpret_cast<const __m128i*>(tail));
-      __m512 f;
-      if (FMT == FMT_MXFP4) {
-        f = _mm512_castsi512_ps(_mm512_max_epi32(_mm512_slli_epi32(_mm512_cvtepu8_epi32(b), 23), _mm512_set1_epi32(0x00400000)));
-      } else {
-        const __m256i e = _mm256_cvtepi8_epi16(b);
-        f = _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(e, 7), _mm256_set1_epi16(short(0xBF80))));
-        f = _mm512_mul_ps(_mm512_mul_ps(f, _mm512_set1_ps(256.f)), _mm512_set1_ps(rows[p].s2));
-      }
-      _mm512_store_ps(S + size_t(p) * ss + g, f);
-    }
-  *stride = ss;
-  return S;
-}
 
 // Chunk ch's 16 lane scales of one row's decoded block scales s: lane l covers columns
 // [8l, 8l + 8) of the chunk, in block l / 4 (MXFP4, 32 columns) or l / 2 (NVFP4, 16).
@@ -1600,7 +1572,7 @@ __attribute__((target("avx2,fma,f16c"))) void qdot4_fp4_q8_avx2_rs(const QRow* r
   #pragma GCC unroll 4
   for (int p = 0; p < 4; ++p) acc[0][p] = acc[1][p] = _mm256_setzero_ps();
   int ss = 0;  // bs: [4][ss] f32 block scales (RS; else made per chunk)
-  const float* bs = RS ? fp4_block_scales_avx2<FMT>(rows, C, &ss) : nullptr;
+  const float* bs = RS ? fp4_block_scales<FMT>(rows, C, &ss) : nullptr;
   prefetch_scales(rows, FMT == FMT_MXFP4 ? C / 32 : C / 16);
   for (int base = 0, ch = 0; base < C; base += Q8_CHUNK, ++ch) {
     const int nl = std::min(16, (C - base) / 8);
