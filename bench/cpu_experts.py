@@ -125,42 +125,45 @@ def fixed_cost_rows(ex, a, h: int, k: int, per_expert: int, g: torch.Generator) 
                 row["parts_us"] = {k: round(v, 1) for k, v in zip(PARTS, med)}
                 row["outside_cpp_us"] = round(t * 1e6 - sum(med), 1)  # Python, pybind, the GIL
             if name == "topk" and a.row_scales and a.format in ("mxfp4", "nvfp4") and ex.handle is not None:
-                before, ab = extension().set_row_scales(3), {}
-                try:
-                    for _ in range(2):  # the cached (compute-bound) call with each block-scale setting, alternating
-                        for v in [int(v) for v in a.row_scales.split(",") if v]:
-                            extension().set_row_scales(v)
-                            ab.setdefault(str(v), []).append(round(timeit(lambda: ex.kernel(x, ids, w), warmup=5,
-                                                                          iters=max(a.iters, 50)) * 1e6, 1))
-                finally:
-                    extension().set_row_scales(before)
-                row["us_by_row_scales"] = ab
+                # the cached (compute-bound) call with each block-scale setting
+                row["us_by_row_scales"] = alternate(extension().set_row_scales, settings(a.row_scales), lambda: round(
+                    timeit(lambda: ex.kernel(x, ids, w), warmup=5, iters=max(a.iters, 50)) * 1e6, 1))
             rows.append(row)
         ex.set_act(False)
     return rows
 
 
+def settings(csv: str) -> list[int]:
+    return [int(v) for v in csv.split(",") if v]
+
+
+def alternate(setter, values: list[int], timed) -> dict[str, list]:
+    """timed() under each of a switch's values (setter: moe_cpu's set_*, returning the value it
+    replaces), alternating, twice each, in one process; the switch's value before is restored."""
+    before, ab = setter(values[0]), {}
+    try:
+        for _ in range(2):
+            for v in values:
+                setter(v)
+                ab.setdefault(str(v), []).append(timed())
+    finally:
+        setter(before)
+    return ab
+
+
 def row_scales_ab(ex, a, run) -> dict:
     """ms of the fp4 kernels with each --row-scales setting, alternating, twice each: float, bf16
     and int8 activations ({act}_ms_by_row_scales)."""
-    settings = [int(v) for v in a.row_scales.split(",") if v]
-    before = extension().set_row_scales(3)
     out = {}
     try:
         for act, cast, int8 in (("f32act", lambda x: x, False), ("bf16act", lambda x: x.bfloat16(), False),
                                 ("int8", lambda x: x, True)):
             if int8 and ex.set_act(True) != "int8":
-                ex.set_act(False)
                 continue
-            ab: dict[str, list[float]] = {}
-            for _ in range(2):
-                for v in settings:
-                    extension().set_row_scales(v)
-                    ab.setdefault(str(v), []).append(round(run(lambda x, ids, w: ex.kernel(cast(x), ids, w)) * 1e3, 3))
-            out[f"{act}_ms_by_row_scales"] = ab
+            out[f"{act}_ms_by_row_scales"] = alternate(extension().set_row_scales, settings(a.row_scales), lambda: round(
+                run(lambda x, ids, w: ex.kernel(cast(x), ids, w)) * 1e3, 3))
             ex.set_act(False)
     finally:
-        extension().set_row_scales(before)
         ex.set_act(False)
     return out
 
@@ -251,16 +254,9 @@ def main():
                "cpp_bf16act_ms": round(t_bf * 1e3, 3),
                "cpp_bf16act_gbs": round(distinct * per_expert / t_bf / 1e9, 1)}
         if a.decode_once and ex.handle is not None:  # A/B of the decode-once threshold, alternating
-            before = extension().set_decode_once(4)
             for act, cast in (("f32act", lambda x: x), ("bf16act", lambda x: x.bfloat16())):
-                ab: dict[str, list[float]] = {}
-                for _ in range(2):
-                    for m in [int(v) for v in a.decode_once.split(",") if v]:
-                        extension().set_decode_once(m)
-                        ab.setdefault(str(m), []).append(
-                            round(run(lambda x, ids, w: ex.kernel(cast(x), ids, w)) * 1e3, 3))
-                row[f"{act}_ms_by_decode_once"] = ab
-            extension().set_decode_once(before)
+                row[f"{act}_ms_by_decode_once"] = alternate(extension().set_decode_once, settings(a.decode_once),
+                                                            lambda: round(run(lambda x, ids, w: ex.kernel(cast(x), ids, w)) * 1e3, 3))
         if a.row_scales and a.format in ("mxfp4", "nvfp4") and ex.handle is not None:
             row.update(row_scales_ab(ex, a, run))
         if a.format in ("mxfp4", "nvfp4") and ex.handle is not None:  # --cpu-act int8, same executor
