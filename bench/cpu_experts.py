@@ -124,10 +124,13 @@ def fixed_cost_rows(ex, a, h: int, k: int, per_expert: int, g: torch.Generator) 
                 med = [statistics.median(p[j] for p in parts) for j in range(6)]
                 row["parts_us"] = {k: round(v, 1) for k, v in zip(PARTS, med)}
                 row["outside_cpp_us"] = round(t * 1e6 - sum(med), 1)  # Python, pybind, the GIL
-            if name == "topk" and a.row_scales and a.format in ("mxfp4", "nvfp4") and ex.handle is not None:
-                # the cached (compute-bound) call with each block-scale setting
-                row["us_by_row_scales"] = alternate(extension().set_row_scales, settings(a.row_scales), lambda: round(
-                    timeit(lambda: ex.kernel(x, ids, w), warmup=5, iters=max(a.iters, 50)) * 1e6, 1))
+            if name == "topk" and a.format in ("mxfp4", "nvfp4") and ex.handle is not None:
+                # the cached (compute-bound) call with each setting of the A/B switches asked for
+                for key, setter, values in (("row_scales", extension().set_row_scales, settings(a.row_scales)),
+                                            ("row_seq", extension().set_row_seq, settings(a.row_seq))):
+                    if values:
+                        row[f"us_by_{key}"] = alternate(setter, values, lambda: round(
+                            timeit(lambda: ex.kernel(x, ids, w), warmup=5, iters=max(a.iters, 50)) * 1e6, 1))
             rows.append(row)
         ex.set_act(False)
     return rows
@@ -151,21 +154,33 @@ def alternate(setter, values: list[int], timed) -> dict[str, list]:
     return ab
 
 
-def row_scales_ab(ex, a, run) -> dict:
-    """ms of the fp4 kernels with each --row-scales setting, alternating, twice each: float, bf16
-    and int8 activations ({act}_ms_by_row_scales)."""
+def kernel_ab(ex, run, setter, values: list, key: str) -> dict:
+    """ms of the fp4 kernels with each value of one moe_cpu switch, alternating, twice each: float,
+    bf16 and int8 activations ({act}_ms_by_{key})."""
     out = {}
     try:
         for act, cast, int8 in (("f32act", lambda x: x, False), ("bf16act", lambda x: x.bfloat16(), False),
                                 ("int8", lambda x: x, True)):
             if int8 and ex.set_act(True) != "int8":
                 continue
-            out[f"{act}_ms_by_row_scales"] = alternate(extension().set_row_scales, settings(a.row_scales), lambda: round(
+            out[f"{act}_ms_by_{key}"] = alternate(setter, values, lambda: round(
                 run(lambda x, ids, w: ex.kernel(cast(x), ids, w)) * 1e3, 3))
             ex.set_act(False)
     finally:
         ex.set_act(False)
     return out
+
+
+PREFETCH_HINTS = {"t0": 0, "t1": 1, "t2": 2, "nta": 3, "off": -1}
+
+
+def set_prefetch(spec: str) -> str:
+    """moe_cpu.set_prefetch from "HINT:BYTES" (as FREETOKEN_CPU_PREFETCH_HINT / _BYTES name them);
+    returns the setting it replaces in the same form"""
+    hint, _, nbytes = spec.partition(":")
+    before = extension().set_prefetch(PREFETCH_HINTS[hint], int(nbytes or 8192))
+    names = {v: k for k, v in PREFETCH_HINTS.items()}
+    return f"{names[before >> 32]}:{before & 0xFFFFFFFF}"
 
 
 def main():
@@ -193,12 +208,23 @@ def main():
                          "top-k) again with each moe_cpu set_row_scales mask (which kernels decode the block scales "
                          "once per call: 1 the AVX2 ones, the default; 2 the AVX-512 ones; 3 both; 0 none), "
                          "alternating, twice each")
+    ap.add_argument("--row-seq", default="",
+                    help="0,1: the fp4 formats' rows again with each moe_cpu set_row_seq setting (1: a 4-row block's "
+                         "rows one after another in the int8 and bf16-activation kernels; 0, the default: side by side), "
+                         "alternating, twice each")
+    ap.add_argument("--prefetch", default="",
+                    help="t2:8192,off:0,...: the fp4 formats' rows again with each software look-ahead "
+                         "(moe_cpu set_prefetch: hint t0|t1|t2|nta|off, distance in bytes), alternating, twice each")
     ap.add_argument("--isa-cap", type=int, default=3,
                     help="the executor's highest ISA (0 scalar, 1 AVX2, 2 AVX-512, 3 AVX-512 BF16): an AVX-512 "
                          "machine timing the kernels a CPU without it runs (the AVX2 int8 kernel included)")
     ap.add_argument("--plain-banks", action="store_true",
                     help="banks in plain torch tensors instead of the engine's (huge-page) host buffers")
     a = ap.parse_args()
+    for spec in filter(None, a.prefetch.split(",")):
+        hint, _, nbytes = spec.partition(":")
+        if hint not in PREFETCH_HINTS or not nbytes.isdigit():
+            ap.error(f"--prefetch wants HINT:BYTES with HINT one of {', '.join(PREFETCH_HINTS)}, got {spec!r}")
     n, h, i, k = a.experts, a.hidden, a.inter, a.top_k
     g = torch.Generator().manual_seed(0)
     t0 = time.perf_counter()
@@ -257,8 +283,13 @@ def main():
             for act, cast in (("f32act", lambda x: x), ("bf16act", lambda x: x.bfloat16())):
                 row[f"{act}_ms_by_decode_once"] = alternate(extension().set_decode_once, settings(a.decode_once),
                                                             lambda: round(run(lambda x, ids, w: ex.kernel(cast(x), ids, w)) * 1e3, 3))
-        if a.row_scales and a.format in ("mxfp4", "nvfp4") and ex.handle is not None:
-            row.update(row_scales_ab(ex, a, run))
+        if a.format in ("mxfp4", "nvfp4") and ex.handle is not None:  # A/B runs of the fp4 kernels' switches
+            if a.row_scales:
+                row.update(kernel_ab(ex, run, extension().set_row_scales, settings(a.row_scales), "row_scales"))
+            if a.row_seq:
+                row.update(kernel_ab(ex, run, extension().set_row_seq, settings(a.row_seq), "row_seq"))
+            if a.prefetch:
+                row.update(kernel_ab(ex, run, set_prefetch, a.prefetch.split(","), "prefetch"))
         if a.format in ("mxfp4", "nvfp4") and ex.handle is not None:  # --cpu-act int8, same executor
             vnni = ex.set_act(True) == "int8"
             kernel = ex.int8_kernel

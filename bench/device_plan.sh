@@ -1515,7 +1515,21 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
       --name large_models-qwen3_5_moe-12-mxfp4-rowscales$rs-tpl-t6-$RANDOM
   done
   ;;
-*) echo "stage 0 to 146"; exit 2 ;;
+147) # ~420 s at most: why the 4-bit kernels read ~9 GB/s a core from DRAM at 6 threads (about what 16 L1 fill
+  # buffers carry at ~110 ns) against the probe's 13 (issue 12's 80% of host read): a 4-row block's rows read one
+  # after another (FREETOKEN_CPU_ROW_SEQ, one ascending run per 4 KiB page for the L2 streamer) against side by
+  # side, and the software look-ahead's hint and distance, A/B in one process; MXFP4 at 6 and 16 threads (the
+  # issue's two counts; 16 never run before), NVFP4 at 6; the GPU hidden. Carry .whl, .devcache/commit.
+  step 150 build-cpp python3 -c "from freetoken.experts.cpu import extension; extension()"  # a changed moe_cpu.cpp
+  for t in 6 16; do
+    CUDA_VISIBLE_DEVICES= step 120 seq-mxfp4-t$t python3 -m bench.cpu_experts --format mxfp4 --experts 512 --threads $t \
+      --batches 1,4 --iters 30 --fixed-cost --row-seq 0,1 --prefetch t2:8192,off:0,t0:8192,t2:4096,t2:16384 \
+      --name cpu_experts-mxfp4-rowseq-xeon-t$t
+  done
+  CUDA_VISIBLE_DEVICES= step 90 seq-nvfp4-t6 python3 -m bench.cpu_experts --format nvfp4 --experts 512 --threads 6 \
+    --batches 1,4 --iters 30 --row-seq 0,1 --name cpu_experts-nvfp4-rowseq-xeon-t6
+  ;;
+*) echo "stage 0 to 147"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole

@@ -417,7 +417,9 @@ def test_row_scales_give_the_per_chunk_bits(fmt):
     kernel that reads them: float and bf16 activations one token at a time and in pairs, the
     int8 kernels this CPU has (VBMI, VNNI, AVX2), and the float AVX2 kernel (an ISA cap), with the
     cases' short last chunks (96 and 48 columns). (The decode-once kernels, ~6 tokens an expert
-    here, make their scales once per call already: unaffected, run to show it.)"""
+    here, make their scales once per call already: unaffected, run to show it.) The same for the
+    row order of the int8 and bf16-activation kernels (set_row_seq: a 4-row block's rows side by
+    side or one after another), under both scale settings."""
     _, sdt, h, i = CASES[fmt]
     banks = random_banks(fmt, sdt, N, h, i, seed=31)
     ex = CpuExpertExecutor(banks, threads=2)
@@ -436,26 +438,31 @@ def test_row_scales_give_the_per_chunk_bits(fmt):
     ex.set_act(False)
     assert "avx2" in int8  # every AVX-512 CPU has AVX2
     avx2 = CpuExpertExecutor(banks, threads=2, isa_cap=1)  # the float AVX2 kernel
-    outs = {}
-    before = ext.set_row_scales(3)
+    outs = []
+    # (row-scales mask, row order): every template of the kernels, the first one again last
+    configs = [(3, 0), (0, 0), (3, 1), (0, 1), (3, 0)]
+    before = ext.set_row_scales(3), ext.set_row_seq(0)
     try:
-        for on in (True, False, True):
-            ext.set_row_scales(3 if on else 0)
+        for mask, seq in configs:
+            ext.set_row_scales(mask)
+            ext.set_row_seq(seq)
             got = [ex.kernel(x, ids, w) for _, x, ids, w in runs]
             got += [avx2.kernel(x, ids, w) for act, x, ids, w in runs if act == "f32"]
             for kernel in int8:
                 ex.set_act(True, max_kernel=kernel)
                 got += [ex.kernel(x, ids, w) for act, x, ids, w in runs if act == "f32"]
                 ex.set_act(False)
-            outs.setdefault(on, []).append(got)
+            outs.append(got)
     finally:
-        ext.set_row_scales(before)
-    for a, b, c in zip(outs[True][0], outs[False][0], outs[True][1]):
-        assert torch.isfinite(a).all() and (a != 0).any()
-        assert torch.equal(a, b) and torch.equal(a, c), int((a != b).sum())
+        ext.set_row_scales(before[0])
+        ext.set_row_seq(before[1])
+    for (mask, seq), got in zip(configs[1:], outs[1:]):
+        for a, b in zip(outs[0], got):
+            assert torch.isfinite(a).all() and (a != 0).any()
+            assert torch.equal(a, b), (mask, seq, int((a != b).sum()))
     gu, dn = banks.dequant(torch.arange(N))
     x, ids, w = runs[0][1:]
-    assert rel(outs[True][0][0], reference_experts(x, ids, w, gu, dn)) < 1e-5
+    assert rel(outs[0][0], reference_experts(x, ids, w, gu, dn)) < 1e-5
 
 
 @pytest.mark.parametrize("name", ["mxfp4", "nvfp4", "fp8_block-bf16", "fp8_block-f32", "fp8_block-f16",

@@ -369,6 +369,16 @@ static std::atomic<int> g_row_scales{[] {
   return v == nullptr ? 1 : int(std::strtol(v, nullptr, 10) & 3);
 }()};
 constexpr int ROW_SCALES_AVX2 = 1, ROW_SCALES_AVX512 = 2;
+// How the one-token fp4 kernels with int8 or bf16 activations walk a 4-row block: 128 columns
+// of all four rows at a time (0, the default; one activation chunk serves four rows), or each
+// row to its end before the next (1). A 4-row block of a 2048-wide fp4 bank is one 4 KiB page,
+// and the hardware's L2 streamer follows one ascending run per page: four rows read side by side
+// are four interleaved runs, one row after another is one. Each row's sums are the same either
+// way (the same chunks in the same order). FREETOKEN_CPU_ROW_SEQ=1 or set_row_seq, for A/B runs.
+static std::atomic<int> g_row_seq{[] {
+  const char* v = std::getenv("FREETOKEN_CPU_ROW_SEQ");
+  return v != nullptr && std::strcmp(v, "1") == 0 ? 1 : 0;
+}()};
 
 enum Isa { SCALAR = 0, AVX2 = 1, AVX512 = 2, AVX512_BF16 = 3 };
 
@@ -555,14 +565,17 @@ inline uint64_t chunk_scales(const uint8_t* p, int n) {
 // line arrives, so with a ~110 ns DRAM latency one core cannot have more than ~9 GB/s in flight;
 // an L2 prefetch waits in the L2's larger queue instead. On the H200's Xeon host the fp4 kernels
 // read 5.3 GB/s a core at 6 threads against the 10.5 a plain read gets.
-static const int g_pf = [] {
+// Both are plain globals, set once at start-up and by set_prefetch between calls (an A/B in one
+// process; the pool's phase hand-off orders the write before the workers' reads), so the kernels
+// keep them in registers across a call.
+static int g_pf = [] {
   const char* v = std::getenv("FREETOKEN_CPU_PREFETCH_BYTES");
   return v != nullptr && *v ? std::max(0, std::atoi(v)) : 8192;
 }();
 // The default is t2: on the dev machine's Xeon (2 threads, MXFP4, int8 activations) 23.2-23.9
 // GB/s against 20.9-21.5 with t0 in three alternating runs, the exact kernels equal; on the H200
 // host's (a2ea4b3, 6 threads, exact kernels) 31.3 / 33.2 against 30.2 / 23.0 at batch 1 / 4.
-static const int g_pf_hint = [] {  // 0 t0, 1 t1, 2 t2, 3 nta, -1 off
+static int g_pf_hint = [] {  // 0 t0, 1 t1, 2 t2, 3 nta, -1 off
   const char* v = std::getenv("FREETOKEN_CPU_PREFETCH_HINT");
   if (v == nullptr || !*v || !std::strcmp(v, "t2")) return 2;
   return !std::strcmp(v, "t0") ? 0 : !std::strcmp(v, "t1") ? 1 : !std::strcmp(v, "nta") ? 3 : -1;
@@ -913,7 +926,29 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) inline void qdot4x2_fp4_avx512(
 // bf16 activations (a bf16 model): e2m1 -> bf16 by vpermw, 32 products per VDPBF16PS. Word k
 // of vector j is column 4k + j; a dot pair (2k', 2k'+1) lands in f32 lane k' = columns
 // [8k', 8k' + 8) of the chunk, the same lane -> scale-block map as the f32 kernel.
+// Row p alone through qdot4_fp4_bf16dp_rs (g_row_seq): each of its chunks as the side-by-side
+// loop below makes it, so acc is that loop's acc[p] bit for bit.
 template <int FMT, bool RS>
+__attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c"))) inline __m512 bf16dp_row(const QRow& r, const uint16_t* xb,
+                                                                                     int C, __m512i table, const float* s) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int base = 0; base < C; base += 128) {
+    const int nl = std::min(16, (C - base) / 8), nw = 2 * nl;
+    const __mmask16 m = __mmask16((1u << nl) - 1);
+    prefetch_ahead(r.v + base / 2);
+    const __m512i v = nl == 16 ? _mm512_loadu_si512(r.v + base / 2) : _mm512_maskz_loadu_epi32(m, r.v + base / 2);
+    __m512 t = _mm512_setzero_ps();
+    #pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m512i xj = nl == 16 ? _mm512_loadu_si512(xb + base + 32 * j) : _mm512_maskz_loadu_epi32(m, xb + base + j * nw);
+      t = _mm512_dpbf16_ps(t, (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4 * j), table), (__m512bh)xj);
+    }
+    acc = _mm512_fmadd_ps(t, RS ? fp4_chunk_scales<FMT>(s, base / 128) : fp4_scales_avx512(FMT, r, base, nl), acc);
+  }
+  return acc;
+}
+
+template <int FMT, bool RS, bool SEQ>
 __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c"))) void qdot4_fp4_bf16dp_rs(const QRow* rows, const uint16_t* xb,
                                                                                      int C, float* out) {
   const __m512i table = _mm512_load_si512(E2M1_BF16);
@@ -923,42 +958,49 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c"))) void qdot4_
   int ss = 0;  // bs: [4][ss] f32 block scales (RS; else made per chunk)
   const float* bs = RS ? fp4_block_scales<FMT>(rows, C, &ss) : nullptr;
   prefetch_scales(rows, FMT == FMT_MXFP4 ? C / 32 : C / 16);
-  for (int base = 0; base < C; base += 128) {
-    const int nl = std::min(16, (C - base) / 8), nw = 2 * nl;
-    const __mmask16 m = __mmask16((1u << nl) - 1);
-    __m512i v[4];
-    __m512 t[4];
-    #pragma GCC unroll 4
-    for (int p = 0; p < 4; ++p) {
-      prefetch_ahead(rows[p].v + base / 2);
-      v[p] = nl == 16 ? _mm512_loadu_si512(rows[p].v + base / 2) : _mm512_maskz_loadu_epi32(m, rows[p].v + base / 2);
-      t[p] = _mm512_setzero_ps();
-    }
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      const __m512i xj = nl == 16 ? _mm512_loadu_si512(xb + base + 32 * j) : _mm512_maskz_loadu_epi32(m, xb + base + j * nw);
+  if (SEQ) {
+    for (int p = 0; p < 4; ++p) acc[p] = bf16dp_row<FMT, RS>(rows[p], xb, C, table, bs + p * ss);
+  } else {
+    for (int base = 0; base < C; base += 128) {
+      const int nl = std::min(16, (C - base) / 8), nw = 2 * nl;
+      const __mmask16 m = __mmask16((1u << nl) - 1);
+      __m512i v[4];
+      __m512 t[4];
       #pragma GCC unroll 4
       for (int p = 0; p < 4; ++p) {
-        const __m512i w = _mm512_permutexvar_epi16(_mm512_srli_epi16(v[p], 4 * j), table);
-        t[p] = _mm512_dpbf16_ps(t[p], (__m512bh)w, (__m512bh)xj);
+        prefetch_ahead(rows[p].v + base / 2);
+        v[p] = nl == 16 ? _mm512_loadu_si512(rows[p].v + base / 2) : _mm512_maskz_loadu_epi32(m, rows[p].v + base / 2);
+        t[p] = _mm512_setzero_ps();
       }
-    }
-    #pragma GCC unroll 4
-    for (int p = 0; p < 4; ++p) {
-      const __m512 sc = RS ? fp4_chunk_scales<FMT>(bs + p * ss, base / 128) : fp4_scales_avx512(FMT, rows[p], base, nl);
-      acc[p] = _mm512_fmadd_ps(t[p], sc, acc[p]);
+      #pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const __m512i xj = nl == 16 ? _mm512_loadu_si512(xb + base + 32 * j) : _mm512_maskz_loadu_epi32(m, xb + base + j * nw);
+        #pragma GCC unroll 4
+        for (int p = 0; p < 4; ++p) {
+          const __m512i w = _mm512_permutexvar_epi16(_mm512_srli_epi16(v[p], 4 * j), table);
+          t[p] = _mm512_dpbf16_ps(t[p], (__m512bh)w, (__m512bh)xj);
+        }
+      }
+      #pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {
+        const __m512 sc = RS ? fp4_chunk_scales<FMT>(bs + p * ss, base / 128) : fp4_scales_avx512(FMT, rows[p], base, nl);
+        acc[p] = _mm512_fmadd_ps(t[p], sc, acc[p]);
+      }
     }
   }
   #pragma GCC unroll 4
   for (int p = 0; p < 4; ++p) out[p] = _mm512_reduce_add_ps(acc[p]);
 }
 
-// qdot4_fp4_bf16dp with the block scales decoded once per row (RS) or per chunk, as g_row_scales's mask says
+// qdot4_fp4_bf16dp with the block scales decoded once per row (RS) or per chunk, as g_row_scales's mask says,
+// and its rows side by side or one after another, as g_row_seq says
 template <int FMT>
 __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c"))) inline void qdot4_fp4_bf16dp(const QRow* rows, const uint16_t* xb,
                                                                                      int C, float* out) {
-  if (g_row_scales.load(std::memory_order_relaxed) & ROW_SCALES_AVX512) return qdot4_fp4_bf16dp_rs<FMT, true>(rows, xb, C, out);
-  return qdot4_fp4_bf16dp_rs<FMT, false>(rows, xb, C, out);
+  const bool rs = g_row_scales.load(std::memory_order_relaxed) & ROW_SCALES_AVX512;
+  if (g_row_seq.load(std::memory_order_relaxed))
+    return rs ? qdot4_fp4_bf16dp_rs<FMT, true, true>(rows, xb, C, out) : qdot4_fp4_bf16dp_rs<FMT, false, true>(rows, xb, C, out);
+  return rs ? qdot4_fp4_bf16dp_rs<FMT, true, false>(rows, xb, C, out) : qdot4_fp4_bf16dp_rs<FMT, false, false>(rows, xb, C, out);
 }
 
 // qdot4_fp4_bf16dp for two activation rows at once (a bf16 model's prompt chunk, or a GPU engine's
@@ -1711,7 +1753,20 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx2,f16c"))) inline
                        _mm512_set1_ps(256.f * r.s2));
 }
 
+// One row's 128-column chunk in qdot4_fp4_q8_vbmi_rs, added to its accumulator (s: the row's
+// block scales decoded once, with RS)
 template <int FMT, bool RS>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c"), always_inline)) inline void vbmi_step(
+    const QRow& r, const Q8Chunk& c, __m512i lut, const float* s, int base, int ch, __m512& acc) {
+  const __m512i v = c.codes(r, base);
+  const __m512i lo = _mm512_permutexvar_epi8(v, lut);
+  const __m512i hi = _mm512_permutexvar_epi8(_mm512_srli_epi16(v, 4), lut);
+  const __m512i t = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(c.off, lo, c.xe), hi, c.xo);
+  const __m512 sw = RS ? fp4_chunk_scales<FMT>(s, ch) : vbmi_chunk_scales<FMT>(r, base, c.nl);
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(sw, c.xs), acc);
+}
+
+template <int FMT, bool RS, bool SEQ>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c"))) void qdot4_fp4_q8_vbmi_rs(
     const QRow* rows, const Q8Act& a, int C, float* out) {
   const __m512i lut = _mm512_load_si512(E2M1_X2_PLUS12_64);
@@ -1721,28 +1776,30 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,
   int ss = 0;  // bs: [4][ss] f32 block scales, the VNNI kernel's (RS; else made per chunk)
   const float* bs = RS ? fp4_block_scales<FMT>(rows, C, &ss) : nullptr;
   prefetch_scales(rows, FMT == FMT_MXFP4 ? C / 32 : C / 16);
-  for (int base = 0, ch = 0; base < C; base += Q8_CHUNK, ++ch) {
-    const Q8Chunk c = q8_chunk(a, C, base, ch);
-    #pragma GCC unroll 4
-    for (int p = 0; p < 4; ++p) {
-      const __m512i v = c.codes(rows[p], base);
-      const __m512i lo = _mm512_permutexvar_epi8(v, lut);
-      const __m512i hi = _mm512_permutexvar_epi8(_mm512_srli_epi16(v, 4), lut);
-      const __m512i t = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(c.off, lo, c.xe), hi, c.xo);
-      const __m512 sw = RS ? fp4_chunk_scales<FMT>(bs + p * ss, ch) : vbmi_chunk_scales<FMT>(rows[p], base, c.nl);
-      acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(sw, c.xs), acc[p]);
+  if (SEQ) {
+    for (int p = 0; p < 4; ++p)
+      for (int base = 0, ch = 0; base < C; base += Q8_CHUNK, ++ch)
+        vbmi_step<FMT, RS>(rows[p], q8_chunk(a, C, base, ch), lut, bs + p * ss, base, ch, acc[p]);
+  } else {
+    for (int base = 0, ch = 0; base < C; base += Q8_CHUNK, ++ch) {
+      const Q8Chunk c = q8_chunk(a, C, base, ch);
+      #pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) vbmi_step<FMT, RS>(rows[p], c, lut, bs + p * ss, base, ch, acc[p]);
     }
   }
   #pragma GCC unroll 4
   for (int p = 0; p < 4; ++p) out[p] = 0.5f * _mm512_reduce_add_ps(acc[p]);
 }
 
-// qdot4_fp4_q8_vbmi with the block scales decoded once per row (RS) or per chunk, as g_row_scales's mask says
+// qdot4_fp4_q8_vbmi with the block scales decoded once per row (RS) or per chunk, as g_row_scales's mask says,
+// and its rows side by side or one after another, as g_row_seq says
 template <int FMT>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c"))) inline void qdot4_fp4_q8_vbmi(
     const QRow* rows, const Q8Act& a, int C, float* out) {
-  if (g_row_scales.load(std::memory_order_relaxed) & ROW_SCALES_AVX512) return qdot4_fp4_q8_vbmi_rs<FMT, true>(rows, a, C, out);
-  return qdot4_fp4_q8_vbmi_rs<FMT, false>(rows, a, C, out);
+  const bool rs = g_row_scales.load(std::memory_order_relaxed) & ROW_SCALES_AVX512;
+  if (g_row_seq.load(std::memory_order_relaxed))
+    return rs ? qdot4_fp4_q8_vbmi_rs<FMT, true, true>(rows, a, C, out) : qdot4_fp4_q8_vbmi_rs<FMT, false, true>(rows, a, C, out);
+  return rs ? qdot4_fp4_q8_vbmi_rs<FMT, true, false>(rows, a, C, out) : qdot4_fp4_q8_vbmi_rs<FMT, false, false>(rows, a, C, out);
 }
 
 inline void qdot4_q8(int kernel, int fmt, const QRow* rows, const Q8Act& a, int C, float* out) {
@@ -2774,6 +2831,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_row_scales", [](int64_t mask) { return int64_t(g_row_scales.exchange(int(mask & 3))); },
         "which fp4 kernels take their block scales decoded once per call (a mask: 1 the AVX2 kernels, 2 the "
         "AVX-512 ones; default 1) instead of per chunk; returns the previous mask (the same bits either way: A/B runs)");
+  m.def("set_row_seq", [](int64_t on) { return int64_t(g_row_seq.exchange(on ? 1 : 0)); },
+        "the one-token fp4 kernels with int8 or bf16 activations: 1 reads a 4-row block one row after another, "
+        "0 (the default) its rows side by side; returns the previous setting (the same bits either way: A/B runs)",
+        py::arg("on"));
+  m.def("set_prefetch", [](int64_t hint, int64_t bytes) {
+          const int64_t before = int64_t(g_pf_hint) * (int64_t(1) << 32) + g_pf;
+          g_pf_hint = int(std::clamp<int64_t>(hint, -1, 3)), g_pf = int(std::clamp<int64_t>(bytes, 0, 1 << 20));
+          return before;
+        },
+        "the quantized kernels' software look-ahead between calls: hint (0 t0, 1 t1, 2 t2, 3 nta, -1 off) and "
+        "distance in bytes (FREETOKEN_CPU_PREFETCH_HINT / _BYTES at start-up); returns the previous pair as "
+        "hint * 2**32 + bytes (A/B runs)", py::arg("hint"), py::arg("bytes"));
   m.def("set_decode_once", [](int64_t n) { return int64_t(g_decode_once.exchange(int(std::clamp<int64_t>(n, 0, 1 << 30)))); },
         "quantized calls on AVX-512: experts with at least n tokens decode each row block once for all of them "
         "(0: off); returns the previous n", py::arg("n"));
