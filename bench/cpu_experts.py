@@ -155,8 +155,8 @@ def alternate(setter, values: list[int], timed) -> dict[str, list]:
 
 
 def kernel_ab(ex, run, setter, values: list, key: str) -> dict:
-    """ms of the fp4 kernels with each value of one moe_cpu switch, alternating, twice each: float,
-    bf16 and int8 activations ({act}_ms_by_{key})."""
+    """ms of the quantized kernels with each value of one moe_cpu switch, alternating, twice each: float,
+    bf16 and int8 activations ({act}_ms_by_{key}; int8 for MXFP4 / NVFP4 only)."""
     out = {}
     try:
         for act, cast, int8 in (("f32act", lambda x: x, False), ("bf16act", lambda x: x.bfloat16(), False),
@@ -201,8 +201,9 @@ def main():
                     help="also time batch-1 calls on experts already in cache: one expert, and the same "
                          "top-k every call (what a call costs besides streaming its bytes)")
     ap.add_argument("--decode-once", default="",
-                    help="N,M,...: the float- and bf16-activation rows again with each decode-once threshold "
-                         "(moe_cpu set_decode_once; 0: the rows decoded once per two tokens), alternating, twice each")
+                    help="N,M,...: the float-, bf16- and int8-activation rows again with each decode-once threshold "
+                         "(moe_cpu set_decode_once; 0: the rows decoded once per two tokens, int8 once per token), "
+                         "alternating, twice each")
     ap.add_argument("--row-scales", default="",
                     help="3,0: the fp4 formats' float-, bf16- and int8-activation rows (and --fixed-cost's cached "
                          "top-k) again with each moe_cpu set_row_scales mask (which kernels decode the block scales "
@@ -280,9 +281,7 @@ def main():
                "cpp_bf16act_ms": round(t_bf * 1e3, 3),
                "cpp_bf16act_gbs": round(distinct * per_expert / t_bf / 1e9, 1)}
         if a.decode_once and ex.handle is not None:  # A/B of the decode-once threshold, alternating
-            for act, cast in (("f32act", lambda x: x), ("bf16act", lambda x: x.bfloat16())):
-                row[f"{act}_ms_by_decode_once"] = alternate(extension().set_decode_once, settings(a.decode_once),
-                                                            lambda: round(run(lambda x, ids, w: ex.kernel(cast(x), ids, w)) * 1e3, 3))
+            row.update(kernel_ab(ex, run, extension().set_decode_once, settings(a.decode_once), "decode_once"))
         if a.format in ("mxfp4", "nvfp4") and ex.handle is not None:  # A/B runs of the fp4 kernels' switches
             if a.row_scales:
                 row.update(kernel_ab(ex, run, extension().set_row_scales, settings(a.row_scales), "row_scales"))

@@ -293,7 +293,8 @@ def test_prefetch_settings_give_the_same_bits(tmp_path):
 
 @pytest.mark.parametrize("var,value", [("FREETOKEN_CPU_PREFETCH_HINT", "L2"), ("FREETOKEN_CPU_PREFETCH_BYTES", "-1"),
                                        ("FREETOKEN_CPU_PREFETCH_BYTES", "8k"), ("FREETOKEN_CPU_ROW_SCALES", "on"),
-                                       ("FREETOKEN_CPU_ROW_SCALES", "4"), ("FREETOKEN_CPU_DECODE_ONCE", "-1")])
+                                       ("FREETOKEN_CPU_ROW_SCALES", "4"), ("FREETOKEN_CPU_DECODE_ONCE", "-1"),
+                                       ("FREETOKEN_CPU_ROW_SEQ", "yes")])
 def test_a_bad_prefetch_setting_is_named(monkeypatch, var, value):
     monkeypatch.setenv(var, value)
     b = random_banks("mxfp4", None, 4, 64, 32, seed=3)
@@ -408,6 +409,48 @@ def test_decode_once_gives_the_per_token_bits(name, dtype):
     gu, dn = banks.dequant(torch.arange(3))
     dp = dtype == torch.bfloat16 and fmt != "fp8_block"  # VDPBF16PS: bf16 products
     assert rel(once, reference_experts(xa.float(), ids, w, gu, dn)) < (2e-2 if dp else 1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("kernel", ["vbmi", "vnni", "avx2"])
+def test_int8_decode_once_gives_the_per_token_bits(fmt, kernel):
+    """int8 activations (--cpu-act int8) on a prompt chunk: an expert with at least set_decode_once's
+    count of the call's tokens has each 4-row block's codes looked up once for all of them
+    (qdot4xn_fp4_q8, qdot4xn_fp4_q8_avx2), even and odd counts, one call mixing both paths, the
+    cases' column tails in both phases. Its outputs equal, bit for bit, the one-token int8 kernel's
+    (decode once off) and what each token gets in a call of its own, on the VBMI, VNNI and AVX2
+    kernels alike."""
+    _, sdt, h, i = CASES[fmt]
+    banks = random_banks(fmt, sdt, 3, h, i, seed=29)
+    ex = CpuExpertExecutor(banks, threads=2)
+    ex.set_act(True, max_kernel=kernel)
+    if ex.int8_kernel != kernel:
+        pytest.skip(f"this CPU's int8 kernel is {ex.int8_kernel}, not {kernel}")
+    x, ids, w = inputs(41, h, seed=11, n=3, k=2)
+
+    def routed():  # tokens per expert, ascending
+        return sorted(int(c) for c in torch.bincount(ids[ids >= 0], minlength=3))
+    r = 2
+    while not ({c % 2 for c in routed()} == {0, 1} and len(set(routed())) == 3):
+        ids[r, 1] = NO_EXPERT
+        r += 1
+    counts = routed()
+    outs = {}
+    before = extension().set_decode_once(2)
+    try:
+        for m in (2, counts[1], counts[1] + 1, 0):
+            extension().set_decode_once(m)
+            outs[m] = ex.kernel(x, ids, w)
+        alone = torch.cat([ex.kernel(x[r:r + 1], ids[r:r + 1], w[r:r + 1]) for r in range(x.shape[0])])
+    finally:
+        extension().set_decode_once(before)
+        ex.set_act(False)
+    once = outs[2]
+    assert torch.isfinite(once).all() and (once != 0).any()
+    for m, o in outs.items():
+        assert torch.equal(o, alone), (m, int((o != alone).sum()))
+    gu, dn = banks.dequant(torch.arange(3))
+    assert rel(once, reference_experts(x, ids, w, gu, dn)) < 3e-2  # int8 activations: ~1% off exact
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])

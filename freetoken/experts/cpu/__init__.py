@@ -109,8 +109,8 @@ PREFETCH_HINTS = ("t0", "t1", "t2", "nta", "off")
 
 
 def check_prefetch_env() -> None:
-    """FREETOKEN_CPU_PREFETCH_HINT / _BYTES (the quantized kernels' look-ahead), _ROW_SCALES and
-    _DECODE_ONCE, read by moe_cpu.cpp, which would quietly take a default or 0 for a bad value:
+    """FREETOKEN_CPU_PREFETCH_HINT / _BYTES (the quantized kernels' look-ahead), _ROW_SCALES,
+    _DECODE_ONCE and _ROW_SEQ, read by moe_cpu.cpp, which would quietly take a default or 0 for a bad value:
     one clear error instead."""
     from ...errors import FreeTokenError
     hint = os.environ.get("FREETOKEN_CPU_PREFETCH_HINT", "")
@@ -127,6 +127,10 @@ def check_prefetch_env() -> None:
     raw = os.environ.get("FREETOKEN_CPU_DECODE_ONCE", "")
     if raw and not raw.isdigit():
         raise FreeTokenError(f"FREETOKEN_CPU_DECODE_ONCE must be a token count (0: off), got {raw!r}")
+    raw = os.environ.get("FREETOKEN_CPU_ROW_SEQ", "")
+    if raw and raw not in ("0", "1"):
+        raise FreeTokenError("FREETOKEN_CPU_ROW_SEQ must be 0 (a 4-row block's rows side by side, the default) "
+                             f"or 1 (one after another), got {raw!r}")
 
 
 def has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:

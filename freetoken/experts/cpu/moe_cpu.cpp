@@ -346,11 +346,13 @@ static const bool g_token_block = [] {
   return v == nullptr || std::strcmp(v, "0") != 0;
 }();
 
-// Quantized banks on AVX-512: an expert with at least this many of a call's tokens has each 4-row
-// block decoded once for all of them (qdot4xn_*) instead of once per two tokens; the same bits
-// either way. Exact activations only (int8 ones take a token at a time), and not with
-// FREETOKEN_CPU_TOKEN_BLOCK=0 (one token at a time throughout). FREETOKEN_CPU_DECODE_ONCE=N sets it, 0 turns it off (A/B runs).
-// (set_decode_once changes it at run time: bench/cpu_experts.py's A/B rows in one process)
+// Quantized banks on AVX-512 (int8 activations on AVX2 too): an expert with at least this many of
+// a call's tokens has each 4-row block decoded once for all of them (qdot4xn_*) instead of once per
+// two tokens (int8: per token); the same bits either way. Exact activations, and int8 ones on the
+// VBMI / VNNI / AVX2 kernels (qdot4xn_q8; AVX2 included: the one multi-token path of CPUs without
+// AVX-512); not with FREETOKEN_CPU_TOKEN_BLOCK=0 (one token at a time throughout).
+// FREETOKEN_CPU_DECODE_ONCE=N sets it, 0 turns it off (A/B runs); set_decode_once changes it at
+// run time (bench/cpu_experts.py's A/B rows in one process).
 static std::atomic<int> g_decode_once{[] {
   const char* v = std::getenv("FREETOKEN_CPU_DECODE_ONCE");
   return v == nullptr ? 4 : int(std::min<long>(std::max<long>(0, std::strtol(v, nullptr, 10)), 1 << 30));
@@ -1802,6 +1804,125 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,
   return rs ? qdot4_fp4_q8_vbmi_rs<FMT, true, false>(rows, a, C, out) : qdot4_fp4_q8_vbmi_rs<FMT, false, false>(rows, a, C, out);
 }
 
+// The int8 kernels (VBMI and VNNI: their codes and lane scales are the same values) for n
+// activation rows, a prompt chunk's tokens of one expert: the four rows' codes looked up once
+// into a per-thread buffer (per 128-column chunk: 4 rows x their even and odd int8 weights, then
+// 4 lane-scale vectors, 768 bytes; 12 KB for a 2,048-column row block), then each token's
+// integer dots, scaling and reduction exactly as qdot4_fp4_q8 makes them, so out[t] is its result
+// bit for bit. Until this, int8 activations took a prompt's tokens one at a time, looking every
+// block up again for each (a 512-token prompt on the 12-layer MXFP4 slice: 69 tok/s against 94
+// with the exact kernels decoding once).
+template <int FMT>
+__attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma,f16c"))) void qdot4xn_fp4_q8(const QRow* rows, const Q8Act* as, int n,
+                                                                                       int C, float (*out)[4]) {
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(E2M1_X2_PLUS12)));
+  const __m512i nib = _mm512_set1_epi8(15);
+  const int nch = q8_chunks(C);
+  __m512i* D = reinterpret_cast<__m512i*>(thread_scratch<2>(size_t(nch) * 12 * 16));  // [nch][4 x (lo, hi) | 4 scales]
+  int ss = 0;
+  const float* bs = fp4_block_scales<FMT>(rows, C, &ss);
+  prefetch_scales(rows, FMT == FMT_MXFP4 ? C / 32 : C / 16);
+  for (int base = 0, ch = 0; base < C; base += Q8_CHUNK, ++ch) {
+    Q8Chunk c;  // only its lanes: codes() reads the row's bytes as the one-token kernels do
+    c.nl = std::min(16, (C - base) / 8);
+    c.m = __mmask16((1u << c.nl) - 1);
+    __m512i* d = D + size_t(ch) * 12;
+    #pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      const __m512i v = c.codes(rows[p], base);
+      d[2 * p] = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, nib));
+      d[2 * p + 1] = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
+      d[8 + p] = _mm512_castps_si512(fp4_chunk_scales<FMT>(bs + p * ss, ch));
+    }
+  }
+  for (int t = 0; t < n; ++t) {
+    __m512 acc[4];
+    #pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) acc[p] = _mm512_setzero_ps();
+    for (int base = 0, ch = 0; base < C; base += Q8_CHUNK, ++ch) {
+      const Q8Chunk c = q8_chunk(as[t], C, base, ch);
+      const __m512i* d = D + size_t(ch) * 12;
+      #pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {
+        const __m512i q = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(c.off, d[2 * p], c.xe), d[2 * p + 1], c.xo);
+        acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_mul_ps(_mm512_castsi512_ps(d[8 + p]), c.xs), acc[p]);
+      }
+    }
+    #pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) out[t][p] = 0.5f * _mm512_reduce_add_ps(acc[p]);
+  }
+}
+
+// qdot4xn_fp4_q8 for CPUs without AVX-512 (most consumer ones): qdot4_fp4_q8_avx2's codes and
+// half-chunk lane scales looked up once per 4-row block into the per-thread buffer (per chunk and
+// half: 4 rows x (even, odd codes, lane scales), 768 bytes a chunk), then each token's integer
+// dots (VPMADDUBSW + VPMADDWD), scaling and reduction exactly as that kernel makes them: out[t] is
+// its result bit for bit. Per token and 32 bytes of codes: 8 instructions instead of 13.
+template <int FMT>
+__attribute__((target("avx2,fma,f16c"))) void qdot4xn_fp4_q8_avx2(const QRow* rows, const Q8Act* as, int n, int C,
+                                                                 float (*out)[4]) {
+  const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(E2M1_X2_PLUS12)));
+  const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const int nch = q8_chunks(C);
+  __m256i* D = reinterpret_cast<__m256i*>(thread_scratch<2>(size_t(nch) * 24 * 8));  // [nch][2 halves][4 x (lo, hi, sw)]
+  int ss = 0;
+  const float* bs = fp4_block_scales<FMT>(rows, C, &ss);
+  prefetch_scales(rows, FMT == FMT_MXFP4 ? C / 32 : C / 16);
+  for (int base = 0, ch = 0; base < C; base += Q8_CHUNK, ++ch) {
+    const int nl = std::min(16, (C - base) / 8);
+    for (int h = 0; h < 2; ++h) {
+      const int nh = std::min(8, nl - 8 * h);
+      if (nh <= 0) break;
+      const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(nh), lane);
+      __m256i* d = D + size_t(ch) * 24 + 12 * h;
+      #pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {
+        const uint8_t* src = rows[p].v + base / 2 + 32 * h;
+        prefetch_ahead(src);
+        const __m256i v = nh == 8 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))
+                                  : _mm256_maskload_epi32(reinterpret_cast<const int*>(src), m);
+        d[3 * p] = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, nib));
+        d[3 * p + 1] = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), nib));
+        d[3 * p + 2] = _mm256_castps_si256(fp4_half_scales_avx2<FMT>(bs + p * ss, 2 * ch + h));
+      }
+    }
+  }
+  for (int t = 0; t < n; ++t) {
+    const Q8Act& a = as[t];
+    __m256 acc[2][4];
+    #pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) acc[0][p] = acc[1][p] = _mm256_setzero_ps();
+    for (int base = 0, ch = 0; base < C; base += Q8_CHUNK, ++ch) {
+      const int nl = std::min(16, (C - base) / 8);
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        if (nl - 8 * h <= 0) break;
+        const __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + size_t(ch) * Q8_CHUNK + 32 * h));
+        const __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + size_t(ch) * Q8_CHUNK + 64 + 32 * h));
+        const __m256i off = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.off + ch * 16 + 8 * h));
+        const __m256 xs = _mm256_loadu_ps(a.xs + ch * 16 + 8 * h);
+        const __m256i* d = D + size_t(ch) * 24 + 12 * h;
+        #pragma GCC unroll 4
+        for (int p = 0; p < 4; ++p) {
+          const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(d[3 * p], xe), _mm256_maddubs_epi16(d[3 * p + 1], xo));
+          const __m256i q = _mm256_add_epi32(off, _mm256_madd_epi16(pairs, ones));
+          acc[h][p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_mul_ps(_mm256_castsi256_ps(d[3 * p + 2]), xs), acc[h][p]);
+        }
+      }
+    }
+    #pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) out[t][p] = 0.5f * hsum8(_mm256_add_ps(acc[1][p], acc[0][p]));
+  }
+}
+
+// The int8 kernels' decode-once form by kernel and format (VBMI and VNNI share one)
+inline void qdot4xn_q8(int kernel, int fmt, const QRow* rows, const Q8Act* as, int n, int C, float (*out)[4]) {
+  const bool mx = fmt == FMT_MXFP4;
+  if (kernel == Q8_AVX2) return mx ? qdot4xn_fp4_q8_avx2<FMT_MXFP4>(rows, as, n, C, out) : qdot4xn_fp4_q8_avx2<FMT_NVFP4>(rows, as, n, C, out);
+  mx ? qdot4xn_fp4_q8<FMT_MXFP4>(rows, as, n, C, out) : qdot4xn_fp4_q8<FMT_NVFP4>(rows, as, n, C, out);
+}
+
 inline void qdot4_q8(int kernel, int fmt, const QRow* rows, const Q8Act& a, int C, float* out) {
   const bool mx = fmt == FMT_MXFP4;
   if (kernel == Q8_VBMI) return mx ? qdot4_fp4_q8_vbmi<FMT_MXFP4>(rows, a, C, out) : qdot4_fp4_q8_vbmi<FMT_NVFP4>(rows, a, C, out);
@@ -2140,25 +2261,30 @@ struct Executor {
     // fp4 formats on AVX-512, float or bf16 activations; fp8 where both widths are multiples of 16
     const int once_min = g_decode_once.load(std::memory_order_relaxed);
     const bool once = pair2 && once_min > 0 && (fmt != FMT_FP8 || (H % 16 == 0 && I % 16 == 0));
+    // int8 activations: the VBMI / VNNI / AVX2 kernels' decode-once forms (qdot4xn_q8), same threshold
+    const bool once8 = g_token_block && i8 && q8k >= Q8_AVX2 && once_min > 0;
     pool.run([&](int tid) {
       const int units = G * ib;
       float g4[4], v4[4];
       QRow rg[4], ru[4];
       std::vector<const float*> xf;     // the expert's token rows (decode-once path): float
       std::vector<const uint16_t*> x16;  // or bf16 (dp)
+      std::vector<Q8Act> xa8;            // or int8 (once8)
       std::vector<float> gn, vn;         // [n][4] their gate and up dots
       for (int u0, u1, k = 0; sh1.take(units, tid, nt, k++, u0, u1);)
       for (int u = u0; u < u1; ++u) {
         const int g = u / ib, r0 = (u % ib) * RB, r1 = std::min(I, r0 + RB);
         const int64_t e = ids[order[starts[g]]];
         const int cnt = starts[g + 1] - starts[g];
-        const bool many = once && cnt >= once_min;
+        const bool many = (once || once8) && cnt >= once_min;
         if (many) {
           gn.resize(size_t(cnt) * 4), vn.resize(size_t(cnt) * 4);
-          (dp ? x16.resize(cnt) : xf.resize(cnt));
+          (i8 ? xa8.resize(cnt) : dp ? x16.resize(cnt) : xf.resize(cnt));
           for (int i = 0; i < cnt; ++i) {
-            const size_t row = size_t(order[starts[g] + i] / K) * H;
-            if (dp) x16[i] = xb.data() + row;
+            const int tok = order[starts[g] + i] / K;
+            const size_t row = size_t(tok) * H;
+            if (i8) xa8[i] = q8row(xq, xqs, xqo, chH, tok);
+            else if (dp) x16[i] = xb.data() + row;
             else xf[i] = xl.data() + row;
           }
         }
@@ -2171,8 +2297,13 @@ struct Executor {
           if (many) {
             float(*g2)[4] = reinterpret_cast<float(*)[4]>(gn.data());
             float(*v2)[4] = reinterpret_cast<float(*)[4]>(vn.data());
-            qdot4xn(fmt, dp, xf.data(), x16.data(), cnt, rg, H, gu.sdt, g2);
-            qdot4xn(fmt, dp, xf.data(), x16.data(), cnt, ru, H, gu.sdt, v2);
+            if (i8) {
+              qdot4xn_q8(q8k, fmt, rg, xa8.data(), cnt, H, g2);
+              qdot4xn_q8(q8k, fmt, ru, xa8.data(), cnt, H, v2);
+            } else {
+              qdot4xn(fmt, dp, xf.data(), x16.data(), cnt, rg, H, gu.sdt, g2);
+              qdot4xn(fmt, dp, xf.data(), x16.data(), cnt, ru, H, gu.sdt, v2);
+            }
             for (int i = 0; i < cnt; ++i)
               for (int j = 0; j < nr; ++j) {
                 const float hv = plain ? silu(g2[i][j]) * v2[i][j] : fn.h(e, I, r + j, g2[i][j], v2[i][j]);
@@ -2238,6 +2369,7 @@ struct Executor {
       QRow rd[4];
       std::vector<const float*> hf;     // the expert's h rows (decode-once path): float
       std::vector<const uint16_t*> h16;  // or bf16 (dp)
+      std::vector<Q8Act> ha8;            // or int8 (once8)
       std::vector<float> dnn;            // [n][4] their down dots
       for (int b0, b1, k = 0; sh2.take(hb_blocks, tid, nt, k++, b0, b1);) {
         for (int t = 0; t < T; ++t)
@@ -2248,13 +2380,14 @@ struct Executor {
         for (int g = 0; g < G; ++g) {
           const int64_t e = ids[order[starts[g]]];
           const int cnt = starts[g + 1] - starts[g];
-          const bool many = once && cnt >= once_min;
+          const bool many = (once || once8) && cnt >= once_min;
           if (many) {
             dnn.resize(size_t(cnt) * 4);
-            (dp ? h16.resize(cnt) : hf.resize(cnt));
+            (i8 ? ha8.resize(cnt) : dp ? h16.resize(cnt) : hf.resize(cnt));
             for (int i = 0; i < cnt; ++i) {
               const size_t row = size_t(starts[g] + i) * I;
-              if (dp) h16[i] = hb.data() + row;
+              if (i8) ha8[i] = q8row(hq, hqs, hqo, chI, starts[g] + i);
+              else if (dp) h16[i] = hb.data() + row;
               else hf[i] = hl.data() + row;
             }
           }
@@ -2265,7 +2398,8 @@ struct Executor {
               for (int j = 0; j < 4; ++j) rd[j] = qrow(dn, e, r + std::min(j, nr - 1));
               if (many) {  // every token of the expert, added in the pairs' order as below
                 float(*d2)[4] = reinterpret_cast<float(*)[4]>(dnn.data());
-                qdot4xn(fmt, dp, hf.data(), h16.data(), cnt, rd, I, dn.sdt, d2);
+                if (i8) qdot4xn_q8(q8k, fmt, rd, ha8.data(), cnt, I, d2);
+                else qdot4xn(fmt, dp, hf.data(), h16.data(), cnt, rd, I, dn.sdt, d2);
                 for (int i = 0; i < cnt; ++i) {
                   const int tok = order[starts[g] + i] / K;
                   const float wq = gw[order[starts[g] + i]];
