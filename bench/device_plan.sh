@@ -1529,7 +1529,24 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   CUDA_VISIBLE_DEVICES= step 90 seq-nvfp4-t6 python3 -m bench.cpu_experts --format nvfp4 --experts 512 --threads 6 \
     --batches 1,4 --iters 30 --row-seq 0,1 --name cpu_experts-nvfp4-rowseq-xeon-t6
   ;;
-*) echo "stage 0 to 147"; exit 2 ;;
+148) # ~420 s at most: plan 147 left the rows-in-sequence switch off (int8 slower with it) and the look-ahead's
+  # 8 KiB within noise of 4 KiB: shorter distances at 6 threads; the int8 decode-once kernel (qdot4xn_fp4_q8) A/B
+  # on prompt-sized calls; NVFP4 at 16 threads (issue 12's second count); the 12-layer MXFP4 slice's CPU-only
+  # prompt and decode with int8 and exact activations (one process each). GPU hidden. Carry .whl, .devcache/commit.
+  step 150 build-cpp python3 -c "from freetoken.experts.cpu import extension; extension()"  # a changed moe_cpu.cpp
+  CUDA_VISIBLE_DEVICES= step 90 pf-mxfp4-t6 python3 -m bench.cpu_experts --format mxfp4 --experts 512 --threads 6 \
+    --batches 1,4 --iters 30 --prefetch t2:8192,t2:2048,t2:3072,t2:4096,t2:6144 --name cpu_experts-mxfp4-pf-xeon-t6
+  CUDA_VISIBLE_DEVICES= step 90 once8-mxfp4-t6 python3 -m bench.cpu_experts --format mxfp4 --experts 256 --threads 6 \
+    --batches 64,512 --iters 6 --decode-once 0,4 --name cpu_experts-mxfp4-int8-decode-once-xeon-t6
+  CUDA_VISIBLE_DEVICES= step 60 nvfp4-t16 python3 -m bench.cpu_experts --format nvfp4 --experts 512 --threads 16 \
+    --batches 1,4 --iters 30 --fixed-cost --name cpu_experts-nvfp4-xeon-t16
+  for act in int8 exact; do
+    CUDA_VISIBLE_DEVICES= step 100 lm-$act python3 -m bench.large_models --arch qwen3_5_moe --layers 12 \
+      --expert-format mxfp4 --modes cpu-only --threads 6 --tokens 32 --prefill 512 --cpu-act $act \
+      --name large_models-qwen3_5_moe-12-mxfp4-$act-prompt-xeon-t6
+  done
+  ;;
+*) echo "stage 0 to 148"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole
