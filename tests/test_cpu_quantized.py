@@ -369,6 +369,30 @@ ONCE_CASES = {"mxfp4": CASES["mxfp4"], "nvfp4": CASES["nvfp4"],
                  for n, d in (("f32", torch.float32), ("bf16", torch.bfloat16), ("f16", torch.float16))}}
 
 
+def decode_once_outputs(ex, x, ids, w):
+    """ex's outputs for one prompt chunk with the decode-once threshold at 2, at the middle of the
+    three experts' token counts (one call mixing both paths) and past it, and off; and each
+    token's output from a call of its own. ids: three experts, top-2, rows routed to fewer until
+    the counts differ, odd and even (changed in place)."""
+    def routed():  # tokens per expert, ascending
+        return sorted(int(c) for c in torch.bincount(ids[ids >= 0], minlength=3))
+    r = 2
+    while not ({c % 2 for c in routed()} == {0, 1} and len(set(routed())) == 3):
+        ids[r, 1] = NO_EXPERT
+        r += 1
+    counts = routed()
+    outs = {}
+    before = extension().set_decode_once(2)
+    try:
+        for m in (2, counts[1], counts[1] + 1, 0):
+            extension().set_decode_once(m)
+            outs[m] = ex.kernel(x, ids, w)
+        alone = torch.cat([ex.kernel(x[r:r + 1], ids[r:r + 1], w[r:r + 1]) for r in range(x.shape[0])])
+    finally:
+        extension().set_decode_once(before)
+    return outs, alone
+
+
 @pytest.mark.parametrize("name", sorted(ONCE_CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_once_gives_the_per_token_bits(name, dtype):
@@ -384,31 +408,33 @@ def test_decode_once_gives_the_per_token_bits(name, dtype):
     if ISA_NAMES.index(ex.isa) < ISA_NAMES.index(need):
         pytest.skip(f"the decode-once kernel needs {need}; this CPU's executor runs {ex.isa}")
     x, ids, w = inputs(41, h, seed=9, n=3, k=2)  # 3 experts: ~27 tokens each, one row routed nowhere
-
-    def routed():  # tokens per expert, ascending
-        return sorted(int(c) for c in torch.bincount(ids[ids >= 0], minlength=3))
-    r = 2
-    while not ({c % 2 for c in routed()} == {0, 1} and len(set(routed())) == 3):
-        ids[r, 1] = NO_EXPERT  # rows with one pair less until the counts differ, odd and even
-        r += 1
-    counts = routed()
     xa = x.to(dtype)
-    outs = {}
-    # 2: every expert decodes once; the middle count: the threshold exactly, so one call mixes the
-    # two paths (the smallest expert on the pair kernels); 0: the pair kernels alone
-    before = extension().set_decode_once(2)
-    try:
-        for m in (2, counts[1], counts[1] + 1, 0):
-            extension().set_decode_once(m)
-            outs[m] = ex.kernel(xa, ids, w)
-    finally:
-        extension().set_decode_once(before)
-    alone = torch.cat([ex.kernel(xa[r:r + 1], ids[r:r + 1], w[r:r + 1]) for r in range(x.shape[0])])
+    outs, alone = decode_once_outputs(ex, xa, ids, w)
     once = outs[2]
     assert all(torch.equal(o, alone) for o in outs.values()), name
     gu, dn = banks.dequant(torch.arange(3))
     dp = dtype == torch.bfloat16 and fmt != "fp8_block"  # VDPBF16PS: bf16 products
     assert rel(once, reference_experts(xa.float(), ids, w, gu, dn)) < (2e-2 if dp else 1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_avx2_decode_once_gives_the_per_token_bits(fmt):
+    """A CPU without AVX-512 (an ISA cap here), float activations (the exact path's default): an
+    expert with at least set_decode_once's count of a prompt chunk's tokens has each 4-row block
+    decoded once for all of them (qdot4xn_fp4_avx2). Its outputs equal, bit for bit, the one-token
+    AVX2 kernel's (decode once off) and each token's own call, with the cases' column tails."""
+    _, sdt, h, i = CASES[fmt]
+    banks = random_banks(fmt, sdt, 3, h, i, seed=37)
+    ex = CpuExpertExecutor(banks, threads=2, isa_cap=1)
+    if ex.isa != "avx2":
+        pytest.skip(f"this CPU's executor runs {ex.isa} under an AVX2 cap")
+    x, ids, w = inputs(41, h, seed=13, n=3, k=2)
+    outs, alone = decode_once_outputs(ex, x, ids, w)
+    assert torch.isfinite(alone).all() and (alone != 0).any()
+    for m, o in outs.items():
+        assert torch.equal(o, alone), (m, int((o != alone).sum()))
+    gu, dn = banks.dequant(torch.arange(3))
+    assert rel(outs[2], reference_experts(x, ids, w, gu, dn)) < 1e-5
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
@@ -427,23 +453,9 @@ def test_int8_decode_once_gives_the_per_token_bits(fmt, kernel):
     if ex.int8_kernel != kernel:
         pytest.skip(f"this CPU's int8 kernel is {ex.int8_kernel}, not {kernel}")
     x, ids, w = inputs(41, h, seed=11, n=3, k=2)
-
-    def routed():  # tokens per expert, ascending
-        return sorted(int(c) for c in torch.bincount(ids[ids >= 0], minlength=3))
-    r = 2
-    while not ({c % 2 for c in routed()} == {0, 1} and len(set(routed())) == 3):
-        ids[r, 1] = NO_EXPERT
-        r += 1
-    counts = routed()
-    outs = {}
-    before = extension().set_decode_once(2)
     try:
-        for m in (2, counts[1], counts[1] + 1, 0):
-            extension().set_decode_once(m)
-            outs[m] = ex.kernel(x, ids, w)
-        alone = torch.cat([ex.kernel(x[r:r + 1], ids[r:r + 1], w[r:r + 1]) for r in range(x.shape[0])])
+        outs, alone = decode_once_outputs(ex, x, ids, w)
     finally:
-        extension().set_decode_once(before)
         ex.set_act(False)
     once = outs[2]
     assert torch.isfinite(once).all() and (once != 0).any()

@@ -363,11 +363,12 @@ static const bool g_token_block = [] {
   return v == nullptr || std::strcmp(v, "0") != 0;
 }();
 
-// Quantized banks on AVX-512 (int8 activations on AVX2 too): an expert with at least this many of
-// a call's tokens has each 4-row block decoded once for all of them (qdot4xn_*) instead of once per
-// two tokens (int8: per token); the same bits either way. Exact activations, and int8 ones on the
-// VBMI / VNNI / AVX2 kernels (qdot4xn_q8; AVX2 included: the one multi-token path of CPUs without
-// AVX-512); not with FREETOKEN_CPU_TOKEN_BLOCK=0 (one token at a time throughout).
+// Quantized banks: an expert with at least this many of a call's tokens has each 4-row block
+// decoded once for all of them (qdot4xn_*) instead of once per two tokens (per token on AVX2 and
+// with int8); the same bits either way. Exact activations on AVX-512, fp4 with float ones on AVX2
+// (qdot4xn_fp4_avx2), int8 ones on the VBMI / VNNI / AVX2 kernels (qdot4xn_q8): on a CPU without
+// AVX-512 these are the only multi-token paths. Not with FREETOKEN_CPU_TOKEN_BLOCK=0 (one token at
+// a time throughout).
 // FREETOKEN_CPU_DECODE_ONCE=N sets it, 0 turns it off (A/B runs); set_decode_once changes it at
 // run time (bench/cpu_experts.py's A/B rows in one process).
 static std::atomic<int> g_decode_once{[] {
@@ -761,6 +762,66 @@ template <int FMT>
 __attribute__((target("avx2,fma,f16c"))) inline void qdot4_fp4_avx2(const QRow* rows, const float* x, int C, float* out) {
   if (g_row_scales.load(std::memory_order_relaxed) & ROW_SCALES_AVX2) return qdot4_fp4_avx2_rs<FMT, true>(rows, x, C, out);
   return qdot4_fp4_avx2_rs<FMT, false>(rows, x, C, out);
+}
+
+// qdot4_fp4_avx2 for n activation rows (a prompt chunk's tokens of one expert, float activations
+// on a CPU without AVX-512, the exact path's default there): the four rows' weights decoded once
+// into a per-thread buffer (per 64-column chunk: 8 x 4 vectors of f32 weights and 4 lane-scale
+// vectors, 1.1 KB; 36 KB for a 2,048-column row block), then each token's partial sums, scaling
+// and reduction exactly as qdot4_fp4_avx2 makes them, so out[t] is its result bit for bit. Per
+// token and 8 weights: a load and an FMA instead of 5 instructions.
+template <int FMT>
+__attribute__((target("avx2,fma,f16c"))) void qdot4xn_fp4_avx2(const QRow* rows, const float* const* xs, int n, int C,
+                                                              float (*out)[4]) {
+  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 mag = _mm256_castsi256_ps(_mm256_xor_si256(
+      _mm256_castps_si256(_mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f)), _mm256_slli_epi32(idx, 28)));
+  const int nch = (C + 63) / 64;
+  float* W = thread_scratch<3>(size_t(nch) * 36 * 8);  // [nch][8 j][4 p] weights, then [nch][4 p] scales
+  float* S = W + size_t(nch) * 32 * 8;
+  int ss = 0;
+  const float* bs = fp4_block_scales<FMT>(rows, C, &ss);
+  prefetch_scales(rows, FMT == FMT_MXFP4 ? C / 32 : C / 16);
+  for (int ch = 0, base = 0; ch < nch; ++ch, base += 64) {  // the decode, once for all n tokens
+    const int nl = std::min(8, (C - base) / 8);
+    const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(nl), idx);
+    #pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      prefetch_ahead(rows[p].v + base / 2);
+      const __m256i v = nl == 8 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[p].v + base / 2))
+                                : _mm256_maskload_epi32(reinterpret_cast<const int*>(rows[p].v + base / 2), lanes);
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        const __m256i c = _mm256_srli_epi32(v, 4 * j);
+        _mm256_store_ps(W + ((size_t(ch) * 8 + j) * 4 + p) * 8,
+                        _mm256_xor_ps(_mm256_permutevar8x32_ps(mag, c), _mm256_castsi256_ps(_mm256_slli_epi32(c, 28))));
+      }
+      _mm256_store_ps(S + (size_t(ch) * 4 + p) * 8, fp4_half_scales_avx2<FMT>(bs + p * ss, ch));
+    }
+  }
+  for (int t = 0; t < n; ++t) {
+    const float* x = xs[t];
+    __m256 acc[4];
+    #pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) acc[p] = _mm256_setzero_ps();
+    for (int ch = 0, base = 0; ch < nch; ++ch, base += 64) {
+      const int nl = std::min(8, (C - base) / 8);
+      const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(nl), idx);
+      __m256 tp[4];
+      #pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) tp[p] = _mm256_setzero_ps();
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        const __m256 xj = nl == 8 ? _mm256_loadu_ps(x + base + 8 * j) : _mm256_maskload_ps(x + base + j * nl, lanes);
+        #pragma GCC unroll 4
+        for (int p = 0; p < 4; ++p) tp[p] = _mm256_fmadd_ps(_mm256_load_ps(W + ((size_t(ch) * 8 + j) * 4 + p) * 8), xj, tp[p]);
+      }
+      #pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) acc[p] = _mm256_fmadd_ps(tp[p], _mm256_load_ps(S + (size_t(ch) * 4 + p) * 8), acc[p]);
+    }
+    #pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) out[t][p] = hsum8(acc[p]);
+  }
 }
 
 __attribute__((target("avx2,fma,f16c"))) void qdot4_fp8_avx2(const QRow* rows, const float* x, int C, int sdt, float* out) {
@@ -1977,9 +2038,12 @@ inline void qdot4x2_dp(int fmt, const QRow* rows, const uint16_t* const* xbs, in
 
 // The n-token forms (the rows decoded once for all n tokens of an expert): fp4 with bf16
 // activations (qdot4xn_fp4_bf16dp, rows xb) or float ones (qdot4xn_fp4_avx512, rows xf), fp8 with
-// float ones and C a multiple of 16 (qdot4xn_fp8_avx512, rows xf).
+// float ones and C a multiple of 16 (qdot4xn_fp8_avx512, rows xf); on AVX2 (isa), fp4 with float
+// activations (qdot4xn_fp4_avx2).
 inline void qdot4xn(int fmt, bool dp, const float* const* xf, const uint16_t* const* xb, int n, const QRow* rows, int C,
-                    int sdt, float (*out)[4]) {
+                    int sdt, float (*out)[4], Isa isa = AVX512) {
+  if (isa == AVX2)  // fp4 with float activations on a CPU without AVX-512 (qdot4xn_fp4_avx2)
+    return fmt == FMT_MXFP4 ? qdot4xn_fp4_avx2<FMT_MXFP4>(rows, xf, n, C, out) : qdot4xn_fp4_avx2<FMT_NVFP4>(rows, xf, n, C, out);
   if (fmt == FMT_FP8) return qdot4xn_fp8_avx512(rows, xf, n, C, sdt, out);
   const bool mx = fmt == FMT_MXFP4;
   if (dp) return mx ? qdot4xn_fp4_bf16dp<FMT_MXFP4>(rows, xb, n, C, out) : qdot4xn_fp4_bf16dp<FMT_NVFP4>(rows, xb, n, C, out);
@@ -2274,7 +2338,9 @@ struct Executor {
     // decode once (qdot4xn) for an expert with at least g_decode_once of the call's tokens: the
     // fp4 formats on AVX-512, float or bf16 activations; fp8 where both widths are multiples of 16
     const int once_min = g_decode_once.load(std::memory_order_relaxed);
-    const bool once = pair2 && once_min > 0 && (fmt != FMT_FP8 || (H % 16 == 0 && I % 16 == 0));
+    // (on AVX2: fp4 with float activations, qdot4xn_fp4_avx2; there is no pair kernel there)
+    const bool once = once_min > 0 && (pair2 ? fmt != FMT_FP8 || (H % 16 == 0 && I % 16 == 0)
+                                             : g_token_block && !i8 && isa == AVX2 && fmt != FMT_FP8);
     // int8 activations: the VBMI / VNNI / AVX2 kernels' decode-once forms (qdot4xn_q8), same threshold
     const bool once8 = g_token_block && i8 && q8k >= Q8_AVX2 && once_min > 0;
     pool.run([&](int tid) {
@@ -2315,8 +2381,8 @@ struct Executor {
               qdot4xn_q8(q8k, fmt, rg, xa8.data(), cnt, H, g2);
               qdot4xn_q8(q8k, fmt, ru, xa8.data(), cnt, H, v2);
             } else {
-              qdot4xn(fmt, dp, xf.data(), x16.data(), cnt, rg, H, gu.sdt, g2);
-              qdot4xn(fmt, dp, xf.data(), x16.data(), cnt, ru, H, gu.sdt, v2);
+              qdot4xn(fmt, dp, xf.data(), x16.data(), cnt, rg, H, gu.sdt, g2, isa);
+              qdot4xn(fmt, dp, xf.data(), x16.data(), cnt, ru, H, gu.sdt, v2, isa);
             }
             for (int i = 0; i < cnt; ++i)
               for (int j = 0; j < nr; ++j) {
@@ -2413,7 +2479,7 @@ struct Executor {
               if (many) {  // every token of the expert, added in the pairs' order as below
                 float(*d2)[4] = reinterpret_cast<float(*)[4]>(dnn.data());
                 if (i8) qdot4xn_q8(q8k, fmt, rd, ha8.data(), cnt, I, d2);
-                else qdot4xn(fmt, dp, hf.data(), h16.data(), cnt, rd, I, dn.sdt, d2);
+                else qdot4xn(fmt, dp, hf.data(), h16.data(), cnt, rd, I, dn.sdt, d2, isa);
                 for (int i = 0; i < cnt; ++i) {
                   const int tok = order[starts[g] + i] / K;
                   const float wq = gw[order[starts[g] + i]];
