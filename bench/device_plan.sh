@@ -1546,7 +1546,20 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
       --name large_models-qwen3_5_moe-12-mxfp4-$act-prompt-xeon-t6
   done
   ;;
-*) echo "stage 0 to 148"; exit 2 ;;
+149) # ~300 s at most: the AVX2 decode-once kernels (exact fp4 qdot4xn_fp4_avx2, int8 qdot4xn_fp4_q8_avx2) on an
+  # Intel core under an AVX2 cap (what a consumer CPU without AVX-512 runs), A/B on prompt-sized calls; the
+  # batch-1/4 rows at 6 threads after the one-tree row sums (half_sums4) with the AVX-512 row scales A/B (a host
+  # bound by its instructions at 6 threads may take them); int8 prompts decoded once at 16 threads. GPU hidden.
+  # Carry .whl, .devcache/commit.
+  step 150 build-cpp python3 -c "from freetoken.experts.cpu import extension; extension()"  # a changed moe_cpu.cpp
+  CUDA_VISIBLE_DEVICES= step 100 avx2-once-t6 python3 -m bench.cpu_experts --format mxfp4 --experts 256 --threads 6 \
+    --batches 64,512 --iters 6 --decode-once 0,4 --isa-cap 1 --name cpu_experts-mxfp4-avx2-decode-once-xeon-t6
+  CUDA_VISIBLE_DEVICES= step 60 rs-mxfp4-t6 python3 -m bench.cpu_experts --format mxfp4 --experts 512 --threads 6 \
+    --batches 1,4 --iters 30 --fixed-cost --row-scales 3,1 --name cpu_experts-mxfp4-sums4-xeon-t6
+  CUDA_VISIBLE_DEVICES= step 60 once8-t16 python3 -m bench.cpu_experts --format mxfp4 --experts 256 --threads 16 \
+    --batches 512 --iters 6 --decode-once 0,4 --name cpu_experts-mxfp4-int8-decode-once-xeon-t16
+  ;;
+*) echo "stage 0 to 149"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole
