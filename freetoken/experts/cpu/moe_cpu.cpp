@@ -585,9 +585,10 @@ inline uint64_t chunk_scales(const uint8_t* p, int n) {
 // line arrives, so with a ~110 ns DRAM latency one core cannot have more than ~9 GB/s in flight;
 // an L2 prefetch waits in the L2's larger queue instead. On the H200's Xeon host the fp4 kernels
 // read 5.3 GB/s a core at 6 threads against the 10.5 a plain read gets.
-// Both are plain globals, set once at start-up and by set_prefetch between calls (an A/B in one
-// process; the pool's phase hand-off orders the write before the workers' reads), so the kernels
-// keep them in registers across a call.
+// Both are plain globals, so the kernels keep them in registers across a call: set once at
+// start-up, and by set_prefetch, a benchmark hook that may only run while no kernel does (the
+// dense GEMVs read the hint too, on torch's threads, outside any executor's lock): bench's A/B
+// calls it between timed calls on the calling thread. Nothing in the engine calls it.
 static int g_pf = [] {
   const char* v = std::getenv("FREETOKEN_CPU_PREFETCH_BYTES");
   return v != nullptr && *v ? std::max(0, std::atoi(v)) : 8192;
@@ -1991,19 +1992,23 @@ __attribute__((target("avx2,fma,f16c"))) void qdot4xn_fp4_q8_avx2(const QRow* ro
   }
 }
 
-// The int8 kernels' decode-once form by kernel and format (VBMI and VNNI share one)
-inline void qdot4xn_q8(int kernel, int fmt, const QRow* rows, const Q8Act* as, int n, int C, float (*out)[4]) {
-  const bool mx = fmt == FMT_MXFP4;
-  if (kernel == Q8_AVX2) return mx ? qdot4xn_fp4_q8_avx2<FMT_MXFP4>(rows, as, n, C, out) : qdot4xn_fp4_q8_avx2<FMT_NVFP4>(rows, as, n, C, out);
-  mx ? qdot4xn_fp4_q8<FMT_MXFP4>(rows, as, n, C, out) : qdot4xn_fp4_q8<FMT_NVFP4>(rows, as, n, C, out);
-}
-
 inline void qdot4_q8(int kernel, int fmt, const QRow* rows, const Q8Act& a, int C, float* out) {
   const bool mx = fmt == FMT_MXFP4;
   if (kernel == Q8_VBMI) return mx ? qdot4_fp4_q8_vbmi<FMT_MXFP4>(rows, a, C, out) : qdot4_fp4_q8_vbmi<FMT_NVFP4>(rows, a, C, out);
   if (kernel == Q8_VNNI) return mx ? qdot4_fp4_q8<FMT_MXFP4>(rows, a, C, out) : qdot4_fp4_q8<FMT_NVFP4>(rows, a, C, out);
   if (kernel == Q8_AVX2) return mx ? qdot4_fp4_q8_avx2<FMT_MXFP4>(rows, a, C, out) : qdot4_fp4_q8_avx2<FMT_NVFP4>(rows, a, C, out);
   return mx ? qdot4_fp4_q8_scalar<FMT_MXFP4>(rows, a, C, out) : qdot4_fp4_q8_scalar<FMT_NVFP4>(rows, a, C, out);
+}
+
+// The int8 kernels' decode-once form by kernel and format (VBMI and VNNI share one)
+inline void qdot4xn_q8(int kernel, int fmt, const QRow* rows, const Q8Act* as, int n, int C, float (*out)[4]) {
+  if (kernel < Q8_AVX2) {  // the scalar kernel has no decode-once form (run_q does not send it here)
+    for (int t = 0; t < n; ++t) qdot4_q8(kernel, fmt, rows, as[t], C, out[t]);
+    return;
+  }
+  const bool mx = fmt == FMT_MXFP4;
+  if (kernel == Q8_AVX2) return mx ? qdot4xn_fp4_q8_avx2<FMT_MXFP4>(rows, as, n, C, out) : qdot4xn_fp4_q8_avx2<FMT_NVFP4>(rows, as, n, C, out);
+  mx ? qdot4xn_fp4_q8<FMT_MXFP4>(rows, as, n, C, out) : qdot4xn_fp4_q8<FMT_NVFP4>(rows, as, n, C, out);
 }
 
 // The activation layout each (format, ISA, bf16-dot) kernel reads.
@@ -3054,12 +3059,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           g_pf_hint = int(std::clamp<int64_t>(hint, -1, 3)), g_pf = int(std::clamp<int64_t>(bytes, 0, 1 << 20));
           return before;
         },
-        "the quantized kernels' software look-ahead between calls: hint (0 t0, 1 t1, 2 t2, 3 nta, -1 off) and "
-        "distance in bytes (FREETOKEN_CPU_PREFETCH_HINT / _BYTES at start-up); returns the previous pair as "
-        "hint * 2**32 + bytes (A/B runs)", py::arg("hint"), py::arg("bytes"));
+        "the quantized kernels' software look-ahead: hint (0 t0, 1 t1, 2 t2, 3 nta, -1 off) and distance in "
+        "bytes (FREETOKEN_CPU_PREFETCH_HINT / _BYTES at start-up); returns the previous pair as hint * 2**32 + "
+        "bytes. A benchmark hook: call it only while no CPU kernel runs on any thread (A/B runs)",
+        py::arg("hint"), py::arg("bytes"));
   m.def("set_decode_once", [](int64_t n) { return int64_t(g_decode_once.exchange(int(std::clamp<int64_t>(n, 0, 1 << 30)))); },
-        "quantized calls on AVX-512: experts with at least n tokens decode each row block once for all of them "
-        "(0: off); returns the previous n", py::arg("n"));
+        "quantized calls (exact activations on AVX-512, fp4 with float ones on AVX2, int8 on the VBMI / VNNI / "
+        "AVX2 kernels): experts with at least n tokens decode each row block once for all of them (0: off); "
+        "returns the previous n", py::arg("n"));
   m.def("isa", &isa_of, "ISA level in use: 0 scalar, 1 avx2, 2 avx512, 3 avx512-bf16");
   m.def("set_act_int8", &set_act_int8, "int8 activations for MXFP4 / NVFP4 banks (on) or exact ones; returns the kernel that serves them (vbmi, vnni, avx2 or scalar)",
         py::arg("handle"), py::arg("on"), py::arg("max_kernel") = int64_t(Q8_VBMI));
