@@ -1559,7 +1559,12 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   CUDA_VISIBLE_DEVICES= step 60 once8-t16 python3 -m bench.cpu_experts --format mxfp4 --experts 256 --threads 16 \
     --batches 512 --iters 6 --decode-once 0,4 --name cpu_experts-mxfp4-int8-decode-once-xeon-t16
   ;;
-*) echo "stage 0 to 149"; exit 2 ;;
+150) # ~150 s: plan 149's first row alone (the session's device time nearly spent): the AVX2 decode-once kernels
+  # on a Xeon under an AVX2 cap, 512-token calls. GPU hidden. Carry .whl, .devcache/commit.
+  CUDA_VISIBLE_DEVICES= step 170 avx2-once-t6 python3 -m bench.cpu_experts --format mxfp4 --experts 256 --threads 6 \
+    --batches 512 --iters 4 --decode-once 0,4 --isa-cap 1 --name cpu_experts-mxfp4-avx2-decode-once-xeon-t6
+  ;;
+*) echo "stage 0 to 150"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole
