@@ -672,6 +672,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(bw)
     bw.add_argument("--threads", type=int, default=0,
                     help="CPU executor threads (0: as the engine, every physical core; on CUDA all but two)")
+    bw.add_argument("--cpu-act", default="exact", choices=["exact", "int8"],
+                    help="the CPU executor's activations, as `ft serve --cpu-act` runs them (int8: MXFP4 / NVFP4 "
+                         "banks); the engine reads the profile of the path it runs")
     bw.add_argument("--seconds", type=float, default=2.0, help="seconds each measurement runs")
     bw.add_argument("--json", action="store_true", help="print the profile as one JSON object")
     bw.add_argument("--out", default=None, metavar="FILE",
@@ -690,8 +693,8 @@ def cmd_bench_bw(args) -> int:
     if args.threads < 0:
         raise FreeTokenError(f"--threads must be >= 0 (0: the engine's default), got {args.threads}")
     path = resolve_model(args.model)
-    prof, cfg = measure(path, args.threads, args.seconds)
-    out = args.out or bandwidth.profile_path(cfg, prof["model"]["format"], prof["threads"])
+    prof, cfg = measure(path, args.threads, args.seconds, args.cpu_act)
+    out = args.out or bandwidth.profile_path(cfg, prof["model"]["format"], prof["threads"], prof["cpu_act"])
     prof["predicted_fill_share"] = round(bandwidth.predicted_share(prof), 3)  # for people; the engine recomputes
     try:
         prof["profile"] = bandwidth.save_profile(prof, out)

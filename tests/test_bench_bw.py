@@ -10,6 +10,7 @@ import sys
 import pytest
 
 import hf_models
+import quant_models
 from test_bad_input import assert_one_line_error
 from freetoken.config import ModelConfig
 from freetoken.runtime import bandwidth
@@ -103,6 +104,38 @@ def test_out_and_table(tiny, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "B_H  CPU executor" in r.stdout and str(out) in r.stdout
     assert json.loads(out.read_text())["threads"] == 1
+
+
+def test_int8_profile_is_the_engines_for_int8(tiny, tmp_path, caplog):
+    """`--cpu-act int8` on an MXFP4 model: B_H is the int8 kernels' (the profile says which path
+    it measured), saved under its own name beside the exact one; the engine's load_profile finds
+    it only for an int8 executor and tells an exact one why not. On float banks int8 does not
+    apply: the profile says exact, with a note."""
+    d = tmp_path / "q"
+    quant_models.write(hf_models.qwen3_moe(5, max_position_embeddings=64), str(d / "hf"), "mxfp4")
+    convert(str(d / "hf"), str(d / "m.ftw"), progress=False)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def bw(model, *extra):
+        r = subprocess.run([sys.executable, "-m", "freetoken.cli", "bench", "bw", str(model), "--json", "--seconds",
+                            "0.2", "--threads", "1", *extra], capture_output=True, text=True, env=env, timeout=120)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+    prof = bw(d / "m.ftw", "--cpu-act", "int8")
+    cfg = cfg_of(d / "m.ftw")
+    assert prof["model"]["format"] == "mxfp4" and prof["B_H"] > 0
+    if prof["backend"] != "cpp":
+        pytest.skip("no C++ executor here: int8 does not apply")
+    assert prof["cpu_act"] in ("int8", "int8-scalar")
+    assert prof["profile"] == bandwidth.profile_path(cfg, "mxfp4", 1, prof["cpu_act"])
+    assert prof["profile"] != bandwidth.profile_path(cfg, "mxfp4", 1)  # the exact one keeps its name
+    back = bandwidth.load_profile(cfg, 1, "mxfp4", act=prof["cpu_act"])
+    assert back is not None and back["B_H"] == prof["B_H"]
+    caplog.set_level(logging.INFO, logger="freetoken.bandwidth")
+    assert bandwidth.load_profile(cfg, 1, "mxfp4", path=prof["profile"]) is None  # an exact executor
+    assert "CPU activations" in caplog.text and "--cpu-act" in caplog.text
+    dense = bw(tiny / "m.ftw", "--cpu-act", "int8")  # float banks: measured exact, said so
+    assert dense["cpu_act"] == "exact" and any("--cpu-act int8" in n for n in dense["notes"])
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -26,16 +26,17 @@ VERSION = 1
 MISS_RATE = 0.5  # assumed share of a step's routed experts that miss the cache (batch 1)
 
 
-def profile_key(cfg, fmt: str, threads: int) -> str:
-    """File name (without .json) of the profile of one expert shape, format and thread count.
-    The layer count and top-k are part of it: predicted_share weighs the per-call fixed cost
-    by them."""
+def profile_key(cfg, fmt: str, threads: int, act: str = "exact") -> str:
+    """File name (without .json) of the profile of one expert shape, format, thread count and
+    CPU activation path (--cpu-act: int8 reads the banks faster where the kernels are bound by
+    their instructions; exact keeps the names of profiles from before the switch). The layer
+    count and top-k are part of it: predicted_share weighs the per-call fixed cost by them."""
     return (f"{fmt}-h{cfg.hidden_size}-i{cfg.moe_intermediate_size}-e{cfg.num_experts}"
-            f"-l{len(cfg.moe_layers)}-k{cfg.top_k}-t{threads}")
+            f"-l{len(cfg.moe_layers)}-k{cfg.top_k}-t{threads}" + ("" if act == "exact" else f"-{act}"))
 
 
-def profile_path(cfg, fmt: str, threads: int) -> str:
-    return os.path.join(cache_dir(), "bw", profile_key(cfg, fmt, threads) + ".json")
+def profile_path(cfg, fmt: str, threads: int, act: str = "exact") -> str:
+    return os.path.join(cache_dir(), "bw", profile_key(cfg, fmt, threads, act) + ".json")
 
 
 def cpu_model() -> str:
@@ -78,10 +79,11 @@ def now_iso() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def load_profile(cfg, threads: int, fmt: str = "bf16", path: str | None = None) -> dict | None:
-    """The profile measured on this machine for this expert shape, format and thread count, or
-    None (one log line says why: none made yet, unreadable, or made for something else)."""
-    path = path or profile_path(cfg, fmt, threads)
+def load_profile(cfg, threads: int, fmt: str = "bf16", path: str | None = None, act: str = "exact") -> dict | None:
+    """The profile measured on this machine for this expert shape, format, thread count and CPU
+    activation path (the host executor's act: exact, int8, int8-scalar), or None (one log line
+    says why: none made yet, unreadable, or made for something else)."""
+    path = path or profile_path(cfg, fmt, threads, act)
     if not os.path.exists(path):
         log.info("no bandwidth profile at %s (make one with `ft bench bw MODEL`)", path)
         return None
@@ -110,6 +112,9 @@ def load_profile(cfg, threads: int, fmt: str = "bf16", path: str | None = None) 
         why = f"it was made for {got}, the model is {want}"
     elif p.get("threads") != threads:
         why = f"it was measured with {p.get('threads')} CPU threads, the engine uses {threads}"
+    elif p.get("cpu_act", "exact") != act:  # profiles from before --cpu-act in `ft bench bw` are exact
+        why = (f"it was measured with {p.get('cpu_act', 'exact')} CPU activations, the engine runs {act} "
+               f"(`ft bench bw --cpu-act {act.split('-')[0]}`)")
     elif (p.get("machine") or {}).get("cpu") != cpu_model():
         why = f"it was measured on another CPU ({(p.get('machine') or {}).get('cpu')})"
     elif (p.get("machine") or {}).get("gpu") != gpu_name():

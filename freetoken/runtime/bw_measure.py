@@ -243,8 +243,10 @@ def both(cpu, tr: Transfer, hidden: int, ids, seconds: float) -> tuple[tuple[int
     return gpu, res["cpu"]
 
 
-def measure(path: str, threads: int = 0, seconds: float = 2.0) -> tuple[dict, ModelConfig]:
-    """(the profile of the model at `path` on this machine (see the module doc), its config)."""
+def measure(path: str, threads: int = 0, seconds: float = 2.0, cpu_act: str = "exact") -> tuple[dict, ModelConfig]:
+    """(the profile of the model at `path` on this machine (see the module doc), its config).
+    cpu_act: the executor's activations as `ft serve --cpu-act` sets them (int8: MXFP4 / NVFP4
+    banks on the C++ executor; elsewhere the profile says exact, as the engine would run)."""
     from ..experts.cpu import CpuExpertExecutor, physical_cores
     meta, entries = read_header(path)
     cfg = ModelConfig.from_hf(meta["config"], path)
@@ -279,6 +281,12 @@ def measure(path: str, threads: int = 0, seconds: float = 2.0) -> tuple[dict, Mo
         notes.append("the C++ executor could not be built: B_H is the torch fallback's")
     _, tiny_layout = bank_layout(meta, entries, k, hidden=TINY, inter=TINY)
     tiny = CpuExpertExecutor(scratch_banks(fmt, tiny_layout, pin=False), threads=cpu.threads)
+    if cpu_act == "int8":
+        cpu.set_act(True)
+        tiny.set_act(True)
+        if cpu.act == "exact":
+            notes.append(f"--cpu-act int8 applies to MXFP4 / NVFP4 banks on the C++ executor; these ({label}) "
+                         "were measured exact, as the engine runs them")
     ids = id_lists(n, k, 4 * max(1, n // k))
     prog = Progress(4 if cuda else 2)
 
@@ -322,7 +330,7 @@ def measure(path: str, threads: int = 0, seconds: float = 2.0) -> tuple[dict, Mo
         "model": {"path": os.path.abspath(path), "arch": cfg.arch, "format": label, "hidden": cfg.hidden_size,
                   "inter": cfg.moe_intermediate_size, "experts_per_layer": cfg.num_experts,
                   "moe_layers": len(cfg.moe_layers), "top_k": k, "expert_bytes": expert_bytes},
-        "threads": cpu.threads, "isa": cpu.isa, "backend": cpu.backend,
+        "threads": cpu.threads, "isa": cpu.isa, "backend": cpu.backend, "cpu_act": cpu.act or "exact",
         "bank": {"experts": n, "bytes": n * expert_bytes, "pinned": cuda},
         "seconds": seconds,
         "B_H": r2(b_h), "B_P": r2(b_p), "B_H_concurrent": r2(b_h_c), "B_P_concurrent": r2(b_p_c),
@@ -339,7 +347,8 @@ def table(p: dict) -> str:
     rows = [
         f"{m['format']} experts {2 * m['inter']}x{m['hidden']} + {m['hidden']}x{m['inter']} "
         f"({m['expert_bytes'] / 1e6:.2f} MB), top-{m['top_k']}, {m['moe_layers']} MoE layers",
-        f"{mc['cpu']}, {mc['cores']} cores, {mc['gpu'] or 'no GPU'}; CPU executor {p['threads']} threads ({p['isa']})",
+        f"{mc['cpu']}, {mc['cores']} cores, {mc['gpu'] or 'no GPU'}; CPU executor {p['threads']} threads ({p['isa']}, "
+        f"{p.get('cpu_act', 'exact')} activations)",
         f"  B_H  CPU executor, decode calls      {gb(p['B_H'])}",
         f"  B_P  pinned host -> VRAM slots       {gb(p['B_P'])}" + ("" if p["B_P"] is not None else "  (no CUDA)"),
         f"  B_H  while the kernel streams        {gb(p['B_H_concurrent'])}",

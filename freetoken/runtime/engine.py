@@ -621,7 +621,8 @@ class Engine:
         start = 1.0
         if self.ecfg.fill_share_value() is None:  # adaptive: start from `ft bench bw`'s profile if there is one
             from .bandwidth import load_profile, predicted_share
-            prof = load_profile(self.cfg, getattr(cpu, "threads", 0) or 0, self.expert_format)
+            prof = load_profile(self.cfg, getattr(cpu, "threads", 0) or 0, self.expert_format,
+                                act=getattr(cpu, "act", None) or "exact")
             start = predicted_share(prof) if prof else 1.0
         cache = CachedExpertExecutor(gate_up, down, None, self.device, self.dtype, cpu,
                                      self.ecfg.fill_share_value(), self.ecfg.cache_policy, self.cfg.num_experts * pieces,
