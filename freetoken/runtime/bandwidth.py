@@ -85,7 +85,8 @@ def load_profile(cfg, threads: int, fmt: str = "bf16", path: str | None = None, 
     says why: none made yet, unreadable, or made for something else)."""
     path = path or profile_path(cfg, fmt, threads, act)
     if not os.path.exists(path):
-        log.info("no bandwidth profile at %s (make one with `ft bench bw MODEL`)", path)
+        log.info("no bandwidth profile at %s (make one with `ft bench bw MODEL%s`)", path,
+                 "" if act == "exact" else f" --cpu-act {act.split('-')[0]}")
         return None
     try:
         with open(path) as f:

@@ -282,9 +282,9 @@ def measure(path: str, threads: int = 0, seconds: float = 2.0, cpu_act: str = "e
     _, tiny_layout = bank_layout(meta, entries, k, hidden=TINY, inter=TINY)
     tiny = CpuExpertExecutor(scratch_banks(fmt, tiny_layout, pin=False), threads=cpu.threads)
     if cpu_act == "int8":
-        cpu.set_act(True)
-        tiny.set_act(True)
-        if cpu.act == "exact":
+        if cpu.set_act(True) != "exact":  # where int8 applies, the fixed-cost calls take it too
+            tiny.set_act(True)
+        else:
             notes.append(f"--cpu-act int8 applies to MXFP4 / NVFP4 banks on the C++ executor; these ({label}) "
                          "were measured exact, as the engine runs them")
     ids = id_lists(n, k, 4 * max(1, n // k))
