@@ -294,7 +294,7 @@ def test_prefetch_settings_give_the_same_bits(tmp_path):
 @pytest.mark.parametrize("var,value", [("FREETOKEN_CPU_PREFETCH_HINT", "L2"), ("FREETOKEN_CPU_PREFETCH_BYTES", "-1"),
                                        ("FREETOKEN_CPU_PREFETCH_BYTES", "8k"), ("FREETOKEN_CPU_ROW_SCALES", "on"),
                                        ("FREETOKEN_CPU_ROW_SCALES", "4"), ("FREETOKEN_CPU_DECODE_ONCE", "-1"),
-                                       ("FREETOKEN_CPU_ROW_SEQ", "yes")])
+                                       ("FREETOKEN_CPU_ROW_SEQ", "yes"), ("FREETOKEN_CPU_Q8_RUNS", "2")])
 def test_a_bad_prefetch_setting_is_named(monkeypatch, var, value):
     monkeypatch.setenv(var, value)
     b = random_banks("mxfp4", None, 4, 64, 32, seed=3)
@@ -518,6 +518,46 @@ def test_row_scales_give_the_per_chunk_bits(fmt):
     gu, dn = banks.dequant(torch.arange(N))
     x, ids, w = runs[0][1:]
     assert rel(outs[0][0], reference_experts(x, ids, w, gu, dn)) < 1e-5
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("shape", ["tails", "whole-chunks", "clamped"])
+def test_q8_runs_give_the_per_block_bits(fmt, shape):
+    """The int8 VBMI kernel takes a decode call's rows a run at a time (qrun_fp4_q8_vbmi: one call
+    per token for a work unit's gate and up rows, one per expert for the thread's down rows) or a
+    4-row block at a time (set_q8_runs(0)): the same bits, with short last chunks (the CASES
+    shapes), whole 128-column chunks only (the Qwen shapes' kind), and GPT-OSS's clamped SwiGLU
+    with bias banks (the per-row epilogue). Calls of 1, 3 and 9 tokens: experts with one token,
+    a few, and some at the decode-once threshold (those take qdot4xn either way)."""
+    from freetoken.experts.executor import Activation
+    h, i = {"tails": CASES[fmt][2:], "whole-chunks": (512, 256), "clamped": (384, 128)}[shape]
+    banks = random_banks(fmt, None, N, h, i, seed=71)
+    fn = {}
+    if shape == "clamped":
+        g = torch.Generator().manual_seed(72)
+        fn = dict(activation=Activation("swiglu_clamp", 1.702, 7.0),
+                  gate_up_bias=(torch.randn(N, 2 * i, generator=g) * 0.1).bfloat16(),
+                  down_bias=(torch.randn(N, h, generator=g) * 0.1).bfloat16())
+    ex = CpuExpertExecutor(banks, threads=2, **fn)
+    ex.set_act(True)
+    if ex.int8_kernel != "vbmi":
+        pytest.skip(f"the runs are the VBMI kernel's; this CPU runs {ex.int8_kernel}")
+    ext = extension()
+    calls = [inputs(t, h, seed=80 + t) for t in (1, 3, 9)]
+    before = ext.set_q8_runs(1)
+    try:
+        runs = [ex.kernel(x, ids, w) for x, ids, w in calls]
+        ext.set_q8_runs(0)
+        blocks = [ex.kernel(x, ids, w) for x, ids, w in calls]
+    finally:
+        ext.set_q8_runs(before)
+    for a, b in zip(runs, blocks):
+        assert torch.isfinite(a).all() and (a != 0).any()
+        assert torch.equal(a, b), int((a != b).sum())
+    if not fn:  # and near the exact experts (int8 activations: ~1% off)
+        x, ids, w = calls[1]
+        gu, dn = banks.dequant(torch.arange(N))
+        assert rel(runs[1], reference_experts(x, ids, w, gu, dn)) < 3e-2
 
 
 @pytest.mark.parametrize("name", ["mxfp4", "nvfp4", "fp8_block-bf16", "fp8_block-f32", "fp8_block-f16",

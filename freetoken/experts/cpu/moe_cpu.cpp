@@ -1881,6 +1881,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,
   return rs ? qdot4_fp4_q8_vbmi_rs<FMT, true, false>(rows, a, C, out) : qdot4_fp4_q8_vbmi_rs<FMT, false, false>(rows, a, C, out);
 }
 
+#include "q8_runs.h"
+
 // The int8 kernels (VBMI and VNNI: their codes and lane scales are the same values) for n
 // activation rows, a prompt chunk's tokens of one expert: the four rows' codes looked up once
 // into a per-thread buffer (per 128-column chunk: 4 rows x their even and odd int8 weights, then
@@ -2348,6 +2350,8 @@ struct Executor {
                                              : g_token_block && !i8 && isa == AVX2 && fmt != FMT_FP8);
     // int8 activations: the VBMI / VNNI / AVX2 kernels' decode-once forms (qdot4xn_q8), same threshold
     const bool once8 = g_token_block && i8 && q8k >= Q8_AVX2 && once_min > 0;
+    // int8, one token on a run of an expert's rows (the decode calls): qrun_fp4_q8_vbmi, a call per run
+    const bool runs = i8 && q8k == Q8_VBMI && g_q8_runs.load(std::memory_order_relaxed);
     pool.run([&](int tid) {
       const int units = G * ib;
       float g4[4], v4[4];
@@ -2362,6 +2366,17 @@ struct Executor {
         const int64_t e = ids[order[starts[g]]];
         const int cnt = starts[g + 1] - starts[g];
         const bool many = (once || once8) && cnt >= once_min;
+        if (runs && !many && (r1 - r0) % 4 == 0) {  // each token's gate and up rows of the unit in one call each
+          float gr[RB], vr[RB];
+          for (int q = starts[g]; q < starts[g + 1]; ++q) {
+            const Q8Act xa = q8row(xq, xqs, xqo, chH, order[q] / K);
+            qrun_q8(fmt, gu, e, r0, (r1 - r0) / 4, xa, gr);
+            qrun_q8(fmt, gu, e, I + r0, (r1 - r0) / 4, xa, vr);
+            for (int j = 0; j < r1 - r0; ++j)
+              hl[size_t(q) * I + r0 + j] = plain ? silu(gr[j]) * vr[j] : fn.h(e, I, r0 + j, gr[j], vr[j]);
+          }
+          continue;
+        }
         if (many) {
           gn.resize(size_t(cnt) * 4), vn.resize(size_t(cnt) * 4);
           (i8 ? xa8.resize(cnt) : dp ? x16.resize(cnt) : xf.resize(cnt));
@@ -2456,6 +2471,7 @@ struct Executor {
       std::vector<const uint16_t*> h16;  // or bf16 (dp)
       std::vector<Q8Act> ha8;            // or int8 (once8)
       std::vector<float> dnn;            // [n][4] their down dots
+      std::vector<float> dr;             // a pair's down rows over the thread's range (runs)
       for (int b0, b1, k = 0; sh2.take(hb_blocks, tid, nt, k++, b0, b1);) {
         for (int t = 0; t < T; ++t)
           for (int r = b0 * RB; r < std::min(H, b1 * RB); ++r) out[int64_t(t) * H + r] = 0.f;
@@ -2466,6 +2482,20 @@ struct Executor {
           const int64_t e = ids[order[starts[g]]];
           const int cnt = starts[g + 1] - starts[g];
           const bool many = (once || once8) && cnt >= once_min;
+          const int rr0 = b0 * RB, rr1 = std::min(H, b1 * RB);
+          if (runs && !many && (rr1 - rr0) % 4 == 0) {  // each pair's rows of the thread's range in one call
+            dr.resize(size_t(rr1 - rr0));
+            for (int q = starts[g]; q < starts[g + 1]; ++q) {
+              qrun_q8(fmt, dn, e, rr0, (rr1 - rr0) / 4, q8row(hq, hqs, hqo, chI, q), dr.data());
+              const int tok = order[q] / K;
+              const float wq = gw[order[q]];
+              if (plain)
+                for (int j = 0; j < rr1 - rr0; ++j) out[int64_t(tok) * H + rr0 + j] += wq * dr[j];
+              else
+                for (int j = 0; j < rr1 - rr0; ++j) out[int64_t(tok) * H + rr0 + j] += wq * fn.y(e, H, rr0 + j, dr[j]);
+            }
+            continue;
+          }
           if (many) {
             dnn.resize(size_t(cnt) * 4);
             (i8 ? ha8.resize(cnt) : dp ? h16.resize(cnt) : hf.resize(cnt));
@@ -3050,6 +3080,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_row_scales", [](int64_t mask) { return int64_t(g_row_scales.exchange(int(mask & 3))); },
         "which fp4 kernels take their block scales decoded once per call (a mask: 1 the AVX2 kernels, 2 the "
         "AVX-512 ones; default 1) instead of per chunk; returns the previous mask (the same bits either way: A/B runs)");
+  m.def("set_q8_runs", [](int64_t on) { return int64_t(g_q8_runs.exchange(on ? 1 : 0)); },
+        "the int8 VBMI kernel's one-token calls: 1 (the default) a call per run of an expert's rows "
+        "(qrun_fp4_q8_vbmi), 0 a call per 4-row block; returns the previous setting (the same bits either way: A/B runs)",
+        py::arg("on"));
   m.def("set_row_seq", [](int64_t on) { return int64_t(g_row_seq.exchange(on ? 1 : 0)); },
         "the one-token fp4 kernels with int8 or bf16 activations: 1 reads a 4-row block one row after another, "
         "0 (the default) its rows side by side; returns the previous setting (the same bits either way: A/B runs)",
