@@ -19,8 +19,8 @@ Results go to cpu_experts (bf16) or cpu_experts-FORMAT.
                                 [--fixed-cost]
 --fixed-cost adds batch-1 calls on experts already in cache (`fixed_cost`: one expert, and the
 same top-k every call): what a call costs besides streaming its bytes (issue 12).
---q8-runs 1,0 times them again with the int8 kernel's decode calls a run of rows at a time and a
-4-row block at a time (moe_cpu's FREETOKEN_CPU_Q8_RUNS), alternating in one process.
+--row-runs 1,0 times them again with the fp4 kernels' decode calls a run of rows at a time and a
+4-row block at a time (moe_cpu's FREETOKEN_CPU_ROW_RUNS), alternating in one process.
 --row-scales 3,0 times the fp4 rows again with each mask of the kernels that decode their block
 scales once per call (moe_cpu's FREETOKEN_CPU_ROW_SCALES: 1 AVX2, 2 AVX-512, 3 both, 0 none),
 alternating in one process (`*_ms_by_row_scales`, and the cached top-k's `us_by_row_scales`).
@@ -130,7 +130,7 @@ def fixed_cost_rows(ex, a, h: int, k: int, per_expert: int, g: torch.Generator) 
                 # the cached (compute-bound) call with each setting of the A/B switches asked for
                 for key, setter, values in (("row_scales", extension().set_row_scales, settings(a.row_scales)),
                                             ("row_seq", extension().set_row_seq, settings(a.row_seq)),
-                                            ("q8_runs", extension().set_q8_runs, settings(a.q8_runs))):
+                                            ("row_runs", extension().set_row_runs, settings(a.row_runs))):
                     if values:
                         row[f"us_by_{key}"] = alternate(setter, values, lambda: round(
                             timeit(lambda: ex.kernel(x, ids, w), warmup=5, iters=max(a.iters, 50)) * 1e6, 1))
@@ -216,10 +216,10 @@ def main():
                     help="0,1: the fp4 formats' rows again with each moe_cpu set_row_seq setting (1: a 4-row block's "
                          "rows one after another in the int8 and bf16-activation kernels; 0, the default: side by side), "
                          "alternating, twice each")
-    ap.add_argument("--q8-runs", default="",
+    ap.add_argument("--row-runs", default="",
                     help="1,0: the fp4 formats' rows (and --fixed-cost's cached top-k) again with each moe_cpu "
-                         "set_q8_runs setting (1, the default: the int8 VBMI kernel's one-token calls take a run of "
-                         "an expert's rows at a time; 0: a 4-row block at a time), alternating, twice each")
+                         "set_row_runs setting (1, the default: the kernels' one-token calls take a run of an "
+                         "expert's rows at a time; 0: a 4-row block at a time), alternating, twice each")
     ap.add_argument("--prefetch", default="",
                     help="t2:8192,off:0,...: the fp4 formats' rows again with each software look-ahead "
                          "(moe_cpu set_prefetch: hint t0|t1|t2|nta|off, distance in bytes), alternating, twice each")
@@ -296,8 +296,8 @@ def main():
                 row.update(kernel_ab(ex, run, extension().set_row_seq, settings(a.row_seq), "row_seq"))
             if a.prefetch:
                 row.update(kernel_ab(ex, run, set_prefetch, a.prefetch.split(","), "prefetch"))
-            if a.q8_runs:
-                row.update(kernel_ab(ex, run, extension().set_q8_runs, settings(a.q8_runs), "q8_runs"))
+            if a.row_runs:
+                row.update(kernel_ab(ex, run, extension().set_row_runs, settings(a.row_runs), "row_runs"))
         if a.format in ("mxfp4", "nvfp4") and ex.handle is not None:  # --cpu-act int8, same executor
             vnni = ex.set_act(True) == "int8"
             kernel = ex.int8_kernel

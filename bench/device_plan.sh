@@ -1564,25 +1564,48 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
   CUDA_VISIBLE_DEVICES= step 170 avx2-once-t6 python3 -m bench.cpu_experts --format mxfp4 --experts 256 --threads 6 \
     --batches 512 --iters 4 --decode-once 0,4 --isa-cap 1 --name cpu_experts-mxfp4-avx2-decode-once-xeon-t6
   ;;
-151) # ~450 s at most: the int8 VBMI kernel's decode calls a run of an expert's rows at a time (qrun_fp4_q8_vbmi,
-  # q8_runs.h) against a 4-row block at a time, A/B in one process (--q8-runs 1,0): issue 12's ratio at 6 and 16
+151) # (ran at 3ace40f, forty-seventh session, as --q8-runs / FREETOKEN_CPU_Q8_RUNS: the int8 kernel alone; the
+  # switch is now --row-runs / FREETOKEN_CPU_ROW_RUNS over every fp4 run kernel, plan 152)
+  # ~450 s at most: the int8 VBMI kernel's decode calls a run of an expert's rows at a time (qrun_fp4_q8_vbmi,
+  # row_runs.h) against a 4-row block at a time, A/B in one process (--row-runs 1,0): issue 12's ratio at 6 and 16
   # threads (on the dev machine, 2 threads, batch 1: 0.695 -> 0.464 ms, 0.80 of its read probe); then the 12-layer
   # MXFP4 slice's pure-CPU decode with int8 activations, runs on and off (one process each). GPU hidden.
   # Carry .whl, .devcache/commit.
   step 150 build-cpp python3 -c "from freetoken.experts.cpu import extension; extension()"  # a changed moe_cpu.cpp
   for t in 6 16; do
     CUDA_VISIBLE_DEVICES= step 60 runs-mxfp4-t$t python3 -m bench.cpu_experts --format mxfp4 --experts 512 --threads $t \
-      --batches 1,4 --iters 30 --fixed-cost --q8-runs 1,0 --name cpu_experts-mxfp4-q8runs-xeon-t$t
+      --batches 1,4 --iters 30 --fixed-cost --row-runs 1,0 --name cpu_experts-mxfp4-q8runs-xeon-t$t
   done
   CUDA_VISIBLE_DEVICES= step 60 runs-nvfp4-t6 python3 -m bench.cpu_experts --format nvfp4 --experts 512 --threads 6 \
-    --batches 1,4 --iters 30 --fixed-cost --q8-runs 1,0 --name cpu_experts-nvfp4-q8runs-xeon-t6
+    --batches 1,4 --iters 30 --fixed-cost --row-runs 1,0 --name cpu_experts-nvfp4-q8runs-xeon-t6
   for runs in 1 0; do
-    FREETOKEN_CPU_Q8_RUNS=$runs CUDA_VISIBLE_DEVICES= step 90 lm-runs$runs python3 -m bench.large_models --arch qwen3_5_moe \
+    FREETOKEN_CPU_ROW_RUNS=$runs CUDA_VISIBLE_DEVICES= step 90 lm-runs$runs python3 -m bench.large_models --arch qwen3_5_moe \
       --layers 12 --expert-format mxfp4 --modes cpu-only --threads 6 --tokens 64 --cpu-act int8 \
       --name large_models-qwen3_5_moe-12-mxfp4-int8-runs$runs-xeon-t6
   done
   ;;
-*) echo "stage 0 to 151"; exit 2 ;;
+152) # ~330 s at most: every fp4 run kernel (row_runs.h: int8 on VBMI, bf16 and float activations on AVX-512)
+  # against a call per 4-row block, A/B in one process (--row-runs 1,0), MXFP4 and NVFP4 at 6 and 16 threads:
+  # issue 12's ratio for the exact kernels too (dev machine, 2 threads, MXFP4 batch 1: float 0.79 -> 0.66-0.71 ms,
+  # bf16 0.62 -> 0.45, int8 0.58 -> 0.36). GPU hidden. Carry .whl, .devcache/commit.
+  step 150 build-cpp python3 -c "from freetoken.experts.cpu import extension; extension()"  # a changed moe_cpu.cpp
+  for f in mxfp4 nvfp4; do for t in 6 16; do
+    CUDA_VISIBLE_DEVICES= step 60 runs-$f-t$t python3 -m bench.cpu_experts --format $f --experts 512 --threads $t \
+      --batches 1,4 --iters 30 --fixed-cost --row-runs 1,0 --name cpu_experts-$f-rowruns-xeon-t$t
+  done; done
+  ;;
+153) # ~520 s at most: the GPU expert cache's CPU branch (bf16 activations, one token an expert at batch 1) with
+  # the run kernels and without (FREETOKEN_CPU_ROW_RUNS=1, 0, 1; a process each): configuration (b), the 40-layer
+  # MXFP4 Qwen3.6 shape at 37.5% of its experts in VRAM, 6 threads, the adaptive split. Carry .whl,
+  # .devcache/commit (.devcache/warm-cache.tgz where there is one).
+  for runs in 1 0 1; do
+    FREETOKEN_CPU_ROW_RUNS=$runs step $([ -f /tmp/.ft-lm-warm ] && echo 150 || echo 240) cache-runs$runs \
+      python3 -m bench.large_models --arch qwen3_5_moe --layers 40 --expert-format mxfp4 --modes cache --capacity 0.375 \
+      --threads 6 --name large_models-qwen3_5_moe-40-mxfp4-cache-runs$runs-t6-$RANDOM
+    touch /tmp/.ft-lm-warm
+  done
+  ;;
+*) echo "stage 0 to 153"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole

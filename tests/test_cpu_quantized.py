@@ -294,7 +294,7 @@ def test_prefetch_settings_give_the_same_bits(tmp_path):
 @pytest.mark.parametrize("var,value", [("FREETOKEN_CPU_PREFETCH_HINT", "L2"), ("FREETOKEN_CPU_PREFETCH_BYTES", "-1"),
                                        ("FREETOKEN_CPU_PREFETCH_BYTES", "8k"), ("FREETOKEN_CPU_ROW_SCALES", "on"),
                                        ("FREETOKEN_CPU_ROW_SCALES", "4"), ("FREETOKEN_CPU_DECODE_ONCE", "-1"),
-                                       ("FREETOKEN_CPU_ROW_SEQ", "yes"), ("FREETOKEN_CPU_Q8_RUNS", "2")])
+                                       ("FREETOKEN_CPU_ROW_SEQ", "yes"), ("FREETOKEN_CPU_ROW_RUNS", "2")])
 def test_a_bad_prefetch_setting_is_named(monkeypatch, var, value):
     monkeypatch.setenv(var, value)
     b = random_banks("mxfp4", None, 4, 64, 32, seed=3)
@@ -522,13 +522,14 @@ def test_row_scales_give_the_per_chunk_bits(fmt):
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 @pytest.mark.parametrize("shape", ["tails", "whole-chunks", "clamped"])
-def test_q8_runs_give_the_per_block_bits(fmt, shape):
-    """The int8 VBMI kernel takes a decode call's rows a run at a time (qrun_fp4_q8_vbmi: one call
-    per token for a work unit's gate and up rows, one per expert for the thread's down rows) or a
-    4-row block at a time (set_q8_runs(0)): the same bits, with short last chunks (the CASES
-    shapes), whole 128-column chunks only (the Qwen shapes' kind), and GPT-OSS's clamped SwiGLU
-    with bias banks (the per-row epilogue). Calls of 1, 3 and 9 tokens: experts with one token,
-    a few, and some at the decode-once threshold (those take qdot4xn either way)."""
+def test_row_runs_give_the_per_block_bits(fmt, shape):
+    """The fp4 kernels take a decode call's rows a run at a time (row_runs.h: one call per token for
+    a work unit's gate and up rows, one per expert for the thread's down rows) or a 4-row block at a
+    time (set_row_runs(0)): the same bits, for int8 activations (the VBMI kernel), float ones and
+    bf16 ones (where the CPU has AVX512-BF16), with short last chunks (the CASES shapes), whole
+    128-column chunks only (the Qwen shapes' kind), and GPT-OSS's clamped SwiGLU with bias banks
+    (the per-row epilogue). Calls of 1, 3 and 9 tokens: experts with one token, a few (int8 runs
+    them; the exact kernels take pairs), and some at the decode-once threshold (qdot4xn either way)."""
     from freetoken.experts.executor import Activation
     h, i = {"tails": CASES[fmt][2:], "whole-chunks": (512, 256), "clamped": (384, 128)}[shape]
     banks = random_banks(fmt, None, N, h, i, seed=71)
@@ -539,25 +540,40 @@ def test_q8_runs_give_the_per_block_bits(fmt, shape):
                   gate_up_bias=(torch.randn(N, 2 * i, generator=g) * 0.1).bfloat16(),
                   down_bias=(torch.randn(N, h, generator=g) * 0.1).bfloat16())
     ex = CpuExpertExecutor(banks, threads=2, **fn)
-    ex.set_act(True)
-    if ex.int8_kernel != "vbmi":
-        pytest.skip(f"the runs are the VBMI kernel's; this CPU runs {ex.int8_kernel}")
-    ext = extension()
+    if ISA_NAMES.index(ex.isa) < ISA_NAMES.index("avx512"):
+        pytest.skip(f"the run kernels are AVX-512 ones; this CPU's executor runs {ex.isa}")
     calls = [inputs(t, h, seed=80 + t) for t in (1, 3, 9)]
-    before = ext.set_q8_runs(1)
+    modes = ["f32"] + (["bf16"] if ex.isa == "avx512-bf16" else [])
+    ex.set_act(True)
+    if ex.int8_kernel == "vbmi":
+        modes.append("int8")
+    ex.set_act(False)
+
+    def outputs():
+        got = []
+        for mode in modes:
+            ex.set_act(mode == "int8")
+            got += [ex.kernel(x.bfloat16() if mode == "bf16" else x, ids, w) for x, ids, w in calls]
+        ex.set_act(False)
+        return got
+
+    ext = extension()
+    before = ext.set_row_runs(1)
     try:
-        runs = [ex.kernel(x, ids, w) for x, ids, w in calls]
-        ext.set_q8_runs(0)
-        blocks = [ex.kernel(x, ids, w) for x, ids, w in calls]
+        runs = outputs()
+        ext.set_row_runs(0)
+        blocks = outputs()
     finally:
-        ext.set_q8_runs(before)
-    for a, b in zip(runs, blocks):
+        ext.set_row_runs(before)
+    for n, (a, b) in enumerate(zip(runs, blocks)):
         assert torch.isfinite(a).all() and (a != 0).any()
-        assert torch.equal(a, b), int((a != b).sum())
+        assert torch.equal(a, b), (modes[n // len(calls)], n % len(calls), int((a != b).sum()))
     if not fn:  # and near the exact experts (int8 activations: ~1% off)
         x, ids, w = calls[1]
         gu, dn = banks.dequant(torch.arange(N))
-        assert rel(runs[1], reference_experts(x, ids, w, gu, dn)) < 3e-2
+        ref = reference_experts(x, ids, w, gu, dn)
+        assert rel(runs[1], ref) < 1e-5
+        assert rel(runs[-2], ref) < (3e-2 if modes[-1] != "f32" else 1e-5)
 
 
 @pytest.mark.parametrize("name", ["mxfp4", "nvfp4", "fp8_block-bf16", "fp8_block-f32", "fp8_block-f16",

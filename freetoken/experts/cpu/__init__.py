@@ -41,7 +41,7 @@ INT8_KERNELS = ("scalar", "avx2", "vnni", "vbmi")  # moe_cpu.cpp Q8Kernel, slowe
 
 
 EXT_NAME = "freetoken_moe_cpu"
-HEADERS = ("attention.h", "dense.h", "deltanet.h", "denormals.h", "q8_runs.h")  # included by moe_cpu.cpp
+HEADERS = ("attention.h", "dense.h", "deltanet.h", "denormals.h", "row_runs.h")  # included by moe_cpu.cpp
 BUILD_SECONDS = "20-60 s"  # for the first-run message
 
 
@@ -110,7 +110,7 @@ PREFETCH_HINTS = ("t0", "t1", "t2", "nta", "off")
 
 def check_prefetch_env() -> None:
     """FREETOKEN_CPU_PREFETCH_HINT / _BYTES (the quantized kernels' look-ahead), _ROW_SCALES,
-    _DECODE_ONCE, _ROW_SEQ and _Q8_RUNS, read by moe_cpu.cpp, which would quietly take a default or 0 for a bad value:
+    _DECODE_ONCE, _ROW_SEQ and _ROW_RUNS, read by moe_cpu.cpp, which would quietly take a default or 0 for a bad value:
     one clear error instead."""
     from ...errors import FreeTokenError
     hint = os.environ.get("FREETOKEN_CPU_PREFETCH_HINT", "")
@@ -131,10 +131,10 @@ def check_prefetch_env() -> None:
     if raw and raw not in ("0", "1"):
         raise FreeTokenError("FREETOKEN_CPU_ROW_SEQ must be 0 (a 4-row block's rows side by side, the default) "
                              f"or 1 (one after another), got {raw!r}")
-    raw = os.environ.get("FREETOKEN_CPU_Q8_RUNS", "")
+    raw = os.environ.get("FREETOKEN_CPU_ROW_RUNS", "")
     if raw and raw not in ("0", "1"):
-        raise FreeTokenError("FREETOKEN_CPU_Q8_RUNS must be 1 (the int8 kernel's decode calls a run of rows at a time, "
-                             f"the default) or 0 (a 4-row block at a time), got {raw!r}")
+        raise FreeTokenError("FREETOKEN_CPU_ROW_RUNS must be 1 (the fp4 kernels' decode calls take a run of rows at a "
+                             f"time, the default) or 0 (a 4-row block at a time), got {raw!r}")
 
 
 def has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:

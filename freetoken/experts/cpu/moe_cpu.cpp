@@ -1881,7 +1881,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,
   return rs ? qdot4_fp4_q8_vbmi_rs<FMT, true, false>(rows, a, C, out) : qdot4_fp4_q8_vbmi_rs<FMT, false, false>(rows, a, C, out);
 }
 
-#include "q8_runs.h"
+#include "row_runs.h"
 
 // The int8 kernels (VBMI and VNNI: their codes and lane scales are the same values) for n
 // activation rows, a prompt chunk's tokens of one expert: the four rows' codes looked up once
@@ -2350,8 +2350,22 @@ struct Executor {
                                              : g_token_block && !i8 && isa == AVX2 && fmt != FMT_FP8);
     // int8 activations: the VBMI / VNNI / AVX2 kernels' decode-once forms (qdot4xn_q8), same threshold
     const bool once8 = g_token_block && i8 && q8k >= Q8_AVX2 && once_min > 0;
-    // int8, one token on a run of an expert's rows (the decode calls): qrun_fp4_q8_vbmi, a call per run
-    const bool runs = i8 && q8k == Q8_VBMI && g_q8_runs.load(std::memory_order_relaxed);
+    // one token on a run of an expert's rows (the decode calls) in one kernel call (row_runs.h): the
+    // fp4 banks with int8 activations on VBMI, bf16 ones (dp) or float ones on AVX-512. The exact
+    // kernels take an expert's tokens in pairs where it has two or more (pair2): runs where it has one.
+    int run_kind = -1;
+    if (g_row_runs.load(std::memory_order_relaxed) && fmt != FMT_FP8) {
+      if (i8) run_kind = q8k == Q8_VBMI ? RUN_Q8_VBMI : -1;
+      else run_kind = dp ? RUN_BF16DP : isa >= AVX512 ? RUN_F32 : -1;
+    }
+    // a pair's activations for a run kernel (only the one its kind reads is set)
+    auto run_x = [&](bool first, size_t row, int64_t cols) {
+      struct { Q8Act a{}; const float* x = nullptr; const uint16_t* xb = nullptr; } r;
+      if (i8) r.a = first ? q8row(xq, xqs, xqo, chH, row) : q8row(hq, hqs, hqo, chI, row);
+      else if (dp) r.xb = (first ? xb.data() : hb.data()) + row * cols;
+      else r.x = (first ? xl.data() : hl.data()) + row * cols;
+      return r;
+    };
     pool.run([&](int tid) {
       const int units = G * ib;
       float g4[4], v4[4];
@@ -2366,14 +2380,18 @@ struct Executor {
         const int64_t e = ids[order[starts[g]]];
         const int cnt = starts[g + 1] - starts[g];
         const bool many = (once || once8) && cnt >= once_min;
-        if (runs && !many && (r1 - r0) % 4 == 0) {  // each token's gate and up rows of the unit in one call each
+        if (run_kind >= 0 && !many && (i8 || cnt == 1) && (r1 - r0) % 4 == 0) {
+          // each token's gate and up rows of the unit in one call each
           float gr[RB], vr[RB];
           for (int q = starts[g]; q < starts[g + 1]; ++q) {
-            const Q8Act xa = q8row(xq, xqs, xqo, chH, order[q] / K);
-            qrun_q8(fmt, gu, e, r0, (r1 - r0) / 4, xa, gr);
-            qrun_q8(fmt, gu, e, I + r0, (r1 - r0) / 4, xa, vr);
-            for (int j = 0; j < r1 - r0; ++j)
-              hl[size_t(q) * I + r0 + j] = plain ? silu(gr[j]) * vr[j] : fn.h(e, I, r0 + j, gr[j], vr[j]);
+            const auto xr = run_x(true, size_t(order[q] / K), H);
+            qrun(run_kind, gu, e, r0, (r1 - r0) / 4, xr.a, xr.x, xr.xb, gr);
+            qrun(run_kind, gu, e, I + r0, (r1 - r0) / 4, xr.a, xr.x, xr.xb, vr);
+            for (int j = 0; j < r1 - r0; ++j) {
+              const float hv = plain ? silu(gr[j]) * vr[j] : fn.h(e, I, r0 + j, gr[j], vr[j]);
+              if (dp) hb[size_t(q) * I + posI[r0 + j]] = f32_to_bf16(hv);
+              else hl[size_t(q) * I + posI[r0 + j]] = hv;
+            }
           }
           continue;
         }
@@ -2483,10 +2501,12 @@ struct Executor {
           const int cnt = starts[g + 1] - starts[g];
           const bool many = (once || once8) && cnt >= once_min;
           const int rr0 = b0 * RB, rr1 = std::min(H, b1 * RB);
-          if (runs && !many && (rr1 - rr0) % 4 == 0) {  // each pair's rows of the thread's range in one call
+          if (run_kind >= 0 && !many && (i8 || cnt == 1) && (rr1 - rr0) % 4 == 0) {
+            // each pair's rows of the thread's range in one call
             dr.resize(size_t(rr1 - rr0));
             for (int q = starts[g]; q < starts[g + 1]; ++q) {
-              qrun_q8(fmt, dn, e, rr0, (rr1 - rr0) / 4, q8row(hq, hqs, hqo, chI, q), dr.data());
+              const auto hr = run_x(false, size_t(q), I);
+              qrun(run_kind, dn, e, rr0, (rr1 - rr0) / 4, hr.a, hr.x, hr.xb, dr.data());
               const int tok = order[q] / K;
               const float wq = gw[order[q]];
               if (plain)
@@ -3080,9 +3100,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_row_scales", [](int64_t mask) { return int64_t(g_row_scales.exchange(int(mask & 3))); },
         "which fp4 kernels take their block scales decoded once per call (a mask: 1 the AVX2 kernels, 2 the "
         "AVX-512 ones; default 1) instead of per chunk; returns the previous mask (the same bits either way: A/B runs)");
-  m.def("set_q8_runs", [](int64_t on) { return int64_t(g_q8_runs.exchange(on ? 1 : 0)); },
-        "the int8 VBMI kernel's one-token calls: 1 (the default) a call per run of an expert's rows "
-        "(qrun_fp4_q8_vbmi), 0 a call per 4-row block; returns the previous setting (the same bits either way: A/B runs)",
+  m.def("set_row_runs", [](int64_t on) { return int64_t(g_row_runs.exchange(on ? 1 : 0)); },
+        "the fp4 kernels' one-token calls (int8 on VBMI, bf16 and float activations on AVX-512): 1 (the default) "
+        "a call per run of an expert's rows (row_runs.h), 0 a call per 4-row block; returns the previous setting "
+        "(the same bits either way: A/B runs)",
         py::arg("on"));
   m.def("set_row_seq", [](int64_t on) { return int64_t(g_row_seq.exchange(on ? 1 : 0)); },
         "the one-token fp4 kernels with int8 or bf16 activations: 1 reads a 4-row block one row after another, "
