@@ -1605,7 +1605,17 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
     touch /tmp/.ft-lm-warm
   done
   ;;
-*) echo "stage 0 to 153"; exit 2 ;;
+154) # ~420 s at most: plan 153 again on a warm cache (.devcache/warm-cache.tgz from plan 153), alternating
+  # FREETOKEN_CPU_ROW_RUNS=0, 1, 0, 1 (a process each): plan 153's first process ran on a host still busy with its
+  # own set-up (64.6 tok/s against 86.9 for its third), so its A/B was one process a side. Carry .whl,
+  # .devcache/commit, .devcache/warm-cache.tgz.
+  for runs in 0 1 0 1; do
+    FREETOKEN_CPU_ROW_RUNS=$runs step 150 cache-runs$runs python3 -m bench.large_models --arch qwen3_5_moe --layers 40 \
+      --expert-format mxfp4 --modes cache --capacity 0.375 --threads 6 \
+      --name large_models-qwen3_5_moe-40-mxfp4-cache-runs$runs-t6-$RANDOM
+  done
+  ;;
+*) echo "stage 0 to 154"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole
