@@ -525,8 +525,9 @@ def test_row_scales_give_the_per_chunk_bits(fmt):
 def test_row_runs_give_the_per_block_bits(fmt, shape):
     """The fp4 kernels take a decode call's rows a run at a time (row_runs.h: one call per token for
     a work unit's gate and up rows, one per expert for the thread's down rows) or a 4-row block at a
-    time (set_row_runs(0)): the same bits, for int8 activations (the VBMI kernel), float ones and
-    bf16 ones (where the CPU has AVX512-BF16), with short last chunks (the CASES shapes), whole
+    time (set_row_runs(0)): the same bits, for int8 activations (the VBMI kernel, and the AVX2 one
+    under an ISA cap), float ones (AVX-512, and AVX2 under the cap) and bf16 ones (where the CPU
+    has AVX512-BF16), with short last chunks (the CASES shapes), whole
     128-column chunks only (the Qwen shapes' kind), and GPT-OSS's clamped SwiGLU with bias banks
     (the per-row epilogue). Calls of 1, 3 and 9 tokens: experts with one token, a few (int8 runs
     them; the exact kernels take pairs), and some at the decode-once threshold (qdot4xn either way)."""
@@ -540,21 +541,24 @@ def test_row_runs_give_the_per_block_bits(fmt, shape):
                   gate_up_bias=(torch.randn(N, 2 * i, generator=g) * 0.1).bfloat16(),
                   down_bias=(torch.randn(N, h, generator=g) * 0.1).bfloat16())
     ex = CpuExpertExecutor(banks, threads=2, **fn)
-    if ISA_NAMES.index(ex.isa) < ISA_NAMES.index("avx512"):
-        pytest.skip(f"the run kernels are AVX-512 ones; this CPU's executor runs {ex.isa}")
+    avx2 = CpuExpertExecutor(banks, threads=2, isa_cap=1, **fn)  # what a CPU without AVX-512 runs
+    if ex.isa == "scalar":
+        pytest.skip("the run kernels are AVX2 and AVX-512 ones; this CPU has neither")
     calls = [inputs(t, h, seed=80 + t) for t in (1, 3, 9)]
-    modes = ["f32"] + (["bf16"] if ex.isa == "avx512-bf16" else [])
-    ex.set_act(True)
-    if ex.int8_kernel == "vbmi":
-        modes.append("int8")
-    ex.set_act(False)
+    modes = [(avx2, "f32"), (avx2, "int8")]  # (executor, activations)
+    if ISA_NAMES.index(ex.isa) >= ISA_NAMES.index("avx512"):
+        modes += [(ex, "f32")] + ([(ex, "bf16")] if ex.isa == "avx512-bf16" else [])
+        ex.set_act(True)
+        if ex.int8_kernel == "vbmi":
+            modes.append((ex, "int8"))
+        ex.set_act(False)
 
     def outputs():
         got = []
-        for mode in modes:
-            ex.set_act(mode == "int8")
-            got += [ex.kernel(x.bfloat16() if mode == "bf16" else x, ids, w) for x, ids, w in calls]
-        ex.set_act(False)
+        for e, mode in modes:
+            e.set_act(mode == "int8")
+            got += [e.kernel(x.bfloat16() if mode == "bf16" else x, ids, w) for x, ids, w in calls]
+            e.set_act(False)
         return got
 
     ext = extension()
@@ -567,13 +571,14 @@ def test_row_runs_give_the_per_block_bits(fmt, shape):
         ext.set_row_runs(before)
     for n, (a, b) in enumerate(zip(runs, blocks)):
         assert torch.isfinite(a).all() and (a != 0).any()
-        assert torch.equal(a, b), (modes[n // len(calls)], n % len(calls), int((a != b).sum()))
+        e, mode = modes[n // len(calls)]
+        assert torch.equal(a, b), (e.isa, mode, n % len(calls), int((a != b).sum()))
     if not fn:  # and near the exact experts (int8 activations: ~1% off)
         x, ids, w = calls[1]
         gu, dn = banks.dequant(torch.arange(N))
         ref = reference_experts(x, ids, w, gu, dn)
-        assert rel(runs[1], ref) < 1e-5
-        assert rel(runs[-2], ref) < (3e-2 if modes[-1] != "f32" else 1e-5)
+        for n, (e, mode) in enumerate(modes):
+            assert rel(runs[n * len(calls) + 1], ref) < (3e-2 if mode != "f32" else 1e-5), (e.isa, mode)
 
 
 @pytest.mark.parametrize("name", ["mxfp4", "nvfp4", "fp8_block-bf16", "fp8_block-f32", "fp8_block-f16",

@@ -615,6 +615,24 @@ inline void prefetch_scales(const QRow* rows, int bytes) {  // each row's scales
   for (int p = 0; p < 4; ++p)
     for (int o = 0; o < bytes; o += 64) prefetch_line(reinterpret_cast<const char*>(rows[p].s + o + g_pf / 16));
 }
+// The same with the hint a template argument (row_runs.h chooses it once per call: the runtime
+// switch above is three branches per 64-byte load); HINT_RUNTIME reads g_pf_hint as above.
+constexpr int HINT_RUNTIME = -2;
+template <int HINT>
+inline void prefetch_hinted(const char* p) {
+  if (HINT == HINT_RUNTIME) prefetch_line(p);
+  else if (HINT == 0) prefetch_t0(p);
+  else if (HINT == 1) prefetch_t1(p);
+  else if (HINT == 2) prefetch_t2(p);
+  else if (HINT == 3) prefetch_nta(p);
+}
+template <int HINT>
+inline void prefetch_ahead_h(const uint8_t* p) { prefetch_hinted<HINT>(reinterpret_cast<const char*>(p + g_pf)); }
+template <int HINT>
+inline void prefetch_scales_h(const QRow* rows, int bytes) {
+  for (int p = 0; p < 4; ++p)
+    for (int o = 0; o < bytes; o += 64) prefetch_hinted<HINT>(reinterpret_cast<const char*>(rows[p].s + o + g_pf / 16));
+}
 
 // Activation layouts. A row of C values is stored in chunks of g*L columns (the last chunk
 // may be shorter: nl = its columns / g lanes); inside a chunk, column 8k+j (g = 8) or 4k+j
@@ -713,7 +731,7 @@ __attribute__((target("avx2"))) inline __m256 fp4_half_scales_avx2(const float* 
   return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(s + 4 * c64)), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
 }
 
-template <int FMT, bool RS>
+template <int FMT, bool RS, int HINT = HINT_RUNTIME>
 __attribute__((target("avx2,fma,f16c"))) void qdot4_fp4_avx2_rs(const QRow* rows, const float* x, int C, float* out) {
   // 8 magnitudes, each xor-ed with its own index << 28: c = code >> 4j has the sign in bit 3,
   // so (c << 28) is the sign at bit 31 plus the index at bits 28-30, which the table cancels
@@ -725,7 +743,7 @@ __attribute__((target("avx2,fma,f16c"))) void qdot4_fp4_avx2_rs(const QRow* rows
   for (int p = 0; p < 4; ++p) acc[p] = _mm256_setzero_ps();
   int ss = 0;  // bs: [4][ss] f32 block scales (RS; else made per chunk)
   const float* bs = RS ? fp4_block_scales<FMT>(rows, C, &ss) : nullptr;
-  prefetch_scales(rows, FMT == FMT_MXFP4 ? C / 32 : C / 16);
+  prefetch_scales_h<HINT>(rows, FMT == FMT_MXFP4 ? C / 32 : C / 16);
   for (int base = 0; base < C; base += 64) {
     const int nl = std::min(8, (C - base) / 8);
     const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(nl), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -733,7 +751,7 @@ __attribute__((target("avx2,fma,f16c"))) void qdot4_fp4_avx2_rs(const QRow* rows
     __m256 t[4];
     #pragma GCC unroll 4
     for (int p = 0; p < 4; ++p) {
-      prefetch_ahead(rows[p].v + base / 2);
+      prefetch_ahead_h<HINT>(rows[p].v + base / 2);
       v[p] = nl == 8 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[p].v + base / 2))
                      : _mm256_maskload_epi32(reinterpret_cast<const int*>(rows[p].v + base / 2), lanes);
       t[p] = _mm256_setzero_ps();
@@ -1686,7 +1704,7 @@ void qdot4_fp4_q8_scalar(const QRow* rows, const Q8Act& a, int C, float* out) {
 // (the same scales, fp4_scales_avx2's per 64 columns; cvt, scale, fma), and the two halves are
 // reduced in _mm512_reduce_add_ps's order (hi + lo, then hsum8's), so the outputs are the VNNI
 // kernel's bit for bit (test_int8_avx2_kernel_equals_the_vnni_one).
-template <int FMT, bool RS>
+template <int FMT, bool RS, int HINT = HINT_RUNTIME>
 __attribute__((target("avx2,fma,f16c"))) void qdot4_fp4_q8_avx2_rs(const QRow* rows, const Q8Act& a, int C, float* out) {
   const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(E2M1_X2_PLUS12)));
   const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
@@ -1696,7 +1714,7 @@ __attribute__((target("avx2,fma,f16c"))) void qdot4_fp4_q8_avx2_rs(const QRow* r
   for (int p = 0; p < 4; ++p) acc[0][p] = acc[1][p] = _mm256_setzero_ps();
   int ss = 0;  // bs: [4][ss] f32 block scales (RS; else made per chunk)
   const float* bs = RS ? fp4_block_scales<FMT>(rows, C, &ss) : nullptr;
-  prefetch_scales(rows, FMT == FMT_MXFP4 ? C / 32 : C / 16);
+  prefetch_scales_h<HINT>(rows, FMT == FMT_MXFP4 ? C / 32 : C / 16);
   for (int base = 0, ch = 0; base < C; base += Q8_CHUNK, ++ch) {
     const int nl = std::min(16, (C - base) / 8);
 #pragma GCC unroll 2
@@ -1711,7 +1729,7 @@ __attribute__((target("avx2,fma,f16c"))) void qdot4_fp4_q8_avx2_rs(const QRow* r
       #pragma GCC unroll 4
       for (int p = 0; p < 4; ++p) {
         const uint8_t* src = rows[p].v + base / 2 + 32 * h;
-        prefetch_ahead(src);
+        prefetch_ahead_h<HINT>(src);
         const __m256i v = nh == 8 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))
                                   : _mm256_maskload_epi32(reinterpret_cast<const int*>(src), m);
         const __m256i lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, nib));
@@ -2351,12 +2369,13 @@ struct Executor {
     // int8 activations: the VBMI / VNNI / AVX2 kernels' decode-once forms (qdot4xn_q8), same threshold
     const bool once8 = g_token_block && i8 && q8k >= Q8_AVX2 && once_min > 0;
     // one token on a run of an expert's rows (the decode calls) in one kernel call (row_runs.h): the
-    // fp4 banks with int8 activations on VBMI, bf16 ones (dp) or float ones on AVX-512. The exact
-    // kernels take an expert's tokens in pairs where it has two or more (pair2): runs where it has one.
+    // fp4 banks with int8 activations on VBMI or AVX2, bf16 ones (dp), float ones on AVX-512 or AVX2.
+    // The exact AVX-512 kernels take an expert's tokens in pairs where it has two or more (pair2):
+    // runs where it has one.
     int run_kind = -1;
     if (g_row_runs.load(std::memory_order_relaxed) && fmt != FMT_FP8) {
-      if (i8) run_kind = q8k == Q8_VBMI ? RUN_Q8_VBMI : -1;
-      else run_kind = dp ? RUN_BF16DP : isa >= AVX512 ? RUN_F32 : -1;
+      if (i8) run_kind = q8k == Q8_VBMI ? RUN_Q8_VBMI : q8k == Q8_AVX2 ? RUN_Q8_AVX2 : -1;
+      else run_kind = dp ? RUN_BF16DP : isa >= AVX512 ? RUN_F32 : isa == AVX2 ? RUN_F32_AVX2 : -1;
     }
     // a pair's activations for a run kernel (only the one its kind reads is set)
     auto run_x = [&](bool first, size_t row, int64_t cols) {
@@ -2380,7 +2399,7 @@ struct Executor {
         const int64_t e = ids[order[starts[g]]];
         const int cnt = starts[g + 1] - starts[g];
         const bool many = (once || once8) && cnt >= once_min;
-        if (run_kind >= 0 && !many && (i8 || cnt == 1) && (r1 - r0) % 4 == 0) {
+        if (run_kind >= 0 && !many && (i8 || !pair2 || cnt == 1) && (r1 - r0) % 4 == 0) {
           // each token's gate and up rows of the unit in one call each
           float gr[RB], vr[RB];
           for (int q = starts[g]; q < starts[g + 1]; ++q) {
@@ -2501,7 +2520,7 @@ struct Executor {
           const int cnt = starts[g + 1] - starts[g];
           const bool many = (once || once8) && cnt >= once_min;
           const int rr0 = b0 * RB, rr1 = std::min(H, b1 * RB);
-          if (run_kind >= 0 && !many && (i8 || cnt == 1) && (rr1 - rr0) % 4 == 0) {
+          if (run_kind >= 0 && !many && (i8 || !pair2 || cnt == 1) && (rr1 - rr0) % 4 == 0) {
             // each pair's rows of the thread's range in one call
             dr.resize(size_t(rr1 - rr0));
             for (int q = starts[g]; q < starts[g + 1]; ++q) {

@@ -17,7 +17,8 @@
 // (test_row_runs_give_the_per_block_bits):
 // - qrun_fp4_q8_vbmi: int8 activations (--cpu-act int8), qdot4_fp4_q8_vbmi's vbmi_step + half_sums4;
 // - qrun_fp4_bf16dp: bf16 activations (a bf16 model; the GPU cache's CPU branch), qdot4_fp4_bf16dp's;
-// - qrun_fp4_avx512: float activations (the CPU engine's default), qdot4_fp4_avx512's.
+// - qrun_fp4_avx512: float activations (the CPU engine's default), qdot4_fp4_avx512's;
+// - qrun_fp4_avx2: a CPU without AVX-512, float or int8 activations: the AVX2 kernels per block.
 // FREETOKEN_CPU_ROW_RUNS=0 / set_row_runs(0) goes back to a call per block (A/B runs).
 #pragma once
 
@@ -25,14 +26,6 @@ static std::atomic<int> g_row_runs{[] {
   const char* v = std::getenv("FREETOKEN_CPU_ROW_RUNS");
   return v != nullptr && std::strcmp(v, "0") == 0 ? 0 : 1;
 }()};
-
-template <int HINT>
-inline void prefetch_hinted(const char* p) {
-  if (HINT == 0) prefetch_t0(p);
-  else if (HINT == 1) prefetch_t1(p);
-  else if (HINT == 2) prefetch_t2(p);
-  else if (HINT == 3) prefetch_nta(p);
-}
 
 // The rows of one run: block blk's four QRows, and their scale lines prefetched as
 // prefetch_scales does for a per-block call (rows r0 .. r0 + 4 nb of expert e, inside one NVFP4
@@ -47,13 +40,14 @@ struct RunRows {
       : v(b.v + (e * b.R + r0) * b.vrow), s(b.s + (e * b.R + r0) * b.srow), vrow(b.vrow), srow(b.srow),
         s2(b.fmt == FMT_NVFP4 ? b.s2[e * b.halves + (b.halves == 2 && r0 >= b.R / 2 ? 1 : 0)] : 1.f),
         sbytes(b.fmt == FMT_MXFP4 ? int(b.C) / 32 : int(b.C) / 16) {}
-  template <int HINT>
+  template <int HINT, bool SCALES = true>  // SCALES: prefetch the scale lines (the AVX2 kernels do it themselves)
   void block(int blk, int pf, QRow* rows) const {
     #pragma GCC unroll 4
     for (int p = 0; p < 4; ++p) {
       const int64_t r = 4 * int64_t(blk) + p;
       rows[p] = QRow{v + r * vrow, s + r * srow, s2};
-      for (int o = 0; o < sbytes; o += 64) prefetch_hinted<HINT>(reinterpret_cast<const char*>(rows[p].s + o + pf / 16));
+      if (SCALES)
+        for (int o = 0; o < sbytes; o += 64) prefetch_hinted<HINT>(reinterpret_cast<const char*>(rows[p].s + o + pf / 16));
     }
   }
 };
@@ -195,16 +189,37 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) void qrun_fp4_avx512(const QBan
   }
 }
 
-// Which run kernel (Executor::run_q decides: int8 on VBMI, bf16 activations on AVX512-BF16, float
-// ones on AVX-512; fp4 banks) and the look-ahead hint chosen once per call.
-enum RunKind { RUN_Q8_VBMI = 0, RUN_BF16DP = 1, RUN_F32 = 2 };
+// CPUs without AVX-512 (most consumer ones): the AVX2 one-token kernels themselves, float
+// activations (qdot4_fp4_avx2, also a bf16 model's, widened) or int8 (qdot4_fp4_q8_avx2), called
+// block by block with the hint fixed and the block scales decoded as g_row_scales says (RS, read
+// once per run: decoded once per call is AVX2's default); the same functions, so the same bits.
+template <int FMT, int HINT, bool RS, bool INT8>
+__attribute__((target("avx2,fma,f16c"))) void qrun_fp4_avx2(const QBank& b, int64_t e, int64_t r0, int nb, const Q8Act& a,
+                                                         const float* x, float* out) {
+  const int C = int(b.C);
+  const RunRows run(b, e, r0);
+  for (int blk = 0; blk < nb; ++blk) {
+    QRow rows[4];
+    run.block<HINT, false>(blk, 0, rows);
+    if (INT8) qdot4_fp4_q8_avx2_rs<FMT, RS, HINT>(rows, a, C, out + 4 * blk);
+    else qdot4_fp4_avx2_rs<FMT, RS, HINT>(rows, x, C, out + 4 * blk);
+  }
+}
+
+// Which run kernel (Executor::run_q decides: int8 on VBMI or AVX2, bf16 activations on
+// AVX512-BF16, float ones on AVX-512 or AVX2; fp4 banks) and the look-ahead hint chosen once per call.
+enum RunKind { RUN_Q8_VBMI = 0, RUN_BF16DP = 1, RUN_F32 = 2, RUN_Q8_AVX2 = 3, RUN_F32_AVX2 = 4 };
 
 template <int FMT, int HINT>
 inline void qrun_hinted(int kind, const QBank& b, int64_t e, int64_t r0, int nb, const Q8Act& a, const float* x,
                         const uint16_t* xb, float* out) {
   if (kind == RUN_Q8_VBMI) return qrun_fp4_q8_vbmi<FMT, HINT>(b, e, r0, nb, a, out);
   if (kind == RUN_BF16DP) return qrun_fp4_bf16dp<FMT, HINT>(b, e, r0, nb, xb, out);
-  qrun_fp4_avx512<FMT, HINT>(b, e, r0, nb, x, out);
+  if (kind == RUN_F32) return qrun_fp4_avx512<FMT, HINT>(b, e, r0, nb, x, out);
+  const bool rs = g_row_scales.load(std::memory_order_relaxed) & ROW_SCALES_AVX2;
+  if (kind == RUN_Q8_AVX2)
+    return rs ? qrun_fp4_avx2<FMT, HINT, true, true>(b, e, r0, nb, a, x, out) : qrun_fp4_avx2<FMT, HINT, false, true>(b, e, r0, nb, a, x, out);
+  rs ? qrun_fp4_avx2<FMT, HINT, true, false>(b, e, r0, nb, a, x, out) : qrun_fp4_avx2<FMT, HINT, false, false>(b, e, r0, nb, a, x, out);
 }
 
 template <int FMT>
