@@ -569,6 +569,17 @@ def test_row_runs_give_the_per_block_bits(fmt, shape):
         blocks = outputs()
     finally:
         ext.set_row_runs(before)
+    # and the runs are taken: a one-thread executor does its work on this thread, which counts them
+    one = CpuExpertExecutor(banks, threads=1, isa_cap=1 if ex.isa == "avx2" else 3, **fn)
+    before = ext.set_row_runs(1)
+    try:
+        for on in (0, 1):
+            ext.set_row_runs(on)
+            n0 = ext.row_runs_here()
+            one.kernel(*calls[0])
+            assert (ext.row_runs_here() > n0) == bool(on), on
+    finally:
+        ext.set_row_runs(before)
     for n, (a, b) in enumerate(zip(runs, blocks)):
         assert torch.isfinite(a).all() and (a != 0).any()
         e, mode = modes[n // len(calls)]

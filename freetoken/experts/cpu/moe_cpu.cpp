@@ -3120,10 +3120,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "which fp4 kernels take their block scales decoded once per call (a mask: 1 the AVX2 kernels, 2 the "
         "AVX-512 ones; default 1) instead of per chunk; returns the previous mask (the same bits either way: A/B runs)");
   m.def("set_row_runs", [](int64_t on) { return int64_t(g_row_runs.exchange(on ? 1 : 0)); },
-        "the fp4 kernels' one-token calls (int8 on VBMI, bf16 and float activations on AVX-512): 1 (the default) "
-        "a call per run of an expert's rows (row_runs.h), 0 a call per 4-row block; returns the previous setting "
-        "(the same bits either way: A/B runs)",
+        "the fp4 kernels' one-token calls (int8 on VBMI or AVX2, bf16 activations on AVX512-BF16, float ones on "
+        "AVX-512 or AVX2): 1 (the default) a call per run of an expert's rows (row_runs.h), 0 a call per 4-row "
+        "block; returns the previous setting (the same bits either way: A/B runs)",
         py::arg("on"));
+  m.def("row_runs_here", [] { return t_row_runs; },
+        "run calls made so far on the calling thread (which does all of a one-thread executor's work)");
   m.def("set_row_seq", [](int64_t on) { return int64_t(g_row_seq.exchange(on ? 1 : 0)); },
         "the one-token fp4 kernels with int8 or bf16 activations: 1 reads a 4-row block one row after another, "
         "0 (the default) its rows side by side; returns the previous setting (the same bits either way: A/B runs)",

@@ -26,6 +26,9 @@ static std::atomic<int> g_row_runs{[] {
   const char* v = std::getenv("FREETOKEN_CPU_ROW_RUNS");
   return v != nullptr && std::strcmp(v, "0") == 0 ? 0 : 1;
 }()};
+// run calls made on this thread (row_runs_here: a test's proof that the runs are taken; the
+// calling thread does share 0 of every pool call, all of it with one thread)
+thread_local int64_t t_row_runs = 0;
 
 // The rows of one run: block blk's four QRows, and their scale lines prefetched as
 // prefetch_scales does for a per-block call (rows r0 .. r0 + 4 nb of expert e, inside one NVFP4
@@ -238,6 +241,7 @@ inline void qrun_fmt(int kind, const QBank& b, int64_t e, int64_t r0, int nb, co
 // (float), as kind says; out: [4 nb] row sums
 inline void qrun(int kind, const QBank& b, int64_t e, int64_t r0, int nb, const Q8Act& a, const float* x,
                  const uint16_t* xb, float* out) {
+  ++t_row_runs;
   b.fmt == FMT_MXFP4 ? qrun_fmt<FMT_MXFP4>(kind, b, e, r0, nb, a, x, xb, out)
                      : qrun_fmt<FMT_NVFP4>(kind, b, e, r0, nb, a, x, xb, out);
 }
