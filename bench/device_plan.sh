@@ -1615,7 +1615,18 @@ runpy.run_module('bench.expert_cache', run_name='__main__')"
       --name large_models-qwen3_5_moe-40-mxfp4-cache-runs$runs-t6-$RANDOM
   done
   ;;
-*) echo "stage 0 to 154"; exit 2 ;;
+155) # ~420 s at most, GPU hidden: where the pure-CPU decode step goes on the Xeon (the 12-layer MXFP4 slice ran
+  # 57-63 ms a step at 6 threads in plan 151, the experts ~4 of it: the dense rows kernel and the 248k-row head,
+  # never split by part on an Intel host), at 6 and 16 threads; then the AVX2 run calls under an AVX2 cap (what
+  # a consumer CPU without AVX-512 runs: 1.4-1.9x on the dev machine), A/B in one process. Carry .whl,
+  # .devcache/commit.
+  step 150 build-cpp python3 -c "from freetoken.experts.cpu import extension; extension()"  # a changed moe_cpu.cpp
+  CUDA_VISIBLE_DEVICES= step 150 step-parts python3 -m bench.cpu_step_parts --arch qwen3_5_moe --layers 12 \
+    --expert-format mxfp4 --threads 6,16 --name cpu_step_parts-qwen3_5_moe-12-mxfp4-xeon
+  CUDA_VISIBLE_DEVICES= step 90 runs-avx2-t6 python3 -m bench.cpu_experts --format mxfp4 --experts 512 --threads 6 \
+    --batches 1,4 --iters 30 --fixed-cost --row-runs 1,0 --isa-cap 1 --name cpu_experts-mxfp4-rowruns-avx2-xeon-t6
+  ;;
+*) echo "stage 0 to 155"; exit 2 ;;
 esac
 # the kernels compiled on this machine, for the next (bench/device_env.sh restores .devcache/warm-cache.tgz):
 # Triton's cache and the C++ executor's build. A file comes back only under 16 MiB (plan 83's whole
