@@ -707,7 +707,8 @@ __attribute__((target("avx2,fma,f16c"))) inline const float* fp4_block_scales(co
   float* S = thread_scratch<1>(size_t(4) * ss);
   for (int p = 0; p < 4; ++p)
     for (int g = 0; g < ss; g += 8) {
-      const __m128i b = _mm_cvtsi64_si128(int64_t(load_bytes(rows[p].s + g, std::max(0, std::min(8, nb - g)))));
+      // chunk_scales: a fixed 8-byte load for a whole group (a variable-size memcpy here stored byte by byte)
+      const __m128i b = _mm_cvtsi64_si128(int64_t(chunk_scales<8>(rows[p].s + g, std::max(0, std::min(8, nb - g)))));
       __m256 f;
       if (FMT == FMT_MXFP4) {
         const __m256i e = _mm256_cvtepu8_epi32(b);
