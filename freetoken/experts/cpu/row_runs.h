@@ -6,8 +6,9 @@
 // and the A/B switches' atomic loads), four qrow() computations, the call's prologue (constants,
 // the scale prefetch loop) and a look-ahead whose hint was a runtime switch of three branches per
 // 64-byte load. On the down projection (512 columns: 4 chunks a call) that cost about as many
-// instructions as the int8 dots: on the 2-core dev machine (Zen 4), one thread, experts in L2,
-// the down rows ran at 14 GB/s against the gate/up rows' 24.
+// instructions as the int8 dots: on the 2-core dev machine (Zen 4), one thread, an expert in L2,
+// the down rows ran at 15.1 GB/s against the gate/up rows' 22.6
+// (benchmarks/results/cpu_experts-mxfp4-t1-runs0-devmachine-cpu.json).
 //
 // A run kernel takes nb consecutive 4-row blocks of one expert in one call: row pointers advance
 // by the bank's strides, the hint is a template argument (chosen once per call), whole 128-column
