@@ -140,7 +140,11 @@ def fixed_cost_rows(ex, a, h: int, k: int, per_expert: int, g: torch.Generator) 
 
 
 def settings(csv: str) -> list[int]:
-    return [int(v) for v in csv.split(",") if v]
+    """an A/B option's comma-separated integer settings ("1,0"); a bad one exits with one line"""
+    try:
+        return [int(v) for v in csv.split(",") if v]
+    except ValueError:
+        raise SystemExit(f"cpu_experts: an A/B option wants comma-separated integers such as 1,0, got {csv!r}")
 
 
 def alternate(setter, values: list[int], timed) -> dict[str, list]:
@@ -231,6 +235,8 @@ def main():
     ap.add_argument("--plain-banks", action="store_true",
                     help="banks in plain torch tensors instead of the engine's (huge-page) host buffers")
     a = ap.parse_args()
+    for ab in (a.decode_once, a.row_scales, a.row_seq, a.row_runs):  # before minutes of bank set-up
+        settings(ab)
     for spec in filter(None, a.prefetch.split(",")):
         hint, _, nbytes = spec.partition(":")
         if hint not in PREFETCH_HINTS or not nbytes.isdigit():
